@@ -1,0 +1,188 @@
+"""Per-rank checkpoints: atomic, optionally asynchronous, with retention and a ``latest`` pointer.
+
+Layout under ``RUN_DIR/checkpoints``::
+
+    iter_0000100/metadata.json      written last: its presence marks the checkpoint complete
+    iter_0000100/rank_00000.pt      one file per rank (model, optimizer, RNG, data position)
+    latest                          the name of the newest complete checkpoint
+
+Every rank writes into ``.tmp_iter_0000100``; once all have finished, rank 0 writes the metadata,
+renames the directory into place and then moves ``latest`` — a crash at any point leaves either the
+previous checkpoint or the new one, never a half-written one under a final name. An existing
+directory of the same name is moved aside, not overwritten. Loading uses ``weights_only=True``:
+no code is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which file and what to do."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _to_cpu(obj):
+    """Deep-copy the tensors of a state tree to CPU, so training may go on while it is written."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, keep_last: int = 3,
+                 keep_every: int = 0, async_save: bool = False, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
+        self._pending: tuple[int, threading.Thread, list] | None = None
+        os.makedirs(self.root, exist_ok=True)
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def save(self, iteration: int, state: dict) -> None:
+        """Write this rank's ``state`` for ``iteration`` (collective: every rank calls it)."""
+        self.finalize()
+        tmp = os.path.join(self.root, "." + iter_dir_name(iteration))
+        if self.rank == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # leftovers of an interrupted save; never a complete checkpoint
+            os.makedirs(tmp)
+        _barrier()
+        path = os.path.join(tmp, f"rank_{self.rank:05d}.pt")
+        errors: list = []
+        if self.async_save:
+            cpu_state = _to_cpu(state)
+            thread = threading.Thread(target=self._write, args=(cpu_state, path, errors), daemon=True)
+            thread.start()
+            self._pending = (iteration, thread, errors)
+        else:
+            self._write(state, path, errors)
+            self._pending = (iteration, None, errors)
+            self.finalize()
+
+    @staticmethod
+    def _write(state: dict, path: str, errors: list) -> None:
+        try:
+            torch.save(state, path + ".part")
+            os.replace(path + ".part", path)
+        except Exception as exc:  # reported by finalize() on the training thread
+            errors.append(exc)
+
+    def finalize(self) -> str | None:
+        """Wait for a pending write, then publish it (rank 0 renames and moves ``latest``)."""
+        if self._pending is None:
+            return None
+        iteration, thread, errors = self._pending
+        self._pending = None
+        if thread is not None:
+            thread.join()
+        failed = torch.tensor([1.0 if errors else 0.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(failed)
+        if failed.item() > 0:
+            raise RuntimeError(f"checkpoint {iteration} was not saved: {errors[0] if errors else 'another rank failed'}")
+        name = iter_dir_name(iteration)
+        if self.rank == 0:
+            tmp, final = os.path.join(self.root, "." + name), os.path.join(self.root, name)
+            meta = {"iteration": iteration, "world_size": self.world_size, "layout": self.layout,
+                    "time": time.time(), "format": "megapretrain-per-rank-v1"}
+            with open(os.path.join(tmp, "metadata.json"), "w") as fh:
+                json.dump(meta, fh, indent=1)
+            if os.path.exists(final):
+                os.rename(final, f"{final}.replaced-{int(time.time())}")
+            os.rename(tmp, final)
+            latest_tmp = os.path.join(self.root, ".latest")
+            with open(latest_tmp, "w") as fh:
+                fh.write(name + "\n")
+            os.replace(latest_tmp, os.path.join(self.root, "latest"))
+            self._apply_retention()
+        _barrier()
+        return name
+
+    def _apply_retention(self) -> None:
+        if self.keep_last <= 0:
+            return
+        done = sorted(d for d in os.listdir(self.root)
+                      if d.startswith("iter_") and d[5:].isdigit()
+                      and os.path.exists(os.path.join(self.root, d, "metadata.json")))
+        for d in done[:-self.keep_last]:
+            if self.keep_every and int(d[5:]) % self.keep_every == 0:
+                continue  # a milestone
+            shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint in this run, or None."""
+        return latest_checkpoint(self.root)
+
+    def load(self, path: str) -> dict:
+        """This rank's state from checkpoint directory ``path``, checked against the layout."""
+        path = resolve_checkpoint(path)
+        meta = read_metadata(path)
+        if meta["world_size"] != self.world_size or meta["layout"] != self.layout:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with world_size={meta['world_size']} layout={meta['layout']}, "
+                f"but this run has world_size={self.world_size} layout={self.layout}; "
+                "relaunch with the saved layout")
+        file = os.path.join(path, f"rank_{self.rank:05d}.pt")
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete") from None
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {exc}); "
+                                  "load an older checkpoint with --checkpoint.load") from None
+
+
+def latest_checkpoint(root: str) -> str | None:
+    pointer = os.path.join(root, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as fh:
+        name = fh.read().strip()
+    path = os.path.join(root, name)
+    if not os.path.exists(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{pointer} names '{name}', which is missing or incomplete; "
+                              "point it at a complete iter_* directory or remove it")
+    return path
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint directory from ``path``: itself, or the latest under a run directory
+    or its ``checkpoints/`` folder."""
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        found = latest_checkpoint(root) if os.path.isdir(root) else None
+        if found:
+            return found
+    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
+                          "directory with one; pass an iter_* directory")
+
+
+def read_metadata(path: str) -> dict:
+    with open(os.path.join(resolve_checkpoint(path), "metadata.json")) as fh:
+        return json.load(fh)

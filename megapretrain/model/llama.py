@@ -1,0 +1,249 @@
+"""A Llama-style decoder built from tensor-parallel layers.
+
+RMSNorm, rotary embeddings (rotate-half, as Hugging Face's Llama, so export needs no permutation),
+grouped-query attention through ``scaled_dot_product_attention``, SwiGLU MLP, optional tied
+embeddings. Parameter names follow Hugging Face's ``LlamaForCausalLM`` (without its ``model.``
+prefix), and layers are keyed by their *global* index, so a pipeline stage holding layers 4..7
+names them ``layers.4`` ... ``layers.7`` — names, and so initial values, are layout-invariant.
+
+Shapes in comments: b batch, s sequence (s/tp when sequence-parallel), h hidden, n heads, k kv heads,
+d head size, v vocabulary; "/tp" marks a dimension split across tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.state import Group
+from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                               enter_tp_region, init_shard_, shard_dims_of)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Resolved architecture sizes (the config's nulls filled in, vocabulary padded)."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    padded_vocab: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 whatever the input dtype."""
+
+    def __init__(self, hidden: int, eps: float, dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (s, d) for positions 0..seq-1 (the rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (s, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (s, d)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (b, n, s, d) query/key vectors by their position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, selective_recompute: bool,
+                 dtype, device):
+        super().__init__()
+        d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.selective_recompute = selective_recompute
+        self.n_local, self.k_local, self.d = args.num_heads // tp.size, args.num_kv_heads // tp.size, d
+        self.dropout = args.attention_dropout
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = ColumnParallelLinear(args.hidden_size, args.num_heads * d, tp, init_std=args.init_std, **kw)
+        self.k_proj = ColumnParallelLinear(args.hidden_size, args.num_kv_heads * d, tp, init_std=args.init_std, **kw)
+        self.v_proj = ColumnParallelLinear(args.hidden_size, args.num_kv_heads * d, tp, init_std=args.init_std, **kw)
+        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, tp, init_std=out_std,
+                                        sequence_parallel=sequence_parallel, **kw)
+
+    def _core(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h): full sequence
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_local, self.d).transpose(1, 2)  # (b, n/tp, s, d)
+        k = self.k_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
+        v = self.v_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.selective_recompute and self.training:
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)  # (b, n/tp, s, d)
+        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
+        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        out_std = args.init_std / math.sqrt(2 * args.num_layers)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        kw = dict(dtype=dtype, device=device)
+        h, f = args.hidden_size, args.ffn_hidden_size
+        self.gate_proj = ColumnParallelLinear(h, f, tp, init_std=args.init_std, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, tp, init_std=args.init_std, **kw)
+        self.down_proj = RowParallelLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, f/tp) -> (b, s, h)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str, dtype, device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
+        self.self_attn = Attention(args, tp, sequence_parallel=sequence_parallel,
+                                   selective_recompute=recompute == "selective", **kw)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
+        self.mlp = MLP(args, tp, sequence_parallel=sequence_parallel, **kw)
+        self.dropout = args.hidden_dropout
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            norm.weight.sequence_parallel = sequence_parallel  # grads need a tp all-reduce under SP
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + F.dropout(a, self.dropout, self.training)
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + F.dropout(m, self.dropout, self.training)
+
+
+class LlamaModel(nn.Module):
+    """One pipeline chunk: optional embedding, the decoder layers ``layer_ids``, optional head.
+
+    ``forward`` takes token ids (first chunk) or hidden states, and returns per-token losses (b, s)
+    when the chunk has the head and ``targets`` are given, else hidden states.
+    """
+
+    def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 recompute: str = "none", dtype=torch.float32, device=None):
+        super().__init__()
+        self.args, self.tp = args, tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.recompute = recompute
+        self.pre_process, self.post_process = pre_process, post_process
+        layer_ids = list(range(args.num_layers)) if layer_ids is None else layer_ids
+        kw = dict(dtype=dtype, device=device)
+        if pre_process or (post_process and args.tie_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(args.padded_vocab, args.hidden_size, tp,
+                                                       init_std=args.init_std, real_vocab=args.vocab_size,
+                                                       sequence_parallel=self.sequence_parallel, **kw)
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute, **kw)
+            for i in layer_ids})
+        if post_process:
+            self.norm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
+            self.norm.weight.sequence_parallel = self.sequence_parallel
+            if not args.tie_embeddings:
+                self.lm_head = ColumnParallelLinear(args.hidden_size, args.padded_vocab, tp,
+                                                    init_std=args.init_std, **kw)
+        self._rope_cache: dict = {}
+
+    # -- initialization ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Give every parameter its layout-invariant initial value (see ``init_shard_``)."""
+        shard_dims = shard_dims_of(self)
+        for mod_name, mod in self.named_modules():
+            for pname, param in mod.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}"
+                if isinstance(mod, RMSNorm):
+                    param.fill_(1.0)
+                    continue
+                real_rows = self.args.vocab_size if mod_name in ("embed_tokens", "lm_head") else None
+                init_shard_(param, name, seed, mod.init_std, shard_dims.get(name), self.tp, real_rows)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def _rope(self, seq: int, like: torch.Tensor):
+        key = (seq, like.device, like.dtype)
+        if key not in self._rope_cache:
+            self._rope_cache = {key: rope_tables(seq, self.args.head_dim, self.args.rope_theta,
+                                                 like.device, like.dtype)}
+        return self._rope_cache[key]
+
+    def _layer(self, layer: DecoderLayer, x, cos, sin):
+        if self.recompute == "full" and self.training:
+            return checkpoint(layer, x, cos, sin, use_reentrant=False)
+        return layer(x, cos, sin)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
+        seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)
+        cos, sin = self._rope(seq, x)
+        for layer in self.layers.values():
+            x = self._layer(layer, x, cos, sin)  # (b, s, h)
+        if not self.post_process:
+            return x
+        x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel)  # (b, s, h)
+        logits = F.linear(x, self.output_weight())  # (b, s, v/tp)
+        if targets is None:
+            return logits
+        vocab_start = self.tp.rank * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, targets, self.tp, vocab_start, self.args.vocab_size)
+
+
+def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:
+    """Parameters of the whole (unpadded-vocabulary) model, independent of the layout."""
+    h, f, d = args.hidden_size, args.ffn_hidden_size, args.head_dim
+    attn = h * (args.num_heads * d) * 2 + h * (args.num_kv_heads * d) * 2
+    layer = attn + 3 * h * f + 2 * h
+    total = args.num_layers * layer + h
+    if embeddings:
+        total += args.vocab_size * h * (1 if args.tie_embeddings else 2)
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_length: int) -> float:
+    """Training FLOPs per token: 6 × (matmul parameters, output layer included) + attention.
+
+    Attention scores and weighted sums cost 12·layers·hidden·seq per token (forward + backward),
+    counted as in PaLM's appendix B without the causal halving.
+    """
+    matmul_params = num_parameters(args, embeddings=False) + args.vocab_size * args.hidden_size
+    return 6.0 * matmul_params + 12.0 * args.num_layers * args.hidden_size * seq_length

@@ -1,0 +1,153 @@
+"""Process groups: the (pp, dp, tp) rank grid, built once and passed to whatever needs it.
+
+Ranks are laid out tp-fastest, then dp, then pp, so tensor-parallel neighbours share a node:
+
+    grid = arange(world).reshape(pp, dp, tp)
+    tp group of (i, j): grid[i, j, :]     dp group of (i, k): grid[i, :, k]     pp group of (j, k): grid[:, j, k]
+
+Every communicator is a :class:`Group`, whose collectives return at once when it has one rank, so a
+single process without ``torch.distributed`` runs the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Per-collective call and byte counts (bytes = the tensor each rank contributes)."""
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def summary(self) -> dict:
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
+
+
+class Group:
+    """A process group plus this rank's place in it; collectives are no-ops for one rank."""
+
+    def __init__(self, name: str, ranks: list[int], pg=None, rank_in_group: int = 0,
+                 stats: CommStats | None = None):
+        self.name = name
+        self.ranks = ranks
+        self.pg = pg
+        self.size = len(ranks)
+        self.rank = rank_in_group
+        self.stats = stats
+
+    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.stats is not None:
+            self.stats.record(f"{self.name}.{kind}", tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce; returns ``tensor``."""
+        if self.size == 1:
+            return tensor
+        self._record("all_reduce", tensor)
+        dist.all_reduce(tensor, op=op, group=self.pg)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (in rank order)."""
+        if self.size == 1:
+            return tensor
+        self._record("all_gather", tensor)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.pg)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
+        if self.size == 1:
+            return tensor
+        self._record("reduce_scatter", tensor)
+        chunks = [c.contiguous() for c in tensor.chunk(self.size, dim=dim)]
+        if dist.get_backend(self.pg) == "nccl":
+            out = torch.empty_like(chunks[0])
+            dist.reduce_scatter(out, chunks, group=self.pg)
+            return out
+        # gloo has no reduce-scatter: reduce everything, keep our slice (same result, more bytes)
+        full = torch.cat(chunks, dim=dim)
+        dist.all_reduce(full, group=self.pg)
+        return full.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's 1/size slice of ``tensor`` along ``dim`` (no communication)."""
+        if self.size == 1:
+            return tensor
+        return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank {self.rank}/{self.size}, ranks={self.ranks})"
+
+
+class ParallelState:
+    """The tp / dp / pp groups of this rank, the model-parallel group and the embedding group."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, *, device: torch.device | str = "cpu",
+                 comm_stats: bool = False):
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.world_size % (tp * pp):
+            raise ValueError(f"tp={tp} × pp={pp} must divide the world size {self.world_size}")
+        self.device = torch.device(device)
+        self.stats = CommStats() if comm_stats else None
+        dp = self.world_size // (tp * pp)
+        grid = np.arange(self.world_size).reshape(pp, dp, tp)
+        self.pp_rank, self.dp_rank, self.tp_rank = (int(c[0]) for c in np.nonzero(grid == self.rank))
+
+        # Every rank must create every group, in the same order (torch.distributed's rule).
+        self.tp = self._make("tp", [grid[i, j, :] for i in range(pp) for j in range(dp)])
+        self.dp = self._make("dp", [grid[i, :, k] for i in range(pp) for k in range(tp)])
+        self.pp = self._make("pp", [grid[:, j, k] for j in range(dp) for k in range(tp)])
+        self.mp = self._make("mp", [grid[:, j, :].ravel() for j in range(dp)])
+        embed = [np.unique([grid[0, j, k], grid[-1, j, k]]) for j in range(dp) for k in range(tp)]
+        self.embedding = self._make("embedding", embed)
+
+    def _make(self, name: str, rank_lists: list) -> Group:
+        mine = None
+        for ranks in rank_lists:
+            ranks = [int(r) for r in ranks]
+            pg = dist.new_group(ranks) if self.world_size > 1 else None
+            if self.rank in ranks:
+                mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats)
+        return mine
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp.size - 1
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp.size} "
+                f"dp {self.dp_rank}/{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
+
+
+def init_distributed(backend: str = "auto", device_type: str = "cpu") -> None:
+    """Join the process group torchrun describes through its environment (no-op for one process)."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)

@@ -1,0 +1,224 @@
+"""Tensor and sequence parallelism: autograd mappings and the layers built from them.
+
+Activations are (batch, seq, hidden). Each mapping is named by what it does forward and backward;
+all return at once when the tp group has one rank, so the single-process path is the same code.
+
+    copy_to_tp          forward: identity                backward: all-reduce
+    reduce_from_tp      forward: all-reduce              backward: identity
+    gather_from_sp      forward: all-gather along seq    backward: reduce-scatter along seq
+    reduce_scatter_to_sp forward: reduce-scatter (seq)   backward: all-gather along seq
+    scatter_to_sp       forward: split along seq         backward: all-gather along seq
+    gather_from_tp      forward: all-gather along last   backward: split along last
+
+Every parallel layer declares ``shard_dims``: parameter name -> the dimension split across tp
+(absent: replicated). Initialization, checkpointing and conversion read the split from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .state import Group
+
+SEQ_DIM = 1
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.contiguous()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return group.all_reduce(x.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_gather(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad, SEQ_DIM), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.reduce_scatter(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, SEQ_DIM), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.split(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, SEQ_DIM), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_gather(x, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.split(grad, -1), None
+
+
+def _mapping(fn):
+    def apply(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x if group.size == 1 else fn.apply(x, group)
+    apply.__doc__ = fn.__doc__
+    return apply
+
+
+copy_to_tp = _mapping(_CopyToTP)
+reduce_from_tp = _mapping(_ReduceFromTP)
+gather_from_sp = _mapping(_GatherFromSP)
+reduce_scatter_to_sp = _mapping(_ReduceScatterToSP)
+scatter_to_sp = _mapping(_ScatterToSP)
+gather_from_tp = _mapping(_GatherFromTP)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout-invariant initialization
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit seed that depends only on the run seed and the parameter's global name."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_shard_(param: torch.Tensor, name: str, seed: int, std: float, shard_dim: int | None,
+                group: Group, global_rows: int | None = None) -> None:
+    """Fill ``param`` with its slice of the global normal(0, std) tensor named ``name``.
+
+    The global tensor is drawn on the CPU from a generator seeded by (seed, name), so its values do
+    not depend on tp, pp, dp or the device. ``global_rows`` draws only that many rows of dim 0 and
+    zero-fills the rest (vocabulary padding, whose size depends on tp).
+    """
+    shape = list(param.shape)
+    if shard_dim is not None:
+        shape[shard_dim] *= group.size
+    padded_rows = shape[0]
+    if global_rows is not None:
+        shape[0] = global_rows
+    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    if global_rows is not None and global_rows < padded_rows:
+        full = torch.cat([full, full.new_zeros([padded_rows - global_rows] + shape[1:])])
+    if shard_dim is not None:
+        full = full.chunk(group.size, dim=shard_dim)[group.rank]
+    with torch.no_grad():
+        param.copy_(full)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Make the input of column-parallel linears: all-gather the seq shards (SP) or mark the
+    replicated input so its gradient is all-reduced. Called once per block for all its linears."""
+    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Aᵀ with A's output rows split across tp; the output stays split (no gather).
+
+    ``x`` must already be in the tp region (:func:`enter_tp_region`), so that linears sharing one
+    input (q, k, v; gate, up) share one communication.
+    """
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp, self.init_std = tp, init_std
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
+                                               device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # (b, s, out/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Aᵀ with A's input columns split across tp; partial outputs are summed over tp.
+
+    With sequence parallelism the sum is a reduce-scatter that leaves the output seq-sharded.
+    """
+
+    shard_dims = {"weight": 1}
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
+                                               device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across tp; each rank looks up the ids it owns."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, padded_vocab: int, hidden: int, tp: Group, *, init_std: float, real_vocab: int,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
+        self.real_vocab = real_vocab
+        self.rows = padded_vocab // tp.size
+        self.vocab_start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)  # (b, s, h)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (b, s, h) partial: only owned ids
+        return reduce_scatter_to_sp(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
+
+
+def shard_dims_of(model: nn.Module) -> dict[str, int]:
+    """Global parameter name -> split dimension, for every tp-split parameter of ``model``."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for pname, dim in getattr(mod, "shard_dims", {}).items():
+            out[f"{mod_name}.{pname}" if mod_name else pname] = dim
+    return out

@@ -1,0 +1,258 @@
+"""The training loop: build everything from the config, then step, log, evaluate and checkpoint.
+
+Read top to bottom: ``Trainer.__init__`` builds the model, optimizer, data and writers and resumes
+from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one optimizer step over the
+global batch (micro-batches accumulated in fp32); ``evaluate`` runs the valid split.
+
+The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
+per-token losses and divides by the global token count, and the sums are added over dp — so it is
+the same number on every rank and under every layout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint.manager import CheckpointManager
+from .config import Config, Plan, save_config, to_dict
+from .data import build_gpt_datasets
+from .data.sampler import collate, micro_batch_ranges
+from .model.llama import LlamaModel, ModelArgs, flops_per_token, num_parameters
+from .monitor.flops import device_peak_tflops
+from .monitor.metrics import MetricsLogger
+from .optim.optimizer import MixedPrecisionAdamW
+from .optim.schedule import LRSchedule
+from .parallel.state import ParallelState
+from .parallel.tensor import shard_dims_of
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_args(cfg: Config, plan: Plan) -> ModelArgs:
+    m = cfg.model
+    return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                     num_kv_heads=plan.num_kv_heads, ffn_hidden_size=plan.ffn_hidden_size,
+                     vocab_size=m.vocab_size, padded_vocab=plan.padded_vocab, rope_theta=m.rope_theta,
+                     norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
+                     attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)
+
+
+def build_model(cfg: Config, plan: Plan, ps: ParallelState) -> LlamaModel:
+    """This rank's model chunk, on its device, with its layout-invariant initial weights."""
+    model = LlamaModel(model_args(cfg, plan), ps.tp, sequence_parallel=cfg.parallel.sequence_parallel,
+                       recompute=cfg.parallel.recompute, dtype=DTYPES[cfg.train.precision], device=ps.device)
+    for name, dim in shard_dims_of(model).items():
+        model.get_parameter(name).tp_shard_dim = dim
+    model.init_weights(cfg.train.seed)
+    return model
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or the process's resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Trainer:
+    def __init__(self, cfg: Config, plan: Plan, ps: ParallelState):
+        self.cfg, self.plan, self.ps, self.device = cfg, plan, ps, ps.device
+        t = cfg.train
+        self.is_logger = ps.rank == 0
+        self.tokens_per_batch = t.global_batch_size * t.seq_length
+        self.iteration, self.consumed_samples = 0, 0
+        os.makedirs(cfg.run.dir, exist_ok=True)
+
+        torch.manual_seed(t.seed)  # dropout; weights are seeded per parameter name
+        self.model = build_model(cfg, plan, ps)
+        self.args = self.model.args
+        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), cfg.optim,
+                                             t.precision, ps)
+        self.schedule = LRSchedule.from_config(cfg, plan.decay_iters)
+        self.flops_per_token = flops_per_token(self.args, t.seq_length)
+        self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
+
+        valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
+        self.datasets = build_gpt_datasets(
+            cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
+            {"train": t.iters * t.global_batch_size, "valid": valid_samples, "test": 0},
+            cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
+
+        layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size}
+        self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
+                                             layout=layout, keep_last=cfg.checkpoint.keep_last,
+                                             keep_every=cfg.checkpoint.keep_every,
+                                             async_save=cfg.checkpoint.async_save, device=self.device)
+        resumed_from = self._maybe_resume()
+        if self.is_logger:
+            self._write_config()
+        self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
+                                     wandb=cfg.logging.wandb, config=to_dict(cfg),
+                                     run_name=cfg.run.name or os.path.basename(os.path.abspath(cfg.run.dir)))
+        self._stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.log(plan.describe(num_parameters(self.args), self.flops_per_token))
+        if resumed_from:
+            self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
+            self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        t, c = self.cfg.train, self.cfg.checkpoint
+        last_save = time.monotonic()
+        while self.iteration < t.iters:
+            stats = self.train_step()
+            self.iteration += 1
+            self.consumed_samples += t.global_batch_size
+            if self.iteration % self.cfg.logging.interval == 0 or self.iteration == t.iters:
+                self._log_step(stats)
+            if t.eval_interval and self.iteration % t.eval_interval == 0:
+                self._log_eval(self.evaluate())
+            timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
+            stop = self._agree(self._stop_requested)
+            if (c.interval and self.iteration % c.interval == 0) or timed or stop:
+                self.save()
+                last_save = time.monotonic()
+            if stop:
+                self.log(f"SIGTERM: saved at iteration {self.iteration}, exiting")
+                break
+        else:
+            if t.eval_interval and self.iteration % t.eval_interval:
+                self._log_eval(self.evaluate())
+            if not (c.interval and self.iteration % c.interval == 0):
+                self.save()
+        self.checkpoints.finalize()
+        self.metrics.close()
+        ckpt = os.path.join(self.cfg.run.dir, "checkpoints")
+        self.log(f"done: metrics {os.path.join(self.cfg.run.dir, 'metrics.jsonl')}  "
+                 f"tensorboard {os.path.join(self.cfg.run.dir, 'tensorboard')}  checkpoints {ckpt}")
+
+    def train_step(self) -> dict:
+        """One optimizer step over the global batch; returns the step's metrics."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        data_time = 0.0
+        scale = self.optimizer.scaler.scale / self.tokens_per_batch
+        for ids in micro_batch_ranges(self.consumed_samples, t.global_batch_size, t.micro_batch_size,
+                                      self.ps.dp_rank, self.ps.dp.size):
+            data_start = time.perf_counter()
+            tokens, targets = collate(self.datasets["train"], ids, self.device)
+            data_time += time.perf_counter() - data_start
+            losses = self.model(tokens, targets)  # (b, s) fp32 per-token loss
+            (losses.sum() * scale).backward()
+            loss_sum += losses.detach().sum()
+        self.optimizer.reduce_grads()
+        lr = self.schedule(self.iteration + 1)
+        grad_norm, skipped = self.optimizer.step(lr)
+        self.ps.dp.all_reduce(loss_sum)
+        elapsed = time.perf_counter() - start
+        return {"loss": loss_sum.item() / self.tokens_per_batch, "grad_norm": grad_norm, "lr": lr,
+                "skipped": skipped, "step_time": elapsed, "data_time": data_time}
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean per-token loss over the first ``eval_iters`` global batches of the valid split."""
+        valid = self.datasets.get("valid")
+        if valid is None:
+            return None
+        t = self.cfg.train
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for step in range(t.eval_iters):
+            for ids in micro_batch_ranges(step * t.global_batch_size, t.global_batch_size,
+                                          t.micro_batch_size, self.ps.dp_rank, self.ps.dp.size):
+                tokens, targets = collate(valid, ids, self.device)
+                loss_sum += self.model(tokens, targets).sum()
+        self.ps.dp.all_reduce(loss_sum)
+        return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)
+
+    # -- logging ----------------------------------------------------------------------------------
+
+    def log(self, message: str) -> None:
+        if self.is_logger:
+            print(message, flush=True)
+
+    def _log_step(self, s: dict) -> None:
+        tokens_per_sec = self.tokens_per_batch / s["step_time"]
+        tflops = self.flops_per_token * tokens_per_sec / self.ps.world_size / 1e12
+        record = {"iter": self.iteration, "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"],
+                  "tokens_per_sec": tokens_per_sec, "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
+                  "step_time": s["step_time"], "data_time": s["data_time"], "tflops": tflops,
+                  "memory_mb": memory_mb(self.device)}
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        if self.cfg.train.precision == "fp16":
+            record["loss_scale"] = self.optimizer.scaler.scale
+        self.metrics.log(record)
+        if s["skipped"]:
+            self.metrics.event("skipped_step", self.iteration, reason="non-finite gradient norm",
+                               grad_norm=s["grad_norm"])
+        self.log(f"iter {self.iteration:>6}/{self.cfg.train.iters} | loss {s['loss']:.4f} | "
+                 f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
+                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB"
+                 + (" | skipped" if s["skipped"] else ""))
+
+    def _log_eval(self, valid_loss: float | None) -> None:
+        if valid_loss is None:
+            return
+        self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
+        self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
+
+    def _write_config(self) -> None:
+        """Write the resolved config; a different earlier one is kept under a new name."""
+        path = os.path.join(self.cfg.run.dir, "config.yaml")
+        if os.path.exists(path):
+            new = path + ".new"
+            save_config(self.cfg, new)
+            with open(path) as a, open(new) as b:
+                same = a.read() == b.read()
+            if not same:
+                os.replace(path, os.path.join(self.cfg.run.dir, f"config.before-iter{self.iteration}.yaml"))
+            os.replace(new, path)
+        else:
+            save_config(self.cfg, path)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                 "model": self.optimizer.master_state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "rng": {"cpu": torch.get_rng_state(),
+                         "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}}
+        self.checkpoints.save(self.iteration, state)
+        self.metrics.event("checkpoint_saved", self.iteration,
+                           path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"))
+
+    def _maybe_resume(self) -> str | None:
+        path = self.checkpoints.latest() or self.cfg.checkpoint.load
+        if not path:
+            return None
+        state = self.checkpoints.load(path)
+        self.optimizer.load_master_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+        torch.set_rng_state(state["rng"]["cpu"])
+        if self.device.type == "cuda" and state["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        return path
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when it is true on any (so all ranks save at the same step)."""
+        if self.ps.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())

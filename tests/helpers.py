@@ -1,0 +1,73 @@
+"""Small models and a bare training loop shared by the model and parallelism tests."""
+
+from __future__ import annotations
+
+import torch
+
+from megapretrain.config import OptimConfig, padded_vocab_size
+from megapretrain.model.llama import LlamaModel, ModelArgs
+from megapretrain.optim.optimizer import MixedPrecisionAdamW
+from megapretrain.parallel.state import ParallelState
+from megapretrain.parallel.tensor import shard_dims_of
+
+VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
+
+
+def tiny_args(tp: int = 1, **overrides) -> ModelArgs:
+    sizes = dict(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
+                 vocab_size=VOCAB, padded_vocab=padded_vocab_size(VOCAB, 128, tp))
+    sizes.update(overrides)
+    return ModelArgs(**sizes)
+
+
+def make_tokens(batch: int = 8, seq: int = 32, seed: int = 0) -> torch.Tensor:
+    """(batch, seq + 1) token ids with some structure (so the loss can fall)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, VOCAB, (batch, 1), generator=g)
+    step = torch.randint(1, 7, (batch, 1), generator=g)
+    return (base + step * torch.arange(seq + 1)) % VOCAB
+
+
+def build(ps: ParallelState, args: ModelArgs, *, seed: int = 7, sequence_parallel: bool = False,
+          recompute: str = "none", dtype=torch.float32) -> LlamaModel:
+    model = LlamaModel(args, ps.tp, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
+    for name, dim in shard_dims_of(model).items():
+        model.get_parameter(name).tp_shard_dim = dim
+    model.init_weights(seed)
+    return model
+
+
+def gather_full(model: LlamaModel, ps: ParallelState, grads: bool = False) -> dict:
+    """Every parameter (or main grad) of ``model``, tp shards concatenated into the global tensor."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.main_grad if grads else p.detach()).clone()
+        dim = getattr(p, "tp_shard_dim", None)
+        out[name] = ps.tp.all_gather(t, dim) if dim is not None else t
+    return out
+
+
+def train(ps: ParallelState, model: LlamaModel, tokens: torch.Tensor, steps: int, micro: int = 2,
+          lr: float = 3e-3, precision: str = "fp32") -> tuple[list[float], dict]:
+    """``steps`` AdamW steps on the same global batch split into ``micro`` micro-batches per dp rank.
+
+    Returns the per-step global mean losses and the first step's (tp-gathered) gradients."""
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(lr=lr), precision, ps)
+    rows = tokens.shape[0] // ps.dp.size
+    mine = tokens[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+    n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+    losses, first_grads = [], None
+    for step in range(steps):
+        opt.zero_grad()
+        total = torch.zeros(())
+        for chunk in mine.chunk(micro):
+            per_token = model(chunk[:, :-1], chunk[:, 1:])
+            (per_token.sum() * opt.scaler.scale / n_tokens).backward()
+            total += per_token.detach().sum()
+        opt.reduce_grads()
+        ps.dp.all_reduce(total)
+        if step == 0:
+            first_grads = gather_full(model, ps, grads=True)
+        opt.step(lr)
+        losses.append(total.item() / n_tokens)
+    return losses, first_grads

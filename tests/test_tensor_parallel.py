@@ -1,0 +1,126 @@
+"""Tensor and sequence parallelism compute exactly what one process computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megapretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megapretrain.parallel.state import ParallelState
+
+from distributed import run_distributed
+from helpers import build, gather_full, make_tokens, tiny_args, train
+
+LAYOUTS = [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")]
+STEPS = 5
+
+
+def _reference():
+    ps = ParallelState()
+    tokens = make_tokens()
+    out = {}
+    for sp, rc in LAYOUTS:
+        model = build(ps, tiny_args(), sequence_parallel=sp, recompute=rc)
+        out[(sp, rc)] = train(ps, model, tokens, STEPS)
+    return out
+
+
+def _tp_run(rank, world, layouts):
+    ps = ParallelState(tp=world)
+    tokens = make_tokens()
+    out = {}
+    for sp, rc in layouts:
+        model = build(ps, tiny_args(tp=world), sequence_parallel=sp, recompute=rc)
+        losses, grads = train(ps, model, tokens, STEPS)
+        out[(sp, rc)] = (losses, grads if rank == 0 else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+def _unpad(name: str, t: torch.Tensor, vocab: int) -> torch.Tensor:
+    return t[:vocab] if name in ("embed_tokens.weight", "lm_head.weight") else t
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_single_process(tp, reference):
+    results = run_distributed(_tp_run, tp, LAYOUTS)
+    for layout in LAYOUTS:
+        ref_losses, ref_grads = reference[layout]
+        for rank_out in results:  # every rank logs the same loss
+            losses = rank_out[layout][0]
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (tp, layout)
+        assert ref_losses[-1] < ref_losses[0]
+        grads = results[0][layout][1]
+        for name, g in ref_grads.items():
+            got = _unpad(name, grads[name], g.shape[0] if "embed" in name or "lm_head" in name else None)
+            torch.testing.assert_close(got, _unpad(name, g, g.shape[0]), rtol=1e-4, atol=1e-6,
+                                       msg=f"grad {name} tp={tp} {layout}")
+
+
+def _init_run(rank, world):
+    ps = ParallelState(tp=world)
+    return gather_full(build(ps, tiny_args(tp=world)), ps)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_initialization_is_layout_invariant(tp):
+    ref = gather_full(build(ParallelState(), tiny_args()), ParallelState())
+    full = run_distributed(_init_run, tp)[0]
+    for name, w in ref.items():
+        rows = w.shape[0]
+        assert torch.equal(full[name][:rows], w), name
+        assert not full[name][rows:].any(), f"{name}: vocabulary padding rows must be zero"
+
+
+def _ce_run(rank, world, logits, targets):
+    ps = ParallelState(tp=world)
+    shard = logits.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
+    rows = shard.shape[-1]
+    loss = vocab_parallel_cross_entropy(shard, targets, ps.tp, vocab_start=rank * rows, real_vocab=logits.shape[-1])
+    (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)).sum().backward()
+    return loss.detach(), shard.grad
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_matches_torch(tp):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 64, generator=g) * 4
+    logits[0, 0, 7] = 1e4   # extreme values must not overflow
+    logits[1, 2, :] = -1e4
+    logits[2, 1, 40] = 1e4
+    targets = torch.randint(0, 64, (3, 5), generator=g)
+    targets[0, 0], targets[2, 1] = 7, 3
+    targets[1, 3] = -100     # ignored
+    ref_logits = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits.view(-1, 64), targets.view(-1), reduction="none",
+                          ignore_index=-100).view(3, 5)
+    (ref * torch.linspace(0.5, 1.5, ref.numel()).view_as(ref)).sum().backward()
+    if tp == 1:
+        results = [_ce_run_single(logits, targets)]
+    else:
+        results = run_distributed(_ce_run, tp, logits, targets)
+    for rank, (loss, grad) in enumerate(results):
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, ref_logits.grad.chunk(tp, dim=-1)[rank], rtol=1e-5, atol=1e-6)
+
+
+def _ce_run_single(logits, targets):
+    ps = ParallelState()
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, targets, ps.tp)
+    (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)).sum().backward()
+    return loss.detach(), x.grad
+
+
+def test_padded_vocabulary_columns_get_no_probability():
+    ps = ParallelState()
+    logits = torch.zeros(1, 2, 8, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([[0, 1]]), ps.tp, real_vocab=5)
+    torch.testing.assert_close(loss, torch.full((1, 2), torch.log(torch.tensor(5.0)).item()))
+    loss.sum().backward()
+    assert not logits.grad[..., 5:].any()
