@@ -62,6 +62,12 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).")
     pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).")
     vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).")
+    pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved "
+                          "(auto: 1f1b, interleaved when vpp > 1).")
+    pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
+                                         "null: even split).")
+    pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
+                        "(RUN_DIR/pipeline_trace.jsonl).")
     sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
     zero: int = _f(0, "Optimizer sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients.")
     recompute: str = _f("none", "Activation recomputation: none | selective | full.")
@@ -110,6 +116,7 @@ class OptimConfig:
     betas: list = _f(None, "AdamW betas [beta1, beta2].", factory=lambda: [0.9, 0.95])
     eps: float = _f(1e-8, "AdamW epsilon.")
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).")
+    offload: bool = _f(False, "Keep fp32 master weights and Adam moments in host memory and step them there.")
     initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.")
     loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.")
     min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.")
@@ -433,9 +440,15 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
     _check(ffn % p.tp == 0, f"parallel.tp={p.tp} must divide model.ffn_hidden_size={ffn} "
                             f"(valid: {_divisors(ffn)})")
     chunks = p.pp * p.vpp
-    _check(m.num_layers % chunks == 0,
-           f"parallel.pp={p.pp} × parallel.vpp={p.vpp} = {chunks} must divide model.num_layers="
-           f"{m.num_layers} (valid pp×vpp: {_divisors(m.num_layers)})")
+    if p.pipeline_layers is None:
+        _check(m.num_layers % chunks == 0,
+               f"parallel.pp={p.pp} × parallel.vpp={p.vpp} = {chunks} must divide model.num_layers="
+               f"{m.num_layers} (valid pp×vpp: {_divisors(m.num_layers)})")
+    else:
+        pl = p.pipeline_layers
+        _check(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and sum(pl) == m.num_layers,
+               f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts (pp × vpp) "
+               f"summing to model.num_layers={m.num_layers}")
     _check(not (p.sequence_parallel and t.seq_length % p.tp),
            f"parallel.sequence_parallel needs parallel.tp={p.tp} to divide train.seq_length={t.seq_length}")
     _check(m.vocab_size is not None and m.vocab_size >= 1,
@@ -450,6 +463,12 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
            f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
            f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
+
+    from .parallel.pipeline import PipelineError, resolve_schedule
+    try:
+        resolve_schedule(p.pp_schedule, p.pp, p.vpp, t.global_batch_size // per_step)
+    except PipelineError as exc:
+        raise ConfigError(str(exc)) from None
 
     _check(len(cfg.data.split) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in cfg.data.split)
            and cfg.data.split[0] > 0,

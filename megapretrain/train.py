@@ -66,8 +66,6 @@ def setup(argv: list[str]):
     from .trainer import Trainer
 
     config_path, overrides = split_args(argv)
-    if config_path is None:
-        raise ConfigError("no --config given: pass --config configs/tiny.yaml (see configs/)")
     cfg = load_config(config_path, overrides)
     device = resolve_device(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

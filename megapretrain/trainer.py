@@ -73,7 +73,9 @@ class Trainer:
         self.model = build_model(cfg, plan, ps)
         self.args = self.model.args
         self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), cfg.optim,
-                                             t.precision, ps)
+                                             t.precision, ps, zero=cfg.parallel.zero,
+                                             bucket_size_mb=cfg.parallel.bucket_size_mb)
+        self.optimizer.overlap_param_gather(self.model)  # zero ≥ 1: all-gather under the next forward
         self.schedule = LRSchedule.from_config(cfg, plan.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
@@ -98,6 +100,7 @@ class Trainer:
         self._stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.log(plan.describe(num_parameters(self.args), self.flops_per_token))
+        self._log_memory()
         if resumed_from:
             self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
             self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
@@ -138,23 +141,28 @@ class Trainer:
         """One optimizer step over the global batch; returns the step's metrics."""
         t = self.cfg.train
         start = time.perf_counter()
+        if self.ps.stats is not None:
+            self.ps.stats.reset()
         self.model.train()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         data_time = 0.0
         scale = self.optimizer.scaler.scale / self.tokens_per_batch
-        for ids in micro_batch_ranges(self.consumed_samples, t.global_batch_size, t.micro_batch_size,
-                                      self.ps.dp_rank, self.ps.dp.size):
+        micro_batches = micro_batch_ranges(self.consumed_samples, t.global_batch_size, t.micro_batch_size,
+                                           self.ps.dp_rank, self.ps.dp.size)
+        for i, ids in enumerate(micro_batches):
             data_start = time.perf_counter()
             tokens, targets = collate(self.datasets["train"], ids, self.device)
             data_time += time.perf_counter() - data_start
             losses = self.model(tokens, targets)  # (b, s) fp32 per-token loss
-            (losses.sum() * scale).backward()
+            # the data-parallel reduction overlaps with the last micro-batch's backward
+            with self.optimizer.grad_sync(last=i == len(micro_batches) - 1):
+                (losses.sum() * scale).backward()
             loss_sum += losses.detach().sum()
-        self.optimizer.reduce_grads()
+        self.optimizer.reduce_grads()  # waits for the overlapped reductions
+        self.ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
         lr = self.schedule(self.iteration + 1)
         grad_norm, skipped = self.optimizer.step(lr)
-        self.ps.dp.all_reduce(loss_sum)
         elapsed = time.perf_counter() - start
         return {"loss": loss_sum.item() / self.tokens_per_batch, "grad_norm": grad_norm, "lr": lr,
                 "skipped": skipped, "step_time": elapsed, "data_time": data_time}
@@ -191,6 +199,8 @@ class Trainer:
                   "memory_mb": memory_mb(self.device)}
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
+        if self.ps.stats is not None:
+            record["comm"] = self.ps.stats.summary()  # per collective: calls and bytes this step
         if self.cfg.train.precision == "fp16":
             record["loss_scale"] = self.optimizer.scaler.scale
         self.metrics.log(record)
@@ -201,6 +211,16 @@ class Trainer:
                  f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
                  f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB"
                  + (" | skipped" if s["skipped"] else ""))
+
+    def _log_memory(self) -> None:
+        """Bytes per rank (this rank's) for parameters, grads and optimizer state, from the tensors."""
+        mem = self.optimizer.memory_report()
+        per_param = mem["total"] / max(1, mem["padded_numel"])
+        self.log("memory/rank: " + "  ".join(f"{k} {mem[k] / 2**20:,.2f} MiB"
+                                             for k in ("params", "grads", "master", "moments", "total"))
+                 + f"  ({per_param:.2f} bytes/param, zero={mem['zero']} dp={mem['dp']}"
+                 + (", offloaded" if mem["offload"] else "") + ")")
+        self.metrics.event("memory", self.iteration, **mem)
 
     def _log_eval(self, valid_loss: float | None) -> None:
         if valid_loss is None:

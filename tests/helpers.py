@@ -60,9 +60,11 @@ def train(ps: ParallelState, model: LlamaModel, tokens: torch.Tensor, steps: int
     for step in range(steps):
         opt.zero_grad()
         total = torch.zeros(())
-        for chunk in mine.chunk(micro):
+        chunks = mine.chunk(micro)
+        for i, chunk in enumerate(chunks):
             per_token = model(chunk[:, :-1], chunk[:, 1:])
-            (per_token.sum() * opt.scaler.scale / n_tokens).backward()
+            with opt.grad_sync(last=i == len(chunks) - 1):
+                (per_token.sum() * opt.scaler.scale / n_tokens).backward()
             total += per_token.detach().sum()
         opt.reduce_grads()
         ps.dp.all_reduce(total)

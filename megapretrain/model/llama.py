@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from ..parallel.state import Group
 from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                enter_tp_region, init_shard_, shard_dims_of)
@@ -221,11 +221,14 @@ class LlamaModel(nn.Module):
         if not self.post_process:
             return x
         x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel)  # (b, s, h)
-        logits = F.linear(x, self.output_weight())  # (b, s, v/tp)
+        weight = self.output_weight()  # (v/tp, h)
         if targets is None:
-            return logits
-        vocab_start = self.tp.rank * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, targets, self.tp, vocab_start, self.args.vocab_size)
+            return F.linear(x, weight)  # (b, s, v/tp) logits
+        vocab_start = self.tp.rank * weight.shape[0]
+        # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
+        # hold their gradient
+        return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,
+                                                   self.args.vocab_size)  # (b, s)
 
 
 def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:

@@ -1,41 +1,35 @@
-"""Mixed-precision AdamW: fp32 main grads, fp32 master weights, global-norm clipping, loss scaling.
+"""Mixed-precision AdamW with an optional distributed (ZeRO) optimizer state.
 
-The model's parameters may be bf16 or fp16; their gradients are accumulated over micro-batches in
-one contiguous fp32 buffer (``param.main_grad`` views into it), and the optimizer steps fp32 master
-copies, then writes the result back into the model's parameters. With fp32 parameters the master
-is the parameter itself. Weight decay skips 1-D parameters (norm weights, biases).
+Gradients live in the fp32 bucketed buffers of :mod:`megapretrain.parallel.data` and are reduced
+over dp there. Each rank then steps fp32 master weights and Adam moments for its shard of every
+bucket — the whole bucket with ``zero=0``, its 1/dp slice with ``zero`` 1 or 2 — and writes the
+result back into the model's (bf16/fp16/fp32) parameters, which ``zero ≥ 1`` then all-gathers.
+
+Per parameter and rank (bf16 model, N parameters, plus alignment padding)::
+
+    zero   params  grads    master   moments
+    0      2       4        4        8
+    1      2       4        4/dp     8/dp
+    2      2       4/dp     4/dp     8/dp
+
+fp32 parameters are their own master (no extra copy) unless ``optim.offload`` keeps the masters
+and moments in host memory, where they are stepped. A shard covers pieces (*fragments*) of
+parameters; weight decay follows each fragment's parameter (none for 1-D ones) and checkpoints key
+state by parameter name and fragment range. The global grad norm sums squares over the owned
+fragments — replicated parameters only on tp rank 0 — over dp (when sharded) and the model-parallel
+group; a non-finite norm skips the step and, with fp16, halves the loss scale.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.state import ParallelState
-
-
-class GradBuffer:
-    """One fp32 buffer holding every parameter's ``main_grad``; autograd's ``.grad`` is folded in
-    (and freed) as soon as it is accumulated, so micro-batches sum in fp32."""
-
-    def __init__(self, params: list[nn.Parameter], device):
-        total = sum(p.numel() for p in params)
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
-        offset = 0
-        for p in params:
-            p.main_grad = self.data[offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            p.register_post_accumulate_grad_hook(self._fold)
-
-    @staticmethod
-    def _fold(p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)
-        p.grad = None
-
-    def zero(self) -> None:
-        self.data.zero_()
 
 
 class LossScaler:
@@ -74,105 +68,257 @@ def counts_in_norm(p: nn.Parameter, ps: ParallelState) -> bool:
     return getattr(p, "tp_shard_dim", None) is not None or ps.tp_rank == 0
 
 
+@dataclass
+class Fragment:
+    """Elements ``[start, end)`` of the flattened parameter ``name``, at ``offset`` in a shard."""
+    name: str
+    param: nn.Parameter
+    start: int
+    end: int
+    offset: int
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset:self.offset + self.end - self.start]
+
+
+class ShardState:
+    """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
+
+    def __init__(self, bucket: Bucket, names: dict, ps: ParallelState, offload: bool):
+        self.bucket = bucket
+        self.fragments = [Fragment(names[id(p)], p, start, end, off) for p, start, end, off in bucket.fragments()]
+        self.param_shard = bucket.param_data[bucket.shard_start:bucket.shard_end]  # model dtype
+        on_gpu = self.param_shard.device.type != "cpu"
+        if self.param_shard.dtype == torch.float32 and not offload:
+            self.master = self.param_shard  # fp32 parameters are their own master
+        else:
+            device = "cpu" if offload else self.param_shard.device
+            self.master = torch.empty(bucket.shard_size, dtype=torch.float32, device=device,
+                                      pin_memory=offload and on_gpu)
+            self.master.copy_(self.param_shard)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from a GPU
+        self.grad_staging = torch.empty_like(self.master) if offload and on_gpu else None
+        self.decay = [f.of(self.master) for f in self.fragments if f.param.ndim >= 2]
+        counted = [f for f in self.fragments if counts_in_norm(f.param, ps)]
+        self.norm_views = ([bucket.grad_shard] if len(counted) == len(self.fragments)
+                           else [f.of(bucket.grad_shard) for f in counted])
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.bucket.grad_shard if self.grad_staging is None else self.grad_staging
+
+    def write_back(self) -> None:
+        """Copy the stepped masters into the model's parameters (cast to their dtype)."""
+        if self.master is not self.param_shard:
+            self.param_shard.copy_(self.master, non_blocking=True)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """A compact host copy (a view would make torch.save write its whole buffer)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _piece(entry, key: str, f: Fragment) -> torch.Tensor:
+    """Fragment ``f`` of a checkpoint entry: a full tensor of the parameter's shape, or a dict
+    ``{start, end, key: flat}`` covering a range of it (zero ≥ 1)."""
+    if torch.is_tensor(entry) or "start" not in entry:
+        full = entry if torch.is_tensor(entry) else entry[key]
+        if tuple(full.shape) != tuple(f.param.shape):
+            raise ValueError(f"checkpoint weight '{f.name}' has shape {tuple(full.shape)}, "
+                             f"the model expects {tuple(f.param.shape)}")
+        return full.reshape(-1)[f.start:f.end]
+    start, end = int(entry["start"]), int(entry["end"])
+    if not (start <= f.start and f.end <= end):
+        raise ValueError(f"checkpoint holds elements [{start}, {end}) of '{f.name}' on this rank, which "
+                         f"needs [{f.start}, {f.end}): it was saved with another parallel.zero or "
+                         "parallel.bucket_size_mb; relaunch with the saved ones")
+    return entry[key][f.start - start:f.end - start]
+
+
 class MixedPrecisionAdamW:
-    """AdamW over fp32 master weights of ``named_params``; see the module docstring."""
+    """AdamW over fp32 master weights of ``named_params``, sharded over dp by ``zero``; see the
+    module docstring."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], optim_cfg, precision: str,
-                 ps: ParallelState):
-        self.names = [n for n, _ in named_params]
-        self.params = [p for _, p in named_params]
-        self.ps = ps
-        self.clip_grad = optim_cfg.clip_grad
-        device = self.params[0].device
-        self.grad_buffer = GradBuffer(self.params, device)
-        self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
-        decay = [m for m in self.master if m.ndim >= 2]
-        no_decay = [m for m in self.master if m.ndim < 2]
-        groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.adam = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim_cfg.lr,
-                                      betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, foreach=True)
+                 ps: ParallelState, *, zero: int = 0, bucket_size_mb: float = 32.0,
+                 overlap_grad_reduce: bool = True):
+        self.ps, self.zero, self.cfg = ps, zero, optim_cfg
+        self.offload = bool(getattr(optim_cfg, "offload", False))
+        self.buffers = DataParallelBuffers(named_params, ps.dp, ps.tp, ps.embedding, zero=zero,
+                                           bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce)
+        self.shards = [ShardState(b, self.buffers.names, ps, self.offload) for b in self.buffers.buckets]
+        self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
+        self.step_count = 0
         self.scaler = LossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
                                  optim_cfg.min_loss_scale, dynamic=precision == "fp16")
         if precision != "fp16":
             self.scaler.scale = 1.0
-        self._norm_mask = [counts_in_norm(p, ps) for p in self.params]
+        self._async_param_gather = False
+
+    # -- gradients --------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero()
+        self.buffers.zero_grad()
+
+    def grad_sync(self, last: bool):
+        """Context for one micro-batch's backward; inside ``last=True`` each bucket's dp reduction
+        starts as soon as its grads are complete (see :mod:`megapretrain.parallel.data`)."""
+        return self.buffers.grad_sync(last)
 
     def reduce_grads(self) -> None:
-        """Sum grads over the ranks that hold copies: sequence-parallel norm weights over tp
-        (each rank saw a slice of the sequence) and everything over dp."""
-        for p in self.params:
-            if getattr(p, "sequence_parallel", False):
-                self.ps.tp.all_reduce(p.main_grad)
-        if self.ps.dp.size > 1:
-            self.ps.dp.all_reduce(self.grad_buffer.data)
+        """Wait for (and launch any remaining) dp reductions; sequence-parallel norm weights are
+        also summed over tp."""
+        self.buffers.reduce_grads()
+
+    def overlap_param_gather(self, model: nn.Module) -> None:
+        """From now on the post-step all-gather (zero ≥ 1) runs while ``model``'s next forward does,
+        each module waiting only for its own parameters."""
+        self.buffers.overlap_param_gather(model)
+        self._async_param_gather = True
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) grads over tp, pp and dp, each element counted once."""
-        grads = [p.main_grad for p, keep in zip(self.params, self._norm_mask) if keep]
-        sq = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.data.device)
-        if grads:
-            sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once."""
+        views = [v for s in self.shards for v in s.norm_views]
+        device = self.shards[0].bucket.grad_shard.device if self.shards else self.ps.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        if views:
+            sq = torch.stack(torch._foreach_norm(views)).pow(2).sum()
+        if self.zero >= 1:
+            self.ps.dp.all_reduce(sq)  # shards are disjoint: their squares add up
         self.ps.mp.all_reduce(sq)
         return math.sqrt(sq.item()) if torch.isfinite(sq) else float("inf")
+
+    # -- the step ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip and apply one AdamW step; returns (grad norm, whether the step was skipped).
 
-        A non-finite grad norm skips the step (and lowers the fp16 loss scale)."""
-        for m, p in zip(self.master, self.params):
-            m.grad = p.main_grad  # autograd resets .grad of fp32 params (which are their own master)
+        A non-finite grad norm (NaN/Inf in the reduced grads) skips the step, leaving the parameters
+        unchanged, and lowers the fp16 loss scale."""
+        self.buffers.wait_params()
+        grads = [s.bucket.grad_shard for s in self.shards]
         if self.scaler.scale != 1.0:
-            self.grad_buffer.data.mul_(1.0 / self.scaler.scale)
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         norm = self.grad_norm()
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
             return norm, True
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            self.grad_buffer.data.mul_(self.clip_grad / (norm + 1e-6))
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        self.adam.step()
-        for m, p in zip(self.master, self.params):
-            if m is not p:
-                p.copy_(m)
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        staged = [s for s in self.shards if s.grad_staging is not None]
+        for s in staged:
+            s.grad_staging.copy_(s.bucket.grad_shard, non_blocking=True)
+        if staged:
+            torch.cuda.current_stream(staged[0].bucket.grad_shard.device).synchronize()
+        self._adamw(lr)
+        for s in self.shards:
+            s.write_back()
+        self.buffers.gather_params(async_op=self._async_param_gather)
         return norm, False
 
-    # -- checkpointing: keyed by parameter name, so it survives a change of layout later ---------
+    def _adamw(self, lr: float) -> None:
+        """One decoupled-weight-decay Adam step over every shard (torch.optim.AdamW's foreach
+        arithmetic, so a single process matches it exactly)."""
+        self.step_count += 1
+        (beta1, beta2), eps, wd = self.cfg.betas, self.cfg.eps, self.cfg.weight_decay
+        bias1 = 1 - beta1 ** self.step_count
+        bias2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
+        masters = [s.master for s in self.shards]
+        grads = [s.grad for s in self.shards]
+        exp_avg = [s.exp_avg for s in self.shards]
+        exp_avg_sq = [s.exp_avg_sq for s in self.shards]
+        decay = [v for s in self.shards for v in s.decay]
+        if wd and decay:
+            torch._foreach_mul_(decay, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(masters, exp_avg, denom, -lr / bias1)
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for parameters, gradients, fp32 masters and Adam moments, measured
+        from the tensors' storages (a master that is the parameter itself costs nothing)."""
+        self.buffers.wait_params()
+
+        def storage_bytes(tensors, exclude=frozenset()) -> dict:
+            out = {}
+            for t in tensors:
+                st = t.untyped_storage()
+                if st.data_ptr() not in exclude:
+                    out[st.data_ptr()] = st.nbytes()
+            return out
+
+        params = storage_bytes(self.buffers.param_buffers)
+        report = {
+            "params": sum(params.values()),
+            "grads": sum(storage_bytes(self.buffers.grad_buffers).values()),
+            "master": sum(storage_bytes([s.master for s in self.shards], exclude=params.keys()).values()),
+            "moments": sum(storage_bytes([t for s in self.shards for t in (s.exp_avg, s.exp_avg_sq)]).values()),
+        }
+        staging = [s.grad_staging for s in self.shards if s.grad_staging is not None]
+        if staging:
+            report["grad_staging"] = sum(storage_bytes(staging).values())
+        report["total"] = sum(report.values())
+        numel = sum(p.numel() for b in self.buffers.buckets for p in b.params)
+        report.update(numel=numel, padded_numel=self.buffers.padded_numel(), zero=self.zero,
+                      dp=self.ps.dp.size, offload=self.offload)
+        return report
+
+    # -- checkpointing: by parameter name and fragment range --------------------------------------
 
     def master_state_dict(self) -> dict:
-        """The model's weights at full precision (the fp32 masters), by parameter name."""
-        return {name: m.detach() for name, m in zip(self.names, self.master)}
+        """This rank's fp32 master weights: whole tensors by name (zero=0), or by name
+        ``{start, end, master}`` for the fragments this rank owns (zero ≥ 1)."""
+        self.buffers.wait_params()
+        out = {}
+        for s in self.shards:
+            for f in s.fragments:
+                piece = f.of(s.master)
+                out[f.name] = (_cpu(piece.view(f.param.shape)) if self.zero == 0
+                               else {"start": f.start, "end": f.end, "master": _cpu(piece)})
+        return out
 
     def state_dict(self) -> dict:
-        """Adam moments and step per parameter name, and the loss scaler."""
-        return {"params": {name: dict(self.adam.state.get(m, {})) for name, m in zip(self.names, self.master)},
-                "scaler": self.scaler.state_dict()}
+        """Adam step and moments (by name and fragment range), and the loss scaler."""
+        params = {f.name: {"start": f.start, "end": f.end, "exp_avg": _cpu(f.of(s.exp_avg)),
+                           "exp_avg_sq": _cpu(f.of(s.exp_avg_sq))}
+                  for s in self.shards for f in s.fragments}
+        return {"step": self.step_count, "params": params, "scaler": self.scaler.state_dict()}
 
     @torch.no_grad()
     def load_master_state_dict(self, weights: dict) -> None:
-        """Set the masters (and the model's parameters) from ``weights``, checking names and shapes."""
-        for name, m, p in zip(self.names, self.master, self.params):
+        """Set the masters (and the model's parameters) from ``weights``: whole tensors, or
+        fragments covering this rank's."""
+        self.buffers.wait_params()
+        for name, (s, f) in self.fragments.items():
             if name not in weights:
                 raise ValueError(f"checkpoint has no weight '{name}'")
-            if tuple(weights[name].shape) != tuple(m.shape):
-                raise ValueError(f"checkpoint weight '{name}' has shape {tuple(weights[name].shape)}, "
-                                 f"the model expects {tuple(m.shape)}")
-            m.copy_(weights[name])
-            if m is not p:
-                p.copy_(m)
+            f.of(s.master).copy_(_piece(weights[name], "master", f))
+        for s in self.shards:
+            s.write_back()
+        self.buffers.gather_params()
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        for name, m in zip(self.names, self.master):
+        for name, (s, f) in self.fragments.items():
             entry = state["params"].get(name)
             if entry is None:
                 raise ValueError(f"checkpoint has no optimizer state for '{name}'")
-            if entry:
-                self.adam.state[m] = {k: v.clone().to(m.device) if torch.is_tensor(v) and v.ndim else v
-                                      for k, v in entry.items()}
+            if not entry:  # saved before the first step
+                continue
+            f.of(s.exp_avg).copy_(_piece(entry, "exp_avg", f))
+            f.of(s.exp_avg_sq).copy_(_piece(entry, "exp_avg_sq", f))
+            if "step" in entry and "step" not in state:  # torch.optim.AdamW's per-parameter format
+                self.step_count = int(entry["step"])
+        if "step" in state:
+            self.step_count = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])

@@ -20,6 +20,23 @@ import torch
 import torch.distributed as dist
 
 
+# torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _CopyAfter:
+    """A pending collective whose result ``src`` is copied into ``dst`` once it completes."""
+
+    def __init__(self, work, src: torch.Tensor, dst: torch.Tensor):
+        self.work, self.src, self.dst = work, src, dst
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.dst.data_ptr() != self.src.data_ptr():
+            self.dst.copy_(self.src)
+
+
 @dataclass
 class CommStats:
     """Per-collective call and byte counts (bytes = the tensor each rank contributes)."""
@@ -49,6 +66,7 @@ class Group:
         self.size = len(ranks)
         self.rank = rank_in_group
         self.stats = stats
+        self._native_reduce_scatter: bool | None = None  # unknown until first tried
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         if self.stats is not None:
@@ -86,6 +104,46 @@ class Group:
         full = torch.cat(chunks, dim=dim)
         dist.all_reduce(full, group=self.pg)
         return full.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    # -- asynchronous flat collectives (data-parallel buckets); each returns a handle with
+    # ``wait()``, or None when there is nothing to wait for ------------------------------------
+
+    def all_reduce_async(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
+        """Start an in-place all-reduce of ``tensor``."""
+        if self.size == 1:
+            return None
+        self._record("all_reduce", tensor)
+        return dist.all_reduce(tensor, op=op, group=self.pg, async_op=True)
+
+    def reduce_scatter_async(self, output: torch.Tensor, tensor: torch.Tensor):
+        """Start summing flat ``tensor`` over ranks into ``output``, this rank's 1/size slice of it
+        (``output`` may be that slice of ``tensor`` itself). ``tensor`` may be overwritten."""
+        if self.size == 1:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return None
+        self._record("reduce_scatter", tensor)
+        if self._native_reduce_scatter is not False:
+            try:
+                work = _reduce_scatter_single(output, tensor, group=self.pg, async_op=True)
+                self._native_reduce_scatter = True
+                return work
+            except (RuntimeError, NotImplementedError):
+                if self._native_reduce_scatter:  # it worked before: a real error
+                    raise
+                self._native_reduce_scatter = False  # older gloo: all-reduce, keep our slice
+        work = dist.all_reduce(tensor, group=self.pg, async_op=True)
+        return _CopyAfter(work, tensor.chunk(self.size)[self.rank], output)
+
+    def all_gather_async(self, output: torch.Tensor, shard: torch.Tensor):
+        """Start gathering every rank's flat ``shard`` into ``output`` (rank order); ``shard`` may
+        be this rank's slice of ``output`` itself."""
+        if self.size == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return None
+        self._record("all_gather", shard)
+        return _all_gather_single(output, shard, group=self.pg, async_op=True)
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's 1/size slice of ``tensor`` along ``dim`` (no communication)."""

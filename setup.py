@@ -1,0 +1,38 @@
+"""megapretrain package metadata.
+
+``kernels/`` sits at the repository root but is installed as ``megapretrain.kernels`` (a different
+PyPI package owns the top-level name ``kernels``).
+"""
+
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["megapretrain", "megapretrain.*"])
+packages.append("megapretrain.kernels")
+
+setup(
+    name="megapretrain",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel LLM pretraining that also runs, and is tested, on CPU",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={"megapretrain.kernels": "kernels"},
+    install_requires=[
+        # torch is not pinned to a build here: install the CPU or CUDA wheel you want first
+        # (run_scripts/*.sh do, CPU: pip install torch==2.13.0).
+        "torch>=2.5",
+        "numpy>=1.24",
+        "einops>=0.7",
+        "pyyaml>=6.0",
+        "tensorboard>=2.14",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
+        "wandb": ["wandb>=0.16"],
+        "triton": ["triton>=3.0"],
+        "dev": ["pytest>=7.4", "setuptools>=70", "wheel", "tokenizers>=0.19", "transformers>=4.45", "safetensors>=0.4"],
+    },
+    entry_points={"console_scripts": ["megapretrain-train=megapretrain.train:main"]},
+)

@@ -1,0 +1,93 @@
+"""The central test: the real trainer under a parallel layout reproduces the single-process run.
+
+Each layout runs ``megapretrain.train.setup`` + ``fit`` on spawned gloo ranks with the same config,
+seed and data as one process; per-iteration losses (as logged to metrics.jsonl, on every rank) must
+match within 1e-5 relative, and after the last step every parameter must equal the single-process
+parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from megapretrain.train import setup
+
+ITERS = 5
+BASE = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.iters", str(ITERS),
+        "--train.eval_interval", "0", "--logging.tensorboard", "false", "--checkpoint.interval", "0",
+        "--optim.lr", "3e-3", "--train.seed", "11"]
+
+
+def _train(rank, world, run_dir, corpus, layout):
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout]
+    trainer = setup(argv)
+    trainer.fit()
+    ps = trainer.ps
+    params = {}
+    for chunk in trainer.model_chunks:
+        for name, p in chunk.named_parameters():
+            dim = getattr(p, "tp_shard_dim", None)
+            full = ps.tp.all_gather(p.detach().clone(), dim) if dim is not None else p.detach().clone()
+            params[name] = full[: trainer.args.vocab_size] if name.split(".")[0] in ("embed_tokens", "lm_head") else full
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+    return {"params": params if ps.dp_rank == 0 and ps.tp_rank == 0 else {}, "losses": losses,
+            "loss_on_rank": trainer.last_loss}
+
+
+_REFERENCES: dict = {}
+
+
+def reference_for(model_flags: tuple, corpus: str, tmp_path_factory) -> dict:
+    """The single-process run for these model flags (computed once per test session)."""
+    if model_flags not in _REFERENCES:
+        run = str(tmp_path_factory.mktemp("single"))
+        _REFERENCES[model_flags] = _train(0, 1, run, corpus, list(model_flags))
+    return _REFERENCES[model_flags]
+
+
+def check(reference, results):
+    merged = {}
+    for r in results:
+        merged.update(r["params"])
+        assert r["loss_on_rank"] == pytest.approx(reference["losses"][-1], rel=1e-5)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert set(merged) == set(reference["params"])
+    for name, ref in reference["params"].items():
+        torch.testing.assert_close(merged[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+LAYOUTS = {
+    "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "dp2": (2, []),
+    "dp2_zero1": (2, ["--parallel.zero", "1"]),
+    "pp2": (2, ["--parallel.pp", "2"]),
+    "pp2_vpp2": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
+    "pp2_gpipe_tied": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]),
+    "tp2_dp2_zero1": (4, ["--parallel.tp", "2", "--parallel.zero", "1"]),
+    "pp4": (4, ["--parallel.pp", "4"]),
+    "dp4_zero2": (4, ["--parallel.zero", "2"]),
+}
+SLOW = {"tp2_dp2_zero1", "pp4", "dp4_zero2", "tp2_pp2_dp2"}
+LAYOUTS["tp2_pp2_dp2"] = (8, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
+                              "--parallel.zero", "1"])
+
+
+MODEL_FLAGS = {"pp2_gpipe_tied": ("--model.tie_embeddings", "true")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
+def test_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
+    world, layout = LAYOUTS[name]
+    flags = MODEL_FLAGS.get(name, ())
+    reference = reference_for(flags, corpus, tmp_path_factory)
+    results = run_distributed(_train, world, str(tmp_path), corpus, [*flags, *layout], timeout=300)
+    check(reference, results)

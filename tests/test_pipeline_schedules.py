@@ -1,0 +1,103 @@
+"""Pipeline schedules as orders: the published 1F1B order, bounded activations, the bubble."""
+
+from __future__ import annotations
+
+import pytest
+
+from megapretrain.parallel.pipeline import (Op, PipelineError, chunk_layers, forward_only_order,
+                                            peak_in_flight, resolve_schedule, schedule_order, simulate)
+
+
+def text(order):
+    return " ".join(f"{op.kind}{op.micro}" + (f".{op.chunk}" if op.chunk else "") for op in order)
+
+
+def test_1f1b_matches_the_published_order():
+    # PipeDream-Flush / Megatron 1F1B, 4 stages and 8 micro-batches (Narayanan et al. 2021, fig. 4)
+    expected = {
+        0: "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+        1: "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+        2: "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+        3: "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+    }
+    for rank, want in expected.items():
+        assert text(schedule_order("1f1b", rank, 4, 1, 8)) == want
+    # fewer micro-batches than stages: warmup is cut short, nothing runs twice
+    assert text(schedule_order("1f1b", 0, 4, 1, 2)) == "F0 F1 B0 B1"
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (8, 3), (8, 16)])
+def test_1f1b_in_flight_bounded_and_bubble_matches_formula(pp, m):
+    orders = [schedule_order("1f1b", r, pp, 1, m) for r in range(pp)]
+    for r, order in enumerate(orders):
+        assert sorted(order, key=lambda o: (o.kind, o.micro)) == \
+            sorted([Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)],
+                   key=lambda o: (o.kind, o.micro))
+        assert peak_in_flight(order) == min(pp - r, m) <= pp
+    sim = simulate(orders, pp, 1)
+    for idle in sim["idle_fraction"]:
+        assert idle == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight():
+    orders = [schedule_order("gpipe", r, 4, 1, 6) for r in range(4)]
+    assert all(peak_in_flight(o) == 6 for o in orders)
+    assert simulate(orders, 4, 1)["idle_fraction"][0] == pytest.approx(3 / (6 + 3))
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 6), (4, 2, 4), (3, 2, 9)])
+def test_interleaved_bubble_shrinks_by_vpp(pp, vpp, m):
+    orders = [schedule_order("interleaved", r, pp, vpp, m) for r in range(pp)]
+    for order in orders:
+        assert len(order) == 2 * m * vpp and len(set(order)) == len(order)
+    chunk_cost = 1.0 / vpp  # a chunk holds 1/vpp of a stage's layers
+    sim = simulate(orders, pp, vpp, chunk_cost, chunk_cost)
+    bubble = sim["makespan"] - 2 * m
+    plain_bubble = simulate([schedule_order("1f1b", r, pp, 1, m) for r in range(pp)], pp, 1)["makespan"] - 2 * m
+    assert bubble == pytest.approx(plain_bubble / vpp)
+
+
+def test_every_valid_small_grid_combination_is_deadlock_free():
+    for pp in (1, 2, 3, 4):
+        for vpp in (1, 2, 3):
+            for m in range(1, 9):
+                try:
+                    kind = resolve_schedule("auto", pp, vpp, m)
+                except PipelineError:
+                    assert pp == 1 and vpp > 1 or (vpp > 1 and m % pp)
+                    continue
+                orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
+                simulate(orders, pp, vpp)  # raises on deadlock
+                if pp > 1:
+                    simulate([forward_only_order(pp, vpp, m)] * pp, pp, vpp)
+
+
+def test_a_bad_order_is_caught_as_deadlock():
+    good = [schedule_order("1f1b", r, 2, 1, 2) for r in range(2)]
+    bad = [list(reversed(good[0])), good[1]]
+    with pytest.raises(PipelineError, match="deadlocks"):
+        simulate(bad, 2, 1)
+
+
+@pytest.mark.parametrize("kind, pp, vpp, m, message", [
+    ("interleaved", 4, 2, 6, "multiple of parallel.pp=4"),
+    ("1f1b", 2, 2, 4, "needs parallel.pp_schedule=interleaved"),
+    ("interleaved", 1, 2, 4, "needs parallel.pp > 1"),
+    ("interleaved", 1, 1, 4, "interleaved needs parallel.pp > 1"),
+    ("none", 2, 1, 4, "runs one stage"),
+    ("zigzag", 2, 1, 4, "is not one of"),
+])
+def test_invalid_combinations_fail_with_one_line(kind, pp, vpp, m, message):
+    with pytest.raises(PipelineError, match=message) as err:
+        resolve_schedule(kind, pp, vpp, m)
+    assert "\n" not in str(err.value)
+
+
+def test_chunk_layers():
+    assert chunk_layers(8, 2, 1, 0) == [[0, 1, 2, 3]]
+    assert chunk_layers(8, 2, 2, 1) == [[2, 3], [6, 7]]  # stage 1 holds global chunks 1 and 3
+    assert chunk_layers(10, 2, 1, 0, [4, 6]) == [[0, 1, 2, 3]]
+    with pytest.raises(PipelineError, match="must list 2 positive layer counts"):
+        chunk_layers(10, 2, 1, 0, [5, 4])
+    with pytest.raises(PipelineError, match="must divide model.num_layers=6"):
+        chunk_layers(6, 4, 1, 0)

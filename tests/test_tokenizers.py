@@ -1,0 +1,118 @@
+"""Tokenizers: round trips, end-of-document ids, no added specials, and one-line errors."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")  # the [hf] / [dev] extra
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from megapretrain.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "def main():\n    return 0\n",
+          "naïve café — ünïcödé ✓ 数据", "hello world " * 5] * 20
+SAMPLES = ["hello world", "  leading spaces and\ttabs\n", "café ✓ 数据", ""]
+
+
+def train_hf_tokenizer(path, special="<|endoftext|>"):
+    """A tiny byte-level BPE saved as tokenizer.json (what HuggingFaceTokenizer loads)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[special], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+    return tok
+
+
+def train_gpt2_files(directory):
+    """vocab.json + merges.txt of a tiny GPT-2 style byte-level BPE."""
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.save_model(str(directory))
+    return directory
+
+
+def check_round_trip(tokenizer):
+    for text in SAMPLES:
+        ids = tokenizer.tokenize(text)
+        assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.detokenize(ids) == text
+    assert tokenizer.tokenize("") == []  # nothing added: no BOS, no EOS
+    batch = tokenizer.tokenize_batch(SAMPLES)
+    assert [b.tolist() for b in batch] == [tokenizer.tokenize(t) for t in SAMPLES]
+
+
+def test_byte_tokenizer():
+    tok = build_tokenizer("ByteTokenizer")
+    assert (tok.vocab_size, tok.eod, tok.name) == (257, 256, "ByteTokenizer")
+    assert tok.tokenize("aé") == [97, 0xC3, 0xA9]
+    assert tok.detokenize([104, 105, 256]) == "hi"
+    check_round_trip(tok)
+
+
+@pytest.mark.parametrize("as_directory", [False, True])
+def test_huggingface_tokenizer(tmp_path, as_directory):
+    trained = train_hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path if as_directory else tmp_path / "tokenizer.json"))
+    assert tok.name == "HuggingFaceTokenizer"
+    assert tok.eod == trained.token_to_id("<|endoftext|>")
+    assert tok.vocab_size == trained.get_vocab_size()
+    check_round_trip(tok)
+    assert tok.tokenize("hello world") == trained.encode("hello world").ids
+
+
+def test_huggingface_eod_falls_back_and_fails_clearly(tmp_path):
+    train_hf_tokenizer(tmp_path / "s.json", special="</s>")
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "s.json"))
+    assert tok.detokenize([tok.eod]) == "</s>"
+    train_hf_tokenizer(tmp_path / "none.json", special="<pad>")
+    with pytest.raises(ValueError, match="none of the end-of-document tokens"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "none.json"))
+
+
+def test_gpt2_bpe_tokenizer(tmp_path):
+    train_gpt2_files(tmp_path)
+    vocab = json.load(open(tmp_path / "vocab.json"))
+    for tok in (build_tokenizer("GPT2BPETokenizer", str(tmp_path)),
+                build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                                merge_file=str(tmp_path / "merges.txt"))):
+        assert tok.eod == vocab["<|endoftext|>"]
+        assert tok.vocab_size == len(vocab)
+        check_round_trip(tok)
+
+
+def test_unknown_type_lists_valid_types():
+    with pytest.raises(ValueError) as info:
+        build_tokenizer("WordPiece")
+    message = str(info.value)
+    assert "WordPiece" in message and all(t in message for t in TOKENIZER_TYPES) and "\n" not in message
+
+
+@pytest.mark.parametrize("tokenizer_type", ["HuggingFaceTokenizer", "GPT2BPETokenizer"])
+def test_missing_model_names_the_path(tmp_path, tokenizer_type):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        build_tokenizer(tokenizer_type, missing)
+    with pytest.raises(FileNotFoundError, match="needs a model path"):
+        build_tokenizer(tokenizer_type)
+
+
+@pytest.mark.parametrize("tokenizer_type,module", [("SentencePieceTokenizer", "sentencepiece"),
+                                                   ("TikTokenizer", "tiktoken")])
+def test_optional_backends_say_what_to_install(tmp_path, tokenizer_type, module):
+    if importlib.util.find_spec(module) is not None:
+        with pytest.raises(FileNotFoundError):
+            build_tokenizer(tokenizer_type, str(tmp_path / "missing.model"))
+        return
+    with pytest.raises(ImportError, match=f"pip install {module}"):
+        build_tokenizer(tokenizer_type, str(tmp_path / "missing.model"))
+
+
+def test_tokenize_batch_returns_integer_arrays():
+    batch = build_tokenizer("ByteTokenizer").tokenize_batch(["ab", ""])
+    assert all(isinstance(b, np.ndarray) and b.dtype.kind in "iu" for b in batch)
+    assert [b.size for b in batch] == [2, 0]

@@ -1,0 +1,94 @@
+"""End to end in one process: the loss falls, resume is bitwise exact, bad input fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megapretrain.train import main
+
+TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",
+        "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--logging.interval", "1",
+        "--logging.tensorboard", "false", "--optim.lr", "3e-3", "--schedule.warmup_iters", "2"]
+
+
+def train(run_dir, corpus, *extra) -> int:
+    return main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TINY, *extra])
+
+
+def records(run_dir, key="loss") -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if key in r]
+
+
+def test_loss_falls_and_run_dir_is_complete(tmp_path, corpus):
+    run = tmp_path / "run"
+    assert train(run, corpus, "--train.iters", "40", "--train.eval_interval", "20",
+                 "--train.eval_iters", "2", "--checkpoint.interval", "20", "--logging.tensorboard", "true") == 0
+    losses = [r["loss"] for r in records(run)]
+    assert len(losses) == 40 and losses[-1] < losses[0] - 1.0
+    first = records(run)[0]
+    for key in ("iter", "loss", "grad_norm", "lr", "tokens_per_sec", "consumed_tokens"):
+        assert key in first
+    assert first["iter"] == 1 and first["consumed_tokens"] == 8 * 64
+    evals = records(run, "valid_loss")
+    assert [r["iter"] for r in evals] == [20, 40] and evals[1]["valid_loss"] < evals[0]["valid_loss"]
+    assert (run / "config.yaml").exists() and any((run / "tensorboard").iterdir())
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "iter_0000040"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("iter_")) == ["iter_0000020", "iter_0000040"]
+    saved = [r for r in records(run, "event") if r["event"] == "checkpoint_saved"]
+    assert [r["iter"] for r in saved] == [20, 40]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bitwise_exact(tmp_path, corpus, precision):
+    common = ["--train.precision", precision, "--schedule.decay_iters", "20", "--checkpoint.interval", "0",
+              "--train.eval_interval", "0"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, corpus, "--train.iters", "20", *common) == 0
+    assert train(split, corpus, "--train.iters", "10", *common) == 0
+    assert train(split, corpus, "--train.iters", "20", *common) == 0  # resumes at 10
+    a, b = records(straight), records(split)
+    assert [r["iter"] for r in b] == list(range(1, 21))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]            # bitwise, not approximately
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    resumed = [r for r in records(split, "event") if r["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["iter"] == 10
+    wa = torch.load(straight / "checkpoints/iter_0000020/rank_00000.pt", weights_only=True)["model"]
+    wb = torch.load(split / "checkpoints/iter_0000020/rank_00000.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_layout_and_option_errors_are_one_line(tmp_path, corpus, capsys):
+    assert train(tmp_path / "r", corpus, "--parallel.tp", "3") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "parallel.tp=3 × parallel.pp=1 = 3 must divide the world size 1" in err
+    assert train(tmp_path / "r", corpus, "--trian.iters", "5") == 2
+    assert "did you mean '--train.iters'" in capsys.readouterr().err
+    assert main(["--run.dir", str(tmp_path / "r"), "--data.paths", "[nowhere/missing]", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere/missing" in err and err.count("\n") == 1
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_sigterm_saves_and_exits(tmp_path, corpus, monkeypatch):
+    from megapretrain import trainer as trainer_mod
+
+    original = trainer_mod.Trainer.train_step
+
+    def step_then_signal(self):
+        out = original(self)
+        if self.iteration == 2:  # the signal arrives during the third step
+            self._on_sigterm(None, None)
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_signal)
+    run = tmp_path / "run"
+    assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+    assert records(run)[-1]["iter"] == 3
