@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+
 import pytest
 import yaml
 
@@ -126,3 +130,20 @@ def test_derived_sizes():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 8) == 51200
     assert "--train.iters" in help_text() and "--checkpoint.async" in help_text()
+
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_validate_at_their_world_size(path):
+    """Each config's first line names the GPUs it is laid out for; it must validate there."""
+    with open(path) as fh:
+        header = fh.readline()
+    match = re.search(r"(\d+) GPUs", header)
+    world = int(match.group(1)) if match else 1
+    cfg = load_config(path)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 257  # the byte tokenizer's
+    plan, _ = validate(cfg, world)
+    assert plan.world_size == world and plan.dp >= 1

@@ -223,14 +223,16 @@ class PipelineExecutor:
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
-    embedding. ``grad_sync(last)`` wraps every backward (the data-parallel overlap hook).
+    embedding. ``grad_sync(last)`` wraps every backward (the data-parallel overlap hook); ``last``
+    is true for each chunk's backward of the final micro-batch. With ``record`` set, ``trace``
+    keeps the ops of the latest run.
     """
     pp_rank: int
     pp: int
     vpp: int
     p2p: P2P | None
-    forward_fn: Callable
     grad_sync: Callable
+    record: bool = False
     trace: list = field(default_factory=list)
 
     def _is_first(self, chunk: int) -> bool:
@@ -239,17 +241,17 @@ class PipelineExecutor:
     def _is_last(self, chunk: int) -> bool:
         return self.pp_rank == self.pp - 1 and chunk == self.vpp - 1
 
-    def run(self, order: list[Op], num_micro: int, backward: bool = True) -> None:
+    def run(self, order: list[Op], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
         saved: dict[tuple, tuple] = {}
+        self.trace = list(order) if self.record else []
         for op in order:
-            self.trace.append(op)
             key = (op.micro, op.chunk)
             if op.kind == "F":
                 inp = None
                 if not self._is_first(op.chunk):
                     inp = self.p2p.recv_forward().requires_grad_(backward)
                 with torch.set_grad_enabled(backward):
-                    out = self.forward_fn(op.chunk, op.micro, inp)
+                    out = forward_fn(op.chunk, op.micro, inp)
                 if not self._is_last(op.chunk):
                     self.p2p.send_forward(out)
                 if backward:

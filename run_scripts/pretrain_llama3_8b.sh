@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Pretrain configs/llama3_8b.yaml. Layout and size: see the config's first line.
+# SLURM:   sbatch --nodes 8 --ntasks-per-node 1 --gpus-per-node 8 run_scripts/pretrain_llama3_8b.sh
+# By hand: NNODES=8 NODE_RANK=<i> MASTER_ADDR=<node 0> bash run_scripts/pretrain_llama3_8b.sh   (on every node)
+# Extra arguments are config overrides, e.g. --data.paths '[0.7, web_text_document, 0.3, code_text_document]'
+#SBATCH --job-name=llama3_8b
+#SBATCH --exclusive
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${MEGAPRETRAIN_IN_SRUN:-}" ]; then
+  # one launcher per node; each starts torchrun for its GPUs
+  export MEGAPRETRAIN_IN_SRUN=1
+  exec srun --ntasks-per-node 1 bash "$0" "$@"
+fi
+exec bash "$ROOT/run_scripts/launch.sh" "$ROOT/configs/llama3_8b.yaml" "$@"
