@@ -1,8 +1,9 @@
 """The training loop: build everything from the config, then step, log, evaluate and checkpoint.
 
-Read top to bottom: ``Trainer.__init__`` builds the model, optimizer, data and writers and resumes
-from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one optimizer step over the
-global batch (micro-batches accumulated in fp32); ``evaluate`` runs the valid split.
+Read top to bottom: ``Trainer.__init__`` builds this rank's model chunks, the optimizer, data and
+writers and resumes from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one
+optimizer step over the global batch — its micro-batches run through the pipeline schedule (with
+pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
 per-token losses and divides by the global token count, and the sums are added over dp — so it is
@@ -11,6 +12,7 @@ the same number on every rank and under every layout.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -27,6 +29,8 @@ from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
 from .optim.optimizer import MixedPrecisionAdamW
 from .optim.schedule import LRSchedule
+from .parallel.pipeline import (P2P, PipelineExecutor, chunk_layers, forward_only_order, peak_in_flight,
+                                resolve_schedule, schedule_order)
 from .parallel.state import ParallelState
 from .parallel.tensor import shard_dims_of
 
@@ -42,13 +46,34 @@ def model_args(cfg: Config, plan: Plan) -> ModelArgs:
                      attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)
 
 
+def build_model_chunks(cfg: Config, plan: Plan, ps: ParallelState) -> list[LlamaModel]:
+    """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights.
+
+    The first stage's first chunk embeds, the last stage's last chunk holds the head. With tied
+    embeddings and pp > 1 the last stage keeps its own copy of the embedding: both copies start
+    equal (same name, same seed), their grads are summed over the embedding group, and the copy on
+    the last stage is left out of the grad norm.
+    """
+    args, p = model_args(cfg, plan), cfg.parallel
+    chunks = []
+    for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, ps.pp_rank, p.pipeline_layers)):
+        model = LlamaModel(args, ps.tp, layer_ids=layer_ids, pre_process=ps.is_first_stage and v == 0,
+                           post_process=ps.is_last_stage and v == p.vpp - 1,
+                           sequence_parallel=p.sequence_parallel, recompute=p.recompute,
+                           dtype=DTYPES[cfg.train.precision], device=ps.device)
+        for name, dim in shard_dims_of(model).items():
+            model.get_parameter(name).tp_shard_dim = dim
+        model.init_weights(cfg.train.seed)
+        if args.tie_embeddings and p.pp > 1 and hasattr(model, "embed_tokens"):
+            model.embed_tokens.weight.shared_embedding = True
+            model.embed_tokens.weight.pipeline_duplicate = not model.pre_process
+        chunks.append(model)
+    return chunks
+
+
 def build_model(cfg: Config, plan: Plan, ps: ParallelState) -> LlamaModel:
-    """This rank's model chunk, on its device, with its layout-invariant initial weights."""
-    model = LlamaModel(model_args(cfg, plan), ps.tp, sequence_parallel=cfg.parallel.sequence_parallel,
-                       recompute=cfg.parallel.recompute, dtype=DTYPES[cfg.train.precision], device=ps.device)
-    for name, dim in shard_dims_of(model).items():
-        model.get_parameter(name).tp_shard_dim = dim
-    model.init_weights(cfg.train.seed)
+    """The whole model of a run without pipeline parallelism (benchmarks, tools)."""
+    (model,) = build_model_chunks(cfg, plan, ps)
     return model
 
 
@@ -67,15 +92,24 @@ class Trainer:
         self.is_logger = ps.rank == 0
         self.tokens_per_batch = t.global_batch_size * t.seq_length
         self.iteration, self.consumed_samples = 0, 0
+        self.last_loss: float | None = None
         os.makedirs(cfg.run.dir, exist_ok=True)
 
         torch.manual_seed(t.seed)  # dropout; weights are seeded per parameter name
-        self.model = build_model(cfg, plan, ps)
-        self.args = self.model.args
-        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), cfg.optim,
+        self.model_chunks = build_model_chunks(cfg, plan, ps)
+        self.args = self.model_chunks[0].args
+        named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
+        self.optimizer = MixedPrecisionAdamW(named_params, cfg.optim,
                                              t.precision, ps, zero=cfg.parallel.zero,
                                              bucket_size_mb=cfg.parallel.bucket_size_mb)
-        self.optimizer.overlap_param_gather(self.model)  # zero ≥ 1: all-gather under the next forward
+        self.optimizer.overlap_param_gather(self.model_chunks)  # zero ≥ 1: all-gather under the next forward
+        self.num_micro = plan.grad_accum
+        self.schedule_kind = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp, self.num_micro)
+        act_seq = t.seq_length // ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else t.seq_length
+        p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
+                  self.device) if ps.pp.size > 1 else None
+        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
+                                         self.optimizer.grad_sync, record=cfg.parallel.pp_trace)
         self.schedule = LRSchedule.from_config(cfg, plan.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
@@ -113,6 +147,8 @@ class Trainer:
         while self.iteration < t.iters:
             stats = self.train_step()
             self.iteration += 1
+            if self.pipeline.record:
+                self._write_trace()
             self.consumed_samples += t.global_batch_size
             if self.iteration % self.cfg.logging.interval == 0 or self.iteration == t.iters:
                 self._log_step(stats)
@@ -139,33 +175,47 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch; returns the step's metrics."""
-        t = self.cfg.train
+        t, ps = self.cfg.train, self.ps
         start = time.perf_counter()
-        if self.ps.stats is not None:
-            self.ps.stats.reset()
-        self.model.train()
+        if ps.stats is not None:
+            ps.stats.reset()
+        for chunk in self.model_chunks:
+            chunk.train()
         self.optimizer.zero_grad()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        data_time = 0.0
-        scale = self.optimizer.scaler.scale / self.tokens_per_batch
         micro_batches = micro_batch_ranges(self.consumed_samples, t.global_batch_size, t.micro_batch_size,
-                                           self.ps.dp_rank, self.ps.dp.size)
-        for i, ids in enumerate(micro_batches):
-            data_start = time.perf_counter()
-            tokens, targets = collate(self.datasets["train"], ids, self.device)
-            data_time += time.perf_counter() - data_start
-            losses = self.model(tokens, targets)  # (b, s) fp32 per-token loss
-            # the data-parallel reduction overlaps with the last micro-batch's backward
-            with self.optimizer.grad_sync(last=i == len(micro_batches) - 1):
-                (losses.sum() * scale).backward()
-            loss_sum += losses.detach().sum()
+                                           ps.dp_rank, ps.dp.size)
+        batches, data_time = self._load(self.datasets["train"], micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        scale = self.optimizer.scaler.scale / self.tokens_per_batch
+
+        def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            nonlocal loss_sum
+            model = self.model_chunks[chunk]
+            tokens, targets = batches[micro]
+            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
+            if not model.post_process:
+                return out  # (b, s, h) activation for the next stage
+            loss_sum += out.detach().sum()  # out: (b, s) fp32 per-token loss
+            return out.sum() * scale
+
+        order = schedule_order(self.schedule_kind, ps.pp_rank, ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
+        self.pipeline.run(order, self.num_micro, forward)  # dp reduction overlaps the last backwards
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
-        self.ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
+        ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
+        ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
         lr = self.schedule(self.iteration + 1)
         grad_norm, skipped = self.optimizer.step(lr)
         elapsed = time.perf_counter() - start
-        return {"loss": loss_sum.item() / self.tokens_per_batch, "grad_norm": grad_norm, "lr": lr,
+        self.last_loss = loss_sum.item() / self.tokens_per_batch
+        return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr,
                 "skipped": skipped, "step_time": elapsed, "data_time": data_time}
+
+    def _load(self, dataset, micro_batches: list) -> tuple[list, float]:
+        """(tokens, targets) of each micro-batch; only stages with the embedding or head read data."""
+        start = time.perf_counter()
+        needs_data = any(c.pre_process or c.post_process for c in self.model_chunks)
+        batches = [collate(dataset, ids, self.device) if needs_data else (None, None) for ids in micro_batches]
+        return batches, time.perf_counter() - start
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -173,15 +223,27 @@ class Trainer:
         valid = self.datasets.get("valid")
         if valid is None:
             return None
-        t = self.cfg.train
-        self.model.eval()
+        t, ps = self.cfg.train, self.ps
+        for chunk in self.model_chunks:
+            chunk.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        order = forward_only_order(ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
+
+        def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            nonlocal loss_sum
+            model = self.model_chunks[chunk]
+            tokens, targets = batches[micro]
+            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
+            if model.post_process:
+                loss_sum += out.sum()
+            return out
+
         for step in range(t.eval_iters):
-            for ids in micro_batch_ranges(step * t.global_batch_size, t.global_batch_size,
-                                          t.micro_batch_size, self.ps.dp_rank, self.ps.dp.size):
-                tokens, targets = collate(valid, ids, self.device)
-                loss_sum += self.model(tokens, targets).sum()
-        self.ps.dp.all_reduce(loss_sum)
+            batches, _ = self._load(valid, micro_batch_ranges(step * t.global_batch_size, t.global_batch_size,
+                                                              t.micro_batch_size, ps.dp_rank, ps.dp.size))
+            self.pipeline.run(order, self.num_micro, forward, backward=False)
+        ps.pp.all_reduce(loss_sum)
+        ps.dp.all_reduce(loss_sum)
         return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)
 
     # -- logging ----------------------------------------------------------------------------------
@@ -221,6 +283,15 @@ class Trainer:
                  + f"  ({per_param:.2f} bytes/param, zero={mem['zero']} dp={mem['dp']}"
                  + (", offloaded" if mem["offload"] else "") + ")")
         self.metrics.event("memory", self.iteration, **mem)
+
+    def _write_trace(self) -> None:
+        """Append this rank's schedule of the step just run to RUN_DIR/pipeline_trace_rankN.jsonl."""
+        ops = [f"{op.kind}{op.micro}.{op.chunk}" for op in self.pipeline.trace]
+        record = {"iter": self.iteration, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
+                  "schedule": self.schedule_kind, "ops": ops, "peak_in_flight": peak_in_flight(self.pipeline.trace)}
+        path = os.path.join(self.cfg.run.dir, f"pipeline_trace_rank{self.ps.rank}.jsonl")
+        with open(path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def _log_eval(self, valid_loss: float | None) -> None:
         if valid_loss is None:

@@ -1,0 +1,326 @@
+"""Data parallelism: contiguous param and grad buffers, split into buckets that are reduced over dp
+while the last micro-batch's backward is still running.
+
+Layout (one buffer pair per parameter dtype)::
+
+    params, reversed (≈ the order their grads become ready in backward)
+    | bucket 0: p_n  p_n-1 ... pad | bucket 1: ... pad | ...      param buffer (model dtype): p.data
+    |    rank 0's shard | rank 1's |                              grad buffer (fp32): p.main_grad
+
+Every parameter starts at a multiple of ``ALIGN`` elements and every bucket is padded to a multiple
+of ``ALIGN · dp``, so each dp rank owns an equal, aligned 1/dp slice (its *shard*) of every bucket.
+
+Autograd's ``p.grad`` is folded into ``p.main_grad`` (fp32) as soon as it is accumulated, and freed;
+micro-batches therefore sum in fp32. Inside ``grad_sync(last=True)`` (the last micro-batch's
+backward), a bucket's collective is launched asynchronously the moment its last parameter is folded:
+
+- ``zero=0`` all-reduce of the whole bucket (every rank steps every parameter);
+- ``zero=1`` reduce-scatter: only this rank's shard of the sum is needed (distributed optimizer);
+- ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
+  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight.
+
+Grads are summed, not averaged: the trainer already divides the loss by the global token count.
+After the optimizer has updated its shard of the param buffer, ``gather_params`` all-gathers each
+bucket (zero ≥ 1), optionally overlapped with the next forward (``overlap_param_gather``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+from .state import Group
+
+ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for vectorized kernels
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Bucket:
+    """Consecutive parameters whose grads are reduced by one collective.
+
+    Offsets are in elements from the bucket's start; this rank owns ``[shard_start, shard_end)``.
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], numel: int,
+                 shard_start: int, shard_end: int):
+        self.index, self.params, self.offsets, self.numel = index, params, offsets, numel
+        self.shard_start, self.shard_end = shard_start, shard_end
+        self.param_data: torch.Tensor | None = None  # (numel,) model dtype; params' .data are views
+        self.grad_data: torch.Tensor | None = None   # (numel,) fp32; transient under zero=2
+        self.grad_shard: torch.Tensor | None = None  # (shard,) fp32: what the optimizer steps on
+        self.launched = False       # the reduction of the current grads has started
+        self.work = None            # its handle while in flight
+        self.final: set[int] = set()  # ids of params not yet folded in a last micro-batch
+        self.fresh: set[int] = set()  # ids of params folded in the current micro-batch (zero=2)
+        self.param_work = None      # pending all-gather of the param buffer
+        self.launch_time: float | None = None  # time.perf_counter() of the latest reduction launch
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard_end - self.shard_start
+
+    def fragments(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """This rank's pieces of parameters: (param, start, end, offset) — elements ``[start, end)``
+        of the flattened param live at ``offset`` in the shard."""
+        out = []
+        for p, off in zip(self.params, self.offsets):
+            lo, hi = max(off, self.shard_start), min(off + p.numel(), self.shard_end)
+            if lo < hi:
+                out.append((p, lo - off, hi - off, lo - self.shard_start))
+        return out
+
+    def set_main_grads(self) -> None:
+        for p, off in zip(self.params, self.offsets):
+            p.main_grad = None if self.grad_data is None else self.grad_data[off:off + p.numel()].view(p.shape)
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_numel: float, dp: int) -> list[tuple[list, list, int]]:
+    """Split ``params`` (in layout order) into buckets of about ``bucket_numel`` elements:
+    (params, offsets, padded size) each. A ``shared_embedding`` parameter gets a bucket of its own."""
+    plans, current, offsets, size = [], [], [], 0
+    for p in params:
+        if getattr(p, "shared_embedding", False):
+            plans.append(([p], [0], round_up(round_up(p.numel(), ALIGN), ALIGN * dp)))
+            continue
+        current.append(p)
+        offsets.append(size)
+        size = round_up(size + p.numel(), ALIGN)
+        if size >= bucket_numel:
+            plans.append((current, offsets, round_up(size, ALIGN * dp)))
+            current, offsets, size = [], [], 0
+    if current:
+        plans.append((current, offsets, round_up(size, ALIGN * dp)))
+    return plans
+
+
+class DataParallelBuffers:
+    """Param and grad buffers of a model's parameters, bucketed and reduced over ``dp``."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp: Group, tp: Group,
+                 embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
+                 overlap: bool = True):
+        self.dp, self.tp, self.embedding, self.zero, self.overlap = dp, tp, embedding, zero, overlap
+        self.names = {id(p): n for n, p in named_params}
+        self.buckets: list[Bucket] = []
+        self.param_buffers: list[torch.Tensor] = []
+        self.grad_buffers: list[torch.Tensor] = []  # persistent fp32 grads: full (zero<2) or shards
+        self._bucket_of: dict[int, Bucket] = {}
+        self._context: str | None = None  # None, "last" or "accumulate" inside grad_sync
+        self._gathers: collections.deque = collections.deque()  # buckets with a pending all-gather
+        self._learning: dict[int, set] = {}  # model -> modules called in its first forward so far
+        self._early_of: dict[int, list[Bucket]] = {}  # model -> buckets used without a module call
+        self._early: set[Bucket] = set()  # gathered first
+        bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 else float("inf")
+        layout = [p for _, p in reversed(named_params)]
+        for dtype in dict.fromkeys(p.dtype for p in layout):
+            self._build(dtype, [p for p in layout if p.dtype == dtype], bucket_numel)
+        for _, p in named_params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def _build(self, dtype: torch.dtype, params: list[nn.Parameter], bucket_numel: float) -> None:
+        plans = plan_buckets(params, bucket_numel, self.dp.size)
+        total = sum(numel for _, _, numel in plans)
+        device = params[0].device
+        param_buffer = torch.zeros(total, dtype=dtype, device=device)
+        grad_buffer = torch.zeros(total // (self.dp.size if self.zero == 2 else 1),
+                                  dtype=torch.float32, device=device)
+        start = shard_start = 0
+        for bucket_params, offsets, numel in plans:
+            shard = numel // self.dp.size if self.zero >= 1 else numel
+            lo = self.dp.rank * shard if self.zero >= 1 else 0
+            b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard)
+            b.param_data = param_buffer[start:start + numel]
+            for p, off in zip(bucket_params, offsets):
+                view = b.param_data[off:off + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                self._bucket_of[id(p)] = b
+            if self.zero == 2:
+                b.grad_shard = grad_buffer[shard_start:shard_start + shard]
+            else:
+                b.grad_data = grad_buffer[start:start + numel]
+                b.grad_shard = b.grad_data[b.shard_start:b.shard_end]
+            b.set_main_grads()
+            self.buckets.append(b)
+            start += numel
+            shard_start += shard
+        self.param_buffers.append(param_buffer)
+        self.grad_buffers.append(grad_buffer)
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.work is not None:  # never free or zero what a collective still writes
+                b.work.wait()
+            b.launched, b.work = False, None
+            b.final = {id(p) for p in b.params}
+            if self.zero == 2 and b.grad_data is not None:
+                b.grad_data = None
+                b.set_main_grads()
+        for buf in self.grad_buffers:
+            buf.zero_()
+
+    @contextlib.contextmanager
+    def grad_sync(self, last: bool):
+        """Context for one micro-batch's backward (per model chunk); inside ``last=True`` buckets
+        are reduced as they become ready. Under zero=2 every micro-batch is reduced."""
+        self.wait_params()  # normally a no-op: the forward has waited for what it used
+        self._context = "last" if last else "accumulate"
+        for b in self.buckets:
+            b.fresh = set()
+        try:
+            yield
+        finally:
+            self._context = None
+        if self.zero == 2 and not last:
+            self._reduce_all()  # only the shard accumulators outlive a micro-batch
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """Fold autograd's ``p.grad`` into ``p.main_grad``; launch the bucket once it is complete."""
+        b = self._bucket_of[id(p)]
+        if b.launched:
+            raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its bucket's "
+                               "data-parallel reduction started: was it used after its last micro-batch, "
+                               "or was zero_grad() not called after reduce_grads()?")
+        if b.grad_data is None:  # zero=2: the bucket's first grad of this micro-batch
+            b.grad_data = torch.zeros(b.numel, dtype=torch.float32, device=p.device)
+            b.set_main_grads()
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self._context is None or not self.overlap:
+            return
+        if self._context == "last":
+            b.final.discard(id(p))
+            ready = not b.final
+        else:
+            b.fresh.add(id(p))
+            ready = self.zero == 2 and len(b.fresh) == len(b.params)
+        if ready:
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        b.launch_time = time.perf_counter()
+        for p in b.params:  # sequence-parallel norm weights: each tp rank saw part of the sequence
+            if getattr(p, "sequence_parallel", False):
+                self.tp.all_reduce(p.main_grad)
+        if self.zero == 0:
+            b.work = self.dp.all_reduce_async(b.grad_data)
+        else:  # in place: our shard of the sum lands in our slice of the bucket
+            b.work = self.dp.reduce_scatter_async(b.grad_data[b.shard_start:b.shard_end], b.grad_data)
+
+    def _complete(self, b: Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        if self.zero == 2:
+            b.grad_shard.add_(b.grad_data[b.shard_start:b.shard_end])
+            b.grad_data = None
+            b.set_main_grads()
+            b.launched = False
+
+    def _reduce_all(self) -> None:
+        """Launch every bucket not launched yet (in bucket order, the same on every rank), then
+        wait for all of them."""
+        for b in self.buckets:
+            if not b.launched and b.grad_data is not None:
+                self._launch(b)
+        for b in self.buckets:
+            if b.launched:
+                self._complete(b)
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Finish the step's reduction: afterwards every bucket's ``grad_shard`` holds the sum over
+        dp of this rank's shard. A tied embedding's copies on the first and last pipeline stage
+        (``p.shared_embedding``) are then summed over the embedding group: alone in their buckets,
+        they are sharded the same way on both stages."""
+        self.wait_params()
+        self._reduce_all()
+        if self.embedding is not None:
+            for b in self.buckets:
+                if getattr(b.params[0], "shared_embedding", False):
+                    self.embedding.all_reduce(b.grad_shard)
+
+    # -- parameters -------------------------------------------------------------------------------
+
+    def gather_params(self, async_op: bool = False) -> None:
+        """All-gather every bucket's param buffer from the shards (zero ≥ 1) in the order the next
+        forward needs them; with ``async_op`` the forward's pre-hooks wait (see
+        ``overlap_param_gather``)."""
+        if self.zero == 0 or self.dp.size == 1:
+            return
+        self.wait_params()
+        forward_order = list(reversed(self.buckets))  # the first layers' bucket first
+        for b in [b for b in forward_order if b in self._early] + [b for b in forward_order if b not in self._early]:
+            b.param_work = self.dp.all_gather_async(b.param_data, b.param_data[b.shard_start:b.shard_end])
+            self._gathers.append(b)
+        if not async_op:
+            self.wait_params()
+
+    def wait_params(self, upto: Bucket | None = None) -> None:
+        """Wait for pending all-gathers: those launched up to and including ``upto``, or all."""
+        if upto is not None and upto.param_work is None:
+            return  # already complete
+        while self._gathers:
+            b = self._gathers.popleft()
+            if b.param_work is not None:
+                b.param_work.wait()
+                b.param_work = None
+            if b is upto:
+                break
+
+    def overlap_param_gather(self, model: nn.Module) -> None:
+        """Let the post-step all-gathers run under ``model``'s next forward.
+
+        Each module with parameters waits, as its forward starts, for its own parameters' buckets.
+        Parameters the forward uses without calling their module (an output layer applied
+        functionally, a tied embedding) are found during the first forward, which waits for
+        everything; from then on their buckets are gathered first and waited for as ``model``'s
+        own forward starts."""
+        owned = {}
+        for module in model.modules():
+            buckets = list(dict.fromkeys(self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+                                         if id(p) in self._bucket_of))
+            if buckets:
+                owned[id(module)] = buckets
+                module.register_forward_pre_hook(partial(self._wait_for_module, buckets=buckets))
+        called: set[int] = set()
+        self._learning[id(model)] = called
+        model.register_forward_pre_hook(self._wait_for_model)
+        model.register_forward_hook(partial(self._learn_uncalled, owned=owned, called=called))
+
+    def _wait_for_module(self, module: nn.Module, args, buckets: list[Bucket]) -> None:
+        for called in self._learning.values():
+            called.add(id(module))
+        for b in buckets:
+            self.wait_params(b)
+
+    def _wait_for_model(self, model: nn.Module, args) -> None:
+        if id(model) in self._learning:
+            self.wait_params()  # first forward: everything
+        for b in self._early_of.get(id(model), ()):
+            self.wait_params(b)
+
+    def _learn_uncalled(self, model: nn.Module, args, output, owned: dict, called: set) -> None:
+        if self._learning.pop(id(model), None) is None:
+            return
+        early = [b for m, buckets in owned.items() if m not in called for b in buckets]
+        self._early_of[id(model)] = early
+        self._early.update(early)
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def padded_numel(self) -> int:
+        return sum(b.numel for b in self.buckets)

@@ -1,0 +1,215 @@
+"""The mixed-precision AdamW and its bucketed buffers, in one process (the multi-rank behaviour is
+in test_data_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megapretrain.config import OptimConfig
+from megapretrain.optim.optimizer import LossScaler, MixedPrecisionAdamW
+from megapretrain.parallel.data import ALIGN
+from megapretrain.parallel.state import ParallelState
+
+from helpers import build, make_tokens, tiny_args
+
+
+def _loss(model, tokens):
+    return model(tokens[:, :-1], tokens[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_matches_torch_adamw_exactly(precision):
+    """Same grads in, same weights out, bit for bit: torch.optim.AdamW on fp32 copies vs ours."""
+    ps, tokens = ParallelState(), make_tokens(batch=4, seq=16)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    ours = build(ps, tiny_args(), dtype=dtype)
+    ref = build(ps, tiny_args(), dtype=dtype)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
+    opt = MixedPrecisionAdamW(list(ours.named_parameters()), cfg, precision, ps, bucket_size_mb=0.01)
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
+    groups = [{"params": [m for m in masters.values() if m.ndim >= 2], "weight_decay": 0.1},
+              {"params": [m for m in masters.values() if m.ndim < 2], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for _ in range(3):
+        opt.zero_grad()
+        with opt.grad_sync(last=True):
+            _loss(ours, tokens).backward()
+        opt.reduce_grads()
+        opt.step(1e-2)
+
+        _loss(ref, tokens).backward()
+        for n, p in ref.named_parameters():
+            masters[n].grad = p.grad.float()
+            p.grad = None
+        torch_opt.step()
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(masters[n])
+    for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    assert opt.step_count == 3
+
+
+def test_buffer_layout():
+    """Params in reverse order, aligned views into one buffer per dtype; buckets padded to dp."""
+    ps = ParallelState()
+    model = build(ps, tiny_args())
+    named = list(model.named_parameters())
+    opt = MixedPrecisionAdamW(named, OptimConfig(), "fp32", ps, bucket_size_mb=0.02)
+    buffers = opt.buffers
+    assert len(buffers.param_buffers) == len(buffers.grad_buffers) == 1
+    order = [p for b in buffers.buckets for p in b.params]
+    assert [id(p) for p in order] == [id(p) for _, p in reversed(named)]
+    base = buffers.param_buffers[0].data_ptr()
+    grad_base = buffers.grad_buffers[0].data_ptr()
+    start = 0
+    for b in buffers.buckets[:-1]:
+        assert b.numel * 4 >= 0.02 * 2**20 and b.numel % ALIGN == 0
+    for b in buffers.buckets:
+        for p, off in zip(b.params, b.offsets):
+            assert off % ALIGN == 0
+            assert p.data_ptr() == base + (start + off) * p.element_size()
+            assert p.main_grad.data_ptr() == grad_base + (start + off) * 4
+        start += b.numel
+    assert start == buffers.param_buffers[0].numel()
+    # the values survived the move into the buffer
+    fresh = dict(build(ps, tiny_args()).named_parameters())
+    assert all(torch.equal(p, fresh[n]) for n, p in named)
+
+
+def test_one_buffer_per_dtype_and_unused_params():
+    ps = ParallelState()
+    model = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8).to(torch.bfloat16),
+                           "unused": nn.Linear(8, 8)})
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "bf16", ps)
+    assert sorted(str(b.dtype) for b in opt.buffers.param_buffers) == ["torch.bfloat16", "torch.float32"]
+    assert all(b.dtype == torch.float32 for b in opt.buffers.grad_buffers)
+    x = torch.randn(4, 8)
+    with opt.grad_sync(last=True):
+        (model["a"](x).sum() + model["b"](x.bfloat16()).float().sum()).backward()
+    opt.reduce_grads()  # "unused" got no grad: its bucket is still completed
+    assert not model["unused"].weight.main_grad.any()
+    assert model["a"].weight.main_grad.abs().sum() > 0
+    before = model["unused"].weight.detach().clone()
+    opt.step(1e-2)
+    assert torch.equal(model["unused"].weight, before * (1 - 1e-2 * 0.1))  # weight decay only
+
+
+def test_grad_after_reduction_is_an_error():
+    ps = ParallelState()
+    model = nn.Linear(4, 4)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "fp32", ps)
+    with opt.grad_sync(last=True):
+        model(torch.randn(2, 4)).sum().backward()
+    opt.reduce_grads()
+    with pytest.raises(RuntimeError, match="received a gradient after its bucket"):
+        model(torch.randn(2, 4)).sum().backward()
+
+
+def test_accumulation_equals_one_big_batch():
+    ps, tokens = ParallelState(), make_tokens(batch=8, seq=16)
+    results = []
+    for micro in (1, 2, 4):
+        model = build(ps, tiny_args())
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(eps=1e-6), "fp32", ps,
+                                  bucket_size_mb=0.02)
+        chunks = tokens.chunk(micro)
+        for i, chunk in enumerate(chunks):
+            with opt.grad_sync(last=i == micro - 1):
+                (model(chunk[:, :-1], chunk[:, 1:]).sum() / (8 * 16)).backward()
+        opt.reduce_grads()
+        opt.step(3e-3)
+        results.append(dict(model.named_parameters()))
+    for other in results[1:]:
+        for n, p in results[0].items():
+            torch.testing.assert_close(other[n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_clipping_uses_the_global_norm():
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args())
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(clip_grad=1e-3), "fp32", ps,
+                              bucket_size_mb=0.02)
+    with opt.grad_sync(last=True):
+        (_loss(model, tokens) * 100).backward()
+    opt.reduce_grads()
+    expected = torch.linalg.vector_norm(torch.stack([p.main_grad.norm() for p in model.parameters()])).item()
+    norm, skipped = opt.step(1e-3)
+    assert not skipped and norm == pytest.approx(expected, rel=1e-5)
+    clipped = torch.linalg.vector_norm(torch.stack([p.main_grad.norm() for p in model.parameters()])).item()
+    assert clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_nan_grad_skips_the_step():
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args())
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "fp32", ps)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.grad_sync(last=True):
+        (_loss(model, tokens) * float("nan")).backward()
+    opt.reduce_grads()
+    norm, skipped = opt.step(1e-2)
+    assert skipped and norm == float("inf") and opt.step_count == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_loss_scaler():
+    s = LossScaler(initial=8.0, window=2, min_scale=2.0, dynamic=True)
+    s.update(found_inf=True)
+    assert s.scale == 4.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 8.0
+    s.update(True), s.update(True), s.update(True)
+    assert s.scale == 2.0  # never below min_scale
+    fixed = LossScaler(initial=1.0)
+    fixed.update(True)
+    assert fixed.scale == 1.0
+
+
+def test_fp16_overflow_leaves_parameters_unchanged():
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args(), dtype=torch.float16)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(initial_loss_scale=2.0 ** 40),
+                              "fp16", ps)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with opt.grad_sync(last=True):
+        (_loss(model, tokens) * opt.scaler.scale).backward()  # overflows fp16 grads for real
+    opt.reduce_grads()
+    _, skipped = opt.step(1e-2)
+    assert skipped and opt.scaler.scale == 2.0 ** 39
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_memory_report_single_process():
+    ps = ParallelState()
+    model = build(ps, tiny_args(), dtype=torch.bfloat16)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "bf16", ps)
+    mem = opt.memory_report()
+    n = mem["padded_numel"]
+    assert (mem["params"], mem["grads"], mem["master"], mem["moments"]) == (2 * n, 4 * n, 4 * n, 8 * n)
+    assert mem["total"] == 18 * n and mem["numel"] == sum(p.numel() for p in model.parameters())
+
+
+def test_checkpoint_from_zero0_loads_into_a_sharded_optimizer():
+    """Whole tensors (zero=0) can seed fragments (zero ≥ 1): each rank slices what it owns."""
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    a = build(ps, tiny_args(), dtype=torch.bfloat16)
+    opt_a = MixedPrecisionAdamW(list(a.named_parameters()), OptimConfig(), "bf16", ps)
+    with opt_a.grad_sync(last=True):
+        _loss(a, tokens).backward()
+    opt_a.reduce_grads()
+    opt_a.step(1e-2)
+    b = build(ps, tiny_args(), dtype=torch.bfloat16)
+    opt_b = MixedPrecisionAdamW(list(b.named_parameters()), OptimConfig(), "bf16", ps, zero=1,
+                                bucket_size_mb=0.01)
+    opt_b.load_master_state_dict(opt_a.master_state_dict())
+    opt_b.load_state_dict(opt_a.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert opt_b.step_count == 1
+    fragments = opt_b.master_state_dict()
+    assert all(set(v) == {"start", "end", "master"} for v in fragments.values())
+    with pytest.raises(ValueError, match="has shape"):
+        opt_b.load_master_state_dict({**opt_a.master_state_dict(), "norm.weight": torch.zeros(3)})
