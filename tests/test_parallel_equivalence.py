@@ -93,3 +93,27 @@ def test_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory)
     reference = reference_for(flags, corpus, tmp_path_factory)
     results = run_distributed(_train, world, str(tmp_path), corpus, [*flags, *layout], timeout=300)
     check(reference, results)
+
+
+def _traced(rank, world, run_dir, corpus):
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, "--parallel.pp", str(world),
+            "--parallel.pp_trace", "true", "--train.iters", "2", "--train.global_batch_size", "12"]
+    trainer = setup(argv)
+    trainer.fit()
+    with open(os.path.join(run_dir, f"pipeline_trace_rank{rank}.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_recorded_1f1b_trace(pp, corpus, tmp_path):
+    """The trainer runs the published 1F1B order (6 micro-batches) and never holds more than pp
+    micro-batches' activations — read from the trace each rank writes."""
+    from megapretrain.parallel.pipeline import schedule_order
+
+    traces = run_distributed(_traced, pp, str(tmp_path), corpus, timeout=300)
+    for rank, records in enumerate(traces):
+        assert [r["iter"] for r in records] == [1, 2]
+        for r in records:
+            expected = [f"{op.kind}{op.micro}.{op.chunk}" for op in schedule_order("1f1b", rank, pp, 1, 6)]
+            assert r["ops"] == expected and r["schedule"] == "1f1b"
+            assert r["peak_in_flight"] == min(pp - rank, 6) <= pp
