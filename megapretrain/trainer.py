@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
 from .config import Config, Plan, save_config, to_dict
-from .data import build_gpt_datasets
-from .data.sampler import collate, micro_batch_ranges
+from .data import build_gpt_datasets, describe_datasets, format_description
+from .data.sampler import BatchLoader
 from .model.llama import LlamaModel, ModelArgs, flops_per_token, num_parameters
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
@@ -114,11 +114,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
 
-        valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
-        self.datasets = build_gpt_datasets(
-            cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
-            {"train": t.iters * t.global_batch_size, "valid": valid_samples, "test": 0},
-            cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
+        self.datasets = self._build_datasets()
+        needs_data = any(c.pre_process or c.post_process for c in self.model_chunks)  # first/last stage
+        self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
+                        for split, ds in self.datasets.items() if ds is not None and needs_data}
 
         layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size}
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
@@ -134,6 +133,7 @@ class Trainer:
         self._stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.log(plan.describe(num_parameters(self.args), self.flops_per_token))
+        self.log(format_description(describe_datasets(self.datasets)))
         self._log_memory()
         if resumed_from:
             self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
@@ -169,6 +169,8 @@ class Trainer:
                 self.save()
         self.checkpoints.finalize()
         self.metrics.close()
+        for loader in self.loaders.values():
+            loader.close()
         ckpt = os.path.join(self.cfg.run.dir, "checkpoints")
         self.log(f"done: metrics {os.path.join(self.cfg.run.dir, 'metrics.jsonl')}  "
                  f"tensorboard {os.path.join(self.cfg.run.dir, 'tensorboard')}  checkpoints {ckpt}")
@@ -182,9 +184,7 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        micro_batches = micro_batch_ranges(self.consumed_samples, t.global_batch_size, t.micro_batch_size,
-                                           ps.dp_rank, ps.dp.size)
-        batches, data_time = self._load(self.datasets["train"], micro_batches)
+        batches, data_time = self._load("train", self.consumed_samples)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         scale = self.optimizer.scaler.scale / self.tokens_per_batch
 
@@ -210,18 +210,33 @@ class Trainer:
         return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr,
                 "skipped": skipped, "step_time": elapsed, "data_time": data_time}
 
-    def _load(self, dataset, micro_batches: list) -> tuple[list, float]:
-        """(tokens, targets) of each micro-batch; only stages with the embedding or head read data."""
-        start = time.perf_counter()
-        needs_data = any(c.pre_process or c.post_process for c in self.model_chunks)
-        batches = [collate(dataset, ids, self.device) if needs_data else (None, None) for ids in micro_batches]
-        return batches, time.perf_counter() - start
+    def _load(self, split: str, consumed_samples: int) -> tuple[list, float]:
+        """This rank's (tokens, targets) micro-batches of the global batch after ``consumed_samples``,
+        and the seconds the step waited for them (the loader reads one step ahead). Stages with
+        neither the embedding nor the head read no data."""
+        loader = self.loaders.get(split)
+        if loader is None:
+            return [(None, None)] * self.num_micro, 0.0
+        batches = loader.get(consumed_samples, self.cfg.train.global_batch_size)
+        return batches, loader.wait_s
+
+    def _build_datasets(self) -> dict:
+        """Train/valid datasets; one rank per node builds missing index caches, the others load them."""
+        t, cfg = self.cfg.train, self.cfg
+        valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
+        args = (cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
+                {"train": t.iters * t.global_batch_size, "valid": valid_samples, "test": 0},
+                cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
+        builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
+        if dist.is_initialized():
+            dist.barrier()
+        return datasets if builder else build_gpt_datasets(*args, build_indices=False)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean per-token loss over the first ``eval_iters`` global batches of the valid split."""
-        valid = self.datasets.get("valid")
-        if valid is None:
+        if self.datasets.get("valid") is None:
             return None
         t, ps = self.cfg.train, self.ps
         for chunk in self.model_chunks:
@@ -239,8 +254,7 @@ class Trainer:
             return out
 
         for step in range(t.eval_iters):
-            batches, _ = self._load(valid, micro_batch_ranges(step * t.global_batch_size, t.global_batch_size,
-                                                              t.micro_batch_size, ps.dp_rank, ps.dp.size))
+            batches, _ = self._load("valid", step * t.global_batch_size)
             self.pipeline.run(order, self.num_micro, forward, backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp.all_reduce(loss_sum)

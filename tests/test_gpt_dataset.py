@@ -1,6 +1,7 @@
 """Packing, epochs, determinism, caching, splits and blending of GPT samples."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -37,24 +38,40 @@ def make_corpus(prefix, num_docs=60, seed=0, first_token=1):
     return IndexedDataset(prefix), docs
 
 
-def reference_stream(ds, docs):
-    """The document stream the indices describe, built the slow, obvious way."""
-    return np.concatenate([docs[int(d)] for d in ds.doc_index])
+def expected_by_row(ds, docs, document_ids):
+    """Each sample_index row's sample, from the definition: epoch e's shuffled documents as a cyclic
+    token stream; its sample k is the seq_length+1 tokens at k*s - e*T of that stream."""
+    s, total = ds.seq_length, ds.tokens_per_epoch
+    by_row, row = {}, 0
+    for e in range(ds.num_epochs):
+        order = np.random.default_rng([ds.seed, e]).permutation(document_ids)
+        stream = np.concatenate([docs[d] for d in order])
+        cyclic = np.tile(stream, 2 + (s + 1) // total)
+        for k in range(-(-e * total // s), -(-(e + 1) * total // s)):
+            local = k * s - e * total
+            by_row[row] = (e, k, cyclic[local: local + s + 1])
+            row += 1
+        row += 1  # each epoch ends with the row of its last sample's final token
+    return by_row
 
 
-def check_windows(ds, docs):
-    """Sample i is the (seq_length+1)-token window at stream position shuffle_index[i] * seq_length."""
-    stream, s = reference_stream(ds, docs), ds.seq_length
+def check_windows(ds, docs, document_ids=None):
+    """Every served sample matches the definition; no sample twice; epochs served in order."""
+    document_ids = np.arange(len(docs)) if document_ids is None else document_ids
+    by_row, s = expected_by_row(ds, docs, document_ids), ds.seq_length
     served = ds.shuffle_index.tolist()
     assert len(set(served)) == len(served) == len(ds)  # no sample twice
     for i in range(len(ds)):
-        k = int(ds.shuffle_index[i])
+        epoch, k, expected = by_row[served[i]]
         sample = ds[i]
         assert sample.dtype == np.int64 and sample.shape == (s + 1,)
-        np.testing.assert_array_equal(sample, stream[k * s: k * s + s + 1])
+        np.testing.assert_array_equal(sample, expected, err_msg=f"sample {i} (epoch {epoch}, k {k})")
+    epochs = [by_row[r][0] for r in served]
+    assert epochs == sorted(epochs)
+    return [by_row[r][1] for r in served]
 
 
-@pytest.mark.parametrize("seq_length", [1, 7, 32, 100])
+@pytest.mark.parametrize("seq_length", [1, 7, 32, 100, 5000])
 def test_one_epoch_packs_every_token_once(tmp_path, seq_length):
     indexed, docs = make_corpus(str(tmp_path / "c"))
     total = sum(len(d) for d in docs)
@@ -63,15 +80,14 @@ def test_one_epoch_packs_every_token_once(tmp_path, seq_length):
     assert ds.num_epochs == 1 and len(ds) == num_samples
     first_epoch = np.asarray(ds.doc_index)[: len(docs)]
     assert sorted(first_epoch.tolist()) == list(range(len(docs)))
-    check_windows(ds, docs)
-    stream = reference_stream(ds, docs)
-    starts = np.asarray(ds.shuffle_index, dtype=np.int64) * seq_length
+    starts = np.array(check_windows(ds, docs)) * seq_length
     assert sorted(starts.tolist()) == list(range(0, num_samples * seq_length, seq_length))
     # every token of the epoch after its first is a prediction target exactly once
     target_positions = np.concatenate([np.arange(k + 1, k + seq_length + 1) for k in starts])
     in_epoch = np.sort(target_positions[target_positions < total])
     np.testing.assert_array_equal(in_epoch, np.arange(1, total))
-    assert (stream[:total] == EOD).sum() == sum(1 for d in docs if len(d))  # EOD between documents, no padding
+    stream = np.concatenate([docs[int(d)] for d in first_epoch])
+    assert (stream == EOD).sum() == sum(1 for d in docs if len(d))  # EOD between documents, no padding
 
 
 def test_sample_i_does_not_depend_on_num_samples(tmp_path):
@@ -82,6 +98,18 @@ def test_sample_i_does_not_depend_on_num_samples(tmp_path):
     assert large.num_epochs > 1
     for i in range(10):
         np.testing.assert_array_equal(small[i], large[i])
+    one_epoch = -(-small.tokens_per_epoch // 16)
+    exact = GPTDataset(indexed, np.arange(len(docs)), 16, one_epoch, seed=4)
+    longer = GPTDataset(indexed, np.arange(len(docs)), 16, one_epoch + 1, seed=4)
+    assert exact.num_epochs == 1 and longer.num_epochs == 2
+    assert all((exact[i] == longer[i]).all() for i in range(one_epoch))  # the epoch's last samples too
+
+
+def test_epochs_are_the_fewest_that_hold_the_samples():
+    for total, s in [(15, 10), (100, 7), (7, 100), (64, 16)]:
+        for n in range(1, 40):
+            epochs = gpt_dataset.epochs_for(n, total, s)
+            assert -(-epochs * total // s) >= n > -(-(epochs - 1) * total // s), (total, s, n)
 
 
 def test_multi_epoch_shuffles_each_epoch_and_serves_epochs_in_order(tmp_path):
@@ -89,12 +117,28 @@ def test_multi_epoch_shuffles_each_epoch_and_serves_epochs_in_order(tmp_path):
     total = sum(len(d) for d in docs)
     ds = GPTDataset(indexed, np.arange(len(docs)), 16, num_samples=(total * 7) // (2 * 16), seed=1)
     assert ds.num_epochs == 4
-    epochs = np.asarray(ds.doc_index).reshape(5, -1)  # one more epoch of documents than of samples
-    assert all(sorted(e.tolist()) == list(range(20)) for e in epochs)
-    assert len({tuple(e) for e in epochs}) == 5  # each epoch has its own order
+    doc_index = np.asarray(ds.doc_index)
+    orders, position = [], 0
+    for e in range(4):  # each epoch: its order of the 20 documents, then a wrap that repeats its start
+        order = doc_index[position: position + 20]
+        assert sorted(order.tolist()) == list(range(20))
+        orders.append(tuple(order))
+        rest = doc_index[position + 20:]
+        wrap = rest.size if e == 3 else next(w for w in range(1, 21) if sorted(rest[w: w + 20]) == list(range(20)))
+        assert (rest[:wrap] == order[:wrap]).all()
+        position += 20 + wrap
+    assert len(set(orders)) == 4  # each epoch has its own order
+    ks = check_windows(ds, docs)
+    last_epoch_start = -(-3 * total // 16)
+    assert set(range(last_epoch_start)) <= set(ks)  # whole epochs first, then part of the last one
+    assert all(k < -(-4 * total // 16) for k in ks)
+
+
+def test_epoch_shorter_than_a_sample_wraps_around(tmp_path):
+    indexed, docs = make_corpus(str(tmp_path / "c"), num_docs=3, seed=5)
+    ds = GPTDataset(indexed, np.arange(3), 500, 4, seed=0)
+    assert ds.tokens_per_epoch < 500 and ds.num_epochs > 1
     check_windows(ds, docs)
-    epoch_of_served = np.asarray(ds.shuffle_index) * 16 // total
-    assert (np.diff(epoch_of_served) >= 0).all()
 
 
 def test_document_subset_uses_only_those_documents(tmp_path):
@@ -102,7 +146,7 @@ def test_document_subset_uses_only_those_documents(tmp_path):
     subset = np.arange(10, 30)
     ds = GPTDataset(indexed, subset, 8, 30, seed=0)
     assert set(np.asarray(ds.doc_index).tolist()) == set(subset.tolist())
-    check_windows(ds, docs)
+    check_windows(ds, docs, subset)
 
 
 def test_deterministic_per_seed(tmp_path):
@@ -117,17 +161,68 @@ def test_cache_is_written_reused_and_keyed(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=str(cache))
     files = sorted(p.name for p in cache.iterdir())
-    assert len(files) == 3 and all(f.endswith(".npy") for f in files)
+    assert len(files) == 4 and sum(f.endswith(".npy") for f in files) == 3 and files[0].endswith(".json")
 
-    def no_rebuild(self):
+    def no_rebuild(*args):
         raise AssertionError("indices rebuilt although cached")
 
-    monkeypatch.setattr(GPTDataset, "_build_indices", no_rebuild)
+    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", no_rebuild)
     again = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=str(cache))
     assert all((first[i] == again[i]).all() for i in range(40))
+    shorter = GPTDataset(indexed, np.arange(len(docs)), 16, 30, seed=2, cache_dir=str(cache))  # same epochs
+    assert all((first[i] == shorter[i]).all() for i in range(30))
     monkeypatch.undo()
     GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=3, cache_dir=str(cache))
-    assert len(list(cache.iterdir())) == 6  # another seed, other files
+    assert len(list(cache.iterdir())) == 8  # another seed, other files
+
+
+def test_stale_or_partial_cache_is_rebuilt(tmp_path, monkeypatch):
+    prefix = str(tmp_path / "c")
+    indexed, docs = make_corpus(prefix)
+    cache = str(tmp_path / "cache")
+    first = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
+    calls = []
+    real = gpt_dataset.build_gpt_indices
+    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", lambda *a: calls.append(1) or real(*a))
+    manifest = os.path.join(cache, first._cache_stem() + ".json")
+    os.remove(manifest)  # a build that died before its manifest: not used
+    GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
+    assert calls == [1] and os.path.exists(manifest)
+    shuffle = os.path.join(cache, first._cache_stem() + "_shuffle_index.npy")
+    np.save(shuffle, np.zeros(3, dtype=np.int64))  # an array that does not match its manifest
+    GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
+    assert calls == [1, 1]
+    indexed, docs = make_corpus(prefix, seed=9)  # the data changed: a new key
+    changed = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
+    assert calls == [1, 1, 1] and changed.cache_key != first.cache_key
+    check_windows(changed, docs)
+
+
+def test_build_once_per_node_protocol(tmp_path, monkeypatch):
+    """Local rank 0 builds (build_indices=True); the others only load what it wrote, or wait for it."""
+    make_corpus(str(tmp_path / "a"), num_docs=80, seed=1)
+    make_corpus(str(tmp_path / "b"), num_docs=80, seed=2, first_token=10_000)
+    args = (f"0.4 {tmp_path / 'a'} 0.6 {tmp_path / 'b'}", [90, 10, 0], 8, 0, {"train": 50, "valid": 5})
+    cache = str(tmp_path / "cache")
+    with pytest.raises(TimeoutError, match="local rank 0"):
+        build_gpt_datasets(*args, cache, build_indices=False, cache_wait_s=0.2)
+    built = build_gpt_datasets(*args, cache, build_indices=True)
+    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", None)
+    monkeypatch.setattr(gpt_dataset, "blending_indices", None)
+    loaded = build_gpt_datasets(*args, cache, build_indices=False, cache_wait_s=0.2)
+    for split, n in (("train", 50), ("valid", 5)):
+        assert all((built[split][i] == loaded[split][i]).all() for i in range(n))
+
+
+def test_waiting_rank_sees_the_entry_once_written(tmp_path):
+    indexed, docs = make_corpus(str(tmp_path / "c"))
+    cache = str(tmp_path / "cache")
+    builder = threading.Timer(0.3, lambda: GPTDataset(indexed, np.arange(60), 16, 40, seed=2, cache_dir=cache))
+    builder.start()
+    waiter = GPTDataset(indexed, np.arange(60), 16, 40, seed=2, cache_dir=cache, build_indices=False,
+                        cache_wait_s=30)
+    builder.join()
+    check_windows(waiter, docs)
 
 
 def test_empty_inputs_are_clear_errors(tmp_path):
@@ -222,3 +317,11 @@ def test_missing_prefix_names_it_and_the_tool(tmp_path):
 def test_blending_counts_are_exact_when_weights_divide():
     index, _ = blending_indices(np.array([0.5, 0.25, 0.25]), 100_000)
     assert np.bincount(index).tolist() == [50_000, 25_000, 25_000]
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.5, 0.5], [1 / 3, 2 / 3], [0.123, 0.877], [0.9, 0.1]])
+def test_two_way_blending_closed_form_equals_the_greedy_loop(weights):
+    fast = blending_indices(np.array(weights), 5000)
+    three = blending_indices(np.array(weights + [0.0]), 5000)  # the general loop, third dataset never due
+    np.testing.assert_array_equal(fast[0], three[0])
+    np.testing.assert_array_equal(fast[1], three[1])

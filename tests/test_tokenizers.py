@@ -36,6 +36,31 @@ def train_gpt2_files(directory):
     return directory
 
 
+def train_sentencepiece(directory):
+    """A tiny SentencePiece BPE model with byte fallback and no normalization (exact round trips)."""
+    spm = pytest.importorskip("sentencepiece")
+    prefix = str(directory / "sp")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=prefix, vocab_size=400,
+                                   hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   add_dummy_prefix=False, minloglevel=2, num_threads=1, model_type="bpe")
+    return prefix + ".model"
+
+
+def write_tiktoken_ranks(path):
+    """A .tiktoken rank file: the 256 bytes, then the words of CORPUS (with and without a space before)."""
+    import base64
+
+    tokens = [bytes([b]) for b in range(256)]
+    words = sorted({w for text in CORPUS for w in text.split()})
+    for word in words:
+        for token in (word.encode(), b" " + word.encode()):
+            if len(token) > 1 and token not in tokens:
+                tokens.append(token)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return str(path)
+
+
 def check_round_trip(tokenizer):
     for text in SAMPLES:
         ids = tokenizer.tokenize(text)
@@ -116,3 +141,52 @@ def test_tokenize_batch_returns_integer_arrays():
     batch = build_tokenizer("ByteTokenizer").tokenize_batch(["ab", ""])
     assert all(isinstance(b, np.ndarray) and b.dtype.kind in "iu" for b in batch)
     assert [b.size for b in batch] == [2, 0]
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    model = train_sentencepiece(tmp_path)
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    import sentencepiece
+
+    reference = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert tok.eod == reference.eos_id() and tok.vocab_size == reference.get_piece_size()
+    check_round_trip(tok)
+    assert [b.tolist() for b in tok.tokenize_batch(SAMPLES, threads=2)] == [tok.tokenize(t) for t in SAMPLES]
+
+
+def test_tiktokenizer(tmp_path):
+    pytest.importorskip("tiktoken")
+    tok = build_tokenizer("TikTokenizer", write_tiktoken_ranks(tmp_path / "tiny.tiktoken"))
+    assert tok.eod == 2 and tok.vocab_size > 1256
+    check_round_trip(tok)
+    assert min(tok.tokenize("hello world")) >= 1000  # BPE ranks sit after the 1000 special ids
+    assert tok.detokenize([tok.eod] + tok.tokenize("hi")) == "</s>hi"
+    assert [b.tolist() for b in tok.tokenize_batch(SAMPLES, threads=2)] == [tok.tokenize(t) for t in SAMPLES]
+
+
+def test_tiktoken_file_errors_name_the_line(tmp_path):
+    pytest.importorskip("tiktoken")
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("YQ== 0\nnot-a-rank-line\n")
+    with pytest.raises(ValueError, match="bad.tiktoken:2"):
+        build_tokenizer("TikTokenizer", str(bad))
+
+
+def test_gpt2_backends_agree(tmp_path):
+    """tiktoken (fast path) and tokenizers give the same ids for GPT-2 style files, specials spelled out."""
+    pytest.importorskip("tiktoken")
+    from megapretrain.data.tokenizers import GPT2BPETokenizer
+
+    train_gpt2_files(tmp_path)
+    fast = GPT2BPETokenizer(str(tmp_path), None, None)
+    slow = GPT2BPETokenizer(str(tmp_path), None, None, backend="tokenizers")
+    assert (fast.backend, slow.backend) == ("tiktoken", "tokenizers")
+    assert (fast.eod, fast.vocab_size) == (slow.eod, slow.vocab_size)
+    rng = np.random.default_rng(0)
+    alphabet = list("the quick brown fox 0123 ,.;:'s've\n\t  é✓数据<|endoftext|>") + ["'ll", "'re", " the"]
+    texts = SAMPLES + CORPUS[:4] + ["".join(rng.choice(alphabet, size=int(rng.integers(0, 60))))
+                                    for _ in range(300)]
+    assert [b.tolist() for b in fast.tokenize_batch(texts, threads=2)] == \
+        [b.tolist() for b in slow.tokenize_batch(texts)]
+    assert fast.tokenize("a<|endoftext|>b") != [fast.eod]  # ordinary text, as GPT-2's encoder.py does
+    check_round_trip(fast)

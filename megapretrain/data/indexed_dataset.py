@@ -20,10 +20,10 @@ Files written here load in Megatron-LM and vice versa.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
-from array import array
 from typing import Sequence
 
 import numpy as np
@@ -61,8 +61,10 @@ def dataset_exists(prefix: str) -> bool:
 class IndexedDatasetBuilder:
     """Streams sequences to a .bin file and writes the matching .idx on ``finalize``.
 
-    Tokens go to disk through a buffered file as they arrive; only the per-sequence lengths
-    (8 bytes each) stay in memory, so any corpus size fits.
+    Memory stays flat whatever the corpus size: tokens go straight to the .bin file, and the
+    per-sequence lengths and document ends go to two small spill files beside it (``.lengths.tmp``,
+    ``.docs.tmp``) that ``finalize`` streams into the .idx. ``checksum`` hashes the .bin bytes as
+    they are written (sha256 hex digest, recorded in the preprocessing summary).
     """
 
     def __init__(self, bin_path: str, dtype=np.uint16):
@@ -72,18 +74,26 @@ class IndexedDatasetBuilder:
                              f"{', '.join(str(d) for d in DTYPE_CODES.values())}")
         self.bin_path = bin_path
         self._file = open(bin_path, "wb", buffering=1 << 22)
-        self._lengths = array("q")
-        self._document_indices = array("q", [0])
+        self._lengths_file = open(bin_path + ".lengths.tmp", "w+b", buffering=1 << 20)
+        self._docs_file = open(bin_path + ".docs.tmp", "w+b", buffering=1 << 20)
+        self._hash = hashlib.sha256()
+        self.sequence_count = 0
+        self.document_count = 0  # documents closed so far (document_indices has one more entry)
+        self.token_count = 0
+        self._open_document = False
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one sequence (it joins the current document until ``end_document``)."""
         arr = self._as_dtype(tokens)
-        self._file.write(memoryview(arr).cast("B"))
-        self._lengths.append(arr.size)
+        self._write_tokens(arr)
+        self._write_lengths(np.array([arr.size], dtype=np.int64))
+        self._open_document = True
 
     def end_document(self) -> None:
         """Close the current document: the sequences added since the last call form one document."""
-        self._document_indices.append(len(self._lengths))
+        self._docs_file.write(np.int64(self.sequence_count).tobytes())
+        self.document_count += 1
+        self._open_document = False
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one document made of one sequence (what preprocessing writes)."""
@@ -96,31 +106,82 @@ class IndexedDatasetBuilder:
         if int(lengths.sum()) != np.asarray(tokens).size:
             raise ValueError(f"add_documents: lengths sum to {int(lengths.sum())} but {np.asarray(tokens).size} "
                              "tokens were given")
-        arr = self._as_dtype(tokens)
-        self._file.write(memoryview(arr).cast("B"))
-        start = len(self._lengths)
-        self._lengths.extend(lengths.tolist())
-        self._document_indices.extend(range(start + 1, len(self._lengths) + 1))
+        if self._open_document:
+            raise ValueError("add_documents: call end_document() first; a document is still open")
+        self._write_tokens(self._as_dtype(tokens))
+        ends = self.sequence_count + 1 + np.arange(lengths.size, dtype=np.int64)
+        self._write_lengths(lengths)
+        self._docs_file.write(ends.tobytes())
+        self.document_count += lengths.size
 
-    def finalize(self, idx_path: str) -> None:
-        """Flush and close the .bin file, then write the .idx file describing it."""
+    def add_index(self, prefix: str, chunk: int = 1 << 22) -> None:
+        """Append a whole dataset (its documents, in order) by streaming its files: no full load."""
+        source = IndexedDataset(prefix)
+        if source.dtype != self.dtype:
+            raise ValueError(f"{prefix}: token dtype {source.dtype} differs from the output's {self.dtype}; "
+                             "merge only datasets made with the same tokenizer")
+        if self._open_document:
+            raise ValueError("add_index: call end_document() first; a document is still open")
+        first = self.sequence_count
+        for i in range(0, len(source), chunk):
+            self._write_lengths(source.sequence_lengths[i:i + chunk].astype(np.int64))
+        for i in range(1, source.document_indices.size, chunk):
+            self._docs_file.write((source.document_indices[i:i + chunk] + first).astype(np.int64).tobytes())
+        self.document_count += source.num_documents
+        with open(data_file_path(prefix), "rb") as f:
+            while block := f.read(16 << 20):
+                self._file.write(block)
+                self._hash.update(block)
+        self.token_count += source.num_tokens
+
+    @property
+    def checksum(self) -> str:
+        """sha256 hex digest of the .bin bytes written so far."""
+        return self._hash.hexdigest()
+
+    def finalize(self, idx_path: str, chunk: int = 1 << 22) -> None:
+        """Flush and close the .bin file, then stream the .idx file describing it."""
+        if self._open_document:
+            self.end_document()
         self._file.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int64)
-        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the format's "
-                             "int32 length field")
-        pointers = np.zeros(lengths.size, dtype=np.int64)
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        documents = np.frombuffer(self._document_indices, dtype=np.int64)
         with open(idx_path, "wb") as f:
-            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], lengths.size, documents.size))
-            f.write(lengths.astype(np.int32).tobytes())
-            f.write(pointers.tobytes())
-            f.write(documents.tobytes())
+            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], self.sequence_count,
+                                 self.document_count + 1))
+            for block in _read_blocks(self._lengths_file, np.int32, chunk):
+                f.write(block.tobytes())
+            pointer = 0  # byte offset of the next sequence
+            for block in _read_blocks(self._lengths_file, np.int32, chunk):
+                offsets = np.cumsum(block, dtype=np.int64) * self.dtype.itemsize
+                f.write((pointer + np.concatenate([[0], offsets[:-1]])).astype(np.int64).tobytes())
+                pointer += int(offsets[-1])
+            f.write(np.int64(0).tobytes())
+            for block in _read_blocks(self._docs_file, np.int64, chunk):
+                f.write(block.tobytes())
+        self._remove_spill_files()
 
     def close(self) -> None:
         """Close the .bin file without writing an index (used when giving up on a partial build)."""
         self._file.close()
+        self._remove_spill_files()
+
+    def _write_tokens(self, arr: np.ndarray) -> None:
+        data = memoryview(arr).cast("B")
+        self._file.write(data)
+        self._hash.update(data)
+        self.token_count += arr.size
+
+    def _write_lengths(self, lengths: np.ndarray) -> None:
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the format's "
+                             "int32 length field")
+        self._lengths_file.write(lengths.astype(np.int32).tobytes())
+        self.sequence_count += lengths.size
+
+    def _remove_spill_files(self) -> None:
+        for f in (self._lengths_file, self._docs_file):
+            f.close()
+            if os.path.exists(f.name):
+                os.remove(f.name)
 
     def _as_dtype(self, tokens) -> np.ndarray:
         """Tokens as a contiguous array of the file's dtype, refusing ids the dtype cannot hold."""
@@ -134,6 +195,15 @@ class IndexedDatasetBuilder:
                                      f"{self.dtype}; choose the dtype with best_dtype(tokenizer.vocab_size)")
             arr = arr.astype(self.dtype)
         return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _read_blocks(f, dtype, count: int):
+    """Yield a spill file's contents as arrays of up to ``count`` items, from the start."""
+    f.flush()
+    f.seek(0)
+    itemsize = np.dtype(dtype).itemsize
+    while block := f.read(count * itemsize):
+        yield np.frombuffer(block, dtype=dtype)
 
 
 class IndexedDataset:
@@ -162,6 +232,7 @@ class IndexedDataset:
         self._bin_map = _map_file(bin_path)
         self._bin_size = os.path.getsize(bin_path)
         self._check_data_size(bin_path)
+        self.tokens = np.frombuffer(self._bin_map, dtype=self.dtype)  # every token of the .bin, no copy
 
     def _check_data_size(self, bin_path: str) -> None:
         """The .bin must end exactly where the last sequence does (catches truncation and mismatched pairs)."""

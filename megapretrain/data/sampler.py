@@ -1,12 +1,17 @@
-"""Which samples each rank reads: a pure function of (consumed samples, global batch, dp, micro).
+"""Which samples each rank reads, and a loader that has them ready before the step asks.
 
-Global batch ``g`` is the ``global_batch_size`` consecutive (already shuffled) sample ids starting
-at the number of samples consumed before it. Data-parallel rank ``r`` takes the r-th contiguous
-slice of it, cut into micro-batches. The set of samples in a step therefore does not depend on dp
-or the micro-batch size, and resuming from ``consumed_samples`` continues the exact sequence.
+Data order is a pure function of (seed, consumed samples): the dataset's sample ``i`` is fixed by
+the seed, and the global batch of a step is the ``global_batch_size`` consecutive sample ids starting
+at the number of samples consumed before it. Data-parallel rank ``r`` takes the r-th contiguous slice
+of it, cut into micro-batches. So the samples of a step do not depend on dp, tp, pp or the
+micro-batch size; resuming from ``consumed_samples`` continues the exact sequence; and a global batch
+size that changes between steps (a ramp-up) only moves where the next batch starts.
 """
 
 from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -25,3 +30,91 @@ def collate(dataset, ids: range, device) -> tuple[torch.Tensor, torch.Tensor]:
     batch = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in ids]))
     batch = batch.to(device, non_blocking=True)
     return batch[:, :-1], batch[:, 1:]
+
+
+class BatchLoader:
+    """This rank's micro-batches for a step, read in a background thread one step ahead.
+
+    ``get(consumed_samples, global_batch_size)`` returns the step's micro-batches as a list of
+    ``(tokens, targets)``, each (micro_batch_size, seq_length) int64 on ``device``, and starts
+    reading the next step's (assumed to follow with the same global batch size). If the caller asks
+    for anything else (a resume, an evaluation, a changed global batch size), the prefetched step is
+    dropped and the asked one read at once: the order never depends on what was prefetched.
+
+    On CUDA the host batches are pinned and copied with ``non_blocking=True``, so the copy overlaps
+    the previous work on the stream. ``wait_s`` is the time the last ``get`` blocked (reading
+    synchronously, or waiting for the prefetch to finish); ``total_wait_s`` sums them.
+    """
+
+    def __init__(self, dataset, dp_rank: int, dp_size: int, micro_batch_size: int, device, prefetch: bool = True):
+        if not 0 <= dp_rank < dp_size or micro_batch_size < 1:
+            raise ValueError(f"BatchLoader: dp_rank={dp_rank} must lie in [0, dp_size={dp_size}) and "
+                             f"micro_batch_size={micro_batch_size} must be >= 1")
+        self.dataset, self.dp_rank, self.dp_size = dataset, dp_rank, dp_size
+        self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
+        self.pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch") if prefetch else None
+        self._pending: tuple[tuple[int, int], Future] | None = None
+        self.wait_s = 0.0
+        self.total_wait_s = 0.0
+
+    def get(self, consumed_samples: int, global_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of the step that starts after ``consumed_samples`` samples."""
+        key = (int(consumed_samples), int(global_batch_size))
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == key:
+            host = pending[1].result()
+        else:
+            if pending is not None:
+                pending[1].cancel()
+            host = self._read(*key)
+        self.prefetch(key[0] + key[1], key[1])
+        batches = [self._to_device(batch) for batch in host]
+        self.wait_s = time.perf_counter() - start
+        self.total_wait_s += self.wait_s
+        return batches
+
+    def prefetch(self, consumed_samples: int, global_batch_size: int) -> None:
+        """Start reading the step after ``consumed_samples`` (a no-op past the dataset's end)."""
+        if self._executor is None or consumed_samples + global_batch_size > len(self.dataset):
+            return
+        key = (int(consumed_samples), int(global_batch_size))
+        if self._pending is not None and self._pending[0] == key:
+            return
+        if self._pending is not None:
+            self._pending[1].cancel()
+        self._pending = (key, self._executor.submit(self._read, *key))
+
+    def close(self) -> None:
+        """Stop the background thread (pending reads are dropped)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._pending = None
+
+    def __enter__(self) -> "BatchLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self, consumed_samples: int, global_batch_size: int) -> list[torch.Tensor]:
+        """Host batches of (micro_batch_size, seq_length + 1) tokens, pinned when going to CUDA."""
+        per_rank = global_batch_size // self.dp_size
+        if global_batch_size % self.dp_size or per_rank % self.micro_batch_size:
+            raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of micro_batch_size="
+                             f"{self.micro_batch_size} x dp={self.dp_size}")
+        if consumed_samples + global_batch_size > len(self.dataset):
+            raise IndexError(f"the step after {consumed_samples} samples needs samples up to "
+                             f"{consumed_samples + global_batch_size}, but the dataset has {len(self.dataset)}")
+        host = []
+        for ids in micro_batch_ranges(consumed_samples, global_batch_size, self.micro_batch_size,
+                                      self.dp_rank, self.dp_size):
+            batch = torch.from_numpy(np.stack([self.dataset[i] for i in ids]).astype(np.int64, copy=False))
+            host.append(batch.pin_memory() if self.pin else batch)
+        return host
+
+    def _to_device(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.device, non_blocking=True)  # (b, s + 1)
+        return batch[:, :-1], batch[:, 1:]  # (b, s) inputs and (b, s) targets

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import importlib
+import importlib.util
+import json
 import os
 from typing import Sequence
 
@@ -34,8 +36,9 @@ class Tokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """One integer array of ids per text; subclasses override this with a faster batched path."""
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
+        """One integer array of ids per text; subclasses override this with a faster batched path,
+        which may use up to ``threads`` threads (the backends release the GIL)."""
         return [np.asarray(self.tokenize(text), dtype=np.int64) for text in texts]
 
     def __repr__(self) -> str:
@@ -56,7 +59,7 @@ class ByteTokenizer(Tokenizer):
         # eod (and anything else outside 0..255) is not a byte of the text: drop it.
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
         # A zero-copy view of the encoded bytes: the fast path for preprocessing.
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
@@ -75,7 +78,8 @@ class _HFBackedTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
+        # Multi-threaded in Rust unless TOKENIZERS_PARALLELISM=false (set in forked workers).
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(enc.ids, dtype=np.int64) for enc in encodings]
 
@@ -99,13 +103,20 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         super().__init__(backend, eod)
 
 
-class GPT2BPETokenizer(_HFBackedTokenizer):
-    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt``; ``eod`` is ``<|endoftext|>``."""
+class GPT2BPETokenizer(Tokenizer):
+    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt``; ``eod`` is ``<|endoftext|>``.
+
+    Text is encoded as ordinary text, the way GPT-2's ``encoder.py`` (and so Megatron-LM's
+    GPT2BPETokenizer) does: a literal ``<|endoftext|>`` in a document is spelled out, not mapped to eod.
+    Backend: ``tiktoken`` where installed (7x faster than ``tokenizers`` on the stdlib corpus, and it
+    releases the GIL); the BPE ranks are the merge order of merges.txt, so its output is GPT-2's
+    (tools/bench_data.py --verify-gpt2 checks every token of a corpus against ``tokenizers``).
+    ``backend="tokenizers"`` forces the HuggingFace implementation.
+    """
 
     name = "GPT2BPETokenizer"
 
-    def __init__(self, model: str | None, vocab_file: str | None, merge_file: str | None):
-        tokenizers = _import_optional("tokenizers", "GPT2BPETokenizer")
+    def __init__(self, model: str | None, vocab_file: str | None, merge_file: str | None, backend: str = "auto"):
         what = "a directory with vocab.json and merges.txt (or --vocab-file and --merge-file)"
         if vocab_file is None and merge_file is None:
             directory = _require_path(model, "GPT2BPETokenizer", what)
@@ -113,11 +124,109 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             merge_file = os.path.join(directory, "merges.txt")
         vocab_file = _require_path(vocab_file, "GPT2BPETokenizer", f"vocab.json from {what}")
         merge_file = _require_path(merge_file, "GPT2BPETokenizer", f"merges.txt from {what}")
-        backend = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
-        eod = backend.token_to_id("<|endoftext|>")
-        if eod is None:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab: dict[str, int] = json.load(f)
+        if "<|endoftext|>" not in vocab:
             raise ValueError(f"GPT2BPETokenizer {vocab_file}: '<|endoftext|>' is not in the vocabulary")
-        super().__init__(backend, eod)
+        self.eod = vocab["<|endoftext|>"]
+        self.vocab_size = max(vocab.values()) + 1
+        self._id_to_bytes = {i: _bytes_of_token(t) for t, i in vocab.items()}
+        self._tiktoken = None
+        if backend in ("auto", "tiktoken") and importlib.util.find_spec("tiktoken") is not None:
+            self._tiktoken = _gpt2_tiktoken(vocab, merge_file)
+        if self._tiktoken is None:
+            if backend == "tiktoken":
+                raise ImportError("GPT2BPETokenizer backend='tiktoken' needs the 'tiktoken' package and merges.txt "
+                                  "tokens that are all in vocab.json")
+            tokenizers = _import_optional("tokenizers", "GPT2BPETokenizer")
+            self._hf = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
+        self.backend = "tiktoken" if self._tiktoken is not None else "tokenizers"
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_batch([text])[0].tolist()
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return b"".join(self._id_to_bytes[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
+        """Ids per text; ``threads`` > 1 encodes in that many threads (tiktoken releases the GIL)."""
+        if self._tiktoken is None:
+            return [np.asarray(e.ids, dtype=np.int64) for e in self._hf.encode_batch(list(texts),
+                                                                                   add_special_tokens=False)]
+        encoding, rank_to_id = self._tiktoken
+        if threads > 1:
+            batch = encoding.encode_ordinary_batch(list(texts), num_threads=threads)
+        else:
+            batch = [encoding.encode_ordinary(t) for t in texts]
+        if rank_to_id is None:  # GPT-2's own files: rank == id
+            return [np.array(ids, dtype=np.int64) for ids in batch]
+        return [rank_to_id[np.array(ids, dtype=np.int64)] for ids in batch]
+
+
+# GPT-2's pre-tokenizer regex (encoder.py), in tiktoken's spelling.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's map from the printable stand-in characters of vocab.json back to bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_ENCODER = {b: c for c, b in _BYTE_DECODER.items()}
+
+
+def _bytes_of_token(token: str) -> bytes:
+    """The bytes a vocab.json token stands for (special tokens such as <|endoftext|> as their UTF-8)."""
+    if all(c in _BYTE_DECODER for c in token):
+        return bytes(_BYTE_DECODER[c] for c in token)
+    return token.encode("utf-8")
+
+
+def _gpt2_tiktoken(vocab: dict[str, int], merge_file: str):
+    """(tiktoken Encoding, rank->id table or None) for GPT-2 style files, or None if they do not map.
+
+    Ranks: the 256 single bytes, then each merge's result in merges.txt order (merge priority, what
+    tiktoken needs); a table maps ranks to vocab.json ids unless they already coincide.
+    """
+    import tiktoken
+
+    byte_ids = [vocab.get(_token_of_bytes(bytes([b]))) for b in range(256)]
+    if sorted(i for i in byte_ids if i is not None) == list(range(256)):  # GPT-2's layout: rank = id
+        ranks: dict[bytes, int] = {bytes([b]): byte_ids[b] for b in range(256)}
+        ids = list(range(256))  # ids[rank]
+    else:
+        ranks = {bytes([b]): b for b in range(256)}
+        ids = byte_ids
+    with open(merge_file, encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) != 2 or line.startswith("#version"):
+                continue
+            merged = parts[0] + parts[1]
+            token = _bytes_of_token(merged)
+            if token in ranks:
+                continue
+            ranks[token] = len(ids)
+            ids.append(vocab.get(merged))
+    if any(i is None for i in ids):
+        return None  # a byte or merge result missing from vocab.json: leave these files to `tokenizers`
+    encoding = tiktoken.Encoding(name="gpt2-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    table = np.asarray(ids, dtype=np.int64)
+    return encoding, (None if np.array_equal(table, np.arange(table.size)) else table)
+
+
+def _token_of_bytes(data: bytes) -> str:
+    return "".join(_BYTE_ENCODER[b] for b in data)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -140,8 +249,8 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        batch = self._sp.encode(list(texts), add_bos=False, add_eos=False)
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
+        batch = self._sp.encode(list(texts), add_bos=False, add_eos=False, num_threads=threads)
         return [np.asarray(ids, dtype=np.int64) for ids in batch]
 
 
@@ -187,8 +296,11 @@ class TikTokenizer(Tokenizer):
         pieces.append(self._enc.decode(run))
         return "".join(pieces)
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        batch = self._enc.encode_ordinary_batch(list(texts))
+    def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
+        if threads > 1:
+            batch = self._enc.encode_ordinary_batch(list(texts), num_threads=threads)
+        else:
+            batch = [self._enc.encode_ordinary(t) for t in texts]
         return [np.asarray(ids, dtype=np.int64) + NUM_TIKTOKEN_SPECIALS for ids in batch]
 
 
