@@ -12,8 +12,11 @@ fi
 source .venv/bin/activate
 STAMP=".venv/.installed-$(cat setup.py | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
-  python -m pip install --quiet --upgrade pip
-  python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
-  python -m pip install --quiet -e ".[dev,hf]"
+  quiet_pip() {  # this machine's pip config lists index folders that may be absent: hide that noise
+    python -m pip install --quiet "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+  }
+  quiet_pip --upgrade pip
+  quiet_pip "${TORCH_SPEC:-torch==2.13.0}"
+  quiet_pip -e ".[dev,hf]"
   touch "$STAMP"
 fi
