@@ -11,6 +11,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
 
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_STEP_ID:-}" ]; then
+  # the batch script itself: start one launcher per node, each runs torchrun for its GPUs
+  exec srun --ntasks-per-node 1 bash "${BASH_SOURCE[0]}" "$CONFIG" "$@"
+fi
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   NNODES="${SLURM_NNODES}"
   NODE_RANK="${SLURM_NODEID}"

@@ -7,9 +7,6 @@
 #SBATCH --exclusive
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${MEGAPRETRAIN_IN_SRUN:-}" ]; then
-  # one launcher per node; each starts torchrun for its GPUs
-  export MEGAPRETRAIN_IN_SRUN=1
-  exec srun --ntasks-per-node 1 bash "$0" "$@"
-fi
+# sbatch runs a spooled copy of this script: then the repository is where the job was submitted
+[ -f "$ROOT/run_scripts/launch.sh" ] || ROOT="${SLURM_SUBMIT_DIR:?submit from the repository root}"
 exec bash "$ROOT/run_scripts/launch.sh" "$ROOT/configs/llama2_7b.yaml" "$@"
