@@ -16,8 +16,11 @@ Single process, tp = pp = 1.
 trained on CPU: fp32 parameters, ``torch.autocast(bfloat16)`` when precision is bf16, SDPA
 attention, ``torch.optim.AdamW`` with the same gradient clipping, batch and micro-batching.
 
-CPU note: with more threads than free cores, OpenMP spin-waiting makes elementwise ops up to ~100×
-slower; check the load (``uptime``) and pass ``--threads`` accordingly.
+CPU notes: with more threads than free cores, OpenMP spin-waiting makes elementwise ops up to ~100×
+slower; check the load (``uptime``) and pass ``--threads`` accordingly. Both models run in one
+process under the same allocator; glibc returns freed blocks above 32 MB to the OS, so every step
+page-faults its large tensors afresh (``MALLOC_MMAP_THRESHOLD_=17179869184
+MALLOC_TRIM_THRESHOLD_=17179869184`` in the environment turns that off, for both).
 """
 
 from __future__ import annotations
@@ -98,15 +101,17 @@ def megapretrain_step(cfg, plan, device):
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, plan, ps)
     model.train()
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), cfg.optim, cfg.train.precision, ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), cfg.optim, cfg.train.precision, ps,
+                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
     batches = micro_batches(cfg, device)
 
     def step() -> float:
         opt.zero_grad()
         total = torch.zeros((), device=device)
-        for tokens, targets in batches:
+        for i, (tokens, targets) in enumerate(batches):
             losses = model(tokens, targets)  # (b, s) fp32 per-token losses
-            (losses.sum() * (opt.scaler.scale / plan.tokens_per_batch)).backward()
+            with opt.grad_sync(last=i == len(batches) - 1):
+                (losses.sum() * (opt.scaler.scale / plan.tokens_per_batch)).backward()
             total += losses.detach().sum()
         opt.reduce_grads()
         opt.step(cfg.optim.lr)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
 from ..parallel.state import Group
 from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                enter_tp_region, init_shard_, shard_dims_of)
@@ -48,6 +48,33 @@ class ModelArgs:
         return self.hidden_size // self.num_heads
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = weight · x / rms(x), computed on an fp32 copy of x. Written out (rather than left to
+    autograd) so that it saves only ``x`` and 1/rms, not four activation-sized temporaries, and
+    converts each tensor between bf16 and fp32 once (mixed-dtype elementwise ops are slow on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # (..., h) fp32
+        mean_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+        rstd = mean_sq.add_(eps).rsqrt_()  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return xf.mul_(rstd).to(x.dtype).mul_(weight)  # rounded to x's dtype, then scaled (as HF does)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype, copy=True).mul_(rstd)  # (..., h) fp32
+        g = grad.to(rstd.dtype, copy=True)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype)  # (h,)
+        g.mul_(weight.to(rstd.dtype))  # d loss / d x_hat
+        # d x_hat / d x = rstd · (I - x_hat x_hatᵀ / h)
+        dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
+        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) · weight, computed in fp32 whatever the input dtype."""
 
@@ -57,9 +84,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +95,32 @@ def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[t
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
+class _RoPEFunction(torch.autograd.Function):
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1), as three fused multiply-adds
+    (no rotated copy of x, and nothing saved but the tables)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        half = x.shape[-1] // 2
+        ctx.save_for_backward(cos, sin)
+        y = x * cos
+        y[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)  # y1 = x1 c1 - x2 s1
+        y[..., half:].addcmul_(x[..., :half], sin[..., half:])  # y2 = x2 c2 + x1 s2
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        dx = grad * cos
+        dx[..., :half].addcmul_(grad[..., half:], sin[..., half:])  # dx1 = g1 c1 + g2 s2
+        dx[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)  # dx2 = g2 c2 - g1 s1
+        return dx, None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (b, n, s, d) query/key vectors by their position's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """Rotate (b, n, s, d) query/key vectors by their position's angle; cos, sin: (s, d)."""
+    return _RoPEFunction.apply(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -178,6 +225,7 @@ class LlamaModel(nn.Module):
                 self.lm_head = ColumnParallelLinear(args.hidden_size, args.padded_vocab, tp,
                                                     init_std=args.init_std, **kw)
         self._rope_cache: dict = {}
+        self._logits_pool = BufferPool()  # CPU: keeps the output layer's logits buffer across steps
 
     # -- initialization ---------------------------------------------------------------------------
 
@@ -227,8 +275,9 @@ class LlamaModel(nn.Module):
         vocab_start = self.tp.rank * weight.shape[0]
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
+        pool = self._logits_pool if x.device.type == "cpu" else None
         return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,
-                                                   self.args.vocab_size)  # (b, s)
+                                                   self.args.vocab_size, pool=pool)  # (b, s)
 
 
 def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:
