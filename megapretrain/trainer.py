@@ -31,6 +31,7 @@ from .optim.optimizer import MixedPrecisionAdamW
 from .optim.schedule import LRSchedule
 from .parallel.pipeline import (P2P, PipelineExecutor, chunk_layers, forward_only_order, peak_in_flight,
                                 resolve_schedule, schedule_order)
+from .parallel.random import RNGTracker
 from .parallel.state import ParallelState
 from .parallel.tensor import shard_dims_of
 
@@ -55,11 +56,12 @@ def build_model_chunks(cfg: Config, plan: Plan, ps: ParallelState) -> list[Llama
     the last stage is left out of the grad norm.
     """
     args, p = model_args(cfg, plan), cfg.parallel
+    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)  # dropout inside tp regions
     chunks = []
     for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, ps.pp_rank, p.pipeline_layers)):
         model = LlamaModel(args, ps.tp, layer_ids=layer_ids, pre_process=ps.is_first_stage and v == 0,
                            post_process=ps.is_last_stage and v == p.vpp - 1,
-                           sequence_parallel=p.sequence_parallel, recompute=p.recompute,
+                           sequence_parallel=p.sequence_parallel, recompute=p.recompute, rng=rng,
                            dtype=DTYPES[cfg.train.precision], device=ps.device)
         for name, dim in shard_dims_of(model).items():
             model.get_parameter(name).tp_shard_dim = dim
@@ -95,7 +97,7 @@ class Trainer:
         self.last_loss: float | None = None
         os.makedirs(cfg.run.dir, exist_ok=True)
 
-        torch.manual_seed(t.seed)  # dropout; weights are seeded per parameter name
+        torch.manual_seed(t.seed + 100 * ps.pp_rank)  # dropout outside tp regions; weights are seeded by name
         self.model_chunks = build_model_chunks(cfg, plan, ps)
         self.args = self.model_chunks[0].args
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
@@ -332,7 +334,7 @@ class Trainer:
     def save(self) -> None:
         state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                  "model": self.optimizer.master_state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "rng": {"cpu": torch.get_rng_state(),
+                 "rng": {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
                          "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}}
         self.checkpoints.save(self.iteration, state)
         self.metrics.event("checkpoint_saved", self.iteration,
@@ -347,6 +349,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         torch.set_rng_state(state["rng"]["cpu"])
+        if "tracker" in state["rng"]:
+            self.model_chunks[0].rng.set_states(state["rng"]["tracker"])
         if self.device.type == "cuda" and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         return path

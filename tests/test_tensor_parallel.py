@@ -124,3 +124,69 @@ def test_padded_vocabulary_columns_get_no_probability():
     torch.testing.assert_close(loss, torch.full((1, 2), torch.log(torch.tensor(5.0)).item()))
     loss.sum().backward()
     assert not logits.grad[..., 5:].any()
+
+
+def _dropout_run(rank, world):
+    """With dropout on, recomputation (selective, full) must reproduce the run without it exactly."""
+    from megapretrain.parallel.random import RNGTracker
+
+    ps = ParallelState(tp=world)
+    tokens = make_tokens()
+    out = {}
+    for sp in (False, True):
+        for rc in ("none", "selective", "full"):
+            torch.manual_seed(123)
+            args = tiny_args(tp=world, attention_dropout=0.2, hidden_dropout=0.1)
+            model = build(ps, args, sequence_parallel=sp, recompute=rc)
+            model.rng = RNGTracker(5, ps.tp_rank)
+            for module in model.modules():
+                if hasattr(module, "rng"):
+                    module.rng = model.rng
+            out[(sp, rc)] = train(ps, model, tokens, 3)[0]
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dropout_is_reproduced_by_recomputation(tp):
+    results = [_dropout_run(0, 1)] if tp == 1 else run_distributed(_dropout_run, tp)
+    for out in results:
+        for sp in (False, True):
+            assert out[(sp, "selective")] == out[(sp, "none")]
+            assert out[(sp, "full")] == out[(sp, "none")]
+    assert results[0][(False, "none")] != _dropout_free_losses()  # dropout really was applied
+
+
+def _dropout_free_losses():
+    ps = ParallelState()
+    return train(ps, build(ps, tiny_args()), make_tokens(), 3)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_linear_cross_entropy_matches_unchunked(monkeypatch, dtype):
+    """Many small row chunks and a reused logits buffer give what one whole chunk gives."""
+    from megapretrain.parallel import cross_entropy as ce
+
+    ps = ParallelState()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 16, generator=g).to(dtype)
+    w = (torch.randn(50, 16, generator=g) * 2).to(dtype)
+    targets = torch.randint(0, 45, (3, 7), generator=g)
+    targets[1, 2] = -100
+
+    def run(pool):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = ce.vocab_parallel_linear_cross_entropy(xi, wi, targets, ps.tp, 0, 45, pool=pool)
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)).sum().backward()
+        return loss.detach(), xi.grad, wi.grad
+
+    whole = run(None)
+    monkeypatch.setitem(ce.CHUNK_BYTES, "cpu", 4 * 50 * 2)  # two rows per chunk
+    pool = ce.BufferPool()
+    for _ in range(2):  # the second call reuses the pooled logits buffer
+        chunked = run(pool)
+        for a, b in zip(chunked, whole):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = torch.nn.functional.cross_entropy((x.float() @ w.float().t())[..., :45].reshape(-1, 45),
+                                            targets.reshape(-1), reduction="none").view(3, 7)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(whole[0], ref, rtol=tol, atol=tol)

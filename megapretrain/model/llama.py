@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..parallel.random import RNGTracker
 from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
 from ..parallel.state import Group
 from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -125,8 +126,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, selective_recompute: bool,
-                 dtype, device):
+                 rng: RNGTracker, dtype, device):
         super().__init__()
+        self.rng = rng
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -140,8 +142,9 @@ class Attention(nn.Module):
                                         sequence_parallel=sequence_parallel, **kw)
 
     def _core(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        with self.rng.fork():  # heads differ per tp rank, so must their dropout masks
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h): full sequence
@@ -151,7 +154,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.selective_recompute and self.training:
-            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.rng.checkpoint_context)
         else:
             y = self._core(q, k, v)  # (b, n/tp, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
@@ -175,23 +178,33 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str, dtype, device):
+    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str,
+                 rng: RNGTracker, dtype, device):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
+        self.rng, self.sequence_parallel = rng, sequence_parallel
         self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
         self.self_attn = Attention(args, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", **kw)
+                                   selective_recompute=recompute == "selective", rng=rng, **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
         self.mlp = MLP(args, tp, sequence_parallel=sequence_parallel, **kw)
         self.dropout = args.hidden_dropout
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             norm.weight.sequence_parallel = sequence_parallel  # grads need a tp all-reduce under SP
 
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual-branch dropout: the residual is replicated over tp (same mask everywhere: the
+        default stream) unless sequence-parallel, where each rank holds other positions."""
+        if not (self.training and self.dropout):
+            return x
+        if self.sequence_parallel:
+            with self.rng.fork():
+                return F.dropout(x, self.dropout, True)
+        return F.dropout(x, self.dropout, True)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin)
-        x = x + F.dropout(a, self.dropout, self.training)
-        m = self.mlp(self.post_attention_layernorm(x))
-        return x + F.dropout(m, self.dropout, self.training)
+        x = x + self._dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -203,9 +216,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", dtype=torch.float32, device=None):
+                 recompute: str = "none", rng: RNGTracker | None = None, dtype=torch.float32, device=None):
         super().__init__()
         self.args, self.tp = args, tp
+        # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
+        self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.recompute = recompute
         self.pre_process, self.post_process = pre_process, post_process
@@ -216,7 +231,8 @@ class LlamaModel(nn.Module):
                                                        init_std=args.init_std, real_vocab=args.vocab_size,
                                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute, **kw)
+            str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
+                                 rng=self.rng, **kw)
             for i in layer_ids})
         if post_process:
             self.norm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
@@ -253,7 +269,7 @@ class LlamaModel(nn.Module):
 
     def _layer(self, layer: DecoderLayer, x, cos, sin):
         if self.recompute == "full" and self.training:
-            return checkpoint(layer, x, cos, sin, use_reentrant=False)
+            return checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=self.rng.checkpoint_context)
         return layer(x, cos, sin)
 
     def output_weight(self) -> torch.Tensor:
