@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see DESIGN.md, data.tokenizer.model)")
+    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see the README, "Tokenizer types")")
     tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
     tok.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")

@@ -325,7 +325,7 @@ TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
 
 def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: str | None = None,
                     merge_file: str | None = None) -> Tokenizer:
-    """Build a tokenizer by its Megatron-LM type name; ``model`` is its file or directory (see DESIGN.md §4)."""
+    """Build a tokenizer by its Megatron-LM type name; ``model`` is its file or directory (see the README, "Tokenizer types")."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
