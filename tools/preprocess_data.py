@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import sys
 import time
 from collections import deque
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see the README, "Tokenizer types")")
+    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see the README, 'Tokenizer types')")
     tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
     tok.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
@@ -199,12 +200,24 @@ def worker_pool(workers: int, encoder: ChunkEncoder, encoder_args: tuple):
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     _worker_encoder = encoder if context.get_start_method() == "fork" else None
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(encoder_args,))
+    # Fork the workers with the default SIGTERM action: a handler installed by the caller (a
+    # trainer's save-on-SIGTERM) would otherwise be inherited until _init_worker runs, and a
+    # terminate() landing in that window would leave a worker alive, waiting for work forever.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL) if in_main else None
+    try:
+        pool = context.Pool(workers, initializer=_init_worker, initargs=(encoder_args,))
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     try:
         yield pool
-        pool.close()  # all work done: let the workers finish and exit
+    except BaseException:
+        pool.terminate()  # stop the workers at once
+        raise
+    else:
+        pool.close()  # all work done: the workers take their stop sentinels and exit
     finally:
-        pool.terminate()  # a no-op after close(); otherwise stop the workers at once
         pool.join()
         _worker_encoder = None
 
