@@ -188,18 +188,7 @@ class Trainer:
         self.optimizer.zero_grad()
         batches, data_time = self._load("train", self.consumed_samples)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        scale = self.optimizer.scaler.scale / self.tokens_per_batch
-
-        def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            nonlocal loss_sum
-            model = self.model_chunks[chunk]
-            tokens, targets = batches[micro]
-            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
-            if not model.post_process:
-                return out  # (b, s, h) activation for the next stage
-            loss_sum += out.detach().sum()  # out: (b, s) fp32 per-token loss
-            return out.sum() * scale
-
+        forward = self._forward_fn(batches, loss_sum, self.optimizer.scaler.scale / self.tokens_per_batch)
         order = schedule_order(self.schedule_kind, ps.pp_rank, ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
         self.pipeline.run(order, self.num_micro, forward)  # dp reduction overlaps the last backwards
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
@@ -211,6 +200,20 @@ class Trainer:
         self.last_loss = loss_sum.item() / self.tokens_per_batch
         return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr,
                 "skipped": skipped, "step_time": elapsed, "data_time": data_time}
+
+    def _forward_fn(self, batches: list, loss_sum: torch.Tensor, scale: float):
+        """The pipeline's forward for one chunk and micro-batch: returns the activation for the next
+        stage, or on the head's chunk adds the micro-batch's summed per-token losses to ``loss_sum``
+        and returns what to backpropagate (that sum × ``scale``)."""
+        def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
+            model = self.model_chunks[chunk]
+            tokens, targets = batches[micro]
+            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
+            if not model.post_process:
+                return out  # (b, s, h) activation for the next stage
+            loss_sum.add_(out.detach().sum())  # out: (b, s) fp32 per-token loss
+            return out.sum() * scale
+        return forward
 
     def _load(self, split: str, consumed_samples: int) -> tuple[list, float]:
         """This rank's (tokens, targets) micro-batches of the global batch after ``consumed_samples``,
@@ -245,19 +248,9 @@ class Trainer:
             chunk.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         order = forward_only_order(ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
-
-        def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
-            nonlocal loss_sum
-            model = self.model_chunks[chunk]
-            tokens, targets = batches[micro]
-            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
-            if model.post_process:
-                loss_sum += out.sum()
-            return out
-
         for step in range(t.eval_iters):
             batches, _ = self._load("valid", step * t.global_batch_size)
-            self.pipeline.run(order, self.num_micro, forward, backward=False)
+            self.pipeline.run(order, self.num_micro, self._forward_fn(batches, loss_sum, 1.0), backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp.all_reduce(loss_sum)
         return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)
