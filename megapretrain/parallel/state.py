@@ -94,16 +94,13 @@ class Group:
         """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
         if self.size == 1:
             return tensor
-        self._record("reduce_scatter", tensor)
-        chunks = [c.contiguous() for c in tensor.chunk(self.size, dim=dim)]
-        if dist.get_backend(self.pg) == "nccl":
-            out = torch.empty_like(chunks[0])
-            dist.reduce_scatter(out, chunks, group=self.pg)
-            return out
-        # gloo has no reduce-scatter: reduce everything, keep our slice (same result, more bytes)
-        full = torch.cat(chunks, dim=dim)
-        dist.all_reduce(full, group=self.pg)
-        return full.chunk(self.size, dim=dim)[self.rank].contiguous()
+        chunks = tensor.chunk(self.size, dim=dim)
+        flat = torch.cat([c.reshape(-1) for c in chunks])  # the ranks' slices, one after another
+        out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+        work = self.reduce_scatter_async(out.view(-1), flat)
+        if work is not None:
+            work.wait()
+        return out
 
     # -- asynchronous flat collectives (data-parallel buckets); each returns a handle with
     # ``wait()``, or None when there is nothing to wait for ------------------------------------
