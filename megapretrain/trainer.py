@@ -107,6 +107,9 @@ class Trainer:
         self.optimizer.overlap_param_gather(self.model_chunks)  # zero ≥ 1: all-gather under the next forward
         self.num_micro = plan.grad_accum
         self.schedule_kind = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp, self.num_micro)
+        pp, vpp = ps.pp.size, cfg.parallel.vpp  # every stage's order: the executor plans the transfers from all
+        self.train_orders = [schedule_order(self.schedule_kind, r, pp, vpp, self.num_micro) for r in range(pp)]
+        self.eval_orders = [forward_only_order(pp, vpp, self.num_micro)] * pp
         act_seq = t.seq_length // ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else t.seq_length
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
@@ -189,8 +192,7 @@ class Trainer:
         batches, data_time = self._load("train", self.consumed_samples)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         forward = self._forward_fn(batches, loss_sum, self.optimizer.scaler.scale / self.tokens_per_batch)
-        order = schedule_order(self.schedule_kind, ps.pp_rank, ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
-        self.pipeline.run(order, self.num_micro, forward)  # dp reduction overlaps the last backwards
+        self.pipeline.run(self.train_orders, self.num_micro, forward)  # dp reduction overlaps the last backwards
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
         ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
@@ -247,10 +249,9 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        order = forward_only_order(ps.pp.size, self.cfg.parallel.vpp, self.num_micro)
         for step in range(t.eval_iters):
             batches, _ = self._load("valid", step * t.global_batch_size)
-            self.pipeline.run(order, self.num_micro, self._forward_fn(batches, loss_sum, 1.0), backward=False)
+            self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0), backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp.all_reduce(loss_sum)
         return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)

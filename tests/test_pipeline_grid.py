@@ -43,7 +43,7 @@ def _grid(rank, world, combos):
                 return out.mean()
             return out
 
-        executor.run(schedule_order(kind, ps.pp_rank, world, vpp, m), m, forward)
+        executor.run([schedule_order(kind, r, world, vpp, m) for r in range(world)], m, forward)
         completed.append((vpp, m, kind, len(losses)))
     return completed
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
 from megapretrain.parallel.pipeline import (Op, PipelineError, chunk_layers, forward_only_order,
-                                            peak_in_flight, resolve_schedule, schedule_order, simulate)
+                                            communication_plan, input_transfer, output_transfer, peak_in_flight,
+                                            Step, resolve_schedule, schedule_order, simulate)
 
 
 def text(order):
@@ -70,6 +73,92 @@ def test_every_valid_small_grid_combination_is_deadlock_free():
                 simulate(orders, pp, vpp)  # raises on deadlock
                 if pp > 1:
                     simulate([forward_only_order(pp, vpp, m)] * pp, pp, vpp)
+
+
+def _blocking_replay(plans):
+    """Run the plans as NCCL would at worst: a stage's batch finishes only when every one of its
+    sends and receives has met its partner (the k-th send from a stage to another meets the k-th
+    receive there, tags ignored), and the stage starts its next batch only after that. Returns
+    the matched pairs; fails on a mismatch or when no stage can move (deadlock)."""
+    pos = [0] * len(plans)
+    sent, received, posted = defaultdict(list), defaultdict(list), [None] * len(plans)
+
+    def post(r):
+        while pos[r] < len(plans[r]) and not (plans[r][pos[r]].sends or plans[r][pos[r]].recvs):
+            pos[r] += 1  # compute only
+        if pos[r] < len(plans[r]):
+            step = plans[r][pos[r]]
+            posted[r] = ([(t, len(sent[(t.src, t.dst)])) for t in step.sends],
+                         [(t, len(received[(t.src, t.dst)])) for t in step.recvs])
+            for t in step.sends:
+                sent[(t.src, t.dst)].append(t)
+            for t in step.recvs:
+                received[(t.src, t.dst)].append(t)
+
+    for r in range(len(plans)):
+        post(r)
+    moved = True
+    while moved:
+        moved = False
+        for r in range(len(plans)):
+            if pos[r] == len(plans[r]):
+                continue
+            sends, recvs = posted[r]
+            if all(k < len(received[(t.src, t.dst)]) for t, k in sends) and \
+                    all(k < len(sent[(t.src, t.dst)]) for t, k in recvs):
+                for t, k in recvs:
+                    assert sent[(t.src, t.dst)][k] == t, f"stage {r} would receive {sent[(t.src, t.dst)][k]} as {t}"
+                pos[r] += 1
+                post(r)
+                moved = True
+    assert all(pos[r] == len(plans[r]) for r in range(len(plans))), f"p2p deadlock at steps {pos}"
+
+
+def test_communication_rounds_pair_every_send_and_deliver_in_time():
+    for pp in (1, 2, 3, 4, 5):
+        for vpp in (1, 2, 3):
+            for m in range(1, 10):
+                for kind in ("gpipe", "1f1b", "interleaved"):
+                    try:
+                        if resolve_schedule(kind, pp, vpp, m) != kind:
+                            continue
+                    except PipelineError:
+                        continue
+                    for orders in ([schedule_order(kind, r, pp, vpp, m) for r in range(pp)],
+                                   [forward_only_order(pp, vpp, m)] * pp):
+                        plans = communication_plan(orders, pp, vpp)
+                        rounds = {}
+                        for r, steps in enumerate(plans):
+                            assert [s.op for s in steps if s.op is not None] == orders[r]
+                            have, last_round = set(), -1
+                            for s in steps:
+                                assert s.round > last_round
+                                last_round = s.round
+                                have.update(s.recvs)
+                                sends, recvs = rounds.setdefault(s.round, ([], []))
+                                sends += s.sends
+                                recvs += s.recvs
+                                if s.op is not None:  # the input is here, and goes out after the op
+                                    src = input_transfer(s.op, r, pp, vpp)
+                                    assert src is None or src in have, (kind, pp, vpp, m, r, s)
+                                    out = output_transfer(s.op, r, pp, vpp)
+                                    assert out is None or any(out in x.sends for x in steps if x.round > s.round)
+                        for t, (sends, recvs) in rounds.items():  # a round's sends meet its receives
+                            assert sorted(map(repr, sends)) == sorted(map(repr, recvs))
+                            pairs = [(x.src, x.dst) for x in sends]
+                            assert len(pairs) == len(set(pairs))  # one tensor each way per round
+                        _blocking_replay(plans)
+
+
+def test_blocking_replay_catches_sends_posted_before_receives():
+    # each stage sending before it receives, in separate batches: the unbatched-p2p NCCL deadlock
+    orders = [schedule_order("1f1b", r, 2, 1, 4) for r in range(2)]
+    plans = communication_plan(orders, 2, 1)
+    _blocking_replay(plans)
+    split = [[x for s in steps for x in (Step(s.round, s.sends, (), None), Step(s.round, (), s.recvs, s.op))]
+             for steps in plans]
+    with pytest.raises(AssertionError, match="deadlock"):
+        _blocking_replay(split)
 
 
 def test_a_bad_order_is_caught_as_deadlock():

@@ -2,10 +2,15 @@
 
 A schedule is only an *order*: the list of ``Op("F" | "B", micro, chunk)`` one stage runs in one
 step. :func:`schedule_order` builds it (no pipelining, GPipe, 1F1B, interleaved 1F1B), and
-:class:`PipelineExecutor` runs any order: it receives a chunk's input just before its forward,
-sends outputs and input-gradients without waiting, and keeps what each backward needs. Because
-sends never block and receives wait only for data a neighbour really produces, a valid order cannot
-deadlock; :func:`simulate` replays orders with unit costs to check that and to measure the bubble.
+:class:`PipelineExecutor` runs any valid set of orders.
+
+Transfers go in *rounds* (:func:`communication_plan`). Replaying every stage's order with unit
+costs puts each op in a time slot; everything produced in slot t changes hands in round t + 1, in
+one batched send/recv per stage that both the sender and the receiver join before slot t + 1. A
+round's sends and receives therefore always meet in the same batch: no stage waits on a send that
+its neighbour will only receive later (the NCCL deadlock of unbatched point-to-point), and between
+two stages at most one tensor goes each way per round, so they match in order even where the
+backend ignores tags. :func:`simulate` replays orders to check them and to measure the bubble.
 
 Chunks: with ``pp`` stages and ``vpp`` virtual chunks per stage the layers form ``pp·vpp`` model
 chunks; stage ``p`` holds chunks ``p, p + pp, p + 2·pp, ...`` (Megatron's interleaving), so
@@ -23,7 +28,7 @@ import torch.distributed as dist
 from .state import Group
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
-_FORWARD_TAG, _BACKWARD_TAG = 1, 2
+_TAGS = {"act": 1, "grad": 2}
 
 
 class PipelineError(ValueError):
@@ -35,6 +40,26 @@ class Op:
     kind: str    # "F" forward or "B" backward
     micro: int   # micro-batch index
     chunk: int   # virtual chunk index on this stage (0..vpp-1)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One tensor between neighbouring stages: the activation ("act") or input gradient ("grad")
+    of micro-batch ``micro`` that global chunk ``chunk`` consumes, from stage ``src`` to ``dst``."""
+    kind: str
+    micro: int
+    chunk: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One stage's part of communication round ``round``, then the op it computes (if any)."""
+    round: int
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    op: Op | None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,20 +166,19 @@ def peak_in_flight(order: list[Op]) -> int:
     return peak
 
 
-def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_cost: float = 1.0) -> dict:
-    """Replay every stage's order with unit costs and true data dependencies.
-
-    Returns the makespan and each stage's idle fraction; raises PipelineError on deadlock."""
+def _replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float) -> list[list[float]]:
+    """Start time of every op of every stage, each starting once its stage is free and its input
+    exists; raises PipelineError if the orders deadlock."""
     done: dict[tuple, float] = {}
     clock = [0.0] * pp
-    pos = [0] * pp
+    starts: list[list[float]] = [[] for _ in range(pp)]
     last_chunk = pp * vpp - 1
     progressed = True
     while progressed:
         progressed = False
         for r in range(pp):
-            while pos[r] < len(orders[r]):
-                op = orders[r][pos[r]]
+            while len(starts[r]) < len(orders[r]):
+                op = orders[r][len(starts[r])]
                 g = op.chunk * pp + r  # global chunk index
                 if op.kind == "F":
                     dep = ("F", op.micro, g - 1) if g > 0 else None
@@ -162,17 +186,70 @@ def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_c
                     dep = ("B", op.micro, g + 1) if g < last_chunk else ("F", op.micro, g)
                 if dep is not None and dep not in done:
                     break
-                start = max(clock[r], done[dep] if dep is not None else 0.0)
-                clock[r] = start + (f_cost if op.kind == "F" else b_cost)
+                starts[r].append(max(clock[r], done[dep] if dep is not None else 0.0))
+                clock[r] = starts[r][-1] + (f_cost if op.kind == "F" else b_cost)
                 done[(op.kind, op.micro, g)] = clock[r]
-                pos[r] += 1
                 progressed = True
-    if any(pos[r] < len(orders[r]) for r in range(pp)):
-        stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
+    if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
+        stuck = {r: orders[r][len(starts[r])] for r in range(pp) if len(starts[r]) < len(orders[r])}
         raise PipelineError(f"schedule deadlocks: stages wait forever at {stuck}")
-    makespan = max(clock)
-    busy = [sum(f_cost if op.kind == "F" else b_cost for op in orders[r]) for r in range(pp)]
-    return {"makespan": makespan, "idle_fraction": [1 - b / makespan for b in busy]}
+    return starts
+
+
+def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_cost: float = 1.0) -> dict:
+    """Replay every stage's order with the given costs and true data dependencies.
+
+    Returns the makespan and each stage's idle fraction; raises PipelineError on deadlock."""
+    starts = _replay(orders, pp, vpp, f_cost, b_cost)
+    cost = [[f_cost if op.kind == "F" else b_cost for op in order] for order in orders]
+    makespan = max(s + c for r in range(pp) for s, c in zip(starts[r], cost[r]))
+    return {"makespan": makespan, "idle_fraction": [1 - sum(cost[r]) / makespan for r in range(pp)]}
+
+
+def input_transfer(op: Op, stage: int, pp: int, vpp: int) -> Transfer | None:
+    """What ``op`` on ``stage`` receives: the previous chunk's activation for a forward, the next
+    chunk's gradient for a backward; None for the first chunk's forward and the last one's backward."""
+    g = op.chunk * pp + stage
+    if op.kind == "F":
+        return Transfer("act", op.micro, g, (g - 1) % pp, stage) if g > 0 else None
+    return Transfer("grad", op.micro, g, (g + 1) % pp, stage) if g < pp * vpp - 1 else None
+
+
+def output_transfer(op: Op, stage: int, pp: int, vpp: int) -> Transfer | None:
+    """What ``op`` on ``stage`` sends: a forward's output to the next chunk (none from the head),
+    a backward's input gradient to the previous chunk (none from the embedding's chunk)."""
+    g = op.chunk * pp + stage
+    if op.kind == "F":
+        return Transfer("act", op.micro, g + 1, stage, (g + 1) % pp) if g < pp * vpp - 1 else None
+    return Transfer("grad", op.micro, g - 1, stage, (g - 1) % pp) if g > 0 else None
+
+
+def communication_plan(orders: list[list[Op]], pp: int, vpp: int) -> list[list[Step]]:
+    """Every stage's steps: the round's batched sends and receives, then the op to compute.
+
+    With unit costs each stage runs one op per slot, so a stage sends at most one tensor and
+    receives at most one from each neighbour per round; a stage joins only the rounds it has a
+    part in. Each op's input arrives in a round no later than its slot (asserted by the tests)."""
+    starts = _replay(orders, pp, vpp, 1.0, 1.0)
+    slots = [{int(t): op for t, op in zip(starts[r], orders[r])} for r in range(pp)]
+    rounds = 1 + max((max(s, default=-1) for s in slots), default=-1)
+
+    def produced(stage: int, t: int) -> Transfer | None:
+        op = slots[stage].get(t)
+        return output_transfer(op, stage, pp, vpp) if op is not None else None
+
+    plans: list[list[Step]] = []
+    for r in range(pp):
+        steps = []
+        for t in range(rounds + 1):
+            send = produced(r, t - 1)
+            recvs = tuple(x for x in (produced(src, t - 1) for src in sorted({(r - 1) % pp, (r + 1) % pp}))
+                          if x is not None and x.dst == r)
+            op = slots[r].get(t)
+            if send is not None or recvs or op is not None:
+                steps.append(Step(t, (send,) if send is not None else (), recvs, op))
+        plans.append(steps)
+    return plans
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,46 +257,35 @@ def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_c
 
 
 class P2P:
-    """Activations forward and gradients backward between neighbouring stages (fixed shapes)."""
+    """Activations forward and gradients backward between neighbouring stages, with the fixed
+    shape every transfer has (no shape exchange), one batched send/recv per round."""
 
     def __init__(self, pp: Group, shape: tuple, dtype: torch.dtype, device: torch.device):
         self.pp, self.shape, self.dtype, self.device = pp, shape, dtype, device
-        self.next = pp.ranks[(pp.rank + 1) % pp.size]
-        self.prev = pp.ranks[(pp.rank - 1) % pp.size]
-        self._pending: list = []
+        # NCCL sets a communicator up on a group's first collective, which every member must join;
+        # a round may involve only two stages, so make that first call here, on all of them.
+        pp.all_reduce(torch.zeros(1, device=device))
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        if self.pp.stats is not None:
-            self.pp.stats.record("pp.send", tensor)
-        self._pending.append((dist.isend(tensor, dst, group=self.pp.pg, tag=tag), tensor))
-
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buf, src, group=self.pp.pg, tag=tag).wait()
-        return buf
-
-    def send_forward(self, t: torch.Tensor) -> None:
-        self._send(t, self.next, _FORWARD_TAG)
-
-    def recv_forward(self) -> torch.Tensor:
-        return self._recv(self.prev, _FORWARD_TAG)
-
-    def send_backward(self, t: torch.Tensor) -> None:
-        self._send(t, self.prev, _BACKWARD_TAG)
-
-    def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next, _BACKWARD_TAG)
-
-    def wait_sends(self) -> None:
-        for work, _ in self._pending:
+    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...]) -> dict:
+        """Post this stage's part of a round in one batch, wait for all of it, return what arrived."""
+        ops, arrived = [], {}
+        for t, tensor in sends:
+            tensor = tensor.detach().contiguous()
+            if self.pp.stats is not None:
+                self.pp.stats.record("pp.send", tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, self.pp.ranks[t.dst], self.pp.pg, _TAGS[t.kind]))
+        for t in recvs:
+            arrived[t] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, arrived[t], self.pp.ranks[t.src], self.pp.pg, _TAGS[t.kind]))
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
-        self._pending.clear()
+        return arrived
 
 
 @dataclass
 class PipelineExecutor:
-    """Runs an order of ops on this stage's chunks.
+    """Runs every stage's order of ops; this stage computes its own and joins the rounds of
+    :func:`communication_plan`.
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
@@ -234,34 +300,41 @@ class PipelineExecutor:
     grad_sync: Callable
     record: bool = False
     trace: list = field(default_factory=list)
+    _plans: dict = field(default_factory=dict, repr=False)
 
-    def _is_first(self, chunk: int) -> bool:
-        return self.pp_rank == 0 and chunk == 0
+    def plan(self, orders: list[list[Op]]) -> list[Step]:
+        """This stage's steps for ``orders`` (one per stage), computed once per distinct schedule."""
+        key = tuple(map(tuple, orders))
+        if key not in self._plans:
+            self._plans[key] = communication_plan(orders, self.pp, self.vpp)[self.pp_rank]
+        return self._plans[key]
 
-    def _is_last(self, chunk: int) -> bool:
-        return self.pp_rank == self.pp - 1 and chunk == self.vpp - 1
-
-    def run(self, order: list[Op], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
-        saved: dict[tuple, tuple] = {}
-        self.trace = list(order) if self.record else []
-        for op in order:
-            key = (op.micro, op.chunk)
+    def run(self, orders: list[list[Op]], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
+        stage, pp, vpp = self.pp_rank, self.pp, self.vpp
+        saved: dict[tuple, tuple] = {}      # (micro, chunk) -> (input, output) kept for the backward
+        inbox: dict[Transfer, torch.Tensor] = {}
+        outbox: dict[Transfer, torch.Tensor] = {}
+        self.trace = list(orders[stage]) if self.record else []
+        for step in self.plan(orders):
+            if step.sends or step.recvs:
+                inbox.update(self.p2p.exchange([(t, outbox.pop(t)) for t in step.sends], step.recvs))
+            op = step.op
+            if op is None:
+                continue
+            key, source, sink = (op.micro, op.chunk), input_transfer(op, stage, pp, vpp), output_transfer(op, stage, pp, vpp)
             if op.kind == "F":
-                inp = None
-                if not self._is_first(op.chunk):
-                    inp = self.p2p.recv_forward().requires_grad_(backward)
+                inp = inbox.pop(source).requires_grad_(backward) if source is not None else None
                 with torch.set_grad_enabled(backward):
                     out = forward_fn(op.chunk, op.micro, inp)
-                if not self._is_last(op.chunk):
-                    self.p2p.send_forward(out)
+                if sink is not None:
+                    outbox[sink] = out
                 if backward:
                     saved[key] = (inp, out)
             else:
                 inp, out = saved.pop(key)
-                grad = None if self._is_last(op.chunk) else self.p2p.recv_backward()
+                grad = inbox.pop(source) if source is not None else None
                 with self.grad_sync(op.micro == num_micro - 1):
                     torch.autograd.backward(out, grad_tensors=grad)
-                if inp is not None:
-                    self.p2p.send_backward(inp.grad)
-        if self.p2p is not None:
-            self.p2p.wait_sends()
+                if sink is not None:
+                    outbox[sink] = inp.grad
+        assert not (inbox or outbox or saved), "pipeline step ended with transfers or activations left over"
