@@ -21,7 +21,7 @@ def _loss(model, tokens):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_matches_torch_adamw_exactly(precision):
-    """Same grads in, same weights out, bit for bit: torch.optim.AdamW on fp32 copies vs ours."""
+    """Same grads in, same weights out, bit for bit: torch.optim.AdamW (fused) on fp32 copies vs ours."""
     ps, tokens = ParallelState(), make_tokens(batch=4, seq=16)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     ours = build(ps, tiny_args(), dtype=dtype)
@@ -31,7 +31,7 @@ def test_matches_torch_adamw_exactly(precision):
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
     groups = [{"params": [m for m in masters.values() if m.ndim >= 2], "weight_decay": 0.1},
               {"params": [m for m in masters.values() if m.ndim < 2], "weight_decay": 0.0}]
-    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     for _ in range(3):
         opt.zero_grad()
         with opt.grad_sync(last=True):

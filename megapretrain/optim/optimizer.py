@@ -100,7 +100,10 @@ class ShardState:
         self.exp_avg_sq = torch.zeros_like(self.master)
         # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from a GPU
         self.grad_staging = torch.empty_like(self.master) if offload and on_gpu else None
-        self.decay = [f.of(self.master) for f in self.fragments if f.param.ndim >= 2]
+        # AdamW's operands as per-fragment views, by whether the parameter decays (not 1-D ones)
+        self.adam = {decay: [[f.of(t) for f in self.fragments if (f.param.ndim >= 2) == decay]
+                             for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
+                     for decay in (True, False)}
         counted = [f for f in self.fragments if counts_in_norm(f.param, ps)]
         self.norm_views = ([bucket.grad_shard] if len(counted) == len(self.fragments)
                            else [f.of(bucket.grad_shard) for f in counted])
@@ -113,6 +116,17 @@ class ShardState:
         """Copy the stepped masters into the model's parameters (cast to their dtype)."""
         if self.master is not self.param_shard:
             self.param_shard.copy_(self.master, non_blocking=True)
+
+
+def _sum_of_squares(flat: torch.Tensor, row: int = 1 << 14) -> torch.Tensor:
+    """Σx² of a 1-D fp32 tensor in float64, at fp32 speed: CPU norm kernels accumulate in fp32
+    along the tensor (1e-3 relative error at 2e7 elements), so take the norms of short rows and
+    add their squares in float64 (about 1e-7 relative)."""
+    body = flat.numel() // row * row
+    total = torch.linalg.vector_norm(flat[:body].view(-1, row), dim=1).double().square().sum()
+    if body < flat.numel():
+        total = total + torch.linalg.vector_norm(flat[body:]).double().square()
+    return total
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -189,8 +203,7 @@ class MixedPrecisionAdamW:
         device = self.shards[0].bucket.grad_shard.device if self.shards else self.ps.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         if views and device.type == "cpu":
-            # CPU norm kernels accumulate fp32 serially (1e-3 relative error at 2e7 elements)
-            sq = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) for v in views]).pow(2).sum().float()
+            sq = sum(_sum_of_squares(v) for v in views).float()
         elif views:
             sq = torch.stack(torch._foreach_norm(views)).pow(2).sum()
         if self.zero >= 1:
@@ -229,26 +242,20 @@ class MixedPrecisionAdamW:
         return norm, False
 
     def _adamw(self, lr: float) -> None:
-        """One decoupled-weight-decay Adam step over every shard (torch.optim.AdamW's foreach
-        arithmetic, so a single process matches it exactly)."""
+        """One decoupled-weight-decay Adam step over every shard: torch's fused AdamW kernel (one
+        pass over masters, grads and moments), so a single process matches
+        ``torch.optim.AdamW(fused=True)`` bit for bit."""
         self.step_count += 1
-        (beta1, beta2), eps, wd = self.cfg.betas, self.cfg.eps, self.cfg.weight_decay
-        bias1 = 1 - beta1 ** self.step_count
-        bias2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
-        masters = [s.master for s in self.shards]
-        grads = [s.grad for s in self.shards]
-        exp_avg = [s.exp_avg for s in self.shards]
-        exp_avg_sq = [s.exp_avg_sq for s in self.shards]
-        decay = [v for s in self.shards for v in s.decay]
-        if wd and decay:
-            torch._foreach_mul_(decay, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sq, beta2)
-        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sq)
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(masters, exp_avg, denom, -lr / bias1)
+        (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
+        for decay in (True, False):
+            params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
+                                                  for i in range(4))
+            if not params:
+                continue
+            step = torch.full((), float(self.step_count), device=params[0].device)
+            torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step] * len(params), lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=self.cfg.weight_decay if decay else 0.0,
+                                eps=eps, amsgrad=False, maximize=False)
 
     # -- accounting -------------------------------------------------------------------------------
 
