@@ -31,7 +31,7 @@ def _grid(rank, world, combos):
             chunks.append(model)
         p2p = P2P(ps.pp, (MBS, SEQ, args.hidden_size), torch.float32, torch.device("cpu"))
         executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p, lambda last: torch.enable_grad())
-        losses = []
+        losses, outputs = [], []
 
         def forward(chunk, micro, hidden):
             model = chunks[chunk]
@@ -41,10 +41,12 @@ def _grid(rank, world, combos):
             if model.post_process:
                 losses.append(out.detach().mean())
                 return out.mean()
+            outputs.append(out)
             return out
 
         executor.run([schedule_order(kind, r, world, vpp, m) for r in range(world)], m, forward)
-        completed.append((vpp, m, kind, len(losses)))
+        # every activation sent on was released once the next stage had it
+        completed.append((vpp, m, kind, len(losses), [o.numel() for o in outputs] == [1] * len(outputs)))
     return completed
 
 
@@ -60,5 +62,5 @@ def test_every_valid_combination_completes(pp):
                 except PipelineError:
                     continue
     results = run_distributed(_grid, pp, combos, timeout=240)
-    assert results[0] == [(vpp, m, kind, 0) for vpp, m, kind in combos]
-    assert results[-1] == [(vpp, m, kind, m) for vpp, m, kind in combos]  # the last stage saw every loss
+    assert results[0] == [(vpp, m, kind, 0, True) for vpp, m, kind in combos]
+    assert results[-1] == [(vpp, m, kind, m, True) for vpp, m, kind in combos]  # the last stage saw every loss

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from .state import Group
 
@@ -317,7 +318,12 @@ class PipelineExecutor:
         self.trace = list(orders[stage]) if self.record else []
         for step in self.plan(orders):
             if step.sends or step.recvs:
-                inbox.update(self.p2p.exchange([(t, outbox.pop(t)) for t in step.sends], step.recvs))
+                sent = [(t, outbox.pop(t)) for t in step.sends]
+                inbox.update(self.p2p.exchange(sent, step.recvs))
+                if backward:  # the next stage has its copy; the backward needs only the graph
+                    for t, tensor in sent:
+                        if t.kind == "act":
+                            _release(tensor)
             op = step.op
             if op is None:
                 continue
@@ -334,7 +340,25 @@ class PipelineExecutor:
                 inp, out = saved.pop(key)
                 grad = inbox.pop(source) if source is not None else None
                 with self.grad_sync(op.micro == num_micro - 1):
-                    torch.autograd.backward(out, grad_tensors=grad)
+                    _backward(out, grad)
                 if sink is not None:
                     outbox[sink] = inp.grad
         assert not (inbox or outbox or saved), "pipeline step ended with transfers or activations left over"
+
+
+def _release(activation: torch.Tensor) -> None:
+    """Free a sent activation's storage but keep the tensor, and so its autograd graph: a stage
+    otherwise holds one (micro_batch, seq, hidden) output per in-flight micro-batch and chunk that
+    nothing reads again. A view shares its base's storage and is left alone."""
+    if activation._base is None and activation.grad_fn is not None:
+        activation.data = torch.empty((1,), dtype=activation.dtype, device=activation.device)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backpropagate ``grad`` from ``out`` (the loss when None). Calls the autograd engine directly:
+    ``torch.autograd.backward`` would compare ``grad`` with the released ``out``'s shape, while
+    the graph itself checks ``grad`` against the shape ``out`` had when it was made."""
+    if grad is None:
+        torch.autograd.backward(out)
+    else:
+        Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
