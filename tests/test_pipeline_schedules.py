@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
@@ -190,3 +191,30 @@ def test_chunk_layers():
         chunk_layers(10, 2, 1, 0, [5, 4])
     with pytest.raises(PipelineError, match="must divide model.num_layers=6"):
         chunk_layers(6, 4, 1, 0)
+
+
+def test_schedule_tool_reports_the_bubble_and_draws_the_timeline(capsys):
+    from test_preprocess_data import load_tool
+    tool = load_tool("pipeline_schedule")
+    assert tool.main(["--pp", "4", "--micro-batches", "8", "--backward-cost", "1", "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule 1f1b" in out and "efficiency 72.7%" in out  # 1 - 3/11 with unit costs
+    rows = [line for line in out.splitlines() if line.startswith("stage ") and "|" in line]
+    assert len(rows) == 4
+    cells = rows[3].split("| ")[1].split()
+    assert cells[:5] == ["..", "..", "..", "F0", "b0"]  # the last stage waits pp-1 forwards, then 1F1B
+    assert sum(c != ".." for c in cells) == 16  # 8 forwards and 8 backwards
+
+
+def test_schedule_tool_reads_a_config_at_its_gpu_count(capsys):
+    from test_preprocess_data import load_tool
+    tool = load_tool("pipeline_schedule")
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama3_405b.yaml")
+    assert tool.main(["--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "2048 GPUs (tp=8 pp=16 dp=16)" in out and "schedule interleaved" in out
+    assert "128 micro-batches" in out and "32.0 MiB per transfer" in out  # 1 × 8192/8 × 16384 × bf16
+    assert tool.main(["--config", config, "--world-size", "1000"]) == 2
+    assert "must divide the world size 1000" in capsys.readouterr().err
+    assert tool.main(["--pp", "4", "--vpp", "2", "--micro-batches", "6"]) == 2
+    assert "multiple of parallel.pp=4" in capsys.readouterr().err

@@ -167,7 +167,7 @@ def peak_in_flight(order: list[Op]) -> int:
     return peak
 
 
-def _replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float) -> list[list[float]]:
+def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float) -> list[list[float]]:
     """Start time of every op of every stage, each starting once its stage is free and its input
     exists; raises PipelineError if the orders deadlock."""
     done: dict[tuple, float] = {}
@@ -201,7 +201,7 @@ def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_c
     """Replay every stage's order with the given costs and true data dependencies.
 
     Returns the makespan and each stage's idle fraction; raises PipelineError on deadlock."""
-    starts = _replay(orders, pp, vpp, f_cost, b_cost)
+    starts = replay(orders, pp, vpp, f_cost, b_cost)
     cost = [[f_cost if op.kind == "F" else b_cost for op in order] for order in orders]
     makespan = max(s + c for r in range(pp) for s, c in zip(starts[r], cost[r]))
     return {"makespan": makespan, "idle_fraction": [1 - sum(cost[r]) / makespan for r in range(pp)]}
@@ -231,7 +231,7 @@ def communication_plan(orders: list[list[Op]], pp: int, vpp: int) -> list[list[S
     With unit costs each stage runs one op per slot, so a stage sends at most one tensor and
     receives at most one from each neighbour per round; a stage joins only the rounds it has a
     part in. Each op's input arrives in a round no later than its slot (asserted by the tests)."""
-    starts = _replay(orders, pp, vpp, 1.0, 1.0)
+    starts = replay(orders, pp, vpp, 1.0, 1.0)
     slots = [{int(t): op for t, op in zip(starts[r], orders[r])} for r in range(pp)]
     rounds = 1 + max((max(s, default=-1) for s in slots), default=-1)
 
