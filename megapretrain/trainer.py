@@ -20,7 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint.manager import CheckpointManager
+from .checkpoint.manager import CheckpointManager, read_metadata, resolve_checkpoint
+from .checkpoint.reshard import resharded_state
 from .config import Config, Plan, save_config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader
@@ -129,6 +130,7 @@ class Trainer:
                                              layout=layout, keep_last=cfg.checkpoint.keep_last,
                                              keep_every=cfg.checkpoint.keep_every,
                                              async_save=cfg.checkpoint.async_save, device=self.device)
+        self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         resumed_from = self._maybe_resume()
         if self.is_logger:
             self._write_config()
@@ -141,8 +143,14 @@ class Trainer:
         self.log(format_description(describe_datasets(self.datasets)))
         self._log_memory()
         if resumed_from:
-            self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
-            self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
+            if self.resharded_from is None:
+                self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
+                self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
+            else:
+                self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
+                         f"{self.resharded_from} to {layout} (dropout's random streams restart from the seed)")
+                self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
+                                   resharded_from=self.resharded_from, layout=layout)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -338,10 +346,20 @@ class Trainer:
         path = self.checkpoints.latest() or self.cfg.checkpoint.load
         if not path:
             return None
-        state = self.checkpoints.load(path)
+        path = resolve_checkpoint(path)
+        meta = read_metadata(path)
+        if meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size:
+            state = self.checkpoints.load(path)
+        else:  # another layout: rebuild this rank's shards from the saved ones
+            m = self.cfg.model
+            state = resharded_state(path, meta, self.optimizer.fragments, self.ps.tp_rank, self.ps.tp.size,
+                                    self.args.vocab_size, m.make_vocab_size_divisible_by)
+            self.resharded_from = meta["layout"]
         self.optimizer.load_master_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+        if "rng" not in state:
+            return path  # random streams are per rank: after a reshard they restart from the seed
         torch.set_rng_state(state["rng"]["cpu"])
         if "tracker" in state["rng"]:
             self.model_chunks[0].rng.set_states(state["rng"]["tracker"])

@@ -316,7 +316,8 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
         for name, (s, f) in self.fragments.items():
             if name not in weights:
-                raise ValueError(f"checkpoint has no weight '{name}'")
+                raise ValueError(f"checkpoint has no weight '{name}': it was saved from another model "
+                                 "(compare model.* with the config.yaml of the run that saved it)")
             f.of(s.master).copy_(_piece(weights[name], "master", f))
         for s in self.shards:
             s.write_back()
@@ -327,7 +328,8 @@ class MixedPrecisionAdamW:
         for name, (s, f) in self.fragments.items():
             entry = state["params"].get(name)
             if entry is None:
-                raise ValueError(f"checkpoint has no optimizer state for '{name}'")
+                raise ValueError(f"checkpoint has no optimizer state for '{name}': it was saved from another "
+                                 "model (compare model.* with the config.yaml of the run that saved it)")
             if not entry:  # saved before the first step
                 continue
             f.of(s.exp_avg).copy_(_piece(entry, "exp_avg", f))

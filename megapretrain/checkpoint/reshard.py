@@ -1,0 +1,134 @@
+"""Load a checkpoint saved under another parallel layout (tp, pp, dp, vpp, zero).
+
+The per-rank files key everything by global parameter name: the fp32 master weights as whole
+tensor-parallel shards (zero 0) or as ranges ``[start, end)`` of a flattened shard (zero ≥ 1), and
+the Adam moments as such ranges. A rank of the new layout rebuilds, for every parameter it holds,
+the global tensor: per saved tp rank it puts the flattened shard together from the ranges the dp
+ranks saved, joins the tp shards along the split dimension, trims the vocabulary padding of the
+saved layout and pads to the new one (padding rows are zero, as at initialisation), then keeps its
+own tp slice. The optimizer then takes its own ZeRO ranges of that, as it does at the same layout.
+
+Files are opened memory-mapped, so a rank reads only the pages it uses. What does not carry across
+layouts are the random-number streams (they are per rank): dropout restarts from the seed, while
+the weights, Adam moments and step, loss scale, iteration, learning-rate schedule and data position
+continue exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .manager import CheckpointError
+
+VOCAB_PARAMS = ("embed_tokens", "lm_head")
+
+
+def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
+    """(pp_rank, dp_rank, tp_rank) of every rank of ``layout`` (ParallelState's grid order)."""
+    grid = np.arange(layout["pp"] * layout["dp"] * layout["tp"]).reshape(layout["pp"], layout["dp"], layout["tp"])
+    coords = [None] * grid.size
+    for (p, d, t), rank in np.ndenumerate(grid):
+        coords[int(rank)] = (p, d, t)
+    return coords
+
+
+class SavedShards:
+    """The per-rank files of one checkpoint, opened on demand."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.layout = path, meta["layout"]
+        self.coords = rank_coords(self.layout)
+        if len(self.coords) != meta["world_size"]:
+            raise CheckpointError(f"{path}/metadata.json: layout {self.layout} does not multiply out to "
+                                  f"world_size={meta['world_size']}")
+        self._states: dict[int, dict] = {}
+
+    def state(self, rank: int) -> dict:
+        if rank not in self._states:
+            file = os.path.join(self.path, f"rank_{rank:05d}.pt")
+            try:
+                self._states[rank] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete") from None
+            except Exception as exc:
+                raise CheckpointError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {exc}); "
+                                      "load an older checkpoint with --checkpoint.load") from None
+        return self._states[rank]
+
+    def flat_shard(self, name: str, key: str, tp_rank: int, numel: int) -> torch.Tensor:
+        """The flattened tp shard ``tp_rank`` of parameter ``name``'s ``key`` ("master",
+        "exp_avg" or "exp_avg_sq"), put together from every rank that saved part of it."""
+        out = torch.zeros(numel, dtype=torch.float32)
+        seen = torch.zeros(numel, dtype=torch.bool)
+        stage = None  # a tied embedding lives on the first and the last stage: read one of them
+        for rank, (pp_rank, _, t) in enumerate(self.coords):
+            if t != tp_rank or (stage is not None and pp_rank != stage):
+                continue
+            state = self.state(rank)
+            entry = state["model"].get(name) if key == "master" else state["optimizer"]["params"].get(name)
+            if entry is None:
+                continue
+            stage = pp_rank
+            if torch.is_tensor(entry):  # a whole shard (zero 0 masters)
+                start, end, piece = 0, entry.numel(), entry.reshape(-1)
+            elif key in entry:
+                start, end, piece = int(entry["start"]), int(entry["end"]), entry[key].reshape(-1)
+            else:
+                continue  # saved before the first step: no moments yet (zeros)
+            if end > numel or piece.numel() != end - start:
+                raise CheckpointError(f"checkpoint {self.path}: '{name}' has {end} elements per tp shard in "
+                                      f"rank {rank}'s file, this model expects {numel}: it was saved from "
+                                      "another model (compare model.* with the config.yaml of the run that saved it)")
+            out[start:end] = piece.float()
+            seen[start:end] = True
+        if stage is None:
+            raise CheckpointError(f"checkpoint {self.path} has no '{name}': it was saved from another model "
+                                  "(compare model.* with the config.yaml of the run that saved it)")
+        if key == "master" and not bool(seen.all()):
+            raise CheckpointError(f"checkpoint {self.path}: the saved ranges of '{name}' do not cover it; "
+                                  "the checkpoint is incomplete")
+        return out
+
+
+def resharded_state(path: str, meta: dict, fragments: dict, tp_rank: int, tp: int,
+                    vocab_size: int, divisible_by: int) -> dict:
+    """This rank's state from a checkpoint of another layout, in the form the optimizer's loaders
+    take: whole tp-shard tensors by name for the masters and the moments. ``fragments`` maps the
+    names this rank holds to ``(shard, fragment)`` (the optimizer's ``fragments``)."""
+    from ..config import padded_vocab_size
+
+    saved = SavedShards(path, meta)
+    old_tp = saved.layout["tp"]
+    first = saved.state(0)
+    model, params = {}, {}
+    for name, (_, frag) in fragments.items():
+        param = frag.param
+        dim = getattr(param, "tp_shard_dim", None)
+        vocab = name.split(".")[0] in VOCAB_PARAMS
+        shape = list(param.shape)  # this rank's shard; the global and the saved shard follow
+        if dim is not None:
+            shape[dim] *= tp
+        old = list(shape)
+        if vocab:
+            old[0] = padded_vocab_size(vocab_size, divisible_by, old_tp)
+        if dim is not None:
+            if old[dim] % old_tp:
+                raise CheckpointError(f"checkpoint {path}: '{name}' cannot have been split {old_tp} ways "
+                                      f"along dimension {dim} (size {old[dim]}); it was saved from another model")
+            old[dim] //= old_tp
+        numel = int(np.prod(old))
+        state = {}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            pieces = [saved.flat_shard(name, key, t, numel).view(old) for t in range(old_tp if dim is not None else 1)]
+            full = torch.cat(pieces, dim) if dim is not None else pieces[0]
+            if vocab:  # the saved layout's padding off, the new one's on
+                full = full[:vocab_size]
+                full = torch.cat([full, full.new_zeros([shape[0] - vocab_size] + shape[1:])])
+            state[key] = (full.chunk(tp, dim)[tp_rank] if dim is not None else full).contiguous()
+        model[name] = state["master"]
+        params[name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    return {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"], "model": model,
+            "optimizer": {"step": first["optimizer"]["step"], "params": params, "scaler": first["optimizer"]["scaler"]}}
