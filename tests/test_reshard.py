@@ -92,3 +92,58 @@ def test_reshard_reports_a_missing_parameter(corpus, tmp_path):
     numel = saved.state(0)["model"]["norm.weight"].numel()
     with pytest.raises(CheckpointError, match="saved from another model"):
         saved.flat_shard("norm.weight", "master", 0, numel - 1)
+
+
+def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
+    """tp 4 → 2 and → 1 on synthetic files: a vocabulary-padded row-split weight (zero 0 whole shards)
+    and a column-split weight saved as ZeRO ranges spread over two dp ranks."""
+    from types import SimpleNamespace
+
+    from megapretrain.checkpoint.reshard import resharded_state
+    from megapretrain.config import padded_vocab_size
+
+    vocab, hidden, cols, div = 50, 6, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(vocab, hidden, generator=gen)            # split along rows (vocabulary)
+    down = torch.randn(hidden, cols, generator=gen)            # split along columns
+    moments = {k: (emb * i, down * i) for i, k in ((2.0, "exp_avg"), (3.0, "exp_avg_sq"))}
+    old_tp, dp = 4, 2
+    padded = padded_vocab_size(vocab, div, old_tp)
+    rows = padded // old_tp
+    path = tmp_path / "iter_0000007"
+    path.mkdir()
+    for rank in range(old_tp * dp):  # grid (pp, dp, tp): rank = dp_rank * tp + tp_rank
+        d, t = divmod(rank, old_tp)
+        emb_pad = torch.cat([emb, torch.zeros(padded - vocab, hidden)])
+        shard = lambda full, dim: full.chunk(old_tp, dim)[t].contiguous()  # noqa: E731
+        flat = shard(down, 1).reshape(-1)
+        half = flat.numel() // 2
+        rng = (0, half) if d == 0 else (half, flat.numel())  # ZeRO: each dp rank saved half of it
+        params = {"embed_tokens.weight": {"start": 0, "end": rows * hidden,
+                                          **{k: shard(torch.cat([m[0], torch.zeros(padded - vocab, hidden)]), 0)
+                                             .reshape(-1) for k, m in moments.items()}},
+                  "layers.0.mlp.down_proj.weight": {"start": rng[0], "end": rng[1],
+                                                    **{k: shard(m[1], 1).reshape(-1)[rng[0]:rng[1]]
+                                                       for k, m in moments.items()}}}
+        state = {"iteration": 7, "consumed_samples": 56,
+                 "model": {"embed_tokens.weight": shard(emb_pad, 0),
+                           "layers.0.mlp.down_proj.weight": {"start": rng[0], "end": rng[1],
+                                                             "master": flat[rng[0]:rng[1]].clone()}},
+                 "optimizer": {"step": 7, "params": params, "scaler": {"scale": 1.0, "clean_steps": 0}}}
+        torch.save(state, path / f"rank_{rank:05d}.pt")
+    meta = {"world_size": old_tp * dp, "layout": {"tp": old_tp, "pp": 1, "dp": dp}}
+    for tp in (1, 2):
+        new_rows = padded_vocab_size(vocab, div, tp) // tp
+        for tp_rank in range(tp):
+            frags = {"embed_tokens.weight": (None, SimpleNamespace(param=SimpleNamespace(
+                         shape=(new_rows, hidden), tp_shard_dim=0))),
+                     "layers.0.mlp.down_proj.weight": (None, SimpleNamespace(param=SimpleNamespace(
+                         shape=(hidden, cols // tp), tp_shard_dim=1)))}
+            out = resharded_state(str(path), meta, frags, tp_rank, tp, vocab, div)
+            emb_new = torch.cat([emb, torch.zeros(new_rows * tp - vocab, hidden)]).chunk(tp, 0)[tp_rank]
+            torch.testing.assert_close(out["model"]["embed_tokens.weight"], emb_new, rtol=0, atol=0)
+            torch.testing.assert_close(out["model"]["layers.0.mlp.down_proj.weight"], down.chunk(tp, 1)[tp_rank],
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(out["optimizer"]["params"]["layers.0.mlp.down_proj.weight"]["exp_avg_sq"],
+                                       (down * 3.0).chunk(tp, 1)[tp_rank], rtol=0, atol=0)
+            assert out["iteration"] == 7 and out["optimizer"]["step"] == 7

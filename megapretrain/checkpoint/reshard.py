@@ -2,11 +2,11 @@
 
 The per-rank files key everything by global parameter name: the fp32 master weights as whole
 tensor-parallel shards (zero 0) or as ranges ``[start, end)`` of a flattened shard (zero ≥ 1), and
-the Adam moments as such ranges. A rank of the new layout rebuilds, for every parameter it holds,
-the global tensor: per saved tp rank it puts the flattened shard together from the ranges the dp
-ranks saved, joins the tp shards along the split dimension, trims the vocabulary padding of the
-saved layout and pads to the new one (padding rows are zero, as at initialisation), then keeps its
-own tp slice. The optimizer then takes its own ZeRO ranges of that, as it does at the same layout.
+the Adam moments as such ranges. For every parameter it holds, a rank of the new layout rebuilds
+its tp slice of the global tensor: it cuts it from the saved tp shards that overlap the slice along
+the split dimension, each put together from the ranges its dp ranks saved. Vocabulary rows past
+the real vocabulary are padding and zero, as at initialisation, whatever the saved layout padded
+to. The optimizer then takes its own ZeRO ranges of the slice, as it does at the same layout.
 
 Files are opened memory-mapped, so a rank reads only the pages it uses. What does not carry across
 layouts are the random-number streams (they are per rank): dropout restarts from the seed, while
@@ -122,12 +122,21 @@ def resharded_state(path: str, meta: dict, fragments: dict, tp_rank: int, tp: in
         numel = int(np.prod(old))
         state = {}
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            pieces = [saved.flat_shard(name, key, t, numel).view(old) for t in range(old_tp if dim is not None else 1)]
-            full = torch.cat(pieces, dim) if dim is not None else pieces[0]
-            if vocab:  # the saved layout's padding off, the new one's on
-                full = full[:vocab_size]
-                full = torch.cat([full, full.new_zeros([shape[0] - vocab_size] + shape[1:])])
-            state[key] = (full.chunk(tp, dim)[tp_rank] if dim is not None else full).contiguous()
+            if dim is None:  # replicated over tp: any saved tp rank's copy
+                state[key] = saved.flat_shard(name, key, 0, numel).view(old)
+                continue
+            size = shape[dim] // tp  # this rank's slice [lo, hi) of the global tensor, read from the
+            lo, hi = tp_rank * size, (tp_rank + 1) * size  # saved shards that overlap it
+            real = min(hi, vocab_size) if vocab else hi  # rows past the vocabulary are padding: zeros
+            parts = []
+            for t in range(old_tp):
+                start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
+                if start < end:
+                    shard = saved.flat_shard(name, key, t, numel).view(old)
+                    parts.append(shard.narrow(dim, start - t * old[dim], end - start))
+            pad = list(param.shape)
+            pad[dim] = size - sum(x.shape[dim] for x in parts)
+            state[key] = torch.cat(parts + [torch.zeros(pad)], dim)
         model[name] = state["master"]
         params[name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
     return {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"], "model": model,
