@@ -129,7 +129,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
                                              layout=layout, keep_last=cfg.checkpoint.keep_last,
                                              keep_every=cfg.checkpoint.keep_every,
-                                             async_save=cfg.checkpoint.async_save, device=self.device)
+                                             async_save=cfg.checkpoint.async_save, device=self.device,
+                                             extra={"vocab_size": self.args.vocab_size,
+                                                    "padded_vocab": self.args.padded_vocab})
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         resumed_from = self._maybe_resume()
         if self.is_logger:
@@ -147,10 +149,11 @@ class Trainer:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
+                now = {**layout, "padded_vocab": self.args.padded_vocab}
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
-                         f"{self.resharded_from} to {layout} (dropout's random streams restart from the seed)")
+                         f"{self.resharded_from} to {now} (dropout's random streams restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
-                                   resharded_from=self.resharded_from, layout=layout)
+                                   resharded_from=self.resharded_from, layout=now)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -348,13 +351,14 @@ class Trainer:
             return None
         path = resolve_checkpoint(path)
         meta = read_metadata(path)
-        if meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size:
+        if (meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size
+                and meta.get("padded_vocab", self.args.padded_vocab) == self.args.padded_vocab):
             state = self.checkpoints.load(path)
-        else:  # another layout: rebuild this rank's shards from the saved ones
+        else:  # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
             m = self.cfg.model
             state = resharded_state(path, meta, self.optimizer.fragments, self.ps.tp_rank, self.ps.tp.size,
                                     self.args.vocab_size, m.make_vocab_size_divisible_by)
-            self.resharded_from = meta["layout"]
+            self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
         self.optimizer.load_master_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]

@@ -29,6 +29,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says which file and what to do."""
 
 
+FORMAT = "megapretrain-per-rank-v1"
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -51,10 +54,12 @@ def iter_dir_name(iteration: int) -> str:
 
 class CheckpointManager:
     def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, keep_last: int = 3,
-                 keep_every: int = 0, async_save: bool = False, device: torch.device | str = "cpu"):
+                 keep_every: int = 0, async_save: bool = False, device: torch.device | str = "cpu",
+                 extra: dict | None = None):
+        """``extra``: more facts for ``metadata.json`` (e.g. the model's vocabulary padding)."""
         self.device = torch.device(device)
         self.root = os.path.join(run_dir, "checkpoints")
-        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.rank, self.world_size, self.layout, self.extra = rank, world_size, layout, dict(extra or {})
         self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
         self._pending: tuple[int, threading.Thread, list] | None = None
         os.makedirs(self.root, exist_ok=True)
@@ -107,7 +112,7 @@ class CheckpointManager:
         if self.rank == 0:
             tmp, final = os.path.join(self.root, "." + name), os.path.join(self.root, name)
             meta = {"iteration": iteration, "world_size": self.world_size, "layout": self.layout,
-                    "time": time.time(), "format": "megapretrain-per-rank-v1"}
+                    "time": time.time(), "format": FORMAT, **self.extra}
             with open(os.path.join(tmp, "metadata.json"), "w") as fh:
                 json.dump(meta, fh, indent=1)
             if os.path.exists(final):

@@ -93,51 +93,62 @@ class SavedShards:
         return out
 
 
+def saved_padded_vocab(meta: dict, vocab_size: int, divisible_by: int) -> int:
+    """Rows the saved layout padded the vocabulary to: recorded in the metadata, or (older
+    checkpoints) what this config's ``make_vocab_size_divisible_by`` gives at the saved tp."""
+    from ..config import padded_vocab_size
+    return int(meta.get("padded_vocab") or padded_vocab_size(vocab_size, divisible_by, meta["layout"]["tp"]))
+
+
+def tp_slice(saved: SavedShards, name: str, key: str, shape: list[int], dim: int | None, tp_rank: int,
+             tp: int, vocab_rows: int | None, saved_padded: int | None) -> torch.Tensor:
+    """Slice ``tp_rank`` of ``tp`` of parameter ``name``'s ``key``; ``shape`` is that slice's shape
+    and ``dim`` the split dimension (None: replicated). For the embedding and output layer
+    ``vocab_rows`` is the real vocabulary and ``saved_padded`` the saved layout's padded rows."""
+    old_tp = saved.layout["tp"]
+    full = list(shape)  # the global tensor, padded as this layout pads it
+    if dim is not None:
+        full[dim] *= tp
+    old = list(full)  # one saved tp shard
+    if vocab_rows is not None:
+        old[0] = saved_padded
+    if dim is not None:
+        if old[dim] % old_tp:
+            raise CheckpointError(f"checkpoint {saved.path}: '{name}' cannot have been split {old_tp} ways "
+                                  f"along dimension {dim} (size {old[dim]}); it was saved from another model")
+        old[dim] //= old_tp
+    numel = int(np.prod(old))
+    if dim is None:  # replicated over tp: any saved tp rank's copy
+        return saved.flat_shard(name, key, 0, numel).view(old)
+    lo, hi = tp_rank * shape[dim], (tp_rank + 1) * shape[dim]  # this slice of the global tensor,
+    real = min(hi, vocab_rows) if vocab_rows is not None else hi  # rows past the vocabulary: zeros
+    parts = []
+    for t in range(old_tp):  # cut from the saved shards that overlap it
+        start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
+        if start < end:
+            part = saved.flat_shard(name, key, t, numel).view(old)
+            parts.append(part.narrow(dim, start - t * old[dim], end - start))
+    pad = list(shape)
+    pad[dim] = shape[dim] - sum(x.shape[dim] for x in parts)
+    return torch.cat(parts + [torch.zeros(pad)], dim)
+
+
 def resharded_state(path: str, meta: dict, fragments: dict, tp_rank: int, tp: int,
                     vocab_size: int, divisible_by: int) -> dict:
     """This rank's state from a checkpoint of another layout, in the form the optimizer's loaders
-    take: whole tp-shard tensors by name for the masters and the moments. ``fragments`` maps the
+    take: whole tp-slice tensors by name for the masters and the moments. ``fragments`` maps the
     names this rank holds to ``(shard, fragment)`` (the optimizer's ``fragments``)."""
-    from ..config import padded_vocab_size
-
     saved = SavedShards(path, meta)
-    old_tp = saved.layout["tp"]
+    padded = saved_padded_vocab(meta, vocab_size, divisible_by)
     first = saved.state(0)
     model, params = {}, {}
     for name, (_, frag) in fragments.items():
-        param = frag.param
-        dim = getattr(param, "tp_shard_dim", None)
-        vocab = name.split(".")[0] in VOCAB_PARAMS
-        shape = list(param.shape)  # this rank's shard; the global and the saved shard follow
-        if dim is not None:
-            shape[dim] *= tp
-        old = list(shape)
-        if vocab:
-            old[0] = padded_vocab_size(vocab_size, divisible_by, old_tp)
-        if dim is not None:
-            if old[dim] % old_tp:
-                raise CheckpointError(f"checkpoint {path}: '{name}' cannot have been split {old_tp} ways "
-                                      f"along dimension {dim} (size {old[dim]}); it was saved from another model")
-            old[dim] //= old_tp
-        numel = int(np.prod(old))
-        state = {}
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            if dim is None:  # replicated over tp: any saved tp rank's copy
-                state[key] = saved.flat_shard(name, key, 0, numel).view(old)
-                continue
-            size = shape[dim] // tp  # this rank's slice [lo, hi) of the global tensor, read from the
-            lo, hi = tp_rank * size, (tp_rank + 1) * size  # saved shards that overlap it
-            real = min(hi, vocab_size) if vocab else hi  # rows past the vocabulary are padding: zeros
-            parts = []
-            for t in range(old_tp):
-                start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
-                if start < end:
-                    shard = saved.flat_shard(name, key, t, numel).view(old)
-                    parts.append(shard.narrow(dim, start - t * old[dim], end - start))
-            pad = list(param.shape)
-            pad[dim] = size - sum(x.shape[dim] for x in parts)
-            state[key] = torch.cat(parts + [torch.zeros(pad)], dim)
+        vocab = vocab_size if name.split(".")[0] in VOCAB_PARAMS else None
+        state = {key: tp_slice(saved, name, key, list(frag.param.shape), getattr(frag.param, "tp_shard_dim", None),
+                               tp_rank, tp, vocab, padded)
+                 for key in ("master", "exp_avg", "exp_avg_sq")}
         model[name] = state["master"]
         params[name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
     return {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"], "model": model,
-            "optimizer": {"step": first["optimizer"]["step"], "params": params, "scaler": first["optimizer"]["scaler"]}}
+            "optimizer": {"step": first["optimizer"]["step"], "params": params,
+                          "scaler": first["optimizer"].get("scaler")}}

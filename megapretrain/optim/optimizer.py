@@ -338,4 +338,5 @@ class MixedPrecisionAdamW:
                 self.step_count = int(entry["step"])
         if "step" in state:
             self.step_count = int(state["step"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state.get("scaler") is not None:  # none in a checkpoint converted from other weights
+            self.scaler.load_state_dict(state["scaler"])
