@@ -149,6 +149,22 @@ class LoggingConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
+                     "checkpoint from before it and skip the data that led to it), alert (report and go on) or off.")
+    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
+                             "recovery.window losses by this many standard deviations.")
+    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).")
+    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.")
+    max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
+                            "that trigger the action.")
+    skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.")
+    max_rollbacks: int = _f(5, "Stop with an error after this many rollbacks in one run.")
+    alert_command: Optional[str] = _f(None, "Shell command rank 0 runs for every alert (the alert as JSON "
+                                      "in $MEGAPRETRAIN_ALERT), e.g. a curl to a chat webhook.")
+
+
+@dataclass
 class Config:
     run: RunConfig = _f(None, "Run directory and name.", factory=RunConfig)
     model: ModelConfig = _f(None, "Model architecture.", factory=ModelConfig)
@@ -159,6 +175,7 @@ class Config:
     schedule: ScheduleConfig = _f(None, "Learning-rate schedule.", factory=ScheduleConfig)
     checkpoint: CheckpointConfig = _f(None, "Checkpointing.", factory=CheckpointConfig)
     logging: LoggingConfig = _f(None, "Logging and metrics.", factory=LoggingConfig)
+    recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,6 +513,15 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
         _check(getattr(c, name) >= 0, f"checkpoint.{name}={getattr(c, name)} must be non-negative")
     _check(c.interval_minutes >= 0, f"checkpoint.interval_minutes={c.interval_minutes} must be non-negative")
     _check(t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be non-negative")
+    r = cfg.recovery
+    _check(r.action in ("rollback", "alert", "off"),
+           f"recovery.action={r.action!r} must be one of: rollback, alert, off")
+    _check(r.spike_zscore > 0, f"recovery.spike_zscore={r.spike_zscore} must be positive")
+    _check(r.window >= 2, f"recovery.window={r.window} must be at least 2")
+    _check(r.min_std_fraction >= 0, f"recovery.min_std_fraction={r.min_std_fraction} must be non-negative")
+    for name in ("max_bad_steps", "max_rollbacks"):
+        _check(getattr(r, name) >= 1, f"recovery.{name}={getattr(r, name)} must be at least 1")
+    _check(r.skip_batches >= 0, f"recovery.skip_batches={r.skip_batches} must be non-negative")
 
     warnings = []
     if s.warmup_iters > 0.05 * t.iters:

@@ -91,12 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + help_text())
         return 0
+    from .recovery import RecoveryError
+
     try:
         trainer = setup(argv)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    trainer.fit()
+    try:
+        trainer.fit()
+    except RecoveryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -35,6 +35,7 @@ from .parallel.pipeline import (P2P, PipelineExecutor, chunk_layers, forward_onl
 from .parallel.random import RNGTracker
 from .parallel.state import ParallelState
 from .parallel.tensor import shard_dims_of
+from .recovery import Detector, RecoveryError, describe, run_alert_command
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -133,6 +134,10 @@ class Trainer:
                                              extra={"vocab_size": self.args.vocab_size,
                                                     "padded_vocab": self.args.padded_vocab})
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
+        r = cfg.recovery
+        self.detector = None if r.action == "off" else Detector(
+            r.spike_zscore, r.window, r.min_std_fraction, r.max_bad_steps, fp16=t.precision == "fp16")
+        self.rollbacks = 0
         resumed_from = self._maybe_resume()
         if self.is_logger:
             self._write_config()
@@ -168,6 +173,9 @@ class Trainer:
             self.consumed_samples += t.global_batch_size
             if self.iteration % self.cfg.logging.interval == 0 or self.iteration == t.iters:
                 self._log_step(stats)
+            alert = self.detector and self.detector.observe(self.iteration, stats["loss"], stats["skipped"])
+            if alert and self._on_alert(alert):
+                continue  # rolled back: this iteration is trained again from the checkpoint
             if t.eval_interval and self.iteration % t.eval_interval == 0:
                 self._log_eval(self.evaluate())
             timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
@@ -242,8 +250,11 @@ class Trainer:
         """Train/valid datasets; one rank per node builds missing index caches, the others load them."""
         t, cfg = self.cfg.train, self.cfg
         valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
+        r, per_rollback = cfg.recovery, cfg.checkpoint.interval + cfg.recovery.skip_batches
+        # room for the batches rollbacks skip: max_rollbacks of them, at most as many as the run has
+        spare = min(r.max_rollbacks * per_rollback, t.iters) if r.action == "rollback" else 0
         args = (cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
-                {"train": t.iters * t.global_batch_size, "valid": valid_samples, "test": 0},
+                {"train": (t.iters + spare) * t.global_batch_size, "valid": valid_samples, "test": 0},
                 cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
         builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
         datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
@@ -350,26 +361,75 @@ class Trainer:
         if not path:
             return None
         path = resolve_checkpoint(path)
+        self._apply(self._read(path))
+        return path
+
+    def _read(self, path: str) -> dict:
+        """This rank's state from checkpoint ``path``, whatever layout saved it."""
         meta = read_metadata(path)
         if (meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size
                 and meta.get("padded_vocab", self.args.padded_vocab) == self.args.padded_vocab):
-            state = self.checkpoints.load(path)
-        else:  # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
-            m = self.cfg.model
-            state = resharded_state(path, meta, self.optimizer.fragments, self.ps.tp_rank, self.ps.tp.size,
-                                    self.args.vocab_size, m.make_vocab_size_divisible_by)
-            self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
+            return self.checkpoints.load(path)
+        # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
+        self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
+        return resharded_state(path, meta, self.optimizer.fragments, self.ps.tp_rank, self.ps.tp.size,
+                               self.args.vocab_size, self.cfg.model.make_vocab_size_divisible_by)
+
+    def _apply(self, state: dict) -> None:
+        """Take weights, optimizer, position and (same layout only) random streams from a checkpoint."""
         self.optimizer.load_master_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         if "rng" not in state:
-            return path  # random streams are per rank: after a reshard they restart from the seed
+            return  # random streams are per rank: after a reshard they restart from the seed
         torch.set_rng_state(state["rng"]["cpu"])
         if "tracker" in state["rng"]:
             self.model_chunks[0].rng.set_states(state["rng"]["tracker"])
         if self.device.type == "cuda" and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        return path
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    def _on_alert(self, alert: dict) -> bool:
+        """Report an alert and act on it; returns True when training was rolled back."""
+        self.log(f"alert: {describe(alert)}")
+        self.metrics.event("alert", self.iteration, **{k: v for k, v in alert.items() if k != "iter"})
+        if self.is_logger:
+            run_alert_command(self.cfg.recovery.alert_command, alert)
+        return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"])
+
+    def _rollback(self, since: int) -> bool:
+        """Reload the newest checkpoint from before iteration ``since``, set aside those saved since,
+        and skip the global batches trained since then (plus ``recovery.skip_batches``)."""
+        r, t = self.cfg.recovery, self.cfg.train
+        if self.rollbacks >= r.max_rollbacks:
+            raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already (recovery.max_rollbacks) and the "
+                                f"run is still unhealthy at iteration {self.iteration}; inspect metrics.jsonl, "
+                                "then lower optim.lr or raise recovery.skip_batches and relaunch")
+        self.checkpoints.finalize()
+        path = self.checkpoints.newest_before(since)
+        skip_to = self.consumed_samples + r.skip_batches * t.global_batch_size
+        if path is None:
+            self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; going on")
+            return False
+        state = self._read(path)
+        needed = skip_to + (t.iters - state["iteration"]) * t.global_batch_size
+        if needed > len(self.datasets["train"]):
+            self.log(f"recovery: skipping to sample {skip_to:,} would run past the {len(self.datasets['train']):,} "
+                     "samples indexed for this run; going on without a rollback")
+            return False
+        bad_iteration = self.iteration
+        self._apply(state)
+        moved = self.checkpoints.set_aside_from(since, keep=path)
+        skipped = skip_to - self.consumed_samples
+        self.consumed_samples = skip_to
+        self.detector.rewind(self.iteration)
+        self.rollbacks += 1
+        self.log(f"recovery: rolled back from iteration {bad_iteration} to {self.iteration} ({path}), skipping "
+                 f"{skipped:,} samples; set aside {', '.join(moved) or 'no later checkpoints'}")
+        self.metrics.event("rollback", self.iteration, from_iter=bad_iteration, checkpoint=path,
+                           skipped_samples=skipped, consumed_samples=self.consumed_samples, set_aside=moved)
+        return True
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True

@@ -143,6 +143,31 @@ class CheckpointManager:
         """Path of the newest complete checkpoint in this run, or None."""
         return latest_checkpoint(self.root)
 
+    def newest_before(self, iteration: int) -> str | None:
+        """The newest complete checkpoint of this run saved before ``iteration``, or None."""
+        done = [d for d in os.listdir(self.root) if d.startswith("iter_") and d[5:].isdigit()
+                and int(d[5:]) < iteration and os.path.exists(os.path.join(self.root, d, "metadata.json"))]
+        return os.path.join(self.root, max(done)) if done else None
+
+    def set_aside_from(self, iteration: int, keep: str) -> list[str]:
+        """After a rollback to ``keep``: rename the checkpoints saved at ``iteration`` or later to
+        ``NAME.rolled-back-TIME`` (kept, never deleted) and point ``latest`` at ``keep``
+        (collective). Returns the names set aside."""
+        self.finalize()
+        moved = sorted(d for d in os.listdir(self.root) if d.startswith("iter_") and d[5:].isdigit()
+                       and int(d[5:]) >= iteration)
+        _barrier()  # every rank has read what it needs before anything moves
+        if self.rank == 0:
+            stamp = int(time.time())
+            for d in moved:
+                os.rename(os.path.join(self.root, d), os.path.join(self.root, f"{d}.rolled-back-{stamp}"))
+            latest_tmp = os.path.join(self.root, ".latest")
+            with open(latest_tmp, "w") as fh:
+                fh.write(os.path.basename(keep) + "\n")
+            os.replace(latest_tmp, os.path.join(self.root, "latest"))
+        _barrier()
+        return moved
+
     def load(self, path: str) -> dict:
         """This rank's state from checkpoint directory ``path``, checked against the layout."""
         path = resolve_checkpoint(path)
