@@ -151,7 +151,7 @@ class LoggingConfig:
 @dataclass
 class RecoveryConfig:
     action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
-                     "checkpoint from before it and skip the data that led to it), alert (report and go on) or off.")
+                     "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
     spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
                              "recovery.window losses by this many standard deviations.")
     window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).")
@@ -514,8 +514,9 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
     _check(c.interval_minutes >= 0, f"checkpoint.interval_minutes={c.interval_minutes} must be non-negative")
     _check(t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be non-negative")
     r = cfg.recovery
-    _check(r.action in ("rollback", "alert", "off"),
-           f"recovery.action={r.action!r} must be one of: rollback, alert, off")
+    _check(r.action in ("rollback", "alert", "none"),
+           f"recovery.action={r.action!r} must be one of: rollback, alert, none"
+           + (" (YAML reads off/on/yes/no as booleans)" if r.action in ("False", "True") else ""))
     _check(r.spike_zscore > 0, f"recovery.spike_zscore={r.spike_zscore} must be positive")
     _check(r.window >= 2, f"recovery.window={r.window} must be at least 2")
     _check(r.min_std_fraction >= 0, f"recovery.min_std_fraction={r.min_std_fraction} must be non-negative")

@@ -135,7 +135,7 @@ class Trainer:
                                                     "padded_vocab": self.args.padded_vocab})
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         r = cfg.recovery
-        self.detector = None if r.action == "off" else Detector(
+        self.detector = None if r.action == "none" else Detector(
             r.spike_zscore, r.window, r.min_std_fraction, r.max_bad_steps, fp16=t.precision == "fp16")
         self.rollbacks = 0
         resumed_from = self._maybe_resume()

@@ -99,6 +99,10 @@ def test_missing_and_malformed_files(tmp_path):
     ({"parallel__sequence_parallel": True, "parallel__tp": 2, "train__seq_length": 255}, 2,
      r"sequence_parallel needs parallel.tp=2 to divide train.seq_length=255"),
     ({"model__vocab_size": None}, 1, r"model.vocab_size is unset"),
+    ({"recovery__action": "False"}, 1, r"recovery.action='False' must be one of: rollback, alert, none "
+                                       r"\(YAML reads off/on/yes/no as booleans\)"),
+    ({"recovery__window": 1}, 1, r"recovery.window=1 must be at least 2"),
+    ({"recovery__max_rollbacks": 0}, 1, r"recovery.max_rollbacks=0 must be at least 1"),
 ])
 def test_validation_errors(changes, world, message):
     cfg = valid(**changes)
