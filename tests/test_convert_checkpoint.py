@@ -100,3 +100,20 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(corpus, tmp_path, caps
     assert convert.main(["from-hf", "--hf", good, "--output", str(tmp_path / "c")]) == 2
     assert "rope_scaling" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_the_tokenizer_of_a_huggingface_run_goes_along(tmp_path):
+    from types import SimpleNamespace
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    for model in (str(folder), str(folder / "tokenizer.json")):  # a directory, or the file itself
+        cfg = SimpleNamespace(data=SimpleNamespace(tokenizer=SimpleNamespace(type="HuggingFaceTokenizer", model=model)))
+        copied = convert._copy_tokenizer(cfg, str(out))
+        assert "tokenizer.json" in copied and (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert convert._copy_tokenizer(SimpleNamespace(data=SimpleNamespace(tokenizer=SimpleNamespace(
+        type="ByteTokenizer", model=None))), str(out)) == []
