@@ -190,3 +190,39 @@ def test_chunked_linear_cross_entropy_matches_unchunked(monkeypatch, dtype):
                                             targets.reshape(-1), reduction="none").view(3, 7)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(whole[0], ref, rtol=tol, atol=tol)
+
+
+def _saved_bytes_per_token(rank, world, sequence_parallel):
+    """Bytes autograd keeps for backward per token of one decoder layer (bf16, weights excluded)."""
+    from megapretrain.parallel.tensor import _pack, _unpack
+
+    ps = ParallelState(tp=world)
+    h, f, heads, kv = 256, 704, 8, 2
+    model = build(ps, tiny_args(hidden_size=h, ffn_hidden_size=f, num_heads=heads, num_kv_heads=kv,
+                                num_layers=1), dtype=torch.bfloat16, sequence_parallel=sequence_parallel)
+    b, s = 2, 64
+    x = torch.randn(b, s // (world if sequence_parallel else 1), h, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = model._rope(s, x)
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
+    seen = {}
+
+    def pack(t):
+        packed = _pack(t)
+        kept = packed if isinstance(packed, torch.Tensor) else packed[0].shard  # a shard stands in
+        if kept.untyped_storage().data_ptr() not in skip:
+            seen[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        y = model._layer(model.layers["0"], x, cos, sin)
+    y.float().square().sum().backward()  # the shards gather again on demand
+    return sum(seen.values()) / (b * s), (12 * h + 4 * kv * (h // heads) + 8 * f) / world
+
+
+def test_sequence_parallel_keeps_a_1_over_tp_share_of_the_activations():
+    """With SP every saved activation is a 1/tp share — the column-parallel linears' input included,
+    which is gathered again in backward — so a layer keeps (12h + 4·kv·d + 8f)/tp bytes per token."""
+    with_sp, expected = run_distributed(_saved_bytes_per_token, 2, True)[0]
+    without_sp, _ = run_distributed(_saved_bytes_per_token, 2, False)[0]
+    assert with_sp == pytest.approx(expected, rel=0.01)  # plus norm statistics and logsumexp
+    assert without_sp > with_sp + 4 * 256 / 2 * 0.9  # the two gathered (b, s, h) inputs, at least

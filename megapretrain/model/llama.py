@@ -24,7 +24,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
 from ..parallel.state import Group
 from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               enter_tp_region, init_shard_, shard_dims_of)
+                               enter_tp_region, init_shard_, shard_dims_of, sp_saved_shards)
 
 
 @dataclass(frozen=True)
@@ -276,6 +276,12 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return self._forward(x, targets)
+        with sp_saved_shards():  # backward keeps seq shards, not gathered sequences
+            return self._forward(x, targets)
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
         seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)

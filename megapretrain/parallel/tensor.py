@@ -17,6 +17,7 @@ Every parallel layer declares ``shard_dims``: parameter name -> the dimension sp
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +148,60 @@ def init_shard_(param: torch.Tensor, name: str, seed: int, std: float, shard_dim
 
 def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
     """Make the input of column-parallel linears: all-gather the seq shards (SP) or mark the
-    replicated input so its gradient is all-reduced. Called once per block for all its linears."""
-    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+    replicated input so its gradient is all-reduced. Called once per block for all its linears.
+
+    Under :func:`sp_saved_shards`, what backward keeps of the gathered input is the local shard:
+    the all-gather runs again when the weight gradients need the full sequence."""
+    if not sequence_parallel:
+        return copy_to_tp(x, tp)
+    full = gather_from_sp(x, tp)
+    if tp.size > 1 and torch.is_grad_enabled():
+        regather = _Regather(x.detach(), tp, full)
+        _GATHERED[regather.ptr] = regather
+        weakref.finalize(full, _GATHERED.pop, regather.ptr, None)
+    return full
+
+
+class _Regather:
+    """The local shard behind a sequence-parallel all-gather, gathered again on backward's demand;
+    one gather serves every saved view of it (q, k and v, or gate and up, share one input)."""
+
+    def __init__(self, shard: torch.Tensor, group: Group, full: torch.Tensor):
+        self.shard, self.group = shard, group
+        self.ptr = full.untyped_storage().data_ptr()
+        self.full = weakref.ref(full)
+        self.cached: torch.Tensor | None = None
+        self.pending = 0  # saved views not unpacked yet
+
+    def unpack(self, shape, stride, offset) -> torch.Tensor:
+        if self.cached is None:
+            self.cached = self.group.all_gather(self.shard, SEQ_DIM)
+        view = self.cached.as_strided(shape, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:
+            self.cached = None
+        return view
+
+
+_GATHERED: dict[int, _Regather] = {}  # storage pointer of a live gathered input -> its shard
+
+
+def _pack(t: torch.Tensor):
+    regather = _GATHERED.get(t.untyped_storage().data_ptr())
+    if regather is None or regather.full() is None:
+        return t
+    regather.pending += 1
+    return regather, t.shape, t.stride(), t.storage_offset()
+
+
+def _unpack(saved):
+    return saved if isinstance(saved, torch.Tensor) else saved[0].unpack(*saved[1:])
+
+
+def sp_saved_shards():
+    """Context for a forward with sequence parallelism: autograd saves the column-parallel
+    linears' gathered input as the 1/tp shard it came from (Megatron's memory layout for SP)."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 class ColumnParallelLinear(nn.Module):
