@@ -147,3 +147,27 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
             torch.testing.assert_close(out["optimizer"]["params"]["layers.0.mlp.down_proj.weight"]["exp_avg_sq"],
                                        (down * 3.0).chunk(tp, 1)[tp_rank], rtol=0, atol=0)
             assert out["iteration"] == 7 and out["optimizer"]["step"] == 7
+
+
+def test_offline_reshard_writes_a_checkpoint_the_target_layout_loads_as_its_own(corpus, tmp_path):
+    from test_preprocess_data import load_tool
+    tool = load_tool("reshard_checkpoint")
+    straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, [])[0]
+    run = str(tmp_path / "run")
+    _launch(1, run, corpus, SPLIT, [])
+    out = str(tmp_path / "tp2pp2")
+    layout = ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.sequence_parallel", "true"]
+    assert tool.main(["--checkpoint", run, "--output", out, "--world-size", "4", *BASE, *layout]) == 0
+    results = _launch(4, str(tmp_path / "target"), corpus, ITERS, [*layout, "--checkpoint.load", out])
+    resumed = results[0]["resumed"]
+    assert [r["iter"] for r in resumed] == [SPLIT] and "resharded_from" not in resumed[0]  # loaded as is
+    for it in range(SPLIT + 1, ITERS + 1):
+        assert results[0]["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
+
+    replicas = str(tmp_path / "dp2")
+    assert tool.main(["--checkpoint", run, "--output", replicas, "--world-size", "2", *BASE, "--parallel.zero", "1"]) == 0
+    a, b = (os.stat(os.path.join(replicas, f"rank_0000{i}.pt")) for i in (0, 1))
+    assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)  # dp replicas share one file
+    assert tool.main(["--checkpoint", run, "--output", replicas, "--world-size", "2", *BASE]) == 2  # not empty
+    assert tool.main(["--checkpoint", run, "--output", str(tmp_path / "x"), "--world-size", "3", *BASE,
+                      "--parallel.tp", "2"]) == 2  # 2 does not divide 3

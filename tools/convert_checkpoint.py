@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megapretrain.checkpoint.manager import FORMAT, CheckpointError, read_metadata, resolve_checkpoint  # noqa: E402
-from megapretrain.checkpoint.reshard import VOCAB_PARAMS, SavedShards, saved_padded_vocab, tp_slice  # noqa: E402
+from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, saved_config_path,  # noqa: E402
+                                             saved_padded_vocab, tp_slice)
 from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,10 +88,7 @@ def _publish(tmp: str, path: str) -> None:
 
 def run_config(checkpoint: str, explicit: str | None):
     """The config of the run that saved ``checkpoint``, with the layout reset to one process."""
-    path = explicit or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
-    if not os.path.exists(path):
-        raise ConvertError(f"{path} not found: pass --config with the run's config (for the architecture)")
-    cfg = load_config(path, [])
+    cfg = load_config(saved_config_path(checkpoint, explicit), [])
     p = cfg.parallel
     p.tp, p.pp, p.vpp, p.pipeline_layers, p.sequence_parallel, p.zero = 1, 1, 1, None, False, 0
     return cfg

@@ -152,3 +152,12 @@ def resharded_state(path: str, meta: dict, fragments: dict, tp_rank: int, tp: in
     return {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"], "model": model,
             "optimizer": {"step": first["optimizer"]["step"], "params": params,
                           "scaler": first["optimizer"].get("scaler")}}
+
+
+def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
+    """The config of the run that saved ``checkpoint`` (``RUN_DIR/checkpoints/iter_*``), or ``explicit``."""
+    path = explicit or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
+                              f"{checkpoint} (for the architecture)")
+    return path
