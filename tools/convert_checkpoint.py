@@ -25,13 +25,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.checkpoint.manager import FORMAT, CheckpointError, read_metadata, resolve_checkpoint  # noqa: E402
+from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
+                                             resolve_checkpoint)
 from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, saved_config_path,  # noqa: E402
                                              saved_padded_vocab, tp_slice)
 from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
@@ -59,28 +59,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
     return ap.parse_args(argv)
-
-
-def _fresh_output(path: str) -> str:
-    """A temporary directory beside ``path``, which must not exist or be empty."""
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ConvertError(f"--output {path} exists and is not empty; choose a new directory "
-                           "(nothing is ever overwritten)")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
-
-
-def _publish(tmp: str, path: str) -> None:
-    """Give the finished temporary directory the usual permissions and its final name."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    if os.path.isdir(path):
-        os.rmdir(path)  # empty, checked before
-    os.rename(tmp, path)
 
 
 # -- to Hugging Face --------------------------------------------------------------------------------
@@ -121,8 +99,7 @@ def to_hf(args: argparse.Namespace) -> str:
     saved = SavedShards(path, meta)
     padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
 
-    tmp = _fresh_output(args.output)
-    try:
+    with new_directory(args.output) as tmp:
         limit, files, shard, shard_bytes, total = args.max_shard_gb * 2**30, [], {}, 0, 0
 
         def flush():
@@ -167,10 +144,6 @@ def to_hf(args: argparse.Namespace) -> str:
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf, fh, indent=2)
         copied = _copy_tokenizer(cfg, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, args.output)
     note = f"; tokenizer: {', '.join(copied)}" if copied else \
         f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} is not a HuggingFaceTokenizer)"
     return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} MiB of "
@@ -260,17 +233,12 @@ def from_hf(args: argparse.Namespace) -> str:
                            f"config.json says vocab_size={vocab}")
     state = {"iteration": 0, "consumed_samples": 0, "model": {n: weights[n] for n in expected},
              "optimizer": {"step": 0, "params": {n: {} for n in expected}, "scaler": None}}
-    tmp = _fresh_output(args.output)
-    try:
+    with new_directory(args.output) as tmp:
         torch.save(state, os.path.join(tmp, "rank_00000.pt"))
         meta = {"iteration": 0, "world_size": 1, "layout": {"tp": 1, "pp": 1, "dp": 1}, "format": FORMAT,
                 "vocab_size": vocab, "padded_vocab": vocab, "converted_from": os.path.abspath(args.hf)}
         with open(os.path.join(tmp, "metadata.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _publish(tmp, args.output)
     flags = (f"--model.num_layers {layers} --model.hidden_size {hf['hidden_size']} "
              f"--model.num_heads {hf['num_attention_heads']} --model.num_kv_heads "
              f"{hf.get('num_key_value_heads') or hf['num_attention_heads']} --model.ffn_hidden_size "

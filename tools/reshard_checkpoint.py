@@ -20,13 +20,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.checkpoint.manager import FORMAT, CheckpointError, read_metadata, resolve_checkpoint  # noqa: E402
+from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
+                                             resolve_checkpoint)
 from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, rank_coords,  # noqa: E402
                                              saved_config_path, saved_padded_vocab, tp_slice)
 from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
@@ -75,12 +75,7 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     first = saved.state(0)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
     layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp}
-    if os.path.exists(args.output) and (not os.path.isdir(args.output) or os.listdir(args.output)):
-        raise CheckpointError(f"--output {args.output} exists and is not empty; choose a new directory")
-    parent = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(args.output))}.tmp-", dir=parent)
-    try:
+    with new_directory(args.output) as tmp:
         written: dict[tuple[int, int], str] = {}
         for rank, (pp_rank, dp_rank, tp_rank) in enumerate(rank_coords(layout)):
             file = os.path.join(tmp, f"rank_{rank:05d}.pt")
@@ -106,15 +101,6 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
                     "resharded_from": {"path": os.path.abspath(path), "layout": meta["layout"]}}
         with open(os.path.join(tmp, "metadata.json"), "w") as fh:
             json.dump(out_meta, fh, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        if os.path.isdir(args.output):
-            os.rmdir(args.output)
-        os.rename(tmp, args.output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return (f"wrote {args.output}: iteration {first['iteration']} of {path}, {meta['layout']} -> {layout} "
             f"({args.world_size} ranks, {len(written)} distinct files); train with --checkpoint.load {args.output}")
 

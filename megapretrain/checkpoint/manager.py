@@ -15,9 +15,11 @@ no code is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
 
@@ -216,3 +218,29 @@ def resolve_checkpoint(path: str) -> str:
 def read_metadata(path: str) -> dict:
     with open(os.path.join(resolve_checkpoint(path), "metadata.json")) as fh:
         return json.load(fh)
+
+
+@contextlib.contextmanager
+def new_directory(path: str):
+    """Write the new directory ``path`` through a temporary one beside it: yields the temporary
+    path, which takes the final name (with the usual permissions) when the block ends and is removed
+    if it fails. ``path`` must not exist, or be empty: nothing is ever overwritten."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"--output {path} exists and is not empty; choose a new directory "
+                              "(nothing is ever overwritten)")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty, checked above
+    os.rename(tmp, path)
