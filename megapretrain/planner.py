@@ -28,9 +28,10 @@ estimates to choose a layout with, to be checked with ``tools/bench_train.py`` o
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
+from .config import padded_vocab_size
+from .model.llama import ModelArgs, flops_per_token
 from .parallel.pipeline import PipelineError, peak_in_flight, resolve_schedule, schedule_order, simulate
 
 GIB = 2**30
@@ -78,10 +79,10 @@ class Model:
         return h * (h + 2 * kvd) + h * h + 3 * h * self.ffn, 2 * h
 
     def flops_per_token(self) -> float:
-        """6 × non-embedding parameters (output layer included) + attention, as ``model/llama.py`` counts."""
-        split, norms = self.layer_params()
-        params = self.layers * (split + norms) + self.hidden + self.vocab * self.hidden
-        return 6.0 * params + 12.0 * self.layers * self.hidden * self.seq
+        """Training FLOPs per token, as the trainer counts them (``model/llama.py``)."""
+        args = ModelArgs(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.vocab,
+                         tie_embeddings=self.tied)
+        return flops_per_token(args, self.seq)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def estimate(model: Model, layout: Layout, global_batch: int, device: Device, pr
     per_chunk = max(chunks)
     layers = max(sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp))  # the busiest stage
     split, replicated = model.layer_params()
-    vocab_rows = math.ceil(model.vocab / (128 * tp)) * 128  # padded, per tp rank
+    vocab_rows = padded_vocab_size(model.vocab, 128, tp) // tp  # per tp rank
     first = layers * (split / tp + replicated) + vocab_rows * model.hidden
     last = layers * (split / tp + replicated) + model.hidden + (vocab_rows * model.hidden if not model.tied or pp > 1 else 0)
     params = max(first, last if pp > 1 else first + (0 if model.tied else vocab_rows * model.hidden))

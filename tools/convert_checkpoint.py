@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
                                              resolve_checkpoint)
 from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, saved_config_path,  # noqa: E402
-                                             saved_padded_vocab, tp_slice)
+                                             saved_padded_vocab, stage_parameters, tp_slice)
 from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,10 +73,6 @@ def run_config(checkpoint: str, explicit: str | None):
 
 
 def to_hf(args: argparse.Namespace) -> str:
-    from megapretrain.model.llama import LlamaModel
-    from megapretrain.parallel.random import RNGTracker
-    from megapretrain.parallel.state import ParallelState
-    from megapretrain.parallel.tensor import shard_dims_of
     from megapretrain.trainer import model_args
     from safetensors.torch import save_file
 
@@ -91,10 +87,6 @@ def to_hf(args: argparse.Namespace) -> str:
                                "pass --config with model.vocab_size set")
     plan, _ = validate(cfg, 1)
     margs = model_args(cfg, plan)
-    tp = ParallelState().tp
-    with torch.device("meta"):  # names, shapes and split dimensions only: nothing is allocated
-        model = LlamaModel(margs, tp, rng=RNGTracker(0, 0, "cpu"), device="meta")
-    dims = shard_dims_of(model)
     dtype = DTYPES[args.dtype or cfg.train.precision]
     saved = SavedShards(path, meta)
     padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
@@ -110,9 +102,9 @@ def to_hf(args: argparse.Namespace) -> str:
                 files.append((name, list(shard)))
             shard, shard_bytes = {}, 0
 
-        for name, param in model.named_parameters():
+        for name, (shape, dim) in stage_parameters(cfg, plan, 0, 0).items():
             vocab = m.vocab_size if name.split(".")[0] in VOCAB_PARAMS else None
-            weight = tp_slice(saved, name, "master", list(param.shape), dims.get(name), 0, 1, vocab, padded)
+            weight = tp_slice(saved, name, "master", shape, dim, 0, 1, vocab, padded)
             if vocab is not None:
                 weight = weight[:vocab]
             weight = weight.to(dtype).contiguous()

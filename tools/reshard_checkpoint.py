@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
                                              resolve_checkpoint)
 from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, rank_coords,  # noqa: E402
-                                             saved_config_path, saved_padded_vocab, tp_slice)
+                                             saved_config_path, saved_padded_vocab, stage_parameters,
+                                             tp_slice)
 from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
 
 
@@ -41,28 +42,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--world-size", type=int, required=True, help="ranks of the target run")
     ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
     return ap.parse_known_args(argv)
-
-
-def stage_parameters(cfg, plan, pp_rank: int, tp_rank: int) -> dict:
-    """name -> (shape, split dim) of every parameter one (pp, tp) rank of ``plan`` holds."""
-    from megapretrain.model.llama import LlamaModel
-    from megapretrain.parallel.pipeline import chunk_layers
-    from megapretrain.parallel.random import RNGTracker
-    from megapretrain.parallel.state import Group
-    from megapretrain.parallel.tensor import shard_dims_of
-    from megapretrain.trainer import model_args
-
-    args, p = model_args(cfg, plan), cfg.parallel
-    tp = Group("tp", list(range(plan.tp)), None, tp_rank)
-    out = {}
-    for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)):
-        with torch.device("meta"):  # shapes only
-            chunk = LlamaModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
-                               post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
-                               rng=RNGTracker(0, 0, "cpu"), device="meta")
-        dims = shard_dims_of(chunk)
-        out.update({name: (list(param.shape), dims.get(name)) for name, param in chunk.named_parameters()})
-    return out
 
 
 def reshard(args: argparse.Namespace, overrides: list[str]) -> str:

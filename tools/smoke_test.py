@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 8, "ffn_hidden_size": 256}
-KEYS = {"tp": int, "pp": int, "vpp": int, "sp": int, "zero": int}
+KEYS = ("tp", "pp", "vpp", "sp", "zero")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

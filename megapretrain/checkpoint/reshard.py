@@ -161,3 +161,26 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
         raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
                               f"{checkpoint} (for the architecture)")
     return path
+
+
+def stage_parameters(cfg, plan, pp_rank: int, tp_rank: int) -> dict:
+    """name -> (shape, split dim) of every parameter one (pp, tp) rank of ``plan`` holds, read off
+    model chunks built on the meta device (nothing is allocated)."""
+    from ..model.llama import LlamaModel
+    from ..parallel.pipeline import chunk_layers
+    from ..parallel.random import RNGTracker
+    from ..parallel.state import Group
+    from ..parallel.tensor import shard_dims_of
+    from ..trainer import model_args
+
+    args, p = model_args(cfg, plan), cfg.parallel
+    tp = Group("tp", list(range(plan.tp)), None, tp_rank)
+    out = {}
+    for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)):
+        with torch.device("meta"):  # shapes only
+            chunk = LlamaModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
+                               post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
+                               rng=RNGTracker(0, 0, "cpu"), device="meta")
+        dims = shard_dims_of(chunk)
+        out.update({name: (list(param.shape), dims.get(name)) for name, param in chunk.named_parameters()})
+    return out
