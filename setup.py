@@ -32,7 +32,8 @@ setup(
         "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
-        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "setuptools>=70", "wheel", "tokenizers>=0.19", "transformers>=4.45", "safetensors>=0.4",
+        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "setuptools>=70", "wheel", "tokenizers>=0.19",
+                "transformers>=4.45", "safetensors>=0.4",
                 # data path tests: .zst and parquet inputs, HF datasets, the other tokenizer backends, and
                 # megatron-core's IndexedDataset for the format compatibility tests (CPU-only, no extra deps)
                 "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2", "tiktoken>=0.7",

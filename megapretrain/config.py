@@ -4,8 +4,9 @@ Precedence is defaults < YAML < command line. Every field has a one-line help te
 which ``--help`` prints. Values from YAML and from the command line go through the same coercion to
 the field's declared type, so ``--train.iters 50`` and ``iters: 50`` mean the same thing.
 
-User mistakes raise :class:`ConfigError` with one line that names the field, the rule and the fix;
-the entry point prints it without a traceback.
+User mistakes raise :class:`~megapretrain.errors.ConfigError` with one line that names the field,
+the rule and the fix; the entry point prints it without a traceback. This module is plain data and
+rules: it imports nothing else of the package but the error types.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration error; its message is one line that says what to change."""
+from .errors import ConfigError, PipelineError
 
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None):
@@ -67,7 +66,7 @@ class ParallelConfig:
     pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
                                          "null: even split).")
     pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
-                        "(RUN_DIR/pipeline_trace.jsonl).")
+                        "(RUN_DIR/pipeline_trace_rankN.jsonl).")
     sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
     zero: int = _f(0, "Optimizer sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients.")
     recompute: str = _f("none", "Activation recomputation: none | selective | full.")
@@ -322,6 +321,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 tree = yaml.safe_load(fh) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file '{path}' not found (see configs/ for examples)") from None
+        except OSError as exc:  # a directory, no permission, ...
+            raise ConfigError(f"config file '{path}' cannot be read ({exc.strerror}); --config takes a YAML file "
+                              "(see configs/)") from None
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             at = f" at line {line + 1}" if line is not None else ""
@@ -366,14 +368,50 @@ def default_ffn_hidden_size(hidden_size: int) -> int:
     return 256 * math.ceil(int(8 * hidden_size / 3) / 256)
 
 
+def kv_heads(m: ModelConfig) -> int:
+    """``model.num_kv_heads`` resolved (null: multi-head attention)."""
+    return m.num_heads if m.num_kv_heads is None else m.num_kv_heads
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    """``model.ffn_hidden_size`` resolved (null: Llama's rule)."""
+    return default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None else m.ffn_hidden_size
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Round the vocabulary up so every tp rank holds an equal, aligned slice of it."""
     multiple = divisible_by * tp
     return multiple * math.ceil(vocab_size / multiple)
 
 
+SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+
+
+def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
+    """The pipeline schedule ``parallel.pp_schedule`` names at this layout, checking that it fits
+    (pp, vpp, micro-batches per step); ``parallel/pipeline.py`` builds its order."""
+    if kind not in SCHEDULES:
+        raise PipelineError(f"parallel.pp_schedule={kind!r} is not one of: {', '.join(SCHEDULES)}")
+    if vpp > 1 and pp == 1:
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave stages)")
+    if kind == "auto":
+        kind = "none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")
+    if vpp > 1 and kind != "interleaved":
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto), not {kind!r}")
+    if kind == "interleaved":
+        if pp == 1:
+            raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
+        if num_micro % pp:
+            raise PipelineError(f"the interleaved schedule needs the micro-batches per step ({num_micro} = "
+                                f"global_batch_size / (micro_batch_size × dp)) to be a multiple of "
+                                f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size")
+    if kind == "none" and pp > 1:
+        raise PipelineError("parallel.pp_schedule=none runs one stage; use gpipe, 1f1b or auto with parallel.pp > 1")
+    return kind
+
+
 @dataclass(frozen=True)
-class Plan:
+class RunSizes:
     """Sizes derived from the config and the world size; computed once, printed at start-up."""
     world_size: int
     tp: int
@@ -418,8 +456,8 @@ CHOICES = {
 }
 
 
-def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
-    """Check every cross-field rule; return the derived :class:`Plan` and warnings. Never mutates."""
+def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
+    """Check every cross-field rule; return the derived :class:`RunSizes` and warnings. Never mutates."""
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.schedule
     for dotted, choices in CHOICES.items():
         section, key = dotted.split(".")
@@ -440,7 +478,10 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
            f"{_divisors(world_size)})")
     dp = world_size // (p.tp * p.pp)
 
-    kv = m.num_kv_heads or m.num_heads
+    for name in ("num_kv_heads", "ffn_hidden_size"):
+        value = getattr(m, name)
+        _check(value is None or value >= 1, f"model.{name}={value} must be at least 1 (or null for the default)")
+    kv = kv_heads(m)
     _check(m.hidden_size % m.num_heads == 0,
            f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
            f"(valid: {_divisors(m.hidden_size)})")
@@ -453,7 +494,7 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
            f"parallel.tp={p.tp} must divide model.num_heads={m.num_heads} (valid: {_divisors(m.num_heads)})")
     _check(kv % p.tp == 0,
            f"parallel.tp={p.tp} must divide model.num_kv_heads={kv} (valid: {_divisors(kv)})")
-    ffn = m.ffn_hidden_size or default_ffn_hidden_size(m.hidden_size)
+    ffn = ffn_hidden_size(m)
     _check(ffn % p.tp == 0, f"parallel.tp={p.tp} must divide model.ffn_hidden_size={ffn} "
                             f"(valid: {_divisors(ffn)})")
     chunks = p.pp * p.vpp
@@ -481,7 +522,6 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
            f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
            f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
 
-    from .parallel.pipeline import PipelineError, resolve_schedule
     try:
         resolve_schedule(p.pp_schedule, p.pp, p.vpp, t.global_batch_size // per_step)
     except PipelineError as exc:
@@ -532,7 +572,7 @@ def validate(cfg: Config, world_size: int) -> tuple[Plan, list[str]]:
                         f"> train.iters={t.iters}")
 
     tokens = t.global_batch_size * t.seq_length
-    plan = Plan(world_size=world_size, tp=p.tp, pp=p.pp, dp=dp,
+    plan = RunSizes(world_size=world_size, tp=p.tp, pp=p.pp, dp=dp,
                 grad_accum=t.global_batch_size // per_step, tokens_per_batch=tokens,
                 total_tokens=tokens * t.iters, num_kv_heads=kv, ffn_hidden_size=ffn,
                 padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp),

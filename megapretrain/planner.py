@@ -17,6 +17,9 @@ Memory follows the implementation, not a rule of thumb:
 - a fixed allowance for the CUDA context, NCCL buffers and allocator slack; a layout fits
   when that total leaves 5% of the device's memory free.
 
+Parameter counts come from the model's own spec table (``model/build.py``), FLOPs from the
+trainer's ``flops_per_token``, devices from ``monitor/flops.py``'s table.
+
 Time: model FLOPs at a kernel efficiency (``efficiency`` of the device's dense bf16 peak), plus
 tensor-parallel collectives (not overlapped), the pipeline bubble from replaying the schedule with a
 backward costing 2 forwards (3 with full recompute), the exposed part of the data-parallel
@@ -28,61 +31,27 @@ estimates to choose a layout with, to be checked with ``tools/bench_train.py`` o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from .config import padded_vocab_size
+from .config import resolve_schedule
+from .errors import ConfigError, PipelineError, UserError
+from .model.build import one_layer_specs
 from .model.llama import ModelArgs, flops_per_token
-from .parallel.pipeline import PipelineError, peak_in_flight, resolve_schedule, schedule_order, simulate
+from .monitor.flops import Device
+from .parallel.pipeline import peak_in_flight, schedule_order, simulate
 
 GIB = 2**30
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str
-    peak_tflops: float    # dense bf16
-    memory_gb: float
-    intra_gbs: float      # NCCL bus bandwidth between GPUs of a node, GB/s
-    inter_gbs: float      # per GPU between nodes, GB/s
-    gpus_per_node: int = 8
-    efficiency: float = 0.55  # fraction of peak the matmul-heavy work reaches
-    overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack
-    spare: float = 0.05  # fraction of memory a layout must leave free
-
-
-DEVICES = {
-    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0),
-    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0),
-    "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0),
-    "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0),
-}
-
-
-@dataclass(frozen=True)
-class Model:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    seq: int
-    tied: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def layer_params(self) -> tuple[int, int]:
-        """(tp-split matmul parameters, replicated norm parameters) of one decoder layer."""
-        h, kvd = self.hidden, self.kv_heads * self.head_dim
-        return h * (h + 2 * kvd) + h * h + 3 * h * self.ffn, 2 * h
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, as the trainer counts them (``model/llama.py``)."""
-        args = ModelArgs(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.vocab,
-                         tie_embeddings=self.tied)
-        return flops_per_token(args, self.seq)
+@functools.cache
+def layer_params(args: ModelArgs) -> tuple[int, int, int]:
+    """(tp-split, replicated) parameters of one decoder layer and the head's replicated ones (the
+    final norm), from the model's spec table."""
+    specs = one_layer_specs(args).values()
+    split = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is not None)
+    replicated = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is None)
+    head = sum(s.numel for s in specs if s.layer is None and not s.vocab)
+    return split, replicated, head
 
 
 @dataclass(frozen=True)
@@ -121,9 +90,9 @@ def split_layers(layers: int, chunks: int) -> tuple | None:
     return tuple(counts)
 
 
-def activation_bytes_per_token(model: Model, tp: int, sequence_parallel: bool, recompute: str = "none") -> float:
+def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none") -> float:
     """What autograd keeps per token of one decoder layer in bf16 (see the module docstring)."""
-    h, kvd, f = model.hidden, model.kv_heads * model.head_dim, model.ffn
+    h, kvd, f = args.hidden_size, args.num_kv_heads * args.head_dim, args.ffn_hidden_size
     if recompute == "full":
         return 2.0 * h / (tp if sequence_parallel else 1)
     full = 12 * h + 4 * kvd + 8 * f
@@ -156,28 +125,30 @@ class Estimate:
         return self.memory["total"] <= self.memory["capacity"]
 
 
-def estimate(model: Model, layout: Layout, global_batch: int, device: Device, precision: str = "bf16",
-             schedule: str = "auto") -> Estimate:
-    """Memory and step time of ``layout``; raises PipelineError / ValueError if it cannot run."""
+def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
+             precision: str = "bf16", schedule: str = "auto") -> Estimate:
+    """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
+    a UserError if it cannot run."""
     L, tp, pp, dp, vpp, mb = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch
     if global_batch % (mb * dp):
-        raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {mb} × dp {dp}")
+        raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch {mb} × dp {dp}")
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m)
-    chunks = L.pipeline_layers or [model.layers // (pp * vpp)] * (pp * vpp)
-    if len(chunks) != pp * vpp or sum(chunks) != model.layers or min(chunks) < 1:
-        raise PipelineError(f"{model.layers} layers do not split into pp {pp} × vpp {vpp} chunks "
+    n_layers, hidden, tied = model.num_layers, model.hidden_size, model.tie_embeddings
+    chunks = L.pipeline_layers or [n_layers // (pp * vpp)] * (pp * vpp)
+    if len(chunks) != pp * vpp or sum(chunks) != n_layers or min(chunks) < 1:
+        raise PipelineError(f"{n_layers} layers do not split into pp {pp} × vpp {vpp} chunks "
                             f"(give pipeline_layers)")
     per_chunk = max(chunks)
     layers = max(sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp))  # the busiest stage
-    split, replicated = model.layer_params()
-    vocab_rows = padded_vocab_size(model.vocab, 128, tp) // tp  # per tp rank
-    first = layers * (split / tp + replicated) + vocab_rows * model.hidden
-    last = layers * (split / tp + replicated) + model.hidden + (vocab_rows * model.hidden if not model.tied or pp > 1 else 0)
-    params = max(first, last if pp > 1 else first + (0 if model.tied else vocab_rows * model.hidden))
+    split, replicated, head = layer_params(model)
+    vocab_rows = model.padded_vocab(tp) // tp  # per tp rank
+    first = layers * (split / tp + replicated) + vocab_rows * hidden
+    last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not tied or pp > 1 else 0)
+    params = max(first, last if pp > 1 else first + head + (0 if tied else vocab_rows * hidden))
     state = params * state_bytes_per_param(precision, L.zero, dp)
     scale = 1.0 if precision in ("bf16", "fp16") else 2.0
-    tokens = mb * model.seq
+    tokens = mb * seq
     per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute) * scale
     b_cost = 3.0 if L.recompute == "full" else 2.0
     stretch, in_flight = _pipeline(kind, pp, vpp, m, b_cost)
@@ -193,12 +164,12 @@ def estimate(model: Model, layout: Layout, global_batch: int, device: Device, pr
 
     # time
     world = tp * pp * dp
-    model_flops = model.flops_per_token() * global_batch * model.seq
+    model_flops = flops_per_token(model, seq) * global_batch * seq
     extra = {"none": 0.0, "selective": 0.02, "full": 1.0 / 3.0}[L.recompute]
     peak = device.peak_tflops * 1e12 * device.efficiency
-    imbalance = layers * pp / model.layers  # the busiest stage sets the pace
+    imbalance = layers * pp / n_layers  # the busiest stage sets the pace
     compute = model_flops * (1 + extra) * imbalance / (world * peak)  # per GPU, all its micro-batches
-    act_bytes = tokens * model.hidden * 2.0
+    act_bytes = tokens * hidden * 2.0
     bw_tp = (device.intra_gbs if tp <= device.gpus_per_node else device.inter_gbs) * 1e9
     ring = (tp - 1) / tp * act_bytes / bw_tp  # one all-gather or reduce-scatter
     # per layer and micro-batch, in ring passes: SP forward 2 all-gathers + 2 reduce-scatters,
@@ -224,10 +195,10 @@ def estimate(model: Model, layout: Layout, global_batch: int, device: Device, pr
     total = compute + tensor + bubble + data + p2p
     time = {"compute": compute, "tensor": tensor, "bubble": bubble, "data": data, "p2p": p2p, "total": total}
     mfu = model_flops / (total * world * device.peak_tflops * 1e12)
-    return Estimate(layout, memory, time, mfu, global_batch * model.seq / total / world)
+    return Estimate(layout, memory, time, mfu, global_batch * seq / total / world)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[float, int]:
     """(step time over busy time, peak in-flight micro-batch chunks on stage 0) of a schedule,
     replayed with a forward costing 1 and a backward ``b_cost``."""
@@ -235,22 +206,22 @@ def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[floa
     return sim["makespan"] / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, m))
 
 
-def layouts(model: Model, world: int, global_batch: int, device: Device) -> list[Layout]:
+def layouts(model: ModelArgs, world: int, global_batch: int, device: Device) -> list[Layout]:
     """Every layout worth estimating: tp within a node dividing the heads, any pp (layers split as
     evenly as they go), interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none
     or full."""
     out = []
     for tp in (1, 2, 4, 8):
-        if tp > device.gpus_per_node or world % tp or model.heads % tp or model.kv_heads % tp:
+        if tp > device.gpus_per_node or world % tp or model.num_heads % tp or model.num_kv_heads % tp:
             continue
-        for pp in range(1, min(world // tp, model.layers) + 1):
+        for pp in range(1, min(world // tp, model.num_layers) + 1):
             if (world // tp) % pp:
                 continue
             dp = world // (tp * pp)
             for vpp in (1, 2, 4, 5, 8):
-                if vpp > 1 and (pp == 1 or pp * vpp > model.layers):
+                if vpp > 1 and (pp == 1 or pp * vpp > model.num_layers):
                     continue
-                uneven = split_layers(model.layers, pp * vpp)
+                uneven = split_layers(model.num_layers, pp * vpp)
                 for mb in (1, 2, 4):
                     if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                         continue
@@ -260,16 +231,13 @@ def layouts(model: Model, world: int, global_batch: int, device: Device) -> list
     return out
 
 
-def search(model: Model, world: int, global_batch: int, device: Device, precision: str = "bf16") -> list[Estimate]:
+def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
+           precision: str = "bf16") -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first."""
     found = []
     for layout in layouts(model, world, global_batch, device):
         try:
-            found.append(estimate(model, layout, global_batch, device, precision))
-        except (PipelineError, ValueError):
+            found.append(estimate(model, seq, layout, global_batch, device, precision))
+        except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))
-
-
-def with_device(device: Device, **changes) -> Device:
-    return replace(device, **{k: v for k, v in changes.items() if v is not None})

@@ -1,8 +1,9 @@
 """Entry point: ``python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]``.
 
 The same command runs under ``torchrun --nproc_per_node N ... -m megapretrain.train``. Mistakes in
-the config, the data or the checkpoint stop the run before any work with one line on stderr and
-exit status 2.
+the config, the data or the checkpoint (a :class:`~megapretrain.errors.UserError`) stop the run
+before any work with one line on stderr and exit status 2; anything else is a bug and shows its
+traceback.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 
 import torch
 
-from .checkpoint.manager import CheckpointError
-from .config import Config, ConfigError, help_text, load_config, validate
+from .config import Config, help_text, load_config, validate
+from .errors import ConfigError, UserError
 
 USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]
 
@@ -70,7 +71,7 @@ def setup(argv: list[str]):
     device = resolve_device(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     resolve_vocab(cfg)
-    plan, warnings = validate(cfg, world_size)  # before any process group exists
+    sizes, warnings = validate(cfg, world_size)  # before any process group exists
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
@@ -83,7 +84,7 @@ def setup(argv: list[str]):
     if ps.rank == 0:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
-    return Trainer(cfg, plan, ps)
+    return Trainer(cfg, sizes, ps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = setup(argv)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

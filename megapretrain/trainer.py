@@ -15,70 +15,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint.manager import CheckpointManager, read_metadata, resolve_checkpoint
-from .checkpoint.reshard import resharded_state
-from .config import Config, Plan, save_config, to_dict
+from .checkpoint.format import rank_state, read_metadata
+from .checkpoint.manager import CheckpointManager, resolve_checkpoint
+from .checkpoint.reshard import SavedShards, resharded_state, saved_padded_vocab
+from .config import Config, RunSizes, resolve_schedule, save_config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader
-from .model.llama import LlamaModel, ModelArgs, flops_per_token, num_parameters
+from .model.build import DTYPES, build_model_chunks
+from .model.llama import flops_per_token, num_parameters
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
+from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
-from .optim.schedule import LRSchedule
-from .parallel.pipeline import (P2P, PipelineExecutor, chunk_layers, forward_only_order, peak_in_flight,
-                                resolve_schedule, schedule_order)
-from .parallel.random import RNGTracker
+from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
 from .parallel.state import ParallelState
-from .parallel.tensor import shard_dims_of
 from .recovery import Detector, RecoveryError, describe, run_alert_command
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_args(cfg: Config, plan: Plan) -> ModelArgs:
-    m = cfg.model
-    return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
-                     num_kv_heads=plan.num_kv_heads, ffn_hidden_size=plan.ffn_hidden_size,
-                     vocab_size=m.vocab_size, padded_vocab=plan.padded_vocab, rope_theta=m.rope_theta,
-                     norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
-                     attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)
-
-
-def build_model_chunks(cfg: Config, plan: Plan, ps: ParallelState) -> list[LlamaModel]:
-    """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights.
-
-    The first stage's first chunk embeds, the last stage's last chunk holds the head. With tied
-    embeddings and pp > 1 the last stage keeps its own copy of the embedding: both copies start
-    equal (same name, same seed), their grads are summed over the embedding group, and the copy on
-    the last stage is left out of the grad norm.
-    """
-    args, p = model_args(cfg, plan), cfg.parallel
-    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)  # dropout inside tp regions
-    chunks = []
-    for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, ps.pp_rank, p.pipeline_layers)):
-        model = LlamaModel(args, ps.tp, layer_ids=layer_ids, pre_process=ps.is_first_stage and v == 0,
-                           post_process=ps.is_last_stage and v == p.vpp - 1,
-                           sequence_parallel=p.sequence_parallel, recompute=p.recompute, rng=rng,
-                           dtype=DTYPES[cfg.train.precision], device=ps.device)
-        for name, dim in shard_dims_of(model).items():
-            model.get_parameter(name).tp_shard_dim = dim
-        model.init_weights(cfg.train.seed)
-        if args.tie_embeddings and p.pp > 1 and hasattr(model, "embed_tokens"):
-            model.embed_tokens.weight.shared_embedding = True
-            model.embed_tokens.weight.pipeline_duplicate = not model.pre_process
-        chunks.append(model)
-    return chunks
-
-
-def build_model(cfg: Config, plan: Plan, ps: ParallelState) -> LlamaModel:
-    """The whole model of a run without pipeline parallelism (benchmarks, tools)."""
-    (model,) = build_model_chunks(cfg, plan, ps)
-    return model
 
 
 def memory_mb(device: torch.device) -> float:
@@ -90,8 +47,8 @@ def memory_mb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, plan: Plan, ps: ParallelState):
-        self.cfg, self.plan, self.ps, self.device = cfg, plan, ps, ps.device
+    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState):
+        self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
         t = cfg.train
         self.is_logger = ps.rank == 0
         self.tokens_per_batch = t.global_batch_size * t.seq_length
@@ -100,24 +57,24 @@ class Trainer:
         os.makedirs(cfg.run.dir, exist_ok=True)
 
         torch.manual_seed(t.seed + 100 * ps.pp_rank)  # dropout outside tp regions; weights are seeded by name
-        self.model_chunks = build_model_chunks(cfg, plan, ps)
+        self.model_chunks, self.specs = build_model_chunks(cfg, ps)  # specs: the parameter-spec table
         self.args = self.model_chunks[0].args
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
-        self.optimizer = MixedPrecisionAdamW(named_params, cfg.optim,
-                                             t.precision, ps, zero=cfg.parallel.zero,
-                                             bucket_size_mb=cfg.parallel.bucket_size_mb)
+        self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
+                                             zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
         self.optimizer.overlap_param_gather(self.model_chunks)  # zero ≥ 1: all-gather under the next forward
-        self.num_micro = plan.grad_accum
-        self.schedule_kind = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp, self.num_micro)
+        self.num_micro = sizes.grad_accum
+        self.pipeline_schedule = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp,
+                                                  self.num_micro)
         pp, vpp = ps.pp.size, cfg.parallel.vpp  # every stage's order: the executor plans the transfers from all
-        self.train_orders = [schedule_order(self.schedule_kind, r, pp, vpp, self.num_micro) for r in range(pp)]
+        self.train_orders = [schedule_order(self.pipeline_schedule, r, pp, vpp, self.num_micro) for r in range(pp)]
         self.eval_orders = [forward_only_order(pp, vpp, self.num_micro)] * pp
         act_seq = t.seq_length // ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else t.seq_length
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
         self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
                                          self.optimizer.grad_sync, record=cfg.parallel.pp_trace)
-        self.schedule = LRSchedule.from_config(cfg, plan.decay_iters)
+        self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
 
@@ -128,11 +85,10 @@ class Trainer:
 
         layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size}
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
-                                             layout=layout, keep_last=cfg.checkpoint.keep_last,
+                                             layout=layout, vocab_size=self.args.vocab_size,
+                                             padded_vocab=sizes.padded_vocab, keep_last=cfg.checkpoint.keep_last,
                                              keep_every=cfg.checkpoint.keep_every,
-                                             async_save=cfg.checkpoint.async_save, device=self.device,
-                                             extra={"vocab_size": self.args.vocab_size,
-                                                    "padded_vocab": self.args.padded_vocab})
+                                             async_save=cfg.checkpoint.async_save, device=self.device)
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         r = cfg.recovery
         self.detector = None if r.action == "none" else Detector(
@@ -145,8 +101,7 @@ class Trainer:
                                      wandb=cfg.logging.wandb, config=to_dict(cfg),
                                      run_name=cfg.run.name or os.path.basename(os.path.abspath(cfg.run.dir)))
         self._stop_requested = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.log(plan.describe(num_parameters(self.args), self.flops_per_token))
+        self.log(sizes.describe(num_parameters(self.args), self.flops_per_token))
         self.log(format_description(describe_datasets(self.datasets)))
         self._log_memory()
         if resumed_from:
@@ -154,7 +109,7 @@ class Trainer:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
-                now = {**layout, "padded_vocab": self.args.padded_vocab}
+                now = {**layout, "padded_vocab": sizes.padded_vocab}
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
                          f"{self.resharded_from} to {now} (dropout's random streams restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
@@ -163,6 +118,17 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
+        """Train to ``train.iters``; SIGTERM (handled only while this runs) saves at the next step
+        boundary and returns."""
+        on_main_thread = threading.current_thread() is threading.main_thread()  # where signals can be caught
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main_thread else None
+        try:
+            self._fit()
+        finally:
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _fit(self) -> None:
         t, c = self.cfg.train, self.cfg.checkpoint
         last_save = time.monotonic()
         while self.iteration < t.iters:
@@ -201,7 +167,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch; returns the step's metrics."""
-        t, ps = self.cfg.train, self.ps
+        ps = self.ps
         start = time.perf_counter()
         if ps.stats is not None:
             ps.stats.reset()
@@ -215,7 +181,7 @@ class Trainer:
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
         ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
-        lr = self.schedule(self.iteration + 1)
+        lr = self.lr_schedule(self.iteration + 1)
         grad_norm, skipped = self.optimizer.step(lr)
         elapsed = time.perf_counter() - start
         self.last_loss = loss_sum.item() / self.tokens_per_batch
@@ -273,7 +239,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for step in range(t.eval_iters):
             batches, _ = self._load("valid", step * t.global_batch_size)
-            self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0), backward=False)
+            self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0),
+                              backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp.all_reduce(loss_sum)
         return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)
@@ -288,7 +255,8 @@ class Trainer:
         tokens_per_sec = self.tokens_per_batch / s["step_time"]
         tflops = self.flops_per_token * tokens_per_sec / self.ps.world_size / 1e12
         record = {"iter": self.iteration, "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"],
-                  "tokens_per_sec": tokens_per_sec, "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
+                  "tokens_per_sec": tokens_per_sec,
+                  "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "step_time": s["step_time"], "data_time": s["data_time"], "tflops": tflops,
                   "memory_mb": memory_mb(self.device)}
         if self.peak_tflops:
@@ -320,7 +288,7 @@ class Trainer:
         """Append this rank's schedule of the step just run to RUN_DIR/pipeline_trace_rankN.jsonl."""
         ops = [f"{op.kind}{op.micro}.{op.chunk}" for op in self.pipeline.trace]
         record = {"iter": self.iteration, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
-                  "schedule": self.schedule_kind, "ops": ops, "peak_in_flight": peak_in_flight(self.pipeline.trace)}
+                  "schedule": self.pipeline_schedule, "ops": ops, "peak_in_flight": peak_in_flight(self.pipeline.trace)}
         path = os.path.join(self.cfg.run.dir, f"pipeline_trace_rank{self.ps.rank}.jsonl")
         with open(path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -348,10 +316,12 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save(self) -> None:
-        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                 "model": self.optimizer.master_state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "rng": {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
-                         "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}}
+        optim = self.optimizer.state_dict()
+        rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples,
+                           model=self.optimizer.master_state_dict(), optimizer_step=optim["step"],
+                           moments=optim["params"], scaler=optim["scaler"], rng=rng)
         self.checkpoints.save(self.iteration, state)
         self.metrics.event("checkpoint_saved", self.iteration,
                            path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"))
@@ -367,13 +337,14 @@ class Trainer:
     def _read(self, path: str) -> dict:
         """This rank's state from checkpoint ``path``, whatever layout saved it."""
         meta = read_metadata(path)
+        saved_padded = saved_padded_vocab(meta, self.args.vocab_size, self.args.vocab_divisible_by)
         if (meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size
-                and meta.get("padded_vocab", self.args.padded_vocab) == self.args.padded_vocab):
+                and saved_padded == self.sizes.padded_vocab):
             return self.checkpoints.load(path)
         # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
         self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
-        return resharded_state(path, meta, self.optimizer.fragments, self.ps.tp_rank, self.ps.tp.size,
-                               self.args.vocab_size, self.cfg.model.make_vocab_size_divisible_by)
+        owned = {name: self.specs[name] for name in self.optimizer.fragments}  # under ZeRO: a share of them
+        return resharded_state(SavedShards(path, meta), owned, self.ps.tp_rank, self.ps.tp.size, saved_padded)
 
     def _apply(self, state: dict) -> None:
         """Take weights, optimizer, position and (same layout only) random streams from a checkpoint."""

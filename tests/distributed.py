@@ -59,7 +59,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
                     rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
                 except queue.Empty:
                     hung = sorted(set(range(world_size)) - set(outputs))
-                    raise TimeoutError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s")
+                    raise TimeoutError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s") from None
                 if status == "error":
                     raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
                 outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from megapretrain.config import OptimConfig, padded_vocab_size
+from megapretrain.config import OptimConfig
 from megapretrain.model.llama import LlamaModel, ModelArgs
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
-from megapretrain.parallel.tensor import shard_dims_of
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
 
 
-def tiny_args(tp: int = 1, **overrides) -> ModelArgs:
+def tiny_args(**overrides) -> ModelArgs:
     sizes = dict(num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
-                 vocab_size=VOCAB, padded_vocab=padded_vocab_size(VOCAB, 128, tp))
+                 vocab_size=VOCAB, vocab_divisible_by=128)
     sizes.update(overrides)
     return ModelArgs(**sizes)
 
@@ -31,19 +30,29 @@ def make_tokens(batch: int = 8, seq: int = 32, seed: int = 0) -> torch.Tensor:
 def build(ps: ParallelState, args: ModelArgs, *, seed: int = 7, sequence_parallel: bool = False,
           recompute: str = "none", dtype=torch.float32) -> LlamaModel:
     model = LlamaModel(args, ps.tp, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
-    for name, dim in shard_dims_of(model).items():
-        model.get_parameter(name).tp_shard_dim = dim
     model.init_weights(seed)
     return model
 
 
 def gather_full(model: LlamaModel, ps: ParallelState, grads: bool = False) -> dict:
     """Every parameter (or main grad) of ``model``, tp shards concatenated into the global tensor."""
-    out = {}
+    out, specs = {}, model.param_specs()
     for name, p in model.named_parameters():
         t = (p.main_grad if grads else p.detach()).clone()
-        dim = getattr(p, "tp_shard_dim", None)
+        dim = specs[name].tp_dim
         out[name] = ps.tp.all_gather(t, dim) if dim is not None else t
+    return out
+
+
+def trainer_params(trainer) -> dict:
+    """A trainer's parameters as global tensors (tp shards gathered, vocabulary padding dropped)."""
+    out = {}
+    for chunk in trainer.model_chunks:
+        for name, p in chunk.named_parameters():
+            spec = trainer.specs[name]
+            full = trainer.ps.tp.all_gather(p.detach().clone(), spec.tp_dim) if spec.tp_dim is not None \
+                else p.detach().clone()
+            out[name] = full[:spec.shape[0]] if spec.vocab else full
     return out
 
 
@@ -52,7 +61,7 @@ def train(ps: ParallelState, model: LlamaModel, tokens: torch.Tensor, steps: int
     """``steps`` AdamW steps on the same global batch split into ``micro`` micro-batches per dp rank.
 
     Returns the per-step global mean losses and the first step's (tp-gathered) gradients."""
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(lr=lr), precision, ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(lr=lr), precision, ps)
     rows = tokens.shape[0] // ps.dp.size
     mine = tokens[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)

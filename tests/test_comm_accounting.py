@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megapretrain.parallel.state import ParallelState
 
@@ -15,12 +14,12 @@ B, S, H = 2, 32, 64
 
 def _count(rank, world, sequence_parallel):
     ps = ParallelState(tp=world, comm_stats=True)
-    args = tiny_args(tp=world)
+    args = tiny_args()
     model = build(ps, args, sequence_parallel=sequence_parallel)
     tokens = make_tokens(batch=B, seq=S)
     ps.stats.reset()
     model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
-    return ps.stats.summary(), args.num_layers, args.padded_vocab
+    return ps.stats.summary(), args.num_layers, args.padded_vocab(world)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -9,8 +9,16 @@ import re
 import pytest
 import yaml
 
-from megapretrain.config import (Config, ConfigError, default_ffn_hidden_size, help_text, load_config,
-                                 padded_vocab_size, to_dict, validate)
+from megapretrain.config import (
+    Config,
+    ConfigError,
+    default_ffn_hidden_size,
+    help_text,
+    load_config,
+    padded_vocab_size,
+    to_dict,
+    validate,
+)
 
 
 def valid(**sections) -> Config:

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
 from megapretrain.train import setup
+
+from distributed import run_distributed
 from test_parallel_equivalence import BASE
 from test_preprocess_data import load_tool
 
@@ -96,7 +97,8 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(corpus, tmp_path, caps
     good = str(tmp_path / "good")
     assert convert.main(["to-hf", "--checkpoint", run, "--output", good]) == 0
     cfg = json.load(open(os.path.join(good, "config.json")))
-    json.dump({**cfg, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, open(os.path.join(good, "config.json"), "w"))
+    json.dump({**cfg, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, open(os.path.join(good, "config.json"),
+                                                                                    "w"))
     assert convert.main(["from-hf", "--hf", good, "--output", str(tmp_path / "c")]) == 2
     assert "rope_scaling" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "c")

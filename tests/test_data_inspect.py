@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
+
 from test_preprocess_data import load_tool, preprocess, write_jsonl
 
 inspect_data = load_tool("inspect_data")
@@ -15,7 +16,7 @@ inspect_data = load_tool("inspect_data")
 
 @pytest.fixture
 def shard(tmp_path):
-    texts = [("doc %d " % i) * (i % 7 + 1) for i in range(40)]
+    texts = [f"doc {i} " * (i % 7 + 1) for i in range(40)]
     source = write_jsonl(tmp_path / "in.jsonl", texts)
     assert preprocess.main(["--input", source, "--output-prefix", str(tmp_path / "s"), "--tokenizer-type",
                             "ByteTokenizer", "--append-eod", "--no-progress"]) == 0

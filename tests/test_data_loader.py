@@ -103,8 +103,9 @@ def test_bad_sizes_and_the_end_of_the_data_are_clear_errors(dataset):
 
 
 def test_describe_reports_tokens_per_prefix(tmp_path):
-    from conftest import write_corpus
     from megapretrain.data.indexed_dataset import IndexedDataset
+
+    from conftest import write_corpus
 
     a = write_corpus(str(tmp_path / "a"), num_docs=100, seed=1)
     b = write_corpus(str(tmp_path / "b"), num_docs=50, seed=2)

@@ -18,6 +18,7 @@ from torch import nn
 from megapretrain.config import OptimConfig
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.data import ALIGN, round_up
+from megapretrain.parallel.specs import Sharding, make_spec, plain_specs
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed
@@ -34,12 +35,12 @@ def run_steps(ps, tokens, steps, *, zero=0, micro=1, precision="fp32", offload=F
     into ``micro`` micro-batches per rank); optionally resume from ``state`` first.
 
     Returns the per-step global mean losses, the tp-gathered parameters, and the optimizer."""
-    model = build(ps, tiny_args(tp=ps.tp.size), dtype=DTYPES[precision],
+    model = build(ps, tiny_args(), dtype=DTYPES[precision],
                   sequence_parallel=ps.tp.size > 1)
     # eps 1e-6, not 1e-8: with |grad| ~ eps Adam's update hinges on the grad's last bits, which
     # differ between layouts by summation order alone (up to lr per element and step)
     cfg = OptimConfig(lr=lr, offload=offload, **{"eps": 1e-6, **(opt_kw or {})})
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), cfg, precision, ps, zero=zero,
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg, precision, ps, zero=zero,
                               bucket_size_mb=bucket_mb)
     if overlap_params:
         opt.overlap_param_gather(model)
@@ -76,7 +77,7 @@ def chunked_step(ps, zero: int, interleaved: bool) -> dict:
     a, b = nn.Linear(16, 32), nn.Linear(32, 8)
     named = [(f"a.{n}", p) for n, p in a.named_parameters()] + [(f"b.{n}", p) for n, p in b.named_parameters()]
     # 350 elements: bucket 0 = b.bias, b.weight, a.bias (both chunks); bucket 1 = a.weight
-    opt = MixedPrecisionAdamW(named, OptimConfig(lr=1e-2, eps=1e-6), "fp32", ps, zero=zero,
+    opt = MixedPrecisionAdamW(named, plain_specs(named), OptimConfig(lr=1e-2, eps=1e-6), "fp32", ps, zero=zero,
                               bucket_size_mb=350 * 4 / 2**20)
     assert [len(bk.params) for bk in opt.buffers.buckets] == [3, 1]
     g = torch.Generator().manual_seed(ps.dp_rank)
@@ -143,8 +144,9 @@ def _shared_embedding(ps) -> dict:
     out = {}
     for zero in (0, 1, 2):
         tied, other = nn.Parameter(torch.ones(10, 7)), nn.Parameter(torch.ones(300))
-        tied.shared_embedding = True
-        opt = MixedPrecisionAdamW([("tied", tied), ("other", other)], OptimConfig(), "fp32", ps, zero=zero)
+        named = [("tied", tied), ("other", other)]
+        specs = {**plain_specs(named), "tied": make_spec("tied", tied, Sharding(), 1, layer=None, tied=True)}
+        opt = MixedPrecisionAdamW(named, specs, OptimConfig(), "fp32", ps, zero=zero)
         with opt.grad_sync(last=True):
             ((tied * (ps.rank + 1)).sum() + other.sum()).backward()
         opt.reduce_grads()
@@ -208,7 +210,7 @@ def _overlap(ps, tokens):
     """Launch times of every bucket's reduction relative to the end of backward; whether each was
     still in flight when the last gradient arrived."""
     model = build(ps, tiny_args())
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "fp32", ps, zero=1,
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(), "fp32", ps, zero=1,
                               bucket_size_mb=BUCKET_MB)
     last_grad = _grad_hook_times(model)
     in_flight = []
@@ -231,7 +233,8 @@ def _memory(ps):
         for precision in ("fp32", "bf16"):
             for offload in (False, True):
                 model = build(ps, tiny_args(), dtype=DTYPES[precision])
-                opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(offload=offload),
+                opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                                          OptimConfig(offload=offload),
                                           precision, ps, zero=zero, bucket_size_mb=BUCKET_MB)
                 padded = sum(round_up(sum(round_up(p.numel(), ALIGN) for p in b.params), ALIGN * ps.dp.size)
                              for b in opt.buffers.buckets)

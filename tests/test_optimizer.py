@@ -10,6 +10,7 @@ from torch import nn
 from megapretrain.config import OptimConfig
 from megapretrain.optim.optimizer import LossScaler, MixedPrecisionAdamW
 from megapretrain.parallel.data import ALIGN
+from megapretrain.parallel.specs import plain_specs
 from megapretrain.parallel.state import ParallelState
 
 from helpers import build, make_tokens, tiny_args
@@ -27,7 +28,8 @@ def test_matches_torch_adamw_exactly(precision):
     ours = build(ps, tiny_args(), dtype=dtype)
     ref = build(ps, tiny_args(), dtype=dtype)
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
-    opt = MixedPrecisionAdamW(list(ours.named_parameters()), cfg, precision, ps, bucket_size_mb=0.01)
+    opt = MixedPrecisionAdamW(list(ours.named_parameters()), ours.param_specs(), cfg, precision, ps,
+                              bucket_size_mb=0.01)
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
     groups = [{"params": [m for m in masters.values() if m.ndim >= 2], "weight_decay": 0.1},
               {"params": [m for m in masters.values() if m.ndim < 2], "weight_decay": 0.0}]
@@ -57,7 +59,7 @@ def test_buffer_layout():
     ps = ParallelState()
     model = build(ps, tiny_args())
     named = list(model.named_parameters())
-    opt = MixedPrecisionAdamW(named, OptimConfig(), "fp32", ps, bucket_size_mb=0.02)
+    opt = MixedPrecisionAdamW(named, model.param_specs(), OptimConfig(), "fp32", ps, bucket_size_mb=0.02)
     buffers = opt.buffers
     assert len(buffers.param_buffers) == len(buffers.grad_buffers) == 1
     order = [p for b in buffers.buckets for p in b.params]
@@ -83,7 +85,8 @@ def test_one_buffer_per_dtype_and_unused_params():
     ps = ParallelState()
     model = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8).to(torch.bfloat16),
                            "unused": nn.Linear(8, 8)})
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "bf16", ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), plain_specs(model.named_parameters()), OptimConfig(),
+                              "bf16", ps)
     assert sorted(str(b.dtype) for b in opt.buffers.param_buffers) == ["torch.bfloat16", "torch.float32"]
     assert all(b.dtype == torch.float32 for b in opt.buffers.grad_buffers)
     x = torch.randn(4, 8)
@@ -100,7 +103,8 @@ def test_one_buffer_per_dtype_and_unused_params():
 def test_grad_after_reduction_is_an_error():
     ps = ParallelState()
     model = nn.Linear(4, 4)
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "fp32", ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), plain_specs(model.named_parameters()), OptimConfig(),
+                              "fp32", ps)
     with opt.grad_sync(last=True):
         model(torch.randn(2, 4)).sum().backward()
     opt.reduce_grads()
@@ -113,7 +117,8 @@ def test_accumulation_equals_one_big_batch():
     results = []
     for micro in (1, 2, 4):
         model = build(ps, tiny_args())
-        opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(eps=1e-6), "fp32", ps,
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(eps=1e-6), "fp32",
+                                  ps,
                                   bucket_size_mb=0.02)
         chunks = tokens.chunk(micro)
         for i, chunk in enumerate(chunks):
@@ -130,7 +135,8 @@ def test_accumulation_equals_one_big_batch():
 def test_clipping_uses_the_global_norm():
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
     model = build(ps, tiny_args())
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(clip_grad=1e-3), "fp32", ps,
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(clip_grad=1e-3),
+                              "fp32", ps,
                               bucket_size_mb=0.02)
     with opt.grad_sync(last=True):
         (_loss(model, tokens) * 100).backward()
@@ -145,7 +151,7 @@ def test_clipping_uses_the_global_norm():
 def test_nan_grad_skips_the_step():
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
     model = build(ps, tiny_args())
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "fp32", ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(), "fp32", ps)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.grad_sync(last=True):
         (_loss(model, tokens) * float("nan")).backward()
@@ -172,7 +178,8 @@ def test_loss_scaler():
 def test_fp16_overflow_leaves_parameters_unchanged():
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
     model = build(ps, tiny_args(), dtype=torch.float16)
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(initial_loss_scale=2.0 ** 40),
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                              OptimConfig(initial_loss_scale=2.0 ** 40),
                               "fp16", ps)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with opt.grad_sync(last=True):
@@ -186,7 +193,7 @@ def test_fp16_overflow_leaves_parameters_unchanged():
 def test_memory_report_single_process():
     ps = ParallelState()
     model = build(ps, tiny_args(), dtype=torch.bfloat16)
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(), "bf16", ps)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(), "bf16", ps)
     mem = opt.memory_report()
     n = mem["padded_numel"]
     assert (mem["params"], mem["grads"], mem["master"], mem["moments"]) == (2 * n, 4 * n, 4 * n, 8 * n)
@@ -197,13 +204,13 @@ def test_checkpoint_from_zero0_loads_into_a_sharded_optimizer():
     """Whole tensors (zero=0) can seed fragments (zero ≥ 1): each rank slices what it owns."""
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
     a = build(ps, tiny_args(), dtype=torch.bfloat16)
-    opt_a = MixedPrecisionAdamW(list(a.named_parameters()), OptimConfig(), "bf16", ps)
+    opt_a = MixedPrecisionAdamW(list(a.named_parameters()), a.param_specs(), OptimConfig(), "bf16", ps)
     with opt_a.grad_sync(last=True):
         _loss(a, tokens).backward()
     opt_a.reduce_grads()
     opt_a.step(1e-2)
     b = build(ps, tiny_args(), dtype=torch.bfloat16)
-    opt_b = MixedPrecisionAdamW(list(b.named_parameters()), OptimConfig(), "bf16", ps, zero=1,
+    opt_b = MixedPrecisionAdamW(list(b.named_parameters()), b.param_specs(), OptimConfig(), "bf16", ps, zero=1,
                                 bucket_size_mb=0.01)
     opt_b.load_master_state_dict(opt_a.master_state_dict())
     opt_b.load_state_dict(opt_a.state_dict())

@@ -1,9 +1,11 @@
 """The central test: the real trainer under a parallel layout reproduces the single-process run.
 
 Each layout runs ``megapretrain.train.setup`` + ``fit`` on spawned gloo ranks with the same config,
-seed and data as one process; per-iteration losses (as logged to metrics.jsonl, on every rank) must
-match within 1e-5 relative, and after the last step every parameter must equal the single-process
-parameter.
+seed and data as one process; per-iteration losses and grad norms (before clipping, as logged to
+metrics.jsonl, on every rank) must match within 1e-5 relative, and after the last step every
+parameter must equal the single-process parameter. The grad norm is the check that every rank
+counts each parameter once (tp-split ones on every tp rank, replicated ones once, a tied
+embedding's second copy never), which only the parameter-spec table tells it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
 from megapretrain.train import setup
+
+from distributed import run_distributed
+from helpers import trainer_params
 
 ITERS = 5
 BASE = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
@@ -32,16 +36,11 @@ def _train(rank, world, run_dir, corpus, layout):
     trainer = setup(argv)
     trainer.fit()
     ps = trainer.ps
-    params = {}
-    for chunk in trainer.model_chunks:
-        for name, p in chunk.named_parameters():
-            dim = getattr(p, "tp_shard_dim", None)
-            full = ps.tp.all_gather(p.detach().clone(), dim) if dim is not None else p.detach().clone()
-            params[name] = full[: trainer.args.vocab_size] if name.split(".")[0] in ("embed_tokens", "lm_head") else full
+    params = trainer_params(trainer)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        losses = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
-    return {"params": params if ps.dp_rank == 0 and ps.tp_rank == 0 else {}, "losses": losses,
-            "loss_on_rank": trainer.last_loss}
+        rows = [r for r in map(json.loads, fh) if "loss" in r]
+    return {"params": params if ps.dp_rank == 0 and ps.tp_rank == 0 else {}, "losses": [r["loss"] for r in rows],
+            "grad_norms": [r["grad_norm"] for r in rows], "loss_on_rank": trainer.last_loss}
 
 
 _REFERENCES: dict = {}
@@ -61,6 +60,7 @@ def check(reference, results):
         merged.update(r["params"])
         assert r["loss_on_rank"] == pytest.approx(reference["losses"][-1], rel=1e-5)
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert results[0]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
     assert reference["losses"][-1] < reference["losses"][0]
     assert set(merged) == set(reference["params"])
     for name, ref in reference["params"].items():

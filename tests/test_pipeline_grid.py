@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megapretrain.parallel.pipeline import (P2P, PipelineError, PipelineExecutor, chunk_layers,
-                                            resolve_schedule, schedule_order)
+from megapretrain.config import resolve_schedule
+from megapretrain.errors import PipelineError
+from megapretrain.parallel.pipeline import P2P, PipelineExecutor, chunk_layers, schedule_order
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed
@@ -33,7 +34,7 @@ def _grid(rank, world, combos):
         executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p, lambda last: torch.enable_grad())
         losses, outputs = [], []
 
-        def forward(chunk, micro, hidden):
+        def forward(chunk, micro, hidden, chunks=chunks, losses=losses, outputs=outputs):
             model = chunks[chunk]
             batch = tokens[micro * MBS:(micro + 1) * MBS]
             out = model(batch[:, :-1] if model.pre_process else hidden,

@@ -7,9 +7,20 @@ from collections import defaultdict
 
 import pytest
 
-from megapretrain.parallel.pipeline import (Op, PipelineError, chunk_layers, forward_only_order,
-                                            communication_plan, input_transfer, output_transfer, peak_in_flight,
-                                            Step, resolve_schedule, schedule_order, simulate)
+from megapretrain.config import resolve_schedule
+from megapretrain.errors import PipelineError
+from megapretrain.parallel.pipeline import (
+    Op,
+    Step,
+    chunk_layers,
+    forward_only_order,
+    input_transfer,
+    output_transfer,
+    peak_in_flight,
+    schedule_order,
+    simulate,
+    transfer_rounds,
+)
 
 
 def text(order):
@@ -127,7 +138,7 @@ def test_communication_rounds_pair_every_send_and_deliver_in_time():
                         continue
                     for orders in ([schedule_order(kind, r, pp, vpp, m) for r in range(pp)],
                                    [forward_only_order(pp, vpp, m)] * pp):
-                        plans = communication_plan(orders, pp, vpp)
+                        plans = transfer_rounds(orders, pp, vpp)
                         rounds = {}
                         for r, steps in enumerate(plans):
                             assert [s.op for s in steps if s.op is not None] == orders[r]
@@ -144,7 +155,7 @@ def test_communication_rounds_pair_every_send_and_deliver_in_time():
                                     assert src is None or src in have, (kind, pp, vpp, m, r, s)
                                     out = output_transfer(s.op, r, pp, vpp)
                                     assert out is None or any(out in x.sends for x in steps if x.round > s.round)
-                        for t, (sends, recvs) in rounds.items():  # a round's sends meet its receives
+                        for sends, recvs in rounds.values():  # a round's sends meet its receives
                             assert sorted(map(repr, sends)) == sorted(map(repr, recvs))
                             pairs = [(x.src, x.dst) for x in sends]
                             assert len(pairs) == len(set(pairs))  # one tensor each way per round
@@ -154,7 +165,7 @@ def test_communication_rounds_pair_every_send_and_deliver_in_time():
 def test_blocking_replay_catches_sends_posted_before_receives():
     # each stage sending before it receives, in separate batches: the unbatched-p2p NCCL deadlock
     orders = [schedule_order("1f1b", r, 2, 1, 4) for r in range(2)]
-    plans = communication_plan(orders, 2, 1)
+    plans = transfer_rounds(orders, 2, 1)
     _blocking_replay(plans)
     split = [[x for s in steps for x in (Step(s.round, s.sends, (), None), Step(s.round, (), s.recvs, s.op))]
              for steps in plans]

@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from distributed import run_distributed
 from megapretrain.recovery import Detector, RecoveryError
-from megapretrain.trainer import Trainer
 from megapretrain.train import setup
+from megapretrain.trainer import Trainer
+
+from distributed import run_distributed
 from test_parallel_equivalence import BASE
 
 GBS = 8  # BASE's global batch

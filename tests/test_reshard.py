@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
-from megapretrain.checkpoint.manager import CheckpointError
+from megapretrain.errors import CheckpointError
 from megapretrain.train import setup
+
+from distributed import run_distributed
+from helpers import trainer_params
 from test_parallel_equivalence import BASE
 
 ITERS, SPLIT = 6, 3
@@ -22,12 +24,7 @@ def _run(rank, world, run_dir, corpus, iters, flags):
             "--schedule.decay_iters", str(ITERS)]
     trainer = setup(argv)
     trainer.fit()
-    params = {}
-    for chunk in trainer.model_chunks:
-        for name, p in chunk.named_parameters():
-            dim = getattr(p, "tp_shard_dim", None)
-            full = trainer.ps.tp.all_gather(p.detach().clone(), dim) if dim is not None else p.detach().clone()
-            params[name] = full[: trainer.args.vocab_size] if name.split(".")[0] in ("embed_tokens", "lm_head") else full
+    params = trainer_params(trainer)
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh]
     return {"losses": {r["iter"]: r["loss"] for r in rows if "loss" in r},
@@ -81,7 +78,7 @@ def test_a_checkpoint_of_another_model_is_refused(corpus, tmp_path):
 
 
 def test_reshard_reports_a_missing_parameter(corpus, tmp_path):
-    from megapretrain.checkpoint.manager import read_metadata
+    from megapretrain.checkpoint.format import read_metadata
     from megapretrain.checkpoint.reshard import SavedShards
     run = str(tmp_path / "run")
     _launch(1, run, corpus, 1, [])
@@ -97,10 +94,9 @@ def test_reshard_reports_a_missing_parameter(corpus, tmp_path):
 def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
     """tp 4 → 2 and → 1 on synthetic files: a vocabulary-padded row-split weight (zero 0 whole shards)
     and a column-split weight saved as ZeRO ranges spread over two dp ranks."""
-    from types import SimpleNamespace
-
-    from megapretrain.checkpoint.reshard import resharded_state
+    from megapretrain.checkpoint.reshard import SavedShards, resharded_state
     from megapretrain.config import padded_vocab_size
+    from megapretrain.parallel.specs import Sharding, make_spec
 
     vocab, hidden, cols, div = 50, 6, 8, 4
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +111,7 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
     for rank in range(old_tp * dp):  # grid (pp, dp, tp): rank = dp_rank * tp + tp_rank
         d, t = divmod(rank, old_tp)
         emb_pad = torch.cat([emb, torch.zeros(padded - vocab, hidden)])
-        shard = lambda full, dim: full.chunk(old_tp, dim)[t].contiguous()  # noqa: E731
+        shard = lambda full, dim, t=t: full.chunk(old_tp, dim)[t].contiguous()
         flat = shard(down, 1).reshape(-1)
         half = flat.numel() // 2
         rng = (0, half) if d == 0 else (half, flat.numel())  # ZeRO: each dp rank saved half of it
@@ -132,14 +128,16 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
                  "optimizer": {"step": 7, "params": params, "scaler": {"scale": 1.0, "clean_steps": 0}}}
         torch.save(state, path / f"rank_{rank:05d}.pt")
     meta = {"world_size": old_tp * dp, "layout": {"tp": old_tp, "pp": 1, "dp": dp}}
+    saved = SavedShards(str(path), meta)
     for tp in (1, 2):
         new_rows = padded_vocab_size(vocab, div, tp) // tp
         for tp_rank in range(tp):
-            frags = {"embed_tokens.weight": (None, SimpleNamespace(param=SimpleNamespace(
-                         shape=(new_rows, hidden), tp_shard_dim=0))),
-                     "layers.0.mlp.down_proj.weight": (None, SimpleNamespace(param=SimpleNamespace(
-                         shape=(hidden, cols // tp), tp_shard_dim=1)))}
-            out = resharded_state(str(path), meta, frags, tp_rank, tp, vocab, div)
+            specs = {"embed_tokens.weight": make_spec("embed_tokens.weight", torch.empty(new_rows, hidden),
+                                                      Sharding(tp_dim=0, vocab_rows=vocab), tp, layer=None),
+                     "layers.0.mlp.down_proj.weight": make_spec("layers.0.mlp.down_proj.weight",
+                                                                torch.empty(hidden, cols // tp), Sharding(tp_dim=1),
+                                                                tp, layer=0)}
+            out = resharded_state(saved, specs, tp_rank, tp, padded)
             emb_new = torch.cat([emb, torch.zeros(new_rows * tp - vocab, hidden)]).chunk(tp, 0)[tp_rank]
             torch.testing.assert_close(out["model"]["embed_tokens.weight"], emb_new, rtol=0, atol=0)
             torch.testing.assert_close(out["model"]["layers.0.mlp.down_proj.weight"], down.chunk(tp, 1)[tp_rank],
@@ -165,7 +163,8 @@ def test_offline_reshard_writes_a_checkpoint_the_target_layout_loads_as_its_own(
         assert results[0]["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
 
     replicas = str(tmp_path / "dp2")
-    assert tool.main(["--checkpoint", run, "--output", replicas, "--world-size", "2", *BASE, "--parallel.zero", "1"]) == 0
+    assert tool.main(["--checkpoint", run, "--output", replicas, "--world-size", "2", *BASE, "--parallel.zero",
+                      "1"]) == 0
     a, b = (os.stat(os.path.join(replicas, f"rank_0000{i}.pt")) for i in (0, 1))
     assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)  # dp replicas share one file
     assert tool.main(["--checkpoint", run, "--output", replicas, "--world-size", "2", *BASE]) == 2  # not empty

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megapretrain.optim.schedule import LRSchedule
+from megapretrain.optim.lr_schedule import LRSchedule
 
 
 def sched(decay, warmup=10, decay_iters=110, **kw):

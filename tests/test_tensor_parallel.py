@@ -31,7 +31,7 @@ def _tp_run(rank, world, layouts):
     tokens = make_tokens()
     out = {}
     for sp, rc in layouts:
-        model = build(ps, tiny_args(tp=world), sequence_parallel=sp, recompute=rc)
+        model = build(ps, tiny_args(), sequence_parallel=sp, recompute=rc)
         losses, grads = train(ps, model, tokens, STEPS)
         out[(sp, rc)] = (losses, grads if rank == 0 else None)
     return out
@@ -64,7 +64,7 @@ def test_tp_matches_single_process(tp, reference):
 
 def _init_run(rank, world):
     ps = ParallelState(tp=world)
-    return gather_full(build(ps, tiny_args(tp=world)), ps)
+    return gather_full(build(ps, tiny_args()), ps)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -136,7 +136,7 @@ def _dropout_run(rank, world):
     for sp in (False, True):
         for rc in ("none", "selective", "full"):
             torch.manual_seed(123)
-            args = tiny_args(tp=world, attention_dropout=0.2, hidden_dropout=0.1)
+            args = tiny_args(attention_dropout=0.2, hidden_dropout=0.1)
             model = build(ps, args, sequence_parallel=sp, recompute=rc)
             model.rng = RNGTracker(5, ps.tp_rank)
             for module in model.modules():
@@ -194,12 +194,13 @@ def test_chunked_linear_cross_entropy_matches_unchunked(monkeypatch, dtype):
 
 def _saved_bytes_per_token(rank, world, sequence_parallel):
     """Bytes autograd keeps for backward per token of one decoder layer (bf16, weights excluded)."""
-    from megapretrain.parallel.tensor import _pack, _unpack
+    from megapretrain.parallel.tensor import SavedShards
 
     ps = ParallelState(tp=world)
     h, f, heads, kv = 256, 704, 8, 2
-    model = build(ps, tiny_args(hidden_size=h, ffn_hidden_size=f, num_heads=heads, num_kv_heads=kv,
-                                num_layers=1), dtype=torch.bfloat16, sequence_parallel=sequence_parallel)
+    args = tiny_args(hidden_size=h, ffn_hidden_size=f, num_heads=heads, num_kv_heads=kv, num_layers=1)
+    model = build(ps, args, dtype=torch.bfloat16, sequence_parallel=sequence_parallel)
+    saved = model.saved_shards or SavedShards()  # without SP nothing is registered: tensors kept as they are
     b, s = 2, 64
     x = torch.randn(b, s // (world if sequence_parallel else 1), h, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = model._rope(s, x)
@@ -207,17 +208,17 @@ def _saved_bytes_per_token(rank, world, sequence_parallel):
     seen = {}
 
     def pack(t):
-        packed = _pack(t)
+        packed = saved._pack(t)
         kept = packed if isinstance(packed, torch.Tensor) else packed[0].shard  # a shard stands in
         if kept.untyped_storage().data_ptr() not in skip:
             seen[kept.untyped_storage().data_ptr()] = kept.untyped_storage().nbytes()
         return packed
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, saved._unpack):
         y = model._layer(model.layers["0"], x, cos, sin)
     y.float().square().sum().backward()  # the shards gather again on demand
-    from megapretrain.planner import Model, activation_bytes_per_token
-    planned = activation_bytes_per_token(Model(1, h, heads, kv, f, 300, s), world, sequence_parallel)
+    from megapretrain.planner import activation_bytes_per_token
+    planned = activation_bytes_per_token(args, world, sequence_parallel)
     return sum(seen.values()) / (b * s), planned
 
 

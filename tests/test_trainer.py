@@ -92,3 +92,42 @@ def test_sigterm_saves_and_exits(tmp_path, corpus, monkeypatch):
     assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
     assert records(run)[-1]["iter"] == 3
+
+
+def test_sigterm_is_handled_only_while_fit_runs(tmp_path, corpus):
+    """The trainer takes SIGTERM for the duration of fit() (save at the next step boundary) and
+    gives the previous handler back afterwards, also when fit() ends in an error."""
+    import signal
+
+    from megapretrain.train import setup
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        trainer = setup(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]", *TINY,
+                         "--train.iters", "2"])
+        assert signal.getsignal(signal.SIGTERM) is mine  # building the trainer installs nothing
+        seen = []
+        step = trainer.train_step
+
+        def watched_step():
+            seen.append(signal.getsignal(signal.SIGTERM))
+            return step()
+
+        trainer.train_step = watched_step
+        trainer.fit()
+        assert seen and all(h == trainer._on_sigterm for h in seen)
+        assert signal.getsignal(signal.SIGTERM) is mine
+
+        def failing_step():
+            raise RuntimeError("a failure inside the loop")
+
+        trainer.train_step = failing_step
+        trainer.cfg.train.iters = 4
+        with pytest.raises(RuntimeError, match="inside the loop"):
+            trainer.fit()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -30,10 +30,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.config import OptimConfig, padded_vocab_size  # noqa: E402
-from megapretrain.model.llama import LlamaModel, ModelArgs  # noqa: E402
-from megapretrain.optim.optimizer import MixedPrecisionAdamW  # noqa: E402
-from megapretrain.parallel.state import ParallelState  # noqa: E402
+from megapretrain.config import OptimConfig
+from megapretrain.model.llama import LlamaModel, ModelArgs
+from megapretrain.optim.optimizer import MixedPrecisionAdamW
+from megapretrain.parallel.state import ParallelState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,15 +58,15 @@ def parse_args(argv=None):
 def model_args(a) -> ModelArgs:
     heads = max(1, a.hidden // 64)
     return ModelArgs(num_layers=a.layers, hidden_size=a.hidden, num_heads=heads, num_kv_heads=heads,
-                     ffn_hidden_size=4 * a.hidden, vocab_size=a.vocab,
-                     padded_vocab=padded_vocab_size(a.vocab, 128, 1))
+                     ffn_hidden_size=4 * a.hidden, vocab_size=a.vocab)
 
 
 def build(ps: ParallelState, a, zero: int, precision: str, overlap: bool = True, offload: bool = False):
     model = LlamaModel(model_args(a), ps.tp, dtype=DTYPES[precision])
     model.init_weights(1234)
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), OptimConfig(lr=1e-4, offload=offload),
-                              precision, ps, zero=zero, bucket_size_mb=a.bucket_mb, overlap_grad_reduce=overlap)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                              OptimConfig(lr=1e-4, offload=offload), precision, ps, zero=zero,
+                              bucket_size_mb=a.bucket_mb, overlap_grad_reduce=overlap)
     return model, opt
 
 

@@ -5,7 +5,7 @@
     python tools/bench_train.py --config configs/tiny.yaml --steps 10 --warmup 2 --threads 2
     python tools/bench_train.py --config configs/bench_cpu.yaml --profile
 
-The model and optimizer are built exactly as training builds them (``build_model``,
+The model and optimizer are built exactly as training builds them (``build_model_chunks``,
 ``MixedPrecisionAdamW``); each step runs every micro-batch of the global batch forward and
 backward, then reduces grads and steps AdamW — on synthetic random tokens, so no dataset is read.
 Start-up and ``--warmup`` steps are excluded; the median step time of ``--steps`` steps is reported.
@@ -36,11 +36,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
-from megapretrain.model.llama import flops_per_token  # noqa: E402
-from megapretrain.optim.optimizer import MixedPrecisionAdamW  # noqa: E402
-from megapretrain.parallel.state import ParallelState  # noqa: E402
-from megapretrain.trainer import DTYPES, build_model  # noqa: E402
+from megapretrain.config import load_config, validate
+from megapretrain.errors import ConfigError, UserError
+from megapretrain.model.build import DTYPES, build_model_chunks
+from megapretrain.model.llama import flops_per_token
+from megapretrain.optim.optimizer import MixedPrecisionAdamW
+from megapretrain.parallel.state import ParallelState
 
 BYTE_VOCAB = 257  # ByteTokenizer: 256 bytes + EOS
 
@@ -99,9 +100,9 @@ def megapretrain_step(cfg, plan, device):
     """A closure running one training step exactly as the trainer does, and the model's FLOPs/token."""
     ps = ParallelState(device=device)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, plan, ps)
+    (model,), specs = build_model_chunks(cfg, ps)  # pp 1: one chunk, built as training builds it
     model.train()
-    opt = MixedPrecisionAdamW(list(model.named_parameters()), cfg.optim, cfg.train.precision, ps,
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, cfg.train.precision, ps,
                               zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
     batches = micro_batches(cfg, device)
 
@@ -170,7 +171,8 @@ def report(name: str, times: list[float], loss: float, tokens: int, flops: float
 
 
 def profile(step, device) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg, plan = load(args.config, overrides)
-    except ConfigError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     want = cfg.train.device

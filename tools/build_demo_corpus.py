@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Iterator
+from collections.abc import Iterator
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -30,18 +30,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
-                                             resolve_checkpoint)
-from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, saved_config_path,  # noqa: E402
-                                             saved_padded_vocab, stage_parameters, tp_slice)
-from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
+from megapretrain.checkpoint.format import (
+    metadata,
+    rank_file,
+    rank_state,
+    read_metadata,
+    write_metadata,
+    write_rank_state,
+)
+from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
+from megapretrain.checkpoint.reshard import SavedShards, saved_config_path, saved_padded_vocab, tp_slice
+from megapretrain.config import load_config, validate
+from megapretrain.errors import UserError
+from megapretrain.model.build import DTYPES, model_args, rank_param_specs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
     """Bad input to the converter; the message names the file or flag and what to do."""
 
 
@@ -73,7 +80,6 @@ def run_config(checkpoint: str, explicit: str | None):
 
 
 def to_hf(args: argparse.Namespace) -> str:
-    from megapretrain.trainer import model_args
     from safetensors.torch import save_file
 
     path = resolve_checkpoint(args.checkpoint)
@@ -85,8 +91,8 @@ def to_hf(args: argparse.Namespace) -> str:
         if m.vocab_size is None:
             raise ConvertError(f"model.vocab_size is null in the config and {path}/metadata.json has none: "
                                "pass --config with model.vocab_size set")
-    plan, _ = validate(cfg, 1)
-    margs = model_args(cfg, plan)
+    validate(cfg, 1)
+    margs = model_args(cfg)
     dtype = DTYPES[args.dtype or cfg.train.precision]
     saved = SavedShards(path, meta)
     padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
@@ -102,11 +108,10 @@ def to_hf(args: argparse.Namespace) -> str:
                 files.append((name, list(shard)))
             shard, shard_bytes = {}, 0
 
-        for name, (shape, dim) in stage_parameters(cfg, plan, 0, 0).items():
-            vocab = m.vocab_size if name.split(".")[0] in VOCAB_PARAMS else None
-            weight = tp_slice(saved, name, "master", shape, dim, 0, 1, vocab, padded)
-            if vocab is not None:
-                weight = weight[:vocab]
+        for name, spec in rank_param_specs(cfg, 0, 0).items():
+            weight = tp_slice(saved, spec, "master", 0, 1, padded)
+            if spec.vocab:
+                weight = weight[:spec.shape[0]]  # without the padding rows
             weight = weight.to(dtype).contiguous()
             nbytes = weight.numel() * weight.element_size()
             if shard and shard_bytes + nbytes > limit:
@@ -122,7 +127,7 @@ def to_hf(args: argparse.Namespace) -> str:
             for i, (name, keys) in enumerate(files):
                 final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                 os.rename(os.path.join(tmp, name), os.path.join(tmp, final))
-                weight_map.update({k: final for k in keys})
+                weight_map.update(dict.fromkeys(keys, final))
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
         hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
@@ -166,6 +171,9 @@ def _hf_config(hf_dir: str) -> dict:
             hf = json.load(fh)
     except FileNotFoundError:
         raise ConvertError(f"{path} not found: --hf must be a Hugging Face model directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"{path} cannot be read as JSON ({exc}); --hf must be a Hugging Face model "
+                           "directory") from None
     if hf.get("model_type") != "llama":
         raise ConvertError(f"{path}: model_type={hf.get('model_type')!r}; only Llama models convert")
     unsupported = {k: hf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if hf.get(k)}
@@ -223,14 +231,12 @@ def from_hf(args: argparse.Namespace) -> str:
     if weights["embed_tokens.weight"].shape[0] != vocab:
         raise ConvertError(f"{args.hf}: embed_tokens has {weights['embed_tokens.weight'].shape[0]} rows but "
                            f"config.json says vocab_size={vocab}")
-    state = {"iteration": 0, "consumed_samples": 0, "model": {n: weights[n] for n in expected},
-             "optimizer": {"step": 0, "params": {n: {} for n in expected}, "scaler": None}}
+    state = rank_state(iteration=0, consumed_samples=0, model={n: weights[n] for n in expected},
+                       optimizer_step=0, moments={n: {} for n in expected}, scaler=None)
     with new_directory(args.output) as tmp:
-        torch.save(state, os.path.join(tmp, "rank_00000.pt"))
-        meta = {"iteration": 0, "world_size": 1, "layout": {"tp": 1, "pp": 1, "dp": 1}, "format": FORMAT,
-                "vocab_size": vocab, "padded_vocab": vocab, "converted_from": os.path.abspath(args.hf)}
-        with open(os.path.join(tmp, "metadata.json"), "w") as fh:
-            json.dump(meta, fh, indent=1)
+        write_rank_state(rank_file(tmp, 0), state)
+        write_metadata(tmp, metadata(iteration=0, world_size=1, layout={"tp": 1, "pp": 1, "dp": 1},
+                                     vocab_size=vocab, padded_vocab=vocab, converted_from=os.path.abspath(args.hf)))
     flags = (f"--model.num_layers {layers} --model.hidden_size {hf['hidden_size']} "
              f"--model.num_heads {hf['num_attention_heads']} --model.num_kv_heads "
              f"{hf.get('num_key_value_heads') or hf['num_attention_heads']} --model.ffn_hidden_size "
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         print(to_hf(args) if args.command == "to-hf" else from_hf(args))
-    except (ConvertError, CheckpointError, ConfigError, FileNotFoundError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

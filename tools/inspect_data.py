@@ -193,7 +193,7 @@ def _describe_lengths(prefix, lengths, documents, png, report: Report) -> None:
     doc_lengths = ends[documents[1:]] - ends[documents[:-1]]
     values = np.percentile(doc_lengths, PERCENTILES)
     report.facts["length_percentiles"] = dict(zip(map(str, PERCENTILES), map(float, values)))
-    report.say("document length: mean {:,.1f}; ".format(doc_lengths.mean()) +
+    report.say(f"document length: mean {doc_lengths.mean():,.1f}; " +
                ", ".join(f"p{p} {v:,.0f}" for p, v in zip(PERCENTILES, values)))
     edges = 2 ** np.arange(0, max(1, int(np.ceil(np.log2(max(int(doc_lengths.max()), 1) + 1)))) + 1)
     counts = np.histogram(doc_lengths, bins=np.concatenate([[0], edges]))[0]

@@ -22,9 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
-from megapretrain.parallel.pipeline import (PipelineError, communication_plan, peak_in_flight,  # noqa: E402
-                                            replay, resolve_schedule, schedule_order, simulate)
+from megapretrain.config import load_config, resolve_schedule, validate
+from megapretrain.errors import ConfigError, PipelineError, UserError
+from megapretrain.parallel.pipeline import peak_in_flight, replay, schedule_order, simulate, transfer_rounds
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -62,12 +62,12 @@ def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict
     cfg = load_config(path, overrides)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = 257  # only the vocabulary padding depends on it; the pipeline does not
-    plan, _ = validate(cfg, world_size)
+    sizes, _ = validate(cfg, world_size)
     p, t = cfg.parallel, cfg.train
     seq = t.seq_length // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_length
-    return {"pp": plan.pp, "vpp": p.vpp, "schedule": p.pp_schedule, "micro_batches": plan.grad_accum,
+    return {"pp": sizes.pp, "vpp": p.vpp, "schedule": p.pp_schedule, "micro_batches": sizes.grad_accum,
             "message_bytes": t.micro_batch_size * seq * cfg.model.hidden_size * BYTES[t.precision],
-            "title": f"{path} at {world_size} GPUs (tp={plan.tp} pp={plan.pp} dp={plan.dp})"}
+            "title": f"{path} at {world_size} GPUs (tp={sizes.tp} pp={sizes.pp} dp={sizes.dp})"}
 
 
 def timeline(orders: list, pp: int, vpp: int, b_cost: float) -> list[str]:
@@ -101,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if pp < 1 or vpp < 1 or m < 1:
             raise PipelineError(f"pp={pp}, vpp={vpp} and micro-batches={m} must be positive")
         kind = resolve_schedule(setup["schedule"], pp, vpp, m)
-    except (ConfigError, PipelineError, OSError) as err:
+    except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
     sim = simulate(orders, pp, vpp, 1.0, args.backward_cost)
-    plans = communication_plan(orders, pp, vpp)
+    plans = transfer_rounds(orders, pp, vpp)
     ideal = m * vpp * (1.0 + args.backward_cost)  # one stage's busy time
     print(f"{setup['title']} | schedule {kind} | {m} micro-batches per step | backward = "
           f"{args.backward_cost:g} × forward")

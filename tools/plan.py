@@ -22,9 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
-from megapretrain.parallel.pipeline import PipelineError  # noqa: E402
-from megapretrain.planner import DEVICES, GIB, Layout, Model, estimate, search, with_device  # noqa: E402
+from megapretrain.config import load_config, validate
+from megapretrain.errors import ConfigError, UserError
+from megapretrain.model.build import model_args
+from megapretrain.monitor.flops import DEVICES, with_device
+from megapretrain.planner import GIB, Layout, estimate, search
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -72,18 +74,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
         device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                              intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs, efficiency=args.efficiency)
-        plan, _ = validate(cfg, args.gpus) if args.check else (None, None)
-        model = Model(m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-                      plan.ffn_hidden_size if plan else (m.ffn_hidden_size or 4 * m.hidden_size), m.vocab_size,
-                      t.seq_length, m.tie_embeddings)
+        model = model_args(cfg)
         if args.check:
+            sizes, _ = validate(cfg, args.gpus)
             p = cfg.parallel
-            layout = Layout(p.tp, p.pp, plan.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
+            layout = Layout(p.tp, p.pp, sizes.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
                             tuple(p.pipeline_layers) if p.pipeline_layers else None)
-            found = [estimate(model, layout, t.global_batch_size, device, t.precision, p.pp_schedule)]
+            found = [estimate(model, t.seq_length, layout, t.global_batch_size, device, t.precision, p.pp_schedule)]
         else:
-            found = search(model, args.gpus, t.global_batch_size, device, t.precision)
-    except (ConfigError, PipelineError, ValueError, OSError) as err:
+            found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision)
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tokens = t.global_batch_size * t.seq_length

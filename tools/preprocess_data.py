@@ -27,11 +27,11 @@ import multiprocessing
 import os
 import shutil
 import signal
-import threading
 import sys
+import threading
 import time
 from collections import deque
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -278,7 +278,7 @@ class Stats:
     def __init__(self):
         self.documents = self.tokens = self.bytes = self.empty = self.bad = 0
 
-    def add(self, other: "Stats") -> None:
+    def add(self, other: Stats) -> None:
         for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 

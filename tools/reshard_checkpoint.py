@@ -16,21 +16,24 @@ carried (they are per rank): dropout restarts from the seed. ``--output`` must b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.checkpoint.manager import (FORMAT, CheckpointError, new_directory, read_metadata,  # noqa: E402
-                                             resolve_checkpoint)
-from megapretrain.checkpoint.reshard import (VOCAB_PARAMS, SavedShards, rank_coords,  # noqa: E402
-                                             saved_config_path, saved_padded_vocab, stage_parameters,
-                                             tp_slice)
-from megapretrain.config import ConfigError, load_config, validate  # noqa: E402
+from megapretrain.checkpoint.format import metadata, rank_file, read_metadata, write_metadata, write_rank_state
+from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
+from megapretrain.checkpoint.reshard import (
+    SavedShards,
+    rank_coords,
+    resharded_state,
+    saved_config_path,
+    saved_padded_vocab,
+)
+from megapretrain.config import load_config, validate
+from megapretrain.errors import UserError
+from megapretrain.model.build import rank_param_specs
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -41,46 +44,39 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--output", required=True, help="new checkpoint directory")
     ap.add_argument("--world-size", type=int, required=True, help="ranks of the target run")
     ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
-    return ap.parse_known_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if args.world_size < 1:
+        ap.error(f"--world-size {args.world_size} must be at least 1")
+    return args, rest
 
 
 def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     path = resolve_checkpoint(args.checkpoint)
     meta = read_metadata(path)
     cfg = load_config(saved_config_path(path, args.config), overrides)
-    plan, _ = validate(cfg, args.world_size)  # the target layout, checked as training would
+    sizes, _ = validate(cfg, args.world_size)  # the target layout, checked as training would
     m = cfg.model
     saved = SavedShards(path, meta)
-    first = saved.state(0)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
-    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp}
+    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
     with new_directory(args.output) as tmp:
         written: dict[tuple[int, int], str] = {}
-        for rank, (pp_rank, dp_rank, tp_rank) in enumerate(rank_coords(layout)):
-            file = os.path.join(tmp, f"rank_{rank:05d}.pt")
+        for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
+            file = rank_file(tmp, rank)
             if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
                 try:
                     os.link(written[(pp_rank, tp_rank)], file)
                 except OSError:
                     shutil.copyfile(written[(pp_rank, tp_rank)], file)
                 continue
-            model, params = {}, {}
-            for name, (shape, dim) in stage_parameters(cfg, plan, pp_rank, tp_rank).items():
-                vocab = m.vocab_size if name.split(".")[0] in VOCAB_PARAMS else None
-                piece = {key: tp_slice(saved, name, key, shape, dim, tp_rank, plan.tp, vocab, saved_padded)
-                         for key in ("master", "exp_avg", "exp_avg_sq")}
-                model[name] = piece["master"]
-                params[name] = {"exp_avg": piece["exp_avg"], "exp_avg_sq": piece["exp_avg_sq"]}
-            torch.save({"iteration": first["iteration"], "consumed_samples": first["consumed_samples"],
-                        "model": model, "optimizer": {"step": first["optimizer"]["step"], "params": params,
-                                                      "scaler": first["optimizer"].get("scaler")}}, file)
+            specs = rank_param_specs(cfg, pp_rank, tp_rank)
+            write_rank_state(file, resharded_state(saved, specs, tp_rank, sizes.tp, saved_padded))
             written[(pp_rank, tp_rank)] = file
-        out_meta = {"iteration": first["iteration"], "world_size": args.world_size, "layout": layout,
-                    "format": FORMAT, "vocab_size": m.vocab_size, "padded_vocab": plan.padded_vocab,
-                    "resharded_from": {"path": os.path.abspath(path), "layout": meta["layout"]}}
-        with open(os.path.join(tmp, "metadata.json"), "w") as fh:
-            json.dump(out_meta, fh, indent=1)
-    return (f"wrote {args.output}: iteration {first['iteration']} of {path}, {meta['layout']} -> {layout} "
+        iteration = saved.state(0)["iteration"]
+        write_metadata(tmp, metadata(iteration=iteration, world_size=args.world_size, layout=layout,
+                                     vocab_size=m.vocab_size, padded_vocab=sizes.padded_vocab,
+                                     resharded_from={"path": os.path.abspath(path), "layout": meta["layout"]}))
+    return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
             f"({args.world_size} ranks, {len(written)} distinct files); train with --checkpoint.load {args.output}")
 
 
@@ -88,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         print(reshard(args, overrides))
-    except (CheckpointError, ConfigError, FileNotFoundError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -123,8 +123,9 @@ def losses_of(run_dir: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from megapretrain.train import setup
+    from megapretrain.errors import UserError
     from megapretrain.parallel.state import init_distributed
+    from megapretrain.train import setup
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     owned = not dist.is_initialized()  # torchrun: ours to set up and tear down
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             trainer.fit()
             step_s = (time.perf_counter() - start) / args.steps
-        except (ValueError, SystemExit) as exc:  # an impossible layout: one line, then the next one
+        except UserError as exc:  # an impossible layout: one line, then the next one (a bug raises)
             error = str(exc).splitlines()[0]
         if rank == 0:
             if error is None:

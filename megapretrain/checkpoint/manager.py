@@ -6,17 +6,16 @@ Layout under ``RUN_DIR/checkpoints``::
     iter_0000100/rank_00000.pt      one file per rank (model, optimizer, RNG, data position)
     latest                          the name of the newest complete checkpoint
 
-Every rank writes into ``.tmp_iter_0000100``; once all have finished, rank 0 writes the metadata,
+Every rank writes into ``.iter_0000100``; once all have finished, rank 0 writes the metadata,
 renames the directory into place and then moves ``latest`` — a crash at any point leaves either the
 previous checkpoint or the new one, never a half-written one under a final name. An existing
-directory of the same name is moved aside, not overwritten. Loading uses ``weights_only=True``:
-no code is ever unpickled.
+directory of the same name is moved aside, not overwritten. What the files hold, and how they are
+written and read, is ``checkpoint/format.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -26,12 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says which file and what to do."""
-
-
-FORMAT = "megapretrain-per-rank-v1"
+from ..errors import CheckpointError
+from .format import METADATA, metadata, rank_file, read_metadata, read_rank_state, write_metadata, write_rank_state
 
 
 def _barrier() -> None:
@@ -55,13 +50,14 @@ def iter_dir_name(iteration: int) -> str:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, keep_last: int = 3,
-                 keep_every: int = 0, async_save: bool = False, device: torch.device | str = "cpu",
-                 extra: dict | None = None):
-        """``extra``: more facts for ``metadata.json`` (e.g. the model's vocabulary padding)."""
+    def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, vocab_size: int,
+                 padded_vocab: int, keep_last: int = 3, keep_every: int = 0, async_save: bool = False,
+                 device: torch.device | str = "cpu"):
+        """``layout`` ({tp, pp, dp}) and the vocabulary (real and padded) go into ``metadata.json``."""
         self.device = torch.device(device)
         self.root = os.path.join(run_dir, "checkpoints")
-        self.rank, self.world_size, self.layout, self.extra = rank, world_size, layout, dict(extra or {})
+        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
         self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
         self._pending: tuple[int, threading.Thread, list] | None = None
         os.makedirs(self.root, exist_ok=True)
@@ -77,7 +73,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # leftovers of an interrupted save; never a complete checkpoint
             os.makedirs(tmp)
         _barrier()
-        path = os.path.join(tmp, f"rank_{self.rank:05d}.pt")
+        path = rank_file(tmp, self.rank)
         errors: list = []
         if self.async_save:
             cpu_state = _to_cpu(state)
@@ -92,8 +88,7 @@ class CheckpointManager:
     @staticmethod
     def _write(state: dict, path: str, errors: list) -> None:
         try:
-            torch.save(state, path + ".part")
-            os.replace(path + ".part", path)
+            write_rank_state(path, state)
         except Exception as exc:  # reported by finalize() on the training thread
             errors.append(exc)
 
@@ -109,14 +104,14 @@ class CheckpointManager:
         if dist.is_initialized():
             dist.all_reduce(failed)
         if failed.item() > 0:
-            raise RuntimeError(f"checkpoint {iteration} was not saved: {errors[0] if errors else 'another rank failed'}")
+            reason = errors[0] if errors else "another rank failed"
+            raise RuntimeError(f"checkpoint {iteration} was not saved: {reason}")
         name = iter_dir_name(iteration)
         if self.rank == 0:
             tmp, final = os.path.join(self.root, "." + name), os.path.join(self.root, name)
-            meta = {"iteration": iteration, "world_size": self.world_size, "layout": self.layout,
-                    "time": time.time(), "format": FORMAT, **self.extra}
-            with open(os.path.join(tmp, "metadata.json"), "w") as fh:
-                json.dump(meta, fh, indent=1)
+            write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
+                                         vocab_size=self.vocab_size, padded_vocab=self.padded_vocab,
+                                         time=time.time()))
             if os.path.exists(final):
                 os.rename(final, f"{final}.replaced-{int(time.time())}")
             os.rename(tmp, final)
@@ -133,7 +128,7 @@ class CheckpointManager:
             return
         done = sorted(d for d in os.listdir(self.root)
                       if d.startswith("iter_") and d[5:].isdigit()
-                      and os.path.exists(os.path.join(self.root, d, "metadata.json")))
+                      and os.path.exists(os.path.join(self.root, d, METADATA)))
         for d in done[:-self.keep_last]:
             if self.keep_every and int(d[5:]) % self.keep_every == 0:
                 continue  # a milestone
@@ -148,7 +143,7 @@ class CheckpointManager:
     def newest_before(self, iteration: int) -> str | None:
         """The newest complete checkpoint of this run saved before ``iteration``, or None."""
         done = [d for d in os.listdir(self.root) if d.startswith("iter_") and d[5:].isdigit()
-                and int(d[5:]) < iteration and os.path.exists(os.path.join(self.root, d, "metadata.json"))]
+                and int(d[5:]) < iteration and os.path.exists(os.path.join(self.root, d, METADATA))]
         return os.path.join(self.root, max(done)) if done else None
 
     def set_aside_from(self, iteration: int, keep: str) -> list[str]:
@@ -179,14 +174,7 @@ class CheckpointManager:
                 f"checkpoint {path} was saved with world_size={meta['world_size']} layout={meta['layout']}, "
                 f"but this run has world_size={self.world_size} layout={self.layout}; "
                 "relaunch with the saved layout")
-        file = os.path.join(path, f"rank_{self.rank:05d}.pt")
-        try:
-            return torch.load(file, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete") from None
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {exc}); "
-                                  "load an older checkpoint with --checkpoint.load") from None
+        return read_rank_state(path, self.rank)
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -196,7 +184,7 @@ def latest_checkpoint(root: str) -> str | None:
     with open(pointer) as fh:
         name = fh.read().strip()
     path = os.path.join(root, name)
-    if not os.path.exists(os.path.join(path, "metadata.json")):
+    if not os.path.exists(os.path.join(path, METADATA)):
         raise CheckpointError(f"{pointer} names '{name}', which is missing or incomplete; "
                               "point it at a complete iter_* directory or remove it")
     return path
@@ -205,7 +193,7 @@ def latest_checkpoint(root: str) -> str | None:
 def resolve_checkpoint(path: str) -> str:
     """A complete checkpoint directory from ``path``: itself, or the latest under a run directory
     or its ``checkpoints/`` folder."""
-    if os.path.exists(os.path.join(path, "metadata.json")):
+    if os.path.exists(os.path.join(path, METADATA)):
         return path
     for root in (path, os.path.join(path, "checkpoints")):
         found = latest_checkpoint(root) if os.path.isdir(root) else None
@@ -213,11 +201,6 @@ def resolve_checkpoint(path: str) -> str:
             return found
     raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
                           "directory with one; pass an iter_* directory")
-
-
-def read_metadata(path: str) -> dict:
-    with open(os.path.join(resolve_checkpoint(path), "metadata.json")) as fh:
-        return json.load(fh)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,11 @@ import os
 import numpy as np
 import torch
 
-from .manager import CheckpointError
-
-VOCAB_PARAMS = ("embed_tokens", "lm_head")
+from ..config import padded_vocab_size
+from ..errors import CheckpointError
+from ..optim.optimizer import entry_range
+from ..parallel.specs import ParamSpec
+from .format import rank_state, read_rank_state
 
 
 def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
@@ -36,7 +38,7 @@ def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
 
 
 class SavedShards:
-    """The per-rank files of one checkpoint, opened on demand."""
+    """The per-rank files of one checkpoint, opened (memory-mapped) on demand."""
 
     def __init__(self, path: str, meta: dict):
         self.path, self.layout = path, meta["layout"]
@@ -48,14 +50,7 @@ class SavedShards:
 
     def state(self, rank: int) -> dict:
         if rank not in self._states:
-            file = os.path.join(self.path, f"rank_{rank:05d}.pt")
-            try:
-                self._states[rank] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete") from None
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {exc}); "
-                                      "load an older checkpoint with --checkpoint.load") from None
+            self._states[rank] = read_rank_state(self.path, rank, mmap=True)
         return self._states[rank]
 
     def flat_shard(self, name: str, key: str, tp_rank: int, numel: int) -> torch.Tensor:
@@ -72,16 +67,10 @@ class SavedShards:
             if entry is None:
                 continue
             stage = pp_rank
-            if torch.is_tensor(entry):  # a whole shard (zero 0 masters)
-                start, end, piece = 0, entry.numel(), entry.reshape(-1)
-            elif key in entry:
-                start, end, piece = int(entry["start"]), int(entry["end"]), entry[key].reshape(-1)
-            else:
+            found = entry_range(entry, key, numel, f"checkpoint {self.path}, '{name}' in rank {rank}'s file")
+            if found is None:
                 continue  # saved before the first step: no moments yet (zeros)
-            if end > numel or piece.numel() != end - start:
-                raise CheckpointError(f"checkpoint {self.path}: '{name}' has {end} elements per tp shard in "
-                                      f"rank {rank}'s file, this model expects {numel}: it was saved from "
-                                      "another model (compare model.* with the config.yaml of the run that saved it)")
+            start, end, piece = found
             out[start:end] = piece.float()
             seen[start:end] = True
         if stage is None:
@@ -96,62 +85,56 @@ class SavedShards:
 def saved_padded_vocab(meta: dict, vocab_size: int, divisible_by: int) -> int:
     """Rows the saved layout padded the vocabulary to: recorded in the metadata, or (older
     checkpoints) what this config's ``make_vocab_size_divisible_by`` gives at the saved tp."""
-    from ..config import padded_vocab_size
     return int(meta.get("padded_vocab") or padded_vocab_size(vocab_size, divisible_by, meta["layout"]["tp"]))
 
 
-def tp_slice(saved: SavedShards, name: str, key: str, shape: list[int], dim: int | None, tp_rank: int,
-             tp: int, vocab_rows: int | None, saved_padded: int | None) -> torch.Tensor:
-    """Slice ``tp_rank`` of ``tp`` of parameter ``name``'s ``key``; ``shape`` is that slice's shape
-    and ``dim`` the split dimension (None: replicated). For the embedding and output layer
-    ``vocab_rows`` is the real vocabulary and ``saved_padded`` the saved layout's padded rows."""
-    old_tp = saved.layout["tp"]
+def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: int, saved_padded: int) -> torch.Tensor:
+    """Slice ``tp_rank`` of ``tp`` (of shape ``spec.local_shape``) of parameter ``spec.name``'s
+    ``key``, cut from the saved tp shards; ``saved_padded`` is the saved layout's vocabulary rows."""
+    old_tp, dim, shape = saved.layout["tp"], spec.tp_dim, list(spec.local_shape)
     full = list(shape)  # the global tensor, padded as this layout pads it
     if dim is not None:
         full[dim] *= tp
     old = list(full)  # one saved tp shard
-    if vocab_rows is not None:
+    if spec.vocab:
         old[0] = saved_padded
     if dim is not None:
         if old[dim] % old_tp:
-            raise CheckpointError(f"checkpoint {saved.path}: '{name}' cannot have been split {old_tp} ways "
+            raise CheckpointError(f"checkpoint {saved.path}: '{spec.name}' cannot have been split {old_tp} ways "
                                   f"along dimension {dim} (size {old[dim]}); it was saved from another model")
         old[dim] //= old_tp
     numel = int(np.prod(old))
     if dim is None:  # replicated over tp: any saved tp rank's copy
-        return saved.flat_shard(name, key, 0, numel).view(old)
+        return saved.flat_shard(spec.name, key, 0, numel).view(old)
     lo, hi = tp_rank * shape[dim], (tp_rank + 1) * shape[dim]  # this slice of the global tensor,
-    real = min(hi, vocab_rows) if vocab_rows is not None else hi  # rows past the vocabulary: zeros
+    real = min(hi, spec.shape[0]) if spec.vocab else hi  # rows past the vocabulary: zeros
     parts = []
     for t in range(old_tp):  # cut from the saved shards that overlap it
         start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
         if start < end:
-            part = saved.flat_shard(name, key, t, numel).view(old)
+            part = saved.flat_shard(spec.name, key, t, numel).view(old)
             parts.append(part.narrow(dim, start - t * old[dim], end - start))
     pad = list(shape)
     pad[dim] = shape[dim] - sum(x.shape[dim] for x in parts)
     return torch.cat(parts + [torch.zeros(pad)], dim)
 
 
-def resharded_state(path: str, meta: dict, fragments: dict, tp_rank: int, tp: int,
-                    vocab_size: int, divisible_by: int) -> dict:
-    """This rank's state from a checkpoint of another layout, in the form the optimizer's loaders
-    take: whole tp-slice tensors by name for the masters and the moments. ``fragments`` maps the
-    names this rank holds to ``(shard, fragment)`` (the optimizer's ``fragments``)."""
-    saved = SavedShards(path, meta)
-    padded = saved_padded_vocab(meta, vocab_size, divisible_by)
-    first = saved.state(0)
-    model, params = {}, {}
-    for name, (_, frag) in fragments.items():
-        vocab = vocab_size if name.split(".")[0] in VOCAB_PARAMS else None
-        state = {key: tp_slice(saved, name, key, list(frag.param.shape), getattr(frag.param, "tp_shard_dim", None),
-                               tp_rank, tp, vocab, padded)
+def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: int, tp: int,
+                    saved_padded: int) -> dict:
+    """The state of a rank of another layout that holds the parameters ``specs`` (its table) at
+    ``tp_rank`` of ``tp``: whole tp slices of the masters and moments (any ZeRO stage takes its
+    ranges from them); iteration, data position, Adam step and loss scale from the checkpoint.
+    Random streams are per rank: not carried."""
+    model, moments = {}, {}
+    for name, spec in specs.items():
+        piece = {key: tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
                  for key in ("master", "exp_avg", "exp_avg_sq")}
-        model[name] = state["master"]
-        params[name] = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-    return {"iteration": first["iteration"], "consumed_samples": first["consumed_samples"], "model": model,
-            "optimizer": {"step": first["optimizer"]["step"], "params": params,
-                          "scaler": first["optimizer"].get("scaler")}}
+        model[name] = piece["master"]
+        moments[name] = {"exp_avg": piece["exp_avg"], "exp_avg_sq": piece["exp_avg_sq"]}
+    first = saved.state(0)
+    return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
+                      optimizer_step=first["optimizer"]["step"], moments=moments,
+                      scaler=first["optimizer"].get("scaler"))
 
 
 def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
@@ -161,26 +144,3 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
         raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
                               f"{checkpoint} (for the architecture)")
     return path
-
-
-def stage_parameters(cfg, plan, pp_rank: int, tp_rank: int) -> dict:
-    """name -> (shape, split dim) of every parameter one (pp, tp) rank of ``plan`` holds, read off
-    model chunks built on the meta device (nothing is allocated)."""
-    from ..model.llama import LlamaModel
-    from ..parallel.pipeline import chunk_layers
-    from ..parallel.random import RNGTracker
-    from ..parallel.state import Group
-    from ..parallel.tensor import shard_dims_of
-    from ..trainer import model_args
-
-    args, p = model_args(cfg, plan), cfg.parallel
-    tp = Group("tp", list(range(plan.tp)), None, tp_rank)
-    out = {}
-    for v, layer_ids in enumerate(chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)):
-        with torch.device("meta"):  # shapes only
-            chunk = LlamaModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
-                               post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
-                               rng=RNGTracker(0, 0, "cpu"), device="meta")
-        dims = shard_dims_of(chunk)
-        out.update({name: (list(param.shape), dims.get(name)) for name, param in chunk.named_parameters()})
-    return out

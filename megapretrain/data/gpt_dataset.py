@@ -30,12 +30,14 @@ import math
 import os
 import time
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from megapretrain.data.index_cache import cached_or_built
 from megapretrain.data.indexed_dataset import IndexedDataset, data_file_path, dataset_exists, index_file_path
+
+from ..errors import DataError, MissingFileError
 
 logger = logging.getLogger(__name__)
 
@@ -95,15 +97,15 @@ class GPTDataset:
         """Check the arguments and derive tokens_per_epoch and num_epochs from them."""
         where = f"GPTDataset {self.name!r} of {self.indexed.prefix}"
         if self.seq_length < 1 or self.num_samples < 0:
-            raise ValueError(f"{where}: seq_length={self.seq_length} must be >= 1 and "
+            raise DataError(f"{where}: seq_length={self.seq_length} must be >= 1 and "
                              f"num_samples={self.num_samples} >= 0")
         if self.document_ids.size == 0:
-            raise ValueError(f"{where}: no documents in this split; raise its share in data.split or add data")
+            raise DataError(f"{where}: no documents in this split; raise its share in data.split or add data")
         if self.document_ids.min() < 0 or self.document_ids.max() >= len(self.indexed):
-            raise ValueError(f"{where}: document ids must lie in [0, {len(self.indexed)})")
+            raise DataError(f"{where}: document ids must lie in [0, {len(self.indexed)})")
         self.tokens_per_epoch = _tokens_of(self.indexed.sequence_lengths, self.document_ids)
         if self.tokens_per_epoch == 0:
-            raise ValueError(f"{where}: the {self.document_ids.size} documents hold zero tokens")
+            raise DataError(f"{where}: the {self.document_ids.size} documents hold zero tokens")
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch, self.seq_length))
 
     def __len__(self) -> int:
@@ -274,7 +276,7 @@ class BlendedDataset:
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
                  cache_dir: str | None = None, build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
         if len(datasets) != len(weights) or not datasets:
-            raise ValueError(f"BlendedDataset needs one weight per dataset, got {len(datasets)} datasets and "
+            raise DataError(f"BlendedDataset needs one weight per dataset, got {len(datasets)} datasets and "
                              f"{len(weights)} weights")
         self.datasets, self.weights = list(datasets), _normalize_weights(weights, "BlendedDataset weights")
         self.num_samples, self.seed = int(num_samples), seed
@@ -297,7 +299,7 @@ class BlendedDataset:
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for dataset, count in zip(self.datasets, needed):
             if count > len(dataset):
-                raise ValueError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} has "
+                raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} has "
                                  f"{len(dataset)} samples but the blend draws {count} from it")
 
     def __len__(self) -> int:
@@ -371,7 +373,7 @@ def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list
         split = [float(s) for s in split.replace(",", " ").split()]
     weights = [float(w) for w in split]
     if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"data.split={list(split)} must be 1-3 non-negative weights with a positive sum, "
+        raise DataError(f"data.split={list(split)} must be 1-3 non-negative weights with a positive sum, "
                          "e.g. [98, 2, 0]")
     weights += [0.0] * (3 - len(weights))
     fractions = np.cumsum(weights) / sum(weights)
@@ -386,13 +388,13 @@ def parse_data_paths(paths: Sequence | str) -> list[tuple[float | None, str]]:
     items = paths.split() if isinstance(paths, str) else list(paths)
     weights = [_as_number(item) for item in items]
     if not items:
-        raise ValueError("data.paths is empty; give at least one dataset prefix")
+        raise DataError("data.paths is empty; give at least one dataset prefix")
     if all(w is None for w in weights):
         return [(None, str(item)) for item in items]
     pairs_ok = len(items) % 2 == 0 and all(w is not None for w in weights[0::2]) and \
         all(w is None for w in weights[1::2])
     if not pairs_ok:
-        raise ValueError(f"data.paths={items} must be prefixes [A, B] or weight/prefix pairs [0.3, A, 0.7, B]")
+        raise DataError(f"data.paths={items} must be prefixes [A, B] or weight/prefix pairs [0.3, A, 0.7, B]")
     _normalize_weights(weights[0::2], "data.paths weights")
     return [(weights[i], str(items[i + 1])) for i in range(0, len(items), 2)]
 
@@ -428,7 +430,7 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
     pairs = parse_data_paths(paths)
     for _, prefix in pairs:
         if not dataset_exists(prefix):
-            raise FileNotFoundError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it with "
+            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it with "
                                     "tools/preprocess_data.py --output-prefix ... (it appends _text_document)")
     indexed = [IndexedDataset(prefix) for _, prefix in pairs]
     doc_splits = [split_document_ids(len(ds), split) for ds in indexed]
@@ -471,7 +473,7 @@ def _normalize_weights(weights: Sequence[float], what: str) -> np.ndarray:
     """Positive finite weights scaled to sum to 1, or one clear error."""
     values = np.asarray([float(w) for w in weights], dtype=np.float64)
     if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"{what} must be positive numbers, got {list(weights)}")
+        raise DataError(f"{what} must be positive numbers, got {list(weights)}")
     return values / values.sum()
 
 

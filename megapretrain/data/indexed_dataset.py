@@ -24,9 +24,11 @@ import hashlib
 import mmap
 import os
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from ..errors import DataError, MissingFileError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -118,7 +120,7 @@ class IndexedDatasetBuilder:
         """Append a whole dataset (its documents, in order) by streaming its files: no full load."""
         source = IndexedDataset(prefix)
         if source.dtype != self.dtype:
-            raise ValueError(f"{prefix}: token dtype {source.dtype} differs from the output's {self.dtype}; "
+            raise DataError(f"{prefix}: token dtype {source.dtype} differs from the output's {self.dtype}; "
                              "merge only datasets made with the same tokenizer")
         if self._open_document:
             raise ValueError("add_index: call end_document() first; a document is still open")
@@ -172,7 +174,7 @@ class IndexedDatasetBuilder:
 
     def _write_lengths(self, lengths: np.ndarray) -> None:
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the format's "
+            raise DataError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the format's "
                              "int32 length field")
         self._lengths_file.write(lengths.astype(np.int32).tobytes())
         self.sequence_count += lengths.size
@@ -191,7 +193,7 @@ class IndexedDatasetBuilder:
                 info = np.iinfo(self.dtype)
                 low, high = int(arr.min()), int(arr.max())
                 if low < info.min or high > info.max:
-                    raise ValueError(f"token id {high if high > info.max else low} does not fit the dataset dtype "
+                    raise DataError(f"token id {high if high > info.max else low} does not fit the dataset dtype "
                                      f"{self.dtype}; choose the dtype with best_dtype(tokenizer.vocab_size)")
             arr = arr.astype(self.dtype)
         return np.ascontiguousarray(arr).reshape(-1)
@@ -219,7 +221,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} not found; create the dataset with tools/preprocess_data.py")
+                raise MissingFileError(f"{path} not found; create the dataset with tools/preprocess_data.py")
         self._idx_map = _map_file(idx_path)
         self.dtype, count, documents = _read_header(idx_path, self._idx_map)
         offset = _HEADER.size
@@ -240,7 +242,7 @@ class IndexedDataset:
         if len(self):
             expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
         if self._bin_size != expected:
-            raise ValueError(f"{bin_path}: size {self._bin_size} bytes but {index_file_path(self.prefix)} describes "
+            raise DataError(f"{bin_path}: size {self._bin_size} bytes but {index_file_path(self.prefix)} describes "
                              f"{expected} bytes (truncated, or .bin/.idx from different runs); {_FIX}")
 
     def __len__(self) -> int:
@@ -293,18 +295,18 @@ def _map_file(path: str):
 def _read_header(idx_path: str, buf) -> tuple[np.dtype, int, int]:
     """Validate the .idx header and its size; return (dtype, sequence count, document count)."""
     if len(buf) < _HEADER.size:
-        raise ValueError(f"{idx_path}: {len(buf)} bytes is too short for an MMIDIDX index header; {_FIX}")
+        raise DataError(f"{idx_path}: {len(buf)} bytes is too short for an MMIDIDX index header; {_FIX}")
     magic, version, code, count, documents = _HEADER.unpack_from(buf, 0)
     if magic != INDEX_MAGIC:
-        raise ValueError(f"{idx_path}: not an MMIDIDX index (magic {magic!r}, expected {INDEX_MAGIC!r}); {_FIX}")
+        raise DataError(f"{idx_path}: not an MMIDIDX index (magic {magic!r}, expected {INDEX_MAGIC!r}); {_FIX}")
     if version != INDEX_VERSION:
-        raise ValueError(f"{idx_path}: index version {version}, only version {INDEX_VERSION} is supported; {_FIX}")
+        raise DataError(f"{idx_path}: index version {version}, only version {INDEX_VERSION} is supported; {_FIX}")
     if code not in DTYPE_CODES:
-        raise ValueError(f"{idx_path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); {_FIX}")
+        raise DataError(f"{idx_path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); {_FIX}")
     expected = _HEADER.size + 12 * count + 8 * documents
     # Megatron's multimodal variant appends one int8 mode per sequence; those files are readable too.
     if len(buf) not in (expected, expected + count):
-        raise ValueError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, {documents} "
+        raise DataError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, {documents} "
                          f"documents) needs {expected}; the file is truncated or corrupt; {_FIX}")
     return DTYPE_CODES[code], count, documents
 
@@ -313,4 +315,4 @@ def _check_documents(idx_path: str, document_indices: np.ndarray, count: int) ->
     """document_indices must run from 0 to the sequence count (checked at the ends: O(1) on open)."""
     if document_indices.size == 0 or document_indices[0] != 0 or document_indices[-1] != count:
         ends = (document_indices[0], document_indices[-1]) if document_indices.size else "none"
-        raise ValueError(f"{idx_path}: document indices must run from 0 to {count} sequences, got ends {ends}; {_FIX}")
+        raise DataError(f"{idx_path}: document indices must run from 0 to {count} sequences, got ends {ends}; {_FIX}")

@@ -16,8 +16,10 @@ import glob
 import gzip
 import io
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+
+from ..errors import DataError, MissingFileError
 
 FORMATS = ("jsonl", "parquet", "text")
 CHUNK_BYTES = 1 << 18  # cap on the raw bytes in one chunk: long documents make smaller chunks
@@ -67,16 +69,16 @@ def discover(inputs: Sequence[str], input_format: str = "auto") -> list[Source]:
     for item in inputs:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         if not matches:
-            raise FileNotFoundError(f"--input {item}: no file matches")
+            raise MissingFileError(f"--input {item}: no file matches")
         for path in matches:
             if os.path.isdir(path):
                 paths = _files_under(path)
                 if not paths:
-                    raise FileNotFoundError(f"--input {path}: the directory holds no files")
+                    raise MissingFileError(f"--input {path}: the directory holds no files")
             elif os.path.isfile(path):
                 paths = [path]
             else:
-                raise FileNotFoundError(f"--input {path}: no such file or directory")
+                raise MissingFileError(f"--input {path}: no such file or directory")
             sources += [Source(p, detect_format(p) if input_format == "auto" else input_format) for p in paths]
     return sources
 
@@ -156,7 +158,7 @@ def read_chunks(source: Source, keys: Sequence[str], chunk_size: int, text_mode:
         records = _whole_file(source, len(keys)) if text_mode == "file" else _text_blocks(source, len(keys))
         yield from _batched(source, records, chunk_size, chunk_bytes)
     else:
-        raise ValueError(f"{source.path}: unknown input format {source.format!r}; valid: {', '.join(FORMATS)}")
+        raise DataError(f"{source.path}: unknown input format {source.format!r}; valid: {', '.join(FORMATS)}")
 
 
 def _batched(source: Source, records: Iterator[tuple[int, object, int]], chunk_size: int,
@@ -243,7 +245,7 @@ def _parquet_chunks(source: Source, keys: Sequence[str], chunk_size: int) -> Ite
     table = pq.ParquetFile(source.path)
     missing = [k for k in keys if k not in table.schema_arrow.names]
     if missing:
-        raise ValueError(f"{source.path}: no column {missing[0]!r} (columns: {', '.join(table.schema_arrow.names)}); "
+        raise DataError(f"{source.path}: no column {missing[0]!r} (columns: {', '.join(table.schema_arrow.names)}); "
                          "choose the text column with --json-keys")
     row = 0
     for batch in table.iter_batches(batch_size=chunk_size, columns=list(keys)):
@@ -265,7 +267,7 @@ def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int, 
         dataset = datasets.load_from_disk(name)
         if isinstance(dataset, datasets.DatasetDict):
             if split not in dataset:
-                raise ValueError(f"--hf-dataset {name}: no split {split!r} (splits: {', '.join(dataset)})")
+                raise DataError(f"--hf-dataset {name}: no split {split!r} (splits: {', '.join(dataset)})")
             dataset = dataset[split]
         if streaming:
             dataset = dataset.to_iterable_dataset()
@@ -276,7 +278,7 @@ def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int, 
     if columns is not None:
         missing = [k for k in keys if k not in columns]
         if missing:
-            raise ValueError(f"--hf-dataset {name}: no column {missing[0]!r} (columns: {', '.join(columns)}); "
+            raise DataError(f"--hf-dataset {name}: no column {missing[0]!r} (columns: {', '.join(columns)}); "
                              "choose the text column with --json-keys")
     source = Source(f"{name}[{split}]", "hf")
     row = 0

@@ -93,7 +93,7 @@ class BatchLoader:
             self._executor = None
         self._pending = None
 
-    def __enter__(self) -> "BatchLoader":
+    def __enter__(self) -> BatchLoader:
         return self
 
     def __exit__(self, *exc) -> None:

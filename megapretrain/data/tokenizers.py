@@ -15,9 +15,11 @@ import importlib
 import importlib.util
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from ..errors import DataError, MissingFileError, MissingPackageError
 
 # Special tokens tried, in order, to find a HuggingFace tokenizer's end-of-document id.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -98,7 +100,7 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         backend = tokenizers.Tokenizer.from_file(path)
         eod = next((backend.token_to_id(t) for t in EOD_CANDIDATES if backend.token_to_id(t) is not None), None)
         if eod is None:
-            raise ValueError(f"HuggingFaceTokenizer {path}: none of the end-of-document tokens "
+            raise DataError(f"HuggingFaceTokenizer {path}: none of the end-of-document tokens "
                              f"{', '.join(EOD_CANDIDATES)} is in the vocabulary; add one as a special token")
         super().__init__(backend, eod)
 
@@ -127,7 +129,7 @@ class GPT2BPETokenizer(Tokenizer):
         with open(vocab_file, encoding="utf-8") as f:
             vocab: dict[str, int] = json.load(f)
         if "<|endoftext|>" not in vocab:
-            raise ValueError(f"GPT2BPETokenizer {vocab_file}: '<|endoftext|>' is not in the vocabulary")
+            raise DataError(f"GPT2BPETokenizer {vocab_file}: '<|endoftext|>' is not in the vocabulary")
         self.eod = vocab["<|endoftext|>"]
         self.vocab_size = max(vocab.values()) + 1
         self._id_to_bytes = {i: _bytes_of_token(t) for t, i in vocab.items()}
@@ -136,7 +138,8 @@ class GPT2BPETokenizer(Tokenizer):
             self._tiktoken = _gpt2_tiktoken(vocab, merge_file)
         if self._tiktoken is None:
             if backend == "tiktoken":
-                raise ImportError("GPT2BPETokenizer backend='tiktoken' needs the 'tiktoken' package and merges.txt "
+                raise MissingPackageError("GPT2BPETokenizer backend='tiktoken' needs the 'tiktoken' package and "
+                                          "merges.txt "
                                   "tokens that are all in vocab.json")
             tokenizers = _import_optional("tokenizers", "GPT2BPETokenizer")
             self._hf = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
@@ -241,7 +244,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ValueError(f"SentencePieceTokenizer {path}: the model defines no EOS piece (eos_id = -1)")
+            raise DataError(f"SentencePieceTokenizer {path}: the model defines no EOS piece (eos_id = -1)")
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text, add_bos=False, add_eos=False)
@@ -315,7 +318,7 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token)] = int(rank)
             except ValueError:
-                raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:60]!r}") from None
+                raise DataError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:60]!r}") from None
     return ranks
 
 
@@ -325,7 +328,8 @@ TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
 
 def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: str | None = None,
                     merge_file: str | None = None) -> Tokenizer:
-    """Build a tokenizer by its Megatron-LM type name; ``model`` is its file or directory (see the README, "Tokenizer types")."""
+    """Build a tokenizer by its Megatron-LM type name; ``model`` is its file or directory (see the
+    README, "Tokenizer types")."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
@@ -336,16 +340,16 @@ def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: s
         return SentencePieceTokenizer(model)
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(model)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    raise DataError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
 
 
 def _require_path(path: str | None, tokenizer_type: str, expected: str) -> str:
     """Return ``path`` if it exists, else fail with one line naming the path and what was expected."""
     if not path:
-        raise FileNotFoundError(f"{tokenizer_type} needs a model path: {expected} (--tokenizer-model / "
+        raise MissingFileError(f"{tokenizer_type} needs a model path: {expected} (--tokenizer-model / "
                                 "data.tokenizer.model)")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{tokenizer_type}: {path} does not exist; expected {expected}")
+        raise MissingFileError(f"{tokenizer_type}: {path} does not exist; expected {expected}")
     return path
 
 
@@ -354,5 +358,5 @@ def _import_optional(module: str, tokenizer_type: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{tokenizer_type} needs the '{module}' package: pip install {module}") from None
+        raise MissingPackageError(f"{tokenizer_type} needs the '{module}' package: pip install {module}") from None
 

@@ -20,23 +20,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.random import RNGTracker
+from ..config import padded_vocab_size
 from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
+from ..parallel.random import RNGTracker
+from ..parallel.specs import ParamSpec, Sharding, collect_specs
 from ..parallel.state import Group
-from ..parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               enter_tp_region, init_shard_, shard_dims_of, sp_saved_shards)
+from ..parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SavedShards,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    init_shard_,
+)
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Resolved architecture sizes (the config's nulls filled in, vocabulary padded)."""
+    """The architecture, resolved (the config's nulls filled in) and independent of the layout:
+    the one model-shape type of the trainer, the tools and the planner."""
     num_layers: int
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     ffn_hidden_size: int
     vocab_size: int
-    padded_vocab: int
+    vocab_divisible_by: int = 128  # the vocabulary is padded to a multiple of this × tp
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -47,6 +56,10 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned slice."""
+        return padded_vocab_size(self.vocab_size, self.vocab_divisible_by, tp)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -77,12 +90,17 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, computed in fp32 whatever the input dtype."""
+    """x / rms(x) · weight, computed in fp32 whatever the input dtype. Under sequence parallelism
+    each tp rank normalizes other positions, so the weight's grads are partial sums over tp."""
 
-    def __init__(self, hidden: int, eps: float, dtype=torch.float32, device=None):
+    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool = False, dtype=torch.float32,
+                 device=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.sequence_parallel = eps, sequence_parallel
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNormFunction.apply(x, self.weight, self.eps)
@@ -126,9 +144,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, selective_recompute: bool,
-                 rng: RNGTracker, dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, dtype, device):
         super().__init__()
-        self.rng = rng
+        self.rng, self.saved = rng, saved
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -147,7 +165,7 @@ class Attention(nn.Module):
                                                   dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h): full sequence
+        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_local, self.d).transpose(1, 2)  # (b, n/tp, s, d)
         k = self.k_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
@@ -162,10 +180,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, dtype, device):
+    def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, saved: SavedShards | None,
+                 dtype, device):
         super().__init__()
         out_std = args.init_std / math.sqrt(2 * args.num_layers)
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.saved = tp, sequence_parallel, saved
         kw = dict(dtype=dtype, device=device)
         h, f = args.hidden_size, args.ffn_hidden_size
         self.gate_proj = ColumnParallelLinear(h, f, tp, init_std=args.init_std, **kw)
@@ -173,24 +192,23 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel)  # (b, s, h)
+        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, f/tp) -> (b, s, h)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str,
-                 rng: RNGTracker, dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, dtype, device):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
-        self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
+        norm = dict(sequence_parallel=sequence_parallel, **kw)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", rng=rng, **kw)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
-        self.mlp = MLP(args, tp, sequence_parallel=sequence_parallel, **kw)
+                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, **kw)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **norm)
+        self.mlp = MLP(args, tp, sequence_parallel=sequence_parallel, saved=saved, **kw)
         self.dropout = args.hidden_dropout
-        for norm in (self.input_layernorm, self.post_attention_layernorm):
-            norm.weight.sequence_parallel = sequence_parallel  # grads need a tp all-reduce under SP
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Residual-branch dropout: the residual is replicated over tp (same mask everywhere: the
@@ -211,7 +229,8 @@ class LlamaModel(nn.Module):
     """One pipeline chunk: optional embedding, the decoder layers ``layer_ids``, optional head.
 
     ``forward`` takes token ids (first chunk) or hidden states, and returns per-token losses (b, s)
-    when the chunk has the head and ``targets`` are given, else hidden states.
+    when the chunk has the head and ``targets`` are given, else hidden states. ``param_specs``
+    declares how each of its parameters is laid out (see ``parallel/specs.py``).
     """
 
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
@@ -222,41 +241,59 @@ class LlamaModel(nn.Module):
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        # what backward keeps of the column-parallel linears' gathered input: the seq shard
+        self.saved_shards = SavedShards() if self.sequence_parallel else None
         self.recompute = recompute
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = list(range(args.num_layers)) if layer_ids is None else layer_ids
         kw = dict(dtype=dtype, device=device)
+        padded_vocab = args.padded_vocab(tp.size)
         if pre_process or (post_process and args.tie_embeddings):
-            self.embed_tokens = VocabParallelEmbedding(args.padded_vocab, args.hidden_size, tp,
+            self.embed_tokens = VocabParallelEmbedding(padded_vocab, args.hidden_size, tp,
                                                        init_std=args.init_std, real_vocab=args.vocab_size,
                                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, **kw)
+                                 rng=self.rng, saved=self.saved_shards, **kw)
             for i in layer_ids})
         if post_process:
-            self.norm = RMSNorm(args.hidden_size, args.norm_eps, **kw)
-            self.norm.weight.sequence_parallel = self.sequence_parallel
+            self.norm = RMSNorm(args.hidden_size, args.norm_eps, sequence_parallel=self.sequence_parallel, **kw)
             if not args.tie_embeddings:
-                self.lm_head = ColumnParallelLinear(args.hidden_size, args.padded_vocab, tp,
-                                                    init_std=args.init_std, **kw)
+                self.lm_head = ColumnParallelLinear(args.hidden_size, padded_vocab, tp, init_std=args.init_std,
+                                                    vocab_rows=args.vocab_size, **kw)
         self._rope_cache: dict = {}
         self._logits_pool = BufferPool()  # CPU: keeps the output layer's logits buffer across steps
 
-    # -- initialization ---------------------------------------------------------------------------
+    # -- layout and initialization -----------------------------------------------------------------
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        """Every parameter's spec, in ``named_parameters`` order. A tied embedding held by two
+        chunks (first and last pipeline stage) is marked ``tied``; the last stage's copy is the
+        ``duplicate``."""
+        specs, tp = {}, self.tp.size
+        for name, module in self.named_children():
+            if name == "layers":
+                for i, layer in self.layers.items():
+                    specs.update(collect_specs(layer, tp, prefix=f"layers.{i}", layer=int(i)))
+            elif name == "embed_tokens":
+                tied = self.args.tie_embeddings and not (self.pre_process and self.post_process)
+                specs.update(collect_specs(module, tp, prefix=name, tied=tied,
+                                           duplicate=tied and not self.pre_process))
+            else:
+                specs.update(collect_specs(module, tp, prefix=name))
+        return specs
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Give every parameter its layout-invariant initial value (see ``init_shard_``)."""
-        shard_dims = shard_dims_of(self)
+        """Give every parameter its layout-invariant initial value (see ``init_shard_``): norms 1,
+        every other weight drawn with its layer's ``init_std``."""
+        specs = self.param_specs()
         for mod_name, mod in self.named_modules():
             for pname, param in mod.named_parameters(recurse=False):
-                name = f"{mod_name}.{pname}"
                 if isinstance(mod, RMSNorm):
                     param.fill_(1.0)
-                    continue
-                real_rows = self.args.vocab_size if mod_name in ("embed_tokens", "lm_head") else None
-                init_shard_(param, name, seed, mod.init_std, shard_dims.get(name), self.tp, real_rows)
+                else:
+                    init_shard_(param, specs[f"{mod_name}.{pname}"], seed, mod.init_std, self.tp)
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -276,9 +313,9 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.sequence_parallel:
+        if self.saved_shards is None:
             return self._forward(x, targets)
-        with sp_saved_shards():  # backward keeps seq shards, not gathered sequences
+        with self.saved_shards.hooks():  # backward keeps seq shards, not gathered sequences
             return self._forward(x, targets)
 
     def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
@@ -290,7 +327,7 @@ class LlamaModel(nn.Module):
             x = self._layer(layer, x, cos, sin)  # (b, s, h)
         if not self.post_process:
             return x
-        x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel)  # (b, s, h)
+        x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel, self.saved_shards)  # (b, s, h)
         weight = self.output_weight()  # (v/tp, h)
         if targets is None:
             return F.linear(x, weight)  # (b, s, v/tp) logits

@@ -14,10 +14,11 @@ Per parameter and rank (bf16 model, N parameters, plus alignment padding)::
 
 fp32 parameters are their own master (no extra copy) unless ``optim.offload`` keeps the masters
 and moments in host memory, where they are stepped. A shard covers pieces (*fragments*) of
-parameters; weight decay follows each fragment's parameter (none for 1-D ones) and checkpoints key
-state by parameter name and fragment range. The global grad norm sums squares over the owned
-fragments — replicated parameters only on tp rank 0 — over dp (when sharded) and the model-parallel
-group; a non-finite norm skips the step and, with fp16, halves the loss scale.
+parameters; weight decay follows each fragment's parameter spec (``parallel/specs.py``: none for
+norm weights) and checkpoints key state by parameter name and fragment range. The global grad norm
+sums squares over the owned fragments of the parameters whose spec counts them on this rank
+(replicated ones only on tp rank 0, a tied embedding's second copy never), over dp (when sharded)
+and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss scale.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from ..parallel.data import Bucket, DataParallelBuffers
+from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
 
 
@@ -60,19 +63,12 @@ class LossScaler:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
 
 
-def counts_in_norm(p: nn.Parameter, ps: ParallelState) -> bool:
-    """Whether this rank's copy of ``p`` adds to the global grad norm: tp-split parameters always;
-    replicated ones on tp rank 0 only; a tied embedding's copy on the last stage never."""
-    if getattr(p, "pipeline_duplicate", False):
-        return False
-    return getattr(p, "tp_shard_dim", None) is not None or ps.tp_rank == 0
-
-
 @dataclass
 class Fragment:
     """Elements ``[start, end)`` of the flattened parameter ``name``, at ``offset`` in a shard."""
     name: str
     param: nn.Parameter
+    spec: ParamSpec
     start: int
     end: int
     offset: int
@@ -84,9 +80,10 @@ class Fragment:
 class ShardState:
     """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
 
-    def __init__(self, bucket: Bucket, names: dict, ps: ParallelState, offload: bool):
+    def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState, offload: bool):
         self.bucket = bucket
-        self.fragments = [Fragment(names[id(p)], p, start, end, off) for p, start, end, off in bucket.fragments()]
+        self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
+                          for p, start, end, off in bucket.fragments()]
         self.param_shard = bucket.param_data[bucket.shard_start:bucket.shard_end]  # model dtype
         on_gpu = self.param_shard.device.type != "cpu"
         if self.param_shard.dtype == torch.float32 and not offload:
@@ -100,11 +97,11 @@ class ShardState:
         self.exp_avg_sq = torch.zeros_like(self.master)
         # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from a GPU
         self.grad_staging = torch.empty_like(self.master) if offload and on_gpu else None
-        # AdamW's operands as per-fragment views, by whether the parameter decays (not 1-D ones)
-        self.adam = {decay: [[f.of(t) for f in self.fragments if (f.param.ndim >= 2) == decay]
+        # AdamW's operands as per-fragment views, by whether the parameter decays
+        self.adam = {decay: [[f.of(t) for f in self.fragments if f.spec.weight_decay == decay]
                              for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
                      for decay in (True, False)}
-        counted = [f for f in self.fragments if counts_in_norm(f.param, ps)]
+        counted = [f for f in self.fragments if f.spec.counts_in_grad_norm(ps.tp_rank)]
         self.norm_views = ([bucket.grad_shard] if len(counted) == len(self.fragments)
                            else [f.of(bucket.grad_shard) for f in counted])
 
@@ -134,39 +131,64 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def entry_range(entry, key: str, numel: int, where: str) -> tuple[int, int, torch.Tensor] | None:
+    """(start, end, flat values) of ``key`` ("master", "exp_avg" or "exp_avg_sq") in a weight or
+    moment ``entry`` of a parameter whose tp shard has ``numel`` elements; None when it holds none
+    yet. ``where`` names the parameter and file for errors."""
+    if torch.is_tensor(entry):
+        values = entry.reshape(-1)
+        start, end = 0, values.numel()
+    elif "start" in entry:
+        if key not in entry:
+            return None
+        start, end, values = int(entry["start"]), int(entry["end"]), entry[key].reshape(-1)
+    elif key in entry:
+        values = entry[key].reshape(-1)
+        start, end = 0, values.numel()
+    else:
+        return None
+    if not 0 <= start <= end <= numel or values.numel() != end - start:
+        raise CheckpointError(f"{where}: holds elements [{start}, {end}) ({values.numel()} values) of a tp shard "
+                              f"of {numel}: it was saved from another model (compare model.* with the "
+                              "config.yaml of the run that saved it)")
+    return start, end, values
+
+
 def _piece(entry, key: str, f: Fragment) -> torch.Tensor:
-    """Fragment ``f`` of a checkpoint entry: a full tensor of the parameter's shape, or a dict
-    ``{start, end, key: flat}`` covering a range of it (zero ≥ 1)."""
-    if torch.is_tensor(entry) or "start" not in entry:
+    """Fragment ``f`` of a checkpoint entry (any form ``checkpoint/format.py`` defines)."""
+    if torch.is_tensor(entry) or "start" not in entry:  # a whole tp shard: it must be this one's shape
         full = entry if torch.is_tensor(entry) else entry[key]
         if tuple(full.shape) != tuple(f.param.shape):
-            raise ValueError(f"checkpoint weight '{f.name}' has shape {tuple(full.shape)}, "
-                             f"the model expects {tuple(f.param.shape)}")
-        return full.reshape(-1)[f.start:f.end]
-    start, end = int(entry["start"]), int(entry["end"])
+            raise CheckpointError(f"checkpoint weight '{f.name}' has shape {tuple(full.shape)}, "
+                                  f"the model expects {tuple(f.param.shape)}")
+    start, end, values = entry_range(entry, key, f.param.numel(), f"checkpoint entry '{f.name}'")
     if not (start <= f.start and f.end <= end):
-        raise ValueError(f"checkpoint holds elements [{start}, {end}) of '{f.name}' on this rank, which "
-                         f"needs [{f.start}, {f.end}): it was saved with another parallel.zero or "
-                         "parallel.bucket_size_mb; relaunch with the saved ones")
-    return entry[key][f.start - start:f.end - start]
+        raise CheckpointError(f"checkpoint holds elements [{start}, {end}) of '{f.name}' on this rank, which "
+                              f"needs [{f.start}, {f.end}): it was saved with another parallel.zero or "
+                              "parallel.bucket_size_mb; relaunch with the saved ones")
+    return values[f.start - start:f.end - start]
 
 
 class MixedPrecisionAdamW:
-    """AdamW over fp32 master weights of ``named_params``, sharded over dp by ``zero``; see the
-    module docstring."""
+    """AdamW over fp32 master weights of ``named_params``, sharded over dp by ``zero``; ``specs``
+    is their parameter-spec table (``model/build.py``). See the module docstring."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], optim_cfg, precision: str,
-                 ps: ParallelState, *, zero: int = 0, bucket_size_mb: float = 32.0,
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], optim_cfg,
+                 precision: str, ps: ParallelState, *, zero: int = 0, bucket_size_mb: float = 32.0,
                  overlap_grad_reduce: bool = True):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen ones: not ours
         names = [n for n, _ in named_params]
         if len(set(names)) != len(names):
             raise ValueError(f"parameter names must be unique (checkpoints are keyed by them): {names}")
+        for n, p in named_params:
+            if n not in specs or specs[n].local_shape != tuple(p.shape):
+                raise ValueError(f"parameter '{n}' of shape {tuple(p.shape)} has no matching spec "
+                                 f"({specs.get(n)}): build the specs with the model (model/build.py)")
         self.ps, self.zero, self.cfg = ps, zero, optim_cfg
-        self.offload = bool(getattr(optim_cfg, "offload", False))
-        self.buffers = DataParallelBuffers(named_params, ps.dp, ps.tp, ps.embedding, zero=zero,
+        self.offload = optim_cfg.offload
+        self.buffers = DataParallelBuffers(named_params, specs, ps.dp, ps.tp, ps.embedding, zero=zero,
                                            bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce)
-        self.shards = [ShardState(b, self.buffers.names, ps, self.offload) for b in self.buffers.buckets]
+        self.shards = [ShardState(b, self.buffers, ps, self.offload) for b in self.buffers.buckets]
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
         self.step_count = 0
         self.scaler = LossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
@@ -316,8 +338,8 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
         for name, (s, f) in self.fragments.items():
             if name not in weights:
-                raise ValueError(f"checkpoint has no weight '{name}': it was saved from another model "
-                                 "(compare model.* with the config.yaml of the run that saved it)")
+                raise CheckpointError(f"checkpoint has no weight '{name}': it was saved from another model "
+                                      "(compare model.* with the config.yaml of the run that saved it)")
             f.of(s.master).copy_(_piece(weights[name], "master", f))
         for s in self.shards:
             s.write_back()
@@ -328,8 +350,8 @@ class MixedPrecisionAdamW:
         for name, (s, f) in self.fragments.items():
             entry = state["params"].get(name)
             if entry is None:
-                raise ValueError(f"checkpoint has no optimizer state for '{name}': it was saved from another "
-                                 "model (compare model.* with the config.yaml of the run that saved it)")
+                raise CheckpointError(f"checkpoint has no optimizer state for '{name}': it was saved from "
+                                      "another model (compare model.* with the config.yaml of the run that saved it)")
             if not entry:  # saved before the first step
                 continue
             f.of(s.exp_avg).copy_(_piece(entry, "exp_avg", f))

@@ -19,6 +19,10 @@ backward), a bucket's collective is launched asynchronously the moment its last 
 - ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
   accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight.
 
+What is special about a parameter comes from its spec (``parallel/specs.py``): a sequence-parallel
+norm's grads are first summed over tp, and a tied embedding held by two pipeline stages gets a
+bucket of its own whose reduced shard is then summed over the embedding group.
+
 Grads are summed, not averaged: the trainer already divides the loss by the global token count.
 After the optimizer has updated its shard of the param buffer, ``gather_params`` all-gathers each
 bucket (zero ≥ 1), optionally overlapped with the next forward (``overlap_param_gather``).
@@ -34,6 +38,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from .specs import ParamSpec
 from .state import Group
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for vectorized kernels
@@ -82,33 +87,36 @@ class Bucket:
             p.main_grad = None if self.grad_data is None else self.grad_data[off:off + p.numel()].view(p.shape)
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_numel: float, dp: int) -> list[tuple[list, list, int]]:
+def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float,
+                 dp: int) -> list[tuple[list, list, int]]:
     """Split ``params`` (in layout order) into buckets of about ``bucket_numel`` elements:
-    (params, offsets, padded size) each. A ``shared_embedding`` parameter gets a bucket of its own."""
-    plans, current, offsets, size = [], [], [], 0
-    for p in params:
-        if getattr(p, "shared_embedding", False):
-            plans.append(([p], [0], round_up(round_up(p.numel(), ALIGN), ALIGN * dp)))
+    (params, offsets, padded size) each. A tied embedding gets a bucket of its own."""
+    splits, current, offsets, size = [], [], [], 0
+    for p, spec in params:
+        if spec.tied:
+            splits.append(([p], [0], round_up(round_up(p.numel(), ALIGN), ALIGN * dp)))
             continue
         current.append(p)
         offsets.append(size)
         size = round_up(size + p.numel(), ALIGN)
         if size >= bucket_numel:
-            plans.append((current, offsets, round_up(size, ALIGN * dp)))
+            splits.append((current, offsets, round_up(size, ALIGN * dp)))
             current, offsets, size = [], [], 0
     if current:
-        plans.append((current, offsets, round_up(size, ALIGN * dp)))
-    return plans
+        splits.append((current, offsets, round_up(size, ALIGN * dp)))
+    return splits
 
 
 class DataParallelBuffers:
-    """Param and grad buffers of a model's parameters, bucketed and reduced over ``dp``."""
+    """Param and grad buffers of a model's parameters, bucketed and reduced over ``dp``;
+    ``specs`` is the parameter-spec table, by name."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp: Group, tp: Group,
-                 embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], dp: Group,
+                 tp: Group, embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
                  overlap: bool = True):
         self.dp, self.tp, self.embedding, self.zero, self.overlap = dp, tp, embedding, zero, overlap
         self.names = {id(p): n for n, p in named_params}
+        self.spec_of = {id(p): specs[n] for n, p in named_params}
         self.buckets: list[Bucket] = []
         self.param_buffers: list[torch.Tensor] = []
         self.grad_buffers: list[torch.Tensor] = []  # persistent fp32 grads: full (zero<2) or shards
@@ -121,21 +129,21 @@ class DataParallelBuffers:
         bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 else float("inf")
         layout = [p for _, p in reversed(named_params)]
         for dtype in dict.fromkeys(p.dtype for p in layout):
-            self._build(dtype, [p for p in layout if p.dtype == dtype], bucket_numel)
+            self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
         for _, p in named_params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.zero_grad()
 
     @torch.no_grad()
-    def _build(self, dtype: torch.dtype, params: list[nn.Parameter], bucket_numel: float) -> None:
-        plans = plan_buckets(params, bucket_numel, self.dp.size)
-        total = sum(numel for _, _, numel in plans)
-        device = params[0].device
+    def _build(self, dtype: torch.dtype, params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float) -> None:
+        splits = bucket_split(params, bucket_numel, self.dp.size)
+        total = sum(numel for _, _, numel in splits)
+        device = params[0][0].device
         param_buffer = torch.zeros(total, dtype=dtype, device=device)
         grad_buffer = torch.zeros(total // (self.dp.size if self.zero == 2 else 1),
                                   dtype=torch.float32, device=device)
         start = shard_start = 0
-        for bucket_params, offsets, numel in plans:
+        for bucket_params, offsets, numel in splits:
             shard = numel // self.dp.size if self.zero >= 1 else numel
             lo = self.dp.rank * shard if self.zero >= 1 else 0
             b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard)
@@ -213,7 +221,7 @@ class DataParallelBuffers:
         b.launched = True
         b.launch_time = time.perf_counter()
         for p in b.params:  # sequence-parallel norm weights: each tp rank saw part of the sequence
-            if getattr(p, "sequence_parallel", False):
+            if self.spec_of[id(p)].partial_grad_over_tp:
                 self.tp.all_reduce(p.main_grad)
         if self.zero == 0:
             b.work = self.dp.all_reduce_async(b.grad_data)
@@ -244,13 +252,13 @@ class DataParallelBuffers:
     def reduce_grads(self) -> None:
         """Finish the step's reduction: afterwards every bucket's ``grad_shard`` holds the sum over
         dp of this rank's shard. A tied embedding's copies on the first and last pipeline stage
-        (``p.shared_embedding``) are then summed over the embedding group: alone in their buckets,
-        they are sharded the same way on both stages."""
+        (spec ``tied``) are then summed over the embedding group: alone in their buckets, they are
+        sharded the same way on both stages."""
         self.wait_params()
         self._reduce_all()
         if self.embedding is not None:
             for b in self.buckets:
-                if getattr(b.params[0], "shared_embedding", False):
+                if self.spec_of[id(b.params[0])].tied:
                     self.embedding.all_reduce(b.grad_shard)
 
     # -- parameters -------------------------------------------------------------------------------

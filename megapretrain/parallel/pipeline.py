@@ -4,7 +4,7 @@ A schedule is only an *order*: the list of ``Op("F" | "B", micro, chunk)`` one s
 step. :func:`schedule_order` builds it (no pipelining, GPipe, 1F1B, interleaved 1F1B), and
 :class:`PipelineExecutor` runs any valid set of orders.
 
-Transfers go in *rounds* (:func:`communication_plan`). Replaying every stage's order with unit
+Transfers go in *rounds* (:func:`transfer_rounds`). Replaying every stage's order with unit
 costs puts each op in a time slot; everything produced in slot t changes hands in round t + 1, in
 one batched send/recv per stage that both the sender and the receiver join before slot t + 1. A
 round's sends and receives therefore always meet in the same batch: no stage waits on a send that
@@ -19,21 +19,17 @@ activations travel 0 → 1 → ... → pp-1 → 0 (next chunk) → ... and gradi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ..errors import PipelineError
 from .state import Group
 
-SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
 _TAGS = {"act": 1, "grad": 2}
-
-
-class PipelineError(ValueError):
-    """An impossible pipeline configuration; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -90,28 +86,6 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
 
 # ----------------------------------------------------------------------------------------------
 # Schedules (orders)
-
-
-def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
-    """The schedule to run, checking that it fits (pp, vpp, micro-batches)."""
-    if kind not in SCHEDULES:
-        raise PipelineError(f"parallel.pp_schedule={kind!r} is not one of: {', '.join(SCHEDULES)}")
-    if vpp > 1 and pp == 1:
-        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave stages)")
-    if kind == "auto":
-        kind = "none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")
-    if vpp > 1 and kind != "interleaved":
-        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto), not {kind!r}")
-    if kind == "interleaved":
-        if pp == 1:
-            raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
-        if num_micro % pp:
-            raise PipelineError(f"the interleaved schedule needs the micro-batches per step ({num_micro} = "
-                                f"global_batch_size / (micro_batch_size × dp)) to be a multiple of "
-                                f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size")
-    if kind == "none" and pp > 1:
-        raise PipelineError("parallel.pp_schedule=none runs one stage; use gpipe, 1f1b or auto with parallel.pp > 1")
-    return kind
 
 
 def schedule_order(kind: str, pp_rank: int, pp: int, vpp: int, num_micro: int) -> list[Op]:
@@ -225,7 +199,7 @@ def output_transfer(op: Op, stage: int, pp: int, vpp: int) -> Transfer | None:
     return Transfer("grad", op.micro, g - 1, stage, (g - 1) % pp) if g > 0 else None
 
 
-def communication_plan(orders: list[list[Op]], pp: int, vpp: int) -> list[list[Step]]:
+def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int) -> list[list[Step]]:
     """Every stage's steps: the round's batched sends and receives, then the op to compute.
 
     With unit costs each stage runs one op per slot, so a stage sends at most one tensor and
@@ -239,7 +213,7 @@ def communication_plan(orders: list[list[Op]], pp: int, vpp: int) -> list[list[S
         op = slots[stage].get(t)
         return output_transfer(op, stage, pp, vpp) if op is not None else None
 
-    plans: list[list[Step]] = []
+    per_stage: list[list[Step]] = []
     for r in range(pp):
         steps = []
         for t in range(rounds + 1):
@@ -249,8 +223,8 @@ def communication_plan(orders: list[list[Op]], pp: int, vpp: int) -> list[list[S
             op = slots[r].get(t)
             if send is not None or recvs or op is not None:
                 steps.append(Step(t, (send,) if send is not None else (), recvs, op))
-        plans.append(steps)
-    return plans
+        per_stage.append(steps)
+    return per_stage
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,7 +260,7 @@ class P2P:
 @dataclass
 class PipelineExecutor:
     """Runs every stage's order of ops; this stage computes its own and joins the rounds of
-    :func:`communication_plan`.
+    :func:`transfer_rounds`.
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
@@ -301,14 +275,14 @@ class PipelineExecutor:
     grad_sync: Callable
     record: bool = False
     trace: list = field(default_factory=list)
-    _plans: dict = field(default_factory=dict, repr=False)
+    _rounds: dict = field(default_factory=dict, repr=False)
 
-    def plan(self, orders: list[list[Op]]) -> list[Step]:
+    def steps_for(self, orders: list[list[Op]]) -> list[Step]:
         """This stage's steps for ``orders`` (one per stage), computed once per distinct schedule."""
         key = tuple(map(tuple, orders))
-        if key not in self._plans:
-            self._plans[key] = communication_plan(orders, self.pp, self.vpp)[self.pp_rank]
-        return self._plans[key]
+        if key not in self._rounds:
+            self._rounds[key] = transfer_rounds(orders, self.pp, self.vpp)[self.pp_rank]
+        return self._rounds[key]
 
     def run(self, orders: list[list[Op]], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
         stage, pp, vpp = self.pp_rank, self.pp, self.vpp
@@ -316,7 +290,7 @@ class PipelineExecutor:
         inbox: dict[Transfer, torch.Tensor] = {}
         outbox: dict[Transfer, torch.Tensor] = {}
         self.trace = list(orders[stage]) if self.record else []
-        for step in self.plan(orders):
+        for step in self.steps_for(orders):
             if step.sends or step.recvs:
                 sent = [(t, outbox.pop(t)) for t in step.sends]
                 inbox.update(self.p2p.exchange(sent, step.recvs))
@@ -327,7 +301,8 @@ class PipelineExecutor:
             op = step.op
             if op is None:
                 continue
-            key, source, sink = (op.micro, op.chunk), input_transfer(op, stage, pp, vpp), output_transfer(op, stage, pp, vpp)
+            key, source, sink = (op.micro, op.chunk), input_transfer(op, stage, pp, vpp), output_transfer(op, stage,
+                                                                                                          pp, vpp)
             if op.kind == "F":
                 inp = inbox.pop(source).requires_grad_(backward) if source is not None else None
                 with torch.set_grad_enabled(backward):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -160,7 +161,7 @@ class ParallelState:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world_size % (tp * pp):
-            raise ValueError(f"tp={tp} × pp={pp} must divide the world size {self.world_size}")
+            raise ConfigError(f"parallel.tp={tp} × parallel.pp={pp} must divide the world size {self.world_size}")
         self.device = torch.device(device)
         self.stats = CommStats() if comm_stats else None
         dp = self.world_size // (tp * pp)

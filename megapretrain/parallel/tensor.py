@@ -10,8 +10,9 @@ all return at once when the tp group has one rank, so the single-process path is
     scatter_to_sp       forward: split along seq         backward: all-gather along seq
     gather_from_tp      forward: all-gather along last   backward: split along last
 
-Every parallel layer declares ``shard_dims``: parameter name -> the dimension split across tp
-(absent: replicated). Initialization, checkpointing and conversion read the split from there.
+Every parallel layer declares how its parameters are laid out (``param_shardings``, see
+``parallel/specs.py``); initialization, the optimizer, checkpointing and conversion read that
+declaration through the model's parameter-spec table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .specs import ParamSpec, Sharding
 from .state import Group
 
 SEQ_DIM = 1
@@ -118,26 +120,23 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_shard_(param: torch.Tensor, name: str, seed: int, std: float, shard_dim: int | None,
-                group: Group, global_rows: int | None = None) -> None:
-    """Fill ``param`` with its slice of the global normal(0, std) tensor named ``name``.
+def init_shard_(param: torch.Tensor, spec: ParamSpec, seed: int, std: float, group: Group) -> None:
+    """Fill ``param`` (this rank's tensor of ``spec``) with its slice of the global normal(0, std)
+    tensor named ``spec.name``.
 
     The global tensor is drawn on the CPU from a generator seeded by (seed, name), so its values do
-    not depend on tp, pp, dp or the device. ``global_rows`` draws only that many rows of dim 0 and
-    zero-fills the rest (vocabulary padding, whose size depends on tp).
+    not depend on tp, pp, dp or the device. Vocabulary padding rows (past ``spec.shape[0]``, their
+    number depends on tp) are zero.
     """
-    shape = list(param.shape)
-    if shard_dim is not None:
-        shape[shard_dim] *= group.size
-    padded_rows = shape[0]
-    if global_rows is not None:
-        shape[0] = global_rows
-    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
-    full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-    if global_rows is not None and global_rows < padded_rows:
-        full = torch.cat([full, full.new_zeros([padded_rows - global_rows] + shape[1:])])
-    if shard_dim is not None:
-        full = full.chunk(group.size, dim=shard_dim)[group.rank]
+    padded = list(spec.local_shape)  # the global tensor as this layout pads it
+    if spec.tp_dim is not None:
+        padded[spec.tp_dim] *= group.size
+    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, spec.name))
+    full = torch.empty(spec.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    if padded[0] > spec.shape[0]:
+        full = torch.cat([full, full.new_zeros([padded[0] - spec.shape[0]] + padded[1:])])
+    if spec.tp_dim is not None:
+        full = full.chunk(group.size, dim=spec.tp_dim)[group.rank]
     with torch.no_grad():
         param.copy_(full)
 
@@ -146,19 +145,19 @@ def init_shard_(param: torch.Tensor, name: str, seed: int, std: float, shard_dim
 # Layers
 
 
-def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
+def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool,
+                    saved: SavedShards | None = None) -> torch.Tensor:
     """Make the input of column-parallel linears: all-gather the seq shards (SP) or mark the
     replicated input so its gradient is all-reduced. Called once per block for all its linears.
 
-    Under :func:`sp_saved_shards`, what backward keeps of the gathered input is the local shard:
-    the all-gather runs again when the weight gradients need the full sequence."""
+    With ``saved`` (the model's :class:`SavedShards`, whose hooks are active during its forward),
+    what backward keeps of the gathered input is the local shard: the all-gather runs again when
+    the weight gradients need the full sequence."""
     if not sequence_parallel:
         return copy_to_tp(x, tp)
     full = gather_from_sp(x, tp)
-    if tp.size > 1 and torch.is_grad_enabled():
-        regather = _Regather(x.detach(), tp, full)
-        _GATHERED[regather.ptr] = regather
-        weakref.finalize(full, _GATHERED.pop, regather.ptr, None)
+    if saved is not None and tp.size > 1 and torch.is_grad_enabled():
+        saved.register(x.detach(), tp, full)
     return full
 
 
@@ -168,7 +167,6 @@ class _Regather:
 
     def __init__(self, shard: torch.Tensor, group: Group, full: torch.Tensor):
         self.shard, self.group = shard, group
-        self.ptr = full.untyped_storage().data_ptr()
         self.full = weakref.ref(full)
         self.cached: torch.Tensor | None = None
         self.pending = 0  # saved views not unpacked yet
@@ -183,25 +181,36 @@ class _Regather:
         return view
 
 
-_GATHERED: dict[int, _Regather] = {}  # storage pointer of a live gathered input -> its shard
+class SavedShards:
+    """Saves the column-parallel linears' gathered input as the 1/tp shard it came from
+    (Megatron's memory layout for sequence parallelism).
 
+    A model with sequence parallelism owns one: :func:`enter_tp_region` registers each gathered
+    input (keyed by its storage, until it is freed), and inside :meth:`hooks` autograd saves any
+    tensor viewing a registered storage as (shard, view geometry) instead."""
 
-def _pack(t: torch.Tensor):
-    regather = _GATHERED.get(t.untyped_storage().data_ptr())
-    if regather is None or regather.full() is None:
-        return t
-    regather.pending += 1
-    return regather, t.shape, t.stride(), t.storage_offset()
+    def __init__(self):
+        self._live: dict[int, _Regather] = {}  # storage pointer of a live gathered input -> its shard
 
+    def register(self, shard: torch.Tensor, group: Group, full: torch.Tensor) -> None:
+        ptr = full.untyped_storage().data_ptr()
+        self._live[ptr] = _Regather(shard, group, full)
+        weakref.finalize(full, self._live.pop, ptr, None)
 
-def _unpack(saved):
-    return saved if isinstance(saved, torch.Tensor) else saved[0].unpack(*saved[1:])
+    def hooks(self):
+        """Context for the model's forward: autograd's saved-tensor hooks that swap in the shards."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def _pack(self, t: torch.Tensor):
+        regather = self._live.get(t.untyped_storage().data_ptr())
+        if regather is None or regather.full() is None:
+            return t
+        regather.pending += 1
+        return regather, t.shape, t.stride(), t.storage_offset()
 
-def sp_saved_shards():
-    """Context for a forward with sequence parallelism: autograd saves the column-parallel
-    linears' gathered input as the 1/tp shard it came from (Megatron's memory layout for SP)."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    @staticmethod
+    def _unpack(saved):
+        return saved if isinstance(saved, torch.Tensor) else saved[0].unpack(*saved[1:])
 
 
 class ColumnParallelLinear(nn.Module):
@@ -211,14 +220,16 @@ class ColumnParallelLinear(nn.Module):
     input (q, k, v; gate, up) share one communication.
     """
 
-    shard_dims = {"weight": 0}
-
     def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
-                 dtype=torch.float32, device=None):
+                 vocab_rows: int | None = None, dtype=torch.float32, device=None):
         super().__init__()
-        self.tp, self.init_std = tp, init_std
+        self.tp, self.init_std, self.vocab_rows = tp, init_std, vocab_rows
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
                                                device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        """Output rows split over tp; an output layer's rows are the (padded) vocabulary."""
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # (b, s, out/tp)
@@ -230,14 +241,15 @@ class RowParallelLinear(nn.Module):
     With sequence parallelism the sum is a reduce-scatter that leaves the output seq-sharded.
     """
 
-    shard_dims = {"weight": 1}
-
     def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
                  sequence_parallel: bool = False, dtype=torch.float32, device=None):
         super().__init__()
         self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
                                                device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(tp_dim=1)}  # input columns split over tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (b, s, out) partial sums
@@ -246,8 +258,6 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split across tp; each rank looks up the ids it owns."""
-
-    shard_dims = {"weight": 0}
 
     def __init__(self, padded_vocab: int, hidden: int, tp: Group, *, init_std: float, real_vocab: int,
                  sequence_parallel: bool = False, dtype=torch.float32, device=None):
@@ -258,6 +268,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype, device=device))
 
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab)}  # vocabulary rows split over tp
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)  # (b, s, h)
@@ -266,12 +279,3 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (b, s, h) partial: only owned ids
         return reduce_scatter_to_sp(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
-
-
-def shard_dims_of(model: nn.Module) -> dict[str, int]:
-    """Global parameter name -> split dimension, for every tp-split parameter of ``model``."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        for pname, dim in getattr(mod, "shard_dims", {}).items():
-            out[f"{mod_name}.{pname}" if mod_name else pname] = dim
-    return out

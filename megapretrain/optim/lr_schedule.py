@@ -46,7 +46,7 @@ class LRSchedule:
         return self.min_lr + (self.lr - self.min_lr) * factor
 
     @classmethod
-    def from_config(cls, cfg, decay_iters: int) -> "LRSchedule":
+    def from_config(cls, cfg, decay_iters: int) -> LRSchedule:
         return cls(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_iters=cfg.schedule.warmup_iters,
                    decay_iters=decay_iters, decay=cfg.schedule.decay,
                    wsd_decay_fraction=cfg.schedule.wsd_decay_fraction)

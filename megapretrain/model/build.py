@@ -1,0 +1,81 @@
+"""A rank's model chunks and their parameter-spec table, built from the config.
+
+Training builds real, initialized chunks on the rank's device (:func:`build_model_chunks`); tools
+that only need to know what a rank of some layout holds — checkpoint resharding, conversion, the
+planner — build the same chunks on the meta device (:func:`rank_param_specs`), so both read one
+table from one code path. Nothing here depends on the training loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config, default_ffn_hidden_size
+from ..parallel.pipeline import chunk_layers
+from ..parallel.random import RNGTracker
+from ..parallel.specs import ParamSpec
+from ..parallel.state import Group, ParallelState
+from .llama import LlamaModel, ModelArgs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    """The architecture of ``cfg.model`` with its nulls resolved (``model.vocab_size`` must be set)."""
+    m = cfg.model
+    return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                     num_kv_heads=m.num_heads if m.num_kv_heads is None else m.num_kv_heads,
+                     ffn_hidden_size=(default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None
+                                      else m.ffn_hidden_size),
+                     vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
+                     rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
+                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)
+
+
+def table_of(chunks: list[LlamaModel]) -> dict[str, ParamSpec]:
+    """The parameter-spec table of a rank's chunks, in their parameter order."""
+    return {name: spec for chunk in chunks for name, spec in chunk.param_specs().items()}
+
+
+def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[LlamaModel]:
+    args, p = model_args(cfg), cfg.parallel
+    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
+    return [LlamaModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
+                       post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
+                       sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
+            for v, layer_ids in enumerate(layer_chunks)]
+
+
+def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel], dict[str, ParamSpec]]:
+    """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
+    and their parameter-spec table.
+
+    The first stage's first chunk embeds, the last stage's last chunk holds the head. With tied
+    embeddings and pp > 1 the last stage keeps its own copy of the embedding: both copies start
+    equal (same name, same seed), their grads are summed over the embedding group, and the copy on
+    the last stage is left out of the grad norm (its spec says so).
+    """
+    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)  # dropout inside tp regions
+    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, dtype=DTYPES[cfg.train.precision], device=ps.device)
+    for chunk in chunks:
+        chunk.init_weights(cfg.train.seed)
+    return chunks, table_of(chunks)
+
+
+def rank_param_specs(cfg: Config, pp_rank: int, tp_rank: int) -> dict[str, ParamSpec]:
+    """The parameter-spec table of the rank at (``pp_rank``, ``tp_rank``) of ``cfg``'s layout, from
+    chunks built on the meta device (nothing is allocated); dp ranks hold the same table."""
+    tp = Group("tp", list(range(cfg.parallel.tp)), None, tp_rank)  # no communication on meta
+    with torch.device("meta"):
+        chunks = _chunks(cfg, tp, pp_rank, rng=RNGTracker(0, tp_rank, "cpu"), dtype=DTYPES[cfg.train.precision],
+                         device="meta")
+    return table_of(chunks)
+
+
+def one_layer_specs(args: ModelArgs) -> dict[str, ParamSpec]:
+    """The spec table of a one-process model holding the embedding, decoder layer 0, the final
+    norm and the head, built on the meta device: per-layer and per-stage parameter counts for the
+    planner, read off the model itself."""
+    with torch.device("meta"):
+        model = LlamaModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
+    return model.param_specs()

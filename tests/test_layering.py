@@ -1,0 +1,97 @@
+"""Imports go downwards only: config → model and parallel → optim → checkpoint → trainer → entry
+points and tools. Read from the source (every import, function-local ones too), so a cycle hidden
+in a function cannot creep back."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a module may import its own level and the levels below it
+LEVELS = {
+    "errors": 0, "config": 0,
+    "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
+    "optim": 2,
+    "checkpoint": 3,
+    "planner": 4, "recovery": 4,
+    "trainer": 5,
+    "train": 6,
+}
+DRIVERS = {"smoke_test"}  # tools whose job is to run the real trainer
+
+
+def _imports(path: str, package: str | None) -> set[str]:
+    """The megapretrain modules ``path`` imports, as dotted names."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("megapretrain"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name.startswith("megapretrain"):
+                out.add(name)
+    return out
+
+
+def _level(module: str) -> int:
+    parts = module.split(".")
+    return LEVELS[parts[1]] if len(parts) > 1 else 0
+
+
+def _package_modules():
+    for folder, _, files in os.walk(os.path.join(ROOT, "megapretrain")):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                package = module if f == "__init__.py" else module.rsplit(".", 1)[0]
+                yield module, package, os.path.join(folder, f)
+
+
+def test_package_imports_go_downwards():
+    wrong = []
+    for module, package, path in _package_modules():
+        if module == "megapretrain":
+            continue
+        for imported in _imports(path, package):
+            if _level(imported) > _level(module):
+                wrong.append(f"{module} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycles_between_modules():
+    graph = {module: {i for i in _imports(path, package) if i != module}
+             for module, package, path in _package_modules()}
+    known = set(graph)
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            nxt = nxt if nxt in known else nxt.rsplit(".", 1)[0]  # "from pkg import name" of a function
+            if state.get(nxt) == 1:
+                raise AssertionError(" -> ".join(stack + [node, nxt]))
+            if nxt in known and not state.get(nxt):
+                visit(nxt, stack + [node])
+        state[node] = 2
+
+    for module in graph:
+        if not state.get(module):
+            visit(module, [])
+
+
+def test_tools_import_no_training_loop():
+    tools = os.path.join(ROOT, "tools")
+    wrong = []
+    for f in sorted(os.listdir(tools)):
+        if f.endswith(".py") and f[:-3] not in DRIVERS:
+            found = {i for i in _imports(os.path.join(tools, f), None) if i in ("megapretrain.trainer",
+                                                                                "megapretrain.train")}
+            wrong += [f"tools/{f} imports {i}" for i in found]
+    assert not wrong, wrong
