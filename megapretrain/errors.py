@@ -12,6 +12,8 @@ bad input.
 
 from __future__ import annotations
 
+import json
+
 
 class UserError(ValueError):
     """Bad input; the message is one line that says what is wrong and what to do."""
@@ -39,3 +41,15 @@ class CheckpointError(UserError):
 
 class PipelineError(UserError):
     """An impossible pipeline layout or schedule."""
+
+
+def read_json_file(path: str, error: type[UserError], fix: str, missing: str = "not found"):
+    """The JSON value in ``path``; a missing or unreadable file raises ``error`` naming it, what is
+    wrong (``missing`` for an absent file) and ``fix``."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise error(f"{path} {missing}; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path} cannot be read as JSON ({exc}); {fix}") from None

@@ -41,7 +41,7 @@ from megapretrain.checkpoint.format import (
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.reshard import SavedShards, saved_config_path, saved_padded_vocab, tp_slice
 from megapretrain.config import load_config, validate
-from megapretrain.errors import UserError
+from megapretrain.errors import UserError, read_json_file
 from megapretrain.model.build import DTYPES, model_args, rank_param_specs
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -166,14 +166,10 @@ def _copy_tokenizer(cfg, out: str) -> list[str]:
 
 def _hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(path) as fh:
-            hf = json.load(fh)
-    except FileNotFoundError:
-        raise ConvertError(f"{path} not found: --hf must be a Hugging Face model directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConvertError(f"{path} cannot be read as JSON ({exc}); --hf must be a Hugging Face model "
-                           "directory") from None
+    hf = read_json_file(path, ConvertError, "--hf must be a Hugging Face model directory")
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{path} holds {type(hf).__name__}, not a JSON object; --hf must be a Hugging Face "
+                           "model directory")
     if hf.get("model_type") != "llama":
         raise ConvertError(f"{path}: model_type={hf.get('model_type')!r}; only Llama models convert")
     unsupported = {k: hf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if hf.get(k)}

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, read_json_file
 
 FORMAT = "megapretrain-per-rank-v1"
 FORMAT_VERSION = 1
@@ -100,14 +100,8 @@ def write_metadata(directory: str, meta: dict) -> None:
 def read_metadata(directory: str) -> dict:
     """The checked metadata of checkpoint ``directory``: every failure names the file and the fix."""
     path = os.path.join(directory, METADATA)
-    try:
-        with open(path) as fh:
-            meta = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} not found: {directory} is not a complete checkpoint") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc}); load another checkpoint with "
-                              "--checkpoint.load") from None
+    meta = read_json_file(path, CheckpointError, "load another checkpoint with --checkpoint.load",
+                          missing=f"not found: {directory} is not a complete checkpoint")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} holds {type(meta).__name__}, not a JSON object; load another checkpoint")
     if meta.get("format") != FORMAT:
