@@ -1,0 +1,84 @@
+"""Triton, when installed, behind the few helpers every kernel module uses.
+
+Triton decides when it is imported whether its functions are compiled for a GPU or run by its
+interpreter on CPU tensors (``TRITON_INTERPRET=1``): its own library (``tl.sum`` and the like) is
+decorated then. :func:`jit` decorates the kernels here the same way as that library, so the two
+always agree, and :func:`use_triton` refuses, with the fix, the one combination that cannot work
+(the variable set after Triton was imported). Without Triton the kernel modules still import (their
+torch references need nothing else); launching a kernel then raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    INTERPRETED = isinstance(tl.sum, InterpretedFunction)  # how Triton itself was imported
+except ImportError:  # the CPU path: torch references only
+    triton = None
+    INTERPRETED = False
+
+    class _NoTriton:
+        """Stands in for ``triton.language`` so kernel signatures (``BLOCK: tl.constexpr``) parse."""
+
+        constexpr = None
+
+    tl = _NoTriton()
+
+
+class _Missing:
+    """A kernel that cannot run: Triton is not installed."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"{self.fn.__name__} needs Triton: pip install 'megapretrain[triton]'")
+
+
+def jit(fn):
+    """``triton.jit``, compiled or interpreted as Triton's own library is (see the module docstring)."""
+    if triton is None:
+        return _Missing(fn)
+    return InterpretedFunction(fn) if INTERPRETED else JITFunction(fn)
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, or on CPU ones under the interpreter; else the torch reference."""
+    if triton is None:
+        return False
+    if all(t.device.type == "cuda" for t in tensors):
+        return not INTERPRETED
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if not INTERPRETED:
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it before the "
+                           "first `import triton` (or start a fresh process with it set)")
+    return True
+
+
+@jit
+def to_dtype(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even. Triton's interpreter truncates fp32 -> bf16 (the
+    GPU rounds), so round explicitly first: the cast that follows is then exact on both."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ≥ n (block sizes must be powers of two)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b

@@ -1,0 +1,194 @@
+"""Fused AdamW over a flat fp32 shard, and the sum of squares of its gradients, in one pass each.
+
+The distributed optimizer owns each parameter's fp32 master, both Adam moments and its gradient as
+slices of flat shards. Unfused, a step reads and writes them in several passes and copies the
+masters into the bf16/fp16 model parameters in one more. :func:`fused_adamw_` reads grad, master,
+exp_avg and exp_avg_sq once and writes master, moments and (optionally) the low-precision parameter
+copy in the same pass: 16 bytes read and 12 + 2 written per element, the minimum for AdamW. Inside
+it apply the grad scale factor (grad-clip coefficient × 1 / loss scale, a device tensor, so no host
+sync), decoupled weight decay per element through a bit mask (:func:`decay_mask`; 1-D parameters
+such as norm weights get none) and bias correction. :func:`grad_sq_sum` is the companion for the
+grad norm: each grad read once, partial sums per block in fp32, summed in fp64.
+
+The update is torch's (``torch.optim.AdamW`` / ``torch._fused_adamw_``):
+``p -= lr·wd·p; m = lerp(m, g, 1-β1); v = β2·v + (1-β2)·g²; p -= lr/bc1 · m / (√v/√bc2 + eps)``.
+:func:`fused_adamw_reference` is the same in plain torch ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton import cdiv, jit, tl, to_dtype, use_triton
+
+BLOCK = 1024  # 8 elements per thread: the five streams fit in registers with room for occupancy
+SQ_BLOCK = 4096
+
+
+@jit
+def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, mask_ptr, scale_ptr, n,
+                  beta1, beta2, eps, lr_wd, step_size, bc2_sqrt, HAS_OUT: tl.constexpr,
+                  HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    g = tl.load(grad_ptr + offs, mask=live, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+    p = tl.load(master_ptr + offs, mask=live, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=live, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=live, other=0.0)
+    if HAS_MASK:  # bit (i % 32) of word i // 32 says whether element i decays
+        word = tl.load(mask_ptr + offs // 32, mask=live, other=0)
+        p = tl.where(((word >> (offs % 32).to(tl.int32)) & 1) != 0, p - lr_wd * p, p)
+    else:
+        p = p - lr_wd * p
+    m = m + (1.0 - beta1) * (g - m)  # lerp(m, g, 1 - beta1)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    tl.store(master_ptr + offs, p, mask=live)
+    tl.store(exp_avg_ptr + offs, m, mask=live)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=live)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, to_dtype(p, out_ptr.dtype.element_ty), mask=live)
+
+
+@jit
+def _sq_sum_kernel(grad_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
+
+
+def decay_mask(numel: int, ranges, device=None) -> torch.Tensor:
+    """Bit mask (ceil(numel / 32),) int32 from ``ranges`` of (start, end, decay): element i decays
+    iff the last range covering it says so; uncovered elements (shard padding) do not."""
+    flags = torch.zeros(cdiv(numel, 32) * 32, dtype=torch.bool)
+    for start, end, decay in ranges:
+        flags[start:end] = bool(decay)
+    words = (flags.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)  # (numel/32,) in [0, 2^32)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as int32 bit patterns
+    return words.to(torch.int32).to(device)
+
+
+def _unpack(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    bits = (mask.to(torch.int64)[:, None] >> torch.arange(32, device=mask.device)) & 1  # (words, 32)
+    return bits.flatten()[:numel].bool()
+
+
+def _check(grad, master, exp_avg, exp_avg_sq, param_out, mask) -> None:
+    flat = [t for t in (grad, master, exp_avg, exp_avg_sq, param_out) if t is not None]
+    if any(t.dim() != 1 or not t.is_contiguous() or t.numel() != master.numel() for t in flat):
+        raise ValueError(f"fused_adamw_ needs contiguous 1-D tensors of one length, got shapes "
+                         f"{[tuple(t.shape) for t in flat]}")
+    if any(t.dtype != torch.float32 for t in (master, exp_avg, exp_avg_sq)):
+        raise ValueError(f"fused_adamw_ keeps master and moments in float32, got "
+                         f"{master.dtype}, {exp_avg.dtype}, {exp_avg_sq.dtype}")
+    if mask is not None and (mask.dtype != torch.int32 or mask.numel() != cdiv(master.numel(), 32)):
+        raise ValueError(f"decay mask must be int32 of {cdiv(master.numel(), 32)} words "
+                         f"(kernels.adamw.decay_mask), got {mask.dtype} of {mask.numel()}")
+
+
+def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int):
+    """(lr·wd, lr / bias correction 1, √bias correction 2), in double as torch computes them."""
+    return lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
+
+
+def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps,
+                   weight_decay, step) -> None:
+    lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
+    n = master.numel()
+    if not n:
+        return
+    _adamw_kernel[(cdiv(n, BLOCK),)](grad, master, exp_avg, exp_avg_sq,
+                                     param_out if param_out is not None else master,
+                                     mask if mask is not None else master, scale, n, beta1, beta2, eps,
+                                     lr_wd, step_size, bc2_sqrt, HAS_OUT=param_out is not None,
+                                     HAS_MASK=mask is not None, BLOCK=BLOCK)
+
+
+def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps,
+                  weight_decay, step) -> None:
+    lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
+    g = grad.float() * scale  # (n,) fp32
+    if weight_decay:
+        decayed = master * lr_wd
+        master.sub_(decayed if mask is None else decayed * _unpack(mask, master.numel()))
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
+    if param_out is not None:
+        param_out.copy_(master)
+
+
+@torch.library.custom_op("megapretrain::fused_adamw_",
+                         mutates_args=("master", "exp_avg", "exp_avg_sq", "param_out"))
+def _fused_adamw_op(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, param_out: torch.Tensor | None, mask: torch.Tensor | None,
+                    scale: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int) -> None:
+    _check(grad, master, exp_avg, exp_avg_sq, param_out, mask)
+    impl = _triton_adamw_ if use_triton(grad, master) else _torch_adamw_
+    impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps, weight_decay, step)
+
+
+@_fused_adamw_op.register_fake
+def _(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps, weight_decay, step):
+    return None
+
+
+def _scale_tensor(scale, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(1).to(device=like.device, dtype=torch.float32)
+    return torch.full((1,), float(scale), dtype=torch.float32, device=like.device)
+
+
+def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                 param_out: torch.Tensor | None = None, decay: torch.Tensor | None = None,
+                 grad_scale: float | torch.Tensor = 1.0) -> None:
+    """One AdamW step, in place, over flat (n,) shards: ``master``, ``exp_avg``, ``exp_avg_sq``
+    (fp32) from ``grad`` (fp32 or low precision) times ``grad_scale``; ``step`` counts from 1.
+
+    ``decay`` is a :func:`decay_mask` (None: every element decays); ``param_out`` (n,) bf16/fp16,
+    if given, receives the new master rounded to its dtype.
+    """
+    _fused_adamw_op(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
+                    lr, beta1, beta2, eps, weight_decay, step)
+
+
+def fused_adamw_reference(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                          weight_decay: float, step: int, param_out: torch.Tensor | None = None,
+                          decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0) -> None:
+    """:func:`fused_adamw_` in plain torch ops, on any device."""
+    _check(grad, master, exp_avg, exp_avg_sq, param_out, decay)
+    _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
+                  lr, beta1, beta2, eps, weight_decay, step)
+
+
+@torch.library.custom_op("megapretrain::grad_sq_sum", mutates_args=())
+def _grad_sq_sum_op(grad: torch.Tensor) -> torch.Tensor:
+    if not use_triton(grad):
+        return grad.double().square().sum()
+    n = grad.numel()
+    partial = torch.empty(max(cdiv(n, SQ_BLOCK), 1), dtype=torch.float32, device=grad.device)
+    if n:
+        _sq_sum_kernel[(partial.numel(),)](grad.contiguous(), partial, n, BLOCK=SQ_BLOCK)
+    else:
+        partial.zero_()
+    return partial.double().sum()  # second stage in fp64: shards of 1e9 elements stay exact enough
+
+
+@_grad_sq_sum_op.register_fake
+def _(grad):
+    return grad.new_empty((), dtype=torch.float64)
+
+
+def grad_sq_sum(grad: torch.Tensor) -> torch.Tensor:
+    """Σ grad² of a flat shard as a 0-d float64 tensor (no host sync), reading each grad once."""
+    return _grad_sq_sum_op(grad.reshape(-1))
+
+
+def grad_sq_sum_reference(grad: torch.Tensor) -> torch.Tensor:
+    """:func:`grad_sq_sum` in plain torch."""
+    return grad.reshape(-1).double().square().sum()

@@ -1,0 +1,179 @@
+"""RMSNorm, y = weight · x / rms(x), forward and backward each in one Triton kernel.
+
+Unfused, the norm reads and writes x several times (upcast, square, mean, scale, downcast, weight).
+The forward kernel reads a block of rows once, keeps them in registers in fp32, and writes y plus
+one 1/rms per row; the backward reads x, dy and 1/rms once and writes dx, with the weight gradient
+reduced in two stages (each program sums its own rows, then the per-program partials are summed),
+so no (rows, h) fp32 product is ever stored.
+
+Semantics are those of the model's norm: statistics in fp32, ``x_hat`` rounded to x's dtype before
+the weight multiplies it (as HF does), dx in x's dtype, the weight gradient in the weight's dtype.
+:func:`rms_norm_reference` is the same computation in plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import cdiv, jit, next_pow2, tl, to_dtype, use_triton
+
+# elements per program tile (rows × padded hidden size): about 16-32 per thread, so no registers
+# spill (the backward holds more arrays per element, so its tile is smaller)
+FWD_TILE, BWD_TILE = 4096, 2048
+
+
+@jit
+def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (BR,)
+    c = tl.arange(0, BLOCK_H)  # (BH,)
+    mask = (r[:, None] < rows) & (c[None, :] < h)
+    offs = r[:, None] * h + c[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / h + eps)  # (BR,)
+    x_hat = to_dtype(x * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, to_dtype(x_hat * w[None, :], y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + r, rstd, mask=r < rows)
+
+
+@jit
+def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, rows_per_prog,
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    c = tl.arange(0, BLOCK_H)
+    w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)  # (BH,)
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)  # this program's share of d weight
+    start = pid * rows_per_prog
+    end = tl.minimum(start + rows_per_prog, rows)
+    for r0 in range(start, end, BLOCK_R):
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask = (r[:, None] < end) & (c[None, :] < h)
+        offs = r[:, None] * h + c[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r, mask=r < end, other=0.0)  # (BR,)
+        x_hat = x * rstd[:, None]
+        acc += g * x_hat
+        gw = g * w[None, :]  # d loss / d x_hat
+        dot = tl.sum(gw * x_hat, axis=1) / h  # (BR,)
+        dx = (gw - x_hat * dot[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_part_ptr + pid * h + c, tl.sum(acc, axis=0), mask=c < h)
+
+
+def blocks(h: int, tile: int) -> tuple[int, int, int]:
+    """(rows per block, padded hidden size, warps) of a program for hidden size ``h``."""
+    block_h = next_pow2(h)
+    warps = 16 if block_h >= 8192 else 8 if block_h >= 4096 else 4  # wide rows: more threads per row
+    return max(1, min(16, tile // block_h)), block_h, warps
+
+
+def _num_programs(device: torch.device, row_blocks: int) -> int:
+    per_device = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(row_blocks, per_device))
+
+
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    h = x.shape[-1]
+    x2d = x.reshape(-1, h).contiguous()  # (rows, h)
+    rows = x2d.shape[0]
+    y = torch.empty(x2d.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block_r, block_h, warps = blocks(h, FWD_TILE)
+    if rows:
+        _rmsnorm_fwd[(cdiv(rows, block_r),)](x2d, weight.contiguous(), y, rstd, rows, h, eps,
+                                             BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def _triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    h = x.shape[-1]
+    x2d, g2d = x.reshape(-1, h).contiguous(), grad.reshape(-1, h).contiguous()  # (rows, h)
+    rows = x2d.shape[0]
+    if not rows:
+        return torch.empty_like(x), torch.zeros_like(weight)
+    block_r, block_h, warps = blocks(h, BWD_TILE)
+    programs = _num_programs(x.device, cdiv(rows, block_r))
+    rows_per_prog = cdiv(cdiv(rows, programs), block_r) * block_r
+    programs = max(1, cdiv(rows, rows_per_prog))
+    dx = torch.empty_like(x2d)
+    dw_part = torch.empty(programs, h, dtype=torch.float32, device=x.device)  # (programs, h)
+    _rmsnorm_bwd[(programs,)](g2d, x2d, weight.contiguous(), rstd.reshape(-1).contiguous(), dx, dw_part,
+                              rows, h, rows_per_prog, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)  # second stage of the d weight reduction
+
+
+def _torch_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    xf = x.to(torch.float32, copy=True)  # (..., h)
+    rstd = xf.square().mean(-1).add_(eps).rsqrt_()  # (...,)
+    return xf.mul_(rstd.unsqueeze(-1)).to(x.dtype) * weight, rstd
+
+
+def _torch_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    rstd = rstd.unsqueeze(-1)  # (..., 1)
+    x_hat = x.to(torch.float32, copy=True).mul_(rstd)  # (..., h)
+    g = grad.to(torch.float32, copy=True)
+    grad_weight = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype)  # (h,)
+    g.mul_(weight.to(torch.float32))  # d loss / d x_hat
+    dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])  # (..., 1)
+    return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight
+
+
+@torch.library.custom_op("megapretrain::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_triton_forward if use_triton(x, weight) else _torch_forward)(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("megapretrain::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_triton_backward if use_triton(x, weight) else _torch_backward)(grad, x, weight, rstd)
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _backward(ctx, grad_y, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_op(grad_y.contiguous(), x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., h) / rms(x) · weight (h,): the Triton kernels on CUDA (or under the interpreter)."""
+    return _rms_norm_op(x, weight, eps)[0]
+
+
+class _RMSNormReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        y, rstd = _torch_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = _torch_backward(grad, *ctx.saved_tensors)
+        return dx, dw, None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in plain torch (the model's formulas), for any device."""
+    return _RMSNormReference.apply(x, weight, eps)

@@ -1,0 +1,412 @@
+"""The Triton kernels against their torch references, on CPU through Triton's interpreter.
+
+On a CUDA machine the same tests run the compiled kernels on the GPU. On CPU, ``TRITON_INTERPRET=1``
+must be set when Triton is first imported (it decides then, for its own library and every kernel,
+between compiling and interpreting), so this module imports Triton with the variable set, and an
+autouse fixture sets it again while each test runs (the kernels' dispatch reads it at call time;
+other modules' tests run without it). If an earlier module already imported Triton without the
+interpreter (``torch.compile`` and megatron-core do, so in a run of the whole suite
+tests/test_data_megatron_compat.py has), these tests are skipped here and
+:func:`test_kernels_in_a_fresh_process` runs this file again in a process of its own.
+The losses (cross entropy, linear + cross entropy) are tested in tests/test_kernels_loss.py.
+Sizes are small and odd (not multiples of any block): the interpreter runs each program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _import_triton():
+    """Import Triton (for the interpreter on CPU); whether its kernels can run in this process."""
+    if DEVICE == "cuda" or "triton" in sys.modules:
+        triton = pytest.importorskip("triton")
+        return DEVICE == "cuda" or type(triton.language.sum).__name__ == "InterpretedFunction"
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # only while importing: other modules' tests run without it
+    try:
+        pytest.importorskip("triton")
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return True
+
+
+RUNNABLE = _import_triton()
+
+# imported after Triton: once the model uses the kernels, importing megapretrain imports Triton
+from megapretrain.kernels import adamw, cross_entropy, rmsnorm, rope, swiglu  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(request, monkeypatch):
+    """Run the Triton kernels on CPU tensors through the interpreter (not needed on CUDA)."""
+    if request.node.name == "test_kernels_in_a_fresh_process":
+        return
+    if not RUNNABLE:
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; run in a fresh process instead")
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def run_in_fresh_process(path: str) -> None:
+    """Run the test file ``path`` in a process of its own, with the interpreter set from the start."""
+    if RUNNABLE:
+        pytest.skip("the kernel tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_kernels_in_a_fresh_process():
+    """Runs this file in its own process when Triton was imported here without the interpreter."""
+    run_in_fresh_process(__file__)
+
+
+def test_the_triton_kernels_are_what_runs(monkeypatch):
+    """With the torch fallbacks removed every op still runs: the tests below test the kernels."""
+    from megapretrain.kernels import _triton
+
+    assert _triton.use_triton(torch.zeros(1, device=DEVICE))
+
+    def fallback(*args, **kwargs):
+        raise AssertionError("the torch fallback ran")
+
+    for module, name in [(rmsnorm, "_torch_forward"), (rmsnorm, "_torch_backward"), (swiglu, "_torch_backward"),
+                         (rope, "_torch_rotate"), (cross_entropy, "_torch_stats"), (cross_entropy, "_torch_grad_"),
+                         (adamw, "_torch_adamw_")]:
+        monkeypatch.setattr(module, name, fallback)
+    x = torch.randn(3, 1, 4, 8, device=DEVICE, requires_grad=True)
+    cos, sin = torch.ones(4, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
+    y = rope.rope(x, cos, sin)
+    y = rmsnorm.rms_norm(y, torch.ones(8, device=DEVICE), 1e-6)
+    y = swiglu.swiglu(y, y)
+    cross_entropy.cross_entropy(y.reshape(12, 8), torch.arange(12, device=DEVICE) % 8).sum().backward()
+    adamw.fused_adamw_(torch.ones(5, device=DEVICE), *(torch.zeros(5, device=DEVICE) for _ in range(3)),
+                       lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    assert x.grad is not None
+
+
+def test_empty_inputs():
+    """No rows: nothing is launched, the results are empty and the weight gradient is zero."""
+    x = torch.zeros(0, 33, device=DEVICE, requires_grad=True)
+    w = torch.ones(33, device=DEVICE, requires_grad=True)
+    y = rmsnorm.rms_norm(x, w, 1e-6)
+    y.sum().backward()
+    assert y.shape == (0, 33) and x.grad.shape == (0, 33) and (w.grad == 0).all()
+    gate = torch.zeros(0, 7, device=DEVICE, requires_grad=True)
+    swiglu.swiglu(gate, gate).sum().backward()
+    q = torch.zeros(0, 2, 3, 8, device=DEVICE, requires_grad=True)
+    rope.rope(q, torch.ones(3, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE)).sum().backward()
+    assert gate.grad.shape == (0, 7) and q.grad.shape == (0, 2, 3, 8)
+    adamw.fused_adamw_(*(torch.zeros(0, device=DEVICE) for _ in range(4)), lr=1e-3, beta1=0.9, beta2=0.95,
+                       eps=1e-8, weight_decay=0.1, step=1)
+    assert adamw.grad_sq_sum(torch.zeros(0, device=DEVICE)) == 0
+
+
+def _close(actual, expected, dtype, fp32_tol=1e-5):
+    tol = {"rtol": fp32_tol, "atol": fp32_tol} if dtype == torch.float32 else {}
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+# -- RMSNorm ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,dtype,wdtype", [((3, 7, 33), torch.float32, torch.float32),
+                                                ((37, 300), torch.bfloat16, torch.bfloat16),
+                                                ((19, 65), torch.float16, torch.float16),
+                                                ((2, 5, 130), torch.bfloat16, torch.float32)])
+def test_rms_norm_matches_reference(shape, dtype, wdtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(DEVICE, wdtype)
+    dy = torch.randn(shape, generator=g).to(DEVICE, torch.promote_types(dtype, wdtype))
+    outs = []
+    for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
+        xl, wl = _leaf(x), _leaf(w)
+        y = fn(xl, wl, 1e-6)
+        y.backward(dy)
+        outs.append((y, xl.grad, wl.grad))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs
+    assert y.dtype == y_ref.dtype and dx.dtype == dtype and dw.dtype == wdtype
+    _close(y, y_ref, dtype)
+    _close(dx, dx_ref, dtype)
+    _close(dw, dw_ref, wdtype, fp32_tol=1e-4)
+
+
+def test_rms_norm_reference_is_rms_norm():
+    """The reference itself against autograd through the textbook formula, in float64."""
+    x = torch.randn(6, 41, dtype=torch.float64)
+    w = torch.randn(41, dtype=torch.float64)
+    xl, wl, xa, wa = _leaf(x), _leaf(w), _leaf(x), _leaf(w)
+    y = rmsnorm.rms_norm_reference(xl.float(), wl.float(), 1e-5)
+    y_auto = xa / torch.sqrt(xa.square().mean(-1, keepdim=True) + 1e-5) * wa
+    dy = torch.randn(6, 41, dtype=torch.float64)
+    y.backward(dy.float())
+    y_auto.backward(dy)
+    torch.testing.assert_close(y.double(), y_auto.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xl.grad, xa.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(wl.grad, wa.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_extreme_values():
+    """Huge, tiny and all-zero rows, and a zero incoming gradient: finite, and as the reference."""
+    x = torch.randn(9, 67)
+    x[0] *= 1e4
+    x[1] *= 1e-20
+    x[2] = 0.0
+    x = x.to(DEVICE)
+    w = torch.rand(67).to(DEVICE)
+    for dy in (torch.randn(9, 67).to(DEVICE), torch.zeros(9, 67, device=DEVICE)):
+        outs = []
+        for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
+            xl, wl = _leaf(x), _leaf(w)
+            y = fn(xl, wl, 1e-6)
+            y.backward(dy)
+            outs.append((y, xl.grad, wl.grad))
+        for a, b in zip(*outs):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (outs[0][1] == 0).all() and (outs[0][2] == 0).all()
+
+
+def test_rms_norm_weight_grad_spans_many_programs():
+    """Enough rows that the backward splits them over several programs (two-stage reduction)."""
+    x = torch.randn(150, 33, device=DEVICE)
+    w = torch.randn(33, device=DEVICE)
+    dy = torch.randn(150, 33, device=DEVICE)
+    grads = []
+    for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
+        wl = _leaf(w)
+        fn(x, wl, 1e-6).backward(dy)
+        grads.append(wl.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_op_registration_and_compile():
+    x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    w = torch.randn(33, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.megapretrain.rms_norm.default, (x, w, 1e-6))
+    compiled = torch.compile(rmsnorm.rms_norm, backend="aot_eager", fullgraph=True)
+    y = compiled(x, w, 1e-6)
+    y.sum().backward()
+    torch.testing.assert_close(y, rmsnorm.rms_norm_reference(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+# -- SwiGLU -----------------------------------------------------------------------------------------
+
+def _swiglu_both(gate, up, dy):
+    outs = []
+    for fn in (swiglu.swiglu, swiglu.swiglu_reference):
+        gl, ul = _leaf(gate), _leaf(up)
+        y = fn(gl, ul)
+        y.backward(dy)
+        outs.append((y, gl.grad, ul.grad))
+    return outs
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 5, 67), torch.float32), ((7, 300), torch.bfloat16),
+                                         ((2, 1031), torch.float16)])
+def test_swiglu_matches_reference(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    gate, up, dy = (torch.randn(shape, generator=g).mul(3).to(DEVICE, dtype) for _ in range(3))
+    for a, b in zip(*_swiglu_both(gate, up, dy)):
+        assert a.dtype == dtype
+        _close(a, b, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_swiglu_extreme_values():
+    """Gates far into both tails (sigmoid saturates), zeros, and a zero incoming gradient."""
+    gate = torch.tensor([-1e4, -88.0, -20.0, 0.0, 20.0, 88.0, 1e4] * 5, device=DEVICE)
+    up = torch.linspace(-3, 3, gate.numel(), device=DEVICE)
+    for dy in (torch.randn(gate.numel(), device=DEVICE), torch.zeros(gate.numel(), device=DEVICE)):
+        for a, b in zip(*_swiglu_both(gate, up, dy)):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_op_registration_and_compile():
+    gate = torch.randn(4, 37, device=DEVICE, requires_grad=True)
+    up = torch.randn(4, 37, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.megapretrain.swiglu.default, (gate, up))
+    compiled = torch.compile(swiglu.swiglu, backend="aot_eager", fullgraph=True)
+    y = compiled(gate, up)
+    y.sum().backward()
+    torch.testing.assert_close(y, swiglu.swiglu_reference(gate, up))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        swiglu.swiglu(gate, up[:, :5])
+
+
+# -- RoPE -------------------------------------------------------------------------------------------
+
+def _tables(s, d, dtype, theta=10000.0):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq).repeat(1, 2)  # (s, d)
+    return emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+
+
+def _rope_both(x, cos, sin, dy):
+    outs = []
+    for fn in (rope.rope, rope.rope_reference):
+        xl = _leaf(x)
+        y = fn(xl, cos, sin)
+        y.backward(dy)
+        outs.append((y, xl.grad))
+    return outs
+
+
+@pytest.mark.parametrize("shape,dtype,transposed", [((2, 3, 7, 34), torch.float32, False),
+                                                    ((1, 2, 5, 66), torch.bfloat16, False),
+                                                    ((2, 3, 9, 18), torch.float16, False),
+                                                    ((2, 5, 3, 34), torch.float32, True)])
+def test_rope_matches_reference(shape, dtype, transposed):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    if transposed:  # (b, s, n, d) projection viewed as (b, n, s, d)
+        x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=g).to(DEVICE, dtype).transpose(1, 2)
+    cos, sin = _tables(x.shape[2], x.shape[3], dtype)
+    dy = torch.randn(x.shape, generator=g).to(DEVICE, dtype)
+    (y, dx), (y_ref, dx_ref) = _rope_both(x, cos, sin, dy)
+    assert y.dtype == dtype and dx.dtype == dtype
+    _close(y, y_ref, dtype)
+    _close(dx, dx_ref, dtype)
+
+
+def test_rope_reference_is_a_rotation():
+    """The reference against complex multiplication by e^{i·angle}, in float64; the backward of a
+    rotation is the inverse rotation, so dx of dy = y is x."""
+    x = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    cos, sin = (t.double().cpu() for t in _tables(6, 8, torch.float32))
+    y = rope.rope_reference(x, cos, sin)
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.complex(cos[:, :4], sin[:, :4])
+    torch.testing.assert_close(y, torch.cat([z.real, z.imag], -1))
+    xl = _leaf(x)
+    rope.rope_reference(xl, cos, sin).backward(y)
+    torch.testing.assert_close(xl.grad, x)
+
+
+def test_rope_extreme_values():
+    x = torch.tensor([1e4, -1e4, 0.0, 1e-30] * 17, device=DEVICE)[:64].reshape(1, 2, 4, 8)
+    cos, sin = _tables(4, 8, torch.float32)
+    for dy in (torch.randn(1, 2, 4, 8, device=DEVICE), torch.zeros(1, 2, 4, 8, device=DEVICE)):
+        for a, b in zip(*_rope_both(x, cos, sin, dy)):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_op_registration_and_compile():
+    x = torch.randn(1, 2, 5, 10, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(5, 10, torch.float32)
+    torch.library.opcheck(torch.ops.megapretrain.rope.default, (x, cos, sin, False))
+    compiled = torch.compile(rope.rope, backend="aot_eager", fullgraph=True)
+    y = compiled(x, cos, sin)
+    y.sum().backward()
+    torch.testing.assert_close(y, rope.rope_reference(x, cos, sin))
+    with pytest.raises(ValueError, match=r"cos, sin \(s, d\)"):
+        rope.rope(x, cos[:4], sin[:4])
+
+
+# -- fused AdamW ------------------------------------------------------------------------------------
+
+ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+# a flat shard: a (20, 31) matrix (decays), a 1-D norm weight of 37 (does not), another matrix, padding
+SHARD = [(0, 620, True), (620, 657, False), (657, 1000, True)]
+NUMEL = 1011
+
+
+def _torch_optimizer(master: torch.Tensor, fused: bool):
+    params = [torch.nn.Parameter(master[a:b].clone()) for a, b, _ in SHARD]
+    groups = [{"params": [p for p, (_, _, d) in zip(params, SHARD) if d], "weight_decay": ADAM["weight_decay"]},
+              {"params": [p for p, (_, _, d) in zip(params, SHARD) if not d], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+                            fused=fused)
+    return params, opt
+
+
+@pytest.mark.parametrize("fn,out_dtype", [(adamw.fused_adamw_, torch.bfloat16), (adamw.fused_adamw_, torch.float16),
+                                          (adamw.fused_adamw_reference, torch.bfloat16)])
+def test_fused_adamw_matches_torch_adamw_over_ten_steps(fn, out_dtype):
+    g = torch.Generator().manual_seed(5)
+    master = torch.randn(NUMEL, generator=g)
+    state = [master.clone().to(DEVICE), torch.zeros(NUMEL, device=DEVICE), torch.zeros(NUMEL, device=DEVICE)]
+    out = torch.empty(NUMEL, dtype=out_dtype, device=DEVICE)
+    mask = adamw.decay_mask(NUMEL, SHARD, DEVICE)
+    clip, loss_scale = 0.37, 1024.0
+    grads = [torch.randn(NUMEL, generator=g) for _ in range(10)]
+    for fused in (True, False):
+        params, opt = _torch_optimizer(master, fused)
+        for step, grad in enumerate(grads, start=1):
+            for p, (a, b, _) in zip(params, SHARD):
+                p.grad = grad[a:b] * clip
+            opt.step()
+            if fused:  # one run of the kernel, checked against both torch implementations
+                fn(grad.to(DEVICE) * loss_scale, *state, step=step, param_out=out, decay=mask,
+                   grad_scale=torch.tensor(clip / loss_scale, device=DEVICE), **ADAM)
+        expected = torch.cat([p.detach() for p in params])
+        got = state[0].cpu()
+        torch.testing.assert_close(got[:1000], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out, state[0].to(out_dtype))  # the model's copy, rounded as .to() rounds
+
+
+def test_fused_adamw_kernel_matches_reference_at_extremes():
+    """Huge moments, huge and zero grads, no weight decay mask, fp32 grads and bf16 grads."""
+    g = torch.Generator().manual_seed(6)
+    n = 300
+    grad = torch.randn(n, generator=g)
+    grad[:50] = 0.0
+    grad[50:60] = 1e18
+    exp_avg = torch.randn(n, generator=g) * 1e15
+    exp_avg_sq = torch.rand(n, generator=g) * 1e30
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        runs = []
+        for fn in (adamw.fused_adamw_, adamw.fused_adamw_reference):
+            state = [t.clone().to(DEVICE) for t in (torch.randn(n, generator=torch.Generator().manual_seed(7)),
+                                                    exp_avg, exp_avg_sq)]
+            fn(grad.to(DEVICE, grad_dtype), *state, step=3, **ADAM)
+            runs.append(state)
+        for a, b in zip(*runs):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_decay_mask_round_trips_ranges():
+    mask = adamw.decay_mask(NUMEL, SHARD)
+    flags = adamw._unpack(mask, NUMEL)
+    assert flags[:620].all() and not flags[620:657].any() and flags[657:1000].all() and not flags[1000:].any()
+    state = [torch.zeros(NUMEL) for _ in range(3)]
+    with pytest.raises(ValueError, match="decay mask must be int32"):
+        adamw.fused_adamw_(torch.zeros(NUMEL), *state, step=1, decay=mask[:-1], **ADAM)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_sq_sum_matches_reference(dtype):
+    grad = torch.randn(9001).to(DEVICE, dtype)
+    grad[:3] = 1e18 if dtype == torch.float32 else 1e15
+    got = adamw.grad_sq_sum(grad)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, adamw.grad_sq_sum_reference(grad), rtol=1e-6, atol=0.0)
+    assert adamw.grad_sq_sum(torch.zeros(37, device=DEVICE)) == 0
+
+
+def test_fused_adamw_op_registration():
+    n = 70
+    args = (torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+            torch.zeros(n, device=DEVICE), torch.empty(n, dtype=torch.bfloat16, device=DEVICE),
+            adamw.decay_mask(n, [(0, 40, True)], DEVICE), torch.ones(1, device=DEVICE),
+            1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+    torch.library.opcheck(torch.ops.megapretrain.fused_adamw_.default, args)
+    torch.library.opcheck(torch.ops.megapretrain.grad_sq_sum.default, (torch.randn(n, device=DEVICE),))
