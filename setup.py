@@ -32,12 +32,18 @@ setup(
         "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
-        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "setuptools>=70", "wheel", "tokenizers>=0.19",
+        "plots": ["matplotlib>=3.7"],
+        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "matplotlib>=3.7", "triton>=3.0", "setuptools>=70",
+                "wheel",
+                "tokenizers>=0.19",
                 "transformers>=4.45", "safetensors>=0.4",
                 # data path tests: .zst and parquet inputs, HF datasets, the other tokenizer backends, and
                 # megatron-core's IndexedDataset for the format compatibility tests (CPU-only, no extra deps)
                 "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2", "tiktoken>=0.7",
-                "megatron-core>=0.16"],
+                "megatron-core>=0.16",
+                # tools/plan.py --emit accelerate is checked with Accelerate's own parser (DeepSpeed ships
+                # only a source build: its test runs where it is installed)
+                "accelerate>=0.30"],
     },
     entry_points={"console_scripts": ["megapretrain-train=megapretrain.train:main"]},
 )

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,11 +25,17 @@ import yaml
 from .errors import ConfigError, PipelineError
 
 
-def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None):
-    """Declare a config field with its help text (and, for Python keywords, its YAML name)."""
+def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None, min: float | None = None,
+       positive: bool = False):
+    """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
+    declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``; null passes."""
     meta = {"help": help}
     if name is not None:
         meta["name"] = name
+    if min is not None:
+        meta["min"] = min
+    if positive:
+        meta["positive"] = True
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -41,26 +49,33 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    num_layers: int = _f(2, "Number of transformer decoder layers.")
-    hidden_size: int = _f(128, "Width of the residual stream.")
-    num_heads: int = _f(4, "Attention (query) heads.")
-    num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: num_heads).")
-    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to 256).")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).")
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × parallel.tp.")
-    rope_theta: float = _f(10000.0, "Rotary embedding base.")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
+    num_layers: int = _f(2, "Number of transformer decoder layers.", min=1)
+    hidden_size: int = _f(128, "Width of the residual stream.", min=1)
+    num_heads: int = _f(4, "Attention (query) heads.", min=1)
+    num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: num_heads).", min=1)
+    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to 256).", min=1)
+    mlp: str = _f("swiglu", "MLP: swiglu (Llama, the trainer's) | gelu (GPT-3 style; the planner only).")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).", min=1)
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × parallel.tp.", min=1)
+    rope_theta: float = _f(10000.0, "Rotary embedding base.", positive=True)
+    rope_scaling: Optional[dict] = _f(None, "Rotary frequency scaling (null: none), as Hugging Face writes it; "
+                                      "Llama 3.1's: {rope_type: llama3, factor: 8, low_freq_factor: 1, "
+                                      "high_freq_factor: 4, original_max_position_embeddings: 8192}.")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon.", positive=True)
     tie_embeddings: bool = _f(False, "Share the input embedding with the output layer.")
-    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2·num_layers).")
+    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2·num_layers).",
+                         positive=True)
     attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
     hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.")
+    kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).")
+    z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: none).", min=0)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).")
-    pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).")
-    vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).")
+    tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).", min=1)
+    pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).", min=1)
+    vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).", min=1)
     pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved "
                           "(auto: 1f1b, interleaved when vpp > 1).")
     pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
@@ -69,8 +84,12 @@ class ParallelConfig:
                         "(RUN_DIR/pipeline_trace_rankN.jsonl).")
     sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
     zero: int = _f(0, "Optimizer sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients.")
+    zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp ranks (e.g. "
+                                        "a node's) and replicate across the groups (null: shard over all of dp).",
+                                        min=1)
     recompute: str = _f("none", "Activation recomputation: none | selective | full.")
-    bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB).")
+    bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB; 0: one bucket).",
+                               min=0)
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.")
     comm_stats: bool = _f(False, "Count bytes and calls per collective each step (debugging).")
 
@@ -91,60 +110,77 @@ class DataConfig:
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
                                     factory=TokenizerConfig)
     cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).")
+    reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
+                                    "document inside a packed sample (Megatron's --reset-attention-mask).")
+    reset_position_ids: bool = _f(False, "Rotary positions restart at each document of a packed sample.")
+    eod_mask_loss: bool = _f(False, "Leave the end-of-document targets out of the loss (and of its mean).")
 
 
 @dataclass
 class TrainConfig:
-    seq_length: int = _f(256, "Tokens per sample.")
-    micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.")
-    global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).")
-    iters: int = _f(100, "Optimizer steps to train for.")
-    seed: int = _f(1234, "Seed of initialization, data order and dropout.")
+    seq_length: int = _f(256, "Tokens per sample.", min=1)
+    micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", min=1)
+    global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).", min=1)
+    iters: int = _f(100, "Optimizer steps to train for (derived instead when train.train_tokens is set).", min=1)
+    train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set one of the "
+                                     "two; the steps are derived, batch-size ramp-up included).", min=1)
+    rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, ramp_samples]: the global "
+                                           "batch grows from start by increment until ramp_samples samples are "
+                                           "consumed (Megatron's --rampup-batch-size).")
+    seed: int = _f(1234, "Seed of initialization, data order and dropout.", min=0)
     precision: str = _f("fp32", "fp32 | bf16 | fp16 (bf16/fp16 keep fp32 master weights).")
-    eval_interval: int = _f(100, "Evaluate on the valid split every this many iterations (0: never).")
-    eval_iters: int = _f(10, "Global batches per evaluation.")
+    eval_interval: int = _f(100, "Evaluate on the valid split every this many iterations (0: never).", min=0)
+    eval_iters: int = _f(10, "Global batches per evaluation.", min=1)
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda.")
-    threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).")
+    threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).", min=0)
+    compile: bool = _f(False, "torch.compile each decoder layer (regional: compile time independent of depth).")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-4, "Peak learning rate.")
+    lr: float = _f(3e-4, "Peak learning rate.", positive=True)
     min_lr: float = _f(3e-5, "Learning rate at the end of the decay.")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", min=0)
     betas: list = _f(None, "AdamW betas [beta1, beta2].", factory=lambda: [0.9, 0.95])
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).")
+    eps: float = _f(1e-8, "AdamW epsilon.", positive=True)
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", min=0)
     offload: bool = _f(False, "Keep fp32 master weights and Adam moments in host memory and step them there.")
-    initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.")
-    loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.")
-    min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.")
+    initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.", positive=True)
+    loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.", min=1)
+    min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.", positive=True)
+    impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton | torch | apex.")
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.")
+    warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
     decay: str = _f("cosine", "cosine | linear | wsd | constant.")
-    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).")
+    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).", min=1)
     wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.")
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _f(1000, "Save every this many iterations (and at the end; 0: only at the end).")
-    interval_minutes: float = _f(0.0, "Also save when this many minutes passed since the last save (0: off).")
-    keep_last: int = _f(3, "Keep this many most recent checkpoints (0: keep all).")
-    keep_every: int = _f(0, "Also keep every checkpoint whose iteration is a multiple of this (0: none).")
+    interval: int = _f(1000, "Save every this many iterations (and at the end; 0: only at the end).", min=0)
+    interval_minutes: float = _f(0.0, "Also save when this many minutes passed since the last save (0: off).", min=0)
+    keep_last: int = _f(3, "Keep this many most recent checkpoints (0: keep all).", min=0)
+    keep_every: int = _f(0, "Also keep every checkpoint whose iteration is a multiple of this (0: none).", min=0)
     async_save: bool = _f(False, "Write checkpoints in the background.", name="async")
     load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.")
+    milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this fraction of "
+                                   "train.iters, e.g. 0.1: every 10% of the run (0: none).", min=0)
+    load_optimizer: bool = _f(True, "Load the optimizer state (Adam moments and step, loss scale) with the weights.")
+    load_rng: bool = _f(True, "Load the random-number states (dropout streams) with the weights.")
+    finetune: bool = _f(False, "Start a new run from checkpoint.load's weights: fresh optimizer, schedule "
+                        "and data position (continued pretraining); the run's own checkpoints resume as usual.")
 
 
 @dataclass
 class LoggingConfig:
-    interval: int = _f(1, "Log every this many iterations.")
+    interval: int = _f(1, "Log every this many iterations.", min=1)
     tensorboard: bool = _f(True, "Write TensorBoard scalars to RUN_DIR/tensorboard.")
     wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb extra).")
-    peak_tflops: Optional[float] = _f(None, "Device peak TFLOP/s for MFU (null: known GPUs only).")
+    peak_tflops: Optional[float] = _f(None, "Device peak TFLOP/s for MFU (null: known GPUs only).", positive=True)
 
 
 @dataclass
@@ -152,15 +188,62 @@ class RecoveryConfig:
     action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
                      "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
     spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
-                             "recovery.window losses by this many standard deviations.")
-    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).")
-    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.")
+                             "recovery.window losses by this many standard deviations.", positive=True)
+    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).", min=2)
+    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.", min=0)
     max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
-                            "that trigger the action.")
-    skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.")
-    max_rollbacks: int = _f(5, "Stop with an error after this many rollbacks in one run.")
+                            "that trigger the action.", min=1)
+    skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.", min=0)
+    max_rollbacks: int = _f(5, "Stop with an error after this many rollbacks in one run.", min=1)
     alert_command: Optional[str] = _f(None, "Shell command rank 0 runs for every alert (the alert as JSON "
                                       "in $MEGAPRETRAIN_ALERT), e.g. a curl to a chat webhook.")
+    spike_ratio: float = _f(3.0, "Also a spike: a loss above this many times the mean of the previous "
+                            "recovery.window losses (either test triggers).", positive=True)
+    grad_norm_rollback: float = _f(100.0, "A gradient explosion: the grad norm (before clipping) above this for "
+                                   "recovery.max_bad_steps steps in a row is treated like a spike.", positive=True)
+    lr_factor: float = _f(0.5, "Each rollback multiplies the learning rate by this from the restored iteration "
+                          "on (compounding; saved in checkpoints).", positive=True)
+    prune_rolled_back: bool = _f(True, "Retention also prunes set-aside (rolled-back) checkpoints, keeping the "
+                                 "newest checkpoint.keep_last of them (false: keep them all).")
+
+
+@dataclass
+class AlertsConfig:
+    grad_norm_max: float = _f(10.0, "Alert when the grad norm (before clipping) exceeds this.", positive=True)
+    loss_ratio: float = _f(2.0, "Alert when the loss exceeds this many times its rolling average.", positive=True)
+    window: int = _f(100, "Steps of the rolling averages (loss, throughput).", min=2)
+    throughput_drop: float = _f(0.2, "Alert when tokens/s falls this fraction below its rolling median.",
+                                positive=True)
+    data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).", positive=True)
+    straggler_ratio: float = _f(1.2, "Name a rank whose step time exceeds the median rank's by this factor "
+                                "(checked every logging interval).", positive=True)
+
+
+@dataclass
+class WatchdogConfig:
+    timeout_s: Optional[float] = _f(None, "An iteration longer than this is a hang: every thread's stack goes "
+                                    "to RUN_DIR/hang/rankN.txt and the rank exits with status 5 (null: "
+                                    "watchdog.multiple × the rolling step time, at least watchdog.floor_s; 0: off).",
+                                    min=0)
+    multiple: float = _f(10.0, "With timeout_s null: the limit as a multiple of the rolling step time.", positive=True)
+    floor_s: float = _f(300.0, "With timeout_s null: the limit is never below this (seconds).", positive=True)
+    startup_s: float = _f(1800.0, "The allowance for the first steps, evaluations and checkpoint saves (seconds).",
+                          positive=True)
+    collective_timeout_s: float = _f(1800.0, "The process group's timeout: a collective that never completes "
+                                     "ends in an error after this long (seconds).", positive=True)
+
+
+@dataclass
+class FaultsConfig:
+    nan_at: Optional[int] = _f(None, "Fault drill: NaN in the grads at this iteration.", min=1)
+    spike_at: Optional[int] = _f(None, "Fault drill: a loss spike (a corrupted batch) at this iteration.", min=1)
+    exit_at: Optional[int] = _f(None, "Fault drill: the rank exits (status 1) at this iteration.", min=1)
+    hang_at: Optional[int] = _f(None, "Fault drill: the rank blocks forever at this iteration.", min=1)
+    slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is faults.slow_data_s.",
+                                     min=1)
+    slow_data_s: float = _f(2.0, "Fault drill: the length of that data wait (seconds).", min=0)
+    oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.", min=1)
+    rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
 
 
 @dataclass
@@ -175,6 +258,9 @@ class Config:
     checkpoint: CheckpointConfig = _f(None, "Checkpointing.", factory=CheckpointConfig)
     logging: LoggingConfig = _f(None, "Logging and metrics.", factory=LoggingConfig)
     recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
+    alerts: AlertsConfig = _f(None, "Thresholds of the run's alerts.", factory=AlertsConfig)
+    watchdog: WatchdogConfig = _f(None, "Hang detection.", factory=WatchdogConfig)
+    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default).", factory=FaultsConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +496,29 @@ def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
     return kind
 
 
+def batch_size_at(consumed_samples: int, global_batch: int, rampup: list | None) -> int:
+    """The global batch of the step after ``consumed_samples`` samples: ``global_batch``, or under
+    ``rampup`` = [start, increment, ramp_samples] start + increment per ramp_samples/increments
+    samples consumed (Megatron's rule), up to ``global_batch``."""
+    if not rampup or consumed_samples >= rampup[2]:
+        return global_batch
+    start, increment, ramp_samples = rampup
+    increments = (global_batch - start) // increment
+    per_increment = ramp_samples / increments
+    return min(global_batch, start + int(consumed_samples / per_increment) * increment)
+
+
+def run_length(t: TrainConfig) -> tuple[int, int]:
+    """(steps, samples) of the run: train.iters steps, or as many as train.train_tokens take."""
+    if t.rampup_batch_size is None and t.train_tokens is None:
+        return t.iters, t.iters * t.global_batch_size
+    steps = samples = 0
+    while (samples * t.seq_length < t.train_tokens) if t.train_tokens is not None else steps < t.iters:
+        samples += batch_size_at(samples, t.global_batch_size, t.rampup_batch_size)
+        steps += 1
+    return steps, samples
+
+
 @dataclass(frozen=True)
 class RunSizes:
     """Sizes derived from the config and the world size; computed once, printed at start-up."""
@@ -424,15 +533,24 @@ class RunSizes:
     ffn_hidden_size: int
     padded_vocab: int
     decay_iters: int
+    iters: int = 0           # optimizer steps of the run (train.iters, or derived from train.train_tokens)
+    train_samples: int = 0   # samples those steps consume (batch-size ramp-up included)
+    rampup: tuple | None = None  # train.rampup_batch_size
 
     def describe(self, num_params: int | None = None, flops_per_token: float | None = None) -> str:
         parts = [f"world={self.world_size} (tp={self.tp} pp={self.pp} dp={self.dp})",
                  f"grad_accum={self.grad_accum}",
                  f"tokens/step={self.tokens_per_batch:,}",
+                 f"steps={self.iters:,}",
                  f"total_tokens={self.total_tokens:,}",
                  f"vocab(padded)={self.padded_vocab:,}"]
+        if self.rampup:
+            start, inc, ramp = self.rampup
+            parts.append(f"batch_rampup={start}+{inc} up to the full batch over {ramp:,} samples")
         if num_params is not None:
             parts.append(f"params={num_params:,}")
+            parts.append(f"tokens/param={self.total_tokens / num_params:.1f} (Chinchilla-optimal ~20: "
+                         f"{20 * num_params:,} tokens)")
         if flops_per_token is not None:
             parts.append(f"flops/token={flops_per_token:.3g}")
         return "plan: " + "  ".join(parts)
@@ -451,9 +569,81 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "schedule.decay": ("cosine", "linear", "wsd", "constant"),
     "parallel.recompute": ("none", "selective", "full"),
+    "model.mlp": ("swiglu", "gelu"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "train.device": ("auto", "cpu", "cuda"),
+    "model.kernels": ("auto", "triton", "torch"),
+    "optim.impl": ("auto", "triton", "torch", "apex"),
 }
+
+
+def _check_ranges(node, where: str = "") -> None:
+    """Every number against the range its field declares (``_f(min=..., positive=...)``)."""
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, path)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
+            low = f.metadata.get("min")
+            _check(low is None or value >= low,
+                   f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
+            _check(not f.metadata.get("positive") or value > 0, f"{path}={value} must be positive{null}")
+
+
+ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(rs: Any, where: str) -> None:
+    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four numbers."""
+    if rs is None:
+        return
+    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+    _check(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
+                                          "other variants would not compute the same function")
+    if kind == "default":
+        return
+    missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
+    _check(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
+    _check(rs["low_freq_factor"] < rs["high_freq_factor"],
+           f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
+
+
+def _check_rampup(t: TrainConfig, per_step: int, p: ParallelConfig) -> None:
+    """train.rampup_batch_size = [start, increment, ramp_samples]: every batch of the ramp a whole
+    number of micro-batches on every dp rank (and of pp with the interleaved schedule)."""
+    r = t.rampup_batch_size
+    if r is None:
+        return
+    _check(len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+           and r[0] >= 1 and r[1] >= 1 and r[2] >= 0,
+           f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, ramp_samples >= 0]")
+    start, increment, _ = r
+    _check(start <= t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+           f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus start={start} "
+           f"must be a non-negative multiple of increment={increment}")
+    for batch in range(start, t.global_batch_size, increment):
+        _check(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is not a multiple of "
+                                      f"micro_batch_size × dp = {per_step}; choose start and increment as multiples")
+        try:
+            resolve_schedule(p.pp_schedule, p.pp, p.vpp, batch // per_step)
+        except PipelineError as exc:
+            raise ConfigError(f"train.rampup_batch_size={r}, at batch {batch}: {exc}") from None
+
+
+def _check_kernels(kernels: str, impl: str, offload: bool, device: str) -> None:
+    """``model.kernels`` and ``optim.impl`` against what is installed and the device."""
+    for name, value in (("model.kernels", kernels), ("optim.impl", impl)):
+        _check(value != "triton" or importlib.util.find_spec("triton") is not None,
+               f"{name}=triton: triton is not installed (pip install 'megapretrain[triton]', or {name}=auto)")
+        _check(not (value == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+               f"{name}=triton on train.device=cpu runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
+               f"before starting, or {name}=auto (torch on CPU)")
+    _check(impl != "apex" or importlib.util.find_spec("apex") is not None,
+           "optim.impl=apex: apex is not importable (install NVIDIA apex with its CUDA extensions, or optim.impl=auto)")
+    _check(impl in ("auto", "torch") or not offload,
+           f"optim.impl={impl} steps on the GPU, optim.offload on the host: set optim.impl=auto or torch")
 
 
 def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
@@ -463,24 +653,21 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         _check(value in choices, f"{dotted}={value!r} is not one of: {', '.join(choices)}")
-    for dotted in ("model.num_layers", "model.hidden_size", "model.num_heads", "parallel.tp",
-                   "parallel.pp", "parallel.vpp", "train.seq_length", "train.micro_batch_size",
-                   "train.global_batch_size", "train.iters", "train.eval_iters",
-                   "logging.interval", "model.make_vocab_size_divisible_by"):
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _check(value >= 1, f"{dotted}={value} must be at least 1")
+    _check_ranges(cfg)
     _check(p.zero in (0, 1, 2), f"parallel.zero={p.zero} must be 0, 1 or 2")
+    _check(p.zero_shard_size is None or p.zero >= 1,
+           f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1 or 2")
+    _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
+    _check_kernels(m.kernels, o.impl, o.offload, t.device)
 
     _check(world_size % (p.tp * p.pp) == 0,
            f"parallel.tp={p.tp} × parallel.pp={p.pp} = {p.tp * p.pp} must divide the world size "
            f"{world_size} (launch {p.tp * p.pp}·k processes with torchrun, or pick tp×pp from: "
            f"{_divisors(world_size)})")
     dp = world_size // (p.tp * p.pp)
+    _check(p.zero_shard_size is None or dp % p.zero_shard_size == 0,
+           f"parallel.zero_shard_size={p.zero_shard_size} must divide dp={dp} (valid: {_divisors(dp)})")
 
-    for name in ("num_kv_heads", "ffn_hidden_size"):
-        value = getattr(m, name)
-        _check(value is None or value >= 1, f"model.{name}={value} must be at least 1 (or null for the default)")
     kv = kv_heads(m)
     _check(m.hidden_size % m.num_heads == 0,
            f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
@@ -511,10 +698,11 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
            f"parallel.sequence_parallel needs parallel.tp={p.tp} to divide train.seq_length={t.seq_length}")
     _check(m.vocab_size is not None and m.vocab_size >= 1,
            "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
-    for name in ("norm_eps", "init_std", "rope_theta"):
-        _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
     for name in ("attention_dropout", "hidden_dropout"):
         _check(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    check_rope_scaling(m.rope_scaling, "model.rope_scaling")
+    _check(cfg.checkpoint.milestone_fraction <= 1,
+           f"checkpoint.milestone_fraction={cfg.checkpoint.milestone_fraction} must be in [0, 1] (e.g. 0.1)")
 
     per_step = t.micro_batch_size * dp
     _check(t.global_batch_size % per_step == 0,
@@ -526,55 +714,44 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
         resolve_schedule(p.pp_schedule, p.pp, p.vpp, t.global_batch_size // per_step)
     except PipelineError as exc:
         raise ConfigError(str(exc)) from None
+    _check_rampup(t, per_step, p)
+    _check(t.train_tokens is None or t.iters == TrainConfig.iters,
+           f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived")
+    iters, train_samples = run_length(t)
 
     _check(len(cfg.data.split) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in cfg.data.split)
            and cfg.data.split[0] > 0,
            f"data.split={cfg.data.split} must be three non-negative weights [train, valid, test] "
            "with train > 0, e.g. [98, 2, 0]")
 
-    _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
     _check(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
            f"optim.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
-    _check(o.eps > 0, f"optim.eps={o.eps} must be positive")
-    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be non-negative")
-    _check(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be non-negative (0 disables clipping)")
-    _check(o.initial_loss_scale >= o.min_loss_scale > 0,
+    _check(o.initial_loss_scale >= o.min_loss_scale,
            f"optim.initial_loss_scale={o.initial_loss_scale} must be ≥ optim.min_loss_scale={o.min_loss_scale} > 0")
 
-    decay_iters = s.decay_iters if s.decay_iters is not None else t.iters
-    _check(s.warmup_iters >= 0, f"schedule.warmup_iters={s.warmup_iters} must be non-negative")
+    decay_iters = s.decay_iters if s.decay_iters is not None else iters
     _check(decay_iters >= s.warmup_iters,
            f"schedule.decay_iters={decay_iters} must be ≥ schedule.warmup_iters={s.warmup_iters}")
     _check(0 < s.wsd_decay_fraction <= 1,
            f"schedule.wsd_decay_fraction={s.wsd_decay_fraction} must be in (0, 1]")
-    c = cfg.checkpoint
-    for name in ("interval", "keep_last", "keep_every"):
-        _check(getattr(c, name) >= 0, f"checkpoint.{name}={getattr(c, name)} must be non-negative")
-    _check(c.interval_minutes >= 0, f"checkpoint.interval_minutes={c.interval_minutes} must be non-negative")
-    _check(t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be non-negative")
     r = cfg.recovery
     _check(r.action in ("rollback", "alert", "none"),
            f"recovery.action={r.action!r} must be one of: rollback, alert, none"
            + (" (YAML reads off/on/yes/no as booleans)" if r.action in ("False", "True") else ""))
-    _check(r.spike_zscore > 0, f"recovery.spike_zscore={r.spike_zscore} must be positive")
-    _check(r.window >= 2, f"recovery.window={r.window} must be at least 2")
-    _check(r.min_std_fraction >= 0, f"recovery.min_std_fraction={r.min_std_fraction} must be non-negative")
-    for name in ("max_bad_steps", "max_rollbacks"):
-        _check(getattr(r, name) >= 1, f"recovery.{name}={getattr(r, name)} must be at least 1")
-    _check(r.skip_batches >= 0, f"recovery.skip_batches={r.skip_batches} must be non-negative")
 
     warnings = []
-    if s.warmup_iters > 0.05 * t.iters:
-        warnings.append(f"schedule.warmup_iters={s.warmup_iters} is more than 5% of train.iters={t.iters}")
-    if s.decay != "constant" and decay_iters > t.iters and o.min_lr < o.lr:
+    if s.warmup_iters > 0.05 * iters:
+        warnings.append(f"schedule.warmup_iters={s.warmup_iters} is more than 5% of the run's {iters} steps")
+    if s.decay != "constant" and decay_iters > iters and o.min_lr < o.lr:
         warnings.append(f"optim.min_lr={o.min_lr} is not reached: schedule.decay_iters={decay_iters} "
-                        f"> train.iters={t.iters}")
+                        f"> the run's {iters} steps")
 
     tokens = t.global_batch_size * t.seq_length
-    plan = RunSizes(world_size=world_size, tp=p.tp, pp=p.pp, dp=dp,
-                grad_accum=t.global_batch_size // per_step, tokens_per_batch=tokens,
-                total_tokens=tokens * t.iters, num_kv_heads=kv, ffn_hidden_size=ffn,
-                padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp),
-                decay_iters=decay_iters)
-    return plan, warnings
+    sizes = RunSizes(world_size=world_size, tp=p.tp, pp=p.pp, dp=dp,
+                     grad_accum=t.global_batch_size // per_step, tokens_per_batch=tokens,
+                     total_tokens=train_samples * t.seq_length, num_kv_heads=kv, ffn_hidden_size=ffn,
+                     padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp),
+                     decay_iters=decay_iters, iters=iters, train_samples=train_samples,
+                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+    return sizes, warnings

@@ -11,21 +11,37 @@ Memory follows the implementation, not a rule of thumb:
   two (and under zero 2 the gradients) divided by dp;
 - activations per token and layer: ``12·h + 4·kv·d + 8·f`` bytes in bf16 (``tests`` measure it from
   what autograd saves), divided by tp with sequence parallelism; without it the two norm inputs and
-  the two column-parallel inputs stay whole. Full recompute keeps only the layer input (``2·h``).
-  A stage holds them for its peak number of in-flight micro-batch chunks, read off the real
-  schedule (``parallel/pipeline.py``);
+  the two column-parallel inputs stay whole. Full recompute keeps only the layer input (``2·h``);
+  unfused attention also keeps its softmax (and dropout mask) unless recomputed selectively. A
+  stage holds them for its peak number of in-flight micro-batch chunks, read off the real schedule
+  (``parallel/pipeline.py``);
 - a fixed allowance for the CUDA context, NCCL buffers and allocator slack; a layout fits
   when that total leaves 5% of the device's memory free.
 
-Parameter counts come from the model's own spec table (``model/build.py``), FLOPs from the
-trainer's ``flops_per_token``, devices from ``monitor/flops.py``'s table.
+Time is built from the kernels of one layer, not from one efficiency figure:
 
-Time: model FLOPs at a kernel efficiency (``efficiency`` of the device's dense bf16 peak), plus
-tensor-parallel collectives (not overlapped), the pipeline bubble from replaying the schedule with a
-backward costing 2 forwards (3 with full recompute), the exposed part of the data-parallel
-reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
-point-to-point transfers. Bandwidths are NCCL bus bandwidths typical of each device; all figures are
-estimates to choose a layout with, to be checked with ``tools/bench_train.py`` on the real machines.
+- every matmul of the layer (forward, and the data- and weight-gradient matmuls of the backward)
+  at its own shape on one tp rank: ``max(FLOPs / (peak · efficiency), bytes / HBM bandwidth)``
+  plus a fixed per-kernel overhead, so narrow or short matmuls fall below the device's large-GEMM
+  ``efficiency`` by themselves;
+- attention: a fused (flash) kernel on its causal FLOPs at ``attention_efficiency``, its backward
+  2.5× its forward; or, as Megatron ran before flash attention (``attention="unfused"``), two batched
+  matmuls per head plus the softmax (and dropout) passes over the ``s × s`` scores in memory;
+- memory-bound kernels (norms, residual adds, dropout, activation function, RoPE, the loss) as bytes
+  moved over 80% of the HBM bandwidth; the backward moves twice the forward's;
+- recomputation re-runs the forward (full) or the attention core (selective) before the backward;
+- tensor-parallel collectives on the critical path (the trainer does not overlap them), ring
+  passes of the ``(b, s, h)`` activation at the NCCL bus bandwidth plus a latency each;
+- the pipeline bubble from replaying the real schedule with the busiest stage's forward and
+  backward times, the point-to-point transfers, the exposed part of the data-parallel
+  reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
+  optimizer step (memory-bound over its shard).
+
+MFU counts the model's FLOPs (``model/llama.py``'s ``flops_per_token``, PaLM's convention); HFU also
+counts what recomputation runs again, as Megatron's papers report "achieved TFLOP/s". Parameter
+counts come from the model's own spec table (``model/build.py``), devices from ``monitor/flops.py``.
+``tests/test_planner.py`` checks the estimates against published runs (Megatron-LM on A100s, Llama 3
+on H100s); they are estimates to choose a layout with, to be checked with ``tools/bench_train.py``.
 """
 
 from __future__ import annotations
@@ -36,21 +52,31 @@ from dataclasses import dataclass
 from .config import resolve_schedule
 from .errors import ConfigError, PipelineError, UserError
 from .model.build import one_layer_specs
-from .model.llama import ModelArgs, flops_per_token
+from .model.llama import ModelArgs, flops_per_token, num_parameters
 from .monitor.flops import Device
 from .parallel.pipeline import peak_in_flight, schedule_order, simulate
 
 GIB = 2**30
+KERNEL_S = 2e-6        # fixed cost of every kernel (launch gap, ramp-up and tail of its waves)
+GEMM_S = 6e-6          # a matmul's: its first and last waves of tiles run part-empty (A100: a 1024³ bf16
+#                        matmul reaches about half of what a 4096³ one does)
+HBM_EFFICIENCY = 0.8   # fraction of the HBM bandwidth memory-bound kernels reach
+LATENCY_INTRA_S = 10e-6  # per collective, NVLink
+LATENCY_INTER_S = 30e-6  # per collective, between nodes
+ATTENTION = ("flash", "unfused")
 
 
 @functools.cache
 def layer_params(args: ModelArgs) -> tuple[int, int, int]:
     """(tp-split, replicated) parameters of one decoder layer and the head's replicated ones (the
-    final norm), from the model's spec table."""
+    final norm), from the model's spec table. The layers built are SwiGLU; a GELU MLP has one
+    ``h × f`` matrix fewer."""
     specs = one_layer_specs(args).values()
     split = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is not None)
     replicated = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is None)
     head = sum(s.numel for s in specs if s.layer is None and not s.vocab)
+    if args.mlp == "gelu":
+        split -= args.hidden_size * args.ffn_hidden_size
     return split, replicated, head
 
 
@@ -64,10 +90,11 @@ class Layout:
     zero: int = 1
     recompute: str = "none"  # none | selective | full
     pipeline_layers: tuple | None = None  # layers per chunk (pp × vpp) when they do not split evenly
+    sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 and self.sp
 
     def flags(self) -> str:
         uneven = (f" --parallel.pipeline_layers '[{', '.join(map(str, self.pipeline_layers))}]'"
@@ -90,12 +117,17 @@ def split_layers(layers: int, chunks: int) -> tuple | None:
     return tuple(counts)
 
 
-def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none") -> float:
+def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none",
+                               seq: int = 0, attention: str = "flash") -> float:
     """What autograd keeps per token of one decoder layer in bf16 (see the module docstring)."""
     h, kvd, f = args.hidden_size, args.num_kv_heads * args.head_dim, args.ffn_hidden_size
     if recompute == "full":
         return 2.0 * h / (tp if sequence_parallel else 1)
+    if args.mlp == "gelu":
+        f = f * 3 / 4  # the activation saves one f-wide input instead of SwiGLU's two (8·f = 2 bytes × 4)
     full = 12 * h + 4 * kvd + 8 * f
+    if attention == "unfused" and recompute != "selective":  # softmax output (+ dropout mask, output)
+        full += (2 + 3 * (args.attention_dropout > 0)) * args.num_heads * seq
     if sequence_parallel or tp == 1:
         return full / tp
     return 8 * h + (full - 8 * h) / tp  # norm and column-parallel inputs whole on every tp rank
@@ -112,104 +144,268 @@ def state_bytes_per_param(precision: str, zero: int, dp: int) -> float:
     return weights + (4.0 + master + 8.0) / dp
 
 
+# ----------------------------------------------------------------------------------------------
+# Kernels: seconds of one layer's work for one micro-batch on one tp rank
+
+
+def gemm_s(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
+    """An (m × k) @ (k × n) matmul, ``batch`` times, in bf16: compute- or memory-bound, plus the
+    per-kernel overhead."""
+    flops = 2.0 * m * n * k * batch
+    moved = 2.0 * (m * k + k * n + m * n) * batch
+    return max(flops / (device.peak_tflops * 1e12 * device.efficiency), moved / (device.hbm_gbs * 1e9)) + GEMM_S
+
+
+def gemm_fwd_bwd_s(device: Device, m: int, n: int, k: int, batch: int = 1) -> tuple[float, float]:
+    """Forward, and backward (data gradient (m × n)·(n × k), weight gradient (k × m)·(m × n))."""
+    return gemm_s(device, m, n, k, batch), gemm_s(device, m, k, n, batch) + gemm_s(device, k, n, m, batch)
+
+
+def memory_s(device: Device, moved: float, kernels: int) -> float:
+    return moved / (device.hbm_gbs * 1e9 * HBM_EFFICIENCY) + kernels * KERNEL_S
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One decoder layer (or the head), one micro-batch, one tp rank: seconds by kind."""
+    matmul_f: float
+    matmul_b: float
+    memory_f: float
+    memory_b: float
+    attn_f: float = 0.0  # the attention core, recomputed under selective recompute
+    attn_b: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        return self.matmul_f + self.memory_f + self.attn_f
+
+    @property
+    def backward(self) -> float:
+        return self.matmul_b + self.memory_b + self.attn_b
+
+
+def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, sequence_parallel: bool,
+               attention: str) -> LayerTime:
+    """One decoder layer's kernels (see the module docstring)."""
+    h, d, f = args.hidden_size, args.head_dim, args.ffn_hidden_size
+    n, kv = args.num_heads // tp, args.num_kv_heads // tp  # heads on this rank
+    tokens = micro * seq
+    fc1 = f if args.mlp == "gelu" else 2 * f  # GELU's fc1, or SwiGLU's gate and up fused
+    shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]  # (out, in) on this rank
+    mm = [gemm_fwd_bwd_s(device, tokens, out, inp) for out, inp in shapes]
+    matmul_f, matmul_b = sum(a for a, _ in mm), sum(b for _, b in mm)
+
+    # memory-bound kernels: norms and residual adds (+ dropout) run on s/tp tokens under SP, on
+    # all of them otherwise; activation function, q/k/v layout copies and RoPE on h/tp features
+    whole = 8 * h + 2 * (6 * h + (5 * h if args.hidden_dropout > 0 else 0))
+    split = (4 if args.mlp == "gelu" else 6) * f / tp + 4 * (n + 2 * kv) * d + 4 * (n + kv) * d
+    moved = tokens * (whole / (tp if sequence_parallel else 1) + split)  # bytes: reads + writes of bf16 values
+    memory_f, memory_b = memory_s(device, moved, 8), memory_s(device, 2 * moved, 14)
+
+    if attention == "flash":  # causal: half the score matrix is computed
+        causal = 2.0 * micro * n * seq * seq * d  # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
+        attn_f = causal / (device.peak_tflops * 1e12 * device.attention_efficiency) + KERNEL_S
+        attn_b = 2.5 * attn_f
+    else:  # batched matmuls per head + softmax / dropout over the whole s × s scores in memory
+        qk = gemm_fwd_bwd_s(device, seq, seq, d, micro * n)
+        pv = gemm_fwd_bwd_s(device, seq, d, seq, micro * n)
+        dropout = args.attention_dropout > 0
+        scores = micro * n * seq * seq
+        attn_f = qk[0] + pv[0] + memory_s(device, scores * (4 + 5 * dropout), 1 + dropout)
+        attn_b = qk[1] + pv[1] + memory_s(device, scores * (6 + 5 * dropout), 1 + dropout)
+    return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b)
+
+
+def head_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int) -> LayerTime:
+    """The output layer and the vocab-parallel loss (fp32 logits written, read, their gradient)."""
+    tokens, rows = micro * seq, args.padded_vocab(tp) // tp
+    f, b = gemm_fwd_bwd_s(device, tokens, rows, args.hidden_size)
+    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# The estimate
+
+
 @dataclass
 class Estimate:
     layout: Layout
-    memory: dict          # bytes on the busiest stage: params, grads+optimizer, activations, overhead, total
-    time: dict            # seconds per step: compute, tensor, bubble, data, p2p, total
+    memory: dict          # bytes on the busiest stage: params, state, activations, overhead, total, capacity
+    time: dict            # seconds per step: compute, memory, tensor, bubble, p2p, data, optimizer, total
     mfu: float
     tokens_per_gpu_s: float
+    hfu: float = 0.0      # hardware FLOPs (recomputation counted) over the peak
+    peak_tflops: float = 0.0
 
     @property
     def fits(self) -> bool:
         return self.memory["total"] <= self.memory["capacity"]
 
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model FLOPs per second per GPU, in TFLOP/s (what MFU is a fraction of the peak of)."""
+        return self.mfu * self.peak_tflops
+
+    @property
+    def hw_tflops_per_gpu(self) -> float:
+        """Hardware FLOPs per second per GPU: recomputation counted (Megatron's "achieved TFLOP/s")."""
+        return self.hfu * self.peak_tflops
+
+
+def _bandwidth(device: Device, size: int, stride: int) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency in s) of a ring over ``size`` ranks ``stride`` apart in
+    the rank grid: NVLink when they share a node, else the node's NICs, one per GPU the group has
+    on each node."""
+    per_node = max(1, min(size, device.gpus_per_node // stride))
+    if size * stride <= device.gpus_per_node:
+        return device.intra_gbs * 1e9, LATENCY_INTRA_S
+    return min(device.intra_gbs, device.inter_gbs * per_node) * 1e9, LATENCY_INTER_S
+
+
+def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float = 1.0) -> float:
+    """``passes`` ring passes (all-gather or reduce-scatter: 1, all-reduce: 2) of ``nbytes``."""
+    if size == 1:
+        return 0.0
+    bw, latency = _bandwidth(device, size, stride)
+    return passes * ((size - 1) / size * nbytes / bw + latency)
+
+
+def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
+    """Layers on each stage (its chunks together) and the most in one chunk."""
+    pp, vpp, n = layout.pp, layout.vpp, model.num_layers
+    chunks = layout.pipeline_layers or [n // (pp * vpp)] * (pp * vpp)
+    if len(chunks) != pp * vpp or sum(chunks) != n or min(chunks) < 1 or (
+            layout.pipeline_layers is None and n % (pp * vpp)):
+        raise PipelineError(f"{n} layers do not split into pp {pp} × vpp {vpp} chunks (give pipeline_layers)")
+    return [sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp)], max(chunks)
+
+
+def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: int,
+            layers: int, per_chunk: int, attention: str) -> tuple[dict, float]:
+    """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters."""
+    tp, dp, L = layout.tp, layout.dp, layout
+    split, replicated, head = layer_params(model)
+    vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
+    first = layers * (split / tp + replicated) + vocab_rows * hidden
+    last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not model.tie_embeddings or L.pp > 1
+                                                         else 0)
+    params = max(first, last if L.pp > 1 else first + head + (0 if model.tie_embeddings else vocab_rows * hidden))
+    state = params * state_bytes_per_param(precision, L.zero, dp)
+    scale = 1.0 if precision in ("bf16", "fp16") else 2.0
+    tokens = L.micro_batch * seq
+    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention) * scale
+    acts = in_flight * per_chunk * tokens * per_layer
+    if L.recompute == "full":  # one layer's full activations while it is recomputed
+        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention) * scale
+    logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
+    memory = {"params": params * (2 if scale == 1 else 4), "state": state, "activations": acts + logits,
+              "overhead": device.overhead_gb * GIB}
+    memory["total"] = state + acts + logits + memory["overhead"]
+    memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
+    return memory, params
+
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
-             precision: str = "bf16", schedule: str = "auto") -> Estimate:
+             precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run."""
     L, tp, pp, dp, vpp, mb = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r} is not one of: {', '.join(ATTENTION)}")
     if global_batch % (mb * dp):
         raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch {mb} × dp {dp}")
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m)
-    n_layers, hidden, tied = model.num_layers, model.hidden_size, model.tie_embeddings
-    chunks = L.pipeline_layers or [n_layers // (pp * vpp)] * (pp * vpp)
-    if len(chunks) != pp * vpp or sum(chunks) != n_layers or min(chunks) < 1:
-        raise PipelineError(f"{n_layers} layers do not split into pp {pp} × vpp {vpp} chunks "
-                            f"(give pipeline_layers)")
-    per_chunk = max(chunks)
-    layers = max(sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp))  # the busiest stage
-    split, replicated, head = layer_params(model)
-    vocab_rows = model.padded_vocab(tp) // tp  # per tp rank
-    first = layers * (split / tp + replicated) + vocab_rows * hidden
-    last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not tied or pp > 1 else 0)
-    params = max(first, last if pp > 1 else first + head + (0 if tied else vocab_rows * hidden))
-    state = params * state_bytes_per_param(precision, L.zero, dp)
-    scale = 1.0 if precision in ("bf16", "fp16") else 2.0
-    tokens = mb * seq
-    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute) * scale
-    b_cost = 3.0 if L.recompute == "full" else 2.0
-    stretch, in_flight = _pipeline(kind, pp, vpp, m, b_cost)
-    acts = in_flight * per_chunk * tokens * per_layer
-    if L.recompute == "full":  # one layer's full activations while it is recomputed
-        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel) * scale
-    logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
-    overhead = device.overhead_gb * GIB
-    memory = {"params": params * (2 if scale == 1 else 4), "state": state, "activations": acts + logits,
-              "overhead": overhead}
-    memory["total"] = state + acts + logits + overhead
-    memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
+    stage_layers, per_chunk = _stage_layers(model, L)
+    sp, hidden, world = L.sequence_parallel, model.hidden_size, tp * pp * dp
+    slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
-    # time
-    world = tp * pp * dp
-    model_flops = flops_per_token(model, seq) * global_batch * seq
-    extra = {"none": 0.0, "selective": 0.02, "full": 1.0 / 3.0}[L.recompute]
-    peak = device.peak_tflops * 1e12 * device.efficiency
-    imbalance = layers * pp / n_layers  # the busiest stage sets the pace
-    compute = model_flops * (1 + extra) * imbalance / (world * peak)  # per GPU, all its micro-batches
-    act_bytes = tokens * hidden * 2.0
-    bw_tp = (device.intra_gbs if tp <= device.gpus_per_node else device.inter_gbs) * 1e9
-    ring = (tp - 1) / tp * act_bytes / bw_tp  # one all-gather or reduce-scatter
-    # per layer and micro-batch, in ring passes: SP forward 2 all-gathers + 2 reduce-scatters,
-    # backward the reverse plus 2 re-gathers; without SP 4 all-reduces of 2 passes; a full
-    # recompute repeats the forward's
-    passes = (10 + (4 if L.recompute == "full" else 0)) if L.sequence_parallel else \
-        (8 + (4 if L.recompute == "full" else 0))
-    tensor = passes * ring * layers * m if tp > 1 else 0.0
-    bubble = (compute + tensor) * (stretch - 1.0)
-    grad_bytes = params * 4.0
-    bw_dp = (device.intra_gbs if tp * dp <= device.gpus_per_node else device.inter_gbs) * 1e9
-    frac = (dp - 1) / dp
-    per_micro = (compute + tensor) / m
-    backward = per_micro * b_cost / (1 + b_cost)  # one micro-batch's backward on this stage
-    if L.zero == 0:  # all-reduce under the last micro-batch's backward
-        data = max(0.0, 2 * frac * grad_bytes / bw_dp - backward)
-    else:  # reduce-scatter under the last backward (zero 2: under every one), all-gather under the next forward
-        reduce = frac * grad_bytes / bw_dp
-        data = max(0.0, reduce - backward) if L.zero == 1 else m * max(0.0, reduce - backward)
-        data += max(0.0, frac * params * 2.0 / bw_dp - per_micro / (1 + b_cost))
-    bw_pp = (device.inter_gbs if tp * dp >= device.gpus_per_node else device.intra_gbs) * 1e9
-    p2p = 2 * m * vpp * act_bytes / (tp if L.sequence_parallel else 1) / bw_pp if pp > 1 else 0.0
-    total = compute + tensor + bubble + data + p2p
-    time = {"compute": compute, "tensor": tensor, "bubble": bubble, "data": data, "p2p": p2p, "total": total}
-    mfu = model_flops / (total * world * device.peak_tflops * 1e12)
-    return Estimate(layout, memory, time, mfu, global_batch * seq / total / world)
+    # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
+    lt, ht = layer_time(model, device, mb, seq, tp, sp, attention), head_time(model, device, mb, seq, tp)
+    act_bytes = mb * seq * hidden * 2.0
+    ring = _ring_s(device, tp, 1, act_bytes)  # one all-gather or reduce-scatter of (b, s, h)
+    # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
+    # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
+    tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
+    # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor)
+    redo = {"none": (0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0),
+            "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f)}[L.recompute]
+
+    def stage(r: int) -> tuple[float, float]:
+        head = r == pp - 1
+        f = stage_layers[r] * (lt.forward + tp_f) + head * (ht.forward + 2 * ring)
+        b = stage_layers[r] * (lt.backward + tp_b + sum(redo)) + head * (ht.backward + 2 * ring)
+        return f * slow, b * slow
+
+    busiest = max(range(pp), key=lambda r: sum(stage(r)))
+    f, b = stage(busiest)
+    stretch, in_flight = _pipeline(kind, pp, vpp, m, round(4 * b / f) / 4)  # backward/forward to 1/4: cached
+    n, head = stage_layers[busiest], busiest == pp - 1
+    compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
+    memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
+    tensor = n * (tp_f + tp_b + redo[2]) + head * 4 * ring
+    busy = m * (f + b)
+    bubble = busy * (stretch - 1.0)
+
+    mem, params = _memory(model, seq, L, device, precision, in_flight, max(stage_layers), per_chunk, attention)
+    data, optimizer = _data_parallel_s(device, L, params, m, f, b)
+    bw_pp, lat_pp = _bandwidth(device, pp, tp * dp)
+    p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
+    total = busy + bubble + p2p + data + optimizer
+    time = {"compute": m * compute * slow, "memory": m * memory_bound * slow, "tensor": m * tensor * slow,
+            "bubble": bubble, "p2p": p2p, "data": data, "optimizer": optimizer, "total": total,
+            "recompute": m * n * sum(redo) * slow}  # (part of compute, memory and tensor)
+
+    tokens = global_batch * seq
+    model_flops = flops_per_token(model, seq) * tokens
+    hw_flops = model_flops + tokens * model.num_layers * recompute_flops_per_token(model, seq, L.recompute)
+    peak = device.peak_tflops * 1e12
+    return Estimate(L, mem, time, model_flops / (total * world * peak), tokens / total / world,
+                    hw_flops / (total * world * peak), device.peak_tflops)
+
+
+def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float) -> tuple[float, float]:
+    """(exposed data-parallel communication, optimizer step) in seconds: gradients reduced under
+    the last micro-batch's backward (zero 2: under every one), parameters gathered under the next
+    forward; the optimizer reads and writes its shard's fp32 state (34 bytes a parameter) and
+    every rank zeroes its gradient buffer."""
+    dp, tp, grad_bytes = L.dp, L.tp, params * 4.0
+    if L.zero == 0:
+        data = max(0.0, _ring_s(device, dp, tp, grad_bytes, 2) - b)
+    else:
+        reduce = _ring_s(device, dp, tp, grad_bytes)
+        data = max(0.0, reduce - b) if L.zero == 1 else m * max(0.0, reduce - b)
+        data += max(0.0, _ring_s(device, dp, tp, params * 2.0) - f)
+    return data, memory_s(device, params * 4.0 + params / (dp if L.zero else 1) * 34.0, 4)
+
+
+def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> float:
+    """FLOPs one layer runs again per token: its whole forward (full) or the attention core's
+    (selective), in ``flops_per_token``'s convention (attention without the causal halving)."""
+    if recompute == "none":
+        return 0.0
+    attention = 4.0 * args.hidden_size * seq
+    if recompute == "selective":
+        return attention
+    matmul = num_parameters(args, embeddings=False) - args.hidden_size  # without the final norm
+    return 2.0 * matmul / args.num_layers + attention
 
 
 @functools.cache
 def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[float, int]:
     """(step time over busy time, peak in-flight micro-batch chunks on stage 0) of a schedule,
-    replayed with a forward costing 1 and a backward ``b_cost``."""
-    sim = simulate([schedule_order(kind, r, pp, vpp, m) for r in range(pp)], pp, vpp, 1.0, b_cost)
-    return sim["makespan"] / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, m))
+    replayed with a forward costing 1 and a backward ``b_cost``. Past 2·pp micro-batches the idle
+    time and the peak no longer grow (steady state), so at most that many are replayed."""
+    ms = min(m, 2 * pp)
+    sim = simulate([schedule_order(kind, r, pp, vpp, ms) for r in range(pp)], pp, vpp, 1.0, b_cost)
+    idle = sim["makespan"] - ms * vpp * (1.0 + b_cost)
+    return 1.0 + max(0.0, idle) / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, ms))
 
 
 def layouts(model: ModelArgs, world: int, global_batch: int, device: Device) -> list[Layout]:
     """Every layout worth estimating: tp within a node dividing the heads, any pp (layers split as
-    evenly as they go), interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none
-    or full."""
+    evenly as they go), interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none,
+    selective or full."""
     out = []
     for tp in (1, 2, 4, 8):
         if tp > device.gpus_per_node or world % tp or model.num_heads % tp or model.num_kv_heads % tp:
@@ -226,18 +422,18 @@ def layouts(model: ModelArgs, world: int, global_batch: int, device: Device) -> 
                     if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                         continue
                     for zero in ((0, 1, 2) if dp > 1 else (0,)):
-                        for recompute in ("none", "full"):
+                        for recompute in ("none", "selective", "full"):
                             out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven))
     return out
 
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
-           precision: str = "bf16") -> list[Estimate]:
+           precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first."""
     found = []
     for layout in layouts(model, world, global_batch, device):
         try:
-            found.append(estimate(model, seq, layout, global_batch, device, precision))
+            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))

@@ -14,7 +14,10 @@ import sys
 import torch
 
 from .config import Config, help_text, load_config, validate
+from .data.checks import check_data_matches_model, resolve_vocab
 from .errors import ConfigError, UserError
+from .monitor.flops import slow_half_precision_warning
+from .run_lock import RunLock
 
 USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]
 
@@ -47,20 +50,6 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def resolve_vocab(cfg: Config) -> None:
-    """Fill ``model.vocab_size`` from the tokenizer when unset; check it covers the tokenizer."""
-    from .data.tokenizers import build_tokenizer
-
-    tok = cfg.data.tokenizer
-    tokenizer_vocab = build_tokenizer(tok.type, tok.model).vocab_size
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer_vocab
-    elif cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
-                          f"data.tokenizer ({tok.type}: {tokenizer_vocab}); set it to at least "
-                          f"{tokenizer_vocab} or to null")
-
-
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .parallel.state import ParallelState, init_distributed
@@ -70,21 +59,35 @@ def setup(argv: list[str]):
     cfg = load_config(config_path, overrides)
     device = resolve_device(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    resolve_vocab(cfg)
+    tokenizer_vocab = resolve_vocab(cfg)
     sizes, warnings = validate(cfg, world_size)  # before any process group exists
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
+    check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab, cfg.model.vocab_size,
+                             cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
     if device.type == "cpu":
         # Ranks sharing a CPU must not oversubscribe it: OpenMP spin-waits make that ~100× slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
-    init_distributed(cfg.parallel.backend, device.type)
-    ps = ParallelState(cfg.parallel.tp, cfg.parallel.pp, device=device, comm_stats=cfg.parallel.comm_stats)
-    if ps.rank == 0:
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-    return Trainer(cfg, sizes, ps)
+    if device.type == "cpu" and cfg.train.precision in ("bf16", "fp16"):
+        slow = slow_half_precision_warning(cfg.train.precision)
+        warnings += [slow] if slow else []
+    lock = RunLock(cfg.run.dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    if lock is not None:
+        lock.acquire()  # before anything is written: one training per run directory
+    try:
+        init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
+        ps = ParallelState(cfg.parallel.tp, cfg.parallel.pp, device=device, comm_stats=cfg.parallel.comm_stats,
+                           zero_shard_size=cfg.parallel.zero_shard_size)
+        if ps.rank == 0:
+            for w in warnings:
+                print(f"warning: {w}", file=sys.stderr)
+        return Trainer(cfg, sizes, ps, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecoveryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        print(f"interrupted at iteration {trainer.iteration} (a second Ctrl-C); nothing saved since the last "
+              "checkpoint", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -15,27 +15,51 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import statistics
+import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+import yaml
 
-from .checkpoint.format import rank_state, read_metadata
-from .checkpoint.manager import CheckpointManager, resolve_checkpoint
-from .checkpoint.reshard import SavedShards, resharded_state, saved_padded_vocab
-from .config import Config, RunSizes, resolve_schedule, save_config, to_dict
+from .checkpoint.format import check_shapes, rank_state, read_metadata
+from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views
+from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
+from .config import Config, RunSizes, batch_size_at, resolve_schedule, save_config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader
+from .data.tokenizers import build_tokenizer
+from .faults import Faults
 from .model.build import DTYPES, build_model_chunks
-from .model.llama import flops_per_token, num_parameters
+from .model.llama import documents, flops_per_token, num_parameters
+from .monitor.alerts import AlertMonitor, describe_alert
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
+from .monitor.watchdog import Watchdog
+from .oom import OOM_EXIT, report_oom
 from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
 from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
 from .parallel.state import ParallelState
 from .recovery import Detector, RecoveryError, describe, run_alert_command
+from .run_lock import RunLock
+
+# what the saved data position depends on: changing one on resume deserves a warning
+RESUME_SENSITIVE = ("train.seq_length", "train.global_batch_size", "data.split", "data.paths", "train.seed")
+
+
+IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
+
+
+def recipe_warnings(num_params: int, tokens_per_batch: int) -> list[str]:
+    """Where the run leaves the recipe: models above 1B train on batches of 2-4M tokens."""
+    if num_params > 1e9 and not 2e6 <= tokens_per_batch <= 4.2e6:
+        return [f"a global batch of {tokens_per_batch:,} tokens for a model of {num_params / 1e9:.1f}B parameters: "
+                "the recipe uses 2-4M tokens per step above 1B (train.global_batch_size × train.seq_length)"]
+    return []
 
 
 def memory_mb(device: torch.device) -> float:
@@ -47,11 +71,12 @@ def memory_mb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState):
+    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
+        """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
+        self.lock = lock
         t = cfg.train
         self.is_logger = ps.rank == 0
-        self.tokens_per_batch = t.global_batch_size * t.seq_length
         self.iteration, self.consumed_samples = 0, 0
         self.last_loss: float | None = None
         os.makedirs(cfg.run.dir, exist_ok=True)
@@ -63,12 +88,11 @@ class Trainer:
         self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
                                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
         self.optimizer.overlap_param_gather(self.model_chunks)  # zero ≥ 1: all-gather under the next forward
-        self.num_micro = sizes.grad_accum
+        self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
         self.pipeline_schedule = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp,
                                                   self.num_micro)
-        pp, vpp = ps.pp.size, cfg.parallel.vpp  # every stage's order: the executor plans the transfers from all
-        self.train_orders = [schedule_order(self.pipeline_schedule, r, pp, vpp, self.num_micro) for r in range(pp)]
-        self.eval_orders = [forward_only_order(pp, vpp, self.num_micro)] * pp
+        self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
+        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] * ps.pp.size
         act_seq = t.seq_length // ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else t.seq_length
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
@@ -79,29 +103,46 @@ class Trainer:
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
 
         self.datasets = self._build_datasets()
-        needs_data = any(c.pre_process or c.post_process for c in self.model_chunks)  # first/last stage
+        d = cfg.data
+        self.documents = d.reset_attention_mask or d.reset_position_ids  # every stage needs the token ids
+        self.eod = build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod \
+            if self.documents or d.eod_mask_loss else None
+        needs_data = self.documents or any(c.pre_process or c.post_process for c in self.model_chunks)
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
 
         layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size}
+        self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
+        c = cfg.checkpoint
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
                                              layout=layout, vocab_size=self.args.vocab_size,
-                                             padded_vocab=sizes.padded_vocab, keep_last=cfg.checkpoint.keep_last,
-                                             keep_every=cfg.checkpoint.keep_every,
-                                             async_save=cfg.checkpoint.async_save, device=self.device)
+                                             padded_vocab=sizes.padded_vocab, keep_last=c.keep_last,
+                                             keep_every=c.keep_every,
+                                             milestones=milestone_iterations(c.milestone_fraction, sizes.iters),
+                                             async_save=c.async_save, tensors=self.model_shapes, device=self.device,
+                                             prune_rolled_back=cfg.recovery.prune_rolled_back,
+                                             sharding=self._sharding())
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         r = cfg.recovery
-        self.detector = None if r.action == "none" else Detector(
-            r.spike_zscore, r.window, r.min_std_fraction, r.max_bad_steps, fp16=t.precision == "fp16")
+        self.detector = None if r.action == "none" else Detector.from_config(r, t.precision)
         self.rollbacks = 0
+        self._stall_s = 0.0  # seconds saves blocked training since the last logged step
+        self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
+        self.alerts = AlertMonitor(cfg.alerts)
+        self.faults = Faults(cfg.faults, ps.rank)
+        self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
+        self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
         resumed_from = self._maybe_resume()
         if self.is_logger:
             self._write_config()
         self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
                                      wandb=cfg.logging.wandb, config=to_dict(cfg),
                                      run_name=cfg.run.name or os.path.basename(os.path.abspath(cfg.run.dir)))
-        self._stop_requested = False
+        self._stop_requested: str | None = None  # the name of the signal that asked to stop
         self.log(sizes.describe(num_parameters(self.args), self.flops_per_token))
+        for warning in recipe_warnings(num_parameters(self.args), sizes.tokens_per_batch):
+            if self.is_logger:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.log(format_description(describe_datasets(self.datasets)))
         self._log_memory()
         if resumed_from:
@@ -118,39 +159,60 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        """Train to ``train.iters``; SIGTERM (handled only while this runs) saves at the next step
-        boundary and returns."""
+        """Train to ``train.iters``. While this runs (and only then), SIGTERM and SIGUSR1 (SLURM's
+        pre-emption warning) save at the next step boundary and return; so does a first Ctrl-C
+        (SIGINT), a second one stops at once (KeyboardInterrupt)."""
         on_main_thread = threading.current_thread() is threading.main_thread()  # where signals can be caught
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main_thread else None
+        stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        previous = {s: signal.signal(s, self._on_stop_signal) for s in stops} if on_main_thread else {}
         try:
             self._fit()
         finally:
-            if on_main_thread:
-                signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if self.lock is not None:
+                self.lock.release()
 
     def _fit(self) -> None:
-        t, c = self.cfg.train, self.cfg.checkpoint
+        self.watchdog.start()
+        try:
+            self._loop()
+        finally:
+            self.watchdog.stop()
+
+    def _loop(self) -> None:
+        t, c, iters = self.cfg.train, self.cfg.checkpoint, self.sizes.iters
         last_save = time.monotonic()
-        while self.iteration < t.iters:
-            stats = self.train_step()
+        while self.iteration < iters:
+            self.watchdog.beat("step", self.iteration + 1)
+            stats = self._guarded_step()
+            self.watchdog.done(stats["step_time"])
             self.iteration += 1
+            if self.lock is not None:
+                self.lock.heartbeat()
             if self.pipeline.record:
                 self._write_trace()
-            self.consumed_samples += t.global_batch_size
-            if self.iteration % self.cfg.logging.interval == 0 or self.iteration == t.iters:
+            self.consumed_samples += stats["global_batch_size"]
+            logged = self.iteration % self.cfg.logging.interval == 0 or self.iteration == iters
+            if logged:
                 self._log_step(stats)
-            alert = self.detector and self.detector.observe(self.iteration, stats["loss"], stats["skipped"])
+            self._report_alerts(stats, stragglers=logged)
+            alert = self.detector and self.detector.observe(self.iteration, stats["loss"], stats["skipped"],
+                                                            stats["grad_norm"])
             if alert and self._on_alert(alert):
                 continue  # rolled back: this iteration is trained again from the checkpoint
             if t.eval_interval and self.iteration % t.eval_interval == 0:
+                self.watchdog.beat("eval", self.iteration)
                 self._log_eval(self.evaluate())
             timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
             stop = self._agree(self._stop_requested)
             if (c.interval and self.iteration % c.interval == 0) or timed or stop:
+                self.watchdog.beat("save", self.iteration)
                 self.save()
                 last_save = time.monotonic()
             if stop:
-                self.log(f"SIGTERM: saved at iteration {self.iteration}, exiting")
+                self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "
+                         f"{self.iteration}, exiting")
                 break
         else:
             if t.eval_interval and self.iteration % t.eval_interval:
@@ -165,52 +227,117 @@ class Trainer:
         self.log(f"done: metrics {os.path.join(self.cfg.run.dir, 'metrics.jsonl')}  "
                  f"tensorboard {os.path.join(self.cfg.run.dir, 'tensorboard')}  checkpoints {ckpt}")
 
+    def _guarded_step(self) -> dict:
+        """``train_step``, with the injected faults of this iteration, and out-of-memory turned
+        into guidance (the memory summary and the remedies with the planner's estimates)."""
+        try:
+            self.faults.before_step(self.iteration + 1)
+            return self.train_step()
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            message = report_oom(exc, self.cfg, self.ps.dp.size, self.ps.rank, self.iteration + 1, self.device)
+            print(message, file=sys.stderr, flush=True)
+            self.metrics.event("oom", self.iteration + 1, rank=self.ps.rank, error=str(exc)[:500])
+            self.metrics.close()
+            sys.exit(OOM_EXIT)
+
     def train_step(self) -> dict:
-        """One optimizer step over the global batch; returns the step's metrics."""
-        ps = self.ps
+        """One optimizer step over the global batch; returns the step's metrics, with where its
+        time went (data wait, forward/backward, waiting for the gradient reduction, the optimizer)."""
+        ps, it = self.ps, self.iteration + 1
         start = time.perf_counter()
         if ps.stats is not None:
             ps.stats.reset()
         for chunk in self.model_chunks:
             chunk.train()
         self.optimizer.zero_grad()
+        batch = self._batch_size(self.consumed_samples)
         batches, data_time = self._load("train", self.consumed_samples)
+        batches = self.faults.corrupt(it, self.consumed_samples, batches, self.args.vocab_size)
+        tokens = self._counted_tokens(batches, batch)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        forward = self._forward_fn(batches, loss_sum, self.optimizer.scaler.scale / self.tokens_per_batch)
-        self.pipeline.run(self.train_orders, self.num_micro, forward)  # dp reduction overlaps the last backwards
+        scale = self.optimizer.scaler.scale / tokens * self.faults.grad_factor(it)
+        computed = time.perf_counter()
+        orders, num_micro = self._orders(batch)
+        self.pipeline.run(orders, num_micro, self._forward_fn(batches, loss_sum, scale))  # dp reduction overlaps
+        backward_done = time.perf_counter()
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
         ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
-        lr = self.lr_schedule(self.iteration + 1)
+        reduced = time.perf_counter()
+        lr = self.lr_schedule(it) * self.lr_scale
         grad_norm, skipped = self.optimizer.step(lr)
         elapsed = time.perf_counter() - start
-        self.last_loss = loss_sum.item() / self.tokens_per_batch
-        return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr,
-                "skipped": skipped, "step_time": elapsed, "data_time": data_time}
+        self.last_loss = loss_sum.item() / tokens
+        return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
+                "global_batch_size": batch, "step_time": elapsed, "data_time": data_time,
+                "forward_backward_time": backward_done - computed, "grad_sync_time": reduced - backward_done,
+                "optimizer_time": time.perf_counter() - reduced}
+
+    def _orders(self, batch: int) -> tuple[list, int]:
+        """Every stage's schedule order for a global batch of ``batch`` samples, and its micro-batches."""
+        num_micro = batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)
+        if num_micro not in self._train_orders:
+            pp, vpp = self.ps.pp.size, self.cfg.parallel.vpp  # every stage's: the executor plans transfers from all
+            self._train_orders[num_micro] = [schedule_order(self.pipeline_schedule, r, pp, vpp, num_micro)
+                                             for r in range(pp)]
+        return self._train_orders[num_micro], num_micro
 
     def _forward_fn(self, batches: list, loss_sum: torch.Tensor, scale: float):
         """The pipeline's forward for one chunk and micro-batch: returns the activation for the next
         stage, or on the head's chunk adds the micro-batch's summed per-token losses to ``loss_sum``
         and returns what to backpropagate (that sum × ``scale``)."""
+        docs: dict = {}  # micro-batch -> its document structure, shared by this stage's chunks
+
         def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
             model = self.model_chunks[chunk]
             tokens, targets = batches[micro]
-            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None)
+            if self.documents and micro not in docs:
+                d = self.cfg.data
+                docs[micro] = documents(tokens, self.eod, d.reset_attention_mask, d.reset_position_ids)
+            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None,
+                        docs.get(micro))
             if not model.post_process:
                 return out  # (b, s, h) activation for the next stage
             loss_sum.add_(out.detach().sum())  # out: (b, s) fp32 per-token loss
             return out.sum() * scale
         return forward
 
+    def _counted_tokens(self, batches: list, batch: int) -> int:
+        """The tokens the step's loss is the mean over: every one of the global batch, or with
+        ``data.eod_mask_loss`` those whose target is not an end of document (counted on the stage
+        with the head, then summed over dp and pp so that every rank knows it)."""
+        if not self.cfg.data.eod_mask_loss:
+            return batch * self.cfg.train.seq_length
+        head = any(c.post_process for c in self.model_chunks)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _, targets in batches:
+            if head and targets is not None:
+                count += (targets != IGNORE).sum()
+        self.ps.dp.all_reduce(count)
+        self.ps.pp.all_reduce(count)
+        return max(1, int(count.item()))
+
+    def _batch_size(self, consumed_samples: int) -> int:
+        """The global batch of the training step after ``consumed_samples`` (batch-size ramp-up)."""
+        t = self.cfg.train
+        return batch_size_at(consumed_samples, t.global_batch_size, t.rampup_batch_size)
+
     def _load(self, split: str, consumed_samples: int) -> tuple[list, float]:
-        """This rank's (tokens, targets) micro-batches of the global batch after ``consumed_samples``,
-        and the seconds the step waited for them (the loader reads one step ahead). Stages with
-        neither the embedding nor the head read no data."""
+        """This rank's (tokens, targets) micro-batches of the global batch after ``consumed_samples``
+        (training: its size under the ramp-up), and the seconds the step waited for them (the
+        loader reads one step ahead). Stages with neither the embedding nor the head read no data."""
+        batch = self._batch_size(consumed_samples) if split == "train" else self.cfg.train.global_batch_size
+        start = time.perf_counter()
+        if split == "train":
+            self.faults.data_delay(self.iteration + 1)
+        injected = time.perf_counter() - start
         loader = self.loaders.get(split)
         if loader is None:
-            return [(None, None)] * self.num_micro, 0.0
-        batches = loader.get(consumed_samples, self.cfg.train.global_batch_size)
-        return batches, loader.wait_s
+            return [(None, None)] * (batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)), injected
+        batches = loader.get(consumed_samples, batch)
+        if self.cfg.data.eod_mask_loss:  # end-of-document targets leave the loss
+            batches = [(tokens, targets.masked_fill(targets == self.eod, IGNORE)) for tokens, targets in batches]
+        return batches, loader.wait_s + injected
 
     def _build_datasets(self) -> dict:
         """Train/valid datasets; one rank per node builds missing index caches, the others load them."""
@@ -218,9 +345,9 @@ class Trainer:
         valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
         r, per_rollback = cfg.recovery, cfg.checkpoint.interval + cfg.recovery.skip_batches
         # room for the batches rollbacks skip: max_rollbacks of them, at most as many as the run has
-        spare = min(r.max_rollbacks * per_rollback, t.iters) if r.action == "rollback" else 0
+        spare = min(r.max_rollbacks * per_rollback, self.sizes.iters) if r.action == "rollback" else 0
         args = (cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
-                {"train": (t.iters + spare) * t.global_batch_size, "valid": valid_samples, "test": 0},
+                {"train": self.sizes.train_samples + spare * t.global_batch_size, "valid": valid_samples, "test": 0},
                 cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
         builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
         datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
@@ -237,13 +364,15 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        counted = 0
         for step in range(t.eval_iters):
             batches, _ = self._load("valid", step * t.global_batch_size)
+            counted += self._counted_tokens(batches, t.global_batch_size)
             self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0),
                               backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp.all_reduce(loss_sum)
-        return loss_sum.item() / (t.eval_iters * self.tokens_per_batch)
+        return loss_sum.item() / counted
 
     # -- logging ----------------------------------------------------------------------------------
 
@@ -251,14 +380,20 @@ class Trainer:
         if self.is_logger:
             print(message, flush=True)
 
+    TIME_PARTS = ("data_time", "forward_backward_time", "grad_sync_time", "optimizer_time")
+
     def _log_step(self, s: dict) -> None:
-        tokens_per_sec = self.tokens_per_batch / s["step_time"]
+        tokens_per_sec = s["global_batch_size"] * self.cfg.train.seq_length / s["step_time"]
         tflops = self.flops_per_token * tokens_per_sec / self.ps.world_size / 1e12
         record = {"iter": self.iteration, "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"],
                   "tokens_per_sec": tokens_per_sec,
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
-                  "step_time": s["step_time"], "data_time": s["data_time"], "tflops": tflops,
+                  "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],
+                  **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self._stall_s, "tflops": tflops,
                   "memory_mb": memory_mb(self.device)}
+        self._stall_s = 0.0
+        if self.lr_scale != 1.0:
+            record["lr_scale"] = self.lr_scale
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         if self.ps.stats is not None:
@@ -269,7 +404,7 @@ class Trainer:
         if s["skipped"]:
             self.metrics.event("skipped_step", self.iteration, reason="non-finite gradient norm",
                                grad_norm=s["grad_norm"])
-        self.log(f"iter {self.iteration:>6}/{self.cfg.train.iters} | loss {s['loss']:.4f} | "
+        self.log(f"iter {self.iteration:>6}/{self.sizes.iters} | loss {s['loss']:.4f} | "
                  f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
                  f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB"
                  + (" | skipped" if s["skipped"] else ""))
@@ -300,7 +435,8 @@ class Trainer:
         self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
 
     def _write_config(self) -> None:
-        """Write the resolved config; a different earlier one is kept under a new name."""
+        """Write the resolved config; a different earlier one is kept under a new name, and a
+        resumed run that changed what the data order and the sample count depend on says so."""
         path = os.path.join(self.cfg.run.dir, "config.yaml")
         if os.path.exists(path):
             new = path + ".new"
@@ -308,50 +444,100 @@ class Trainer:
             with open(path) as a, open(new) as b:
                 same = a.read() == b.read()
             if not same:
-                os.replace(path, os.path.join(self.cfg.run.dir, f"config.before-iter{self.iteration}.yaml"))
+                kept = os.path.join(self.cfg.run.dir, f"config.before-iter{self.iteration}.yaml")
+                os.replace(path, kept)
+                self._warn_changed(kept)
             os.replace(new, path)
         else:
             save_config(self.cfg, path)
 
+
+    def _warn_changed(self, old_path: str) -> None:
+        """On resume: warn, loudly, about changed fields that the saved data position depends on."""
+        if not self.iteration:
+            return
+        with open(old_path) as fh:
+            old = yaml.safe_load(fh) or {}
+        new = to_dict(self.cfg)
+        for dotted in RESUME_SENSITIVE:
+            section, key = dotted.split(".")
+            before, now = (old.get(section) or {}).get(key), new[section][key]
+            if before != now:
+                print(f"warning: resuming at iteration {self.iteration} with {dotted} changed from {before} to "
+                      f"{now}: the saved data position ({self.consumed_samples:,} samples) was counted in the "
+                      f"old one, so the data order no longer continues the run's; the old config is {old_path}",
+                      file=sys.stderr, flush=True)
+
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save(self) -> None:
-        optim = self.optimizer.state_dict()
+        """Save a checkpoint (async: in the background) and log how long training was blocked."""
+        start = time.perf_counter()
+        weights, moments = optimizer_views(self.optimizer)  # no copies: the manager makes at most one
         rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples,
-                           model=self.optimizer.master_state_dict(), optimizer_step=optim["step"],
-                           moments=optim["params"], scaler=optim["scaler"], rng=rng)
+        state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
+                           optimizer_step=self.optimizer.step_count, moments=moments,
+                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale)
         self.checkpoints.save(self.iteration, state)
         self.metrics.event("checkpoint_saved", self.iteration,
-                           path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"))
+                           path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),
+                           checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
+        self._stall_s += time.perf_counter() - start  # shown on the next logged step
 
     def _maybe_resume(self) -> str | None:
-        path = self.checkpoints.latest() or self.cfg.checkpoint.load
-        if not path:
+        """Resume from this run's newest usable checkpoint (passing over damaged ones with a
+        warning), else start from ``checkpoint.load``: all of it, or — ``checkpoint.finetune`` —
+        its weights only, with a fresh optimizer, schedule and data position."""
+        c = self.cfg.checkpoint
+        path, warnings = self.checkpoints.choose(c.load)
+        for warning in warnings:
+            if self.is_logger:
+                print(f"warning: checkpoint: {warning}", file=sys.stderr, flush=True)
+        if path is None:
             return None
-        path = resolve_checkpoint(path)
-        self._apply(self._read(path))
+        own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.checkpoints.root)
+        fresh = c.finetune and not own  # once the new run saved, it resumes from its own as usual
+        state = self._read(path, moments=c.load_optimizer and not fresh)
+        self._apply(state, optimizer=c.load_optimizer and not fresh, rng=c.load_rng and not fresh, position=not fresh)
+        if not fresh:  # the learning-rate factor of earlier rollbacks goes on (a rollback keeps its own)
+            self.lr_scale = float(state.get("lr_scale", 1.0))
         return path
 
-    def _read(self, path: str) -> dict:
-        """This rank's state from checkpoint ``path``, whatever layout saved it."""
+    def _sharding(self) -> dict:
+        """What this rank's ZeRO ranges depend on beyond the layout (recorded in checkpoints)."""
+        p = self.cfg.parallel
+        return {"zero": p.zero, "zero_shard_size": self.ps.dp_shard.size, "bucket_size_mb": p.bucket_size_mb}
+
+    def _read(self, path: str, moments: bool = True) -> dict:
+        """This rank's state from checkpoint ``path``, whatever layout saved it, after checking its
+        tensors' shapes against the model (``moments=False``: they may be left out)."""
         meta = read_metadata(path)
+        check_shapes(path, meta, self.model_shapes)
         saved_padded = saved_padded_vocab(meta, self.args.vocab_size, self.args.vocab_divisible_by)
+        # (checkpoints from before the sharding was recorded were cut as this run cuts them)
+        same_cut = meta.get("sharding", self._sharding()) == self._sharding()
         if (meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size
-                and saved_padded == self.sizes.padded_vocab):
+                and saved_padded == self.sizes.padded_vocab and same_cut):
             return self.checkpoints.load(path)
         # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
         self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
         owned = {name: self.specs[name] for name in self.optimizer.fragments}  # under ZeRO: a share of them
-        return resharded_state(SavedShards(path, meta), owned, self.ps.tp_rank, self.ps.tp.size, saved_padded)
+        saved = SavedShards(path, meta)
+        try:
+            return resharded_state(saved, owned, self.ps.tp_rank, self.ps.tp.size, saved_padded, moments=moments)
+        finally:
+            saved.close()
 
-    def _apply(self, state: dict) -> None:
-        """Take weights, optimizer, position and (same layout only) random streams from a checkpoint."""
+    def _apply(self, state: dict, *, optimizer: bool = True, rng: bool = True, position: bool = True) -> None:
+        """Take weights, and unless told not to the optimizer, the position (iteration, data) and
+        (same layout only) the random streams from a checkpoint."""
         self.optimizer.load_master_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
-        if "rng" not in state:
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if position:
+            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+        if not rng or "rng" not in state:
             return  # random streams are per rank: after a reshard they restart from the seed
         torch.set_rng_state(state["rng"]["cpu"])
         if "tracker" in state["rng"]:
@@ -384,7 +570,7 @@ class Trainer:
             self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; going on")
             return False
         state = self._read(path)
-        needed = skip_to + (t.iters - state["iteration"]) * t.global_batch_size
+        needed = skip_to + (self.sizes.iters - state["iteration"]) * t.global_batch_size
         if needed > len(self.datasets["train"]):
             self.log(f"recovery: skipping to sample {skip_to:,} would run past the {len(self.datasets['train']):,} "
                      "samples indexed for this run; going on without a rollback")
@@ -396,14 +582,63 @@ class Trainer:
         self.consumed_samples = skip_to
         self.detector.rewind(self.iteration)
         self.rollbacks += 1
+        self.lr_scale *= r.lr_factor  # compounds over rollbacks, whatever the checkpoint held
         self.log(f"recovery: rolled back from iteration {bad_iteration} to {self.iteration} ({path}), skipping "
-                 f"{skipped:,} samples; set aside {', '.join(moved) or 'no later checkpoints'}")
+                 f"{skipped:,} samples, learning rate × {self.lr_scale:g} from here; set aside "
+                 f"{', '.join(moved) or 'no later checkpoints'}")
         self.metrics.event("rollback", self.iteration, from_iter=bad_iteration, checkpoint=path,
-                           skipped_samples=skipped, consumed_samples=self.consumed_samples, set_aside=moved)
+                           skipped_samples=skipped, consumed_samples=self.consumed_samples, set_aside=moved,
+                           lr_scale=self.lr_scale)
         return True
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
+    def _report_alerts(self, stats: dict, stragglers: bool) -> None:
+        """This step's alerts (start and clear), and every logging interval the stragglers."""
+        tokens_per_sec = stats["global_batch_size"] * self.cfg.train.seq_length / stats["step_time"]
+        for alert in self.alerts.observe(self.iteration, stats["loss"], stats["grad_norm"], tokens_per_sec,
+                                         stats["data_time"]):
+            self._announce(alert, describe_alert(alert))
+        if stragglers and self.ps.world_size > 1:
+            for alert in self._stragglers(stats):
+                self._announce(alert, f"straggler: rank {alert['rank']} on {alert['host']} took "
+                                      f"{alert['step_time']:.3f} s per step, {alert['ratio']:.2f}× the median "
+                                      f"{alert['median_step_time']:.3f} s (data wait {alert['data_time']:.3f} s)")
+
+    def _announce(self, alert: dict, line: str) -> None:
+        """One alert: a console warning, an ``alert`` event in metrics.jsonl (a TensorBoard text
+        entry too), and recovery.alert_command."""
+        self.log(f"warning: {line}")
+        self.metrics.event("straggler" if alert["kind"] == "straggler" else "alert", self.iteration,
+                           **{k: v for k, v in alert.items() if k != "iter"})
+        if self.is_logger:
+            self.metrics.text("alerts", line, self.iteration)
+            run_alert_command(self.cfg.recovery.alert_command, alert)
+
+    def _stragglers(self, stats: dict) -> list[dict]:
+        """Every rank's step and data-wait times; the ranks slower than alerts.straggler_ratio × the
+        median (the same verdict on every rank: all see the same gathered times)."""
+        if self.hosts is None:
+            self.hosts = [None] * self.ps.world_size
+            dist.all_gather_object(self.hosts, socket.gethostname())
+        # a rank's own time: waiting for the others (the gradient reduction) is not its slowness
+        own = stats["step_time"] - stats["grad_sync_time"]
+        mine = torch.tensor([own, stats["data_time"]], dtype=torch.float64, device=self.device)
+        times = [torch.zeros_like(mine) for _ in range(self.ps.world_size)]
+        dist.all_gather(times, mine)
+        steps = [float(t[0]) for t in times]
+        median = statistics.median(steps)
+        return [{"kind": "straggler", "iter": self.iteration, "rank": rank, "host": self.hosts[rank],
+                 "step_time": steps[rank], "data_time": float(times[rank][1]), "median_step_time": median,
+                 "ratio": steps[rank] / median}
+                for rank in range(self.ps.world_size)
+                if median > 0 and steps[rank] > self.cfg.alerts.straggler_ratio * median]
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self._stop_requested:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            print("\nCtrl-C: saving at the next step boundary (press Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)
+        self._stop_requested = signal.Signals(signum).name
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank when it is true on any (so all ranks save at the same step)."""

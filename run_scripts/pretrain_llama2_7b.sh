@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Pretrain configs/llama2_7b.yaml. Layout and size: see the config's first line.
-# SLURM:   sbatch --nodes 4 --ntasks-per-node 1 --gpus-per-node 8 run_scripts/pretrain_llama2_7b.sh
+# Pretrain configs/llama2_7b.yaml on 4 nodes of 8 GPUs. Layout and recipe: see the config's first lines.
+# SLURM:   sbatch run_scripts/pretrain_llama2_7b.sh
 # By hand: NNODES=4 NODE_RANK=<i> MASTER_ADDR=<node 0> bash run_scripts/pretrain_llama2_7b.sh   (on every node)
+# Check:   bash run_scripts/pretrain_llama2_7b.sh --dry-run   (validates at 32 GPUs, prints the plan and each node's command)
 # Extra arguments are config overrides, e.g. --data.paths '[0.7, web_text_document, 0.3, code_text_document]'
 #SBATCH --job-name=llama2_7b
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # sbatch runs a spooled copy of this script: then the repository is where the job was submitted
 [ -f "$ROOT/run_scripts/launch.sh" ] || ROOT="${SLURM_SUBMIT_DIR:?submit from the repository root}"
+export DEFAULT_NNODES=4 DEFAULT_NPROC_PER_NODE=8  # what --dry-run assumes without SLURM or NNODES
 exec bash "$ROOT/run_scripts/launch.sh" "$ROOT/configs/llama2_7b.yaml" "$@"

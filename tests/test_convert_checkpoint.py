@@ -119,3 +119,200 @@ def test_the_tokenizer_of_a_huggingface_run_goes_along(tmp_path):
         assert "tokenizer.json" in copied and (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert convert._copy_tokenizer(SimpleNamespace(data=SimpleNamespace(tokenizer=SimpleNamespace(
         type="ByteTokenizer", model=None))), str(out)) == []
+    (folder / "sp.model").write_bytes(b"sentencepiece")  # a SentencePiece run: tokenizer.model for LlamaTokenizer
+    sp = tmp_path / "sp_out"
+    sp.mkdir()
+    cfg = SimpleNamespace(data=SimpleNamespace(tokenizer=SimpleNamespace(type="SentencePieceTokenizer",
+                                                                         model=str(folder / "sp.model"))))
+    assert convert._copy_tokenizer(cfg, str(sp)) == ["tokenizer.model", "tokenizer_config.json"]
+    assert (sp / "tokenizer.model").read_bytes() == b"sentencepiece"
+
+
+# -- Llama 3.1 from Hugging Face into tp=2 × pp=2 and back ------------------------------------------
+
+ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+TP2PP2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
+
+
+def _tiny_llama31(hf_dir):
+    """A random transformers Llama with GQA, untied embeddings and Llama 3.1 rotary scaling."""
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=dict(ROPE))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(hf_dir)
+    return model
+
+
+def _safetensors(directory):
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def _train_from(rank, world, run_dir, corpus, flags):
+    trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
+    trainer.fit()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r.get("event") == "resumed"]
+
+
+def test_llama31_from_hf_into_tp2_pp2_trains_and_goes_back(corpus, tmp_path, capsys):
+    from megapretrain.checkpoint.hf import greedy, model_overrides, our_model
+    from megapretrain.checkpoint.reshard import GlobalWeights
+    from megapretrain.config import load_config
+
+    hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    reference = _tiny_llama31(hf_dir)
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt, *TP2PP2, "--world-size", "4",
+                         "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "--verify: max logit difference" in out and "--model.rope_scaling" in out
+    meta = json.load(open(os.path.join(ckpt, "metadata.json")))
+    assert meta["layout"] == {"tp": 2, "pp": 2, "dp": 1} and len(meta["files"]) == 4
+    interleaved = str(tmp_path / "vpp")  # virtual stages and data-parallel replicas (hard links) too
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", interleaved, "--parallel.pp", "2", "--parallel.vpp",
+                         "2", "--world-size", "4", "--train.global_batch_size", "16", "--verify"]) == 0
+    a, b = (os.stat(os.path.join(interleaved, f"rank_0000{i}.safetensors")) for i in (0, 1))
+    assert a.st_ino == b.st_ino
+
+    # HF → here → HF reproduces every tensor exactly, and the config's rotary scaling both ways
+    assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
+    original, again = _safetensors(hf_dir), _safetensors(back)
+    assert set(original) == set(again)
+    assert all(torch.equal(original[k], again[k]) for k in original)
+    config = json.load(open(os.path.join(back, "config.json")))
+    assert config["rope_parameters"] == ROPE and config["rope_scaling"]["rope_type"] == "llama3"
+    assert os.path.exists(os.path.join(back, "generation_config.json"))
+
+    # continued pretraining under the converted layout: loaded as is (no reshard), then back to HF
+    run = str(tmp_path / "run")
+    arch = model_overrides(json.load(open(os.path.join(hf_dir, "config.json"))), hf_dir)
+    resumed = run_distributed(_train_from, 4, run, corpus, [*arch, *TP2PP2, "--checkpoint.load", ckpt,
+                                                            "--train.iters", "2"], timeout=400)[0]
+    assert [r["iter"] for r in resumed] == [0] and "resharded_from" not in resumed[0]
+    trained = str(tmp_path / "trained")
+    assert convert.main(["to-hf", "--checkpoint", run, "--output", trained, "--dtype", "fp32", "--verify"]) == 0
+    assert "max logit difference" in capsys.readouterr().out
+    exported = transformers.LlamaForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    assert exported.config.rope_parameters["rope_type"] == "llama3"
+    assert not all(torch.equal(a, b) for a, b in zip(exported.parameters(), reference.parameters()))  # it trained
+
+    # our model and the exported one generate the same greedy tokens
+    cfg = load_config(os.path.join(run, "config.yaml"), [])
+    weights = GlobalWeights(os.path.join(run, "checkpoints", "iter_0000002"), cfg)
+    ours = our_model(cfg, weights.get)
+    weights.close()
+    prompt = torch.tensor([[1, 17, 42, 99, 7, 250]])
+    with torch.no_grad():
+        theirs = exported.generate(prompt, max_new_tokens=10, do_sample=False, num_beams=1)
+    assert torch.equal(greedy(ours, prompt, 10), theirs)
+
+
+def test_rope_scaling_is_read_from_either_config_form(tmp_path):
+    from megapretrain.checkpoint.hf import ConvertError, rope_from_hf
+
+    scaling = {k: v for k, v in ROPE.items() if k != "rope_theta"}
+    assert rope_from_hf({"rope_parameters": ROPE}, "x") == (10000.0, scaling)  # transformers 5
+    legacy = {"rope_theta": 500000.0, "rope_scaling": {**scaling, "rope_type": None, "type": "llama3"}}
+    legacy["rope_scaling"].pop("rope_type")
+    assert rope_from_hf(legacy, "x") == (500000.0, scaling)  # older checkpoints
+    assert rope_from_hf({"rope_theta": 1e4, "rope_scaling": None}, "x") == (1e4, None)
+    with pytest.raises(ConvertError, match="only rope_type llama3"):
+        rope_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+
+
+def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp_path, capsys):
+    """Every saved tensor must be used: an untied checkpoint exported under a tied config names
+    lm_head.weight."""
+    run = str(tmp_path / "run")
+    _train(0, 1, run, corpus, [])
+    config = str(tmp_path / "tied.yaml")
+    text = open(os.path.join(run, "config.yaml")).read().replace("tie_embeddings: false", "tie_embeddings: true")
+    open(config, "w").write(text)
+    assert convert.main(["to-hf", "--checkpoint", run, "--output", str(tmp_path / "x"), "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'lm_head.weight'" in err and "no place for" in err
+
+
+MEASURE = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+sys.argv = ["convert_checkpoint.py", *sys.argv[1:]]
+import importlib.util
+path = os.path.join({root!r}, "tools", "convert_checkpoint.py")
+spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+import megapretrain.checkpoint.hf, megapretrain.train  # noqa: F401 (everything imported before measuring)
+def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+rc = tool.main(sys.argv[1:])
+print(json.dumps({{"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}}))
+"""
+
+
+def _measured(*argv):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", MEASURE.format(root=root), *argv], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, proc.stderr
+    return result["extra_mib"]
+
+
+def _big_hf(hf_dir, vocab=16000, hidden=512, ffn=1536, layers=12, heads=8, kv=4):
+    """A random Llama of ~54M parameters (~217 MB fp32) in two safetensors shards, written one
+    tensor at a time (this process never holds it whole either)."""
+    from megapretrain.checkpoint import tensorfile
+
+    os.makedirs(hf_dir)
+    d = hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * d, hidden),
+                       p + "self_attn.k_proj.weight": (kv * d, hidden), p + "self_attn.v_proj.weight": (kv * d, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * d), p + "mlp.gate_proj.weight": (ffn, hidden),
+                       p + "mlp.up_proj.weight": (ffn, hidden), p + "mlp.down_proj.weight": (hidden, ffn)})
+    names = list(shapes)
+    halves = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, members in halves.items():
+        tensorfile.write(os.path.join(hf_dir, file), [(n, torch.float32, shapes[n],
+                                                       lambda n=n: torch.randn(shapes[n]) * 0.02) for n in members])
+    json.dump({"weight_map": {n: f for f, ms in halves.items() for n in ms}},
+              open(os.path.join(hf_dir, "model.safetensors.index.json"), "w"))
+    json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+               "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+               "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256},
+              open(os.path.join(hf_dir, "config.json"), "w"))
+    return sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20, 4 * vocab * hidden / 2**20
+
+
+@pytest.mark.slow
+def test_conversions_stream_with_bounded_host_memory(tmp_path):
+    """Peak host memory above the imports, for a ~217 MB model: about a few copies of its largest
+    tensor (the 31 MB embedding), far from a whole-model copy."""
+    hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    model_mib, largest_mib = _big_hf(hf_dir)
+    from_hf = _measured("from-hf", "--hf", hf_dir, "--output", ckpt, "--parallel.tp", "2", "--world-size", "2")
+    to_hf = _measured("to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "bf16")
+    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
+          f"from-hf {from_hf:.0f} MiB, to-hf {to_hf:.0f} MiB")
+    for extra in (from_hf, to_hf):
+        assert extra < min(0.5 * model_mib, 4 * largest_mib)

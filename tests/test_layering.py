@@ -11,15 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a module may import its own level and the levels below it
 LEVELS = {
-    "errors": 0, "config": 0,
+    "errors": 0, "config": 0, "cli": 0,
     "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
     "optim": 2,
     "checkpoint": 3,
-    "planner": 4, "recovery": 4,
+    "planner": 4, "recovery": 4, "run_lock": 4, "faults": 4, "oom": 4,
     "trainer": 5,
     "train": 6,
 }
-DRIVERS = {"smoke_test"}  # tools whose job is to run the real trainer
+DRIVERS = {"smoke_test", "bench_checkpoint"}  # tools whose job is to run the real trainer in-process
 
 
 def _imports(path: str, package: str | None) -> set[str]:

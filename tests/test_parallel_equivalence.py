@@ -77,8 +77,12 @@ LAYOUTS = {
     "tp2_dp2_zero1": (4, ["--parallel.tp", "2", "--parallel.zero", "1"]),
     "pp4": (4, ["--parallel.pp", "4"]),
     "dp4_zero2": (4, ["--parallel.zero", "2"]),
+    # hybrid sharding: ZeRO over pairs of dp ranks, the pairs replicas of each other
+    "dp4_zero1_shard2": (4, ["--parallel.zero", "1", "--parallel.zero_shard_size", "2"]),
+    "dp4_zero2_shard2": (4, ["--parallel.zero", "2", "--parallel.zero_shard_size", "2"]),
+    "dp2_zero1_shard1": (2, ["--parallel.zero", "1", "--parallel.zero_shard_size", "1"]),
 }
-SLOW = {"tp2_dp2_zero1", "pp4", "dp4_zero2", "tp2_pp2_dp2"}
+SLOW = {"tp2_dp2_zero1", "pp4", "dp4_zero2", "tp2_pp2_dp2", "dp4_zero1_shard2", "dp4_zero2_shard2"}
 LAYOUTS["tp2_pp2_dp2"] = (8, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
                               "--parallel.zero", "1"])
 

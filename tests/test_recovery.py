@@ -107,7 +107,7 @@ def _fit(run_dir, corpus, flags, bad, monkeypatch):
 def test_a_corrupt_batch_is_rolled_back_and_skipped(corpus, tmp_path, monkeypatch):
     run = str(tmp_path / "run")
     trainer, records, seen = _fit(run, corpus, [], lambda consumed, _: consumed == 10 * GBS, monkeypatch)
-    alerts = [r for r in records if r.get("event") == "alert"]
+    alerts = [r for r in records if r.get("event") == "alert" and "state" not in r]  # recovery's verdicts
     rollbacks = [r for r in records if r.get("event") == "rollback"]
     assert [(a["kind"], a["iter"]) for a in alerts] == [("loss_spike", 11)]
     assert len(rollbacks) == 1
@@ -149,8 +149,13 @@ def test_non_finite_steps_roll_back_past_a_checkpoint_that_holds_them(corpus, tm
         runs.append((run, records))
     (run, records), (_, again) = runs
     keys = ("iter", "event", "loss", "grad_norm", "lr", "kind", "from_iter", "skipped_samples", "set_aside")
-    assert [{k: r.get(k) for k in keys} for r in records] == [{k: r.get(k) for k in keys} for r in again]
-    alert = [r for r in records if r.get("event") == "alert"][0]
+    timed = ("throughput", "data_wait", "straggler")  # alerts on timings differ from run to run
+
+    def steady(rs):
+        return [{k: r.get(k) for k in keys} for r in rs if r.get("kind") not in timed]
+
+    assert steady(records) == steady(again)
+    alert = [r for r in records if r.get("event") == "alert" and "state" not in r][0]
     assert (alert["kind"], alert["since"], alert["iter"], alert["steps"]) == ("non_finite", 12, 13, 2)
     assert [r["iter"] for r in records if r.get("event") == "skipped_step"] == [12, 13]
     rb = [r for r in records if r.get("event") == "rollback"][0]
@@ -163,17 +168,22 @@ def test_non_finite_steps_roll_back_past_a_checkpoint_that_holds_them(corpus, tm
 
 def test_alert_only_reports_and_goes_on(corpus, tmp_path, monkeypatch):
     out = tmp_path / "alert.json"
-    command = f"echo \"$MEGAPRETRAIN_ALERT\" > {out}"
+    command = f"echo \"$MEGAPRETRAIN_ALERT\" >> {out}"  # every alert is handed over: timing ones too
     _, records, seen = _fit(str(tmp_path / "run"), corpus, ["--recovery.action", "alert",
                                                             "--recovery.alert_command", command],
                             lambda consumed, _: consumed == 10 * GBS, monkeypatch)
-    assert [r["kind"] for r in records if r.get("event") == "alert"] == ["loss_spike"]
+    assert [r["kind"] for r in records if r.get("event") == "alert" and "state" not in r] == ["loss_spike"]
     assert not [r for r in records if r.get("event") == "rollback"]
     assert [r["iter"] for r in records if "loss" in r and "event" not in r] == list(range(1, 15)) and seen == [10 * GBS]
     deadline = time.time() + 10
-    while not (out.exists() and out.read_text().strip()) and time.time() < deadline:
+
+    def handed() -> list[str]:
+        return [json.loads(line)["kind"] for line in out.read_text().splitlines() if line.strip()] \
+            if out.exists() else []
+
+    while "loss_spike" not in handed() and time.time() < deadline:
         time.sleep(0.05)
-    assert json.loads(out.read_text())["kind"] == "loss_spike"
+    assert "loss_spike" in handed()
 
 
 def test_trouble_that_persists_stops_after_max_rollbacks(corpus, tmp_path, monkeypatch):

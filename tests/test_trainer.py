@@ -59,8 +59,9 @@ def test_resume_is_bitwise_exact(tmp_path, corpus, precision):
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     resumed = [r for r in records(split, "event") if r["event"] == "resumed"]
     assert len(resumed) == 1 and resumed[0]["iter"] == 10
-    wa = torch.load(straight / "checkpoints/iter_0000020/rank_00000.pt", weights_only=True)["model"]
-    wb = torch.load(split / "checkpoints/iter_0000020/rank_00000.pt", weights_only=True)["model"]
+    from megapretrain.checkpoint.format import read_rank_state
+    wa = read_rank_state(str(straight / "checkpoints/iter_0000020"), 0)["model"]
+    wb = read_rank_state(str(split / "checkpoints/iter_0000020"), 0)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -76,7 +77,12 @@ def test_layout_and_option_errors_are_one_line(tmp_path, corpus, capsys):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
-def test_sigterm_saves_and_exits(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_stop_signal_saves_and_exits(tmp_path, corpus, monkeypatch, signame):
+    """SIGTERM, SIGUSR1 (SLURM's pre-emption warning) and a first Ctrl-C save at the next step
+    boundary and exit 0; nothing is lost."""
+    import signal
+
     from megapretrain import trainer as trainer_mod
 
     original = trainer_mod.Trainer.train_step
@@ -84,7 +90,7 @@ def test_sigterm_saves_and_exits(tmp_path, corpus, monkeypatch):
     def step_then_signal(self):
         out = original(self)
         if self.iteration == 2:  # the signal arrives during the third step
-            self._on_sigterm(None, None)
+            os.kill(os.getpid(), getattr(signal, signame))
         return out
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_signal)
@@ -92,11 +98,35 @@ def test_sigterm_saves_and_exits(tmp_path, corpus, monkeypatch):
     assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
     assert records(run)[-1]["iter"] == 3
+    assert not (run / ".lock").exists()  # the run directory is free again
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus, monkeypatch, capsys):
+    import signal
+
+    from megapretrain import trainer as trainer_mod
+
+    original = trainer_mod.Trainer.train_step
+
+    def step_then_two_signals(self):
+        out = original(self)
+        if self.iteration == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_two_signals)
+    run = tmp_path / "run"
+    assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not (run / "checkpoints" / "latest").exists() and not (run / ".lock").exists()
 
 
 def test_sigterm_is_handled_only_while_fit_runs(tmp_path, corpus):
     """The trainer takes SIGTERM for the duration of fit() (save at the next step boundary) and
     gives the previous handler back afterwards, also when fit() ends in an error."""
+    import dataclasses
     import signal
 
     from megapretrain.train import setup
@@ -118,14 +148,14 @@ def test_sigterm_is_handled_only_while_fit_runs(tmp_path, corpus):
 
         trainer.train_step = watched_step
         trainer.fit()
-        assert seen and all(h == trainer._on_sigterm for h in seen)
+        assert seen and all(h == trainer._on_stop_signal for h in seen)
         assert signal.getsignal(signal.SIGTERM) is mine
 
         def failing_step():
             raise RuntimeError("a failure inside the loop")
 
         trainer.train_step = failing_step
-        trainer.cfg.train.iters = 4
+        trainer.sizes = dataclasses.replace(trainer.sizes, iters=4)
         with pytest.raises(RuntimeError, match="inside the loop"):
             trainer.fit()
         assert signal.getsignal(signal.SIGTERM) is mine

@@ -34,6 +34,7 @@ try:
 except ImportError:
     sys.path.insert(0, ROOT)
 
+from megapretrain.cli import positive_float, positive_int  # noqa: E402
 from megapretrain.data.gpt_dataset import GPTDataset, build_gpt_indices, epochs_for  # noqa: E402
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
 
@@ -255,23 +256,23 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--tokenizer-model")
         s.add_argument("--vocab-file")
         s.add_argument("--merge-file")
-        s.add_argument("--workers", type=int, nargs="+", default=[2])
+        s.add_argument("--workers", type=positive_int, nargs="+", default=[2])
     pre = sections.choices["preprocess"]
     pre.add_argument("--corpus", help="a JSON-lines corpus (default: tools/build_demo_corpus.py's, made here)")
-    pre.add_argument("--tokenizer-threads", type=int, nargs="+", default=[1])
-    pre.add_argument("--repeats", type=int, default=3)
+    pre.add_argument("--tokenizer-threads", type=positive_int, nargs="+", default=[1])
+    pre.add_argument("--repeats", type=positive_int, default=3)
     pre.add_argument("--verify-gpt2", action="store_true",
                      help="check every output token against the `tokenizers` GPT-2 BPE (GPT2BPETokenizer only)")
     mem = sections.choices["memory"]
-    mem.add_argument("--big-gb", type=float, default=2.0, help="size of the generated input in GB")
+    mem.add_argument("--big-gb", type=positive_float, default=2.0, help="size of the generated input in GB")
     mem.add_argument("--tmp-dir", help="where to generate it (default: the system temporary directory)")
     idx = sections.add_parser("index")
-    idx.add_argument("--repeats", type=int, default=5)
+    idx.add_argument("--repeats", type=positive_int, default=5)
     idx.add_argument("--megatron", action="store_true", help="also time megatron-core's compiled helpers")
     reads = sections.add_parser("reads")
-    reads.add_argument("--tokens", type=int, default=50_000_000, help="size of the synthetic shard")
-    reads.add_argument("--samples", type=int, default=200_000)
-    reads.add_argument("--repeats", type=int, default=3)
+    reads.add_argument("--tokens", type=positive_int, default=50_000_000, help="size of the synthetic shard")
+    reads.add_argument("--samples", type=positive_int, default=200_000)
+    reads.add_argument("--repeats", type=positive_int, default=3)
     args = p.parse_args(argv)
     {"preprocess": bench_preprocess, "memory": bench_memory, "index": bench_index, "reads": bench_reads}[
         args.section](args)

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megapretrain.cli import non_negative_float, non_negative_int, positive_int
 from megapretrain.config import OptimConfig
 from megapretrain.model.llama import LlamaModel, ModelArgs
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
@@ -40,18 +41,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
-    ap.add_argument("--zero", type=int, nargs="+", default=[0, 1], help="ZeRO stages to time (default 0 1)")
+    ap.add_argument("--dp", type=positive_int, default=2, help="data-parallel ranks (default 2)")
+    ap.add_argument("--zero", type=non_negative_int, nargs="+", default=[0, 1],
+                    help="ZeRO stages to time (default 0 1)")
     ap.add_argument("--precision", choices=list(DTYPES), default="fp32")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--accum", type=int, default=2, help="micro-batches per rank and step")
-    ap.add_argument("--bucket-mb", type=float, default=2.0, help="bucket size (MB of fp32 grads)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--hidden", type=positive_int, default=256)
+    ap.add_argument("--vocab", type=positive_int, default=8192)
+    ap.add_argument("--seq", type=positive_int, default=128)
+    ap.add_argument("--micro-batch", type=positive_int, default=2)
+    ap.add_argument("--accum", type=positive_int, default=2, help="micro-batches per rank and step")
+    ap.add_argument("--bucket-mb", type=non_negative_float, default=2.0, help="bucket size (MB of fp32 grads)")
+    ap.add_argument("--steps", type=positive_int, default=8)
+    ap.add_argument("--warmup", type=non_negative_int, default=2)
     return ap.parse_args(argv)
 
 

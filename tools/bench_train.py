@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megapretrain.cli import non_negative_int, positive_int
 from megapretrain.config import load_config, validate
 from megapretrain.errors import ConfigError, UserError
 from megapretrain.model.build import DTYPES, build_model_chunks
 from megapretrain.model.llama import flops_per_token
+from megapretrain.monitor.flops import slow_half_precision_warning
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 
@@ -50,9 +52,10 @@ def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  epilog="Any other --section.key VALUE overrides the config.")
     ap.add_argument("--config", required=True, help="YAML config, e.g. configs/bench_cpu.yaml")
-    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (default 10)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: train.threads, else all cores)")
+    ap.add_argument("--steps", type=positive_int, default=10, help="timed optimizer steps (default 10)")
+    ap.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument("--threads", type=non_negative_int, default=0,
+                    help="torch CPU threads (0: train.threads, else all cores)")
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers.LlamaForCausalLM")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step")
     return ap.parse_known_args(argv)
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     t = cfg.train
+    slow = slow_half_precision_warning(t.precision) if device.type == "cpu" and t.precision != "fp32" else None
+    if slow:
+        print(f"warning: {slow}", file=sys.stderr)
     print(f"config {args.config} | precision {t.precision} | device {device} | threads "
           f"{torch.get_num_threads()} | cpus {os.cpu_count()} | load {os.getloadavg()[0]:.2f}")
     print(f"{plan.tokens_per_batch:,} tokens/step = global batch {t.global_batch_size} × seq {t.seq_length} "

@@ -1,21 +1,30 @@
-"""Convert between megapretrain checkpoints and Hugging Face Llama directories.
+"""Convert between megapretrain checkpoints and Hugging Face Llama directories, streaming.
 
-    python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny [--dtype bf16]
-    python tools/convert_checkpoint.py from-hf --hf hf/tiny --output ckpt/tiny
-    python -m megapretrain.train --config configs/tiny.yaml --checkpoint.load ckpt/tiny ...
+    python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny [--dtype bf16] [--verify]
+    python tools/convert_checkpoint.py from-hf --hf hf/llama --output ckpt/llama \\
+        [--parallel.tp 8 --parallel.pp 4 --parallel.vpp 2 --world-size 64] [--config CONFIG] [--verify]
+    torchrun ... -m megapretrain.train --config ... --checkpoint.load ckpt/llama --checkpoint.finetune true ...
 
 ``to-hf`` reads a checkpoint saved under any layout (``--checkpoint`` is an ``iter_*`` directory,
-or a run directory for its latest), puts every weight together from the tensor- and
+or a run directory for its newest usable one), puts every weight together from the tensor- and
 pipeline-parallel shards and ZeRO ranges, drops the vocabulary padding and writes what
-``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (LlamaForCausalLM)
-and safetensors files (split at ``--max-shard-gb``, with an index), plus the tokenizer files of a
-HuggingFaceTokenizer run. The architecture comes from the run's ``config.yaml`` (or ``--config``).
-The layers already follow Hugging Face's names and rotary convention, so no weight is permuted.
+``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (LlamaForCausalLM,
+with Llama 3.1 rotary scaling when the run has it), ``generation_config.json``, safetensors files
+(split at ``--max-shard-gb``, with an index) and the tokenizer files of a HuggingFace or
+SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``--config``).
 
-``from-hf`` writes a one-rank checkpoint (fp32 weights, no optimizer state, iteration 0) that
-training loads with ``--checkpoint.load`` under any layout; it prints the ``model.*`` settings
-that match the weights. Both refuse to write into a directory that exists and is not empty, and
-write through a temporary directory renamed at the end.
+``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
+layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
+tp × pp, one data-parallel replica; replicas are hard links): training under that layout loads it
+as its own, with no resharding at start-up; under any other layout it reshards as usual. It prints
+the ``model.*`` settings that match the weights.
+
+Both stream: one tensor at a time is read (by byte range: a tp rank's rows only) and written, so
+host memory stays at about one input tensor plus its slices whatever the model's size. ``--verify``
+runs both models (ours and transformers') in fp32 on a few random sequences and fails when their
+largest logit difference exceeds ``--tolerance`` (default 1e-4); it holds both models in memory.
+Both refuse to write into a directory that exists and is not empty, and write through a temporary
+directory renamed at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megapretrain.checkpoint import tensorfile
 from megapretrain.checkpoint.format import (
+    LazyTensor,
+    check_shapes,
     metadata,
     rank_file,
     rank_state,
@@ -38,21 +50,32 @@ from megapretrain.checkpoint.format import (
     write_metadata,
     write_rank_state,
 )
+from megapretrain.checkpoint.hf import (
+    HF_DTYPE_NAMES,
+    ConvertError,
+    HFWeights,
+    generation_config,
+    hf_config,
+    hf_logits,
+    hf_name,
+    load_hf_model,
+    model_overrides,
+    our_logits,
+    our_model,
+    read_hf_config,
+)
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
-from megapretrain.checkpoint.reshard import SavedShards, saved_config_path, saved_padded_vocab, tp_slice
-from megapretrain.config import load_config, validate
-from megapretrain.errors import UserError, read_json_file
-from megapretrain.model.build import DTYPES, model_args, rank_param_specs
+from megapretrain.checkpoint.reshard import GlobalWeights, global_shapes, rank_coords, saved_config_path
+from megapretrain.config import load_config, save_config, validate
+from megapretrain.errors import UserError
+from megapretrain.model.build import DTYPES, rank_param_specs
 
-HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-
-class ConvertError(UserError):
-    """Bad input to the converter; the message names the file or flag and what to do."""
+__all__ = ["ConvertError", "main"]
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -62,94 +85,105 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     to.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
     to.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's train.precision)")
     to.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors files at this size")
-    frm = sub.add_parser("from-hf", help="Hugging Face Llama directory -> megapretrain checkpoint")
+    frm = sub.add_parser("from-hf", help="Hugging Face Llama directory -> megapretrain checkpoint",
+                         epilog="Other --section.key VALUE arguments set the target layout (--parallel.tp ...).")
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
-    return ap.parse_args(argv)
+    frm.add_argument("--config", help="YAML config of the run that will train from it (its layout)")
+    frm.add_argument("--world-size", type=int, help="ranks of the target run (default: tp × pp)")
+    for p in (to, frm):
+        p.add_argument("--verify", action="store_true", help="compare our logits with transformers' (fp32)")
+        p.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference --verify accepts")
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.command == "to-hf":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args, rest
 
 
 # -- to Hugging Face --------------------------------------------------------------------------------
 
 
-def run_config(checkpoint: str, explicit: str | None):
-    """The config of the run that saved ``checkpoint``, with the layout reset to one process."""
-    cfg = load_config(saved_config_path(checkpoint, explicit), [])
-    p = cfg.parallel
-    p.tp, p.pp, p.vpp, p.pipeline_layers, p.sequence_parallel, p.zero = 1, 1, 1, None, False, 0
-    return cfg
+def _tokenizer_ids(cfg) -> tuple[int | None, int | None]:
+    """(bos, eos) token ids of the run's tokenizer; eos is the end-of-document id it trained with."""
+    try:
+        from megapretrain.data.tokenizers import build_tokenizer
+        tok = build_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.model)
+    except (UserError, OSError, ImportError):
+        return None, None
+    return getattr(tok, "bos", None), tok.eod
+
+
+def _plan_shards(specs: dict, dtype: torch.dtype, limit: float) -> list[list[str]]:
+    """Parameter names per output file, in order, each file at most ``limit`` bytes (or one tensor)."""
+    files, current, size = [], [], 0
+    for name, spec in specs.items():
+        nbytes = spec.numel * dtype.itemsize
+        if current and size + nbytes > limit:
+            files.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    return files + ([current] if current else [])
 
 
 def to_hf(args: argparse.Namespace) -> str:
-    from safetensors.torch import save_file
-
     path = resolve_checkpoint(args.checkpoint)
     meta = read_metadata(path)
-    cfg = run_config(path, args.config)
+    cfg = load_config(saved_config_path(path, args.config), [])
     m = cfg.model
     if m.vocab_size is None:
         m.vocab_size = meta.get("vocab_size")
         if m.vocab_size is None:
             raise ConvertError(f"model.vocab_size is null in the config and {path}/metadata.json has none: "
                                "pass --config with model.vocab_size set")
+    check_shapes(path, meta, global_shapes(cfg))  # every saved tensor goes somewhere, in its shape
+    weights = GlobalWeights(path, cfg)  # resets cfg's layout to one process
     validate(cfg, 1)
-    margs = model_args(cfg)
     dtype = DTYPES[args.dtype or cfg.train.precision]
-    saved = SavedShards(path, meta)
-    padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
-
+    specs = weights.specs
+    bos, eos = _tokenizer_ids(cfg)
+    plan = _plan_shards(specs, dtype, args.max_shard_gb * 2**30)
     with new_directory(args.output) as tmp:
-        limit, files, shard, shard_bytes, total = args.max_shard_gb * 2**30, [], {}, 0, 0
-
-        def flush():
-            nonlocal shard, shard_bytes
-            if shard:
-                name = f"part-{len(files):05d}.safetensors"
-                save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
-                files.append((name, list(shard)))
-            shard, shard_bytes = {}, 0
-
-        for name, spec in rank_param_specs(cfg, 0, 0).items():
-            weight = tp_slice(saved, spec, "master", 0, 1, padded)
-            if spec.vocab:
-                weight = weight[:spec.shape[0]]  # without the padding rows
-            weight = weight.to(dtype).contiguous()
-            nbytes = weight.numel() * weight.element_size()
-            if shard and shard_bytes + nbytes > limit:
-                flush()
-            shard[name if name.startswith("lm_head.") else f"model.{name}"] = weight
-            shard_bytes += nbytes
-            total += nbytes
-        flush()
-        if len(files) == 1:
-            os.rename(os.path.join(tmp, files[0][0]), os.path.join(tmp, "model.safetensors"))
-        else:
-            weight_map = {}
-            for i, (name, keys) in enumerate(files):
-                final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                os.rename(os.path.join(tmp, name), os.path.join(tmp, final))
-                weight_map.update(dict.fromkeys(keys, final))
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-              "hidden_size": m.hidden_size, "intermediate_size": margs.ffn_hidden_size,
-              "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-              "num_key_value_heads": margs.num_kv_heads, "head_dim": m.hidden_size // m.num_heads,
-              "hidden_act": "silu", "max_position_embeddings": cfg.train.seq_length,
-              "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
-              "tie_word_embeddings": bool(m.tie_embeddings), "attention_bias": False, "mlp_bias": False,
-              "initializer_range": m.init_std, "torch_dtype": HF_DTYPE_NAMES[dtype]}
-        with open(os.path.join(tmp, "config.json"), "w") as fh:
-            json.dump(hf, fh, indent=2)
+        names = ["model.safetensors"] if len(plan) == 1 else [
+            f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+        total = 0
+        for file, members in zip(names, plan):
+            entries = [(hf_name(n), dtype, specs[n].shape, lambda n=n: weights.get(n).to(dtype).contiguous())
+                       for n in members]
+            total += tensorfile.write(os.path.join(tmp, file), entries, {"format": "pt"})[0]
+        if len(plan) > 1:
+            weight_map = {hf_name(n): file for file, members in zip(names, plan) for n in members}
+            size = sum(specs[n].numel for n in specs) * dtype.itemsize
+            _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                        {"metadata": {"total_size": size}, "weight_map": weight_map})
+        _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, bos, eos))
+        _write_json(os.path.join(tmp, "generation_config.json"), generation_config(bos, eos))
         copied = _copy_tokenizer(cfg, tmp)
+        report = _verify(args, cfg, weights.get, tmp, dtype) if args.verify else ""
+    weights.close()
     note = f"; tokenizer: {', '.join(copied)}" if copied else \
-        f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} is not a HuggingFaceTokenizer)"
+        f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} has none to copy)"
     return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} MiB of "
-            f"{HF_DTYPE_NAMES[dtype]} weights in {max(len(files), 1)} file(s){note}")
+            f"{HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=2)
 
 
 def _copy_tokenizer(cfg, out: str) -> list[str]:
     tok = cfg.data.tokenizer
-    if tok.type != "HuggingFaceTokenizer" or not tok.model or not os.path.exists(tok.model):
+    if not tok.model or not os.path.exists(tok.model):
+        return []
+    if tok.type == "SentencePieceTokenizer":
+        src = tok.model if os.path.isfile(tok.model) else os.path.join(tok.model, "tokenizer.model")
+        if not os.path.isfile(src):
+            return []
+        shutil.copyfile(src, os.path.join(out, "tokenizer.model"))
+        _write_json(os.path.join(out, "tokenizer_config.json"), {"tokenizer_class": "LlamaTokenizer"})
+        return ["tokenizer.model", "tokenizer_config.json"]
+    if tok.type != "HuggingFaceTokenizer":
         return []
     folder = tok.model if os.path.isdir(tok.model) else os.path.dirname(tok.model)
     copied = []
@@ -161,90 +195,117 @@ def _copy_tokenizer(cfg, out: str) -> list[str]:
     return copied
 
 
+def _verify(args, cfg, weight, hf_dir: str, dtype: torch.dtype) -> str:
+    """Our model (weights from ``weight(name)``, rounded through ``dtype`` as exported) and
+    transformers' from ``hf_dir``, in fp32 on a few random sequences: the largest logit difference."""
+    ours = our_model(cfg, lambda n: weight(n).to(dtype).float())
+    theirs = load_hf_model(hf_dir)
+    seq = min(cfg.train.seq_length, 64)
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, seq), generator=torch.Generator().manual_seed(0))
+    diff = (our_logits(ours, tokens) - hf_logits(theirs, tokens)).abs().max().item()
+    if diff > args.tolerance:
+        raise ConvertError(f"--verify: the largest logit difference between megapretrain's model and transformers' "
+                           f"is {diff:.3e} > --tolerance {args.tolerance:g}; the conversion is wrong (nothing written)")
+    return f"; --verify: max logit difference {diff:.2e} (≤ {args.tolerance:g})"
+
+
 # -- from Hugging Face ------------------------------------------------------------------------------
 
 
-def _hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    hf = read_json_file(path, ConvertError, "--hf must be a Hugging Face model directory")
-    if not isinstance(hf, dict):
-        raise ConvertError(f"{path} holds {type(hf).__name__}, not a JSON object; --hf must be a Hugging Face "
-                           "model directory")
-    if hf.get("model_type") != "llama":
-        raise ConvertError(f"{path}: model_type={hf.get('model_type')!r}; only Llama models convert")
-    unsupported = {k: hf[k] for k in ("rope_scaling", "attention_bias", "mlp_bias") if hf.get(k)}
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported["hidden_act"] = hf["hidden_act"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-        unsupported["head_dim"] = head_dim
-    if unsupported:
-        raise ConvertError(f"{path}: {unsupported} is not supported by megapretrain's Llama; the weights "
-                           "would not compute the same function")
-    return hf
+def _target_config(args, overrides: list[str], hf: dict):
+    """The target run's config: ``--config``, the architecture of ``hf``, then the overrides."""
+    cfg = load_config(args.config, model_overrides(hf, os.path.join(args.hf, "config.json")) + overrides)
+    p = cfg.parallel
+    world = args.world_size or p.tp * p.pp
+    if world < 1:
+        raise ConvertError(f"--world-size {world} must be at least 1")
+    sizes, _ = validate(cfg, world)
+    return cfg, sizes, world
 
 
-def _hf_tensors(hf_dir: str):
-    """(name, tensor) of every weight, read lazily from the safetensors files."""
-    from safetensors import safe_open
-
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
-    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConvertError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
-                           "(PyTorch .bin weights: load and re-save them with save_pretrained)")
-    for file in files:
-        with safe_open(os.path.join(hf_dir, file), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
-
-
-def from_hf(args: argparse.Namespace) -> str:
-    hf = _hf_config(args.hf)
-    tied = bool(hf.get("tie_word_embeddings", False))
-    weights = {}
-    for name, tensor in _hf_tensors(args.hf):
-        if name.startswith("model."):
-            name = name[len("model."):]
-        elif name != "lm_head.weight":
-            continue  # e.g. rotary inv_freq buffers of old exports
-        if tied and name == "lm_head.weight":
-            continue
-        weights[name] = tensor.float().contiguous()
-    layers = hf["num_hidden_layers"]
-    expected = ["embed_tokens.weight", "norm.weight"] + ([] if tied else ["lm_head.weight"]) + [
-        f"layers.{i}.{w}.weight" for i in range(layers) for w in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    missing = [n for n in expected if n not in weights]
+def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool) -> None:
+    """Every HF tensor is one of the model's, of its global shape, and none is missing."""
+    ours = {hf_name(n): s for n, s in shapes.items()}
+    for name in weights.names():
+        if name == "lm_head.weight" and tied:
+            continue  # a tied model's head is the embedding; some exports write it anyway
+        if name not in ours:
+            raise ConvertError(f"{hf_dir}: tensor '{name}' {weights.shape(name)} has no place in the model "
+                               "(config.json and the weights disagree)")
+        if weights.shape(name) != tuple(ours[name]):
+            raise ConvertError(f"{hf_dir}: tensor '{name}' has shape {weights.shape(name)}, config.json implies "
+                               f"{tuple(ours[name])}")
+    missing = [n for n in ours if n not in weights.file_of]
     if missing:
-        raise ConvertError(f"{args.hf}: the weights lack {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    vocab = hf["vocab_size"]
-    if weights["embed_tokens.weight"].shape[0] != vocab:
-        raise ConvertError(f"{args.hf}: embed_tokens has {weights['embed_tokens.weight'].shape[0]} rows but "
-                           f"config.json says vocab_size={vocab}")
-    state = rank_state(iteration=0, consumed_samples=0, model={n: weights[n] for n in expected},
-                       optimizer_step=0, moments={n: {} for n in expected}, scaler=None)
+        raise ConvertError(f"{hf_dir}: the weights lack {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+
+
+def _slice(weights: HFWeights, spec, tp_rank: int):
+    """Rank ``tp_rank``'s fp32 slice of ``spec``'s HF tensor (of ``spec.local_shape``), padded."""
+    name, dim, local = hf_name(spec.name), spec.tp_dim, spec.local_shape
+
+    def read() -> torch.Tensor:
+        if dim is None:
+            return weights.narrow(name, None, 0, 0).float()
+        lo = tp_rank * local[dim]
+        hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zero padding
+        part = weights.narrow(name, dim, lo, max(0, hi - lo)).float()
+        if part.shape[dim] == local[dim]:
+            return part.contiguous()
+        pad = list(local)
+        pad[dim] -= part.shape[dim]
+        return torch.cat([part, torch.zeros(pad)], dim)
+    return LazyTensor(torch.float32, tuple(local), read)
+
+
+def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
+    hf = read_hf_config(args.hf)
+    cfg, sizes, world = _target_config(args, overrides, hf)
+    shapes = global_shapes(cfg)
+    weights = HFWeights(args.hf)
+    _check_hf_tensors(args.hf, weights, shapes, cfg.model.tie_embeddings)
+    if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
+        raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
+                           f"says vocab_size={hf['vocab_size']}")
+    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
     with new_directory(args.output) as tmp:
-        write_rank_state(rank_file(tmp, 0), state)
-        write_metadata(tmp, metadata(iteration=0, world_size=1, layout={"tp": 1, "pp": 1, "dp": 1},
-                                     vocab_size=vocab, padded_vocab=vocab, converted_from=os.path.abspath(args.hf)))
-    flags = (f"--model.num_layers {layers} --model.hidden_size {hf['hidden_size']} "
-             f"--model.num_heads {hf['num_attention_heads']} --model.num_kv_heads "
-             f"{hf.get('num_key_value_heads') or hf['num_attention_heads']} --model.ffn_hidden_size "
-             f"{hf['intermediate_size']} --model.vocab_size {vocab} --model.rope_theta {hf.get('rope_theta', 10000.0)} "
-             f"--model.norm_eps {hf.get('rms_norm_eps', 1e-6)} --model.tie_embeddings {str(tied).lower()}")
-    return f"wrote {args.output}; train from it with --checkpoint.load {args.output} and\n  {flags}"
+        written: dict[tuple[int, int], tuple[str, tuple]] = {}
+        files = {}
+        for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
+            file = rank_file(tmp, rank)
+            if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
+                first, record = written[(pp_rank, tp_rank)]
+                try:
+                    os.link(first, file)
+                except OSError:
+                    shutil.copyfile(first, file)
+            else:
+                specs = rank_param_specs(cfg, pp_rank, tp_rank)
+                state = rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
+                                   model={n: _slice(weights, s, tp_rank) for n, s in specs.items()},
+                                   moments={n: {} for n in specs})
+                record = write_rank_state(file, state)
+                written[(pp_rank, tp_rank)] = (file, record)
+            files[os.path.basename(file)] = record
+        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf and inspection
+        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout, vocab_size=hf["vocab_size"],
+                                     padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,
+                                     converted_from=os.path.abspath(args.hf)))
+        report = ""
+        if args.verify:
+            check = GlobalWeights(tmp, cfg)  # reads back what was written, from its shards
+            report = _verify(args, cfg, check.get, args.hf, torch.float32)
+            check.close()
+    weights.close()
+    flags = " ".join(f"'{x}'" if x.startswith("{") else x for x in model_overrides(hf, args.hf))
+    return (f"wrote {args.output} for {world} ranks (layout {layout}){report}; train from it with "
+            f"--checkpoint.load {args.output} and\n  {flags}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        print(to_hf(args) if args.command == "to-hf" else from_hf(args))
+        print(to_hf(args) if args.command == "to-hf" else from_hf(args, overrides))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

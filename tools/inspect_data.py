@@ -31,6 +31,7 @@ try:
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megapretrain.cli import positive_int
 from megapretrain.data.indexed_dataset import _HEADER, _read_header, data_file_path, index_file_path
 
 BLOCK = 1 << 24  # items per streamed block: memory stays flat for any dataset size
@@ -251,8 +252,10 @@ def _packed_view(lengths, seq_length: int, report: Report) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefix", help="dataset prefix (PREFIX.bin / PREFIX.idx)")
-    p.add_argument("--vocab-size", type=int, help="every token id must be below this (default: from the summary)")
-    p.add_argument("--seq-length", type=int, help="also report the packed-sample view for this sequence length")
+    p.add_argument("--vocab-size", type=positive_int,
+                   help="every token id must be below this (default: from the summary)")
+    p.add_argument("--seq-length", type=positive_int,
+                   help="also report the packed-sample view for this sequence length")
     p.add_argument("--png", metavar="DIR", help="write the length histogram as a PNG into DIR (needs matplotlib)")
     p.add_argument("--no-checksum", action="store_true", help="skip the sha256 comparison with the summary")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object instead of text")

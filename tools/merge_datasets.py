@@ -47,8 +47,28 @@ def input_prefixes(inputs: list[str]) -> list[str]:
     return prefixes
 
 
+def _tokenizer_of(prefixes: list[str]) -> dict | None:
+    """The tokenizer the inputs' summaries name; inputs tokenized differently are refused."""
+    named = {}
+    for prefix in prefixes:
+        tok = (_read_summary(prefix) or {}).get("tokenizer")
+        if isinstance(tok, dict):
+            named[prefix] = tok
+    kinds = {(t.get("type"), t.get("vocab_size"), t.get("eod")) for t in named.values()}
+    if len(kinds) > 1:
+        described = "; ".join(f"{p}: {t.get('type')} ({t.get('vocab_size')} tokens)" for p, t in named.items())
+        raise ValueError(f"the inputs were tokenized differently ({described}); merge only datasets made "
+                         "with the same tokenizer")
+    if named and len(named) < len(prefixes):
+        unknown = [p for p in prefixes if p not in named]
+        print(f"warning: no tokenizer recorded for {', '.join(unknown)} (no .summary.json); the output "
+              f"records {next(iter(named.values())).get('type')} from the others", file=sys.stderr)
+    return next(iter(named.values())) if named else None
+
+
 def merge(prefixes: list[str], output_prefix: str) -> dict:
     """Write ``output_prefix`` from ``prefixes`` in order; returns its summary."""
+    tokenizer = _tokenizer_of(prefixes)
     datasets = [IndexedDataset(p) for p in prefixes]
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
@@ -68,12 +88,13 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
         raise
     summary = {"format": SUMMARY_FORMAT, "dtype": datasets[0].dtype.name, "inputs": prefixes,
                "documents": builder.document_count, "sequences": builder.sequence_count,
-               "tokens": builder.token_count, "checksum": {"algorithm": "sha256", "bin": builder.checksum},
+               "tokens": builder.token_count, "max_token_id": builder.max_token,
+               "checksum": {"algorithm": "sha256", "bin": builder.checksum},
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     sources = [_read_summary(p) for p in prefixes]
-    tokenizers = {json.dumps(s.get("tokenizer"), sort_keys=True) for s in sources if s}
-    if len(tokenizers) == 1 and all(sources):
-        summary["tokenizer"] = sources[0]["tokenizer"]
+    if tokenizer is not None:
+        summary["tokenizer"] = tokenizer
+    if all(sources):
         summary["append_eod"] = all(s.get("append_eod") for s in sources)
     with open(output_prefix + ".summary.json.tmp", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
@@ -105,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.abspath(args.output_prefix)
         if out in {os.path.abspath(x) for x in prefixes}:
             raise ValueError(f"--output-prefix {args.output_prefix} is also an input")
-        if not args.overwrite and (os.path.exists(out + ".bin") or os.path.exists(out + ".idx")):
-            raise FileExistsError(f"{args.output_prefix}.bin/.idx already exists; pass --overwrite to replace it")
+        existing = [out + s for s in (".bin", ".idx", ".summary.json") if os.path.exists(out + s)]
+        if not args.overwrite and existing:
+            raise FileExistsError(f"{existing[0]} already exists; pass --overwrite to replace it")
         summary = merge(prefixes, args.output_prefix)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

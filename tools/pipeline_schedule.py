@@ -22,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megapretrain.cli import positive_float, positive_int
 from megapretrain.config import load_config, resolve_schedule, validate
 from megapretrain.errors import ConfigError, PipelineError, UserError
 from megapretrain.parallel.pipeline import peak_in_flight, replay, schedule_order, simulate, transfer_rounds
@@ -34,12 +35,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Any other --section.key VALUE overrides the config.")
     ap.add_argument("--config", help="YAML config: take pp, vpp, schedule and micro-batches from it")
-    ap.add_argument("--world-size", type=int, help="GPUs for --config (default: the count its first line names)")
-    ap.add_argument("--pp", type=int, help="pipeline stages (without --config)")
-    ap.add_argument("--vpp", type=int, default=1, help="virtual chunks per stage (without --config)")
-    ap.add_argument("--micro-batches", type=int, help="micro-batches per step and dp rank (without --config)")
+    ap.add_argument("--world-size", type=positive_int,
+                    help="GPUs for --config (default: the count its first line names)")
+    ap.add_argument("--pp", type=positive_int, help="pipeline stages (without --config)")
+    ap.add_argument("--vpp", type=positive_int, default=1, help="virtual chunks per stage (without --config)")
+    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step and dp rank (without --config)")
     ap.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b or interleaved (without --config)")
-    ap.add_argument("--backward-cost", type=float, default=2.0, help="a backward's cost, a forward's being 1")
+    ap.add_argument("--backward-cost", type=positive_float, default=2.0, help="a backward's cost, a forward's being 1")
     ap.add_argument("--timeline", action="store_true", help="draw each stage's ops over time")
     args, rest = ap.parse_known_args(argv)
     if args.config is None and rest:

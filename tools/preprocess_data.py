@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import importlib.util
 import json
 import multiprocessing
@@ -42,6 +43,7 @@ except ImportError:  # running from a checkout without installing: make the repo
 
 from tqdm import tqdm
 
+from megapretrain.cli import positive_int
 from megapretrain.data import readers
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megapretrain.data.readers import Bad, Chunk
@@ -75,17 +77,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tok.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     run = p.add_argument_group("execution")
-    run.add_argument("--workers", type=int, default=1, help="tokenizer processes (in all partitions together)")
-    run.add_argument("--partitions", type=int, default=1,
+    run.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes (in all partitions together)")
+    run.add_argument("--partitions", type=positive_int, default=1,
                      help="independent reader/tokenizer/writer pipelines over parts of the input, joined at the end")
-    run.add_argument("--tokenizer-threads", type=int, default=1,
+    run.add_argument("--tokenizer-threads", type=positive_int, default=1,
                      help="threads each tokenizer process may use (tiktoken, sentencepiece and tokenizers run "
                           "GIL-free); with --workers 1 this parallelizes inside one process")
-    run.add_argument("--chunk-size", type=int, default=64, help="records per task sent to a worker")
+    run.add_argument("--chunk-size", type=positive_int, default=64, help="records per task sent to a worker")
     run.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
     run.add_argument("--skip-bad-records", action="store_true",
                      help="skip and count malformed records instead of stopping at the first one")
-    run.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
+    run.add_argument("--log-interval", type=positive_int, default=1000, help="documents between progress updates")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
     return p.parse_args(argv)
 
@@ -252,7 +254,8 @@ class Outputs:
         for prefix, builder, summary in zip(self.prefixes, self.builders, summaries):
             builder.finalize(prefix + ".idx.tmp")
             summary.update(documents=builder.document_count, sequences=builder.sequence_count,
-                           tokens=builder.token_count, checksum={"algorithm": "sha256", "bin": builder.checksum})
+                           tokens=builder.token_count, max_token_id=builder.max_token,
+                           checksum={"algorithm": "sha256", "bin": builder.checksum})
             with open(prefix + ".summary.json.tmp", "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1)
                 f.write("\n")
@@ -333,9 +336,19 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--hf-dataset needs the 'datasets' package: pip install datasets"
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
-        if not args.overwrite and (os.path.exists(prefix + ".bin") or os.path.exists(prefix + ".idx")):
-            return f"{prefix}.bin/.idx already exists; pass --overwrite to replace it"
+        existing = [prefix + s for s in (".bin", ".idx", ".summary.json") if os.path.exists(prefix + s)]
+        if not args.overwrite and existing:
+            return f"{existing[0]} already exists; pass --overwrite to replace it"
     return None
+
+
+def _describe(e: BaseException, output_prefix: str) -> str:
+    """One line for a failure; a full disk names the directory and the file being written."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = os.path.dirname(os.path.abspath(output_prefix))
+        return (f"no space left on {where} while writing {e.filename or output_prefix + '*'}; free space or "
+                "choose another --output-prefix (the partial files were removed, existing ones kept)")
+    return f"{type(e).__name__}: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             outputs.commit([_summary(args, tokenizer, dtype, key, stats, time.perf_counter() - start)
                             for key in args.json_keys])
     except (OSError, EOFError, ValueError, ImportError) as e:  # unreadable input, full disk, missing column
-        problem = f"{type(e).__name__}: {e}"
+        problem = _describe(e, args.output_prefix)
     except BaseException:  # a bug or Ctrl-C: leave no partial output either
         if outputs is not None:
             outputs.discard()
@@ -491,7 +504,7 @@ def _partition_main(k, group, args, encoder, encoder_args, workers, scratch, cou
         if problem is None:
             outputs.commit([{} for _ in args.json_keys])
     except (OSError, EOFError, ValueError, ImportError) as e:
-        problem = f"{type(e).__name__}: {e}"
+        problem = _describe(e, args.output_prefix)
     if problem is not None:
         outputs.discard()
     results.put((k, stats, problem))

@@ -22,10 +22,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megapretrain.checkpoint.format import metadata, rank_file, read_metadata, write_metadata, write_rank_state
+from megapretrain.checkpoint.format import (
+    check_shapes,
+    metadata,
+    rank_file,
+    read_metadata,
+    write_metadata,
+    write_rank_state,
+)
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.reshard import (
     SavedShards,
+    global_shapes,
     rank_coords,
     resharded_state,
     saved_config_path,
@@ -56,25 +64,32 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     cfg = load_config(saved_config_path(path, args.config), overrides)
     sizes, _ = validate(cfg, args.world_size)  # the target layout, checked as training would
     m = cfg.model
+    shapes = global_shapes(cfg)
+    check_shapes(path, meta, shapes)  # every saved tensor has its place in the target
     saved = SavedShards(path, meta)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
     layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
     with new_directory(args.output) as tmp:
-        written: dict[tuple[int, int], str] = {}
+        written: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
+        files = {}
         for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
             file = rank_file(tmp, rank)
             if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
+                first, record = written[(pp_rank, tp_rank)]
                 try:
-                    os.link(written[(pp_rank, tp_rank)], file)
+                    os.link(first, file)
                 except OSError:
-                    shutil.copyfile(written[(pp_rank, tp_rank)], file)
-                continue
-            specs = rank_param_specs(cfg, pp_rank, tp_rank)
-            write_rank_state(file, resharded_state(saved, specs, tp_rank, sizes.tp, saved_padded))
-            written[(pp_rank, tp_rank)] = file
+                    shutil.copyfile(first, file)
+            else:
+                specs = rank_param_specs(cfg, pp_rank, tp_rank)
+                record = write_rank_state(file, resharded_state(saved, specs, tp_rank, sizes.tp, saved_padded))
+                written[(pp_rank, tp_rank)] = (file, record)
+            files[os.path.basename(file)] = record
         iteration = saved.state(0)["iteration"]
+        saved.close()
         write_metadata(tmp, metadata(iteration=iteration, world_size=args.world_size, layout=layout,
                                      vocab_size=m.vocab_size, padded_vocab=sizes.padded_vocab,
+                                     files=files, tensors=shapes,
                                      resharded_from={"path": os.path.abspath(path), "layout": meta["layout"]}))
     return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
             f"({args.world_size} ranks, {len(written)} distinct files); train with --checkpoint.load {args.output}")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megapretrain.cli import positive_float, positive_int  # noqa: E402
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 8, "ffn_hidden_size": 256}
@@ -42,9 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--layouts", default="auto",
                     help='";"-separated: "auto" (every tp × pp that divides the world) and/or layouts '
                          'such as "tp=2,pp=2,vpp=2,sp=1,zero=1"')
-    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per layout")
+    ap.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per layout")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--rtol", type=float, help="largest relative loss difference allowed "
+    ap.add_argument("--rtol", type=positive_float, help="largest relative loss difference allowed "
                                                "(default 1e-4 in fp32, 2e-2 in bf16)")
     ap.add_argument("--workdir", help="new directory on a shared file system (default: runs/smoke_test-TIME)")
     args = ap.parse_args(argv)

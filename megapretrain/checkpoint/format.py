@@ -1,11 +1,16 @@
 """The checkpoint file format: one module writes and reads it, whoever saves or loads.
 
-A checkpoint is a directory::
+A checkpoint (format version 2) is a directory::
 
-    metadata.json        JSON: format name and version, iteration, world size, layout, vocabulary
-    rank_00000.pt        one tensor-only state file per rank (loaded with weights_only=True: no
-    rank_00001.pt        code is ever unpickled)
+    metadata.json            JSON, written last: format and version, iteration, world size, layout,
+                             vocabulary, every file's size and CRC-32, every tensor's global shape
+    rank_00000.safetensors   one safetensors file per rank: its tensors, and its small state as
+    rank_00001.safetensors   JSON in the header (``__metadata__["megapretrain.state"]``)
     ...
+
+Nothing is ever unpickled: the tensors are raw bytes read by byte range (``tensorfile.py``), the
+rest is JSON. Version 1 checkpoints (``rank_NNNNN.pt``, torch pickles of tensors) still load, through
+``torch.load(weights_only=True)``, on that legacy path only.
 
 A rank's state (:func:`rank_state`) holds the iteration, the consumed samples, the fp32 master
 weights and the optimizer state, both keyed by global parameter name, and (when saved by training)
@@ -17,84 +22,242 @@ the rank's random-number states. Each weight or moment entry is one of
 - ``{}``: nothing yet (optimizer state saved before the first step);
 
 and ``optim/optimizer.py``'s ``entry_range`` (beside the code that writes them) reads any of them.
-``FORMAT_VERSION`` grows when this changes; a checkpoint of a newer version is refused with a message that says so.
+In the safetensors file a tensor is stored under its path in the state (``model/NAME``,
+``optimizer/params/NAME/exp_avg``, ``rng/cpu``...) and the JSON skeleton holds
+``{"__tensor__": PATH}`` in its place, so a reader can look at an entry's range before it reads any
+of its bytes (:class:`RankFile`). ``FORMAT_VERSION`` grows when this changes; a checkpoint of a newer
+version is refused with a message that says so.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import CheckpointError, read_json_file
+from . import tensorfile
 
-FORMAT = "megapretrain-per-rank-v1"
-FORMAT_VERSION = 1
+FORMAT = "megapretrain-per-rank-v1"  # the family's name (older readers check it, then the version)
+FORMAT_VERSION = 2
 METADATA = "metadata.json"
+STATE_KEY = "megapretrain.state"
 _LAYOUT_KEYS = ("tp", "pp", "dp")
+_TENSOR = "__tensor__"
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (created, renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through ``path.part``: flushed and fsynced, then renamed, then
+    the directory fsynced, so the file is either the old one or the whole new one."""
+    with open(path + ".part", "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".part", path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 # -- a rank's state --------------------------------------------------------------------------------
 
 
-def rank_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.pt")
+def rank_file(directory: str, rank: int, version: int = FORMAT_VERSION) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.{'pt' if version == 1 else 'safetensors'}")
 
 
 def rank_state(*, iteration: int, consumed_samples: int, model: dict, optimizer_step: int, moments: dict,
-               scaler: dict | None, rng: dict | None = None) -> dict:
+               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0) -> dict:
     """One rank's checkpoint state. ``model`` and ``moments`` map parameter names to entries (see
     the module docstring; moments carry ``exp_avg`` and ``exp_avg_sq``); ``scaler`` is the loss
-    scaler's state (None: a fresh one); ``rng`` the rank's random states (None: not carried)."""
+    scaler's state (None: a fresh one); ``rng`` the rank's random states (None: not carried);
+    ``lr_scale`` the learning-rate factor rollbacks have applied so far."""
     state = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "model": model,
-             "optimizer": {"step": int(optimizer_step), "params": moments, "scaler": scaler}}
+             "optimizer": {"step": int(optimizer_step), "params": moments, "scaler": scaler},
+             "lr_scale": float(lr_scale)}
     if rng is not None:
         state["rng"] = rng
     return state
 
 
-def write_rank_state(path: str, state: dict) -> None:
-    """Write ``state`` to ``path`` through ``path.part``, flushed to disk before the rename."""
-    with open(path + ".part", "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor of ``dtype`` and ``shape`` that ``read()`` produces when it is written: a state
+    may hold these so a writer holds one tensor in memory at a time (conversion, resharding)."""
+    dtype: torch.dtype
+    shape: tuple
+    read: Callable[[], torch.Tensor]
+
+
+def _split(tree, path: str, tensors: dict):
+    """``tree`` with every tensor replaced by a reference to its key in ``tensors``."""
+    if torch.is_tensor(tree) or isinstance(tree, LazyTensor):
+        tensors[path] = tree
+        return {_TENSOR: path}
+    if isinstance(tree, dict):
+        return {str(k): _split(v, f"{path}/{k}" if path else str(k), tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_split(v, f"{path}/{i}", tensors) for i, v in enumerate(tree)]
+    return tree
+
+
+def write_rank_state(path: str, state: dict) -> tuple[int, int]:
+    """Write ``state`` (its tensors may be :class:`LazyTensor`) to ``path`` through ``path.part``
+    (fsynced before the rename). Returns the file's size and CRC-32 (for the metadata)."""
+    tensors: dict = {}
+    skeleton = _split(state, "", tensors)
+    # larger elements first: every tensor's bytes start aligned to its element size
+    order = sorted(tensors, key=lambda k: -tensors[k].dtype.itemsize)
+    entries = [(k, t.dtype, tuple(t.shape), t.read if isinstance(t, LazyTensor) else t)
+               for k, t in ((k, tensors[k]) for k in order)]
+    size, crc = tensorfile.write(path + ".part", entries, {STATE_KEY: json.dumps(skeleton)})
     os.replace(path + ".part", path)
+    return size, crc
 
 
-def read_rank_state(directory: str, rank: int, *, mmap: bool = False) -> dict:
-    """Rank ``rank``'s state from checkpoint ``directory`` (``mmap``: pages read on use)."""
-    file = rank_file(directory, rank)
+class RankFile:
+    """One rank's saved state, opened without reading its tensors: :meth:`entry` describes an
+    entry's range, :meth:`load` reads the whole state."""
+
+    def __init__(self, directory: str, rank: int, version: int):
+        self.path = rank_file(directory, rank, version)
+        if version == 1:  # a torch pickle of tensors (weights_only), mapped: pages read on use
+            self._file, self.skeleton = None, _read_v1(self.path)
+        else:
+            self._file = tensorfile.TensorFile(self.path)
+            try:
+                self.skeleton = json.loads(self._file.metadata[STATE_KEY])
+            except (KeyError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{self.path} holds no readable megapretrain state ({exc}); it is "
+                                      "damaged: load another checkpoint with --checkpoint.load") from None
+
+    def _tensor(self, ref) -> torch.Tensor:
+        return ref if torch.is_tensor(ref) else self._file.get(ref[_TENSOR])
+
+    def _numel(self, ref) -> int:
+        return ref.numel() if torch.is_tensor(ref) else math.prod(self._file.shape(ref[_TENSOR]))
+
+    def _flat(self, ref, start: int, end: int) -> torch.Tensor:
+        if torch.is_tensor(ref):
+            return ref.reshape(-1)[start:end]
+        return self._file.flat(ref[_TENSOR], start, end)
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The saved dtype of parameter ``name``'s weight in this file, read from the header."""
+        entry = self.skeleton["model"].get(name)
+        ref = entry.get("master", entry) if isinstance(entry, dict) and not _is_ref(entry) else entry
+        if torch.is_tensor(ref):
+            return ref.dtype
+        return self._file.dtype(ref[_TENSOR]) if _is_ref(ref) else None
+
+    def load(self) -> dict:
+        """The whole state, tensors read."""
+        def build(node):
+            if _is_ref(node) or torch.is_tensor(node):
+                return self._tensor(node)
+            if isinstance(node, dict):
+                return {k: build(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [build(v) for v in node]
+            return node
+        return build(self.skeleton)
+
+    def entry(self, name: str, key: str, numel: int) -> tuple[int, int, object] | None:
+        """(start, end, reader) of ``key`` ("master", "exp_avg" or "exp_avg_sq") of parameter
+        ``name``, whose tp shard has ``numel`` elements: this rank saved its elements [start, end),
+        and ``reader(a, b)`` reads elements [a, b) of the shard (within them). None when this rank
+        holds no such entry; (0, 0, None) when it holds the parameter but no values yet."""
+        section = self.skeleton["model"] if key == "master" else self.skeleton["optimizer"]["params"]
+        entry = section.get(name)
+        if entry is None:
+            return None
+        where = f"checkpoint {self.path}, '{name}'"
+        if _is_ref(entry) or torch.is_tensor(entry):
+            ref, start = entry, 0
+        elif "start" in entry:
+            if key not in entry:
+                return 0, 0, None
+            ref, start = entry[key], int(entry["start"])
+            if int(entry["end"]) - start != self._numel(ref):
+                raise CheckpointError(f"{where}: range [{start}, {entry['end']}) holds {self._numel(ref)} values; "
+                                      "the file is damaged")
+        elif key in entry:
+            ref, start = entry[key], 0
+        else:
+            return 0, 0, None
+        end = start + self._numel(ref)
+        if not 0 <= start <= end <= numel:
+            raise CheckpointError(f"{where}: holds elements [{start}, {end}) of a tp shard of {numel}: it was "
+                                  "saved from another model (compare model.* with the config.yaml of the run "
+                                  "that saved it)")
+        return start, end, lambda a, b: self._flat(ref, a - start, b - start)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _is_ref(node) -> bool:
+    return isinstance(node, dict) and set(node) == {_TENSOR}
+
+
+def _read_v1(path: str) -> dict:
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete") from None
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete") from None
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {file} cannot be read ({type(exc).__name__}: {exc}); "
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); "
                               "load an older checkpoint with --checkpoint.load") from None
+
+
+def read_rank_state(directory: str, rank: int, version: int | None = None) -> dict:
+    """Rank ``rank``'s whole state from checkpoint ``directory`` (``version``: read from its
+    metadata when not given)."""
+    if version is None:
+        version = read_metadata(directory).get("format_version", 1)
+    f = RankFile(directory, rank, version)
+    try:
+        return f.load()
+    finally:
+        f.close()
 
 
 # -- metadata --------------------------------------------------------------------------------------
 
 
 def metadata(*, iteration: int, world_size: int, layout: dict, vocab_size: int | None, padded_vocab: int,
-             **extra) -> dict:
+             files: dict | None = None, tensors: dict | None = None, **extra) -> dict:
     """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp}) at ``world_size``;
-    ``extra`` adds facts (where it was converted or resharded from, the time)."""
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": int(iteration),
+    ``files`` maps each rank file's name to ``{"bytes", "crc32"}``, ``tensors`` each parameter's
+    global name to its global shape (vocabulary unpadded); ``extra`` adds facts (where it was
+    converted or resharded from, the time)."""
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": int(iteration),
             "world_size": int(world_size), "layout": {k: int(layout[k]) for k in _LAYOUT_KEYS},
-            "vocab_size": vocab_size, "padded_vocab": int(padded_vocab), **extra}
+            "vocab_size": vocab_size, "padded_vocab": int(padded_vocab)}
+    if files is not None:
+        meta["files"] = {k: {"bytes": int(v[0]), "crc32": int(v[1])} if isinstance(v, tuple) else v
+                         for k, v in files.items()}
+    if tensors is not None:
+        meta["tensors"] = {k: [int(s) for s in v] for k, v in tensors.items()}
+    meta.update(extra)
+    return meta
 
 
 def write_metadata(directory: str, meta: dict) -> None:
-    """Write ``metadata.json`` (its presence marks the checkpoint complete), flushed to disk."""
-    path = os.path.join(directory, METADATA)
-    with open(path + ".part", "w") as fh:
-        json.dump(meta, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(path + ".part", path)
+    """Write ``metadata.json`` (its presence marks the checkpoint complete), fsynced."""
+    write_text(os.path.join(directory, METADATA), json.dumps(meta, indent=1))
 
 
 def read_metadata(directory: str) -> dict:
@@ -116,7 +279,71 @@ def read_metadata(directory: str) -> dict:
     if not isinstance(layout, dict) or not all(isinstance(layout.get(k), int) and layout[k] >= 1
                                                for k in _LAYOUT_KEYS):
         problems.append("layout")
+    if version >= 2 and not (isinstance(meta.get("files"), dict) and all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
+            for v in meta["files"].values())):
+        problems.append("files")
     if problems:
         raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the file is "
                               "damaged: load another checkpoint with --checkpoint.load")
     return meta
+
+
+# -- integrity -------------------------------------------------------------------------------------
+
+
+def problem(directory: str, checksum_ranks: Iterable[int] | None = None) -> str | None:
+    """What makes checkpoint ``directory`` unusable, or None: its metadata, every rank's file present
+    at its recorded size, and the CRC-32 of the files of ``checksum_ranks`` (None: every rank's)."""
+    try:
+        meta = read_metadata(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    world, version = meta["world_size"], meta.get("format_version", 1)
+    if version == 1:  # no sizes recorded: present and not empty
+        for rank in range(world):
+            file = rank_file(directory, rank, 1)
+            if not os.path.isfile(file) or os.path.getsize(file) == 0:
+                return f"{file} is missing or empty"
+        return None
+    files = meta["files"]
+    for rank in range(world):
+        name = os.path.basename(rank_file(directory, rank))
+        if name not in files:
+            return f"{directory}/{METADATA} lists no {name}: the checkpoint is incomplete"
+    for name, info in files.items():
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != info["bytes"]:
+            return f"{file} has {size} bytes, {info['bytes']} were written: it is truncated or damaged"
+    for rank in range(world) if checksum_ranks is None else checksum_ranks:
+        file = rank_file(directory, rank)
+        crc = tensorfile.file_crc32(file)
+        if crc != files[os.path.basename(file)]["crc32"]:
+            return f"{file} fails its checksum (CRC-32 {crc:08x}, {files[os.path.basename(file)]['crc32']:08x} " \
+                   "was written): it is damaged"
+    return None
+
+
+def check_shapes(directory: str, meta: dict, model: dict[str, tuple]) -> None:
+    """Raise naming the first tensor where checkpoint ``directory`` (its ``meta``) and a model
+    whose parameters have the global shapes ``model`` differ: one the model lacks, one the
+    checkpoint lacks, or one of another shape. Every saved tensor must have a place in the model.
+    Checkpoints that record no shapes (version 1) are checked tensor by tensor as they load."""
+    saved = meta.get("tensors")
+    if saved is None:
+        return
+    fix = "compare model.* with the config.yaml of the run that saved it"
+    for name, shape in model.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint has no weight '{name}' (shape {tuple(shape)} in the model): "
+                                  f"{directory} was saved from another model ({fix})")
+        if tuple(saved[name]) != tuple(shape):
+            raise CheckpointError(f"checkpoint {directory}: '{name}' has shape {tuple(saved[name])}, the model "
+                                  f"expects {tuple(shape)}: it was saved from another model ({fix})")
+    for name, shape in saved.items():
+        if name not in model:
+            raise CheckpointError(f"checkpoint {directory} holds '{name}' of shape {tuple(shape)}, which this "
+                                  f"model has no place for: it was saved from another model ({fix})")

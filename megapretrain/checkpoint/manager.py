@@ -1,23 +1,35 @@
-"""Per-rank checkpoints: atomic, optionally asynchronous, with retention and a ``latest`` pointer.
+"""Per-rank checkpoints: atomic, durable, optionally asynchronous, checked, with retention.
 
 Layout under ``RUN_DIR/checkpoints``::
 
-    iter_0000100/metadata.json      written last: its presence marks the checkpoint complete
-    iter_0000100/rank_00000.pt      one file per rank (model, optimizer, RNG, data position)
-    latest                          the name of the newest complete checkpoint
+    iter_0000100/metadata.json            written last: its presence marks the checkpoint complete
+    iter_0000100/rank_00000.safetensors   one file per rank (model, optimizer, RNG, data position)
+    latest                                the name of the newest complete checkpoint
 
-Every rank writes into ``.iter_0000100``; once all have finished, rank 0 writes the metadata,
-renames the directory into place and then moves ``latest`` — a crash at any point leaves either the
-previous checkpoint or the new one, never a half-written one under a final name. An existing
-directory of the same name is moved aside, not overwritten. What the files hold, and how they are
+Saving: every rank writes its file into ``.iter_0000100`` (fsynced), then a small
+``rank_NNNNN.done.json`` with the file's size and CRC-32 (or the error that stopped it). Rank 0,
+once every rank's ``done`` file is there — that is the agreement, through the shared file system
+the checkpoint lives on — writes ``metadata.json`` (with every size and checksum), fsyncs, renames
+the directory into place, moves ``latest`` and applies retention. With ``checkpoint.async`` this
+happens on a background thread as soon as the last rank finished writing, while training goes on;
+at most one save is in flight (the next one waits for it). A crash at any point leaves either the
+previous checkpoint or the new one, never a half-written one under a final name; an existing
+directory of the same name is moved aside, not overwritten. Leftovers of an interrupted save are
+removed when the next run starts.
+
+Loading: :meth:`CheckpointManager.choose` checks candidates newest first (metadata, every rank's
+file present at its recorded size, the checksums — each rank checks a share of the files) and falls
+back past unusable ones with a warning naming what was wrong. What the files hold, and how they are
 written and read, is ``checkpoint/format.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -26,7 +38,20 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from .format import METADATA, metadata, rank_file, read_metadata, read_rank_state, write_metadata, write_rank_state
+from .format import (
+    METADATA,
+    fsync_dir,
+    metadata,
+    problem,
+    rank_file,
+    read_metadata,
+    read_rank_state,
+    write_metadata,
+    write_rank_state,
+    write_text,
+)
+
+_DONE = ".done.json"
 
 
 def _barrier() -> None:
@@ -34,66 +59,210 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _to_cpu(obj):
-    """Deep-copy the tensors of a state tree to CPU, so training may go on while it is written."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+class SnapshotBuffers:
+    """Host buffers an async save copies the state into, kept from one save to the next: copying
+    into memory already faulted in is several times faster than into fresh allocations, and that
+    copy is all the training loop waits for. Pinned when the source is on an accelerator (the
+    device-to-host copy is then asynchronous, synchronized once). Safe because at most one save is
+    in flight: the next snapshot happens after the previous write finished."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, obj, path: str = ""):
+        """``obj`` (a state tree) with every tensor copied into this pool."""
+        if torch.is_tensor(obj):
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.device.type == "cuda")
+                self._buffers[path] = buf
+            return buf.copy_(obj.detach(), non_blocking=obj.device.type == "cuda")
+        if isinstance(obj, dict):
+            return {k: self.copy(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return obj
+
+
+def optimizer_views(optimizer) -> tuple[dict, dict]:
+    """(weights, moments) of a ``MixedPrecisionAdamW`` as checkpoint entries that are views of its
+    fp32 masters and Adam moments (no copies): the same entries as its ``master_state_dict()`` and
+    ``state_dict()["params"]``, for a save that copies them at most once (into
+    :class:`SnapshotBuffers`, or straight to the file)."""
+    optimizer.buffers.wait_params()
+    weights, moments = {}, {}
+    for name, (s, f) in optimizer.fragments.items():
+        master = f.of(s.master)
+        weights[name] = (master.view(f.param.shape) if optimizer.zero == 0
+                         else {"start": f.start, "end": f.end, "master": master})
+        moments[name] = {"start": f.start, "end": f.end, "exp_avg": f.of(s.exp_avg),
+                         "exp_avg_sq": f.of(s.exp_avg_sq)}
+    return weights, moments
 
 
 def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def _iteration_of(name: str) -> int | None:
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def retained(iterations: list[int], keep_last: int, keep_every: int = 0, milestones: list[float] = ()) -> set[int]:
+    """The checkpoints to keep among ``iterations``: the ``keep_last`` newest (0: all), those at a
+    multiple of ``keep_every``, and for each milestone (an iteration, e.g. every 10% of the run)
+    the newest checkpoint at or before it."""
+    done = sorted(iterations)
+    keep = set(done if keep_last <= 0 else done[-keep_last:])
+    keep.update(i for i in done if keep_every and i % keep_every == 0)
+    for m in milestones:
+        before = [i for i in done if i <= m]
+        if before:
+            keep.add(before[-1])
+    return keep
+
+
+def milestone_iterations(fraction: float, iters: int) -> list[float]:
+    """The iterations at every ``fraction`` of a run of ``iters`` (0: none), e.g. 0.1 → 10%, 20%, ..."""
+    if fraction <= 0:
+        return []
+    return [k * fraction * iters for k in range(1, int(1 / fraction + 1e-9) + 1)]
+
+
 class CheckpointManager:
     def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, vocab_size: int,
-                 padded_vocab: int, keep_last: int = 3, keep_every: int = 0, async_save: bool = False,
-                 device: torch.device | str = "cpu"):
-        """``layout`` ({tp, pp, dp}) and the vocabulary (real and padded) go into ``metadata.json``."""
+                 padded_vocab: int, keep_last: int = 3, keep_every: int = 0, milestones: list[float] = (),
+                 async_save: bool = False, tensors: dict | None = None, device: torch.device | str = "cpu",
+                 prune_rolled_back: bool = True, sharding: dict | None = None):
+        """``layout`` ({tp, pp, dp}), the vocabulary (real and padded) and ``tensors`` (every
+        parameter's global shape) go into ``metadata.json``; ``milestones`` are iterations whose
+        newest checkpoint at or before them retention keeps (see :func:`retained`);
+        ``prune_rolled_back``: retention also removes set-aside checkpoints past the newest
+        ``keep_last`` of them (false: they are all kept); ``sharding``: how the optimizer state was
+        cut into ZeRO ranges (loading under another one takes the resharding path)."""
         self.device = torch.device(device)
         self.root = os.path.join(run_dir, "checkpoints")
         self.rank, self.world_size, self.layout = rank, world_size, layout
-        self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
-        self.keep_last, self.keep_every, self.async_save = keep_last, keep_every, async_save
-        self._pending: tuple[int, threading.Thread, list] | None = None
+        self.vocab_size, self.padded_vocab, self.tensors = vocab_size, padded_vocab, tensors
+        self.keep_last, self.keep_every, self.milestones = keep_last, keep_every, list(milestones)
+        self.async_save, self.prune_rolled_back, self.sharding = async_save, prune_rolled_back, sharding
+        self._pending: tuple[int, threading.Thread | None, list] | None = None
+        self.last_stall_s = 0.0  # seconds the caller was blocked by the last save()
+        self._snapshot = SnapshotBuffers()
         os.makedirs(self.root, exist_ok=True)
+        if rank == 0:
+            self.cleanup()
+        _barrier()
+
+    def cleanup(self) -> list[str]:
+        """Remove what interrupted saves left behind (``.iter_*`` directories, ``*.part`` files).
+        Nothing complete is touched. Returns what was removed."""
+        removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith(".iter_") and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif name.endswith(".part") or name == ".latest":
+                os.remove(path)
+            else:
+                continue
+            removed.append(name)
+        return removed
 
     # -- saving -----------------------------------------------------------------------------------
 
     def save(self, iteration: int, state: dict) -> None:
-        """Write this rank's ``state`` for ``iteration`` (collective: every rank calls it)."""
-        self.finalize()
+        """Write this rank's ``state`` for ``iteration`` (collective: every rank calls it); its
+        tensors may be views of live training state (see :func:`optimizer_views`). Synchronous:
+        written straight from them. Async: returns once they are copied to host buffers."""
+        start = time.perf_counter()
+        self.finalize()  # at most one save in flight
         tmp = os.path.join(self.root, "." + iter_dir_name(iteration))
         if self.rank == 0:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)  # leftovers of an interrupted save; never a complete checkpoint
             os.makedirs(tmp)
         _barrier()
-        path = rank_file(tmp, self.rank)
         errors: list = []
         if self.async_save:
-            cpu_state = _to_cpu(state)
-            thread = threading.Thread(target=self._write, args=(cpu_state, path, errors), daemon=True)
+            state = self._snapshot.copy(state)  # training may change the originals from now on
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the pinned copies are complete
+            thread = threading.Thread(target=self._write, args=(iteration, state, tmp, errors), daemon=True,
+                                      name=f"checkpoint-{iteration}")
             thread.start()
             self._pending = (iteration, thread, errors)
+            self.last_stall_s = time.perf_counter() - start
         else:
-            self._write(state, path, errors)
+            self._write(iteration, state, tmp, errors)
             self._pending = (iteration, None, errors)
             self.finalize()
+            self.last_stall_s = time.perf_counter() - start
 
-    @staticmethod
-    def _write(state: dict, path: str, errors: list) -> None:
+    def _write(self, iteration: int, state: dict, tmp: str, errors: list) -> None:
+        """This rank's file and its ``done`` record; on rank 0 then the publication."""
+        path = rank_file(tmp, self.rank)
+        record: dict = {}
         try:
-            write_rank_state(path, state)
+            size, crc = write_rank_state(path, state)
+            record = {"file": os.path.basename(path), "bytes": size, "crc32": crc}
         except Exception as exc:  # reported by finalize() on the training thread
             errors.append(exc)
+            record = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            write_text(path[:-len(".safetensors")] + _DONE, json.dumps(record))
+        if self.rank == 0:
+            try:
+                self._publish(iteration, tmp)
+            except Exception as exc:
+                errors.append(exc)
+
+    def _publish(self, iteration: int, tmp: str) -> None:
+        """Rank 0: wait for every rank's ``done`` record, then write the metadata, rename the
+        directory into place, move ``latest`` and apply retention — each step durable first."""
+        records, delay = {}, 0.002
+        while len(records) < self.world_size:
+            for r in range(self.world_size):
+                done = rank_file(tmp, r)[:-len(".safetensors")] + _DONE
+                if r not in records and os.path.exists(done):
+                    with open(done) as fh:
+                        records[r] = json.load(fh)
+            if len(records) < self.world_size:
+                time.sleep(delay)
+                delay = min(2 * delay, 0.1)
+        failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
+        if failed:
+            raise RuntimeError(f"rank(s) {sorted(failed)} failed to write: {next(iter(failed.values()))}")
+        files = {rec["file"]: (rec["bytes"], rec["crc32"]) for rec in records.values()}
+        write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
+                                     vocab_size=self.vocab_size, padded_vocab=self.padded_vocab, files=files,
+                                     tensors=self.tensors, time=time.time(),
+                                     **({"sharding": self.sharding} if self.sharding else {})))
+        for r in range(self.world_size):
+            os.remove(rank_file(tmp, r)[:-len(".safetensors")] + _DONE)
+        fsync_dir(tmp)
+        name = iter_dir_name(iteration)
+        final = os.path.join(self.root, name)
+        if os.path.exists(final):
+            os.rename(final, f"{final}.replaced-{int(time.time())}")
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        self._point_latest(name)
+        self._apply_retention()
+
+    def _point_latest(self, name: str) -> None:
+        write_text(os.path.join(self.root, ".latest"), name + "\n")
+        os.replace(os.path.join(self.root, ".latest"), os.path.join(self.root, "latest"))
+        fsync_dir(self.root)
+
+    def poll(self) -> bool:
+        """Whether no save is in flight any more (a finished async save was published by rank 0's
+        writer as soon as every rank was done); not collective."""
+        return self._pending is None or self._pending[1] is None or not self._pending[1].is_alive()
 
     def finalize(self) -> str | None:
-        """Wait for a pending write, then publish it (rank 0 renames and moves ``latest``)."""
+        """Wait for a pending save and make sure it was published (collective); raises on every
+        rank when any rank failed to write it."""
         if self._pending is None:
             return None
         iteration, thread, errors = self._pending
@@ -106,108 +275,188 @@ class CheckpointManager:
         if failed.item() > 0:
             reason = errors[0] if errors else "another rank failed"
             raise RuntimeError(f"checkpoint {iteration} was not saved: {reason}")
-        name = iter_dir_name(iteration)
-        if self.rank == 0:
-            tmp, final = os.path.join(self.root, "." + name), os.path.join(self.root, name)
-            write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
-                                         vocab_size=self.vocab_size, padded_vocab=self.padded_vocab,
-                                         time=time.time()))
-            if os.path.exists(final):
-                os.rename(final, f"{final}.replaced-{int(time.time())}")
-            os.rename(tmp, final)
-            latest_tmp = os.path.join(self.root, ".latest")
-            with open(latest_tmp, "w") as fh:
-                fh.write(name + "\n")
-            os.replace(latest_tmp, os.path.join(self.root, "latest"))
-            self._apply_retention()
         _barrier()
-        return name
+        return iter_dir_name(iteration)
+
+    def complete(self) -> list[int]:
+        """Iterations of the complete checkpoints of this run, oldest first."""
+        return sorted(i for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None
+                      and os.path.exists(os.path.join(self.root, d, METADATA)))
 
     def _apply_retention(self) -> None:
-        if self.keep_last <= 0:
-            return
-        done = sorted(d for d in os.listdir(self.root)
-                      if d.startswith("iter_") and d[5:].isdigit()
-                      and os.path.exists(os.path.join(self.root, d, METADATA)))
-        for d in done[:-self.keep_last]:
-            if self.keep_every and int(d[5:]) % self.keep_every == 0:
-                continue  # a milestone
-            shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+        done = self.complete()
+        keep = retained(done, self.keep_last, self.keep_every, self.milestones)
+        for i in done:
+            if i not in keep:
+                shutil.rmtree(os.path.join(self.root, iter_dir_name(i)), ignore_errors=True)
+        if self.keep_last > 0 and self.prune_rolled_back:  # set-aside checkpoints of rollbacks: the newest keep_last
+            aside = sorted((int(d.rsplit("-", 1)[1]), d) for d in os.listdir(self.root)
+                           if ".rolled-back-" in d and d.rsplit("-", 1)[1].isdigit())
+            for _, d in aside[:-self.keep_last]:
+                shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------------------
 
     def latest(self) -> str | None:
-        """Path of the newest complete checkpoint in this run, or None."""
+        """Path of the newest complete checkpoint in this run, or None (unchecked: see :meth:`choose`)."""
         return latest_checkpoint(self.root)
 
     def newest_before(self, iteration: int) -> str | None:
         """The newest complete checkpoint of this run saved before ``iteration``, or None."""
-        done = [d for d in os.listdir(self.root) if d.startswith("iter_") and d[5:].isdigit()
-                and int(d[5:]) < iteration and os.path.exists(os.path.join(self.root, d, METADATA))]
-        return os.path.join(self.root, max(done)) if done else None
+        done = [i for i in self.complete() if i < iteration]
+        return os.path.join(self.root, iter_dir_name(max(done))) if done else None
 
     def set_aside_from(self, iteration: int, keep: str) -> list[str]:
         """After a rollback to ``keep``: rename the checkpoints saved at ``iteration`` or later to
-        ``NAME.rolled-back-TIME`` (kept, never deleted) and point ``latest`` at ``keep``
-        (collective). Returns the names set aside."""
+        ``NAME.rolled-back-TIME`` (kept until retention drops them: the newest ``keep_last``) and
+        point ``latest`` at ``keep`` (collective). Returns the names set aside."""
         self.finalize()
-        moved = sorted(d for d in os.listdir(self.root) if d.startswith("iter_") and d[5:].isdigit()
-                       and int(d[5:]) >= iteration)
+        moved = sorted(d for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None and i >= iteration)
         _barrier()  # every rank has read what it needs before anything moves
         if self.rank == 0:
             stamp = int(time.time())
             for d in moved:
                 os.rename(os.path.join(self.root, d), os.path.join(self.root, f"{d}.rolled-back-{stamp}"))
-            latest_tmp = os.path.join(self.root, ".latest")
-            with open(latest_tmp, "w") as fh:
-                fh.write(os.path.basename(keep) + "\n")
-            os.replace(latest_tmp, os.path.join(self.root, "latest"))
+            fsync_dir(self.root)
+            self._point_latest(os.path.basename(keep))
         _barrier()
         return moved
 
+    def usable(self, path: str) -> str | None:
+        """None when checkpoint ``path`` passes every check on every rank, else the first problem
+        found (collective: each rank checksums every world_size-th file of it)."""
+        try:
+            saved_world = read_metadata(path)["world_size"]
+        except CheckpointError as exc:
+            found = str(exc)
+        else:
+            found = problem(path, range(self.rank, saved_world, self.world_size))
+        return _first_problem(found, self.rank, self.world_size, self.device)
+
+    def choose(self, explicit: str | None = None) -> tuple[str | None, list[str]]:
+        """The checkpoint to resume from, and warnings about unusable ones passed over (collective):
+        this run's newest usable checkpoint (``latest`` first), else ``explicit`` (an ``iter_*``
+        directory, or a run directory: its newest usable). Raises when checkpoints exist but none
+        can be used."""
+        warnings: list[str] = []
+        path = self._first_usable(self.root, warnings)
+        if path is None and explicit:
+            if os.path.exists(os.path.join(explicit, METADATA)):
+                found = self.usable(explicit)
+                if found:
+                    raise CheckpointError(f"--checkpoint.load {explicit} cannot be used: {found}")
+                path = explicit
+            else:
+                roots = [r for r in (os.path.join(explicit, "checkpoints"), explicit) if os.path.isdir(r)]
+                for root in roots:
+                    path = path or self._first_usable(root, warnings)
+                if path is None:
+                    raise CheckpointError(f"--checkpoint.load {explicit} is not a complete checkpoint (no "
+                                          f"{METADATA}) nor a run directory with a usable one"
+                                          + (f" ({'; '.join(warnings)})" if warnings else ""))
+        if path is None and warnings:
+            raise CheckpointError(f"no usable checkpoint in {self.root}: {'; '.join(warnings)}; repair or move them "
+                                  "aside, or start from another with --checkpoint.load")
+        return path, warnings
+
+    def _first_usable(self, root: str, warnings: list[str]) -> str | None:
+        paths, note = candidates(root)
+        if note:
+            warnings.append(note)
+        for path in paths:
+            found = self.usable(path)
+            if found is None:
+                return path
+            warnings.append(f"skipped {path}: {found}")
+        return None
+
     def load(self, path: str) -> dict:
         """This rank's state from checkpoint directory ``path``, checked against the layout."""
-        path = resolve_checkpoint(path)
         meta = read_metadata(path)
         if meta["world_size"] != self.world_size or meta["layout"] != self.layout:
             raise CheckpointError(
                 f"checkpoint {path} was saved with world_size={meta['world_size']} layout={meta['layout']}, "
                 f"but this run has world_size={self.world_size} layout={self.layout}; "
                 "relaunch with the saved layout")
-        return read_rank_state(path, self.rank)
+        return read_rank_state(path, self.rank, meta.get("format_version", 1))
+
+
+def _first_problem(found: str | None, rank: int, world_size: int, device) -> str | None:
+    """The problem of the lowest rank that found one (every rank returns the same), or None."""
+    if not dist.is_initialized() or world_size == 1:
+        return found
+    first = torch.tensor([rank if found else world_size], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world_size:
+        return None
+    text = torch.zeros(1024, dtype=torch.uint8, device=device)
+    if rank == src:
+        raw = found.encode()[:1024]
+        text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    dist.broadcast(text, src)
+    return bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def candidates(root: str) -> tuple[list[str], str | None]:
+    """This run's checkpoints to try, newest first (``latest``'s, then every complete ``iter_*``
+    directory), and a note when ``latest`` could not be followed."""
+    out, note = [], None
+    pointer = os.path.join(root, "latest")
+    if os.path.exists(pointer):
+        try:
+            with open(pointer) as fh:
+                name = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            name, note = "", f"{pointer} cannot be read ({exc})"
+        if name and os.path.exists(os.path.join(root, name, METADATA)):
+            out.append(os.path.join(root, name))
+        elif note is None:
+            note = f"{pointer} names '{name}', which is missing or incomplete"
+    done = sorted((i, d) for d in os.listdir(root) if (i := _iteration_of(d)) is not None
+                  and os.path.exists(os.path.join(root, d, METADATA)))
+    out += [p for p in (os.path.join(root, d) for _, d in reversed(done)) if p not in out]
+    return out, note
 
 
 def latest_checkpoint(root: str) -> str | None:
-    pointer = os.path.join(root, "latest")
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as fh:
-        name = fh.read().strip()
-    path = os.path.join(root, name)
-    if not os.path.exists(os.path.join(path, METADATA)):
-        raise CheckpointError(f"{pointer} names '{name}', which is missing or incomplete; "
-                              "point it at a complete iter_* directory or remove it")
-    return path
+    """The checkpoint ``root/latest`` names, or (when it is missing or names an incomplete one)
+    the newest complete ``iter_*`` directory; None when there is none. Unchecked beyond that."""
+    found = candidates(root)[0] if os.path.isdir(root) else []
+    return found[0] if found else None
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A complete checkpoint directory from ``path``: itself, or the latest under a run directory
-    or its ``checkpoints/`` folder."""
+def resolve_checkpoint(path: str, *, check: bool = True) -> str:
+    """A complete checkpoint directory from ``path``: itself, or the newest usable one under a run
+    directory or its ``checkpoints/`` folder (passing over unusable ones with a warning on stderr).
+    ``check``: verify sizes and checksums."""
     if os.path.exists(os.path.join(path, METADATA)):
-        return path
-    for root in (path, os.path.join(path, "checkpoints")):
-        found = latest_checkpoint(root) if os.path.isdir(root) else None
+        found = problem(path) if check else None
         if found:
-            return found
-    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
-                          "directory with one; pass an iter_* directory")
+            raise CheckpointError(f"{path} cannot be used: {found}")
+        return path
+    notes = []
+    for root in (os.path.join(path, "checkpoints"), path):
+        if not os.path.isdir(root):
+            continue
+        found_paths, note = candidates(root)
+        notes += [note] if note else []
+        for candidate in found_paths:
+            found = problem(candidate) if check else None
+            if found is None:
+                for n in notes:
+                    print(f"warning: {n}; using {candidate}", file=sys.stderr)
+                return candidate
+            notes.append(f"skipped {candidate}: {found}")
+    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run directory with a "
+                          "usable one; pass an iter_* directory" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 @contextlib.contextmanager
 def new_directory(path: str):
     """Write the new directory ``path`` through a temporary one beside it: yields the temporary
-    path, which takes the final name (with the usual permissions) when the block ends and is removed
-    if it fails. ``path`` must not exist, or be empty: nothing is ever overwritten."""
+    path, which takes the final name (with the usual permissions, its files fsynced) when the block
+    ends and is removed if it fails. ``path`` must not exist, or be empty: nothing is ever overwritten."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise CheckpointError(f"--output {path} exists and is not empty; choose a new directory "
                               "(nothing is ever overwritten)")
@@ -223,7 +472,12 @@ def new_directory(path: str):
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        file = os.path.join(tmp, name)
+        os.chmod(file, 0o666 & ~umask)
+        with open(file, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
     if os.path.isdir(path):
         os.rmdir(path)  # empty, checked above
     os.rename(tmp, path)
+    fsync_dir(parent)

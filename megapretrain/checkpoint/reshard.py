@@ -8,7 +8,8 @@ the split dimension, each put together from the ranges its dp ranks saved. Vocab
 the real vocabulary are padding and zero, as at initialisation, whatever the saved layout padded
 to. The optimizer then takes its own ZeRO ranges of the slice, as it does at the same layout.
 
-Files are opened memory-mapped, so a rank reads only the pages it uses. What does not carry across
+Tensors are read by element range (``format.RankFile``), so a rank reads only the bytes of the
+rows it keeps. What does not carry across
 layouts are the random-number streams (they are per rank): dropout restarts from the seed, while
 the weights, Adam moments and step, loss scale, iteration, learning-rate schedule and data position
 continue exactly.
@@ -23,9 +24,9 @@ import torch
 
 from ..config import padded_vocab_size
 from ..errors import CheckpointError
-from ..optim.optimizer import entry_range
+from ..model.build import rank_param_specs
 from ..parallel.specs import ParamSpec
-from .format import rank_state, read_rank_state
+from .format import RankFile, rank_state, read_metadata
 
 
 def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
@@ -38,45 +39,59 @@ def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
 
 
 class SavedShards:
-    """The per-rank files of one checkpoint, opened (memory-mapped) on demand."""
+    """The per-rank files of one checkpoint, opened on demand; tensors are read by element range,
+    so a rank reads only the bytes of the slices it needs."""
 
     def __init__(self, path: str, meta: dict):
         self.path, self.layout = path, meta["layout"]
+        self.version = meta.get("format_version", 1)
         self.coords = rank_coords(self.layout)
         if len(self.coords) != meta["world_size"]:
             raise CheckpointError(f"{path}/metadata.json: layout {self.layout} does not multiply out to "
                                   f"world_size={meta['world_size']}")
-        self._states: dict[int, dict] = {}
+        self._files: dict[int, RankFile] = {}
+
+    def file(self, rank: int) -> RankFile:
+        if rank not in self._files:
+            self._files[rank] = RankFile(self.path, rank, self.version)
+        return self._files[rank]
 
     def state(self, rank: int) -> dict:
-        if rank not in self._states:
-            self._states[rank] = read_rank_state(self.path, rank, mmap=True)
-        return self._states[rank]
+        """Rank ``rank``'s small state (iteration, data position, optimizer step, scaler), its
+        tensors unread."""
+        return self.file(rank).skeleton
 
-    def flat_shard(self, name: str, key: str, tp_rank: int, numel: int) -> torch.Tensor:
-        """The flattened tp shard ``tp_rank`` of parameter ``name``'s ``key`` ("master",
-        "exp_avg" or "exp_avg_sq"), put together from every rank that saved part of it."""
-        out = torch.zeros(numel, dtype=torch.float32)
-        seen = torch.zeros(numel, dtype=torch.bool)
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def flat_shard(self, name: str, key: str, tp_rank: int, numel: int, lo: int = 0,
+                   hi: int | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` (default: all) of the flattened tp shard ``tp_rank`` of parameter
+        ``name``'s ``key`` ("master", "exp_avg" or "exp_avg_sq"), put together from every rank
+        that saved part of them; only those elements are read."""
+        hi = numel if hi is None else hi
+        out = torch.zeros(hi - lo, dtype=torch.float32)
+        covered = 0
         stage = None  # a tied embedding lives on the first and the last stage: read one of them
         for rank, (pp_rank, _, t) in enumerate(self.coords):
             if t != tp_rank or (stage is not None and pp_rank != stage):
                 continue
-            state = self.state(rank)
-            entry = state["model"].get(name) if key == "master" else state["optimizer"]["params"].get(name)
-            if entry is None:
+            found = self.file(rank).entry(name, key, numel)
+            if found is None:
                 continue
             stage = pp_rank
-            found = entry_range(entry, key, numel, f"checkpoint {self.path}, '{name}' in rank {rank}'s file")
-            if found is None:
-                continue  # saved before the first step: no moments yet (zeros)
-            start, end, piece = found
-            out[start:end] = piece.float()
-            seen[start:end] = True
+            start, end, read = found
+            a, b = max(start, lo), min(end, hi)
+            if read is None or a >= b:
+                continue  # saved before the first step (no moments yet: zeros), or another part
+            out[a - lo:b - lo] = read(a, b).float()
+            covered += b - a
         if stage is None:
             raise CheckpointError(f"checkpoint {self.path} has no '{name}': it was saved from another model "
                                   "(compare model.* with the config.yaml of the run that saved it)")
-        if key == "master" and not bool(seen.all()):
+        if key == "master" and covered < hi - lo:
             raise CheckpointError(f"checkpoint {self.path}: the saved ranges of '{name}' do not cover it; "
                                   "the checkpoint is incomplete")
         return out
@@ -106,12 +121,16 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
     numel = int(np.prod(old))
     if dim is None:  # replicated over tp: any saved tp rank's copy
         return saved.flat_shard(spec.name, key, 0, numel).view(old)
+    row = numel // old[0]  # elements per row of a saved shard
     lo, hi = tp_rank * shape[dim], (tp_rank + 1) * shape[dim]  # this slice of the global tensor,
     real = min(hi, spec.shape[0]) if spec.vocab else hi  # rows past the vocabulary: zeros
     parts = []
     for t in range(old_tp):  # cut from the saved shards that overlap it
         start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
-        if start < end:
+        if start < end and dim == 0:  # whole rows: read just them
+            a, b = start - t * old[0], end - t * old[0]
+            parts.append(saved.flat_shard(spec.name, key, t, numel, a * row, b * row).view(b - a, *old[1:]))
+        elif start < end:
             part = saved.flat_shard(spec.name, key, t, numel).view(old)
             parts.append(part.narrow(dim, start - t * old[dim], end - start))
     pad = list(shape)
@@ -120,26 +139,62 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
 
 
 def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: int, tp: int,
-                    saved_padded: int) -> dict:
+                    saved_padded: int, *, moments: bool = True) -> dict:
     """The state of a rank of another layout that holds the parameters ``specs`` (its table) at
     ``tp_rank`` of ``tp``: whole tp slices of the masters and moments (any ZeRO stage takes its
     ranges from them); iteration, data position, Adam step and loss scale from the checkpoint.
-    Random streams are per rank: not carried."""
-    model, moments = {}, {}
+    Random streams are per rank: not carried. ``moments=False``: the weights only (no moments read)."""
+    model, saved_moments = {}, {}
     for name, spec in specs.items():
-        piece = {key: tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
-                 for key in ("master", "exp_avg", "exp_avg_sq")}
-        model[name] = piece["master"]
-        moments[name] = {"exp_avg": piece["exp_avg"], "exp_avg_sq": piece["exp_avg_sq"]}
+        model[name] = tp_slice(saved, spec, "master", tp_rank, tp, saved_padded)
+        saved_moments[name] = {key: tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
+                               for key in ("exp_avg", "exp_avg_sq")} if moments else {}
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
-                      optimizer_step=first["optimizer"]["step"], moments=moments,
-                      scaler=first["optimizer"].get("scaler"))
+                      optimizer_step=first["optimizer"]["step"], moments=saved_moments,
+                      scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0))
+
+
+def global_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape (vocabulary unpadded) under ``cfg``'s model, in the model's
+    order: embedding, layers, final norm, head (read off every pipeline stage's spec table)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for pp_rank in range(cfg.parallel.pp):
+        for name, spec in rank_param_specs(cfg, pp_rank, 0).items():
+            shapes.setdefault(name, spec.shape)
+    return shapes
+
+
+class GlobalWeights:
+    """The weights of checkpoint ``path`` as global fp32 tensors (tp shards and ZeRO ranges put
+    together, vocabulary padding dropped), read one at a time; ``cfg`` is the run's config (its
+    layout is reset to one process; ``model.vocab_size`` filled from the metadata when null)."""
+
+    def __init__(self, path: str, cfg):
+        meta = read_metadata(path)
+        m = cfg.model
+        m.vocab_size = m.vocab_size or meta.get("vocab_size")
+        p = cfg.parallel  # one process holds everything: its spec table names every weight once
+        p.tp, p.pp, p.vpp, p.pipeline_layers, p.sequence_parallel, p.zero = 1, 1, 1, None, False, 0
+        self.specs = rank_param_specs(cfg, 0, 0)
+        self.saved = SavedShards(path, meta)
+        self.padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
+
+    def get(self, name: str):
+        spec = self.specs[name]
+        weight = tp_slice(self.saved, spec, "master", 0, 1, self.padded)
+        return weight[:spec.shape[0]] if spec.vocab else weight
+
+    def close(self) -> None:
+        self.saved.close()
 
 
 def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
-    """The config of the run that saved ``checkpoint`` (``RUN_DIR/checkpoints/iter_*``), or ``explicit``."""
-    path = explicit or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    """The config of the run that saved ``checkpoint`` (``RUN_DIR/checkpoints/iter_*``), or the
+    one a conversion wrote beside its files (``CHECKPOINT/config.yaml``), or ``explicit``."""
+    beside = os.path.join(checkpoint, "config.yaml")
+    path = explicit or (beside if os.path.exists(beside) else
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml"))
     if not os.path.exists(path):
         raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
                               f"{checkpoint} (for the architecture)")

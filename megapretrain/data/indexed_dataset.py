@@ -82,6 +82,7 @@ class IndexedDatasetBuilder:
         self.sequence_count = 0
         self.document_count = 0  # documents closed so far (document_indices has one more entry)
         self.token_count = 0
+        self.max_token = -1  # the largest id written (recorded in summaries: data and model must agree)
         self._open_document = False
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
@@ -134,6 +135,8 @@ class IndexedDatasetBuilder:
             while block := f.read(16 << 20):
                 self._file.write(block)
                 self._hash.update(block)
+                if block:
+                    self.max_token = max(self.max_token, int(np.frombuffer(block, dtype=self.dtype).max()))
         self.token_count += source.num_tokens
 
     @property
@@ -162,8 +165,12 @@ class IndexedDatasetBuilder:
         self._remove_spill_files()
 
     def close(self) -> None:
-        """Close the .bin file without writing an index (used when giving up on a partial build)."""
-        self._file.close()
+        """Close the .bin file without writing an index (used when giving up on a partial build).
+        A failing flush (a full disk) does not stop it: the caller is discarding the file anyway."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
         self._remove_spill_files()
 
     def _write_tokens(self, arr: np.ndarray) -> None:
@@ -171,6 +178,8 @@ class IndexedDatasetBuilder:
         self._file.write(data)
         self._hash.update(data)
         self.token_count += arr.size
+        if arr.size:
+            self.max_token = max(self.max_token, int(arr.max()))
 
     def _write_lengths(self, lengths: np.ndarray) -> None:
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
@@ -181,7 +190,10 @@ class IndexedDatasetBuilder:
 
     def _remove_spill_files(self) -> None:
         for f in (self._lengths_file, self._docs_file):
-            f.close()
+            try:
+                f.close()
+            except OSError:  # a full disk: the file goes anyway
+                pass
             if os.path.exists(f.name):
                 os.remove(f.name)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import DataError, MissingFileError, MissingPackageError
+from ..errors import DataError, MissingFileError, MissingPackageError, UserError
 
 # Special tokens tried, in order, to find a HuggingFace tokenizer's end-of-document id.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -332,15 +332,20 @@ def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: s
     README, "Tokenizer types")."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(model)
-    if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(model, vocab_file, merge_file)
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(model)
-    if tokenizer_type == "TikTokenizer":
-        return TikTokenizer(model)
-    raise DataError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    make = {"HuggingFaceTokenizer": lambda: HuggingFaceTokenizer(model),
+            "GPT2BPETokenizer": lambda: GPT2BPETokenizer(model, vocab_file, merge_file),
+            "SentencePieceTokenizer": lambda: SentencePieceTokenizer(model),
+            "TikTokenizer": lambda: TikTokenizer(model)}.get(tokenizer_type)
+    if make is None:
+        raise DataError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    try:
+        return make()
+    except UserError:
+        raise
+    except Exception as exc:  # the backend's own parse error for a damaged or foreign file
+        files = ", ".join(str(p) for p in (model, vocab_file, merge_file) if p)
+        raise DataError(f"{tokenizer_type} cannot load {files} ({type(exc).__name__}: {str(exc)[:200]}); check "
+                        "that it is a tokenizer file of this type (data.tokenizer.model / --tokenizer-model)") from None
 
 
 def _require_path(path: str | None, tokenizer_type: str, expected: str) -> str:

@@ -8,9 +8,14 @@ table from one code path. Nothing here depends on the training loop.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
+from .. import kernels
 from ..config import Config, default_ffn_hidden_size
+from ..errors import ConfigError
 from ..parallel.pipeline import chunk_layers
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
@@ -29,7 +34,8 @@ def model_args(cfg: Config) -> ModelArgs:
                                       else m.ffn_hidden_size),
                      vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
                      rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
-                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout)
+                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None)
 
 
 def table_of(chunks: list[LlamaModel]) -> dict[str, ParamSpec]:
@@ -46,6 +52,31 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[LlamaModel]:
             for v, layer_ids in enumerate(layer_chunks)]
 
 
+def resolve_kernels(choice: str, device: torch.device) -> str:
+    """``model.kernels`` on ``device``: "triton" (kernels/) or "torch". auto: Triton on CUDA, and on
+    CPU only under Triton's interpreter (``TRITON_INTERPRET=1``); torch otherwise."""
+    runs = kernels.use_triton(device.type)
+    if choice == "triton" and not runs:
+        raise ConfigError(f"model.kernels=triton cannot run on {device.type}: it needs triton and CUDA, or "
+                          "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
+    return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
+
+
+def compile_layers(chunk: LlamaModel, device: torch.device) -> None:
+    """``train.compile``: torch.compile each decoder layer in place (regional compilation: the
+    layers share one code object, so one graph serves layers of the same shape; parameter names are
+    unchanged). The parameter-gather pre-hooks of parallel/data.py read ``id(module)``, which makes
+    Dynamo guard on each layer's identity and compile once per layer: the recompile limit is raised
+    by the layer count so that no layer silently falls back to eager."""
+    if device.type == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (install g++ or set CXX), "
+                          "or set train.compile=false")
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit += len(chunk.layers)  # every chunk's layers share the one code object
+    for layer in chunk.layers.values():
+        layer.compile()
+
+
 def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel], dict[str, ParamSpec]]:
     """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
     and their parameter-spec table.
@@ -56,9 +87,12 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
     the last stage is left out of the grad norm (its spec says so).
     """
     rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)  # dropout inside tp regions
-    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, dtype=DTYPES[cfg.train.precision], device=ps.device)
+    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=resolve_kernels(cfg.model.kernels, ps.device),
+                     z_loss=cfg.model.z_loss, dtype=DTYPES[cfg.train.precision], device=ps.device)
     for chunk in chunks:
         chunk.init_weights(cfg.train.seed)
+        if cfg.train.compile:
+            compile_layers(chunk, ps.device)
     return chunks, table_of(chunks)
 
 

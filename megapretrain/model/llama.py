@@ -21,6 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import padded_vocab_size
+from ..kernels.rmsnorm import rms_norm
+from ..kernels.rope import rope
+from ..kernels.swiglu import swiglu
 from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec, Sharding, collect_specs
@@ -33,6 +36,9 @@ from ..parallel.tensor import (
     enter_tp_region,
     init_shard_,
 )
+from .fused_loss import linear_cross_entropy_per_token
+
+KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class ModelArgs:
     init_std: float = 0.02
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    rope_scaling: tuple | None = None  # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
+    mlp: str = "swiglu"  # or "gelu": GPT-3's two-matrix MLP (the planner models it; the layers are SwiGLU)
 
     @property
     def head_dim(self) -> int:
@@ -93,22 +101,43 @@ class RMSNorm(nn.Module):
     """x / rms(x) · weight, computed in fp32 whatever the input dtype. Under sequence parallelism
     each tp rank normalizes other positions, so the weight's grads are partial sums over tp."""
 
-    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool = False, dtype=torch.float32,
-                 device=None):
+    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool = False, kernels: str = "torch",
+                 dtype=torch.float32, device=None):
         super().__init__()
-        self.eps, self.sequence_parallel = eps, sequence_parallel
+        self.eps, self.sequence_parallel, self.kernels = eps, sequence_parallel, kernels
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def param_shardings(self) -> dict[str, Sharding]:
         return {"weight": Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            return rms_norm(x, self.weight, self.eps)  # one kernel each way (kernels/rmsnorm.py)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (s, d) for positions 0..seq-1 (the rotate-half layout)."""
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int, **_) -> torch.Tensor:
+    """Llama 3.1's rotary scaling, as transformers computes it: wavelengths longer than the original
+    context / low_freq_factor are stretched by ``factor``, shorter than context / high_freq_factor
+    kept, and those in between interpolated smoothly."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device, dtype,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (s, d) for positions 0..seq-1 (the rotate-half layout); ``scaling``:
+    ``model.rope_scaling`` (rope_type llama3, or none)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (s, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (s, d)
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
@@ -137,16 +166,47 @@ class _RoPEFunction(torch.autograd.Function):
         return dx, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (b, n, s, d) query/key vectors by their position's angle; cos, sin: (s, d)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """Rotate (b, n, s, d) query/key vectors by their position's angle; cos, sin: (s, d), or
+    (b, 1, s, d) when each token has its own position (document masking). ``kernels="triton"``:
+    the kernel of kernels/rope.py, for (s, d) tables (per-token tables take the torch ops)."""
+    if kernels == "triton" and cos.dim() == 2:
+        return rope(x, cos, sin)
     return _RoPEFunction.apply(x, cos, sin)
+
+
+@dataclass
+class Documents:
+    """The documents packed into a micro-batch (``data.reset_position_ids`` / ``reset_attention_mask``):
+    each token's position inside its document, and which tokens it may attend to."""
+    position_ids: torch.Tensor | None  # (b, s) int64: positions restarting at each document, or None
+    attn_mask: torch.Tensor | None     # (b, 1, s, s) bool: causal and within the document, or None
+
+
+def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_position_ids: bool) -> Documents:
+    """The document structure of (b, s) input ids: a document ends with its ``eod`` token, the next
+    one starts after it (Megatron's ``get_ltor_masks_and_position_ids``)."""
+    b, s = tokens.shape
+    is_eod = tokens == eod
+    doc = torch.cumsum(is_eod, dim=1) - is_eod.long()  # (b, s): EODs before each token (its document)
+    positions = mask = None
+    if reset_position_ids:
+        idx = torch.arange(s, device=tokens.device).expand(b, s)
+        starts = torch.ones_like(is_eod)
+        starts[:, 1:] = is_eod[:, :-1]  # a token after an EOD starts a document
+        positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    if reset_attention_mask:
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_()
+        mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal  # (b, s, s)
+        mask = mask.unsqueeze(1)  # (b, 1, s, s): the same for every head
+    return Documents(positions, mask)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, selective_recompute: bool,
-                 rng: RNGTracker, saved: SavedShards | None, dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", dtype, device):
         super().__init__()
-        self.rng, self.saved = rng, saved
+        self.rng, self.saved, self.kernels = rng, saved, kernels
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -159,32 +219,37 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, tp, init_std=out_std,
                                         sequence_parallel=sequence_parallel, **kw)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, mask=None):
+        dropout = self.dropout if self.training else 0.0
+        if not dropout:  # no random numbers drawn: no stream to fork (and no graph break under compile)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         with self.rng.fork():  # heads differ per tp rank, so must their dropout masks
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                                  dropout_p=self.dropout if self.training else 0.0)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+                                                  dropout_p=dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s) attention allowed (document masking), or None for plain causal."""
         x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_local, self.d).transpose(1, 2)  # (b, n/tp, s, d)
         k = self.k_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
         v = self.v_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         if self.selective_recompute and self.training:
-            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.rng.checkpoint_context)
+            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=self.rng.checkpoint_context)
         else:
-            y = self._core(q, k, v)  # (b, n/tp, s, d)
+            y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
         return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, saved: SavedShards | None,
-                 dtype, device):
+                 kernels: str = "torch", dtype, device):
         super().__init__()
         out_std = args.init_std / math.sqrt(2 * args.num_layers)
-        self.tp, self.sequence_parallel, self.saved = tp, sequence_parallel, saved
+        self.tp, self.sequence_parallel, self.saved, self.kernels = tp, sequence_parallel, saved, kernels
         kw = dict(dtype=dtype, device=device)
         h, f = args.hidden_size, args.ffn_hidden_size
         self.gate_proj = ColumnParallelLinear(h, f, tp, init_std=args.init_std, **kw)
@@ -193,14 +258,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, f/tp) -> (b, s, h)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (b, s, f/tp)
+        act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up  # kernels/swiglu.py
+        return self.down_proj(act)  # (b, s, h)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str,
-                 rng: RNGTracker, saved: SavedShards | None, dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", dtype, device):
         super().__init__()
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         norm = dict(sequence_parallel=sequence_parallel, **kw)
         self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **norm)
@@ -220,8 +287,9 @@ class DecoderLayer(nn.Module):
                 return F.dropout(x, self.dropout, True)
         return F.dropout(x, self.dropout, True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -235,9 +303,13 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", rng: RNGTracker | None = None, dtype=torch.float32, device=None):
+                 recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
+                 z_loss: float = 0.0, dtype=torch.float32, device=None):
         super().__init__()
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
         self.args, self.tp = args, tp
+        self.kernels, self.z_loss = kernels, z_loss
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
         self.sequence_parallel = sequence_parallel and tp.size > 1
@@ -254,10 +326,11 @@ class LlamaModel(nn.Module):
                                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, saved=self.saved_shards, **kw)
+                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, **kw)
             for i in layer_ids})
         if post_process:
-            self.norm = RMSNorm(args.hidden_size, args.norm_eps, sequence_parallel=self.sequence_parallel, **kw)
+            self.norm = RMSNorm(args.hidden_size, args.norm_eps, sequence_parallel=self.sequence_parallel,
+                                kernels=kernels, **kw)
             if not args.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(args.hidden_size, padded_vocab, tp, init_std=args.init_std,
                                                     vocab_rows=args.vocab_size, **kw)
@@ -300,31 +373,38 @@ class LlamaModel(nn.Module):
     def _rope(self, seq: int, like: torch.Tensor):
         key = (seq, like.device, like.dtype)
         if key not in self._rope_cache:
+            scaling = dict(self.args.rope_scaling) if self.args.rope_scaling else None
             self._rope_cache = {key: rope_tables(seq, self.args.head_dim, self.args.rope_theta,
-                                                 like.device, like.dtype)}
+                                                 like.device, like.dtype, scaling)}
         return self._rope_cache[key]
 
-    def _layer(self, layer: DecoderLayer, x, cos, sin):
+    def _layer(self, layer: DecoderLayer, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:
-            return checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=self.rng.checkpoint_context)
-        return layer(x, cos, sin)
+            return checkpoint(layer, x, cos, sin, mask, use_reentrant=False, context_fn=self.rng.checkpoint_context)
+        return layer(x, cos, sin, mask)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        """``docs``: the micro-batch's document structure (positions, attention mask), the same on
+        every pipeline chunk, or None for one causal stream per sample."""
         if self.saved_shards is None:
-            return self._forward(x, targets)
+            return self._forward(x, targets, docs)
         with self.saved_shards.hooks():  # backward keeps seq shards, not gathered sequences
-            return self._forward(x, targets)
+            return self._forward(x, targets, docs)
 
-    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None, docs: Documents | None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
         seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)
-        cos, sin = self._rope(seq, x)
+        cos, sin = self._rope(seq, x)  # (s, d)
+        if docs is not None and docs.position_ids is not None:
+            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
+        mask = docs.attn_mask if docs is not None else None
         for layer in self.layers.values():
-            x = self._layer(layer, x, cos, sin)  # (b, s, h)
+            x = self._layer(layer, x, cos, sin, mask)  # (b, s, h)
         if not self.post_process:
             return x
         x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel, self.saved_shards)  # (b, s, h)
@@ -332,6 +412,9 @@ class LlamaModel(nn.Module):
         if targets is None:
             return F.linear(x, weight)  # (b, s, v/tp) logits
         vocab_start = self.tp.rank * weight.shape[0]
+        if self.kernels == "triton" or self.z_loss:  # chunks of tokens: no (b, s, v/tp) logits at all
+            return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
+                                                  z_loss=self.z_loss, reference=self.kernels == "torch")  # (b, s)
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
         pool = self._logits_pool if x.device.type == "cpu" else None
@@ -343,7 +426,7 @@ def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:
     """Parameters of the whole (unpadded-vocabulary) model, independent of the layout."""
     h, f, d = args.hidden_size, args.ffn_hidden_size, args.head_dim
     attn = h * (args.num_heads * d) * 2 + h * (args.num_kv_heads * d) * 2
-    layer = attn + 3 * h * f + 2 * h
+    layer = attn + (2 if args.mlp == "gelu" else 3) * h * f + 2 * h
     total = args.num_layers * layer + h
     if embeddings:
         total += args.vocab_size * h * (1 if args.tie_embeddings else 2)

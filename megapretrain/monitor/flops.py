@@ -1,8 +1,16 @@
 """Accelerators: one table of peak FLOP/s, memory and bandwidth, for MFU logging and the planner.
 
 Peaks are dense bf16/fp16 tensor-core figures from the vendors' datasheets (no sparsity); fp32
-training runs on tf32 units at half of that. Bandwidths are NCCL bus bandwidths typical of each
-device's usual node (within a node) and of a 400 Gb/s-per-GPU fabric (between nodes), for estimates.
+training runs on tf32 units at half of that. Memory bandwidths are the datasheets' HBM figures.
+Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within a
+node) and of its usual fabric per GPU (between nodes: 200 Gb/s HDR InfiniBand per A100, 400 Gb/s
+NDR per H100), for estimates.
+
+The planner's kernel figures: ``efficiency`` is the fraction of the peak that large bf16 GEMMs
+sustain in training (cuBLAS on an A100 ~250 of 312 TFLOP/s, on an H100 SXM ~650 of 989 at
+training clocks); ``attention_efficiency`` the fraction a fused (flash) attention kernel sustains
+on its causal FLOPs. Smaller matmuls fall below ``efficiency`` by the planner's roofline and
+per-kernel overhead, not by a figure in this table.
 """
 
 from __future__ import annotations
@@ -20,31 +28,42 @@ class Device:
     intra_gbs: float      # NCCL bus bandwidth between GPUs of a node, GB/s
     inter_gbs: float      # per GPU between nodes, GB/s
     gpus_per_node: int = 8
-    efficiency: float = 0.55  # fraction of peak the matmul-heavy work reaches (planner)
+    efficiency: float = 0.75  # fraction of peak large matmuls sustain (planner)
+    hbm_gbs: float = 2000.0  # memory bandwidth, GB/s (planner: memory-bound kernels)
+    attention_efficiency: float = 0.5  # fraction of peak a flash-attention kernel sustains (planner)
     overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack (planner)
     spare: float = 0.05  # fraction of memory a layout must leave free (planner)
 
 
 # key: the lower-case short name (``tools/plan.py --device``), matched against CUDA's device name
+# (longest key first, so "a100-40gb" is tried before "a100")
+_HOPPER = dict(efficiency=0.66, attention_efficiency=0.35)
 DEVICES = {
-    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0),
-    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0),
-    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0),
-    "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0),
-    "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0),
-    "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0),
-    "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0),
-    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0),
-    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4),
-    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0),
+    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER),
+    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER),
+    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER),
+    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER),
+    "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=2039.0,
+                   attention_efficiency=0.45),
+    "a100-40gb": Device("A100 SXM 40GB", 312.0, 40.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=1555.0,
+                        attention_efficiency=0.45),
+    "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0, efficiency=0.6, hbm_gbs=8000.0,
+                   attention_efficiency=0.35),
+    "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0, efficiency=0.5, hbm_gbs=5300.0,
+                     attention_efficiency=0.3),
+    "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0, efficiency=0.6, hbm_gbs=3277.0,
+                     attention_efficiency=0.35),
+    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0),
+    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7, hbm_gbs=600.0),
+    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0),
 }
 
 
 def find_device(cuda_name: str) -> Device | None:
     """The table's entry for a CUDA device name (``torch.cuda.get_device_name``), or None."""
     name = cuda_name.upper()
-    for key in sorted(DEVICES, key=len, reverse=True):  # "GH200" before "H200"
-        if key.upper() in name:
+    for key in sorted(DEVICES, key=len, reverse=True):  # "GH200" before "H200", "A100-40GB" before "A100"
+        if all(part in name for part in key.upper().split("-")):
             return DEVICES[key]
     return None
 
@@ -57,6 +76,32 @@ def device_peak_tflops(device: torch.device, precision: str) -> float | None:
     if found is None:
         return None
     return found.peak_tflops if precision in ("bf16", "fp16") else found.peak_tflops / 2  # tf32
+
+
+def cpu_matmul_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:
+    """GFLOP/s of an n×n matmul on this CPU in ``dtype`` (a few milliseconds; best of ``repeats``)."""
+    import time
+
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / max(best, 1e-9) / 1e9
+
+
+def slow_half_precision_warning(precision: str) -> str | None:
+    """A warning when ``precision`` (bf16/fp16) matmuls run far slower than fp32 on this CPU (no
+    AVX-512 BF16 / AMX: the half-precision path is emulated), with the measured figures and the fix."""
+    half = cpu_matmul_gflops(torch.bfloat16 if precision == "bf16" else torch.float16)
+    full = cpu_matmul_gflops(torch.float32)
+    if half >= full / 4:
+        return None
+    return (f"train.precision={precision} on this CPU: a {precision} matmul runs at {half:.1f} GFLOP/s against "
+            f"{full:.1f} in fp32 ({full / half:.0f}x slower; no native {precision} instructions); "
+            "use --train.precision fp32 on this machine")
 
 
 def with_device(device: Device, **changes) -> Device:

@@ -1,6 +1,10 @@
 """Where metrics go: metrics.jsonl (the contract), TensorBoard, optionally Weights & Biases.
 
 Only one rank writes (the trainer passes ``enabled`` for it); every record is one JSON line.
+:func:`read_metrics` is the one reader of that file (the plotting tools and the pre-flight check
+use it). TensorBoard gets a custom-scalars layout that groups the same panels as
+``tools/plot_run.py``'s dashboard; wandb keeps its run id in ``RUN_DIR/wandb_id`` so a resumed run
+continues the same wandb run instead of opening a new one.
 """
 
 from __future__ import annotations
@@ -9,6 +13,24 @@ import json
 import math
 import os
 import time
+
+from ..errors import DataError, MissingFileError
+
+# TensorBoard's custom-scalars page: the dashboard's panels, each a list of tag regexes
+TENSORBOARD_LAYOUT = {
+    "training": {
+        "loss": ["Multiline", [r"^loss$", r"^valid_loss$"]],
+        "grad norm": ["Multiline", [r"^grad_norm$"]],
+        "learning rate": ["Multiline", [r"^lr$"]],
+        "loss scale (fp16)": ["Multiline", [r"^loss_scale$"]],
+    },
+    "speed": {
+        "tokens/s": ["Multiline", [r"^tokens_per_sec$"]],
+        "MFU": ["Multiline", [r"^mfu$"]],
+        "memory (MB)": ["Multiline", [r"^memory_mb$"]],
+        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^[a-z_.]*_s$"]],
+    },
+}
 
 
 class MetricsLogger:
@@ -22,13 +44,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self._tb.add_custom_scalars(TENSORBOARD_LAYOUT)
         if wandb:
-            try:
-                import wandb as wandb_mod
-            except ImportError:
-                raise RuntimeError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
-            self._wandb = wandb_mod.init(project="megapretrain", name=run_name or None, config=config,
-                                         dir=run_dir, resume="allow")
+            self._wandb = _init_wandb(run_dir, run_name, config)
 
     def log(self, record: dict) -> None:
         """Write one record; numeric fields other than ``iter`` also go to TensorBoard/wandb."""
@@ -48,6 +66,11 @@ class MetricsLogger:
     def event(self, name: str, iteration: int, **fields) -> None:
         self.log({"iter": iteration, "event": name, "time": round(time.time(), 3), **fields})
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text entry (an alert line) for TensorBoard; metrics.jsonl has the event already."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def flush(self) -> None:
         if self._jsonl is not None:
             self._jsonl.flush()
@@ -61,3 +84,53 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _init_wandb(run_dir: str, run_name: str, config: dict | None):
+    """A wandb run whose id is kept in ``RUN_DIR/wandb_id``: the first start writes it, every
+    resume of the same run directory continues that wandb run (``resume="allow"``)."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
+    id_path = os.path.join(run_dir, "wandb_id")
+    if os.path.exists(id_path):
+        with open(id_path) as fh:
+            run_id = fh.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_path, "w") as fh:
+            fh.write(run_id + "\n")
+    return wandb.init(project="megapretrain", name=run_name or None, config=config, dir=run_dir,
+                      id=run_id, resume="allow")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl (a run directory or the file), in the order written. A
+    truncated last line — a run killed mid-write — is dropped; damage elsewhere is an error."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise MissingFileError(f"{path} not found; give a run directory that a training run wrote "
+                               "(it holds metrics.jsonl)")
+    with open(path) as fh:
+        lines = fh.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number >= len(lines) - 1:  # the last line: cut short by a crash
+                break
+            raise DataError(f"{path} line {number} is not JSON; metrics.jsonl holds one JSON object "
+                            "per line") from None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def training_records(records: list[dict]) -> list[dict]:
+    """The per-step training lines (``iter`` and ``loss``, no ``event``)."""
+    return [r for r in records if "loss" in r and "iter" in r and "event" not in r]

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from .. import kernels
+from ..errors import CheckpointError, ConfigError
+from ..kernels.adamw import decay_mask, fused_adamw_
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
@@ -77,10 +79,25 @@ class Fragment:
         return flat[self.offset:self.offset + self.end - self.start]
 
 
+def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
+    """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
+    CUDA (unless offloaded: the host steps), torch elsewhere."""
+    runs = kernels.use_triton(device.type) and not offload
+    if choice == "triton" and not runs:
+        raise ConfigError(f"optim.impl=triton cannot run on {device.type}: it needs triton and CUDA, or "
+                          "TRITON_INTERPRET=1 on CPU (or set optim.impl=auto)")
+    if choice == "apex" and device.type != "cuda":
+        raise ConfigError(f"optim.impl=apex runs on CUDA only, not {device.type} (set optim.impl=auto)")
+    if choice == "auto":
+        return "triton" if runs and device.type == "cuda" else "torch"
+    return choice
+
+
 class ShardState:
     """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
 
-    def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState, offload: bool):
+    def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState, offload: bool,
+                 impl: str = "torch"):
         self.bucket = bucket
         self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
                           for p, start, end, off in bucket.fragments()]
@@ -101,6 +118,13 @@ class ShardState:
         self.adam = {decay: [[f.of(t) for f in self.fragments if f.spec.weight_decay == decay]
                              for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
                      for decay in (True, False)}
+        # impl=triton: one kernel pass per shard, decaying by a bit mask, writing the model's copy too
+        self.decay_mask = self.param_out = None
+        if impl == "triton":
+            ranges = [(f.offset, f.offset + f.end - f.start, f.spec.weight_decay) for f in self.fragments]
+            self.decay_mask = decay_mask(bucket.shard_size, ranges, self.master.device)  # (shard/32,) int32
+            self.param_out = None if self.master is self.param_shard else self.param_shard
+        self.params_current = False  # the fused step already wrote the model's parameters
         counted = [f for f in self.fragments if f.spec.counts_in_grad_norm(ps.tp_rank)]
         self.norm_views = ([bucket.grad_shard] if len(counted) == len(self.fragments)
                            else [f.of(bucket.grad_shard) for f in counted])
@@ -111,7 +135,9 @@ class ShardState:
 
     def write_back(self) -> None:
         """Copy the stepped masters into the model's parameters (cast to their dtype)."""
-        if self.master is not self.param_shard:
+        if self.params_current:  # written by the fused AdamW in its own pass
+            self.params_current = False
+        elif self.master is not self.param_shard:
             self.param_shard.copy_(self.master, non_blocking=True)
 
 
@@ -124,6 +150,16 @@ def _sum_of_squares(flat: torch.Tensor, row: int = 1 << 14) -> torch.Tensor:
     if body < flat.numel():
         total = total + torch.linalg.vector_norm(flat[body:]).double().square()
     return total
+
+
+def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay) -> None:
+    """apex's multi-tensor AdamW (``apex.optimizers.FusedAdam``'s kernel, adam_w_mode, bias correction)."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    overflow = torch.zeros(1, dtype=torch.int32, device=params[0].device)
+    multi_tensor_applier(amp_C.multi_tensor_adam, overflow, [grads, params, exp_avg, exp_avg_sq], lr, beta1, beta2,
+                         eps, step, 1, 1, weight_decay)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -187,8 +223,10 @@ class MixedPrecisionAdamW:
         self.ps, self.zero, self.cfg = ps, zero, optim_cfg
         self.offload = optim_cfg.offload
         self.buffers = DataParallelBuffers(named_params, specs, ps.dp, ps.tp, ps.embedding, zero=zero,
-                                           bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce)
-        self.shards = [ShardState(b, self.buffers, ps, self.offload) for b in self.buffers.buckets]
+                                           bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
+                                           shard=ps.dp_shard, replicas=ps.dp_replicas)
+        self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
+        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl) for b in self.buffers.buckets]
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
         self.step_count = 0
         self.scaler = LossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
@@ -229,7 +267,7 @@ class MixedPrecisionAdamW:
         elif views:
             sq = torch.stack(torch._foreach_norm(views)).pow(2).sum()
         if self.zero >= 1:
-            self.ps.dp.all_reduce(sq)  # shards are disjoint: their squares add up
+            self.ps.dp_shard.all_reduce(sq)  # shards are disjoint: their squares add up (replicas hold copies)
         self.ps.mp.all_reduce(sq)
         return math.sqrt(sq.item()) if torch.isfinite(sq) else float("inf")
 
@@ -264,15 +302,27 @@ class MixedPrecisionAdamW:
         return norm, False
 
     def _adamw(self, lr: float) -> None:
-        """One decoupled-weight-decay Adam step over every shard: torch's fused AdamW kernel (one
-        pass over masters, grads and moments), so a single process matches
-        ``torch.optim.AdamW(fused=True)`` bit for bit."""
+        """One decoupled-weight-decay Adam step over every shard. ``optim.impl`` torch: torch's fused
+        AdamW kernel (one pass over masters, grads and moments), so a single process matches
+        ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
+        that also writes the bf16/fp16 parameters; apex: apex's multi-tensor Adam."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
+        if self.impl == "triton":
+            for s in self.shards:
+                fused_adamw_(s.grad, s.master, s.exp_avg, s.exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=self.cfg.weight_decay, step=self.step_count, param_out=s.param_out,
+                             decay=s.decay_mask)
+                s.params_current = s.param_out is not None
+            return
         for decay in (True, False):
             params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
                                                   for i in range(4))
             if not params:
+                continue
+            if self.impl == "apex":
+                _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, self.step_count,
+                            self.cfg.weight_decay if decay else 0.0)
                 continue
             step = torch.full((), float(self.step_count), device=params[0].device)
             torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step] * len(params), lr=lr,
@@ -307,7 +357,7 @@ class MixedPrecisionAdamW:
         report["total"] = sum(report.values())
         numel = sum(p.numel() for b in self.buffers.buckets for p in b.params)
         report.update(numel=numel, padded_numel=self.buffers.padded_numel(), zero=self.zero,
-                      dp=self.ps.dp.size, offload=self.offload)
+                      dp=self.ps.dp.size, shard=self.ps.dp_shard.size, offload=self.offload)
         return report
 
     # -- checkpointing: by parameter name and fragment range --------------------------------------

@@ -109,12 +109,16 @@ def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: flo
 
 class DataParallelBuffers:
     """Param and grad buffers of a model's parameters, bucketed and reduced over ``dp``;
-    ``specs`` is the parameter-spec table, by name."""
+    ``specs`` is the parameter-spec table, by name. ``shard`` (default: dp) is the group ZeRO
+    shards over, ``replicas`` the groups holding the same shard (hybrid sharding), over which the
+    reduce-scattered shard is then all-reduced."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], dp: Group,
                  tp: Group, embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
-                 overlap: bool = True):
+                 overlap: bool = True, shard: Group | None = None, replicas: Group | None = None):
         self.dp, self.tp, self.embedding, self.zero, self.overlap = dp, tp, embedding, zero, overlap
+        self.shard = shard or dp
+        self.replicas = replicas
         self.names = {id(p): n for n, p in named_params}
         self.spec_of = {id(p): specs[n] for n, p in named_params}
         self.buckets: list[Bucket] = []
@@ -136,16 +140,16 @@ class DataParallelBuffers:
 
     @torch.no_grad()
     def _build(self, dtype: torch.dtype, params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float) -> None:
-        splits = bucket_split(params, bucket_numel, self.dp.size)
+        splits = bucket_split(params, bucket_numel, self.shard.size)
         total = sum(numel for _, _, numel in splits)
         device = params[0][0].device
         param_buffer = torch.zeros(total, dtype=dtype, device=device)
-        grad_buffer = torch.zeros(total // (self.dp.size if self.zero == 2 else 1),
+        grad_buffer = torch.zeros(total // (self.shard.size if self.zero == 2 else 1),
                                   dtype=torch.float32, device=device)
         start = shard_start = 0
         for bucket_params, offsets, numel in splits:
-            shard = numel // self.dp.size if self.zero >= 1 else numel
-            lo = self.dp.rank * shard if self.zero >= 1 else 0
+            shard = numel // self.shard.size if self.zero >= 1 else numel
+            lo = self.shard.rank * shard if self.zero >= 1 else 0
             b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard)
             b.param_data = param_buffer[start:start + numel]
             for p, off in zip(bucket_params, offsets):
@@ -226,12 +230,14 @@ class DataParallelBuffers:
         if self.zero == 0:
             b.work = self.dp.all_reduce_async(b.grad_data)
         else:  # in place: our shard of the sum lands in our slice of the bucket
-            b.work = self.dp.reduce_scatter_async(b.grad_data[b.shard_start:b.shard_end], b.grad_data)
+            b.work = self.shard.reduce_scatter_async(b.grad_data[b.shard_start:b.shard_end], b.grad_data)
 
     def _complete(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
             b.work = None
+        if self.zero >= 1 and self.replicas is not None:  # hybrid: the shard's sum over the other replicas
+            self.replicas.all_reduce(b.grad_data[b.shard_start:b.shard_end])
         if self.zero == 2:
             b.grad_shard.add_(b.grad_data[b.shard_start:b.shard_end])
             b.grad_data = None
@@ -267,12 +273,12 @@ class DataParallelBuffers:
         """All-gather every bucket's param buffer from the shards (zero ≥ 1) in the order the next
         forward needs them; with ``async_op`` the forward's pre-hooks wait (see
         ``overlap_param_gather``)."""
-        if self.zero == 0 or self.dp.size == 1:
+        if self.zero == 0 or self.shard.size == 1:
             return
         self.wait_params()
         forward_order = list(reversed(self.buckets))  # the first layers' bucket first
         for b in [b for b in forward_order if b in self._early] + [b for b in forward_order if b not in self._early]:
-            b.param_work = self.dp.all_gather_async(b.param_data, b.param_data[b.shard_start:b.shard_end])
+            b.param_work = self.shard.all_gather_async(b.param_data, b.param_data[b.shard_start:b.shard_end])
             self._gathers.append(b)
         if not async_op:
             self.wait_params()

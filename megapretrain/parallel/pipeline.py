@@ -246,8 +246,7 @@ class P2P:
         ops, arrived = [], {}
         for t, tensor in sends:
             tensor = tensor.detach().contiguous()
-            if self.pp.stats is not None:
-                self.pp.stats.record("pp.send", tensor)
+            self.pp._record("send", tensor)
             ops.append(dist.P2POp(dist.isend, tensor, self.pp.ranks[t.dst], self.pp.pg, _TAGS[t.kind]))
         for t in recvs:
             arrived[t] = torch.empty(self.shape, dtype=self.dtype, device=self.device)

@@ -11,6 +11,7 @@ single process without ``torch.distributed`` runs the same code path.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -56,22 +57,43 @@ class CommStats:
         return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
 
 
+class CommActivity:
+    """The collective this rank entered last, for the hang watchdog's report."""
+
+    def __init__(self):
+        self._last: tuple | None = None  # (group, kind, elements, ranks): formatted only when read
+
+    def enter(self, group: str, kind: str, tensor: torch.Tensor, ranks: list[int]) -> None:
+        self._last = (group, kind, tensor.numel(), ranks)
+
+    @property
+    def last(self) -> str | None:
+        if self._last is None:
+            return None
+        group, kind, numel, ranks = self._last
+        return f"{group}.{kind} of {numel} elements with ranks {ranks}"
+
+
 class Group:
     """A process group plus this rank's place in it; collectives are no-ops for one rank."""
 
     def __init__(self, name: str, ranks: list[int], pg=None, rank_in_group: int = 0,
-                 stats: CommStats | None = None):
+                 stats: CommStats | None = None, activity: CommActivity | None = None):
         self.name = name
         self.ranks = ranks
         self.pg = pg
         self.size = len(ranks)
         self.rank = rank_in_group
         self.stats = stats
+        self.activity = activity
         self._native_reduce_scatter: bool | None = None  # unknown until first tried
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        """Account a collective this rank enters (byte counts, the watchdog's last collective)."""
         if self.stats is not None:
             self.stats.record(f"{self.name}.{kind}", tensor)
+        if self.activity is not None:
+            self.activity.enter(self.name, kind, tensor, self.ranks)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce; returns ``tensor``."""
@@ -154,16 +176,21 @@ class Group:
 
 
 class ParallelState:
-    """The tp / dp / pp groups of this rank, the model-parallel group and the embedding group."""
+    """The tp / dp / pp groups of this rank, the model-parallel group and the embedding group.
+
+    With ``zero_shard_size`` N (hybrid sharding), dp is also cut into ``dp_shard`` groups of N
+    consecutive dp ranks (a node's, given tp-fastest ranks), which shard the optimizer state, and
+    ``dp_replicas`` groups of the ranks holding the same shard in every one of them."""
 
     def __init__(self, tp: int = 1, pp: int = 1, *, device: torch.device | str = "cpu",
-                 comm_stats: bool = False):
+                 comm_stats: bool = False, zero_shard_size: int | None = None):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world_size % (tp * pp):
             raise ConfigError(f"parallel.tp={tp} × parallel.pp={pp} must divide the world size {self.world_size}")
         self.device = torch.device(device)
         self.stats = CommStats() if comm_stats else None
+        self.activity = CommActivity()
         dp = self.world_size // (tp * pp)
         grid = np.arange(self.world_size).reshape(pp, dp, tp)
         self.pp_rank, self.dp_rank, self.tp_rank = (int(c[0]) for c in np.nonzero(grid == self.rank))
@@ -175,6 +202,16 @@ class ParallelState:
         self.mp = self._make("mp", [grid[:, j, :].ravel() for j in range(dp)])
         embed = [np.unique([grid[0, j, k], grid[-1, j, k]]) for j in range(dp) for k in range(tp)]
         self.embedding = self._make("embedding", embed)
+        n = zero_shard_size or dp
+        if dp % n:
+            raise ConfigError(f"parallel.zero_shard_size={n} must divide dp={dp}")
+        if n == dp:  # plain sharding over all of dp
+            self.dp_shard, self.dp_replicas = self.dp, Group("dp_replicas", [self.rank])
+        else:
+            self.dp_shard = self._make("dp_shard", [grid[i, s * n:(s + 1) * n, k]
+                                                    for i in range(pp) for k in range(tp) for s in range(dp // n)])
+            self.dp_replicas = self._make("dp_replicas", [grid[i, w::n, k]
+                                                          for i in range(pp) for k in range(tp) for w in range(n)])
 
     def _make(self, name: str, rank_lists: list) -> Group:
         mine = None
@@ -182,7 +219,7 @@ class ParallelState:
             ranks = [int(r) for r in ranks]
             pg = dist.new_group(ranks) if self.world_size > 1 else None
             if self.rank in ranks:
-                mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats)
+                mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats, self.activity)
         return mine
 
     @property
@@ -198,12 +235,14 @@ class ParallelState:
                 f"dp {self.dp_rank}/{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
 
 
-def init_distributed(backend: str = "auto", device_type: str = "cpu") -> None:
-    """Join the process group torchrun describes through its environment (no-op for one process)."""
+def init_distributed(backend: str = "auto", device_type: str = "cpu", timeout_s: float | None = None) -> None:
+    """Join the process group torchrun describes through its environment (no-op for one process).
+    ``timeout_s``: a collective that never completes fails after this long instead of hanging."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(backend=backend, **kwargs)

@@ -1,0 +1,65 @@
+"""Fault injection for tests and drills (``faults.*``, all off by default).
+
+Each fault happens at one iteration (counted from 1, like ``iter`` in metrics.jsonl) on the global
+rank ``faults.rank`` (-1: every rank), so the reaction to it — a skipped step, a rollback, a
+watchdog exit, the out-of-memory guidance — can be rehearsed on purpose:
+
+    nan_at        NaN in the grads (reduced to every rank): the step is skipped, the parameters unchanged
+    spike_at      the batch of that iteration is corrupt (targets shifted): a loss spike; the corruption
+                  belongs to that data position, so a rollback that skips it trains clean data
+    exit_at       the rank exits at once (status 1), as a crashed node
+    hang_at       the rank blocks forever, as one stuck in a collective
+    slow_data_at  the step waits faults.slow_data_s for its data
+    oom_at        an out-of-memory error at the step
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import torch
+
+
+class Faults:
+    def __init__(self, cfg, rank: int):
+        """``cfg``: the ``faults`` config section; ``rank``: this process's global rank."""
+        self.cfg = cfg
+        self.mine = cfg.rank in (-1, rank)
+        self.corrupt_sample: int | None = None  # where the corrupt batch starts in the data
+
+    def _at(self, name: str, iteration: int) -> bool:
+        return self.mine and getattr(self.cfg, name) == iteration
+
+    def before_step(self, iteration: int) -> None:
+        """Faults that strike as step ``iteration`` starts: exit, hang, out-of-memory."""
+        if self._at("exit_at", iteration):
+            print(f"faults.exit_at={iteration}: exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        if self._at("hang_at", iteration):
+            print(f"faults.hang_at={iteration}: blocking forever", file=sys.stderr, flush=True)
+            threading.Event().wait()
+        if self._at("oom_at", iteration):
+            raise torch.OutOfMemoryError(f"faults.oom_at={iteration}: an injected out-of-memory error")
+
+    def data_delay(self, iteration: int) -> None:
+        """The injected data wait of step ``iteration`` (counted as the step's data time)."""
+        if self._at("slow_data_at", iteration):
+            time.sleep(self.cfg.slow_data_s)
+
+    def corrupt(self, iteration: int, consumed_samples: int, batches: list, vocab_size: int) -> list:
+        """The micro-batches of step ``iteration`` (after ``consumed_samples``), their targets
+        shifted when they are the corrupt batch: the one spike_at first read."""
+        if self._at("spike_at", iteration) and self.corrupt_sample is None:
+            self.corrupt_sample = consumed_samples
+        if consumed_samples != self.corrupt_sample:
+            return batches
+        return [(tokens, None if targets is None else (targets + vocab_size // 2) % vocab_size)
+                for tokens, targets in batches]
+
+    def grad_factor(self, iteration: int) -> float:
+        """What step ``iteration`` multiplies its backward by: NaN at nan_at (on this rank, so the
+        data-parallel reduction carries it to every rank, as a real overflow would), else 1."""
+        return float("nan") if self._at("nan_at", iteration) else 1.0

@@ -1,0 +1,93 @@
+"""Alerts on a run's health, with the recipe's thresholds (``alerts.*``).
+
+Every step the trainer hands over its loss, grad norm (before clipping), tokens/s and data wait.
+A condition raises an alert when it starts and another when it clears — never one per step while
+it lasts — so a long stall or a bad stretch is two lines, not thousands:
+
+    non_finite    loss or grad norm NaN/Inf
+    grad_norm     grad norm above alerts.grad_norm_max
+    loss_ratio    loss above alerts.loss_ratio × its rolling average (alerts.window healthy steps)
+    throughput    tokens/s (the median of the last few steps, so one slow step is not a drop) more
+                  than alerts.throughput_drop below the rolling median of the steps before them
+    data_wait     the step waited longer than alerts.data_wait_s for its data
+
+The rolling baselines take only healthy steps, and need a few before they judge (the first steps
+of a run — compilation, cold caches — are not a throughput drop).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+MIN_HISTORY = 5     # healthy steps a rolling baseline needs before it judges
+WARMUP_STEPS = 3    # the first steps' throughput is not a baseline
+RECENT = 5          # steps whose median throughput is compared with the baseline
+
+
+class AlertMonitor:
+    def __init__(self, cfg):
+        """``cfg``: the ``alerts`` config section."""
+        self.cfg = cfg
+        self.losses: deque[float] = deque(maxlen=cfg.window)
+        self.throughput: deque[float] = deque(maxlen=cfg.window)  # the baseline's steps
+        self.recent: deque[float] = deque(maxlen=RECENT)
+        self.active: dict[str, dict] = {}  # kind -> the alert that started it
+        self.steps = 0
+
+    def observe(self, iteration: int, loss: float, grad_norm: float, tokens_per_sec: float,
+                data_wait_s: float) -> list[dict]:
+        """This step's alerts: conditions that started (``state: start``) or cleared (``clear``)."""
+        self.steps += 1
+        c, found = self.cfg, {}
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite:
+            found["non_finite"] = {"loss": loss, "grad_norm": grad_norm}
+        elif grad_norm > c.grad_norm_max:
+            found["grad_norm"] = {"grad_norm": grad_norm, "threshold": c.grad_norm_max}
+        if finite and len(self.losses) >= MIN_HISTORY:
+            mean = sum(self.losses) / len(self.losses)
+            if loss > c.loss_ratio * mean:
+                found["loss_ratio"] = {"loss": loss, "rolling_mean": round(mean, 6), "ratio": round(loss / mean, 3)}
+        if self.steps > WARMUP_STEPS:
+            if len(self.recent) == RECENT and "throughput" not in self.active:
+                self.throughput.append(self.recent[0])  # the oldest recent step joins the baseline
+            self.recent.append(tokens_per_sec)
+        if len(self.recent) == RECENT and len(self.throughput) >= MIN_HISTORY:
+            median, now = statistics.median(self.throughput), statistics.median(self.recent)
+            if now < (1.0 - c.throughput_drop) * median:
+                found["throughput"] = {"tokens_per_sec": round(now, 1), "rolling_median": round(median, 1),
+                                       "drop": round(1.0 - now / median, 3)}
+        if data_wait_s > c.data_wait_s:
+            found["data_wait"] = {"data_wait_s": round(data_wait_s, 3), "threshold": c.data_wait_s}
+        if finite and "loss_ratio" not in found:
+            self.losses.append(loss)
+        return self._transitions(iteration, found)
+
+    def _transitions(self, iteration: int, found: dict) -> list[dict]:
+        out = []
+        for kind, values in found.items():
+            if kind not in self.active:
+                self.active[kind] = {"kind": kind, "state": "start", "iter": iteration, **values}
+                out.append(self.active[kind])
+        for kind in [k for k in self.active if k not in found]:
+            started = self.active.pop(kind)
+            out.append({"kind": kind, "state": "clear", "iter": iteration, "since": started["iter"]})
+        return out
+
+
+def describe_alert(alert: dict) -> str:
+    """One console line for an alert of :class:`AlertMonitor`."""
+    kind, it = alert["kind"], alert["iter"]
+    if alert["state"] == "clear":
+        return f"alert cleared at iteration {it}: {kind} (since iteration {alert['since']})"
+    detail = {
+        "non_finite": lambda a: f"loss {a['loss']}, grad norm {a['grad_norm']}",
+        "grad_norm": lambda a: f"grad norm {a['grad_norm']:.3g} above {a['threshold']:g}",
+        "loss_ratio": lambda a: f"loss {a['loss']:.4f} is {a['ratio']}× its rolling mean {a['rolling_mean']:.4f}",
+        "throughput": lambda a: f"{a['tokens_per_sec']:,.0f} tokens/s, {a['drop']:.0%} below the rolling median "
+                                f"{a['rolling_median']:,.0f}",
+        "data_wait": lambda a: f"waited {a['data_wait_s']:.2f} s for data (threshold {a['threshold']:g} s)",
+    }[kind](alert)
+    return f"alert at iteration {it}: {kind}: {detail}"

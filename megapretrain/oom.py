@@ -1,0 +1,81 @@
+"""Out of memory: what was allocated, and what to change, in the recipe's order.
+
+The trainer catches an out-of-memory error (``torch.OutOfMemoryError``, or ``MemoryError`` for host
+memory) at the step boundary, writes the memory summary to ``RUN_DIR/oom_rankN.txt``, prints the
+remedies — activation recomputation, half the micro-batch, a higher ZeRO stage or optimizer
+offload, more tensor or pipeline parallelism — each with the planner's memory estimate for the
+changed layout, and exits with :data:`OOM_EXIT`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import UserError
+from .model.build import model_args
+from .monitor.flops import DEVICES, find_device
+from .planner import GIB, Layout, estimate
+
+OOM_EXIT = 4
+
+
+def memory_summary(device: torch.device) -> str:
+    """The allocator's summary on CUDA; the process's and the machine's memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_summary(device)
+    lines = []
+    sources = (("/proc/self/status", ("VmPeak", "VmHWM", "VmRSS")), ("/proc/meminfo", ("MemTotal", "MemAvailable")))
+    for path, keys in sources:
+        try:
+            with open(path) as fh:
+                lines += [line.strip() for line in fh if line.split(":")[0] in keys]
+        except OSError:
+            pass
+    return "\n".join(lines) or "no memory statistics on this platform"
+
+
+def remedies(cfg, dp: int, device: torch.device) -> list[str]:
+    """The changes to try, in order, each with the planner's per-GPU memory for the new layout."""
+    p, t = cfg.parallel, cfg.train
+    gpu = find_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    dev = gpu or DEVICES["h100"]
+    args = model_args(cfg)
+
+    def planned(**change) -> str:
+        layout = dict(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=min(p.zero, 2),
+                      recompute=p.recompute)
+        layout.update(change)
+        try:
+            e = estimate(args, t.seq_length, Layout(**layout), t.global_batch_size, dev, t.precision)
+        except UserError:
+            return "(not a valid layout here)"
+        return f"(planner: {e.memory['total'] / GIB:.1f} GB per GPU on {dev.name})"
+
+    out = []
+    if p.recompute != "full":
+        out.append(f"--parallel.recompute full {planned(recompute='full')}")
+    if t.micro_batch_size > 1:
+        half = t.micro_batch_size // 2
+        out.append(f"--train.micro_batch_size {half} {planned(micro_batch=half)}")
+    if p.zero < 2 and dp > 1:
+        out.append(f"--parallel.zero {p.zero + 1} {planned(zero=p.zero + 1)}")
+    if not cfg.optim.offload:
+        out.append("--optim.offload true (masters and moments in host memory)")
+    if args.num_heads % (2 * p.tp) == 0 and args.num_kv_heads % (2 * p.tp) == 0 and dp % 2 == 0:
+        out.append(f"--parallel.tp {2 * p.tp} {planned(tp=2 * p.tp, dp=dp // 2)}")
+    if args.num_layers % (2 * p.pp * p.vpp) == 0 and dp % 2 == 0:
+        out.append(f"--parallel.pp {2 * p.pp} {planned(pp=2 * p.pp, dp=dp // 2)}")
+    return out
+
+
+def report_oom(exc: BaseException, cfg, dp: int, rank: int, iteration: int, device: torch.device) -> str:
+    """Write ``RUN_DIR/oom_rankN.txt``; return the console message with the remedies."""
+    path = os.path.join(cfg.run.dir, f"oom_rank{rank}.txt")
+    with open(path, "w") as fh:
+        fh.write(f"rank {rank}, iteration {iteration}: {type(exc).__name__}: {exc}\n\n{memory_summary(device)}\n")
+    lines = [f"error: out of memory on rank {rank} at iteration {iteration} ({type(exc).__name__}); memory summary "
+             f"in {path}. Try, in this order:"]
+    lines += [f"  {i}. {r}" for i, r in enumerate(remedies(cfg, dp, device), start=1)]
+    return "\n".join(lines)

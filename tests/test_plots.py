@@ -1,0 +1,141 @@
+"""tools/plot_run.py and tools/plot_schedule.py: valid PNGs, the right panels, the right printed facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import plot_run  # noqa: E402
+import plot_schedule  # noqa: E402
+
+from megapretrain.monitor import plots  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def assert_png(path) -> None:
+    data = open(path, "rb").read()
+    assert data.startswith(PNG) and len(data) > 5000, (path, len(data))
+
+
+def write_metrics(run_dir, steps: int = 30) -> list[dict]:
+    """A run's metrics.jsonl: training lines with a time breakdown, evaluations, events, and a last
+    line cut short (a run killed mid-write)."""
+    records = [{"iter": 0, "event": "memory", "total": 123}]
+    for it in range(1, steps + 1):
+        records.append({"iter": it, "loss": 5.5 - 0.1 * it, "grad_norm": 2.0 / it ** 0.5, "lr": 1e-3 * min(1, it / 3),
+                        "tokens_per_sec": 1000.0 + it, "consumed_tokens": 512 * it, "step_time": 0.5,
+                        "data_time": 0.01, "mfu": 0.4, "memory_mb": 250.0 + it,
+                        "breakdown": {"forward_backward_s": 0.3, "optimizer_s": 0.1}, "checkpoint_stall_s": 0.0})
+        if it % 10 == 0:
+            records.append({"iter": it, "valid_loss": 5.4 - 0.1 * it})
+            records.append({"iter": it, "event": "checkpoint_saved", "path": f"checkpoints/iter_{it:07d}"})
+    records += [{"iter": 15, "event": "alert", "kind": "grad_norm"}, {"iter": 20, "event": "rollback"},
+                {"iter": 10, "event": "resumed"}]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records) + '{"iter": 31, "lo')
+    return records
+
+
+def test_plot_run_draws_every_logged_panel_with_events(tmp_path, capsys):
+    run = tmp_path / "run"
+    records = write_metrics(run)
+    assert plot_run.main([str(run)]) == 0
+    assert_png(run / "dashboard.png")
+    assert "dashboard.png" in capsys.readouterr().out
+    out = tmp_path / "elsewhere" / "d.png"
+    assert plot_run.main([str(run / "metrics.jsonl"), "--output", str(out)]) == 0
+    assert_png(out)
+
+    train = [r for r in records if "loss" in r]
+    titles = [title for title, _, _ in plots._panels(train, records)]
+    assert titles == ["loss", "grad norm (before clipping)", "learning rate", "tokens/s", "MFU", "memory (MB)",
+                      "time breakdown (s)"]
+    assert [label for label, _, _ in plots._panels(train, records)[0][1]] == ["loss", "valid_loss"]
+    assert plots.time_fields(train) == ["step_time", "data_time", "breakdown.forward_backward_s",
+                                        "breakdown.optimizer_s", "checkpoint_stall_s"]
+    marked = {name for _, name in plots.events(records)}
+    assert marked == {"checkpoint_saved", "alert", "rollback", "resumed"}  # the start-up memory line is not
+
+
+def test_plot_run_draws_a_minimal_run(tmp_path):
+    """Only the contract's fields (no MFU, memory or time breakdown): fewer panels, still a picture."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as fh:
+        for it in range(1, 6):
+            fh.write(json.dumps({"iter": it, "loss": 3.0 - 0.1 * it, "grad_norm": 1.0, "lr": 1e-3,
+                                 "tokens_per_sec": 10.0, "consumed_tokens": it}) + "\n")
+    assert plot_run.main([str(run)]) == 0
+    assert_png(run / "dashboard.png")
+
+
+def test_plot_run_bad_input_is_one_line(tmp_path, capsys):
+    assert plot_run.main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl" in err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"iter": 0, "event": "memory"}\n')
+    assert plot_run.main([str(tmp_path / "empty")]) == 2
+    assert "no training lines" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('not json\n{"iter": 1, "loss": 1.0}\n')
+    assert plot_run.main([str(tmp_path / "bad")]) == 2
+    assert "line 1 is not JSON" in capsys.readouterr().err
+    write_metrics(tmp_path / "run")
+    assert plot_run.main([str(tmp_path / "run"), "--output", str(tmp_path / "x.jpg")]) == 2
+    assert ".png" in capsys.readouterr().err
+
+
+def schedule_facts(capsys, tmp_path, *overrides) -> list[str]:
+    out = tmp_path / "lr.png"
+    assert plot_schedule.main(["--config", TINY_YAML, "--output", str(out), *overrides]) == 0
+    assert_png(out)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_plot_schedule_states_the_warmup_share_and_min_lr(tmp_path, capsys):
+    # configs/tiny.yaml: 300 iterations, warmup 15, cosine from 2e-3 to min_lr 2e-4 at decay_iters = iters
+    lines = schedule_facts(capsys, tmp_path)
+    assert lines[0] == "warmup: 15 of 300 iterations = 5.0% of the run"
+    assert lines[1] == "min_lr: 0.0002 reached at iteration 300 of 300"
+    lines = schedule_facts(capsys, tmp_path, "--schedule.warmup_iters", "60", "--schedule.decay_iters", "600")
+    assert lines[0] == "warmup: 60 of 300 iterations = 20.0% of the run (more than 5%)"
+    assert lines[1].startswith("min_lr: 0.0002 not reached: the last iteration's lr is ")
+    assert "schedule.decay_iters=600 > train.iters=300" in lines[1]
+    lines = schedule_facts(capsys, tmp_path, "--schedule.decay", "linear", "--schedule.decay_iters", "200")
+    assert lines[1] == "min_lr: 0.0002 reached at iteration 200 of 300"
+    lines = schedule_facts(capsys, tmp_path, "--schedule.decay", "constant")
+    assert lines[1].startswith("min_lr: not reached (decay constant")
+    assert not any(line.startswith("batch") for line in lines)
+
+
+def test_plot_schedule_draws_the_batch_ramp_up(tmp_path, capsys):
+    from megapretrain.config import ConfigError, load_config
+
+    try:
+        load_config(None, ["--train.rampup_batch_size", "[4, 4, 1600]"])
+    except ConfigError:
+        pytest.skip("train.rampup_batch_size is not in the config yet")
+    lines = schedule_facts(capsys, tmp_path, "--train.rampup_batch_size", "[4, 4, 1600]")
+    ramp = [line for line in lines if line.startswith("batch ramp-up")]
+    # global 16 from 4 in steps of 4 over 1600 samples: 533⅓ samples per increment
+    assert ramp == ["batch ramp-up: 4 → 16 samples per step, full from iteration 246"]
+    cfg = load_config(TINY_YAML, ["--train.rampup_batch_size", "[4, 4, 1600]"])
+    sizes = plot_schedule.batch_sizes(cfg.train, 300)
+    assert sizes[0] == 4 and sizes[134] == 8 and sizes[-1] == 16 and sum(sizes[:245]) >= 1600
+
+
+def test_plot_schedule_bad_input_is_one_line(tmp_path, capsys):
+    assert plot_schedule.main(["--config", TINY_YAML, "--optim.min_lr", "1"]) == 2
+    assert "optim.min_lr=1.0 must be between 0 and optim.lr" in capsys.readouterr().err
+    assert plot_schedule.main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
