@@ -44,11 +44,9 @@ from megapretrain.checkpoint.format import (
     LazyTensor,
     check_shapes,
     metadata,
-    rank_file,
     rank_state,
     read_metadata,
     write_metadata,
-    write_rank_state,
 )
 from megapretrain.checkpoint.hf import (
     HF_DTYPE_NAMES,
@@ -65,7 +63,7 @@ from megapretrain.checkpoint.hf import (
     read_hf_config,
 )
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
-from megapretrain.checkpoint.reshard import GlobalWeights, global_shapes, rank_coords, saved_config_path
+from megapretrain.checkpoint.reshard import GlobalWeights, global_shapes, saved_config_path, write_layout
 from megapretrain.config import load_config, save_config, validate
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
@@ -269,24 +267,13 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
                            f"says vocab_size={hf['vocab_size']}")
     layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
     with new_directory(args.output) as tmp:
-        written: dict[tuple[int, int], tuple[str, tuple]] = {}
-        files = {}
-        for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
-            file = rank_file(tmp, rank)
-            if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
-                first, record = written[(pp_rank, tp_rank)]
-                try:
-                    os.link(first, file)
-                except OSError:
-                    shutil.copyfile(first, file)
-            else:
-                specs = rank_param_specs(cfg, pp_rank, tp_rank)
-                state = rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                                   model={n: _slice(weights, s, tp_rank) for n, s in specs.items()},
-                                   moments={n: {} for n in specs})
-                record = write_rank_state(file, state)
-                written[(pp_rank, tp_rank)] = (file, record)
-            files[os.path.basename(file)] = record
+        def state_at(pp_rank: int, tp_rank: int) -> dict:
+            specs = rank_param_specs(cfg, pp_rank, tp_rank)
+            return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
+                              model={n: _slice(weights, s, tp_rank) for n, s in specs.items()},
+                              moments={n: {} for n in specs})
+
+        files, _ = write_layout(tmp, layout, state_at)
         save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf and inspection
         write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout, vocab_size=hf["vocab_size"],
                                      padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,

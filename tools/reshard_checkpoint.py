@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,19 +24,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megapretrain.checkpoint.format import (
     check_shapes,
     metadata,
-    rank_file,
     read_metadata,
     write_metadata,
-    write_rank_state,
 )
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.reshard import (
     SavedShards,
     global_shapes,
-    rank_coords,
     resharded_state,
     saved_config_path,
     saved_padded_vocab,
+    write_layout,
 )
 from megapretrain.config import load_config, validate
 from megapretrain.errors import UserError
@@ -70,21 +67,10 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
     layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
     with new_directory(args.output) as tmp:
-        written: dict[tuple[int, int], tuple[str, tuple[int, int]]] = {}
-        files = {}
-        for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
-            file = rank_file(tmp, rank)
-            if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
-                first, record = written[(pp_rank, tp_rank)]
-                try:
-                    os.link(first, file)
-                except OSError:
-                    shutil.copyfile(first, file)
-            else:
-                specs = rank_param_specs(cfg, pp_rank, tp_rank)
-                record = write_rank_state(file, resharded_state(saved, specs, tp_rank, sizes.tp, saved_padded))
-                written[(pp_rank, tp_rank)] = (file, record)
-            files[os.path.basename(file)] = record
+        def state_at(pp_rank: int, tp_rank: int) -> dict:
+            return resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded)
+
+        files, distinct = write_layout(tmp, layout, state_at)
         iteration = saved.state(0)["iteration"]
         saved.close()
         write_metadata(tmp, metadata(iteration=iteration, world_size=args.world_size, layout=layout,
@@ -92,7 +78,7 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
                                      files=files, tensors=shapes,
                                      resharded_from={"path": os.path.abspath(path), "layout": meta["layout"]}))
     return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
-            f"({args.world_size} ranks, {len(written)} distinct files); train with --checkpoint.load {args.output}")
+            f"({args.world_size} ranks, {distinct} distinct files); train with --checkpoint.load {args.output}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ continue exactly.
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from ..config import padded_vocab_size
 from ..errors import CheckpointError
 from ..model.build import rank_param_specs
 from ..parallel.specs import ParamSpec
-from .format import RankFile, rank_state, read_metadata
+from .format import RankFile, rank_file, rank_state, read_metadata, write_rank_state
 
 
 def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
@@ -199,3 +200,25 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
         raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
                               f"{checkpoint} (for the architecture)")
     return path
+
+
+def write_layout(directory: str, layout: dict, state_at) -> tuple[dict, int]:
+    """Write a rank file for every rank of ``layout`` into ``directory``: ``state_at(pp_rank,
+    tp_rank)`` gives the state of the ranks at that place, whose data-parallel replicas are hard
+    links to the first one's file (copies where the file system has no links). Returns the files'
+    records for the metadata (name -> (bytes, crc32)) and how many distinct files were written."""
+    written: dict[tuple[int, int], tuple[str, tuple]] = {}
+    files = {}
+    for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
+        file = rank_file(directory, rank)
+        if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
+            first, record = written[(pp_rank, tp_rank)]
+            try:
+                os.link(first, file)
+            except OSError:
+                shutil.copyfile(first, file)
+        else:
+            record = write_rank_state(file, state_at(pp_rank, tp_rank))
+            written[(pp_rank, tp_rank)] = (file, record)
+        files[os.path.basename(file)] = record
+    return files, len(written)
