@@ -204,11 +204,13 @@ class Trainer:
             if t.eval_interval and self.iteration % t.eval_interval == 0:
                 self.watchdog.beat("eval", self.iteration)
                 self._log_eval(self.evaluate())
+                self.alerts.settle()
             timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
             stop = self._agree(self._stop_requested)
             if (c.interval and self.iteration % c.interval == 0) or timed or stop:
                 self.watchdog.beat("save", self.iteration)
                 self.save()
+                self.alerts.settle()
                 last_save = time.monotonic()
             if stop:
                 self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "

@@ -66,6 +66,16 @@ def test_each_alert_starts_once_and_clears(kind, bad):
     assert 100 <= start["iter"] <= 105 and clear["since"] == start["iter"] and clear["iter"] > start["iter"]
 
 
+def test_the_steps_after_an_evaluation_or_a_save_are_not_a_throughput_drop():
+    monitor = AlertMonitor(AlertsConfig())
+    alerts = _stream(monitor, 100)
+    monitor.settle()  # a save ran: the next steps are slow while its writer finishes
+    for i in range(101, 110):
+        alerts += monitor.observe(i, 3.0, 1.0, 600.0, 0.01)
+    alerts += _stream(monitor, 30)
+    assert alerts == []
+
+
 def test_the_spike_ratio_and_gradient_explosions_trigger_recovery():
     ratio = Detector(spike_zscore=1e9, window=10, spike_ratio=3.0)
     verdicts = [ratio.observe(i, 10.0 if i == 15 else 3.0, False) for i in range(1, 20)]

@@ -12,7 +12,8 @@ it lasts — so a long stall or a bad stretch is two lines, not thousands:
     data_wait     the step waited longer than alerts.data_wait_s for its data
 
 The rolling baselines take only healthy steps, and need a few before they judge (the first steps
-of a run — compilation, cold caches — are not a throughput drop).
+of a run — compilation, cold caches — are not a throughput drop, nor are the steps right after an
+evaluation or a checkpoint save, whose writer may still be busy: see :meth:`AlertMonitor.settle`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class AlertMonitor:
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.active: dict[str, dict] = {}  # kind -> the alert that started it
         self.steps = 0
+        self.quiet_until = WARMUP_STEPS  # throughput is not judged before this step
 
     def observe(self, iteration: int, loss: float, grad_norm: float, tokens_per_sec: float,
                 data_wait_s: float) -> list[dict]:
@@ -50,7 +52,7 @@ class AlertMonitor:
             mean = sum(self.losses) / len(self.losses)
             if loss > c.loss_ratio * mean:
                 found["loss_ratio"] = {"loss": loss, "rolling_mean": round(mean, 6), "ratio": round(loss / mean, 3)}
-        if self.steps > WARMUP_STEPS:
+        if self.steps > self.quiet_until:
             if len(self.recent) == RECENT and "throughput" not in self.active:
                 self.throughput.append(self.recent[0])  # the oldest recent step joins the baseline
             self.recent.append(tokens_per_sec)
@@ -64,6 +66,11 @@ class AlertMonitor:
         if finite and "loss_ratio" not in found:
             self.losses.append(loss)
         return self._transitions(iteration, found)
+
+    def settle(self, steps: int = 2 * RECENT) -> None:
+        """An evaluation or a save just ran: leave the next ``steps`` steps' throughput unjudged."""
+        self.quiet_until = self.steps + steps
+        self.recent.clear()
 
     def _transitions(self, iteration: int, found: dict) -> list[dict]:
         out = []
