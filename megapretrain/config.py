@@ -76,6 +76,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).", min=1)
     pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).", min=1)
     vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).", min=1)
+    cp: int = _f(1, "Context-parallel size (not built yet: 1).", min=1)
     pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved "
                           "(auto: 1f1b, interleaved when vpp > 1).")
     pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
@@ -655,6 +656,8 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
         _check(value in choices, f"{dotted}={value!r} is not one of: {', '.join(choices)}")
     _check_ranges(cfg)
     _check(p.zero in (0, 1, 2), f"parallel.zero={p.zero} must be 0, 1 or 2")
+    _check(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not built yet; use 1 (for long sequences, "
+                      "tensor parallelism with parallel.sequence_parallel and activation recomputation)")
     _check(p.zero_shard_size is None or p.zero >= 1,
            f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1 or 2")
     _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
