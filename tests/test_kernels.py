@@ -125,6 +125,17 @@ def _leaf(t):
 
 # -- RMSNorm ----------------------------------------------------------------------------------------
 
+def _rms_norm_both(x, w, dy) -> list[tuple]:
+    """(output, input grad, weight grad) of the kernel and of the reference, for ``dy``."""
+    outs = []
+    for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
+        xl, wl = _leaf(x), _leaf(w)
+        y = fn(xl, wl, 1e-6)
+        y.backward(dy)
+        outs.append((y, xl.grad, wl.grad))
+    return outs
+
+
 @pytest.mark.parametrize("shape,dtype,wdtype", [((3, 7, 33), torch.float32, torch.float32),
                                                 ((37, 300), torch.bfloat16, torch.bfloat16),
                                                 ((19, 65), torch.float16, torch.float16),
@@ -134,13 +145,7 @@ def test_rms_norm_matches_reference(shape, dtype, wdtype):
     x = (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
     w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(DEVICE, wdtype)
     dy = torch.randn(shape, generator=g).to(DEVICE, torch.promote_types(dtype, wdtype))
-    outs = []
-    for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
-        xl, wl = _leaf(x), _leaf(w)
-        y = fn(xl, wl, 1e-6)
-        y.backward(dy)
-        outs.append((y, xl.grad, wl.grad))
-    (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy)
     assert y.dtype == y_ref.dtype and dx.dtype == dtype and dw.dtype == wdtype
     _close(y, y_ref, dtype)
     _close(dx, dx_ref, dtype)
@@ -171,12 +176,7 @@ def test_rms_norm_extreme_values():
     x = x.to(DEVICE)
     w = torch.rand(67).to(DEVICE)
     for dy in (torch.randn(9, 67).to(DEVICE), torch.zeros(9, 67, device=DEVICE)):
-        outs = []
-        for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
-            xl, wl = _leaf(x), _leaf(w)
-            y = fn(xl, wl, 1e-6)
-            y.backward(dy)
-            outs.append((y, xl.grad, wl.grad))
+        outs = _rms_norm_both(x, w, dy)
         for a, b in zip(*outs):
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
