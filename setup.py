@@ -42,7 +42,7 @@ setup(
                 "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2", "tiktoken>=0.7",
                 "megatron-core>=0.16",
                 # tools/plan.py --emit accelerate is checked with Accelerate's own parser (DeepSpeed ships
-                # only a source build: its test runs where it is installed)
+                # only a source build, which run_scripts/test.sh makes against the installed torch)
                 "accelerate>=0.30"],
     },
     entry_points={"console_scripts": ["megapretrain-train=megapretrain.train:main"]},

@@ -76,7 +76,8 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).", min=1)
     pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).", min=1)
     vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).", min=1)
-    cp: int = _f(1, "Context-parallel size (not built yet: 1).", min=1)
+    cp: int = _f(1, "Context-parallel size: ranks that split each sequence (attention all-gathers K/V over them).",
+                 min=1)
     pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved "
                           "(auto: 1f1b, interleaved when vpp > 1).")
     pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
@@ -84,10 +85,15 @@ class ParallelConfig:
     pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
                         "(RUN_DIR/pipeline_trace_rankN.jsonl).")
     sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
-    zero: int = _f(0, "Optimizer sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients.")
-    zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp ranks (e.g. "
-                                        "a node's) and replicate across the groups (null: shard over all of dp).",
-                                        min=1)
+    zero: int = _f(0, "Sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients, 3 also parameters "
+                   "(gathered one decoder layer at a time).")
+    zero3_keep_gathered: bool = _f(False, "zero 3: keep each layer gathered from its first use to the step's last "
+                                   "backward (no re-gather for backward or between micro-batches; costs the "
+                                   "stage's full parameters).")
+    zero3_prefetch: bool = _f(True, "zero 3: start gathering the next layer while the current one computes.")
+    zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp × cp ranks "
+                                        "(e.g. a node's) and replicate across the groups (null: shard over all "
+                                        "of dp × cp).", min=1)
     recompute: str = _f("none", "Activation recomputation: none | selective | full.")
     bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB; 0: one bucket).",
                                min=0)
@@ -537,9 +543,11 @@ class RunSizes:
     iters: int = 0           # optimizer steps of the run (train.iters, or derived from train.train_tokens)
     train_samples: int = 0   # samples those steps consume (batch-size ramp-up included)
     rampup: tuple | None = None  # train.rampup_batch_size
+    cp: int = 1              # context-parallel ranks (world = tp × cp × pp × dp)
 
     def describe(self, num_params: int | None = None, flops_per_token: float | None = None) -> str:
-        parts = [f"world={self.world_size} (tp={self.tp} pp={self.pp} dp={self.dp})",
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        parts = [f"world={self.world_size} (tp={self.tp}{cp} pp={self.pp} dp={self.dp})",
                  f"grad_accum={self.grad_accum}",
                  f"tokens/step={self.tokens_per_batch:,}",
                  f"steps={self.iters:,}",
@@ -647,6 +655,20 @@ def _check_kernels(kernels: str, impl: str, offload: bool, device: str) -> None:
            f"optim.impl={impl} steps on the GPU, optim.offload on the host: set optim.impl=auto or torch")
 
 
+def _check_context_parallel(p: ParallelConfig, seq: int) -> None:
+    """parallel.cp: every rank two equal chunks of each sequence (the load-balanced split), and
+    under sequence parallelism each rank's share split again over tp."""
+    if p.cp == 1:
+        return
+    sp = p.sequence_parallel and p.tp > 1
+    unit = 2 * p.cp * (p.tp if sp else 1)
+    _check(seq % unit == 0,
+           f"train.seq_length={seq} must be a multiple of 2 × parallel.cp" + (" × parallel.tp" if sp else "")
+           + f" = {unit} (each cp rank takes 2 of {2 * p.cp} equal chunks"
+           + (", split again over tp by sequence parallelism" if sp else "")
+           + f"); e.g. train.seq_length={unit * max(1, round(seq / unit))}")
+
+
 def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
     """Check every cross-field rule; return the derived :class:`RunSizes` and warnings. Never mutates."""
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.schedule
@@ -655,21 +677,21 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
         value = getattr(getattr(cfg, section), key)
         _check(value in choices, f"{dotted}={value!r} is not one of: {', '.join(choices)}")
     _check_ranges(cfg)
-    _check(p.zero in (0, 1, 2), f"parallel.zero={p.zero} must be 0, 1 or 2")
-    _check(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not built yet; use 1 (for long sequences, "
-                      "tensor parallelism with parallel.sequence_parallel and activation recomputation)")
+    _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
     _check(p.zero_shard_size is None or p.zero >= 1,
-           f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1 or 2")
+           f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1, 2 or 3")
     _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
     _check_kernels(m.kernels, o.impl, o.offload, t.device)
 
-    _check(world_size % (p.tp * p.pp) == 0,
-           f"parallel.tp={p.tp} × parallel.pp={p.pp} = {p.tp * p.pp} must divide the world size "
-           f"{world_size} (launch {p.tp * p.pp}·k processes with torchrun, or pick tp×pp from: "
-           f"{_divisors(world_size)})")
-    dp = world_size // (p.tp * p.pp)
-    _check(p.zero_shard_size is None or dp % p.zero_shard_size == 0,
-           f"parallel.zero_shard_size={p.zero_shard_size} must divide dp={dp} (valid: {_divisors(dp)})")
+    model_parallel = p.tp * p.cp * p.pp
+    named = f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1 else "") + f"parallel.pp={p.pp}"
+    _check(world_size % model_parallel == 0,
+           f"{named} = {model_parallel} must divide the world size {world_size} (launch {model_parallel}·k "
+           f"processes with torchrun, or pick tp×{'cp×' if p.cp > 1 else ''}pp from: {_divisors(world_size)})")
+    dp = world_size // model_parallel
+    _check(p.zero_shard_size is None or (dp * p.cp) % p.zero_shard_size == 0,
+           f"parallel.zero_shard_size={p.zero_shard_size} must divide dp × cp = {dp * p.cp} "
+           f"(valid: {_divisors(dp * p.cp)})")
 
     kv = kv_heads(m)
     _check(m.hidden_size % m.num_heads == 0,
@@ -699,6 +721,7 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
                f"summing to model.num_layers={m.num_layers}")
     _check(not (p.sequence_parallel and t.seq_length % p.tp),
            f"parallel.sequence_parallel needs parallel.tp={p.tp} to divide train.seq_length={t.seq_length}")
+    _check_context_parallel(p, t.seq_length)
     _check(m.vocab_size is not None and m.vocab_size >= 1,
            "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
     for name in ("attention_dropout", "hidden_dropout"):
@@ -756,5 +779,5 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
                      total_tokens=train_samples * t.seq_length, num_kv_heads=kv, ffn_hidden_size=ffn,
                      padded_vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp),
                      decay_iters=decay_iters, iters=iters, train_samples=train_samples,
-                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None, cp=p.cp)
     return sizes, warnings

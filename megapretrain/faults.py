@@ -56,10 +56,15 @@ class Faults:
             self.corrupt_sample = consumed_samples
         if consumed_samples != self.corrupt_sample:
             return batches
-        return [(tokens, None if targets is None else (targets + vocab_size // 2) % vocab_size)
-                for tokens, targets in batches]
+        return [(tokens, None if targets is None else _shifted(targets, vocab_size)) for tokens, targets in batches]
 
     def grad_factor(self, iteration: int) -> float:
         """What step ``iteration`` multiplies its backward by: NaN at nan_at (on this rank, so the
         data-parallel reduction carries it to every rank, as a real overflow would), else 1."""
         return float("nan") if self._at("nan_at", iteration) else 1.0
+
+
+def _shifted(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Every target id moved half the vocabulary on (wrong, but still valid ids); targets left
+    out of the loss (negative: ``data.eod_mask_loss``) stay left out."""
+    return torch.where(targets >= 0, (targets + vocab_size // 2) % vocab_size, targets)

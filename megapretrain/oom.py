@@ -45,7 +45,7 @@ def remedies(cfg, dp: int, device: torch.device) -> list[str]:
 
     def planned(**change) -> str:
         layout = dict(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=min(p.zero, 2),
-                      recompute=p.recompute)
+                      recompute=p.recompute, cp=p.cp)
         layout.update(change)
         try:
             e = estimate(args, t.seq_length, Layout(**layout), t.global_batch_size, dev, t.precision)
@@ -67,6 +67,8 @@ def remedies(cfg, dp: int, device: torch.device) -> list[str]:
         out.append(f"--parallel.tp {2 * p.tp} {planned(tp=2 * p.tp, dp=dp // 2)}")
     if args.num_layers % (2 * p.pp * p.vpp) == 0 and dp % 2 == 0:
         out.append(f"--parallel.pp {2 * p.pp} {planned(pp=2 * p.pp, dp=dp // 2)}")
+    if t.seq_length % (4 * p.cp * p.tp) == 0 and dp % 2 == 0:  # long sequences: split them further
+        out.append(f"--parallel.cp {2 * p.cp} {planned(cp=2 * p.cp, dp=dp // 2)}")
     return out
 
 

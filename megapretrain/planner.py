@@ -11,7 +11,9 @@ Memory follows the implementation, not a rule of thumb:
   two (and under zero 2 the gradients) divided by dp;
 - activations per token and layer: ``12·h + 4·kv·d + 8·f`` bytes in bf16 (``tests`` measure it from
   what autograd saves), divided by tp with sequence parallelism; without it the two norm inputs and
-  the two column-parallel inputs stay whole. Full recompute keeps only the layer input (``2·h``);
+  the two column-parallel inputs stay whole. Context parallelism leaves each rank s/cp tokens of a
+  sample, but attention keeps the all-gathered keys and values of all s: ``4·kv·d·cp`` bytes per
+  local token instead of ``4·kv·d``. Full recompute keeps only the layer input (``2·h``);
   unfused attention also keeps its softmax (and dropout mask) unless recomputed selectively. A
   stage holds them for its peak number of in-flight micro-batch chunks, read off the real schedule
   (``parallel/pipeline.py``);
@@ -32,6 +34,10 @@ Time is built from the kernels of one layer, not from one efficiency figure:
 - recomputation re-runs the forward (full) or the attention core (selective) before the backward;
 - tensor-parallel collectives on the critical path (the trainer does not overlap them), ring
   passes of the ``(b, s, h)`` activation at the NCCL bus bandwidth plus a latency each;
+- context parallelism: a rank's matmuls, memory-bound kernels and loss run on its s/cp tokens, its
+  causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
+  all-gathers K and V over the cp ranks forward (``2·b·s·kv·d/tp`` values) and reduce-scatters their
+  gradients backward (full recompute gathers again), exposed: the trainer does not overlap them;
 - the pipeline bubble from replaying the real schedule with the busiest stage's forward and
   backward times, the point-to-point transfers, the exposed part of the data-parallel
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
@@ -91,6 +97,7 @@ class Layout:
     recompute: str = "none"  # none | selective | full
     pipeline_layers: tuple | None = None  # layers per chunk (pp × vpp) when they do not split evenly
     sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
+    cp: int = 1  # context parallel: ranks that split each sequence (world = tp × cp × pp × dp)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -99,7 +106,8 @@ class Layout:
     def flags(self) -> str:
         uneven = (f" --parallel.pipeline_layers '[{', '.join(map(str, self.pipeline_layers))}]'"
                   if self.pipeline_layers else "")
-        return (f"--parallel.tp {self.tp} --parallel.pp {self.pp} --parallel.vpp {self.vpp}{uneven} "
+        return (f"--parallel.tp {self.tp} --parallel.cp {self.cp} --parallel.pp {self.pp} "
+                f"--parallel.vpp {self.vpp}{uneven} "
                 f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
                 f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
 
@@ -118,14 +126,15 @@ def split_layers(layers: int, chunks: int) -> tuple | None:
 
 
 def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none",
-                               seq: int = 0, attention: str = "flash") -> float:
-    """What autograd keeps per token of one decoder layer in bf16 (see the module docstring)."""
+                               seq: int = 0, attention: str = "flash", cp: int = 1) -> float:
+    """What autograd keeps per token of one decoder layer in bf16 (see the module docstring); with
+    ``cp`` per token of a rank's share, its attention keeping the gathered K/V of all ``seq``."""
     h, kvd, f = args.hidden_size, args.num_kv_heads * args.head_dim, args.ffn_hidden_size
     if recompute == "full":
         return 2.0 * h / (tp if sequence_parallel else 1)
     if args.mlp == "gelu":
         f = f * 3 / 4  # the activation saves one f-wide input instead of SwiGLU's two (8·f = 2 bytes × 4)
-    full = 12 * h + 4 * kvd + 8 * f
+    full = 12 * h + 4 * kvd * cp + 8 * f
     if attention == "unfused" and recompute != "selective":  # softmax output (+ dropout mask, output)
         full += (2 + 3 * (args.attention_dropout > 0)) * args.num_heads * seq
     if sequence_parallel or tp == 1:
@@ -185,11 +194,12 @@ class LayerTime:
 
 
 def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, sequence_parallel: bool,
-               attention: str) -> LayerTime:
-    """One decoder layer's kernels (see the module docstring)."""
+               attention: str, cp: int = 1) -> LayerTime:
+    """One decoder layer's kernels (see the module docstring); ``cp``: the rank's queries are
+    s/cp of each sample's ``seq``, against all ``seq`` keys."""
     h, d, f = args.hidden_size, args.head_dim, args.ffn_hidden_size
     n, kv = args.num_heads // tp, args.num_kv_heads // tp  # heads on this rank
-    tokens = micro * seq
+    tokens, queries = micro * seq // cp, seq // cp
     fc1 = f if args.mlp == "gelu" else 2 * f  # GELU's fc1, or SwiGLU's gate and up fused
     shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]  # (out, in) on this rank
     mm = [gemm_fwd_bwd_s(device, tokens, out, inp) for out, inp in shapes]
@@ -202,15 +212,15 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, s
     moved = tokens * (whole / (tp if sequence_parallel else 1) + split)  # bytes: reads + writes of bf16 values
     memory_f, memory_b = memory_s(device, moved, 8), memory_s(device, 2 * moved, 14)
 
-    if attention == "flash":  # causal: half the score matrix is computed
-        causal = 2.0 * micro * n * seq * seq * d  # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
+    if attention == "flash":  # causal: half the score matrix is computed, 1/cp of it on each cp rank
+        causal = 2.0 * micro * n * seq * seq * d / cp  # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
         attn_f = causal / (device.peak_tflops * 1e12 * device.attention_efficiency) + KERNEL_S
         attn_b = 2.5 * attn_f
-    else:  # batched matmuls per head + softmax / dropout over the whole s × s scores in memory
-        qk = gemm_fwd_bwd_s(device, seq, seq, d, micro * n)
-        pv = gemm_fwd_bwd_s(device, seq, d, seq, micro * n)
+    else:  # batched matmuls per head + softmax / dropout over the whole (s/cp) × s scores in memory
+        qk = gemm_fwd_bwd_s(device, queries, seq, d, micro * n)
+        pv = gemm_fwd_bwd_s(device, queries, d, seq, micro * n)
         dropout = args.attention_dropout > 0
-        scores = micro * n * seq * seq
+        scores = micro * n * queries * seq
         attn_f = qk[0] + pv[0] + memory_s(device, scores * (4 + 5 * dropout), 1 + dropout)
         attn_b = qk[1] + pv[1] + memory_s(device, scores * (6 + 5 * dropout), 1 + dropout)
     return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b)
@@ -283,7 +293,7 @@ def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: int,
             layers: int, per_chunk: int, attention: str) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters."""
-    tp, dp, L = layout.tp, layout.dp, layout
+    tp, dp, L = layout.tp, layout.dp * layout.cp, layout  # ZeRO shards over dp × cp
     split, replicated, head = layer_params(model)
     vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
     first = layers * (split / tp + replicated) + vocab_rows * hidden
@@ -292,11 +302,13 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
     params = max(first, last if L.pp > 1 else first + head + (0 if model.tie_embeddings else vocab_rows * hidden))
     state = params * state_bytes_per_param(precision, L.zero, dp)
     scale = 1.0 if precision in ("bf16", "fp16") else 2.0
-    tokens = L.micro_batch * seq
-    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention) * scale
+    tokens = L.micro_batch * seq // L.cp  # this rank's share of each micro-batch
+    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention,
+                                           L.cp) * scale
     acts = in_flight * per_chunk * tokens * per_layer
     if L.recompute == "full":  # one layer's full activations while it is recomputed
-        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention) * scale
+        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention,
+                                                    L.cp) * scale
     logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
     memory = {"params": params * (2 if scale == 1 else 4), "state": state, "activations": acts + logits,
               "overhead": device.overhead_gb * GIB}
@@ -305,36 +317,59 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
     return memory, params
 
 
+def _check(seq: int, L: Layout, global_batch: int, attention: str) -> None:
+    """What makes a layout impossible before any estimate: the attention kind, the batch's split
+    over dp, the sequence's into 2·cp chunks (each split again over tp with sequence parallelism)."""
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r} is not one of: {', '.join(ATTENTION)}")
+    if global_batch % (L.micro_batch * L.dp):
+        raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch {L.micro_batch} × dp {L.dp}")
+    if seq % (2 * L.cp * (L.tp if L.sequence_parallel else 1)):
+        raise ConfigError(f"seq {seq} does not cut into 2 × cp {L.cp} chunks"
+                          + (f" × tp {L.tp}" if L.sequence_parallel else ""))
+
+
+def context_gather_bytes(model: ModelArgs, layout: Layout, seq: int) -> float:
+    """Bytes of K and V (bf16) one layer all-gathers over the cp ranks for one micro-batch: all
+    ``seq`` positions of the rank's kv heads (each rank contributes its 1/cp)."""
+    kv_heads = model.num_kv_heads // layout.tp
+    return 0.0 if layout.cp == 1 else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
+
+
+def context_gather_s(model: ModelArgs, device: Device, layout: Layout, seq: int) -> float:
+    """One layer's K/V all-gather over cp (its backward's reduce-scatter takes as long): a ring over
+    the cp ranks, tp apart in the rank grid, on the critical path."""
+    return _ring_s(device, layout.cp, layout.tp, context_gather_bytes(model, layout, seq))
+
+
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run."""
-    L, tp, pp, dp, vpp, mb = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch
-    if attention not in ATTENTION:
-        raise ConfigError(f"attention={attention!r} is not one of: {', '.join(ATTENTION)}")
-    if global_batch % (mb * dp):
-        raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch {mb} × dp {dp}")
+    L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
+    _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m)
     stage_layers, per_chunk = _stage_layers(model, L)
-    sp, hidden, world = L.sequence_parallel, model.hidden_size, tp * pp * dp
+    sp, hidden, world = L.sequence_parallel, model.hidden_size, tp * cp * pp * dp
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
-    lt, ht = layer_time(model, device, mb, seq, tp, sp, attention), head_time(model, device, mb, seq, tp)
-    act_bytes = mb * seq * hidden * 2.0
+    lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb, seq // cp, tp)
+    act_bytes = mb * seq // cp * hidden * 2.0  # this rank's (b, s/cp, h)
     ring = _ring_s(device, tp, 1, act_bytes)  # one all-gather or reduce-scatter of (b, s, h)
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
-    # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor)
-    redo = {"none": (0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0),
-            "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f)}[L.recompute]
+    cp_f = cp_b = context_gather_s(model, device, L, seq)  # K/V all-gather forward, grads reduce-scattered back
+    # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
+    redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
+            "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
     def stage(r: int) -> tuple[float, float]:
         head = r == pp - 1
-        f = stage_layers[r] * (lt.forward + tp_f) + head * (ht.forward + 2 * ring)
-        b = stage_layers[r] * (lt.backward + tp_b + sum(redo)) + head * (ht.backward + 2 * ring)
+        f = stage_layers[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
+        b = stage_layers[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
         return f * slow, b * slow
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
@@ -344,17 +379,18 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
     tensor = n * (tp_f + tp_b + redo[2]) + head * 4 * ring
+    context = n * (cp_f + cp_b + redo[3])
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
     mem, params = _memory(model, seq, L, device, precision, in_flight, max(stage_layers), per_chunk, attention)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b)
-    bw_pp, lat_pp = _bandwidth(device, pp, tp * dp)
+    bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
     total = busy + bubble + p2p + data + optimizer
     time = {"compute": m * compute * slow, "memory": m * memory_bound * slow, "tensor": m * tensor * slow,
-            "bubble": bubble, "p2p": p2p, "data": data, "optimizer": optimizer, "total": total,
-            "recompute": m * n * sum(redo) * slow}  # (part of compute, memory and tensor)
+            "context": m * context * slow, "bubble": bubble, "p2p": p2p, "data": data, "optimizer": optimizer,
+            "total": total, "recompute": m * n * sum(redo) * slow}  # (part of compute, memory, tensor, context)
 
     tokens = global_batch * seq
     model_flops = flops_per_token(model, seq) * tokens
@@ -368,8 +404,8 @@ def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float,
     """(exposed data-parallel communication, optimizer step) in seconds: gradients reduced under
     the last micro-batch's backward (zero 2: under every one), parameters gathered under the next
     forward; the optimizer reads and writes its shard's fp32 state (34 bytes a parameter) and
-    every rank zeroes its gradient buffer."""
-    dp, tp, grad_bytes = L.dp, L.tp, params * 4.0
+    every rank zeroes its gradient buffer. Parameters are replicated over dp × cp: both reduce."""
+    dp, tp, grad_bytes = L.dp * L.cp, L.tp, params * 4.0
     if L.zero == 0:
         data = max(0.0, _ring_s(device, dp, tp, grad_bytes, 2) - b)
     else:
@@ -402,28 +438,50 @@ def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[floa
     return 1.0 + max(0.0, idle) / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, ms))
 
 
-def layouts(model: ModelArgs, world: int, global_batch: int, device: Device) -> list[Layout]:
-    """Every layout worth estimating: tp within a node dividing the heads, any pp (layers split as
-    evenly as they go), interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none,
-    selective or full."""
+MIN_CP_TOKENS = 8192  # cp > 1 only while each rank keeps this many tokens of a sample
+
+
+def context_sizes(seq: int, tp: int, world: int) -> list[int]:
+    """cp sizes worth trying: 1, and for long sequences the powers of two that leave each rank at
+    least ``MIN_CP_TOKENS`` tokens of a sample (shorter shares make narrow matmuls for little
+    memory) and cut it into 2·cp·tp equal pieces (sequence parallelism splits a share over tp)."""
+    sizes, cp = [1], 2
+    while seq // cp >= MIN_CP_TOKENS and world % (tp * cp) == 0:
+        if seq % (2 * cp * tp) == 0:
+            sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
+def layouts(model: ModelArgs, world: int, global_batch: int, device: Device, seq: int = 0) -> list[Layout]:
+    """Every layout worth estimating: tp within a node dividing the heads, cp for sequences of
+    ``seq`` long enough (:func:`context_sizes`), any pp (layers split as evenly as they go),
+    interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none, selective or full."""
     out = []
     for tp in (1, 2, 4, 8):
         if tp > device.gpus_per_node or world % tp or model.num_heads % tp or model.num_kv_heads % tp:
             continue
-        for pp in range(1, min(world // tp, model.num_layers) + 1):
-            if (world // tp) % pp:
-                continue
-            dp = world // (tp * pp)
-            for vpp in (1, 2, 4, 5, 8):
-                if vpp > 1 and (pp == 1 or pp * vpp > model.num_layers):
+        for cp in context_sizes(seq, tp, world):
+            for pp in range(1, min(world // (tp * cp), model.num_layers) + 1):
+                if (world // (tp * cp)) % pp:
                     continue
-                uneven = split_layers(model.num_layers, pp * vpp)
-                for mb in (1, 2, 4):
-                    if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
-                        continue
-                    for zero in ((0, 1, 2) if dp > 1 else (0,)):
-                        for recompute in ("none", "selective", "full"):
-                            out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven))
+                out += _stage_layouts(model, global_batch, tp, cp, pp, world // (tp * cp * pp))
+    return out
+
+
+def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: int, dp: int) -> list[Layout]:
+    """The layouts of one (tp, cp, pp, dp): virtual chunks, micro batches, ZeRO stages, recompute."""
+    out = []
+    for vpp in (1, 2, 4, 5, 8):
+        if vpp > 1 and (pp == 1 or pp * vpp > model.num_layers):
+            continue
+        uneven = split_layers(model.num_layers, pp * vpp)
+        for mb in (1, 2, 4):
+            if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
+                continue
+            for zero in ((0, 1, 2) if dp * cp > 1 else (0,)):
+                for recompute in ("none", "selective", "full"):
+                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp))
     return out
 
 
@@ -431,7 +489,7 @@ def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: De
            precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first."""
     found = []
-    for layout in layouts(model, world, global_batch, device):
+    for layout in layouts(model, world, global_batch, device, seq):
         try:
             found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention))
         except UserError:

@@ -78,7 +78,8 @@ def setup(argv: list[str]):
         lock.acquire()  # before anything is written: one training per run directory
     try:
         init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
-        ps = ParallelState(cfg.parallel.tp, cfg.parallel.pp, device=device, comm_stats=cfg.parallel.comm_stats,
+        ps = ParallelState(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp, device=device,
+                           comm_stats=cfg.parallel.comm_stats,
                            zero_shard_size=cfg.parallel.zero_shard_size)
         if ps.rank == 0:
             for w in warnings:

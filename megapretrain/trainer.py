@@ -6,8 +6,9 @@ optimizer step over the global batch — its micro-batches run through the pipel
 pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
-per-token losses and divides by the global token count, and the sums are added over dp — so it is
-the same number on every rank and under every layout.
+per-token losses and divides by the global token count, and the sums are added over dp and cp
+(a cp rank's losses are those of its share of each sequence) — so it is the same number on every
+rank and under every layout.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
 from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
+from .parallel.context import split_to_cp
 from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
+from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
 from .recovery import Detector, RecoveryError, describe, run_alert_command
 from .run_lock import RunLock
@@ -81,19 +84,23 @@ class Trainer:
         self.last_loss: float | None = None
         os.makedirs(cfg.run.dir, exist_ok=True)
 
-        torch.manual_seed(t.seed + 100 * ps.pp_rank)  # dropout outside tp regions; weights are seeded by name
+        # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded by name
+        torch.manual_seed(t.seed + 100 * ps.pp_rank + CP_SEED_STRIDE * ps.cp_rank)
         self.model_chunks, self.specs = build_model_chunks(cfg, ps)  # specs: the parameter-spec table
         self.args = self.model_chunks[0].args
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
                                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
-        self.optimizer.overlap_param_gather(self.model_chunks)  # zero ≥ 1: all-gather under the next forward
+        # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer gathered around its use
+        self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
+                                   prefetch=cfg.parallel.zero3_prefetch)
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
         self.pipeline_schedule = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp,
                                                   self.num_micro)
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
         self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] * ps.pp.size
-        act_seq = t.seq_length // ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else t.seq_length
+        act_seq = t.seq_length // ps.cp.size  # a stage hands on its cp share of each sample
+        act_seq //= ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else 1
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
         self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
@@ -111,7 +118,7 @@ class Trainer:
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
 
-        layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size}
+        layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size, "cp": ps.cp.size}
         self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
@@ -187,6 +194,7 @@ class Trainer:
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
+            self.checkpoints.step_boundary()  # an async save every rank has written is published now
             self.iteration += 1
             if self.lock is not None:
                 self.lock.heartbeat()
@@ -264,9 +272,10 @@ class Trainer:
         backward_done = time.perf_counter()
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
-        ps.dp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
+        ps.dp_cp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
         reduced = time.perf_counter()
         lr = self.lr_schedule(it) * self.lr_scale
+        self._stall_s += self.checkpoints.wait_snapshot()  # an async save still copying what the step changes
         grad_norm, skipped = self.optimizer.step(lr)
         elapsed = time.perf_counter() - start
         self.last_loss = loss_sum.item() / tokens
@@ -287,15 +296,19 @@ class Trainer:
     def _forward_fn(self, batches: list, loss_sum: torch.Tensor, scale: float):
         """The pipeline's forward for one chunk and micro-batch: returns the activation for the next
         stage, or on the head's chunk adds the micro-batch's summed per-token losses to ``loss_sum``
-        and returns what to backpropagate (that sum × ``scale``)."""
+        and returns what to backpropagate (that sum × ``scale``). Every cp rank loads the whole
+        micro-batch and runs its share of each sample (``parallel/context.py``); the document
+        structure is read off the whole sequence."""
         docs: dict = {}  # micro-batch -> its document structure, shared by this stage's chunks
+        cp = self.ps.cp
 
         def forward(chunk: int, micro: int, hidden: torch.Tensor | None) -> torch.Tensor:
             model = self.model_chunks[chunk]
-            tokens, targets = batches[micro]
+            tokens, targets = batches[micro]  # (b, s) each
             if self.documents and micro not in docs:
                 d = self.cfg.data
-                docs[micro] = documents(tokens, self.eod, d.reset_attention_mask, d.reset_position_ids)
+                docs[micro] = documents(tokens, self.eod, d.reset_attention_mask, d.reset_position_ids, cp)
+            tokens, targets = split_to_cp(tokens, cp), split_to_cp(targets, cp)  # (b, s/cp): this rank's
             out = model(tokens if model.pre_process else hidden, targets if model.post_process else None,
                         docs.get(micro))
             if not model.post_process:
@@ -307,7 +320,9 @@ class Trainer:
     def _counted_tokens(self, batches: list, batch: int) -> int:
         """The tokens the step's loss is the mean over: every one of the global batch, or with
         ``data.eod_mask_loss`` those whose target is not an end of document (counted on the stage
-        with the head, then summed over dp and pp so that every rank knows it)."""
+        with the head, then summed over dp and pp so that every rank knows it). Each cp rank
+        holds its dp rank's whole micro-batches, so their count covers every cp share: not
+        summed over cp."""
         if not self.cfg.data.eod_mask_loss:
             return batch * self.cfg.train.seq_length
         head = any(c.post_process for c in self.model_chunks)
@@ -373,7 +388,7 @@ class Trainer:
             self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0),
                               backward=False)
         ps.pp.all_reduce(loss_sum)
-        ps.dp.all_reduce(loss_sum)
+        ps.dp_cp.all_reduce(loss_sum)
         return loss_sum.item() / counted
 
     # -- logging ----------------------------------------------------------------------------------
@@ -418,7 +433,9 @@ class Trainer:
         self.log("memory/rank: " + "  ".join(f"{k} {mem[k] / 2**20:,.2f} MiB"
                                              for k in ("params", "grads", "master", "moments", "total"))
                  + f"  ({per_param:.2f} bytes/param, zero={mem['zero']} dp={mem['dp']}"
-                 + (", offloaded" if mem["offload"] else "") + ")")
+                 + (", offloaded" if mem["offload"] else "") + ")"
+                 + (f"; + up to {mem['gathered_peak'] / 2**20:,.2f} MiB of layers gathered at once"
+                    if "gathered_peak" in mem else ""))
         self.metrics.event("memory", self.iteration, **mem)
 
     def _write_trace(self) -> None:

@@ -47,12 +47,13 @@ def gather_full(model: LlamaModel, ps: ParallelState, grads: bool = False) -> di
 def trainer_params(trainer) -> dict:
     """A trainer's parameters as global tensors (tp shards gathered, vocabulary padding dropped)."""
     out = {}
-    for chunk in trainer.model_chunks:
-        for name, p in chunk.named_parameters():
-            spec = trainer.specs[name]
-            full = trainer.ps.tp.all_gather(p.detach().clone(), spec.tp_dim) if spec.tp_dim is not None \
-                else p.detach().clone()
-            out[name] = full[:spec.shape[0]] if spec.vocab else full
+    with trainer.optimizer.full_params():  # zero 3: gathered for the copy
+        for chunk in trainer.model_chunks:
+            for name, p in chunk.named_parameters():
+                spec = trainer.specs[name]
+                full = trainer.ps.tp.all_gather(p.detach().clone(), spec.tp_dim) if spec.tp_dim is not None \
+                    else p.detach().clone()
+                out[name] = full[:spec.shape[0]] if spec.vocab else full
     return out
 
 

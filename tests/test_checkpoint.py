@@ -297,6 +297,38 @@ def test_two_ranks_agree_on_an_async_save_through_their_done_records(corpus, tmp
     assert not [n for n in os.listdir(_ckpt(run, 4)) if n.endswith(".done.json")]
 
 
+def _boundary_agreement(rank, world, run, corpus):
+    from megapretrain.trainer import Trainer
+
+    seen = {}
+    step = Trainer.train_step
+
+    def watch(self):
+        if self.iteration == 4:  # the save at 3 is in flight: let every rank's writer finish
+            deadline = time.monotonic() + 20
+            while not self.checkpoints.poll() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if self.iteration == 5:  # the boundary after step 5 agreed on it, and finished it
+            seen["pending"] = self.checkpoints._pending is not None
+            seen["latest"] = open(os.path.join(run, "checkpoints", "latest")).read().strip()
+        return step(self)
+
+    Trainer.train_step = watch
+    try:
+        setup(_argv(run, corpus, 6, "--checkpoint.async", "true", "--checkpoint.interval", "3")).fit()
+    finally:
+        Trainer.train_step = step
+    return seen
+
+
+def test_ranks_agree_on_a_finished_async_save_at_the_next_step_boundary(corpus, tmp_path):
+    from distributed import run_distributed
+
+    run = str(tmp_path / "run")
+    assert run_distributed(_boundary_agreement, 2, run, corpus, timeout=300) == \
+        [{"pending": False, "latest": "iter_0000003"}] * 2
+
+
 def test_inspect_reports_and_checks(straight, tmp_path, capsys):
     from test_preprocess_data import load_tool
 

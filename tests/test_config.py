@@ -96,7 +96,7 @@ def test_missing_and_malformed_files(tmp_path):
     ({"train__precision": "fp8"}, 1, r"train.precision='fp8' is not one of"),
     ({"schedule__decay": "step"}, 1, r"schedule.decay='step' is not one of"),
     ({"parallel__recompute": "some"}, 1, r"parallel.recompute='some' is not one of"),
-    ({"parallel__zero": 3}, 1, r"parallel.zero=3 must be 0, 1 or 2"),
+    ({"parallel__zero": 4}, 1, r"parallel.zero=4 must be 0, 1, 2 or 3"),
     ({"optim__min_lr": 1.0}, 1, r"optim.min_lr=1.0 must be between 0 and optim.lr"),
     ({"optim__betas": [0.9]}, 1, r"optim.betas=\[0.9\] must be two numbers"),
     ({"optim__eps": 0.0}, 1, r"optim.eps=0.0 must be positive"),

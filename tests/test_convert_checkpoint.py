@@ -43,7 +43,8 @@ def _hf_loss(hf_dir, tokens):
 @pytest.mark.parametrize("layout, world, tied", [
     ([], 1, False),
     (["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1"], 4, True),
-], ids=["single", "tp2_pp2_zero1_tied"])
+    (["--parallel.zero", "3"], 2, False),
+], ids=["single", "tp2_pp2_zero1_tied", "dp2_zero3"])
 def test_round_trip_computes_the_same_losses(layout, world, tied, corpus, tmp_path, capsys):
     flags = ["--model.tie_embeddings", str(tied).lower()]
     run = str(tmp_path / "run")
@@ -174,7 +175,7 @@ def test_llama31_from_hf_into_tp2_pp2_trains_and_goes_back(corpus, tmp_path, cap
     out = capsys.readouterr().out
     assert "--verify: max logit difference" in out and "--model.rope_scaling" in out
     meta = json.load(open(os.path.join(ckpt, "metadata.json")))
-    assert meta["layout"] == {"tp": 2, "pp": 2, "dp": 1} and len(meta["files"]) == 4
+    assert meta["layout"] == {"tp": 2, "pp": 2, "dp": 1, "cp": 1} and len(meta["files"]) == 4
     interleaved = str(tmp_path / "vpp")  # virtual stages and data-parallel replicas (hard links) too
     assert convert.main(["from-hf", "--hf", hf_dir, "--output", interleaved, "--parallel.pp", "2", "--parallel.vpp",
                          "2", "--world-size", "4", "--train.global_batch_size", "16", "--verify"]) == 0

@@ -1,6 +1,6 @@
 """Data parallelism and the ZeRO optimizer compute what one process computes.
 
-One spawned run per layout covers every configuration of it (spawning costs seconds): zero 0/1/2
+One spawned run per layout covers every configuration of it (spawning costs seconds): zero 0/1/2/3
 equivalence with the single-process run, gradient accumulation, the overlap of bucket reductions
 with backward, measured memory against the analytic per-stage value, fp16 overflow handling,
 optimizer offload and checkpoint round trips.
@@ -42,7 +42,9 @@ def run_steps(ps, tokens, steps, *, zero=0, micro=1, precision="fp32", offload=F
     cfg = OptimConfig(lr=lr, offload=offload, **{"eps": 1e-6, **(opt_kw or {})})
     opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg, precision, ps, zero=zero,
                               bucket_size_mb=bucket_mb)
-    if overlap_params:
+    if zero == 3:
+        opt.hook_models([model])  # each layer gathered around its use
+    elif overlap_params:
         opt.overlap_param_gather(model)
     if state is not None:
         opt.load_master_state_dict(state["model"])
@@ -66,7 +68,8 @@ def run_steps(ps, tokens, steps, *, zero=0, micro=1, precision="fp32", offload=F
         skipped.append(opt.step(lr)[1])
         losses.append(total.item() / n_tokens)
     opt.buffers.wait_params()  # the next forward would have waited for the param all-gathers
-    return losses, gather_full(model, ps), opt, skipped
+    with opt.full_params():
+        return losses, gather_full(model, ps), opt, skipped
 
 
 def chunked_step(ps, zero: int, interleaved: bool) -> dict:
@@ -160,7 +163,7 @@ def _equivalence(rank, world, tps):
     out = {"shared_embedding": (_shared_embedding(pp2), pp2.dp_rank)}
     for tp in tps:
         ps = ParallelState(tp=tp)
-        out[tp] = {zero: run_steps(ps, make_tokens(), STEPS, zero=zero)[:2] for zero in (0, 1, 2)}
+        out[tp] = {zero: run_steps(ps, make_tokens(), STEPS, zero=zero)[:2] for zero in (0, 1, 2, 3)}
     return out
 
 
@@ -175,7 +178,7 @@ def check_equivalence(results, reference):
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    """dp=4 (tp=1) and tp=2 × dp=2 (sequence parallel), zero 0/1/2 each, in one spawned run."""
+    """dp=4 (tp=1) and tp=2 × dp=2 (sequence parallel), zero 0/1/2/3 each, in one spawned run."""
     return run_distributed(_equivalence, 4, (1, 2), timeout=600)
 
 
@@ -246,9 +249,9 @@ def _memory(ps):
 def _dp2(rank, world):
     ps = ParallelState()
     tokens = make_tokens()
-    out = {"train": {zero: run_steps(ps, tokens, STEPS, zero=zero, micro=2)[:2] for zero in (0, 1, 2)}}
+    out = {"train": {zero: run_steps(ps, tokens, STEPS, zero=zero, micro=2)[:2] for zero in (0, 1, 2, 3)}}
     out["accum"] = {(zero, m): run_steps(ps, tokens, 1, zero=zero, micro=m)[1]
-                    for zero in (0, 1, 2) for m in (1, 2, 4)}
+                    for zero in (0, 1, 2, 3) for m in (1, 2, 4)}
     out["overlap"] = _overlap(ps, tokens)
     out["memory"] = _memory(ps)
 
@@ -258,7 +261,7 @@ def _dp2(rank, world):
 
     # fp16: an overflow injected on rank 1 only is seen (after the reduction) by both ranks
     fp16 = {}
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         cfg = dict(initial_loss_scale=2.0 ** 12, loss_scale_window=2)
         init = run_steps(ps, tokens, 0, zero=zero, precision="fp16", opt_kw=cfg)[1]
         _, after, opt, skipped = run_steps(ps, tokens, 1, zero=zero, precision="fp16", opt_kw=cfg,
@@ -272,7 +275,7 @@ def _dp2(rank, world):
     # offload: the same numbers, stepped on the host copies
     out["offload"] = {(zero, p): (run_steps(ps, tokens, 3, zero=zero, precision=p)[:2],
                                   run_steps(ps, tokens, 3, zero=zero, precision=p, offload=True)[:2])
-                      for zero in (0, 1) for p in ("fp32", "bf16")}
+                      for zero in (0, 1, 3) for p in ("fp32", "bf16")}
 
     # the post-step all-gathers overlapped with the next forward: the same numbers
     out["param_overlap"] = {zero: (run_steps(ps, tokens, 3, zero=zero, precision="bf16")[:2],
@@ -284,17 +287,17 @@ def _dp2(rank, world):
                      for zero in (0, 1, 2)}
 
     # checkpoints: 2 steps, save, resume in fresh objects, 2 more == 4 straight (bitwise)
-    resume = {}
-    for zero in (0, 1, 2):
+    resume, states = {}, {}
+    for zero in (0, 1, 2, 3):
         straight = run_steps(ps, tokens, 4, zero=zero, precision="bf16")
         first = run_steps(ps, tokens, 2, zero=zero, precision="bf16")
-        state = checkpoint_of(first[2])
+        state = states[zero] = checkpoint_of(first[2])
         second = run_steps(ps, tokens, 2, zero=zero, precision="bf16", state=state)
         resume[zero] = (straight[0], first[0] + second[0],
                         all(torch.equal(straight[1][k], second[1][k]) for k in straight[1]))
     out["resume"] = resume
     try:  # fragments of another bucket layout are refused with a clear message
-        run_steps(ps, tokens, 0, zero=1, bucket_mb=0.05, state=state)
+        run_steps(ps, tokens, 0, zero=1, bucket_mb=0.05, state=states[1])
         out["mismatch"] = None
     except ValueError as exc:
         out["mismatch"] = str(exc)

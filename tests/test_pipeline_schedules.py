@@ -223,7 +223,8 @@ def test_schedule_tool_reads_a_config_at_its_gpu_count(capsys):
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama3_405b.yaml")
     assert tool.main(["--config", config]) == 0
     out = capsys.readouterr().out
-    assert "2048 GPUs (tp=8 pp=16 dp=16)" in out and "schedule interleaved" in out
+    assert "2048 GPUs (tp=8 cp=1 pp=16 dp=16)" in out and "schedule interleaved" in out
+    assert "reshape(pp=16, dp=16, cp=1, tp=8)" in out
     assert "128 micro-batches" in out and "32.0 MiB per transfer" in out  # 1 × 8192/8 × 16384 × bf16
     assert tool.main(["--config", config, "--world-size", "1000"]) == 2
     assert "must divide the world size 1000" in capsys.readouterr().err

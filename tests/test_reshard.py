@@ -47,11 +47,13 @@ LAYOUTS = {
     "pp2": (2, ["--parallel.pp", "2"]),
     "dp2_zero0": (2, []),
     "dp4_zero1_shard2": (4, ["--parallel.zero", "1", "--parallel.zero_shard_size", "2"]),
+    "dp2_zero3": (2, ["--parallel.zero", "3"]),
 }
 CASES = [("tp2_pp2_vpp2", "single", ()), ("single", "tp2_dp2_zero1", ()),
          ("dp2_zero2", "pp2", ("--model.tie_embeddings", "true")), ("tp2_dp2_zero1", "dp2_zero2", ()),
          # the same layout, another cut of the optimizer state (ZeRO stage, hybrid shard groups)
-         ("dp2_zero2", "dp2_zero0", ()), ("dp4_zero1_shard2", "single", ())]
+         ("dp2_zero2", "dp2_zero0", ()), ("dp4_zero1_shard2", "single", ()),
+         ("dp2_zero3", "tp2_dp2_zero1", ("--model.tie_embeddings", "true"))]
 
 
 @pytest.mark.slow

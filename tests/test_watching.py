@@ -122,6 +122,49 @@ def test_an_injected_spike_rolls_back_and_halves_the_learning_rate(tmp_path, cor
     assert lrs[17] == pytest.approx(1.5e-3) and lrs[18] == pytest.approx(1.5e-3)  # ... and resumed
 
 
+def test_after_a_rollback_the_run_is_the_one_started_from_that_checkpoint_with_the_lower_rate(tmp_path, corpus):
+    """The rolled-back run (spike at 11: back to the checkpoint of 8, data skipped, LR × 0.5) ends
+    in the state of a fresh run started from that checkpoint at the same data position with the
+    learning rate halved: the same losses from iteration 9 on and bitwise the same final weights
+    and moments."""
+    import shutil
+
+    from megapretrain.checkpoint.format import (
+        metadata,
+        read_metadata,
+        read_rank_state,
+        write_metadata,
+        write_rank_state,
+    )
+
+    flags = ["--train.iters", "16", "--checkpoint.interval", "4", "--recovery.window", "6",
+             "--schedule.decay", "constant"]
+    rolled = tmp_path / "rolled"
+    assert _train(rolled, corpus, *flags, "--faults.spike_at", "11") == 0
+    rollback, = [r for r in records(rolled) if r.get("event") == "rollback"]
+    assert rollback["iter"] == 8 and rollback["lr_scale"] == 0.5
+
+    # the reference: that checkpoint, at the data position the rollback moved to, LR halved
+    fresh = tmp_path / "fresh" / "checkpoints" / "iter_0000008"
+    shutil.copytree(rolled / "checkpoints" / "iter_0000008", fresh)
+    state = read_rank_state(str(fresh), 0)
+    state["consumed_samples"] = rollback["consumed_samples"]
+    size, crc = write_rank_state(str(fresh / "rank_00000.safetensors"), state)
+    meta = read_metadata(str(fresh))
+    write_metadata(str(fresh), metadata(**{**meta, "files": {"rank_00000.safetensors": (size, crc)}}))
+    assert _train(tmp_path / "fresh", corpus, *flags, "--checkpoint.load", str(fresh), "--optim.lr", "1.5e-3") == 0
+
+    after = {r["iter"]: r["loss"] for r in steps(rolled) if r["iter"] > 8}  # the later value of each iteration
+    assert after == {r["iter"]: r["loss"] for r in steps(tmp_path / "fresh") if r["iter"] > 8}
+    a, b = (read_rank_state(str(d / "checkpoints" / "iter_0000016"), 0) for d in (rolled, tmp_path / "fresh"))
+    assert a["lr_scale"] == 0.5 and b["lr_scale"] == 1.0  # (the same rate: 3e-3 × 0.5 and 1.5e-3)
+    assert set(a["model"]) == set(b["model"])
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["optimizer"]["params"][name][key], b["optimizer"]["params"][name][key]), name
+
+
 def test_an_injected_oom_prints_the_remedies_with_estimates(tmp_path, corpus, capsys):
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
@@ -234,3 +277,19 @@ def test_a_token_budget_sets_the_steps(tmp_path, corpus, capsys):
     rows = steps(run)
     assert len(rows) == 16 and rows[-1]["consumed_tokens"] == 2048
     assert "steps=16" in capsys.readouterr().out
+
+
+def test_a_spiked_batch_keeps_the_targets_left_out_of_the_loss_left_out():
+    """faults.spike_at shifts every target id (valid ids still), except those excluded from the loss
+    (data.eod_mask_loss marks them -100), and only the batch it first read."""
+    from megapretrain.config import FaultsConfig
+    from megapretrain.faults import Faults
+
+    faults = Faults(FaultsConfig(spike_at=2), rank=0)
+    targets = torch.tensor([[0, 5, -100, 300]])
+    clean = faults.corrupt(1, 0, [(None, targets)], vocab_size=301)
+    assert clean[0][1] is targets
+    (_, spiked), = faults.corrupt(2, 8, [(None, targets)], vocab_size=301)
+    assert spiked.tolist() == [[150, 155, -100, 149]]
+    assert faults.corrupt(3, 16, [(None, targets)], vocab_size=301)[0][1] is targets
+    assert faults.corrupt(4, 8, [(None, targets)], vocab_size=301)[0][1].tolist() == spiked.tolist()  # replayed

@@ -5,9 +5,11 @@ a synchronous save, the load time, and the time and peak host memory of ``to-hf`
 
 Builds a model of a few hundred MB, its optimizer (one step taken) and checkpoint manager as the
 trainer does (one process, fp32), then times a save as ``Trainer.save`` makes it — synchronously,
-and asynchronously (the stall is what the training loop waits for; the publication is timed until
-``latest`` moves) — the load of the checkpoint into the optimizer, and both conversions in fresh
-processes (peak RSS above their imports, from /proc/self/status). The target: the async stall
+and asynchronously, followed by what the training loop does next (one forward and backward, then
+``wait_snapshot`` before the optimizer step): the stall is what the loop waits for in ``save``
+plus in ``wait_snapshot``; the publication is timed until ``latest`` moves — the load of the
+checkpoint into the optimizer, and both conversions in fresh processes (peak RSS above their
+imports, from /proc/self/status). The target: the async stall
 under 10% of the synchronous save.
 """
 
@@ -97,6 +99,16 @@ def _state(model, opt, iteration: int) -> dict:
                       moments=moments, scaler=opt.scaler.state_dict(), rng=rng)
 
 
+def _forward_backward(model, args) -> None:
+    """One micro-batch's forward and backward (4 × 256 tokens), as the step after a save runs."""
+    import torch
+
+    tokens = torch.randint(0, args.vocab, (4, 257))
+    model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
 def _median(xs):
     return sorted(xs)[len(xs) // 2]
 
@@ -128,7 +140,10 @@ def bench(args, work: str) -> dict:
         manager.async_save = True
         start = time.perf_counter()
         manager.save(100 + i, _state(model, opt, 100 + i))
-        stall.append(time.perf_counter() - start)  # what the training loop waits for
+        blocked = time.perf_counter() - start
+        _forward_backward(model, args)  # the next step, while the writer copies and writes
+        blocked += manager.wait_snapshot()  # before the optimizer step may change the state
+        stall.append(blocked)  # what the training loop waits for
         latest = os.path.join(manager.root, "latest")
         while open(latest).read().strip() != f"iter_{100 + i:07d}":
             time.sleep(0.001)

@@ -15,7 +15,7 @@ SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``-
 
 ``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
 layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
-tp × pp, one data-parallel replica; replicas are hard links): training under that layout loads it
+tp × cp × pp, one data-parallel replica; replicas are hard links): training under that layout loads it
 as its own, with no resharding at start-up; under any other layout it reshards as usual. It prints
 the ``model.*`` settings that match the weights.
 
@@ -88,7 +88,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
     frm.add_argument("--config", help="YAML config of the run that will train from it (its layout)")
-    frm.add_argument("--world-size", type=int, help="ranks of the target run (default: tp × pp)")
+    frm.add_argument("--world-size", type=int, help="ranks of the target run (default: tp × cp × pp)")
     for p in (to, frm):
         p.add_argument("--verify", action="store_true", help="compare our logits with transformers' (fp32)")
         p.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference --verify accepts")
@@ -214,7 +214,7 @@ def _target_config(args, overrides: list[str], hf: dict):
     """The target run's config: ``--config``, the architecture of ``hf``, then the overrides."""
     cfg = load_config(args.config, model_overrides(hf, os.path.join(args.hf, "config.json")) + overrides)
     p = cfg.parallel
-    world = args.world_size or p.tp * p.pp
+    world = args.world_size or p.tp * p.cp * p.pp
     if world < 1:
         raise ConvertError(f"--world-size {world} must be at least 1")
     sizes, _ = validate(cfg, world)
@@ -265,7 +265,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
                            f"says vocab_size={hf['vocab_size']}")
-    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
+    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "cp": sizes.cp}
     with new_directory(args.output) as tmp:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             specs = rank_param_specs(cfg, pp_rank, tp_rank)

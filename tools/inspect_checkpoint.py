@@ -55,8 +55,8 @@ def _size(n: float) -> str:
 def _dtypes(saved: SavedShards) -> dict[str, str]:
     """The saved dtype of every weight, from the first rank file of each stage that holds it."""
     out = {}
-    for rank, (_, d, t) in enumerate(saved.coords):
-        if d == 0 and t == 0:
+    for rank, (_, d, c, t) in enumerate(saved.coords):
+        if d == 0 and c == 0 and t == 0:
             f = saved.file(rank)
             for name in f.skeleton["model"]:
                 if name not in out:

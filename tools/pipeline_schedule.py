@@ -10,7 +10,9 @@ The orders are the ones the trainer runs (``megapretrain.parallel.pipeline``), r
 forward costing 1 and a backward costing ``--backward-cost`` (about 2; about 3 with full
 recompute), each op starting once its stage is free and its input exists. With ``--config`` the
 stages, chunks and micro-batches per step come from the config at ``--world-size`` GPUs (default:
-the count its first line names), and any ``--section.key VALUE`` overrides it.
+the count its first line names), and any ``--section.key VALUE`` overrides it; the title then shows
+where the stages sit in the 4D rank grid, and a transfer's size is a stage's share of each sample
+(``seq_length / cp``, and ``/ tp`` with sequence parallelism).
 """
 
 from __future__ import annotations
@@ -66,10 +68,15 @@ def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict
         cfg.model.vocab_size = 257  # only the vocabulary padding depends on it; the pipeline does not
     sizes, _ = validate(cfg, world_size)
     p, t = cfg.parallel, cfg.train
-    seq = t.seq_length // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_length
+    seq = t.seq_length // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)  # a stage's share of a sample
+    per_stage = world_size // sizes.pp
+    grid = (f"rank grid arange({world_size}).reshape(pp={sizes.pp}, dp={sizes.dp}, cp={sizes.cp}, tp={sizes.tp}): "
+            f"stage s is ranks {per_stage}·s .. {per_stage}·s + {per_stage - 1}, each sending to the rank "
+            f"{per_stage} further on")
     return {"pp": sizes.pp, "vpp": p.vpp, "schedule": p.pp_schedule, "micro_batches": sizes.grad_accum,
             "message_bytes": t.micro_batch_size * seq * cfg.model.hidden_size * BYTES[t.precision],
-            "title": f"{path} at {world_size} GPUs (tp={sizes.tp} pp={sizes.pp} dp={sizes.dp})"}
+            "title": f"{path} at {world_size} GPUs (tp={sizes.tp} cp={sizes.cp} pp={sizes.pp} dp={sizes.dp})",
+            "grid": grid}
 
 
 def timeline(orders: list, pp: int, vpp: int, b_cost: float) -> list[str]:
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             setup = from_config(args.config, args.world_size, overrides)
         else:
             setup = {"pp": args.pp, "vpp": args.vpp, "schedule": args.schedule,
-                     "micro_batches": args.micro_batches, "message_bytes": None,
+                     "micro_batches": args.micro_batches, "message_bytes": None, "grid": None,
                      "title": f"pp={args.pp} vpp={args.vpp}"}
         pp, vpp, m = setup["pp"], setup["vpp"], setup["micro_batches"]
         if pp < 1 or vpp < 1 or m < 1:
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ideal = m * vpp * (1.0 + args.backward_cost)  # one stage's busy time
     print(f"{setup['title']} | schedule {kind} | {m} micro-batches per step | backward = "
           f"{args.backward_cost:g} × forward")
+    if setup["grid"]:
+        print(setup["grid"])
     print(f"{'stage':>5} {'ops':>6} {'idle':>7} {'peak in-flight':>15} {'sends':>6} {'receives':>9}")
     for r in range(pp):
         sends = sum(len(s.sends) for s in plans[r])

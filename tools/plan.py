@@ -7,8 +7,9 @@
         --write-launch runs/70b.sh --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml
     python tools/plan.py --published                                  # the model against published runs
 
-Every layout of ``--gpus`` devices (tp within a node, pp dividing the layers, virtual chunks, micro
-batches 1-4, ZeRO 0-2, recompute none/selective/full, sequence parallelism with tp) is estimated
+Every layout of ``--gpus`` devices (tp within a node, cp for long sequences, pp dividing the layers,
+virtual chunks, micro batches 1-4, ZeRO 0-2, recompute none/selective/full, sequence parallelism
+with tp; ranks tp × cp × pp × dp) is estimated
 with the model of ``megapretrain/planner.py``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
@@ -40,7 +41,7 @@ from megapretrain.errors import ConfigError, UserError
 from megapretrain.model.build import model_args
 from megapretrain.model.llama import ModelArgs, num_parameters
 from megapretrain.monitor.flops import DEVICES, with_device
-from megapretrain.planner import ATTENTION, GIB, Layout, estimate, search, split_layers
+from megapretrain.planner import ATTENTION, GIB, Layout, context_gather_bytes, estimate, search, split_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,13 +86,13 @@ class Published:
 
     @property
     def gpus(self) -> int:
-        return self.layout.tp * self.layout.pp * self.layout.dp
+        return self.layout.tp * self.layout.cp * self.layout.pp * self.layout.dp
 
 
 def _row(name, source, model, seq, tp, pp, gpus, batch, recompute, sp, device, attention, metric, value, vpp=1,
-         layers=None, zero=0):
-    layout = Layout(tp, pp, gpus // (tp * pp), vpp, 1, zero, recompute,
-                    layers or split_layers(model.num_layers, pp * vpp), sp)
+         layers=None, zero=0, cp=1):
+    layout = Layout(tp, pp, gpus // (tp * cp * pp), vpp, 1, zero, recompute,
+                    layers or split_layers(model.num_layers, pp * vpp), sp, cp)
     return Published(name, source, model, seq, layout, batch, device, attention, metric, value)
 
 
@@ -131,6 +132,11 @@ PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, m
          "tflops_per_gpu", 430, vpp=4, zero=1),
     _row("Llama 3 405B 16k", L3, _L3_405B, 8192, 8, 16, 16384, 2048, "none", True, "h100", "flash",
          "tflops_per_gpu", 400, vpp=4, zero=1),
+    # its long-context stage: 131,072-token sequences over context parallelism 16, the same 16M-token
+    # batches (dp 8); the throughput is estimated as published (the memory model puts this layout's
+    # activations above 80 GB without recomputation, which the paper does not detail)
+    _row("Llama 3 405B 128k", L3, _L3_405B, 131072, 8, 16, 16384, 128, "none", True, "h100", "flash",
+         "tflops_per_gpu", 380, vpp=4, zero=1, cp=16),
 ]
 
 
@@ -145,12 +151,13 @@ def published_estimates() -> list[tuple[Published, float]]:
 
 
 def published_table() -> str:
-    lines = ["| run | GPUs | layout (tp/pp/dp, recompute) | metric | estimate | published | error |",
+    lines = ["| run | GPUs | layout (tp/cp/pp/dp, recompute) | metric | estimate | published | error |",
              "|---|---|---|---|---|---|---|"]
     for row, got in published_estimates():
         L = row.layout
         metric = "TFLOP/s/GPU incl. recompute" if row.metric == "hw_tflops_per_gpu" else "model TFLOP/s/GPU"
-        lines.append(f"| {row.name} ({row.device.upper()}) | {row.gpus:,} | {L.tp}/{L.pp}/{L.dp}, {L.recompute} | "
+        lines.append(f"| {row.name} ({row.device.upper()}) | {row.gpus:,} | {L.tp}/{L.cp}/{L.pp}/{L.dp}, "
+                     f"{L.recompute} | "
                      f"{metric} | {got:.0f} | {row.value:.0f} | {got / row.value - 1:+.1%} |")
     sources = sorted({row.source for row in PUBLISHED})
     return "\n".join(lines + [""] + [f"- {s}" for s in sources])
@@ -273,7 +280,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     if args.check:
         sizes, _ = validate(cfg, args.gpus)
         layout = Layout(p.tp, p.pp, sizes.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
-                        tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel)
+                        tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel, p.cp)
         found = [estimate(model, t.seq_length, layout, t.global_batch_size, device, t.precision, p.pp_schedule,
                           args.attention)]
     else:
@@ -293,7 +300,7 @@ def summary(plan: dict, e, args) -> dict:
         "config": args.config, "gpus": args.gpus, "nodes": math.ceil(args.gpus / plan["device"].gpus_per_node),
         "device": plan["device"].name,
         "params": num_parameters(plan["model"]),
-        "layout": {"tp": L.tp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
+        "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
                    "zero": L.zero, "recompute": L.recompute, "sequence_parallel": L.sequence_parallel,
                    "pipeline_layers": list(L.pipeline_layers) if L.pipeline_layers else None,
                    "flags": L.flags()},
@@ -302,6 +309,7 @@ def summary(plan: dict, e, args) -> dict:
                       "activations": mem["activations"] / GIB, "overhead": mem["overhead"] / GIB,
                       "total": mem["total"] / GIB, "capacity": mem["capacity"] / GIB},
         "time_s": dict(t),
+        "cp_kv_gather_mib_per_layer": context_gather_bytes(plan["model"], L, cfg.train.seq_length) / 2**20,
         "step_s": t["total"], "mfu": e.mfu, "hfu": e.hfu, "tflops_per_gpu": e.tflops_per_gpu,
         "hw_tflops_per_gpu": e.hw_tflops_per_gpu, "tokens_per_s_per_gpu": e.tokens_per_gpu_s,
         "tokens_per_s": e.tokens_per_gpu_s * args.gpus,
@@ -311,14 +319,14 @@ def summary(plan: dict, e, args) -> dict:
     }
 
 
-HEADER = ["tp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "step s",
-          "compute/memory/tp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "days"]
+HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "step s",
+          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "days"]
 
 
 def describe(e, steps: float) -> list[str]:
     L, t, mem = e.layout, e.time, e.memory
-    parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "bubble", "p2p", "data"))
-    return [str(L.tp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), str(L.zero), L.recompute,
+    parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "context", "bubble", "p2p", "data"))
+    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), str(L.zero), L.recompute,
             f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
             f"{steps * t['total'] / 86400:.1f}"]
 
@@ -328,7 +336,7 @@ def table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [HEADER] + rows)
 
 
-PARTS = ("compute", "memory", "tensor", "bubble", "p2p", "data", "optimizer")
+PARTS = ("compute", "memory", "tensor", "context", "bubble", "p2p", "data", "optimizer")
 
 
 def report(s: dict, checked: bool) -> str:
@@ -336,7 +344,8 @@ def report(s: dict, checked: bool) -> str:
     return "\n".join([
         f"\n{'layout' if checked else 'plan'}: {s['gpus']:,} × {s['device']} "
         f"({s['nodes']} node{'s' * (s['nodes'] > 1)}), "
-        f"tp {L['tp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}, micro-batch {L['micro_batch_size']}, "
+        f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}, "
+        f"micro-batch {L['micro_batch_size']}, "
         f"zero {L['zero']}, recompute {L['recompute']})",
         f"{'layout' if checked else 'fastest'}: {L['flags']}",
         f"  memory/GPU  {mem['total']:.1f} of {mem['capacity']:.1f} usable GB{'' if s['fits'] else ' (DOES NOT FIT)'}: "
@@ -367,7 +376,7 @@ def _open_new(path: str, overwrite: bool):
 def layout_config(plan: dict, s: dict) -> dict:
     """The config with the plan's layout (and token budget) as a plain dict."""
     tree, L = to_dict(plan["cfg"]), s["layout"]
-    tree["parallel"].update(tp=L["tp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
+    tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
                             sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"])
     tree["train"]["micro_batch_size"] = L["micro_batch_size"]
     if plan["budget"] and "train_tokens" in tree["train"]:  # the budget, the steps derived from it
@@ -382,7 +391,8 @@ def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
     L = s["layout"]
     with _open_new(path, overwrite) as fh:
         fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} nodes), "
-                 f"tp {L['tp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); estimated {s['step_s']:.2f} s/step, "
+                 f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); "
+                 f"estimated {s['step_s']:.2f} s/step, "
                  f"MFU {s['mfu']:.1%}, {s['days']:.1f} days\n")
         yaml.safe_dump(tree, fh, sort_keys=False)
 
@@ -554,6 +564,10 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
     for path in paths:
         if os.path.exists(path) and not args.overwrite:
             raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
+    if args.emit and s["layout"]["cp"] > 1:
+        raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has parallel.cp={s['layout']['cp']}, "
+                                "which DeepSpeed and Accelerate configs do not express (their sequence parallelism "
+                                "is another scheme); plan without it: --check --parallel.cp 1")
     done = sys.stderr if args.json else sys.stdout  # --json keeps stdout one object
     # the launch script runs the written config, or the given one with the layout and overrides
     config_path, flags = args.config, " ".join([best.layout.flags(), shlex.join(plan["overrides"])]).strip()

@@ -20,7 +20,8 @@ these are the first steps of the real run. Then it checks:
     resume             the resumed run's losses equal the uninterrupted ones (bitwise or within 1e-6)
     throughput         median tokens/s ≥ --min-tokens-per-sec (reported, not checked, without it)
     memory             peak memory ≤ the device's (or --max-memory-gb)
-    layouts            (--layouts) tools/smoke_test.py: every parallel layout matches one process
+    layouts            (--layouts) tools/smoke_test.py: every parallel layout (cp ones included)
+                       matches one process
 
 and writes ``RUN_DIR/preflight/report.md`` — the checks with measured values, pass/fail and what to
 do on failure — with loss.png, grad_norm.png, lr.png and throughput.png beside it. The exit status
@@ -109,7 +110,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--min-tokens-per-sec", type=positive_float, help="required median throughput")
     ap.add_argument("--max-memory-gb", type=positive_float, help="peak memory allowed (default: the device's)")
     ap.add_argument("--layouts", nargs="?", const="auto", metavar="SPEC",
-                    help="also run tools/smoke_test.py's layout checks (optionally its --layouts SPEC)")
+                    help="also run tools/smoke_test.py's layout checks (optionally its --layouts SPEC, "
+                         "e.g. 'tp=2,cp=2,sp=1; cp=2,pp=2')")
     ap.add_argument("--resume-tolerance", type=non_negative_float, default=1e-6, help="largest |Δloss| after resuming")
     ap.add_argument("--timeout-s", type=positive_float, help="stop a training run that takes longer")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing RUN_DIR/preflight")
@@ -393,7 +395,8 @@ def check_memory(runs: list[Run], cfg: Config, args) -> Check:
     return Check("memory", peak <= limit, f"peak {peak:.2f} GB on rank 0 ({100 * peak / limit:.0f}% of the limit)",
                  f"≤ {limit:.1f} GB ({what})",
                  "in this order: parallel.recompute selective/full, halve train.micro_batch_size, raise "
-                 "parallel.zero or optim.offload, more parallel.tp/pp (tools/plan.py estimates each)")
+                 "parallel.zero or optim.offload, more parallel.tp/pp, parallel.cp for long sequences "
+                 "(tools/plan.py estimates each)")
 
 
 def check_layouts(args, cfg: Config, out: str) -> Check:
@@ -470,7 +473,8 @@ def write_report(out: str, args, overrides: list[str], cfg: Config, checks: list
     lines = [f"# Pre-flight report: `{args.config}`", "", verdict, "",
              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} · {args.iters} iterations on {_ranks(args.nproc_per_node)}, "
              f"a checkpoint at {mid} and a resume from it · model {cfg.model.num_layers} layers × "
-             f"{cfg.model.hidden_size} · layout tp {cfg.parallel.tp} pp {cfg.parallel.pp} zero {cfg.parallel.zero} "
+             f"{cfg.model.hidden_size} · layout tp {cfg.parallel.tp} cp {cfg.parallel.cp} pp {cfg.parallel.pp} "
+             f"zero {cfg.parallel.zero} "
              f"· {cfg.train.precision} · {cfg.train.global_batch_size} × {cfg.train.seq_length} tokens per step",
              "", "| check | result | measured | required | if it fails |", "|---|---|---|---|---|"]
     for c in checks:

@@ -65,7 +65,7 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     check_shapes(path, meta, shapes)  # every saved tensor has its place in the target
     saved = SavedShards(path, meta)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
-    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp}
+    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "cp": sizes.cp}
     with new_directory(args.output) as tmp:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             return resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded)

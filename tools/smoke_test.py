@@ -1,13 +1,13 @@
 """Check, on the machines of a real job, that every parallel layout computes what one device does.
 
     torchrun --nproc_per_node 8 tools/smoke_test.py                        # every layout of 8 ranks
-    torchrun --nproc_per_node 8 tools/smoke_test.py --layouts "tp=2,pp=2,sp=1,zero=1; tp=8"
+    torchrun --nproc_per_node 8 tools/smoke_test.py --layouts "tp=2,pp=2,sp=1,zero=1; tp=8; tp=2,cp=2,sp=1"
     torchrun --nnodes 2 --nproc_per_node 8 ... tools/smoke_test.py --workdir /shared/smoke --precision bf16
 
 Rank 0 writes a small synthetic corpus, trains a small Llama on it for ``--steps`` steps alone (a
 one-process run of ``megapretrain.train``: the reference), then all ranks train the same model,
-data and seed under each layout — tensor, sequence, pipeline (with virtual chunks) and data
-parallel, ZeRO-1 — through the real trainer, backend and devices of the job. Each layout's
+data and seed under each layout — tensor, sequence, context, pipeline (with virtual chunks) and
+data parallel, ZeRO-1 — through the real trainer, backend and devices of the job. Each layout's
 per-step losses must match the reference within ``--rtol``; the table shows the largest relative
 difference and the step time, and the exit status is 1 if any layout does not match. Run it after
 bringing up a cluster or changing drivers, before a long run. ``--workdir`` must be on a file
@@ -34,7 +34,7 @@ from megapretrain.cli import positive_float, positive_int  # noqa: E402
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 8, "ffn_hidden_size": 256}
-KEYS = ("tp", "pp", "vpp", "sp", "zero")
+KEYS = ("tp", "pp", "vpp", "cp", "sp", "zero")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="auto",
                     help='";"-separated: "auto" (every tp × pp that divides the world) and/or layouts '
-                         'such as "tp=2,pp=2,vpp=2,sp=1,zero=1"')
+                         'such as "tp=2,pp=2,vpp=2,cp=2,sp=1,zero=1"')
     ap.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per layout")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--rtol", type=positive_float, help="largest relative loss difference allowed "
@@ -56,13 +56,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def parse_layouts(text: str, world: int) -> list[dict]:
     """Layouts to check, ``;``-separated: ``key=value`` lists, or ``auto`` for every tp × pp that
-    divides ``world`` (with virtual chunks, sequence parallelism and ZeRO-1 where they apply)."""
+    divides ``world``, each also with cp = 2 where that divides it too (with virtual chunks,
+    sequence parallelism and ZeRO-1 where they apply)."""
     layouts = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         if item == "auto":
             layouts += _auto_layouts(world)
             continue
-        layout = {"tp": 1, "pp": 1, "vpp": 1, "sp": 0, "zero": 0}
+        layout = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sp": 0, "zero": 0}
         for pair in item.split(","):
             key, _, value = pair.strip().partition("=")
             if key not in KEYS or not value.strip().isdigit():
@@ -77,18 +78,22 @@ def _auto_layouts(world: int) -> list[dict]:
     layouts = []
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
-            if world % (tp * pp) or tp * pp == world == 1:
-                continue  # does not divide, or is the one-process reference itself
-            dp = world // (tp * pp)
-            layouts.append({"tp": tp, "pp": pp, "vpp": 2 if 1 < pp <= 4 else 1, "sp": int(tp > 1),
-                            "zero": int(dp > 1)})
+            for cp in (1, 2):
+                if world % (tp * pp * cp) or tp * pp * cp == world == 1:
+                    continue  # does not divide, or is the one-process reference itself
+                replicas = world // (tp * pp)  # dp × cp: the ranks ZeRO shards over
+                layouts.append({"tp": tp, "pp": pp, "vpp": 2 if 1 < pp <= 4 else 1, "cp": cp, "sp": int(tp > 1),
+                                "zero": int(replicas > 1)})
     return layouts
 
 
 def layout_name(layout: dict, world: int) -> str:
-    dp = world // (layout["tp"] * layout["pp"]) if world % (layout["tp"] * layout["pp"]) == 0 else "?"
+    cp = layout.get("cp", 1)
+    model_parallel = layout["tp"] * layout["pp"] * cp
+    dp = world // model_parallel if world % model_parallel == 0 else "?"
     return (f"tp{layout['tp']} pp{layout['pp']}" + (f" vpp{layout['vpp']}" if layout["vpp"] > 1 else "")
-            + f" dp{dp}" + (" sp" if layout["sp"] else "") + (f" zero{layout['zero']}" if layout["zero"] else ""))
+            + (f" cp{cp}" if cp > 1 else "") + f" dp{dp}" + (" sp" if layout["sp"] else "")
+            + (f" zero{layout['zero']}" if layout["zero"] else ""))
 
 
 def write_corpus(prefix: str, seed: int = 0, docs: int = 400) -> None:
@@ -110,7 +115,8 @@ def train_argv(run_dir: str, prefix: str, layout: dict, args, world: int, kv_hea
              "--optim.eps", "1e-6", "--schedule.warmup_iters", "1", "--checkpoint.interval", "0",
              "--logging.interval", "1", "--logging.tensorboard", "false", "--recovery.action", "none",
              "--parallel.tp", str(layout["tp"]), "--parallel.pp", str(layout["pp"]),
-             "--parallel.vpp", str(layout["vpp"]), "--parallel.sequence_parallel", str(bool(layout["sp"])).lower(),
+             "--parallel.vpp", str(layout["vpp"]), "--parallel.cp", str(layout.get("cp", 1)),
+             "--parallel.sequence_parallel", str(bool(layout["sp"])).lower(),
              "--parallel.zero", str(layout["zero"])]
     for key, value in MODEL.items():
         flags += [f"--model.{key}", str(value)]
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
             env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-            layout = {"tp": 1, "pp": 1, "vpp": 1, "sp": 0, "zero": 0}
+            layout = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sp": 0, "zero": 0}
             cmd = [sys.executable, "-m", "megapretrain.train",
                    *train_argv(reference, os.path.join(workdir, "corpus_text_document"), layout, args, world, kv_heads)]
             done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)

@@ -46,7 +46,7 @@ FORMAT = "megapretrain-per-rank-v1"  # the family's name (older readers check it
 FORMAT_VERSION = 2
 METADATA = "metadata.json"
 STATE_KEY = "megapretrain.state"
-_LAYOUT_KEYS = ("tp", "pp", "dp")
+_LAYOUT_KEYS = ("tp", "pp", "dp")  # required; "cp" is written too, and read as 1 where absent (older ones)
 _TENSOR = "__tensor__"
 
 
@@ -239,12 +239,13 @@ def read_rank_state(directory: str, rank: int, version: int | None = None) -> di
 
 def metadata(*, iteration: int, world_size: int, layout: dict, vocab_size: int | None, padded_vocab: int,
              files: dict | None = None, tensors: dict | None = None, **extra) -> dict:
-    """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp}) at ``world_size``;
+    """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp[, cp]}) at ``world_size``;
     ``files`` maps each rank file's name to ``{"bytes", "crc32"}``, ``tensors`` each parameter's
     global name to its global shape (vocabulary unpadded); ``extra`` adds facts (where it was
     converted or resharded from, the time)."""
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": int(iteration),
-            "world_size": int(world_size), "layout": {k: int(layout[k]) for k in _LAYOUT_KEYS},
+            "world_size": int(world_size),
+            "layout": {**{k: int(layout[k]) for k in _LAYOUT_KEYS}, "cp": int(layout.get("cp", 1))},
             "vocab_size": vocab_size, "padded_vocab": int(padded_vocab)}
     if files is not None:
         meta["files"] = {k: {"bytes": int(v[0]), "crc32": int(v[1])} if isinstance(v, tuple) else v
@@ -278,6 +279,8 @@ def read_metadata(directory: str) -> dict:
     problems = [k for k in ("iteration", "world_size") if not isinstance(meta.get(k), int)]
     if not isinstance(layout, dict) or not all(isinstance(layout.get(k), int) and layout[k] >= 1
                                                for k in _LAYOUT_KEYS):
+        problems.append("layout")
+    elif not (isinstance(layout.setdefault("cp", 1), int) and layout["cp"] >= 1):  # saved before cp existed: 1
         problems.append("layout")
     if version >= 2 and not (isinstance(meta.get("files"), dict) and all(
             isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)

@@ -11,8 +11,13 @@ Saving: every rank writes its file into ``.iter_0000100`` (fsynced), then a smal
 once every rank's ``done`` file is there — that is the agreement, through the shared file system
 the checkpoint lives on — writes ``metadata.json`` (with every size and checksum), fsyncs, renames
 the directory into place, moves ``latest`` and applies retention. With ``checkpoint.async`` this
-happens on a background thread as soon as the last rank finished writing, while training goes on;
-at most one save is in flight (the next one waits for it). A crash at any point leaves either the
+happens on a background thread as soon as the last rank finished writing, while training goes on:
+the thread first copies the live state into host buffers (:class:`SnapshotBuffers`) while the next
+forward and backward run — they only read it — and the training loop waits, if at all, only
+before its next optimizer step would change it (:meth:`CheckpointManager.wait_snapshot`). At every
+step boundary the ranks agree (one small all-reduce, only while a save is in flight) whether every
+rank's writer is done, and then finish the save together (errors raised on every rank); at most
+one save is in flight (the next one waits for it). A crash at any point leaves either the
 previous checkpoint or the new one, never a half-written one under a final name; an existing
 directory of the same name is moved aside, not overwritten. Leftovers of an interrupted save are
 removed when the next run starts.
@@ -134,19 +139,21 @@ class CheckpointManager:
                  padded_vocab: int, keep_last: int = 3, keep_every: int = 0, milestones: list[float] = (),
                  async_save: bool = False, tensors: dict | None = None, device: torch.device | str = "cpu",
                  prune_rolled_back: bool = True, sharding: dict | None = None):
-        """``layout`` ({tp, pp, dp}), the vocabulary (real and padded) and ``tensors`` (every
-        parameter's global shape) go into ``metadata.json``; ``milestones`` are iterations whose
+        """``layout`` ({tp, pp, dp, cp}; cp 1 when absent), the vocabulary (real and padded) and
+        ``tensors`` (every parameter's global shape) go into ``metadata.json``; ``milestones`` are iterations whose
         newest checkpoint at or before them retention keeps (see :func:`retained`);
         ``prune_rolled_back``: retention also removes set-aside checkpoints past the newest
         ``keep_last`` of them (false: they are all kept); ``sharding``: how the optimizer state was
         cut into ZeRO ranges (loading under another one takes the resharding path)."""
         self.device = torch.device(device)
         self.root = os.path.join(run_dir, "checkpoints")
-        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.rank, self.world_size = rank, world_size
+        self.layout = {**layout, "cp": layout.get("cp", 1)}  # as read_metadata() reads it back
         self.vocab_size, self.padded_vocab, self.tensors = vocab_size, padded_vocab, tensors
         self.keep_last, self.keep_every, self.milestones = keep_last, keep_every, list(milestones)
         self.async_save, self.prune_rolled_back, self.sharding = async_save, prune_rolled_back, sharding
         self._pending: tuple[int, threading.Thread | None, list] | None = None
+        self._copied: threading.Event | None = None  # set once the async save's snapshot is taken
         self.last_stall_s = 0.0  # seconds the caller was blocked by the last save()
         self._snapshot = SnapshotBuffers()
         os.makedirs(self.root, exist_ok=True)
@@ -185,11 +192,9 @@ class CheckpointManager:
         _barrier()
         errors: list = []
         if self.async_save:
-            state = self._snapshot.copy(state)  # training may change the originals from now on
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the pinned copies are complete
-            thread = threading.Thread(target=self._write, args=(iteration, state, tmp, errors), daemon=True,
-                                      name=f"checkpoint-{iteration}")
+            self._copied = threading.Event()
+            thread = threading.Thread(target=self._write, args=(iteration, state, tmp, errors, self._copied),
+                                      daemon=True, name=f"checkpoint-{iteration}")
             thread.start()
             self._pending = (iteration, thread, errors)
             self.last_stall_s = time.perf_counter() - start
@@ -199,11 +204,50 @@ class CheckpointManager:
             self.finalize()
             self.last_stall_s = time.perf_counter() - start
 
-    def _write(self, iteration: int, state: dict, tmp: str, errors: list) -> None:
-        """This rank's file and its ``done`` record; on rank 0 then the publication."""
+    def _take_snapshot(self, state: dict) -> dict:
+        """``state`` copied into the host buffers (async saves, on the writer thread). On CUDA the
+        copies run on a side stream after the work queued so far, and are complete on return."""
+        if self.device.type != "cuda":
+            return self._snapshot.copy(state)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.default_stream(self.device))  # the optimizer step that made the state
+        with torch.cuda.stream(stream):
+            state = self._snapshot.copy(state)
+        stream.synchronize()
+        return state
+
+    def wait_snapshot(self) -> float:
+        """Block until an async save in flight has copied the live state — call it before anything
+        changes that state (the optimizer step); returns the seconds waited."""
+        if self._copied is None or self._copied.is_set():
+            return 0.0
+        start = time.perf_counter()
+        self._copied.wait()
+        return time.perf_counter() - start
+
+    def step_boundary(self) -> None:
+        """Between training steps (collective: every rank calls it): while an async save is in
+        flight, agree whether every rank's writer is done, and if so finish it (see finalize())."""
+        if self._pending is None:
+            return
+        done = torch.tensor([0.0 if self.poll() else 1.0], device=self.device)  # 1: still writing
+        if dist.is_initialized():
+            dist.all_reduce(done)
+        if done.item() == 0:
+            self.finalize()
+
+    def _write(self, iteration: int, state: dict, tmp: str, errors: list,
+               copied: threading.Event | None = None) -> None:
+        """This rank's file and its ``done`` record; on rank 0 then the publication. ``copied``
+        (async): take the snapshot first, and say when it is taken."""
         path = rank_file(tmp, self.rank)
         record: dict = {}
         try:
+            if copied is not None:
+                try:
+                    state = self._take_snapshot(state)  # training may change the originals from now on
+                finally:
+                    copied.set()
             size, crc = write_rank_state(path, state)
             record = {"file": os.path.basename(path), "bytes": size, "crc32": crc}
         except Exception as exc:  # reported by finalize() on the training thread

@@ -1,4 +1,4 @@
-"""Load a checkpoint saved under another parallel layout (tp, pp, dp, vpp, zero).
+"""Load a checkpoint saved under another parallel layout (tp, cp, pp, dp, vpp, zero).
 
 The per-rank files key everything by global parameter name: the fp32 master weights as whole
 tensor-parallel shards (zero 0) or as ranges ``[start, end)`` of a flattened shard (zero ≥ 1), and
@@ -30,12 +30,14 @@ from ..parallel.specs import ParamSpec
 from .format import RankFile, rank_file, rank_state, read_metadata, write_rank_state
 
 
-def rank_coords(layout: dict) -> list[tuple[int, int, int]]:
-    """(pp_rank, dp_rank, tp_rank) of every rank of ``layout`` (ParallelState's grid order)."""
-    grid = np.arange(layout["pp"] * layout["dp"] * layout["tp"]).reshape(layout["pp"], layout["dp"], layout["tp"])
+def rank_coords(layout: dict) -> list[tuple[int, int, int, int]]:
+    """(pp_rank, dp_rank, cp_rank, tp_rank) of every rank of ``layout`` (ParallelState's grid
+    order; a layout without cp, saved before context parallelism, has cp = 1)."""
+    shape = (layout["pp"], layout["dp"], layout.get("cp", 1), layout["tp"])
+    grid = np.arange(int(np.prod(shape))).reshape(shape)
     coords = [None] * grid.size
-    for (p, d, t), rank in np.ndenumerate(grid):
-        coords[int(rank)] = (p, d, t)
+    for (p, d, c, t), rank in np.ndenumerate(grid):
+        coords[int(rank)] = (p, d, c, t)
     return coords
 
 
@@ -76,7 +78,7 @@ class SavedShards:
         out = torch.zeros(hi - lo, dtype=torch.float32)
         covered = 0
         stage = None  # a tied embedding lives on the first and the last stage: read one of them
-        for rank, (pp_rank, _, t) in enumerate(self.coords):
+        for rank, (pp_rank, _, _, t) in enumerate(self.coords):
             if t != tp_rank or (stage is not None and pp_rank != stage):
                 continue
             found = self.file(rank).entry(name, key, numel)
@@ -204,12 +206,12 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
 
 def write_layout(directory: str, layout: dict, state_at) -> tuple[dict, int]:
     """Write a rank file for every rank of ``layout`` into ``directory``: ``state_at(pp_rank,
-    tp_rank)`` gives the state of the ranks at that place, whose data-parallel replicas are hard
-    links to the first one's file (copies where the file system has no links). Returns the files'
+    tp_rank)`` gives the state of the ranks at that place, whose data- and context-parallel
+    replicas are hard links to the first one's file (copies where the file system has no links). Returns the files'
     records for the metadata (name -> (bytes, crc32)) and how many distinct files were written."""
     written: dict[tuple[int, int], tuple[str, tuple]] = {}
     files = {}
-    for rank, (pp_rank, _, tp_rank) in enumerate(rank_coords(layout)):
+    for rank, (pp_rank, _, _, tp_rank) in enumerate(rank_coords(layout)):
         file = rank_file(directory, rank)
         if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
             first, record = written[(pp_rank, tp_rank)]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import OrderedDict
+from types import MethodType
 
 import torch
 
@@ -62,19 +64,47 @@ def resolve_kernels(choice: str, device: torch.device) -> str:
     return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
 
 
+def _pre_hooks_run_eagerly(forward):
+    """``forward`` (a compiled ``DecoderLayer.forward``) as a method that first runs the forward
+    pre-hooks of the layer's submodules itself, with no inputs, and hides them while ``forward``
+    runs, so that no hook is traced. Those hooks (parallel/data.py's waits for a module's
+    parameters) then run as the layer starts rather than as each submodule does: earlier, which
+    is all a wait needs; a pre-hook that reads or replaces its module's inputs cannot be moved."""
+    def method(layer, *args, **kwargs):
+        hooked = [m for m in layer.modules() if m is not layer and m._forward_pre_hooks]
+        saved = [m._forward_pre_hooks for m in hooked]
+        for m, hooks in zip(hooked, saved):
+            for key, hook in list(hooks.items()):
+                if key in m._forward_pre_hooks_with_kwargs:
+                    hook(m, (), {})
+                else:
+                    hook(m, ())
+            m._forward_pre_hooks = OrderedDict()
+        try:
+            return forward(layer, *args, **kwargs)
+        finally:
+            for m, hooks in zip(hooked, saved):
+                m._forward_pre_hooks = hooks
+    return method
+
+
 def compile_layers(chunk: LlamaModel, device: torch.device) -> None:
-    """``train.compile``: torch.compile each decoder layer in place (regional compilation: the
-    layers share one code object, so one graph serves layers of the same shape; parameter names are
-    unchanged). The parameter-gather pre-hooks of parallel/data.py read ``id(module)``, which makes
-    Dynamo guard on each layer's identity and compile once per layer: the recompile limit is raised
-    by the layer count so that no layer silently falls back to eager."""
+    """``train.compile``: torch.compile the decoder layers' ``forward`` (regional compilation). One
+    compiled function serves every layer: Dynamo caches by code object and, with modules inlined,
+    guards on their attributes rather than their identity, so a chunk of layers of one shape
+    compiles once. Module hooks stay outside the graph: the layer's own (parallel/zero3.py's
+    gather and free) run in ``Module.__call__`` around ``forward``; its submodules' pre-hooks are
+    run eagerly as the layer starts (see :func:`_pre_hooks_run_eagerly`). Parameter names are
+    unchanged."""
     if device.type == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (install g++ or set CXX), "
                           "or set train.compile=false")
-    dynamo = torch._dynamo.config
-    dynamo.recompile_limit += len(chunk.layers)  # every chunk's layers share the one code object
+    compiled = {}  # layer class -> its compiled forward, shared by the chunk's layers
     for layer in chunk.layers.values():
-        layer.compile()
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = _pre_hooks_run_eagerly(torch.compile(cls.forward))
+        layer.forward = MethodType(compiled[cls], layer)
 
 
 def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel], dict[str, ParamSpec]]:
@@ -86,9 +116,9 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
     equal (same name, same seed), their grads are summed over the embedding group, and the copy on
     the last stage is left out of the grad norm (its spec says so).
     """
-    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)  # dropout inside tp regions
+    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=resolve_kernels(cfg.model.kernels, ps.device),
-                     z_loss=cfg.model.z_loss, dtype=DTYPES[cfg.train.precision], device=ps.device)
+                     z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision], device=ps.device)
     for chunk in chunks:
         chunk.init_weights(cfg.train.seed)
         if cfg.train.compile:
@@ -98,7 +128,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
 
 def rank_param_specs(cfg: Config, pp_rank: int, tp_rank: int) -> dict[str, ParamSpec]:
     """The parameter-spec table of the rank at (``pp_rank``, ``tp_rank``) of ``cfg``'s layout, from
-    chunks built on the meta device (nothing is allocated); dp ranks hold the same table."""
+    chunks built on the meta device (nothing is allocated); dp and cp ranks hold the same table."""
     tp = Group("tp", list(range(cfg.parallel.tp)), None, tp_rank)  # no communication on meta
     with torch.device("meta"):
         chunks = _chunks(cfg, tp, pp_rank, rng=RNGTracker(0, tp_rank, "cpu"), dtype=DTYPES[cfg.train.precision],

@@ -6,8 +6,13 @@ embeddings. Parameter names follow Hugging Face's ``LlamaForCausalLM`` (without 
 prefix), and layers are keyed by their *global* index, so a pipeline stage holding layers 4..7
 names them ``layers.4`` ... ``layers.7`` — names, and so initial values, are layout-invariant.
 
-Shapes in comments: b batch, s sequence (s/tp when sequence-parallel), h hidden, n heads, k kv heads,
-d head size, v vocabulary; "/tp" marks a dimension split across tensor-parallel ranks.
+Under context parallelism (``cp``) a chunk holds its rank's share of every sequence
+(``parallel/context.py``): attention all-gathers the keys and values over cp and masks by global
+position; everything else is local to the rank's tokens.
+
+Shapes in comments: b batch, s sequence (this rank's s/cp tokens under context parallelism, and
+s/tp of them when sequence-parallel), h hidden, n heads, k kv heads, d head size, v vocabulary;
+"/tp" marks a dimension split across tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from ..config import padded_vocab_size
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.rope import rope
 from ..kernels.swiglu import swiglu
+from ..parallel.context import causal_mask, gather_kv_from_cp, local_positions, query_chunks
 from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec, Sharding, collect_specs
@@ -178,35 +185,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 @dataclass
 class Documents:
     """The documents packed into a micro-batch (``data.reset_position_ids`` / ``reset_attention_mask``):
-    each token's position inside its document, and which tokens it may attend to."""
+    each token's position inside its document, and which tokens it may attend to. Under context
+    parallelism both are this rank's share: its tokens' positions, its queries' rows of the mask."""
     position_ids: torch.Tensor | None  # (b, s) int64: positions restarting at each document, or None
-    attn_mask: torch.Tensor | None     # (b, 1, s, s) bool: causal and within the document, or None
+    attn_mask: torch.Tensor | None     # (b, 1, s, s·cp) bool: causal and within the document, or None
 
 
-def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_position_ids: bool) -> Documents:
+def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_position_ids: bool,
+              cp: Group | None = None) -> Documents:
     """The document structure of (b, s) input ids: a document ends with its ``eod`` token, the next
-    one starts after it (Megatron's ``get_ltor_masks_and_position_ids``)."""
+    one starts after it (Megatron's ``get_ltor_masks_and_position_ids``). ``tokens`` are the whole
+    sequence on every cp rank; with ``cp`` the result is this rank's share, each token judged by
+    its global position and document: the mask of its queries against every key, in global order."""
     b, s = tokens.shape
     is_eod = tokens == eod
     doc = torch.cumsum(is_eod, dim=1) - is_eod.long()  # (b, s): EODs before each token (its document)
+    keys = torch.arange(s, device=tokens.device)  # global positions of the mask's columns
+    queries = local_positions(s, cp, tokens.device) if cp is not None else keys  # (s/cp,): its rows
     positions = mask = None
     if reset_position_ids:
         idx = torch.arange(s, device=tokens.device).expand(b, s)
         starts = torch.ones_like(is_eod)
         starts[:, 1:] = is_eod[:, :-1]  # a token after an EOD starts a document
         positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+        positions = positions[:, queries]  # (b, s/cp): this rank's tokens
     if reset_attention_mask:
-        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_()
-        mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal  # (b, s, s)
-        mask = mask.unsqueeze(1)  # (b, 1, s, s): the same for every head
+        mask = causal_mask(queries, keys, doc[:, queries], doc[:, keys])  # (b, 1, s/cp, s)
     return Documents(positions, mask)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, selective_recompute: bool,
-                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
+                 dtype, device):
         super().__init__()
         self.rng, self.saved, self.kernels = rng, saved, kernels
+        self.cp = cp if cp is not None else Group("cp", [0])
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -222,20 +236,32 @@ class Attention(nn.Module):
     def _core(self, q, k, v, mask=None):
         dropout = self.dropout if self.training else 0.0
         if not dropout:  # no random numbers drawn: no stream to fork (and no graph break under compile)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        with self.rng.fork():  # heads differ per tp rank, so must their dropout masks
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-                                                  dropout_p=dropout)
+            return self._attend(q, k, v, mask, 0.0)
+        with self.rng.fork():  # heads differ per tp (and cp) rank, so must their dropout masks
+            return self._attend(q, k, v, mask, dropout)
+
+    def _attend(self, q, k, v, mask, dropout: float):
+        """Scaled dot-product attention of this rank's queries: under ``mask`` when given, else
+        causal — over the whole sequence, or under context parallelism chunk by chunk, each of the
+        rank's two query chunks against the keys up to its end (``parallel/context.py``)."""
+        kw = dict(enable_gqa=True, dropout_p=dropout)
+        if mask is not None or self.cp.size == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kw)
+        out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
+                                              attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
+               for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
+        return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s) attention allowed (document masking), or None for plain causal."""
+        """``mask``: (b, 1, s, s·cp) attention allowed (document masking), or None for plain causal."""
         x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_local, self.d).transpose(1, 2)  # (b, n/tp, s, d)
         k = self.k_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
         v = self.v_proj(x).view(b, s, self.k_local, self.d).transpose(1, 2)  # (b, k/tp, s, d)
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
+        k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
         if self.selective_recompute and self.training:
             y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=self.rng.checkpoint_context)
         else:
@@ -265,14 +291,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, sequence_parallel: bool, recompute: str,
-                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", dtype, device):
+                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
+                 dtype, device):
         super().__init__()
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         norm = dict(sequence_parallel=sequence_parallel, **kw)
         self.input_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, **kw)
+                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp, **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, **norm)
         self.mlp = MLP(args, tp, sequence_parallel=sequence_parallel, saved=saved, **kw)
         self.dropout = args.hidden_dropout
@@ -298,17 +325,20 @@ class LlamaModel(nn.Module):
 
     ``forward`` takes token ids (first chunk) or hidden states, and returns per-token losses (b, s)
     when the chunk has the head and ``targets`` are given, else hidden states. ``param_specs``
-    declares how each of its parameters is laid out (see ``parallel/specs.py``).
+    declares how each of its parameters is laid out (see ``parallel/specs.py``). With a ``cp``
+    group of several ranks the inputs are this rank's tokens (``parallel/context.py``'s
+    ``split_to_cp``); the parameters are the same on every cp rank.
     """
 
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
-                 z_loss: float = 0.0, dtype=torch.float32, device=None):
+                 z_loss: float = 0.0, cp: Group | None = None, dtype=torch.float32, device=None):
         super().__init__()
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
         self.args, self.tp = args, tp
+        self.cp = cp if cp is not None else Group("cp", [0])
         self.kernels, self.z_loss = kernels, z_loss
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
@@ -326,7 +356,7 @@ class LlamaModel(nn.Module):
                                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, **kw)
+                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp, **kw)
             for i in layer_ids})
         if post_process:
             self.norm = RMSNorm(args.hidden_size, args.norm_eps, sequence_parallel=self.sequence_parallel,
@@ -335,6 +365,7 @@ class LlamaModel(nn.Module):
                 self.lm_head = ColumnParallelLinear(args.hidden_size, padded_vocab, tp, init_std=args.init_std,
                                                     vocab_rows=args.vocab_size, **kw)
         self._rope_cache: dict = {}
+        self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
         self._logits_pool = BufferPool()  # CPU: keeps the output layer's logits buffer across steps
 
     # -- layout and initialization -----------------------------------------------------------------
@@ -371,12 +402,34 @@ class LlamaModel(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
 
     def _rope(self, seq: int, like: torch.Tensor):
+        """cos, sin (s, d) for the global positions 0..seq-1."""
         key = (seq, like.device, like.dtype)
         if key not in self._rope_cache:
             scaling = dict(self.args.rope_scaling) if self.args.rope_scaling else None
             self._rope_cache = {key: rope_tables(seq, self.args.head_dim, self.args.rope_theta,
                                                  like.device, like.dtype, scaling)}
         return self._rope_cache[key]
+
+    def _context_tables(self, seq: int, like: torch.Tensor):
+        """Under context parallelism: cos, sin (s/cp, d) of this rank's tokens, rotated by their
+        global positions."""
+        key = (seq, like.device, like.dtype)
+        if key not in self._context_cache:
+            cos, sin = self._rope(seq, like)
+            mine = local_positions(seq, self.cp, like.device)
+            self._context_cache = {key: (cos[mine], sin[mine])}  # (s/cp, d) each
+        return self._context_cache[key]
+
+    def _positions(self, x: torch.Tensor, docs: Documents | None):
+        """cos, sin of this rank's tokens — (s, d), or (b, 1, s, d) when positions restart per
+        document — and the attention mask (None: causal by global position)."""
+        seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size  # global length
+        cos, sin = self._rope(seq, x)  # (s·cp, d): every global position
+        if docs is not None and docs.position_ids is not None:
+            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
+        elif self.cp.size > 1:
+            cos, sin = self._context_tables(seq, x)  # (s, d)
+        return cos, sin, docs.attn_mask if docs is not None else None
 
     def _layer(self, layer: DecoderLayer, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:
@@ -398,11 +451,7 @@ class LlamaModel(nn.Module):
     def _forward(self, x: torch.Tensor, targets: torch.Tensor | None, docs: Documents | None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
-        seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)
-        cos, sin = self._rope(seq, x)  # (s, d)
-        if docs is not None and docs.position_ids is not None:
-            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
-        mask = docs.attn_mask if docs is not None else None
+        cos, sin, mask = self._positions(x, docs)
         for layer in self.layers.values():
             x = self._layer(layer, x, cos, sin, mask)  # (b, s, h)
         if not self.post_process:

@@ -11,6 +11,7 @@ Per parameter and rank (bf16 model, N parameters, plus alignment padding)::
     0      2       4        4        8
     1      2       4        4/dp     8/dp
     2      2       4/dp     4/dp     8/dp
+    3      2/dp    4/dp     4/dp     8/dp     + the layers gathered at the moment (parallel/zero3.py)
 
 fp32 parameters are their own master (no extra copy) unless ``optim.offload`` keeps the masters
 and moments in host memory, where they are stepped. A shard covers pieces (*fragments*) of
@@ -23,6 +24,7 @@ and the model-parallel group; a non-finite norm skips the step and, with fp16, h
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ from ..kernels.adamw import decay_mask, fused_adamw_
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
+from ..parallel.zero3 import LAYER_UNITS_ALIVE, ShardedUnits
 
 
 class LossScaler:
@@ -101,7 +104,7 @@ class ShardState:
         self.bucket = bucket
         self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
                           for p, start, end, off in bucket.fragments()]
-        self.param_shard = bucket.param_data[bucket.shard_start:bucket.shard_end]  # model dtype
+        self.param_shard = bucket.param_shard  # (shard,) model dtype
         on_gpu = self.param_shard.device.type != "cpu"
         if self.param_shard.dtype == torch.float32 and not offload:
             self.master = self.param_shard  # fp32 parameters are their own master
@@ -222,7 +225,7 @@ class MixedPrecisionAdamW:
                                  f"({specs.get(n)}): build the specs with the model (model/build.py)")
         self.ps, self.zero, self.cfg = ps, zero, optim_cfg
         self.offload = optim_cfg.offload
-        self.buffers = DataParallelBuffers(named_params, specs, ps.dp, ps.tp, ps.embedding, zero=zero,
+        self.buffers = DataParallelBuffers(named_params, specs, ps.dp_cp, ps.tp, ps.embedding, zero=zero,
                                            bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
                                            shard=ps.dp_shard, replicas=ps.dp_replicas)
         self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
@@ -234,6 +237,7 @@ class MixedPrecisionAdamW:
         if precision != "fp16":
             self.scaler.scale = 1.0
         self._async_param_gather = False
+        self.units: ShardedUnits | None = None  # zero=3, once hook_models() has seen the model
 
     # -- gradients --------------------------------------------------------------------------------
 
@@ -249,6 +253,38 @@ class MixedPrecisionAdamW:
         """Wait for (and launch any remaining) dp reductions; sequence-parallel norm weights are
         also summed over tp."""
         self.buffers.reduce_grads()
+
+    def hook_models(self, chunks: list[nn.Module], *, keep_gathered: bool = False, prefetch: bool = True,
+                    trace: bool = False) -> None:
+        """Attach the parameter gathers to the model ``chunks``: under zero=3 each unit's gather
+        and release around its use (parallel/zero3.py); under zero 1/2 the post-step all-gather
+        running under the next forward (``overlap_param_gather``)."""
+        if self.zero == 3:
+            self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
+                                      trace=trace)
+        else:
+            self.overlap_param_gather(chunks)
+
+    @contextlib.contextmanager
+    def full_params(self):
+        """Context in which every parameter holds its full value (zero=3 gathers and then
+        releases them; otherwise nothing to do): for reading the model outside its forward."""
+        if self.units is None:
+            yield
+            return
+        for unit in self.units.units:
+            self.units._ready(unit)
+        try:
+            yield
+        finally:
+            self.units.free_all()
+
+    def _refresh_params(self) -> None:
+        """After the shards changed: the model's parameters must show them."""
+        if self.units is not None:
+            self.units.free_all()  # the next use gathers the new values
+        else:
+            self.buffers.gather_params(async_op=self._async_param_gather)
 
     def overlap_param_gather(self, models: nn.Module | list[nn.Module]) -> None:
         """From now on the post-step all-gather (zero ≥ 1) runs while the next forward of
@@ -280,6 +316,8 @@ class MixedPrecisionAdamW:
         A non-finite grad norm (NaN/Inf in the reduced grads) skips the step, leaving the parameters
         unchanged, and lowers the fp16 loss scale."""
         self.buffers.wait_params()
+        if self.units is not None:
+            self.units.free_all()  # a unit still gathered (kept, or unused in backward) would go stale
         grads = [s.bucket.grad_shard for s in self.shards]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -298,7 +336,7 @@ class MixedPrecisionAdamW:
         self._adamw(lr)
         for s in self.shards:
             s.write_back()
-        self.buffers.gather_params(async_op=self._async_param_gather)
+        self._refresh_params()
         return norm, False
 
     def _adamw(self, lr: float) -> None:
@@ -355,10 +393,21 @@ class MixedPrecisionAdamW:
         if staging:
             report["grad_staging"] = sum(storage_bytes(staging).values())
         report["total"] = sum(report.values())
+        if self.units is not None:  # not part of the total: transient, bounded by the design
+            report["gathered_peak"] = self.gathered_peak_bytes()
         numel = sum(p.numel() for b in self.buffers.buckets for p in b.params)
         report.update(numel=numel, padded_numel=self.buffers.padded_numel(), zero=self.zero,
                       dp=self.ps.dp.size, shard=self.ps.dp_shard.size, offload=self.offload)
         return report
+
+    def gathered_peak_bytes(self) -> int:
+        """zero=3: the most bytes of full parameters gathered at once, by design: every chunk's
+        root plus ``LAYER_UNITS_ALIVE`` of the largest decoder layers (parallel/zero3.py)."""
+        def full(unit):
+            return sum(b.numel * b.param_shard.element_size() for b in unit.buckets)
+        roots = sum(full(u) for u in self.units.units if u.root)
+        layers = sorted((full(u) for u in self.units.units if not u.root), reverse=True)
+        return roots + sum(layers[:LAYER_UNITS_ALIVE])
 
     # -- checkpointing: by parameter name and fragment range --------------------------------------
 
@@ -388,12 +437,16 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
         for name, (s, f) in self.fragments.items():
             if name not in weights:
-                raise CheckpointError(f"checkpoint has no weight '{name}': it was saved from another model "
-                                      "(compare model.* with the config.yaml of the run that saved it)")
+                raise CheckpointError(f"checkpoint has no weight '{name}' for this rank: it was saved from another "
+                                      "model, or with another parallel.zero or parallel.bucket_size_mb (compare "
+                                      "model.* and parallel.* with the config.yaml of the run that saved it)")
             f.of(s.master).copy_(_piece(weights[name], "master", f))
         for s in self.shards:
             s.write_back()
-        self.buffers.gather_params()
+        if self.units is not None:
+            self.units.free_all()
+        else:
+            self.buffers.gather_params()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -17,7 +17,10 @@ backward), a bucket's collective is launched asynchronously the moment its last 
 - ``zero=0`` all-reduce of the whole bucket (every rank steps every parameter);
 - ``zero=1`` reduce-scatter: only this rank's shard of the sum is needed (distributed optimizer);
 - ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
-  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight.
+  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight;
+- ``zero=3`` as 2, and the parameters too are kept only as this rank's shard: a bucket is one
+  *unit* (a decoder layer, or a chunk's other parameters), whose full param buffer is all-gathered
+  just before it is used and freed after (``parallel/zero3.py`` decides when).
 
 What is special about a parameter comes from its spec (``parallel/specs.py``): a sequence-parallel
 norm's grads are first summed over tp, and a tied embedding held by two pipeline stages gets a
@@ -57,8 +60,13 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], numel: int,
                  shard_start: int, shard_end: int):
         self.index, self.params, self.offsets, self.numel = index, params, offsets, numel
+        self.shapes = [p.shape for p in params]  # fixed here: a zero=3 param's storage may be freed
         self.shard_start, self.shard_end = shard_start, shard_end
         self.param_data: torch.Tensor | None = None  # (numel,) model dtype; params' .data are views
+        # (shard,) model dtype, what the optimizer writes: a view of param_data, or under zero=3 the
+        # only persistent copy (param_data's storage then exists only while gathered)
+        self.param_shard: torch.Tensor | None = None
+        self.gathered = True        # param_data holds the full, current parameters (zero=3: or is being gathered)
         self.grad_data: torch.Tensor | None = None   # (numel,) fp32; transient under zero=2
         self.grad_shard: torch.Tensor | None = None  # (shard,) fp32: what the optimizer steps on
         self.launched = False       # the reduction of the current grads has started
@@ -76,26 +84,33 @@ class Bucket:
         """This rank's pieces of parameters: (param, start, end, offset) — elements ``[start, end)``
         of the flattened param live at ``offset`` in the shard."""
         out = []
-        for p, off in zip(self.params, self.offsets):
-            lo, hi = max(off, self.shard_start), min(off + p.numel(), self.shard_end)
+        for p, shape, off in zip(self.params, self.shapes, self.offsets):
+            lo, hi = max(off, self.shard_start), min(off + shape.numel(), self.shard_end)
             if lo < hi:
                 out.append((p, lo - off, hi - off, lo - self.shard_start))
         return out
 
     def set_main_grads(self) -> None:
-        for p, off in zip(self.params, self.offsets):
-            p.main_grad = None if self.grad_data is None else self.grad_data[off:off + p.numel()].view(p.shape)
+        for p, shape, off in zip(self.params, self.shapes, self.offsets):
+            p.main_grad = None if self.grad_data is None else self.grad_data[off:off + shape.numel()].view(shape)
 
 
 def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float,
-                 dp: int) -> list[tuple[list, list, int]]:
+                 dp: int, by_unit: bool = False) -> list[tuple[list, list, int]]:
     """Split ``params`` (in layout order) into buckets of about ``bucket_numel`` elements:
-    (params, offsets, padded size) each. A tied embedding gets a bucket of its own."""
+    (params, offsets, padded size) each. A tied embedding gets a bucket of its own. ``by_unit``
+    (zero=3): a bucket also ends wherever the next parameter belongs to another decoder layer (or
+    to none), so that each bucket is gathered and freed as one unit."""
     splits, current, offsets, size = [], [], [], 0
+    unit = None
     for p, spec in params:
         if spec.tied:
             splits.append(([p], [0], round_up(round_up(p.numel(), ALIGN), ALIGN * dp)))
             continue
+        if by_unit and current and spec.layer != unit:
+            splits.append((current, offsets, round_up(size, ALIGN * dp)))
+            current, offsets, size = [], [], 0
+        unit = spec.layer
         current.append(p)
         offsets.append(size)
         size = round_up(size + p.numel(), ALIGN)
@@ -130,7 +145,9 @@ class DataParallelBuffers:
         self._learning: dict[int, set] = {}  # model -> modules called in its first forward so far
         self._early_of: dict[int, list[Bucket]] = {}  # model -> buckets used without a module call
         self._early: set[Bucket] = set()  # gathered first
-        bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 else float("inf")
+        # zero=3: one bucket per unit, whatever its size (a unit is gathered whole anyway)
+        bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
+        self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
         layout = [p for _, p in reversed(named_params)]
         for dtype in dict.fromkeys(p.dtype for p in layout):
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
@@ -140,12 +157,13 @@ class DataParallelBuffers:
 
     @torch.no_grad()
     def _build(self, dtype: torch.dtype, params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float) -> None:
-        splits = bucket_split(params, bucket_numel, self.shard.size)
+        splits = bucket_split(params, bucket_numel, self.shard.size, by_unit=self.zero == 3)
         total = sum(numel for _, _, numel in splits)
         device = params[0][0].device
-        param_buffer = torch.zeros(total, dtype=dtype, device=device)
-        grad_buffer = torch.zeros(total // (self.shard.size if self.zero == 2 else 1),
+        param_buffer = torch.zeros(total, dtype=dtype, device=device)  # zero=3: only until the shards are cut
+        grad_buffer = torch.zeros(total // (self.shard.size if self.zero >= 2 else 1),
                                   dtype=torch.float32, device=device)
+        param_shards = torch.empty(total // self.shard.size, dtype=dtype, device=device) if self.zero == 3 else None
         start = shard_start = 0
         for bucket_params, offsets, numel in splits:
             shard = numel // self.shard.size if self.zero >= 1 else numel
@@ -157,7 +175,16 @@ class DataParallelBuffers:
                 view.copy_(p.data)
                 p.data = view
                 self._bucket_of[id(p)] = b
-            if self.zero == 2:
+            if self.zero == 3:  # the bucket's own full buffer, which exists only while gathered
+                b.param_shard = param_shards[shard_start:shard_start + shard]
+                b.param_shard.copy_(b.param_data[b.shard_start:b.shard_end])
+                b.param_data = b.param_data.clone()
+                for p, off in zip(bucket_params, offsets):
+                    p.data = b.param_data[off:off + p.numel()].view(p.shape)
+                self.free(b)
+            else:
+                b.param_shard = b.param_data[b.shard_start:b.shard_end]
+            if self.zero >= 2:
                 b.grad_shard = grad_buffer[shard_start:shard_start + shard]
             else:
                 b.grad_data = grad_buffer[start:start + numel]
@@ -166,7 +193,7 @@ class DataParallelBuffers:
             self.buckets.append(b)
             start += numel
             shard_start += shard
-        self.param_buffers.append(param_buffer)
+        self.param_buffers.append(param_buffer if param_shards is None else param_shards)
         self.grad_buffers.append(grad_buffer)
 
     # -- gradients --------------------------------------------------------------------------------
@@ -177,7 +204,7 @@ class DataParallelBuffers:
                 b.work.wait()
             b.launched, b.work = False, None
             b.final = {id(p) for p in b.params}
-            if self.zero == 2 and b.grad_data is not None:
+            if self.zero >= 2 and b.grad_data is not None:
                 b.grad_data = None
                 b.set_main_grads()
         for buf in self.grad_buffers:
@@ -195,7 +222,7 @@ class DataParallelBuffers:
             yield
         finally:
             self._context = None
-        if self.zero == 2 and not last:
+        if self.zero >= 2 and not last:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -210,16 +237,18 @@ class DataParallelBuffers:
             b.set_main_grads()
         p.main_grad.add_(p.grad)
         p.grad = None
-        if self._context is None or not self.overlap:
+        if self._context is None:
             return
         if self._context == "last":
             b.final.discard(id(p))
             ready = not b.final
         else:
             b.fresh.add(id(p))
-            ready = self.zero == 2 and len(b.fresh) == len(b.params)
-        if ready:
+            ready = self.zero >= 2 and len(b.fresh) == len(b.params)
+        if ready and self.overlap:
             self._launch(b)
+        if ready and self.after_grads is not None:
+            self.after_grads(b, self._context == "last")
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
@@ -238,7 +267,7 @@ class DataParallelBuffers:
             b.work = None
         if self.zero >= 1 and self.replicas is not None:  # hybrid: the shard's sum over the other replicas
             self.replicas.all_reduce(b.grad_data[b.shard_start:b.shard_end])
-        if self.zero == 2:
+        if self.zero >= 2:
             b.grad_shard.add_(b.grad_data[b.shard_start:b.shard_end])
             b.grad_data = None
             b.set_main_grads()
@@ -273,7 +302,7 @@ class DataParallelBuffers:
         """All-gather every bucket's param buffer from the shards (zero ≥ 1) in the order the next
         forward needs them; with ``async_op`` the forward's pre-hooks wait (see
         ``overlap_param_gather``)."""
-        if self.zero == 0 or self.shard.size == 1:
+        if self.zero in (0, 3) or self.shard.size == 1:  # zero=3: each unit gathers as it is used
             return
         self.wait_params()
         forward_order = list(reversed(self.buckets))  # the first layers' bucket first
@@ -333,6 +362,33 @@ class DataParallelBuffers:
         early = [b for m, buckets in owned.items() if m not in called for b in buckets]
         self._early_of[id(model)] = early
         self._early.update(early)
+
+    # -- zero=3: a bucket's full parameters exist only between gather() and free() ----------------
+
+    def gather(self, b: Bucket) -> None:
+        """Start all-gathering bucket ``b``'s parameters from the shards into its full buffer
+        (re-allocated); ``wait(b)`` before reading them. A no-op when gathered or in flight."""
+        if b.gathered:
+            return
+        b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
+        b.gathered = True
+        b.param_work = self.shard.all_gather_async(b.param_data, b.param_shard)
+
+    def wait(self, b: Bucket) -> None:
+        if b.param_work is not None:
+            b.param_work.wait()
+            b.param_work = None
+
+    def free(self, b: Bucket) -> None:
+        """Release bucket ``b``'s full parameters (its params keep their shapes, over no storage:
+        reading one before the next gather() fails loudly)."""
+        self.wait(b)
+        b.param_data.untyped_storage().resize_(0)
+        b.gathered = False
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameter buffers alive now (zero=3)."""
+        return sum(b.param_data.untyped_storage().nbytes() for b in self.buckets if self.zero == 3)
 
     # -- accounting -------------------------------------------------------------------------------
 

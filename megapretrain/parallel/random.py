@@ -7,6 +7,11 @@ attention heads, which differ per rank) must draw *different* masks per rank: th
 ``tensor_parallel`` stream, seeded with the tp rank. :class:`RNGTracker` keeps the second stream's
 state and swaps it in with ``fork()``.
 
+Context-parallel ranks hold different tokens of the same sequences, so both streams also start at
+a different seed on every cp rank (``CP_SEED_STRIDE`` apart): the same mask for different tokens
+would correlate their dropout. As with tp, a run under cp > 1 and dropout then draws other masks
+than one process does — the same distribution, not the same numbers.
+
 Recomputation must replay the same masks. ``torch.utils.checkpoint`` restores the default stream by
 itself; :meth:`RNGTracker.checkpoint_context` does the same for the tracker's streams, so dropout
 inside a recomputed region reproduces the original forward exactly.
@@ -19,6 +24,7 @@ import contextlib
 import torch
 
 TP_SEED_OFFSET = 2718
+CP_SEED_STRIDE = 1 << 20  # seeds of cp rank c start c × this further on (above any tp rank and pp offset)
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -35,10 +41,10 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
 class RNGTracker:
     """Named RNG states that can be swapped in for a region, on the device of the activations."""
 
-    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu", *, cp_rank: int = 0):
         self.device = torch.device(device)
         self.states: dict[str, torch.Tensor] = {}
-        self.add("tensor_parallel", seed + TP_SEED_OFFSET + tp_rank)
+        self.add("tensor_parallel", seed + TP_SEED_OFFSET + tp_rank + CP_SEED_STRIDE * cp_rank)
 
     def add(self, name: str, seed: int) -> None:
         current = _get_state(self.device)

@@ -1,9 +1,12 @@
-"""Process groups: the (pp, dp, tp) rank grid, built once and passed to whatever needs it.
+"""Process groups: the (pp, dp, cp, tp) rank grid, built once and passed to whatever needs it.
 
-Ranks are laid out tp-fastest, then dp, then pp, so tensor-parallel neighbours share a node:
+Ranks are laid out tp-fastest, then cp (context parallel), then dp, then pp, so tensor-parallel
+neighbours share a node and context-parallel ones sit next to them:
 
-    grid = arange(world).reshape(pp, dp, tp)
-    tp group of (i, j): grid[i, j, :]     dp group of (i, k): grid[i, :, k]     pp group of (j, k): grid[:, j, k]
+    grid = arange(world).reshape(pp, dp, cp, tp)
+    tp group of (i, j, c): grid[i, j, c, :]     cp group of (i, j, k): grid[i, j, :, k]
+    dp group of (i, c, k): grid[i, :, c, k]     pp group of (j, c, k): grid[:, j, c, k]
+    dp_cp group of (i, k): grid[i, :, :, k]  (parameters are replicated over dp and cp alike)
 
 Every communicator is a :class:`Group`, whose collectives return at once when it has one rank, so a
 single process without ``torch.distributed`` runs the same code path.
@@ -175,49 +178,87 @@ class Group:
         return f"Group({self.name}, rank {self.rank}/{self.size}, ranks={self.ranks})"
 
 
-class ParallelState:
-    """The tp / dp / pp groups of this rank, the model-parallel group and the embedding group.
+def grid_groups(grid: np.ndarray) -> dict[str, list[np.ndarray]]:
+    """The rank lists of every group of a (pp, dp, cp, tp) ``grid``, by group, in creation order:
+    tp, cp, dp, pp, dp_cp (only when cp > 1), mp (pp × tp: cp and dp left out) and embedding (the
+    first and last stage)."""
+    pp, dp, cp, tp = grid.shape
+    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
+    groups = {"tp": [grid[i, j, c, :] for i in P for j in D for c in C],
+              "cp": [grid[i, j, :, k] for i in P for j in D for k in T],
+              "dp": [grid[i, :, c, k] for i in P for c in C for k in T],
+              "pp": [grid[:, j, c, k] for j in D for c in C for k in T]}
+    if cp > 1:  # the ranks holding the same parameters: dp-major, cp-minor
+        groups["dp_cp"] = [grid[i, :, :, k].ravel() for i in P for k in T]
+    groups["mp"] = [grid[:, j, c, :].ravel() for j in D for c in C]
+    groups["embedding"] = [np.unique([grid[0, j, c, k], grid[-1, j, c, k]]) for j in D for c in C for k in T]
+    return groups
 
-    With ``zero_shard_size`` N (hybrid sharding), dp is also cut into ``dp_shard`` groups of N
-    consecutive dp ranks (a node's, given tp-fastest ranks), which shard the optimizer state, and
+
+def shard_groups(grid: np.ndarray, n: int) -> dict[str, list[np.ndarray]]:
+    """Hybrid sharding's groups: ``dp_shard``, runs of ``n`` consecutive ranks of each dp_cp group,
+    and ``dp_replicas``, the ranks at the same place in every run."""
+    pp, _, _, tp = grid.shape
+    replicas = grid.transpose(0, 3, 1, 2).reshape(pp, tp, -1)  # [i, k]: the dp_cp group's ranks
+    P, T, runs = range(pp), range(tp), replicas.shape[-1] // n
+    return {"dp_shard": [replicas[i, k, s * n:(s + 1) * n] for i in P for k in T for s in range(runs)],
+            "dp_replicas": [replicas[i, k, w::n] for i in P for k in T for w in range(n)]}
+
+
+class ParallelState:
+    """The tp / cp / dp / pp groups of this rank, the model-parallel group and the embedding group.
+
+    Parameters are replicated over cp as over dp, so gradients are reduced (and ZeRO shards the
+    optimizer) over ``dp_cp``, the dp × cp ranks holding the same parameters: the ``dp`` Group
+    itself when cp = 1. The model-parallel group ``mp`` (pp × tp) leaves cp out, so that a sum over
+    it (the grad norm) counts each parameter once.
+
+    With ``zero_shard_size`` N (hybrid sharding), dp_cp is also cut into ``dp_shard`` groups of N
+    consecutive dp_cp ranks (a node's, given tp-fastest ranks), which shard the optimizer state, and
     ``dp_replicas`` groups of the ranks holding the same shard in every one of them."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, *, device: torch.device | str = "cpu",
+    def __init__(self, tp: int = 1, pp: int = 1, *, cp: int = 1, device: torch.device | str = "cpu",
                  comm_stats: bool = False, zero_shard_size: int | None = None):
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.world_size % (tp * pp):
-            raise ConfigError(f"parallel.tp={tp} × parallel.pp={pp} must divide the world size {self.world_size}")
+        if self.world_size % (tp * cp * pp):
+            raise ConfigError(f"parallel.tp={tp} × parallel.cp={cp} × parallel.pp={pp} must divide the world "
+                              f"size {self.world_size}")
         self.device = torch.device(device)
         self.stats = CommStats() if comm_stats else None
         self.activity = CommActivity()
-        dp = self.world_size // (tp * pp)
-        grid = np.arange(self.world_size).reshape(pp, dp, tp)
-        self.pp_rank, self.dp_rank, self.tp_rank = (int(c[0]) for c in np.nonzero(grid == self.rank))
+        dp = self.world_size // (tp * cp * pp)
+        grid = np.arange(self.world_size).reshape(pp, dp, cp, tp)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (int(c[0]) for c in np.nonzero(grid == self.rank))
+        self._make_groups(grid)
+        self._make_shards(grid, zero_shard_size)
 
-        # Every rank must create every group, in the same order (torch.distributed's rule).
-        self.tp = self._make("tp", [grid[i, j, :] for i in range(pp) for j in range(dp)])
-        self.dp = self._make("dp", [grid[i, :, k] for i in range(pp) for k in range(tp)])
-        self.pp = self._make("pp", [grid[:, j, k] for j in range(dp) for k in range(tp)])
-        self.mp = self._make("mp", [grid[:, j, :].ravel() for j in range(dp)])
-        embed = [np.unique([grid[0, j, k], grid[-1, j, k]]) for j in range(dp) for k in range(tp)]
-        self.embedding = self._make("embedding", embed)
-        n = zero_shard_size or dp
-        if dp % n:
-            raise ConfigError(f"parallel.zero_shard_size={n} must divide dp={dp}")
-        if n == dp:  # plain sharding over all of dp
-            self.dp_shard, self.dp_replicas = self.dp, Group("dp_replicas", [self.rank])
-        else:
-            self.dp_shard = self._make("dp_shard", [grid[i, s * n:(s + 1) * n, k]
-                                                    for i in range(pp) for k in range(tp) for s in range(dp // n)])
-            self.dp_replicas = self._make("dp_replicas", [grid[i, w::n, k]
-                                                          for i in range(pp) for k in range(tp) for w in range(n)])
+    def _make_groups(self, grid: np.ndarray) -> None:
+        """Every group of the grid; every rank must create every group, in the same order
+        (torch.distributed's rule)."""
+        for name, rank_lists in grid_groups(grid).items():
+            setattr(self, name, self._make(name, rank_lists))
+        if grid.shape[2] == 1:
+            self.dp_cp = self.dp  # cp = 1: the same ranks, the same Group
+
+    def _make_shards(self, grid: np.ndarray, zero_shard_size: int | None) -> None:
+        """``dp_shard`` and ``dp_replicas``: hybrid sharding's subdivision of dp_cp."""
+        size = grid.shape[1] * grid.shape[2]
+        n = zero_shard_size or size
+        if size % n:
+            raise ConfigError(f"parallel.zero_shard_size={n} must divide dp × cp = {size}")
+        if n == size:  # plain sharding over all of dp_cp
+            self.dp_shard, self.dp_replicas = self.dp_cp, Group("dp_replicas", [self.rank])
+            return
+        for name, rank_lists in shard_groups(grid, n).items():
+            setattr(self, name, self._make(name, rank_lists))
 
     def _make(self, name: str, rank_lists: list) -> Group:
         mine = None
         for ranks in rank_lists:
             ranks = [int(r) for r in ranks]
-            pg = dist.new_group(ranks) if self.world_size > 1 else None
+            # a one-rank group never communicates: no process group (every rank skips the same ones)
+            pg = dist.new_group(ranks) if self.world_size > 1 and len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats, self.activity)
         return mine
@@ -232,7 +273,7 @@ class ParallelState:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp.size} "
-                f"dp {self.dp_rank}/{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
+                f"cp {self.cp_rank}/{self.cp.size} dp {self.dp_rank}/{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
 
 
 def init_distributed(backend: str = "auto", device_type: str = "cpu", timeout_s: float | None = None) -> None:

@@ -1,0 +1,122 @@
+"""Context parallelism: every sequence split across the cp ranks, attention over all of it.
+
+Load balance: a sequence of ``s`` tokens is cut into ``2·cp`` chunks of ``s / (2·cp)`` and cp rank
+``r`` holds chunks ``r`` and ``2·cp − 1 − r``, so that under a causal mask every rank has the same
+number of (query, key) pairs to compute (an early chunk, few keys each; a late one, many)::
+
+    cp = 2, s = 8:   positions 0 1 | 2 3 | 4 5 | 6 7        rank 0: 0 1 6 7    rank 1: 2 3 4 5
+
+Everything outside attention is local to a rank's tokens (norms, MLP, the loss on its targets).
+Attention all-gathers K and V over the cp group (as Llama 3 did): each rank's queries meet every
+key, masked by each token's *global* position (and document, with document masking). Rotary
+embeddings rotate each token by its global position, so the function is exactly that of one process.
+
+    gather_kv_from_cp   forward: all-gather K and V along seq,   backward: put the grads back in rank
+                        then put them in global order            order, reduce-scatter them
+
+With plain causal masking no mask is built: each of the rank's two query chunks attends to the
+keys before its end, its own chunk under a lower-right causal mask (:func:`query_chunks`), which
+the fused attention kernels run without materializing it. Like the mappings of ``parallel/tensor.py``,
+everything here returns at once when the cp group has one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import Group
+
+SEQ_DIM = 1   # of (b, s, ...) token ids, targets and hidden states
+HEAD_SEQ_DIM = 2  # of (b, heads, s, d) queries, keys and values
+
+
+def _chunks(seq: int, cp: int) -> int:
+    if seq % (2 * cp):
+        raise ValueError(f"a sequence of {seq} tokens does not cut into 2·cp = {2 * cp} equal chunks")
+    return seq // (2 * cp)
+
+
+def rank_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """(s/cp,) int64: the global positions of cp rank ``rank``'s tokens, in its order."""
+    c = _chunks(seq, cp)
+    late = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange(late * c, (late + 1) * c, device=device)])  # (s/cp,)
+
+
+def local_positions(seq: int, cp: Group, device=None) -> torch.Tensor:
+    """(s/cp,) int64: the global positions of this rank's tokens (all of them with one rank)."""
+    if cp.size == 1:
+        return torch.arange(seq, device=device)
+    return rank_positions(seq, cp.size, cp.rank, device)
+
+
+def gathered_positions(seq: int, cp: Group, device=None) -> torch.Tensor:
+    """(s,) int64: the global position of each token of an all-gather over cp (rank order)."""
+    if cp.size == 1:
+        return torch.arange(seq, device=device)
+    return torch.cat([rank_positions(seq, cp.size, r, device) for r in range(cp.size)])  # (s,)
+
+
+def query_chunks(seq_local: int, cp: Group) -> list[tuple[slice, int]]:
+    """The rank's two query chunks (rows of its s/cp tokens) and, for each, how many keys in global
+    order it may attend to: chunk g of c tokens sees positions [0, (g + 1)·c), the last c of them
+    under a lower-right causal mask."""
+    c = seq_local // 2
+    return [(slice(0, c), (cp.rank + 1) * c), (slice(c, 2 * c), (2 * cp.size - cp.rank) * c)]
+
+
+def split_to_cp(x: torch.Tensor | None, cp: Group, dim: int = SEQ_DIM) -> torch.Tensor | None:
+    """This rank's tokens (chunks r and 2·cp − 1 − r along ``dim``) of a whole-sequence tensor,
+    such as the micro-batch's token ids and targets; no communication, None stays None."""
+    if x is None or cp.size == 1:
+        return x
+    _chunks(x.shape[dim], cp.size)
+    parts = x.chunk(2 * cp.size, dim=dim)
+    return torch.cat([parts[cp.rank], parts[2 * cp.size - 1 - cp.rank]], dim=dim)  # (b, s/cp, ...)
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
+                k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query may attend to: those at its global position or before (and, given
+    ``q_doc`` (b, s_q) / ``k_doc`` (b, s_k), of its own document). Positions: (s_q,) and (s_k,).
+    Returns (1, 1, s_q, s_k) bool, or (b, 1, s_q, s_k) with documents."""
+    allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # (s_q, s_k)
+    if q_doc is None:
+        return allowed[None, None]  # (1, 1, s_q, s_k): the same for every sample and head
+    same_doc = q_doc.unsqueeze(2) == k_doc.unsqueeze(1)  # (b, s_q, s_k)
+    return (same_doc & allowed).unsqueeze(1)  # (b, 1, s_q, s_k)
+
+
+class _GatherKVFromCP(torch.autograd.Function):
+    """K and V of every cp rank, in one all-gather of both (their heads side by side), returned in
+    global order (position 0 first).
+
+    Forward: all-gather along seq, then reorder. Backward: every rank's queries used every key, so
+    each key's gradient is the sum of the ranks' contributions: back in rank order, a
+    reduce-scatter along seq returns to each rank the summed gradients of its own keys and values."""
+
+    @staticmethod
+    def forward(ctx, k, v, group):
+        ctx.group, ctx.k_heads = group, k.shape[1]
+        kv = torch.cat([k, v], dim=1)  # (b, 2·k, s/cp, d)
+        gathered = group.all_gather(kv, HEAD_SEQ_DIM)  # (b, 2·k, s, d), in rank order
+        ctx.ranked = gathered_positions(gathered.shape[HEAD_SEQ_DIM], group, kv.device)  # rank order -> global
+        in_order = torch.empty_like(ctx.ranked)
+        in_order[ctx.ranked] = torch.arange(len(ctx.ranked), device=kv.device)  # global -> rank order
+        full = gathered.index_select(HEAD_SEQ_DIM, in_order)  # (b, 2·k, s, d), in global order
+        return full[:, :ctx.k_heads], full[:, ctx.k_heads:]  # (b, k, s, d) each
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        grad = torch.cat([grad_k, grad_v], dim=1).index_select(HEAD_SEQ_DIM, ctx.ranked)  # (b, 2·k, s, d), rank order
+        local = ctx.group.reduce_scatter(grad, HEAD_SEQ_DIM)  # (b, 2·k, s/cp, d), summed over cp
+        return local[:, :ctx.k_heads], local[:, ctx.k_heads:], None
+
+
+def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, k, s/cp, d) keys and values of this rank -> (b, k, s, d) of all ranks, in global order
+    (see the class)."""
+    if cp.size == 1:
+        return k, v
+    return _GatherKVFromCP.apply(k, v, cp)

@@ -1,0 +1,193 @@
+"""ZeRO-3 (``parallel.zero 3``): fully sharded parameters reproduce one process, layout by layout.
+
+The trainer runs on spawned gloo ranks exactly as in ``test_parallel_equivalence.py`` (same
+config, seed and data, same tolerance: per-step losses and grad norms within 1e-5 relative, final
+parameters equal); on top of that: resume, checkpoints across zero stages, the memory each rank
+holds against the analytic formula, the number of layers gathered at once, and the order of the
+gathers and reductions (prefetch, reduce-scatter during backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_distributed
+from test_parallel_equivalence import _train, check, reference_for
+
+Z3 = ["--parallel.zero", "3"]
+LAYOUTS = {
+    "dp2": (2, Z3),
+    "dp2_keep": (2, [*Z3, "--parallel.zero3_keep_gathered", "true"]),
+    "dp2_no_prefetch": (2, [*Z3, "--parallel.zero3_prefetch", "false"]),
+    "dp2_full_recompute": (2, [*Z3, "--parallel.recompute", "full"]),
+    "dp2_selective_recompute": (2, [*Z3, "--parallel.recompute", "selective"]),
+    "dp2_tied": (2, [*Z3, "--model.tie_embeddings", "true"]),
+    "dp2_offload": (2, [*Z3, "--optim.offload", "true"]),
+    "dp4": (4, Z3),
+    "tp2_dp2_sp": (4, [*Z3, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "pp2_dp2_1f1b": (4, [*Z3, "--parallel.pp", "2"]),
+    "pp2_dp2_interleaved": (4, [*Z3, "--parallel.pp", "2", "--parallel.vpp", "2"]),
+    "dp4_shard2_zero3": (4, [*Z3, "--parallel.zero_shard_size", "2"]),
+}
+SLOW = {"dp4", "tp2_dp2_sp", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "dp4_shard2_zero3"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
+def test_zero3_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
+    world, layout = LAYOUTS[name]
+    flags = ("--model.tie_embeddings", "true") if "--model.tie_embeddings" in layout else ()
+    reference = reference_for(flags, corpus, tmp_path_factory)
+    results = run_distributed(_train, world, str(tmp_path), corpus, layout, timeout=300)
+    check(reference, results)
+
+
+# -- the mechanism, on a bare model and optimizer ---------------------------------------------------
+
+def _probe(rank, world):
+    """Memory by part against the formula, gathered layers counted, and the event order of two
+    traced steps of a 4-layer model (2 micro-batches each)."""
+    import torch
+
+    from megapretrain.config import OptimConfig
+    from megapretrain.optim.optimizer import MixedPrecisionAdamW
+    from megapretrain.parallel.data import ALIGN, round_up
+    from megapretrain.parallel.state import ParallelState
+
+    from helpers import build, make_tokens, tiny_args
+
+    ps = ParallelState()
+    out = {"memory": {}}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for offload in (False, True):
+            model = build(ps, tiny_args(num_layers=4), dtype=dtype)
+            opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(offload=offload),
+                                      precision, ps, zero=3)
+            opt.hook_models([model])
+            padded = sum(round_up(sum(round_up(p.numel(), ALIGN) for p in b.params), ALIGN * world)
+                         for b in opt.buffers.buckets)
+            out["memory"][(precision, offload)] = (opt.memory_report(), padded, opt.buffers.gathered_bytes(),
+                                                   len(opt.buffers.buckets))
+    model = build(ps, tiny_args(num_layers=4))
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(lr=1e-3), "fp32",
+                              ps, zero=3)
+    opt.hook_models([model], trace=True)
+    tokens = make_tokens(batch=4 * world)
+    mine = tokens[rank * 4:(rank + 1) * 4]
+    for _ in range(2):
+        opt.zero_grad()
+        for i, chunk in enumerate(mine.chunk(2)):
+            with opt.grad_sync(last=i == 1):
+                model(chunk[:, :-1], chunk[:, 1:]).mean().backward()
+        opt.reduce_grads()
+        opt.step(1e-3)
+    out["events"] = [(event, unit) for _, event, unit in opt.units.events]
+    out["max"] = dict(opt.units.max_gathered)
+    out["peak_bound"] = opt.gathered_peak_bytes()
+    out["freed_after_step"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["dp2", "dp4"])
+def probe(request):
+    return run_distributed(_probe, request.param, timeout=300), request.param
+
+
+def test_memory_per_rank_matches_the_formula(probe):
+    """Parameters, grads, masters and moments: each 1/dp of the padded model (fp32 params are their
+    own master unless offloaded), and nothing gathered at rest."""
+    results, dp = probe
+    for r in results:
+        for (precision, offload), (mem, padded, gathered, buckets) in r["memory"].items():
+            param_bytes = 4 if precision == "fp32" else 2
+            shard = padded // dp
+            expect = {"params": param_bytes * shard, "grads": 4 * shard,
+                      "master": 0 if precision == "fp32" and not offload else 4 * shard, "moments": 8 * shard}
+            assert {k: mem[k] for k in expect} == expect, (precision, offload)
+            assert mem["padded_numel"] == padded and gathered == 0
+            assert buckets == 4 + 2  # one per decoder layer; the root: the head with the norm, the embedding
+
+
+def test_at_most_the_designed_units_are_gathered(probe):
+    results, _ = probe
+    for r in results:
+        assert 2 <= r["max"]["layers"] <= 3 and r["max"]["roots"] == 1  # prefetch made it 2 at least
+        assert 0 < r["max"]["bytes"] <= r["peak_bound"]
+        assert r["freed_after_step"]
+
+
+def test_gathers_are_prefetched_and_grads_reduced_during_backward(probe):
+    """Forward: layer i+1's gather is issued before layer i's compute ends. Backward: layer i-1's
+    gather is issued before layer i's reduction, and every layer but the first is reduced before
+    the first layer's backward starts."""
+    results, _ = probe
+    for r in results:
+        events = r["events"]
+        at = {}  # (event, unit) -> positions
+        for i, key in enumerate(events):
+            at.setdefault(key, []).append(i)
+        layers = [f"layers.{i}" for i in range(4)]
+        for i in range(3):
+            first_done = at[("forward_done", layers[i])][0]
+            assert any(g < first_done for g in at[("gather", layers[i + 1])]), (layers[i + 1], events)
+        for i in range(1, 4):
+            reduce = at[("reduce", layers[i])][0]
+            assert any(g < reduce for g in at[("gather", layers[i - 1])][1:]), (layers[i - 1], events)
+            assert reduce < at[("backward", layers[0])][0]
+        # every micro-batch gathers each layer twice (forward, backward) and frees it twice
+        assert len(at[("gather", layers[2])]) == len(at[("free", layers[2])]) == 2 * 2 * 2
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+def _run(rank, world, run_dir, corpus, iters, layout, dropout=0.0):
+    """``iters`` iterations (resuming from RUN_DIR's checkpoint if any) of a 6-iteration schedule;
+    returns the (iter, loss, grad norm) rows and the iterations resumed from."""
+    import json
+    import os
+
+    from megapretrain.train import setup
+
+    from test_parallel_equivalence import BASE
+
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
+            "--schedule.decay_iters", "6", "--model.hidden_dropout", str(dropout),
+            "--model.attention_dropout", str(dropout)]
+    setup(argv).fit()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
+        [r["iter"] for r in rows if r.get("event") == "resumed"]
+
+
+@pytest.mark.slow
+def test_resume_under_zero3_is_bitwise_exact(corpus, tmp_path):
+    """zero 3 on 2 ranks with dropout: 3 iterations, stop, relaunch to 6 == 6 straight, bit for bit."""
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    a = run_distributed(_run, 2, straight, corpus, 6, Z3, 0.1, timeout=300)
+    run_distributed(_run, 2, split, corpus, 3, Z3, 0.1, timeout=300)
+    b = run_distributed(_run, 2, split, corpus, 6, Z3, 0.1, timeout=300)
+    for (rows_a, _), (rows_b, resumed) in zip(a, b):
+        assert resumed == [3] and [r[0] for r in rows_b] == list(range(1, 7))
+        assert rows_a == rows_b
+
+
+@pytest.mark.slow
+def test_zero3_checkpoints_load_under_other_stages_and_sizes(corpus, tmp_path):
+    """A zero-3 checkpoint of 4 ranks resumes at zero 1 on 2 ranks and on one process, and a zero-1
+    checkpoint of 2 ranks resumes at zero 3 on 4: each onto the single-process curve."""
+    import shutil
+
+    one = run_distributed(_run, 1, str(tmp_path / "one"), corpus, 6, [], timeout=300)[0][0]
+    z3 = str(tmp_path / "z3")
+    run_distributed(_run, 4, z3, corpus, 3, Z3, timeout=300)
+    shutil.copytree(z3, str(tmp_path / "z3_copy"))
+    to_zero1 = run_distributed(_run, 2, z3, corpus, 6, ["--parallel.zero", "1"], timeout=300)[0]
+    to_one = run_distributed(_run, 1, str(tmp_path / "z3_copy"), corpus, 6, [], timeout=300)[0]
+    z1 = str(tmp_path / "z1")
+    run_distributed(_run, 2, z1, corpus, 3, ["--parallel.zero", "1"], timeout=300)
+    to_zero3 = run_distributed(_run, 4, z1, corpus, 6, Z3, timeout=300)[0]
+    for rows, resumed in (to_zero1, to_one, to_zero3):
+        assert resumed == [3]
+        assert [r[0] for r in rows] == list(range(1, 7))
+        assert [r[1] for r in rows[3:]] == pytest.approx([r[1] for r in one[3:]], rel=1e-5)
+        assert [r[2] for r in rows[3:]] == pytest.approx([r[2] for r in one[3:]], rel=1e-5)
