@@ -44,8 +44,9 @@ def remedies(cfg, dp: int, device: torch.device) -> list[str]:
     args = model_args(cfg)
 
     def planned(**change) -> str:
-        layout = dict(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=min(p.zero, 2),
-                      recompute=p.recompute, cp=p.cp)
+        layout = dict(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
+                      recompute=p.recompute, cp=p.cp,
+                      shard=p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None)
         layout.update(change)
         try:
             e = estimate(args, t.seq_length, Layout(**layout), t.global_batch_size, dev, t.precision)
@@ -59,7 +60,7 @@ def remedies(cfg, dp: int, device: torch.device) -> list[str]:
     if t.micro_batch_size > 1:
         half = t.micro_batch_size // 2
         out.append(f"--train.micro_batch_size {half} {planned(micro_batch=half)}")
-    if p.zero < 2 and dp > 1:
+    if p.zero < 3 and dp > 1:
         out.append(f"--parallel.zero {p.zero + 1} {planned(zero=p.zero + 1)}")
     if not cfg.optim.offload:
         out.append("--optim.offload true (masters and moments in host memory)")

@@ -8,7 +8,10 @@ Memory follows the implementation, not a rule of thumb:
 
 - weights, gradients and optimizer state: the bytes per parameter of the ZeRO stage
   (``parallel/data.py``): bf16 weights 2, fp32 gradients 4, fp32 master 4, Adam moments 8, the last
-  two (and under zero 2 the gradients) divided by dp;
+  two (under zero 2 also the gradients, under zero 3 everything) divided by the ranks they are
+  sharded over (dp × cp, or the hybrid shard group); zero 3 adds the layers gathered at once
+  (three, ``parallel/zero3.py``) and the embedding and head, in full, plus one layer's fp32
+  gradients in flight;
 - activations per token and layer: ``12·h + 4·kv·d + 8·f`` bytes in bf16 (``tests`` measure it from
   what autograd saves), divided by tp with sequence parallelism; without it the two norm inputs and
   the two column-parallel inputs stay whole. Context parallelism leaves each rank s/cp tokens of a
@@ -98,10 +101,16 @@ class Layout:
     pipeline_layers: tuple | None = None  # layers per chunk (pp × vpp) when they do not split evenly
     sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
     cp: int = 1  # context parallel: ranks that split each sequence (world = tp × cp × pp × dp)
+    shard: int | None = None  # hybrid sharding: ZeRO over groups of this many of the dp × cp ranks
 
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1 and self.sp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks the ZeRO state is sharded over (1 under zero 0)."""
+        return 1 if self.zero == 0 else self.shard or self.dp * self.cp
 
     def flags(self) -> str:
         uneven = (f" --parallel.pipeline_layers '[{', '.join(map(str, self.pipeline_layers))}]'"
@@ -109,7 +118,8 @@ class Layout:
         return (f"--parallel.tp {self.tp} --parallel.cp {self.cp} --parallel.pp {self.pp} "
                 f"--parallel.vpp {self.vpp}{uneven} "
                 f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
-                f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
+                + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
+                + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
 
 
 def split_layers(layers: int, chunks: int) -> tuple | None:
@@ -150,7 +160,9 @@ def state_bytes_per_param(precision: str, zero: int, dp: int) -> float:
         return weights + 4.0 + master + 8.0
     if zero == 1:
         return weights + 4.0 + (master + 8.0) / dp
-    return weights + (4.0 + master + 8.0) / dp
+    if zero == 2:
+        return weights + (4.0 + master + 8.0) / dp
+    return (weights + 4.0 + master + 8.0) / dp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,15 +305,20 @@ def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: int,
             layers: int, per_chunk: int, attention: str) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters."""
-    tp, dp, L = layout.tp, layout.dp * layout.cp, layout  # ZeRO shards over dp × cp
+    tp, L = layout.tp, layout  # ZeRO shards over dp × cp, or the hybrid group
     split, replicated, head = layer_params(model)
     vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
     first = layers * (split / tp + replicated) + vocab_rows * hidden
     last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not model.tie_embeddings or L.pp > 1
                                                          else 0)
     params = max(first, last if L.pp > 1 else first + head + (0 if model.tie_embeddings else vocab_rows * hidden))
-    state = params * state_bytes_per_param(precision, L.zero, dp)
+    state = params * state_bytes_per_param(precision, L.zero, L.shard_ranks)
     scale = 1.0 if precision in ("bf16", "fp16") else 2.0
+    gathered = 0.0
+    if L.zero == 3:  # gathered in full: three layers, the embedding and head; one layer's grads in flight
+        layer = split / tp + replicated
+        gathered = (min(3, layers) * layer + params - layers * layer) * (2 if scale == 1 else 4)
+        state += gathered + layer * 4
     tokens = L.micro_batch * seq // L.cp  # this rank's share of each micro-batch
     per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention,
                                            L.cp) * scale
@@ -310,7 +327,10 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
         acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention,
                                                     L.cp) * scale
     logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
-    memory = {"params": params * (2 if scale == 1 else 4), "state": state, "activations": acts + logits,
+    weights = params * (2 if scale == 1 else 4) / (L.shard_ranks if L.zero == 3 else 1)
+    if L.zero == 3:
+        weights += gathered
+    memory = {"params": weights, "state": state, "activations": acts + logits,
               "overhead": device.overhead_gb * GIB}
     memory["total"] = state + acts + logits + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
@@ -384,7 +404,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     bubble = busy * (stretch - 1.0)
 
     mem, params = _memory(model, seq, L, device, precision, in_flight, max(stage_layers), per_chunk, attention)
-    data, optimizer = _data_parallel_s(device, L, params, m, f, b)
+    data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
     total = busy + bubble + p2p + data + optimizer
@@ -400,19 +420,31 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
                     hw_flops / (total * world * peak), device.peak_tflops)
 
 
-def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float) -> tuple[float, float]:
+def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
+                     layers: int = 1) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) in seconds: gradients reduced under
     the last micro-batch's backward (zero 2: under every one), parameters gathered under the next
-    forward; the optimizer reads and writes its shard's fp32 state (34 bytes a parameter) and
-    every rank zeroes its gradient buffer. Parameters are replicated over dp × cp: both reduce."""
-    dp, tp, grad_bytes = L.dp * L.cp, L.tp, params * 4.0
+    forward; zero 3 gathers every micro-batch's parameters twice (forward, prefetched; backward)
+    and reduce-scatters its gradients under the backward, one collective per layer (``layers``)
+    each with its own latency; hybrid sharding then all-reduces each
+    shard over the replicas. The optimizer reads and writes its shard's fp32 state (34 bytes a
+    parameter) and every rank zeroes its gradient buffer. Parameters are replicated over dp × cp:
+    both reduce."""
+    dp, tp, grad_bytes, n = L.dp * L.cp, L.tp, params * 4.0, L.shard_ranks
     if L.zero == 0:
         data = max(0.0, _ring_s(device, dp, tp, grad_bytes, 2) - b)
-    else:
-        reduce = _ring_s(device, dp, tp, grad_bytes)
-        data = max(0.0, reduce - b) if L.zero == 1 else m * max(0.0, reduce - b)
-        data += max(0.0, _ring_s(device, dp, tp, params * 2.0) - f)
-    return data, memory_s(device, params * 4.0 + params / (dp if L.zero else 1) * 34.0, 4)
+    else:  # reduce-scatter and all-gather inside the shard group (consecutive ranks, tp apart)
+        reduce, gather = _ring_s(device, n, tp, grad_bytes), _ring_s(device, n, tp, params * 2.0)
+        if L.zero == 3:  # every micro-batch, per layer: gather under the forward, gather + reduce under backward
+            units = max(1, layers)
+            reduce, gather = (units * _ring_s(device, n, tp, x / units) for x in (grad_bytes, params * 2.0))
+            data = m * (max(0.0, gather - f) + max(0.0, gather + reduce - b))
+        else:
+            data = max(0.0, reduce - b) if L.zero == 1 else m * max(0.0, reduce - b)
+            data += max(0.0, gather - f)
+        if n < dp:  # hybrid: each shard's sum over the replicas (n·tp apart), after the last backward
+            data += _ring_s(device, dp // n, n * tp, grad_bytes / n, 2)
+    return data, memory_s(device, params * 4.0 / (n if L.zero >= 2 else 1) + params / n * 34.0, 4)
 
 
 def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> float:
@@ -456,7 +488,8 @@ def context_sizes(seq: int, tp: int, world: int) -> list[int]:
 def layouts(model: ModelArgs, world: int, global_batch: int, device: Device, seq: int = 0) -> list[Layout]:
     """Every layout worth estimating: tp within a node dividing the heads, cp for sequences of
     ``seq`` long enough (:func:`context_sizes`), any pp (layers split as evenly as they go),
-    interleaving where it applies, micro batches 1-4, ZeRO 0-2, recompute none, selective or full."""
+    interleaving where it applies, micro batches 1-4, ZeRO 0-3 (sharded over all of dp × cp, or
+    hybrid: over a node's ranks), recompute none, selective or full."""
     out = []
     for tp in (1, 2, 4, 8):
         if tp > device.gpus_per_node or world % tp or model.num_heads % tp or model.num_kv_heads % tp:
@@ -465,12 +498,21 @@ def layouts(model: ModelArgs, world: int, global_batch: int, device: Device, seq
             for pp in range(1, min(world // (tp * cp), model.num_layers) + 1):
                 if (world // (tp * cp)) % pp:
                     continue
-                out += _stage_layouts(model, global_batch, tp, cp, pp, world // (tp * cp * pp))
+                out += _stage_layouts(model, global_batch, tp, cp, pp, world // (tp * cp * pp), device.gpus_per_node)
     return out
 
 
-def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: int, dp: int) -> list[Layout]:
-    """The layouts of one (tp, cp, pp, dp): virtual chunks, micro batches, ZeRO stages, recompute."""
+def _shard_sizes(zero: int, tp: int, dp: int, gpus_per_node: int) -> list[int | None]:
+    """ZeRO shard groups worth trying: all of ``dp`` (None), and for zero ≥ 1 the node's ranks
+    (hybrid sharding) when the dp ranks span several nodes."""
+    node = gpus_per_node // tp
+    return [None, node] if zero and 1 < node < dp and dp % node == 0 else [None]
+
+
+def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: int, dp: int,
+                   gpus_per_node: int = 8) -> list[Layout]:
+    """The layouts of one (tp, cp, pp, dp): virtual chunks, micro batches, ZeRO stages (and shard
+    groups), recompute."""
     out = []
     for vpp in (1, 2, 4, 5, 8):
         if vpp > 1 and (pp == 1 or pp * vpp > model.num_layers):
@@ -479,9 +521,10 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
         for mb in (1, 2, 4):
             if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                 continue
-            for zero in ((0, 1, 2) if dp * cp > 1 else (0,)):
+            for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 for recompute in ("none", "selective", "full"):
-                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp))
+                    for shard in _shard_sizes(zero, tp, dp * cp, gpus_per_node):
+                        out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard))
     return out
 
 

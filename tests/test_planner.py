@@ -14,7 +14,7 @@ import torch
 from megapretrain.config import load_config, validate
 from megapretrain.model.build import model_args
 from megapretrain.model.llama import ModelArgs, flops_per_token, num_parameters
-from megapretrain.monitor.flops import DEVICES
+from megapretrain.monitor.flops import DEVICES, with_device
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 from megapretrain.planner import GIB, Layout, estimate, layer_params, search, split_layers, state_bytes_per_param
@@ -51,6 +51,32 @@ def test_state_bytes_per_parameter_are_what_the_optimizer_allocates(precision):
     # the multi-rank figures tests/test_data_parallel.py measures at dp = 2
     assert [state_bytes_per_param("fp32", z, 2) for z in (0, 1, 2)] == [16, 12, 10]
     assert [state_bytes_per_param("bf16", z, 2) for z in (0, 1, 2)] == [18, 12, 10]
+    assert state_bytes_per_param("fp32", 3, 2) == 8 and state_bytes_per_param("bf16", 3, 2) == 9  # tests/test_zero3.py
+
+
+def test_zero3_and_hybrid_sharding_are_modelled():
+    """Zero 3 holds 1/dp of the weights plus the gathered layers and pays per micro-batch gathers;
+    hybrid sharding keeps the state of its group's share and adds the replicas' all-reduce."""
+    m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
+    zero2 = estimate(m, seq, Layout(tp=2, pp=1, dp=64, zero=2), 512, h100)
+    zero3 = estimate(m, seq, Layout(tp=2, pp=1, dp=64, zero=3), 512, h100)
+    assert zero3.memory["params"] < zero2.memory["params"] / 4 and zero3.memory["state"] < zero2.memory["state"]
+    _, _, head = layer_params(m)
+    gathered = zero3.memory["params"] - zero2.memory["params"] / 64  # the gathered layers, embedding and head
+    vocab = m.padded_vocab(2) // 2 * m.hidden_size * 2  # the embedding and the output layer on one tp rank
+    assert gathered > 2 * (vocab + head)
+    assert zero3.time["data"] >= zero2.time["data"]
+    # a slow network: the gathers outlast the compute they hide under
+    slow = with_device(h100, inter_gbs=1.0)
+    assert estimate(m, seq, Layout(tp=2, pp=1, dp=64, zero=3), 512, slow).time["data"] > \
+        estimate(m, seq, Layout(tp=2, pp=1, dp=64, zero=1), 512, slow).time["data"]
+    hybrid = estimate(m, seq, Layout(tp=2, pp=1, dp=64, zero=3, shard=4), 512, h100)
+    assert hybrid.memory["state"] > zero3.memory["state"] and hybrid.layout.shard_ranks == 4
+    assert "--parallel.zero_shard_size 4" in hybrid.layout.flags()
+    found = search(m, seq, 128, 512, h100)
+    assert {e.layout.zero for e in found} == {0, 1, 2, 3}
+    assert any(e.layout.shard for e in found)
+    assert all(e.layout.shard in (None, 8 // e.layout.tp) for e in found)  # hybrid: a node's ranks
 
 
 def test_uneven_pipelines_put_the_spare_layers_in_the_middle():
@@ -342,6 +368,28 @@ def test_accelerate_reads_the_emitted_config(tmp_path, capsys):
     _emit(tmp_path, capsys, "--accelerate-plugin", "fsdp")
     fsdp = config_args.load_config_from_file(acc)
     assert fsdp.distributed_type.value == "FSDP" and fsdp.fsdp_config["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+
+
+def test_zero3_and_hybrid_sharding_are_exported(tmp_path, capsys, monkeypatch):
+    """Zero 3 goes to DeepSpeed's stage 3 and FSDP's FULL_SHARD; shard groups to FSDP's HYBRID_SHARD,
+    and DeepSpeed, which has no such thing, refuses them in one line."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    z3 = ["--parallel.zero", "3", "--parallel.pp", "1", "--parallel.vpp", "1", "--parallel.pipeline_layers", "null",
+          "--parallel.recompute", "selective"]
+    _, ds, acc = _emit(tmp_path, capsys, *z3, "--accelerate-plugin", "fsdp")
+    assert json.load(open(ds))["zero_optimization"]["stage"] == 3
+    assert config_args.load_config_from_file(acc).fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
+    config = os.path.join(ROOT, "configs", "llama3_70b.yaml")
+    hybrid = [*z3, "--parallel.zero_shard_size", "32"]
+    out = str(tmp_path / "hybrid.yaml")
+    assert plan_tool.main(["--config", config, "--gpus", "512", "--check", *hybrid, "--emit", "accelerate", out,
+                           "--accelerate-plugin", "fsdp"]) == 0
+    assert config_args.load_config_from_file(out).fsdp_config["fsdp_sharding_strategy"] == "HYBRID_SHARD"
+    capsys.readouterr()
+    assert plan_tool.main(["--config", config, "--gpus", "512", "--check", *hybrid, "--emit", "deepspeed",
+                           str(tmp_path / "hybrid.json")]) == 2
+    assert "DeepSpeed has no hybrid sharding" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "hybrid.json")
 
 
 def test_deepspeed_reads_fp16_and_a_constant_schedule_and_a_wsd_one_is_refused(tmp_path, capsys, monkeypatch):

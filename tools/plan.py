@@ -280,7 +280,8 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     if args.check:
         sizes, _ = validate(cfg, args.gpus)
         layout = Layout(p.tp, p.pp, sizes.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
-                        tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel, p.cp)
+                        tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel, p.cp,
+                        p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < sizes.dp * p.cp else None)
         found = [estimate(model, t.seq_length, layout, t.global_batch_size, device, t.precision, p.pp_schedule,
                           args.attention)]
     else:
@@ -301,7 +302,8 @@ def summary(plan: dict, e, args) -> dict:
         "device": plan["device"].name,
         "params": num_parameters(plan["model"]),
         "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
-                   "zero": L.zero, "recompute": L.recompute, "sequence_parallel": L.sequence_parallel,
+                   "zero": L.zero, "zero_shard_size": L.shard, "recompute": L.recompute,
+                   "sequence_parallel": L.sequence_parallel,
                    "pipeline_layers": list(L.pipeline_layers) if L.pipeline_layers else None,
                    "flags": L.flags()},
         "fits": e.fits,
@@ -326,7 +328,8 @@ HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "s
 def describe(e, steps: float) -> list[str]:
     L, t, mem = e.layout, e.time, e.memory
     parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "context", "bubble", "p2p", "data"))
-    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), str(L.zero), L.recompute,
+    zero = f"{L.zero}/{L.shard}" if L.shard else str(L.zero)  # zero/shard group: hybrid sharding
+    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero, L.recompute,
             f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
             f"{steps * t['total'] / 86400:.1f}"]
 
@@ -377,7 +380,8 @@ def layout_config(plan: dict, s: dict) -> dict:
     """The config with the plan's layout (and token budget) as a plain dict."""
     tree, L = to_dict(plan["cfg"]), s["layout"]
     tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
-                            sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"])
+                            sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"],
+                            zero_shard_size=L["zero_shard_size"])
     tree["train"]["micro_batch_size"] = L["micro_batch_size"]
     if plan["budget"] and "train_tokens" in tree["train"]:  # the budget, the steps derived from it
         tree["train"].update(train_tokens=plan["budget"], iters=TrainConfig.iters)
@@ -422,6 +426,14 @@ exec bash "$ROOT/run_scripts/launch.sh" {shlex.quote(os.path.abspath(config))}{"
     os.chmod(path, 0o755)
 
 
+def _no_hybrid(L: dict, target: str) -> None:
+    """DeepSpeed shards over all data-parallel ranks: hybrid sharding has no equivalent there."""
+    if L["zero_shard_size"]:
+        raise ConfigError(f"parallel.zero_shard_size={L['zero_shard_size']}: {target} has no hybrid sharding (shard "
+                          "inside groups, replicate across them); emit with --parallel.zero_shard_size null, or use "
+                          "--accelerate-plugin fsdp (HYBRID_SHARD)")
+
+
 def deepspeed_config(plan: dict, s: dict) -> dict:
     """The recipe as a DeepSpeed config: the same batch, precision, ZeRO stage, optimizer, schedule."""
     cfg, L = plan["cfg"], s["layout"]
@@ -437,6 +449,7 @@ def deepspeed_config(plan: dict, s: dict) -> dict:
                       "loss_scale_window": o.loss_scale_window, "min_loss_scale": o.min_loss_scale, "hysteresis": 2}
     zero = {"stage": L["zero"], "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": int(cfg.parallel.bucket_size_mb * 2**20)}
+    _no_hybrid(L, "DeepSpeed")
     if o.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     ds["zero_optimization"] = zero
@@ -478,15 +491,18 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
            "main_process_ip": "127.0.0.1", "main_process_port": 29500, "rdzv_backend": "static",
            "same_network": True, "main_training_function": "main", "use_cpu": False, "downcast_bf16": False}
     if plugin == "deepspeed":
+        _no_hybrid(L, "Accelerate's DeepSpeed plugin")
         acc["distributed_type"] = "DEEPSPEED"
         accum = cfg.train.global_batch_size // (L["micro_batch_size"] * L["dp"])
         acc["deepspeed_config"] = {"zero_stage": L["zero"], "gradient_accumulation_steps": accum,
                                    "gradient_clipping": cfg.optim.clip_grad,
                                    "offload_optimizer_device": "cpu" if cfg.optim.offload else "none",
                                    "offload_param_device": "none", "zero3_init_flag": False}
-    else:  # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less)
+    else:  # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less), 3 to FULL_SHARD
         acc["distributed_type"] = "FSDP"
-        acc["fsdp_config"] = {"fsdp_sharding_strategy": "NO_SHARD" if L["zero"] == 0 else "SHARD_GRAD_OP",
+        hybrid = "HYBRID_SHARD" if L["zero"] == 3 else "HYBRID_SHARD_ZERO2"  # shard inside a node
+        strategy = "NO_SHARD" if L["zero"] == 0 else "FULL_SHARD" if L["zero"] == 3 else "SHARD_GRAD_OP"
+        acc["fsdp_config"] = {"fsdp_sharding_strategy": hybrid if L["zero_shard_size"] and L["zero"] else strategy,
                               "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                               "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
                               "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
@@ -498,8 +514,9 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
 
 def emit(fmt: str, path: str, plan: dict, s: dict, args) -> str:
     if fmt == "deepspeed":
+        ds = deepspeed_config(plan, s)  # before the file is opened: a refusal leaves nothing behind
         with _open_new(path, args.overwrite) as fh:
-            json.dump(deepspeed_config(plan, s), fh, indent=2)
+            json.dump(ds, fh, indent=2)
             fh.write("\n")
     else:
         acc = accelerate_config(plan, s, args.accelerate_plugin)
