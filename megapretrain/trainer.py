@@ -4,6 +4,7 @@ Read top to bottom: ``Trainer.__init__`` builds this rank's model chunks, the op
 writers and resumes from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one
 optimizer step over the global batch — its micro-batches run through the pipeline schedule (with
 pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
+Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
 per-token losses and divides by the global token count, and the sums are added over dp and cp
@@ -17,26 +18,23 @@ import json
 import os
 import signal
 import socket
-import statistics
 import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from .checkpoint.format import check_shapes, rank_state, read_metadata
-from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views
-from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
-from .config import Config, RunSizes, batch_size_at, resolve_schedule, save_config, to_dict
+from .checkpoint.manager import CheckpointManager, milestone_iterations
+from .checkpoint.reshard import global_shapes
+from .config import Config, RunSizes, batch_size_at, resolve_schedule, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader
 from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks
 from .model.llama import documents, flops_per_token, num_parameters
-from .monitor.alerts import AlertMonitor, describe_alert
+from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
 from .monitor.watchdog import Watchdog
@@ -47,12 +45,9 @@ from .parallel.context import split_to_cp
 from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
-from .recovery import Detector, RecoveryError, describe, run_alert_command
+from .recovery import Detector, run_alert_command
 from .run_lock import RunLock
-
-# what the saved data position depends on: changing one on resume deserves a warning
-RESUME_SENSITIVE = ("train.seq_length", "train.global_batch_size", "data.split", "data.paths", "train.seed")
-
+from .run_state import RunState
 
 IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
 
@@ -73,7 +68,7 @@ def memory_mb(device: torch.device) -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-class Trainer:
+class Trainer(RunState):
     def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
         """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
@@ -433,6 +428,7 @@ class Trainer:
         self.log("memory/rank: " + "  ".join(f"{k} {mem[k] / 2**20:,.2f} MiB"
                                              for k in ("params", "grads", "master", "moments", "total"))
                  + f"  ({per_param:.2f} bytes/param, zero={mem['zero']} dp={mem['dp']}"
+                 + (f" sharded over {mem['shard']}" if mem["zero"] and mem["shard"] != mem["dp"] else "")
                  + (", offloaded" if mem["offload"] else "") + ")"
                  + (f"; + up to {mem['gathered_peak'] / 2**20:,.2f} MiB of layers gathered at once"
                     if "gathered_peak" in mem else ""))
@@ -453,163 +449,6 @@ class Trainer:
         self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
         self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
 
-    def _write_config(self) -> None:
-        """Write the resolved config; a different earlier one is kept under a new name, and a
-        resumed run that changed what the data order and the sample count depend on says so."""
-        path = os.path.join(self.cfg.run.dir, "config.yaml")
-        if os.path.exists(path):
-            new = path + ".new"
-            save_config(self.cfg, new)
-            with open(path) as a, open(new) as b:
-                same = a.read() == b.read()
-            if not same:
-                kept = os.path.join(self.cfg.run.dir, f"config.before-iter{self.iteration}.yaml")
-                os.replace(path, kept)
-                self._warn_changed(kept)
-            os.replace(new, path)
-        else:
-            save_config(self.cfg, path)
-
-
-    def _warn_changed(self, old_path: str) -> None:
-        """On resume: warn, loudly, about changed fields that the saved data position depends on."""
-        if not self.iteration:
-            return
-        with open(old_path) as fh:
-            old = yaml.safe_load(fh) or {}
-        new = to_dict(self.cfg)
-        for dotted in RESUME_SENSITIVE:
-            section, key = dotted.split(".")
-            before, now = (old.get(section) or {}).get(key), new[section][key]
-            if before != now:
-                print(f"warning: resuming at iteration {self.iteration} with {dotted} changed from {before} to "
-                      f"{now}: the saved data position ({self.consumed_samples:,} samples) was counted in the "
-                      f"old one, so the data order no longer continues the run's; the old config is {old_path}",
-                      file=sys.stderr, flush=True)
-
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def save(self) -> None:
-        """Save a checkpoint (async: in the background) and log how long training was blocked."""
-        start = time.perf_counter()
-        weights, moments = optimizer_views(self.optimizer)  # no copies: the manager makes at most one
-        rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
-                           optimizer_step=self.optimizer.step_count, moments=moments,
-                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale)
-        self.checkpoints.save(self.iteration, state)
-        self.metrics.event("checkpoint_saved", self.iteration,
-                           path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),
-                           checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
-        self._stall_s += time.perf_counter() - start  # shown on the next logged step
-
-    def _maybe_resume(self) -> str | None:
-        """Resume from this run's newest usable checkpoint (passing over damaged ones with a
-        warning), else start from ``checkpoint.load``: all of it, or — ``checkpoint.finetune`` —
-        its weights only, with a fresh optimizer, schedule and data position."""
-        c = self.cfg.checkpoint
-        path, warnings = self.checkpoints.choose(c.load)
-        for warning in warnings:
-            if self.is_logger:
-                print(f"warning: checkpoint: {warning}", file=sys.stderr, flush=True)
-        if path is None:
-            return None
-        own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.checkpoints.root)
-        fresh = c.finetune and not own  # once the new run saved, it resumes from its own as usual
-        state = self._read(path, moments=c.load_optimizer and not fresh)
-        self._apply(state, optimizer=c.load_optimizer and not fresh, rng=c.load_rng and not fresh, position=not fresh)
-        if not fresh:  # the learning-rate factor of earlier rollbacks goes on (a rollback keeps its own)
-            self.lr_scale = float(state.get("lr_scale", 1.0))
-        return path
-
-    def _sharding(self) -> dict:
-        """What this rank's ZeRO ranges depend on beyond the layout (recorded in checkpoints)."""
-        p = self.cfg.parallel
-        return {"zero": p.zero, "zero_shard_size": self.ps.dp_shard.size, "bucket_size_mb": p.bucket_size_mb}
-
-    def _read(self, path: str, moments: bool = True) -> dict:
-        """This rank's state from checkpoint ``path``, whatever layout saved it, after checking its
-        tensors' shapes against the model (``moments=False``: they may be left out)."""
-        meta = read_metadata(path)
-        check_shapes(path, meta, self.model_shapes)
-        saved_padded = saved_padded_vocab(meta, self.args.vocab_size, self.args.vocab_divisible_by)
-        # (checkpoints from before the sharding was recorded were cut as this run cuts them)
-        same_cut = meta.get("sharding", self._sharding()) == self._sharding()
-        if (meta["layout"] == self.checkpoints.layout and meta["world_size"] == self.ps.world_size
-                and saved_padded == self.sizes.padded_vocab and same_cut):
-            return self.checkpoints.load(path)
-        # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
-        self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
-        owned = {name: self.specs[name] for name in self.optimizer.fragments}  # under ZeRO: a share of them
-        saved = SavedShards(path, meta)
-        try:
-            return resharded_state(saved, owned, self.ps.tp_rank, self.ps.tp.size, saved_padded, moments=moments)
-        finally:
-            saved.close()
-
-    def _apply(self, state: dict, *, optimizer: bool = True, rng: bool = True, position: bool = True) -> None:
-        """Take weights, and unless told not to the optimizer, the position (iteration, data) and
-        (same layout only) the random streams from a checkpoint."""
-        self.optimizer.load_master_state_dict(state["model"])
-        if optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if position:
-            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
-        if not rng or "rng" not in state:
-            return  # random streams are per rank: after a reshard they restart from the seed
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "tracker" in state["rng"]:
-            self.model_chunks[0].rng.set_states(state["rng"]["tracker"])
-        if self.device.type == "cuda" and state["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-
-    # -- recovery ---------------------------------------------------------------------------------
-
-    def _on_alert(self, alert: dict) -> bool:
-        """Report an alert and act on it; returns True when training was rolled back."""
-        self.log(f"alert: {describe(alert)}")
-        self.metrics.event("alert", self.iteration, **{k: v for k, v in alert.items() if k != "iter"})
-        if self.is_logger:
-            run_alert_command(self.cfg.recovery.alert_command, alert)
-        return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"])
-
-    def _rollback(self, since: int) -> bool:
-        """Reload the newest checkpoint from before iteration ``since``, set aside those saved since,
-        and skip the global batches trained since then (plus ``recovery.skip_batches``)."""
-        r, t = self.cfg.recovery, self.cfg.train
-        if self.rollbacks >= r.max_rollbacks:
-            raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already (recovery.max_rollbacks) and the "
-                                f"run is still unhealthy at iteration {self.iteration}; inspect metrics.jsonl, "
-                                "then lower optim.lr or raise recovery.skip_batches and relaunch")
-        self.checkpoints.finalize()
-        path = self.checkpoints.newest_before(since)
-        skip_to = self.consumed_samples + r.skip_batches * t.global_batch_size
-        if path is None:
-            self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; going on")
-            return False
-        state = self._read(path)
-        needed = skip_to + (self.sizes.iters - state["iteration"]) * t.global_batch_size
-        if needed > len(self.datasets["train"]):
-            self.log(f"recovery: skipping to sample {skip_to:,} would run past the {len(self.datasets['train']):,} "
-                     "samples indexed for this run; going on without a rollback")
-            return False
-        bad_iteration = self.iteration
-        self._apply(state)
-        moved = self.checkpoints.set_aside_from(since, keep=path)
-        skipped = skip_to - self.consumed_samples
-        self.consumed_samples = skip_to
-        self.detector.rewind(self.iteration)
-        self.rollbacks += 1
-        self.lr_scale *= r.lr_factor  # compounds over rollbacks, whatever the checkpoint held
-        self.log(f"recovery: rolled back from iteration {bad_iteration} to {self.iteration} ({path}), skipping "
-                 f"{skipped:,} samples, learning rate × {self.lr_scale:g} from here; set aside "
-                 f"{', '.join(moved) or 'no later checkpoints'}")
-        self.metrics.event("rollback", self.iteration, from_iter=bad_iteration, checkpoint=path,
-                           skipped_samples=skipped, consumed_samples=self.consumed_samples, set_aside=moved,
-                           lr_scale=self.lr_scale)
-        return True
-
     def _report_alerts(self, stats: dict, stragglers: bool) -> None:
         """This step's alerts (start and clear), and every logging interval the stragglers."""
         tokens_per_sec = stats["global_batch_size"] * self.cfg.train.seq_length / stats["step_time"]
@@ -617,7 +456,12 @@ class Trainer:
                                          stats["data_time"]):
             self._announce(alert, describe_alert(alert))
         if stragglers and self.ps.world_size > 1:
-            for alert in self._stragglers(stats):
+            if self.hosts is None:
+                self.hosts = [None] * self.ps.world_size
+                dist.all_gather_object(self.hosts, socket.gethostname())
+            own = stats["step_time"] - stats["grad_sync_time"]  # waiting for the others is not slowness
+            for alert in gather_stragglers(self.ps, self.hosts, own, stats["data_time"], self.iteration,
+                                           self.cfg.alerts.straggler_ratio):
                 self._announce(alert, f"straggler: rank {alert['rank']} on {alert['host']} took "
                                       f"{alert['step_time']:.3f} s per step, {alert['ratio']:.2f}× the median "
                                       f"{alert['median_step_time']:.3f} s (data wait {alert['data_time']:.3f} s)")
@@ -631,25 +475,6 @@ class Trainer:
         if self.is_logger:
             self.metrics.text("alerts", line, self.iteration)
             run_alert_command(self.cfg.recovery.alert_command, alert)
-
-    def _stragglers(self, stats: dict) -> list[dict]:
-        """Every rank's step and data-wait times; the ranks slower than alerts.straggler_ratio × the
-        median (the same verdict on every rank: all see the same gathered times)."""
-        if self.hosts is None:
-            self.hosts = [None] * self.ps.world_size
-            dist.all_gather_object(self.hosts, socket.gethostname())
-        # a rank's own time: waiting for the others (the gradient reduction) is not its slowness
-        own = stats["step_time"] - stats["grad_sync_time"]
-        mine = torch.tensor([own, stats["data_time"]], dtype=torch.float64, device=self.device)
-        times = [torch.zeros_like(mine) for _ in range(self.ps.world_size)]
-        dist.all_gather(times, mine)
-        steps = [float(t[0]) for t in times]
-        median = statistics.median(steps)
-        return [{"kind": "straggler", "iter": self.iteration, "rank": rank, "host": self.hosts[rank],
-                 "step_time": steps[rank], "data_time": float(times[rank][1]), "median_step_time": median,
-                 "ratio": steps[rank] / median}
-                for rank in range(self.ps.world_size)
-                if median > 0 and steps[rank] > self.cfg.alerts.straggler_ratio * median]
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:

@@ -15,7 +15,7 @@ LEVELS = {
     "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
     "optim": 2,
     "checkpoint": 3,
-    "planner": 4, "recovery": 4, "run_lock": 4, "faults": 4, "oom": 4,
+    "planner": 4, "recovery": 4, "run_lock": 4, "faults": 4, "oom": 4, "run_state": 4,
     "trainer": 5,
     "train": 6,
 }

@@ -22,6 +22,9 @@ import math
 import statistics
 from collections import deque
 
+import torch
+import torch.distributed as dist
+
 MIN_HISTORY = 5     # healthy steps a rolling baseline needs before it judges
 WARMUP_STEPS = 3    # the first steps' throughput is not a baseline
 RECENT = 5          # steps whose median throughput is compared with the baseline
@@ -98,3 +101,18 @@ def describe_alert(alert: dict) -> str:
         "data_wait": lambda a: f"waited {a['data_wait_s']:.2f} s for data (threshold {a['threshold']:g} s)",
     }[kind](alert)
     return f"alert at iteration {it}: {kind}: {detail}"
+
+
+def gather_stragglers(ps, hosts: list[str], step_time: float, data_time: float, iteration: int,
+                      ratio: float) -> list[dict]:
+    """Every rank's ``step_time`` (its own work: without waiting for the gradient reduction) and
+    ``data_time``, all-gathered; the ranks slower than ``ratio`` × the median (the same verdict on
+    every rank: all see the same times). ``hosts``: every rank's host name."""
+    mine = torch.tensor([step_time, data_time], dtype=torch.float64, device=ps.device)
+    times = [torch.zeros_like(mine) for _ in range(ps.world_size)]
+    dist.all_gather(times, mine)
+    steps = [float(t[0]) for t in times]
+    median = statistics.median(steps)
+    return [{"kind": "straggler", "iter": iteration, "rank": rank, "host": hosts[rank], "step_time": steps[rank],
+             "data_time": float(times[rank][1]), "median_step_time": median, "ratio": steps[rank] / median}
+            for rank in range(ps.world_size) if median > 0 and steps[rank] > ratio * median]
