@@ -28,8 +28,9 @@ LAYOUTS = {
     "pp2_dp2_1f1b": (4, [*Z3, "--parallel.pp", "2"]),
     "pp2_dp2_interleaved": (4, [*Z3, "--parallel.pp", "2", "--parallel.vpp", "2"]),
     "dp4_shard2_zero3": (4, [*Z3, "--parallel.zero_shard_size", "2"]),
+    "cp2_dp2": (4, [*Z3, "--parallel.cp", "2"]),  # sharded over dp × cp
 }
-SLOW = {"dp4", "tp2_dp2_sp", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "dp4_shard2_zero3"}
+SLOW = {"dp4", "tp2_dp2_sp", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "dp4_shard2_zero3", "cp2_dp2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
