@@ -89,17 +89,22 @@ def _triton_grad_(logits, targets, lse, scale, z_loss: float, vocab_start: int, 
                                  vocab_start, z_loss, BLOCK_V=_block_v(width), num_warps=8)
 
 
-def _row_chunks(rows: int, cols: int):
-    step = max(1, CHUNK_BYTES // (4 * max(cols, 1)))
-    return ((i, min(i + step, rows)) for i in range(0, rows, step))
+def _row_blocks(logits, valid: int):
+    """(start, end, fp32 copy of those rows' first ``valid`` columns) over the rows of ``logits``,
+    the copies made in one reused buffer of about CHUNK_BYTES."""
+    rows = logits.shape[0]
+    step = max(1, CHUNK_BYTES // (4 * max(valid, 1)))
+    work = logits.new_empty(min(step, rows), valid, dtype=torch.float32)
+    for i in range(0, rows, step):
+        j = min(i + step, rows)
+        yield i, j, work[: j - i].copy_(logits[i:j, :valid])  # (block, valid)
 
 
 def _torch_stats(logits, targets, vocab_start: int, valid: int, ignore_index: int):
     rows = logits.shape[0]
     row_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
     sum_exp = logits.new_zeros((rows,), dtype=torch.float32)
-    for i, j in _row_chunks(rows, valid) if valid else ():
-        w = logits[i:j, :valid].to(torch.float32, copy=True)  # (chunk, valid)
+    for i, j, w in _row_blocks(logits, valid) if valid else ():
         row_max[i:j] = w.amax(-1)
         sum_exp[i:j] = w.sub_(row_max[i:j, None]).exp_().sum(-1)
     local = targets - vocab_start
@@ -111,13 +116,43 @@ def _torch_stats(logits, targets, vocab_start: int, valid: int, ignore_index: in
 def _torch_grad_(logits, targets, lse, scale, z_loss: float, vocab_start: int, valid: int) -> None:
     local = targets - vocab_start
     coef = 1.0 + 2.0 * z_loss * lse  # (rows,)
-    for i, j in _row_chunks(*logits.shape):
-        w = logits[i:j, :valid].to(torch.float32, copy=True)  # (chunk, valid)
+    for i, j, w in _row_blocks(logits, valid):
         w.sub_(lse[i:j, None]).exp_().mul_(coef[i:j, None])  # softmax, scaled for the z-loss
         hit = (local[i:j] >= 0) & (local[i:j] < valid)
         w[hit.nonzero().squeeze(-1), local[i:j][hit]] -= 1.0
         logits[i:j, :valid] = w.mul_(scale[i:j, None])
     logits[:, valid:] = 0.0  # padding columns: no gradient
+
+
+def torch_loss_grad_(logits, targets, scale, z_loss: float, vocab_start: int, valid: int, ignore_index: int):
+    """Both torch phases and :func:`combine_stats` in one pass, for logits not split over tp: the
+    per-row loss and log-sum-exp (rows,) fp32, and ``scale`` · d loss / d logits written over the
+    (rows, v) ``logits``. The same numbers as the phases (to rounding); each row block is read,
+    exponentiated and written once, where the two phases do it twice. Ignored rows get loss 0 and
+    no gradient; ``valid`` ≥ 1."""
+    rows = logits.shape[0]
+    local = targets - vocab_start
+    ignored = targets == ignore_index
+    scale = scale.masked_fill(ignored, 0.0)  # (rows,)
+    mine = ~ignored & (local >= 0) & (local < valid)
+    local = local.masked_fill(~mine, 0)
+    target_logit = logits.gather(-1, local[:, None]).squeeze(-1).float()  # (rows,), before it is overwritten
+    row_max, log_sum = (logits.new_empty(rows, dtype=torch.float32) for _ in range(2))
+    for i, j, w in _row_blocks(logits, valid):
+        row_max[i:j] = w.amax(-1)
+        sum_exp = w.sub_(row_max[i:j, None]).exp_().sum(-1)  # (chunk,)
+        log_sum[i:j] = sum_exp.log()
+        coef = 1.0 + 2.0 * z_loss * (row_max[i:j] + log_sum[i:j])  # the z-loss scales the softmax term
+        w.mul_((scale[i:j] * coef / sum_exp)[:, None])  # scale · softmax · coef
+        hit = mine[i:j].nonzero().squeeze(-1)
+        w[hit, local[i:j][hit]] -= scale[i:j][hit]
+        logits[i:j, :valid] = w
+    logits[:, valid:] = 0.0  # padding columns: no gradient
+    lse = row_max + log_sum
+    loss = log_sum - (target_logit - row_max).masked_fill(~mine, 0.0)
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    return loss.masked_fill(ignored, 0.0), lse
 
 
 @torch.library.custom_op("megapretrain::cross_entropy_stats", mutates_args=())

@@ -393,13 +393,56 @@ def test_decay_mask_round_trips_ranges():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grad_sq_sum_matches_reference(dtype):
-    grad = torch.randn(9001).to(DEVICE, dtype)
-    grad[:3] = 1e18 if dtype == torch.float32 else 1e15
+@pytest.mark.parametrize("n", [1, 4095, 4097, 9001])
+def test_grad_sq_sum_matches_reference(dtype, n):
+    """Odd sizes, a few huge grads among ordinary ones, zeros: within the stated 9e-7 of fp64."""
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEVICE, dtype)
+    grad[: min(3, n)] = 1e18 if dtype == torch.float32 else 1e15
     got = adamw.grad_sq_sum(grad)
-    assert got.dtype == torch.float64
-    torch.testing.assert_close(got, adamw.grad_sq_sum_reference(grad), rtol=1e-6, atol=0.0)
-    assert adamw.grad_sq_sum(torch.zeros(37, device=DEVICE)) == 0
+    assert got.dtype == torch.float64 and got.shape == ()
+    torch.testing.assert_close(got, adamw.grad_sq_sum_reference(grad), rtol=9e-7, atol=0.0)
+    assert adamw.grad_sq_sum(torch.zeros(n, device=DEVICE, dtype=dtype)) == 0
+
+
+def test_grad_sq_sum_range_and_accuracy():
+    """Squares beyond fp32's range either way (1e20² and 1e-25²) are summed exactly enough, a
+    large random shard within 9e-7 of the exact sum, and a NaN or inf grad gives a non-finite sum."""
+    for value in (1e20, 3e38, 1e-25):
+        grad = torch.full((5000,), value, device=DEVICE)
+        grad[::7] = 0.0
+        torch.testing.assert_close(adamw.grad_sq_sum(grad), adamw.grad_sq_sum_reference(grad), rtol=9e-7, atol=0.0)
+    grad = (torch.randn(100_003, generator=torch.Generator().manual_seed(1)) * 1e-3).to(DEVICE)
+    exact = adamw.grad_sq_sum_reference(grad)
+    assert abs(adamw.grad_sq_sum(grad) / exact - 1) < 9e-7
+    for bad in (float("nan"), float("inf")):
+        grad[123] = bad
+        assert not torch.isfinite(adamw.grad_sq_sum(grad))
+    assert adamw.grad_sq_sum(torch.zeros(0, device=DEVICE)) == 0
+
+
+@pytest.mark.parametrize("fn", [adamw.fused_adamw_, adamw.fused_adamw_reference])
+def test_fused_adamw_grad_scale_is_applied_as_the_grad_is_read(fn):
+    """grad_scale (clip coefficient × 1 / loss scale) as a Python float or a device tensor: the
+    step of the grads multiplied beforehand, bit for bit; a zero scale only decays."""
+    g = torch.Generator().manual_seed(8)
+    n, scale = 1001, 0.37 / 1024
+    grad = (torch.randn(n, generator=g) * 1024).to(DEVICE)
+    start = [torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE),
+             torch.rand(n, generator=g).to(DEVICE)]
+    runs = []
+    for g_in, s in ((grad * scale, 1.0), (grad, scale), (grad, torch.tensor(scale, device=DEVICE))):
+        state = [t.clone() for t in start]
+        fn(g_in, *state, step=4, grad_scale=s, **ADAM)
+        runs.append(state)
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a, b)
+    state = [t.clone() for t in start]
+    fn(grad, *state, step=4, grad_scale=0.0, **ADAM)
+    zero = [t.clone() for t in start]
+    fn(torch.zeros(n, device=DEVICE), *zero, step=4, **ADAM)
+    for a, b in zip(state, zero):
+        assert torch.equal(a, b)
 
 
 def test_fused_adamw_op_registration():

@@ -53,7 +53,7 @@ def _cases():
                           dict(HAS_OUT=has_out, HAS_MASK=has_mask, BLOCK=adamw.BLOCK), 4))
     cases.append((adamw, "_adamw_kernel", [P16, F32, F32, F32, "*fp16", "*i32", F32, "i64"] + ["fp32"] * 6,
                   dict(HAS_OUT=True, HAS_MASK=True, BLOCK=adamw.BLOCK), 4))
-    cases.append((adamw, "_sq_sum_kernel", [F32, F32, "i32"], dict(BLOCK=adamw.SQ_BLOCK), 4))
+    cases.append((adamw, "_sq_sum_kernel", [F32, F32, F32, "i32"], dict(BLOCK=adamw.SQ_BLOCK), 4))
     return cases
 
 

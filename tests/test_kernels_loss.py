@@ -271,3 +271,137 @@ def test_linear_cross_entropy_compiles():
     expected = _lce_run(LCE[1], x, weight, targets, loss_weight=lw, chunk_rows=5)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# -- the fused torch phase, the chunk size and the per-token chunked loss ---------------------------
+
+@pytest.mark.parametrize("rows,width,real_vocab,dtype,z_loss", [(13, 77, None, torch.float32, 0.0),
+                                                               (11, 300, 290, torch.bfloat16, 0.0),
+                                                               (7, 33, 30, torch.float32, 1e-3),
+                                                               (9, 129, 100, torch.float16, 1e-4)])
+def test_one_pass_torch_phase_matches_the_two_phases(rows, width, real_vocab, dtype, z_loss):
+    """cross_entropy.torch_loss_grad_ (one rank: stats, combine and gradient in one pass) gives the
+    numbers of the two torch phases with combine_stats, padding, ignored rows and z-loss included."""
+    logits, targets, dy = _ce_inputs(rows, width, dtype, real_vocab)
+    valid = real_vocab or width
+    one = logits.clone()
+    loss, lse = cross_entropy.torch_loss_grad_(one, targets, dy.float(), z_loss, 0, valid, -100)
+    two = logits.clone()
+    stats = cross_entropy._torch_stats(two, targets, 0, valid, -100)
+    loss_ref, lse_ref = cross_entropy.combine_stats(stats, targets, None, 0, valid, -100, z_loss)
+    cross_entropy._torch_grad_(two, targets, lse_ref, dy.float().masked_fill(targets == -100, 0.0), z_loss, 0, valid)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)
+    _close(one, two, dtype)
+    assert loss[1] == 0 and (one[1] == 0).all() and (one[:, valid:] == 0).all()
+
+
+def test_one_pass_torch_phase_extreme_logits():
+    logits = torch.full((4, 40), -1e4, device=DEVICE)
+    logits[:, 7] = 1e4
+    targets = torch.tensor([7, 0, -100, 39], device=DEVICE)
+    grad = logits.clone()
+    loss, _ = cross_entropy.torch_loss_grad_(grad, targets, torch.ones(4, device=DEVICE), 0.0, 0, 40, -100)
+    torch.testing.assert_close(loss, torch.tensor([0.0, 2e4, 0.0, 2e4], device=DEVICE))
+    assert grad[0].abs().sum() == 0 and grad[1, 7] == 1 and grad[1, 0] == -1 and grad[2].abs().sum() == 0
+
+
+def test_default_chunks_are_equal_and_not_too_small():
+    cpu = torch.device("cpu")
+    rows = linear_cross_entropy.default_chunk_rows(2048, 50304, torch.bfloat16, cpu)
+    assert rows == linear_cross_entropy.MIN_ROWS["cpu"] and 2048 % rows == 0
+    assert linear_cross_entropy.default_chunk_rows(1000, 50304, torch.bfloat16, cpu) == 250  # 4 equal chunks
+    assert linear_cross_entropy.default_chunk_rows(100, 50304, torch.bfloat16, cpu) == 100  # one chunk
+    assert linear_cross_entropy.default_chunk_rows(5000, 256, torch.float32, cpu) == 5000  # 16 MiB of logits
+    assert linear_cross_entropy.default_chunk_rows(0, 256, torch.float32, cpu) == 1
+
+
+def _per_token_run(x, weight, targets, dy, **kw):
+    from megapretrain.model.fused_loss import linear_cross_entropy_per_token
+
+    xl, wl = _leaf(x), _leaf(weight)
+    loss = linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, **kw)
+    loss.backward(dy)
+    return loss, xl.grad, wl.grad
+
+
+@pytest.mark.parametrize("reference", [True, False])
+@pytest.mark.parametrize("grads_in_forward", [True, False])
+@pytest.mark.parametrize("incoming", ["uniform", "per token"])
+def test_per_token_linear_cross_entropy_matches_unfused(reference, grads_in_forward, incoming):
+    """model/fused_loss.py, with the gradients made in the forward and scaled (a uniform incoming
+    gradient, as the trainer's) or recomputed (any other), against the unfused per-token loss."""
+    x, weight, targets, _ = _lce_inputs(torch.float32)
+    dy = torch.full((2, 11), 0.3, device=DEVICE) if incoming == "uniform" else torch.rand(2, 11, device=DEVICE)
+    kw = dict(z_loss=1e-3, reference=reference, chunk_rows=5, grads_in_forward=grads_in_forward)
+    got = _per_token_run(x, weight, targets, dy, **kw)
+    xl, wl = _leaf(x), _leaf(weight)
+    want = cross_entropy.cross_entropy_reference(F.linear(xl, wl), targets, real_vocab=45, z_loss=1e-3)
+    want.backward(dy)
+    for a, b in zip(got, (want, xl.grad, wl.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_per_token_backward_recomputes_only_for_a_gradient_that_differs():
+    """Logits matmuls in the backward: none when the incoming gradient is the same for every kept
+    token (the forward's gradients are scaled), one per chunk otherwise."""
+    x, weight, targets, _ = _lce_inputs(torch.float32)
+    calls = []
+    real_mm = torch.mm
+
+    def spy(a, b, out=None):
+        calls.append(b.shape[-1] == weight.shape[0])  # (chunk, h) @ (h, v): a chunk's logits
+        return real_mm(a, b, out=out)
+
+    from megapretrain.model.fused_loss import linear_cross_entropy_per_token
+
+    for dy, expected in ((torch.full((2, 11), 0.3), 0), (torch.rand(2, 11), 5)):  # 22 tokens, chunks of 5
+        dy = dy.to(DEVICE)
+        dy[0, 3] = 7.0  # an ignored token's incoming gradient does not count
+        xl, wl = _leaf(x), _leaf(weight)
+        loss = linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, reference=True,
+                                              chunk_rows=5, grads_in_forward=True)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "mm", spy)
+            loss.backward(dy)
+        assert sum(calls) == expected
+
+
+def test_per_token_weight_gradient_is_the_buffer_summed_into():
+    """d loss / d weight is summed in place into the tensor autograd hands to the weight: no second
+    weight-sized buffer, and no copy when it becomes weight.grad."""
+    from megapretrain.model.fused_loss import linear_cross_entropy_per_token
+
+    x, weight, targets, _ = _lce_inputs(torch.bfloat16)
+    sums = []
+    real_add = linear_cross_entropy._add_product
+
+    def spy(*args):
+        out = real_add(*args)
+        sums.append(out.data_ptr())  # not the tensor: a reference held here would make autograd copy it
+        return out
+
+    xl, wl = _leaf(x), _leaf(weight)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_cross_entropy, "_add_product", spy)
+        linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, reference=True,
+                                       chunk_rows=6).sum().backward()
+    assert len(sums) == 4 and len(set(sums)) == 1  # 22 tokens: 4 chunks, one sum
+    assert wl.grad.data_ptr() == sums[0]
+
+
+def test_per_token_bf16_matches_the_one_buffer_loss():
+    """bf16, default chunks and path: the model's one-logits-buffer loss within bf16 rounding."""
+    from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+
+    x, weight, targets, _ = _lce_inputs(torch.bfloat16, seed=10)
+    dy = torch.full((2, 11), 1 / 22, device=DEVICE)
+    loss, dx, dw = _per_token_run(x, weight, targets, dy, reference=True)
+    xl, wl = _leaf(x), _leaf(weight)
+    want = vocab_parallel_linear_cross_entropy(xl, wl, targets, Group("tp", [0]), 0, 45)
+    want.backward(dy)
+    assert dx.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(dx, xl.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(dw, wl.grad, rtol=2e-2, atol=2e-3)

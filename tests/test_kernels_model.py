@@ -12,6 +12,7 @@ tests/test_kernels.py); sizes are tiny because the interpreter runs each program
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -80,6 +81,16 @@ def test_triton_kernels_train_like_torch_under_tp2_sp(tmp_path, corpus):
 
 
 @needs_interpreter
+@pytest.mark.skipif(CUDA, reason="two ranks on gloo and CPU tensors: the interpreter's case")
+def test_triton_kernels_train_like_torch_under_zero3(tmp_path, corpus):
+    """ZeRO-3 hands the fused AdamW shards whose bf16/fp32 parameter copy is the only one."""
+    reference = _train(0, 1, str(tmp_path / "single"), corpus, TORCH)
+    ranks = run_distributed(_train, 2, str(tmp_path / "zero3"), corpus, [*TRITON, "--parallel.zero", "3"], timeout=600)
+    for losses in ranks:
+        assert _close(losses, reference, 1e-5), (losses, reference)
+
+
+@needs_interpreter
 def test_triton_kernels_z_loss_matches_torch_reference(tmp_path, corpus):
     """The z-loss runs the chunked loss on both paths: kernels and torch phases agree."""
     z = ["--model.z_loss", "1e-3"]
@@ -95,6 +106,61 @@ def test_compile_trains_like_eager(tmp_path, corpus):
     compiled = _train(0, 1, str(tmp_path / "compiled"), corpus, ["--train.precision", "bf16",
                                                                  "--train.compile", "true"])
     assert _close(compiled, eager, 2e-2), (compiled, eager)
+
+
+def _hooked_compile_run(compile_: bool, recompute: str, calls: list) -> list[torch.Tensor]:
+    """Two forward + backward passes of a 4-layer model, every decoder layer and every module with
+    parameters inside one carrying hooks that read ``id(module)`` (as parallel/data.py's do):
+    the per-token losses and the embedding's gradient of each."""
+    from megapretrain.model.build import compile_layers
+    from megapretrain.parallel.state import ParallelState
+
+    from helpers import build, make_tokens, tiny_args
+
+    model = build(ParallelState(), tiny_args(num_layers=4), recompute=recompute)
+    if compile_:
+        compile_layers(model, torch.device("cpu"))
+    for layer in model.layers.values():
+        layer.register_forward_pre_hook(lambda m, args: calls.append(("layer", id(m))))
+        layer.register_forward_hook(lambda m, args, out: calls.append(("layer done", id(m))))
+        for sub in layer.modules():
+            if sub is not layer and any(True for _ in sub.parameters(recurse=False)):
+                sub.register_forward_pre_hook(lambda m, args: calls.append(("module", id(m))))
+    out = []
+    for seed in (0, 1):
+        tokens = make_tokens(batch=2, seq=16, seed=seed)
+        losses = model(tokens[:, :-1], tokens[:, 1:])  # (b, s)
+        losses.sum().backward()
+        out += [losses.detach(), model.embed_tokens.weight.grad.clone()]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_layers_compile_once_with_hooks_kept_eager(recompute):
+    """train.compile on a chunk of 4 decoder layers: one frame compiled for all of them, module
+    hooks (on the layers, and forward pre-hooks on their modules) each run once per layer call
+    and outside the graph (traced, their id() would make Dynamo compile once per layer), and the
+    eager model's losses and gradients (fp32). A recomputation stops once it has what the
+    backward needs, before the layer's forward hook, in eager mode too."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_calls, compiled_calls = [], []
+    eager = _hooked_compile_run(False, recompute, eager_calls)
+    compiled = _hooked_compile_run(True, recompute, compiled_calls)
+    assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    kinds = [kind for kind, _ in compiled_calls]
+    passes = 2 * (2 if recompute == "full" else 1)  # full recomputation runs each layer again in backward
+    assert kinds.count("layer") == 4 * passes and kinds.count("layer done") == 4 * 2
+    assert kinds.count("module") == 4 * 9 * passes  # 2 norms, q k v o, gate up down
+    assert collections.Counter(kinds) == collections.Counter(kind for kind, _ in eager_calls)
+    per_module = collections.Counter(call for call in compiled_calls if call[0] != "layer done")
+    assert set(per_module.values()) == {passes}  # every module's hooks, on every pass
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_torch_chunked_loss_matches_todays_loss(tmp_path, corpus):

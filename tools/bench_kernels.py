@@ -5,6 +5,7 @@ forward and backward) for the chunked linear + cross entropy against the unfused
 
     python tools/bench_kernels.py                          # whatever this machine can run
     python tools/bench_kernels.py --no-compile --vocab 32000 128000 --json kernels.json
+    python tools/bench_kernels.py --no-timing --vocab 50304      # the loss memory table alone
 
 Bandwidth is the bytes a kernel must move (each input read once, each output written once; the
 ``bytes`` column) over its median time, and ``of copy`` is that against ``dst.copy_(src)`` measured
@@ -14,6 +15,10 @@ On CPU the Triton kernels cannot be timed (only Triton's interpreter runs them, 
 far too slow to mean anything): the table holds the torch references eager and compiled (inductor's
 C++ backend), and the memory table measures the chunked torch algorithm, which is what CPU training
 gets. GPU figures need a CUDA device; the script says so instead of printing them.
+
+The memory table gives two figures for each form: its peak above the inputs, and its working
+memory, that peak less the gradients for x and the weight, which every form must return (the
+weight's is most of what the chunked forms hold).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed repetitions (default: 5 CPU, 50 GPU)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     ap.add_argument("--no-memory", action="store_true", help="skip the loss memory table")
+    ap.add_argument("--no-timing", action="store_true", help="skip the kernel timings (the memory table only)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     return ap.parse_args(argv)
 
@@ -239,20 +245,25 @@ def time_kernels(a, device: torch.device) -> list[dict]:
 
 # -- peak memory of the loss computation ------------------------------------------------------------
 
-def _loss_fn(impl: str):
+def _loss_fn(impl: str, device: torch.device):
     """(x, weight, targets) -> scalar loss, for each form of the output layer + cross entropy."""
-    if impl == "unfused (F.linear + F.cross_entropy)":
-        return lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, reduction="sum")
-    if impl == "megapretrain today (one logits buffer)":
-        from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
-        from megapretrain.parallel.state import Group
+    from megapretrain.model.fused_loss import linear_cross_entropy_per_token
+    from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+    from megapretrain.parallel.state import Group
 
-        return lambda x, w, t: vocab_parallel_linear_cross_entropy(x, w, t, Group("tp", [0])).sum()
+    tp = Group("tp", [0])
+    if impl == MEMORY_IMPLS[0]:
+        return lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, reduction="sum")
+    if impl == MEMORY_IMPLS[1]:
+        return lambda x, w, t: vocab_parallel_linear_cross_entropy(x, w, t, tp).sum()
+    if impl == MEMORY_IMPLS[2]:  # the torch phases on CPU, as model.kernels=torch runs them
+        reference = device.type != "cuda"
+        return lambda x, w, t: linear_cross_entropy_per_token(x, w, t, tp, 0, w.shape[0], reference=reference).sum()
     return lambda x, w, t: linear_cross_entropy.linear_cross_entropy(x, w, t)
 
 
-MEMORY_IMPLS = ("unfused (F.linear + F.cross_entropy)", "megapretrain today (one logits buffer)",
-                "chunked linear + cross entropy")
+MEMORY_IMPLS = ("unfused F.linear + F.cross_entropy", "one logits buffer (parallel/cross_entropy.py)",
+                "chunked, per token (model/fused_loss.py)", "chunked, weights given (kernels/)")
 
 
 def _loss_inputs(tokens, hidden, vocab, dtype, device):
@@ -268,16 +279,21 @@ def _rss_bytes(field: str) -> int:
 
 
 def _cpu_peak_child(impl, tokens, hidden, vocab, dtype_name, results) -> None:
-    """In a fresh process: peak resident memory above the inputs during forward + backward. One
-    warm-up run first (one-time allocations of the libraries would otherwise count), its freed heap
-    then handed back to the OS (so the measured run cannot reuse it unseen)."""
+    """In a fresh process: peak resident memory above the inputs during forward + backward. glibc
+    is told to map every block of 128 KB or more on its own and unmap it when freed, so the
+    resident set follows what is allocated (by default a freed block below 32 MB stays in the heap,
+    and the peak would also count how the allocator happened to place the blocks). One warm-up run
+    first (one-time allocations of the libraries would otherwise count)."""
     import ctypes
 
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD, fixed
+    libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
     x, w, t = _loss_inputs(tokens, hidden, vocab, DTYPES[dtype_name], torch.device("cpu"))
-    fn = _loss_fn(impl)
+    fn = _loss_fn(impl, torch.device("cpu"))
     fn(x, w, t).backward()
     x.grad = w.grad = None
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak resident set size (VmHWM) to the current one
     base = _rss_bytes("VmRSS")
@@ -289,7 +305,9 @@ def peak_loss_memory(impl, tokens, hidden, vocab, dtype_name, device: torch.devi
     """Bytes the loss computation (forward + backward, incl. the gradients it returns) adds at peak."""
     if device.type == "cuda":
         x, w, t = _loss_inputs(tokens, hidden, vocab, DTYPES[dtype_name], device)
-        fn = _loss_fn(impl)
+        fn = _loss_fn(impl, device)
+        fn(x, w, t).backward()  # warm-up
+        x.grad = w.grad = None
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -305,20 +323,27 @@ def peak_loss_memory(impl, tokens, hidden, vocab, dtype_name, device: torch.devi
 
 
 def memory_table(a, device: torch.device) -> list[dict]:
-    tokens = a.tokens
+    """Two figures per form: the whole peak, and its working memory, the peak less the gradients
+    for x (tokens, hidden) and the weight (vocab, hidden) that every form must return (at the
+    benchmark's sizes the weight's gradient is most of what the chunked forms hold)."""
+    tokens, size = a.tokens, torch.finfo(DTYPES[a.dtype]).bits // 8
     print(f"\npeak memory of output layer + cross entropy, forward + backward: {tokens} tokens, hidden "
-          f"{a.hidden}, {a.dtype} ({'peak RSS in a fresh process' if device.type == 'cpu' else 'CUDA allocator'})")
+          f"{a.hidden}, {a.dtype} ({'peak RSS in a fresh process' if device.type == 'cpu' else 'CUDA allocator'}); "
+          "working = peak - the x and weight gradients every form returns")
     rows = []
     for vocab in a.vocab:
-        logits = tokens * vocab * torch.finfo(DTYPES[a.dtype]).bits // 8
-        print(f"  vocab {vocab} (the logits alone: {logits / 2**20:.0f} MiB)")
-        peaks = []
+        grads = (tokens + vocab) * a.hidden * size
+        print(f"  vocab {vocab}: the logits alone {tokens * vocab * size / 2**20:.0f} MiB, the gradients "
+              f"returned {grads / 2**20:.1f} MiB")
+        peaks, works = {}, {}
         for impl in MEMORY_IMPLS:
-            peaks.append(peak_loss_memory(impl, tokens, a.hidden, vocab, a.dtype, device))
-            rows.append(dict(vocab=vocab, impl=impl, peak_bytes=peaks[-1]))
-            vs = [f"{peaks[i] / max(peaks[-1], 1):.1f}x less than {what}"
-                  for i, what in ((0, "unfused"), (1, "today")) if i < len(peaks) - 1]
-            print(f"    {impl:40} {peaks[-1] / 2**20:9.1f} MiB  {', '.join(vs)}")
+            peak = peaks[impl] = peak_loss_memory(impl, tokens, a.hidden, vocab, a.dtype, device)
+            work = works[impl] = max(peak - grads, 1)
+            rows.append(dict(vocab=vocab, impl=impl, peak_bytes=peak, working_bytes=work))
+            vs = [f"{peaks[ref] / peak:.1f}x less than {name} (working {works[ref] / work:.1f}x)"
+                  for ref, name in zip(MEMORY_IMPLS[:2], ("unfused", "one buffer")) if ref in peaks and ref != impl]
+            print(f"    {impl:46} peak {peak / 2**20:7.1f} MiB, working {work / 2**20:7.1f} MiB   "
+                  f"{', '.join(vs)}")
     return rows
 
 
@@ -332,7 +357,7 @@ def main(argv=None) -> int:
     a.cross_entropy_vocab = a.cross_entropy_vocab or (128256 if gpu else 50304)
     name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; {a.dtype}")
-    results = {"device": name, "dtype": a.dtype, "kernels": time_kernels(a, device)}
+    results = {"device": name, "dtype": a.dtype, "kernels": [] if a.no_timing else time_kernels(a, device)}
     if not a.no_memory:
         results["loss_memory"] = memory_table(a, device)
     if a.json:

@@ -6,9 +6,11 @@
     python tools/bench_train.py --config configs/bench_cpu.yaml --profile
 
 The model and optimizer are built exactly as training builds them (``build_model_chunks``,
-``MixedPrecisionAdamW``); each step runs every micro-batch of the global batch forward and
-backward, then reduces grads and steps AdamW — on synthetic random tokens, so no dataset is read.
+``MixedPrecisionAdamW`` and its parameter-gather hooks on the model); each step runs every
+micro-batch of the global batch forward and backward, then reduces grads and steps AdamW — on
+synthetic random tokens, so no dataset is read.
 Start-up and ``--warmup`` steps are excluded; the median step time of ``--steps`` steps is reported.
+With ``--train.compile true`` it also prints what Dynamo compiled (frames, graphs, graph breaks).
 Dotted overrides (``--train.precision fp32``) work as for ``python -m megapretrain.train``.
 Single process, tp = pp = 1.
 
@@ -107,6 +109,7 @@ def megapretrain_step(cfg, plan, device):
     model.train()
     opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, cfg.train.precision, ps,
                               zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
+    opt.hook_models([model])  # the parameter-gather hooks training attaches (a compiled layer must not trace them)
     batches = micro_batches(cfg, device)
 
     def step() -> float:
@@ -173,6 +176,14 @@ def report(name: str, times: list[float], loss: float, tokens: int, flops: float
     return tok_s
 
 
+def compile_report() -> str:
+    """What Dynamo did: frames compiled (each recompilation is one more), graphs and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return (f"torch.compile: {counters['frames']['ok']} frames compiled, {counters['stats']['unique_graphs']} "
+            f"graphs, {sum(counters['graph_break'].values())} graph breaks")
+
+
 def profile(step, device) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -210,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"megapretrain built in {time.perf_counter() - start:.1f} s | {flops:.3g} FLOPs/token")
     mp_tok_s = report("megapretrain", *time_steps(step, args.warmup, args.steps, device),
                       plan.tokens_per_batch, flops)
+    if cfg.train.compile:
+        print(compile_report())
     if args.profile:
         profile(step, device)
     del step

@@ -69,7 +69,9 @@ def _pre_hooks_run_eagerly(forward):
     pre-hooks of the layer's submodules itself, with no inputs, and hides them while ``forward``
     runs, so that no hook is traced. Those hooks (parallel/data.py's waits for a module's
     parameters) then run as the layer starts rather than as each submodule does: earlier, which
-    is all a wait needs; a pre-hook that reads or replaces its module's inputs cannot be moved."""
+    is all a wait needs; a pre-hook that reads or replaces its module's inputs cannot be moved.
+    Forward (post) and backward hooks on the submodules would still be traced; parallel/ registers
+    none there."""
     def method(layer, *args, **kwargs):
         hooked = [m for m in layer.modules() if m is not layer and m._forward_pre_hooks]
         saved = [m._forward_pre_hooks for m in hooked]

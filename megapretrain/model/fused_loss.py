@@ -1,12 +1,21 @@
 """Output layer + per-token cross entropy over chunks of tokens: the (b·s, v/tp) logits never exist.
 
-The model's head returns per-token losses (b, s), which the trainer masks and sums, so the loss
-weights are not known in the forward. :func:`megapretrain.kernels.linear_cross_entropy` needs them
-up front (it folds the gradient in during the forward); this is its per-token form: the forward
-runs the chunks for the loss and keeps one log-sum-exp per token, the backward runs them again —
-each chunk's logits recomputed into one chunk-sized buffer, turned in place into their gradient
-(scaled by each token's incoming gradient) and folded into d loss / d x and d loss / d weight. One
-more matmul than the unfused loss, and no logits-sized buffer.
+The model's head returns per-token losses (b, s), so the loss weights are not known in the
+forward, which :func:`megapretrain.kernels.linear_cross_entropy` needs (it folds the gradient in
+during the forward). The trainer, though, backpropagates ``losses.sum() * scale`` (targets it
+leaves out are ``ignore_index``): the incoming gradient is the same for every token. So with
+``grads_in_forward`` the forward runs the chunks once — each chunk's logits computed into one
+chunk-sized buffer, turned in place into their gradient for an incoming gradient of ones, and
+folded into d loss / d x and d loss / d weight — and the backward multiplies those by the incoming
+gradient: three matmuls, as for the unfused loss, and what is kept from forward to backward is the
+size of the gradients, not of the logits. An incoming gradient that differs between the tokens
+kept (any other use of the losses) is still exact: the backward then runs the chunks again with
+it, from the log-sum-exp the forward kept, and the gradients from the forward are dropped.
+
+Without ``grads_in_forward`` (the default off CPU, where checking that the incoming gradient is
+uniform would wait for the device, and where the chunks' recomputation is cheap next to holding a
+weight-sized gradient across the pipeline's in-flight micro-batches) the forward computes only the
+loss and the backward always recomputes: one more matmul.
 
 The phases are those of :mod:`megapretrain.kernels.cross_entropy` (Triton on CUDA, or under the
 interpreter) or, with ``reference``, their torch twins; the statistics are all-reduced over tp
@@ -18,69 +27,69 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cross_entropy import _phases, _valid, combine_stats
-from ..kernels.linear_cross_entropy import default_chunk_rows
+from ..kernels.linear_cross_entropy import chunked_loss_and_grads, default_chunk_rows
 from ..parallel.state import Group
+
+
+def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> float | None:
+    """The incoming gradient shared by every kept token, or None if they differ (0 if none is kept)."""
+    kept = scale[keep]
+    if kept.numel() == 0:
+        return 0.0
+    first = kept[0]
+    return float(first) if bool((kept == first).all()) else None
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference):
+    def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference,
+                grads_in_forward):
         x2d, t1d = x.reshape(-1, x.shape[-1]), targets.reshape(-1)  # (b·s, h), (b·s,)
-        stats_phase, _ = _phases(reference)
-        valid = _valid(weight.shape[0], vocab_start, real_vocab)
-        loss = torch.empty(t1d.shape, dtype=torch.float32, device=x.device)
-        lse = torch.empty_like(loss)
-        buf = x2d.new_empty(min(rows, x2d.shape[0]), weight.shape[0])  # the only logits-shaped buffer
-        for i in range(0, x2d.shape[0], rows):
-            t_c = t1d[i:i + rows]
-            logits = torch.mm(x2d[i:i + rows], weight.t(), out=buf[: t_c.shape[0]])  # (chunk, v/tp)
-            stats = stats_phase(logits, t_c, vocab_start, valid, ignore_index)
-            loss[i:i + rows], lse[i:i + rows] = combine_stats(stats, t_c, group, vocab_start, valid,
-                                                              ignore_index, z_loss)
+        need_x, need_w = grads_in_forward and ctx.needs_input_grad[0], grads_in_forward and ctx.needs_input_grad[1]
+        ones = x2d.new_ones(t1d.shape, dtype=torch.float32)  # the gradient made here: for a unit incoming one
+        loss, lse, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, ones, group, vocab_start, real_vocab,
+                                                           ignore_index, z_loss, rows, need_x, need_w, reference)
         ctx.save_for_backward(x2d, weight, t1d, lse)
-        ctx.args = (vocab_start, valid, ignore_index, z_loss, rows, reference, x.shape)
+        ctx.grads = grad_x, grad_w  # not saved tensors: the backward drops them before it returns
+        ctx.args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x.shape)
         return loss.view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         x2d, weight, t1d, lse = ctx.saved_tensors
-        vocab_start, valid, ignore_index, z_loss, rows, reference, x_shape = ctx.args
-        _, grad_phase = _phases(reference)
+        (grad_x, grad_w), ctx.grads = ctx.grads, None  # the only references left are these
+        group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x_shape = ctx.args
         need_x, need_w = ctx.needs_input_grad[:2]
-        scale = grad_loss.reshape(-1).float().masked_fill(t1d == ignore_index, 0.0)  # (b·s,)
-        n = x2d.shape[0]
-        grad_x = torch.empty_like(x2d) if need_x else None
-        one_chunk = n <= rows  # else d weight is summed over the chunks in fp32, rounded once
-        grad_w = None if one_chunk or not need_w else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                   device=weight.device)
-        buf = x2d.new_empty(min(rows, n), weight.shape[0])
-        for i in range(0, n, rows):
-            x_c, t_c = x2d[i:i + rows], t1d[i:i + rows]
-            logits = torch.mm(x_c, weight.t(), out=buf[: t_c.shape[0]])  # recomputed (chunk, v/tp)
-            grad_phase(logits, t_c, lse[i:i + rows], scale[i:i + rows], z_loss, vocab_start, valid)
-            if need_x:
-                torch.mm(logits, weight, out=grad_x[i:i + rows])  # (chunk, h), partial over tp
-            if need_w and one_chunk:
-                grad_w = logits.t().mm(x_c)  # (v/tp, h)
-            elif need_w:
-                grad_w.addmm_(logits.t().float(), x_c.float())
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+        scale = grad_loss.reshape(-1).float()  # (b·s,)
+        ready = (grad_x is not None or not need_x) and (grad_w is not None or not need_w)
+        shared = _uniform(scale, t1d != ignore_index) if ready else None
+        if shared is None:  # recompute the chunks with this gradient
+            grad_x = grad_w = None  # frees the forward's before the new ones are made
+            _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, group, vocab_start, real_vocab,
+                                                          ignore_index, z_loss, rows, need_x, need_w, reference,
+                                                          lse=lse)
+        else:
+            grad_x = grad_x.mul_(shared) if need_x else None
+            grad_w = grad_w.mul_(shared) if need_w else None
         grad_x = grad_x.view(x_shape) if need_x else None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group,
                                    vocab_start: int, real_vocab: int, *, ignore_index: int = -100,
-                                   z_loss: float = 0.0, reference: bool = False,
-                                   chunk_rows: int | None = None) -> torch.Tensor:
+                                   z_loss: float = 0.0, reference: bool = False, chunk_rows: int | None = None,
+                                   grads_in_forward: bool | None = None) -> torch.Tensor:
     """Per-token loss (b, s) fp32 of ``F.linear(x, weight)`` against global ``targets`` (b, s).
 
     ``x`` (b, s, h) is replicated over tp, ``weight`` (v/tp, h) this rank's output rows starting at
     vocabulary id ``vocab_start``; ids at or beyond ``real_vocab`` are padding. Ignored targets get
     loss 0 and no gradient. ``reference``: the torch phases instead of the kernels.
+    ``grads_in_forward`` (default: on CPU) computes the gradients in the forward (see the module
+    docstring); it only applies when gradients are being recorded.
     """
-    rows = chunk_rows or default_chunk_rows(weight.shape[0], x.dtype, x.device)
+    rows = chunk_rows or default_chunk_rows(targets.numel(), weight.shape[0], x.dtype, x.device)
+    if grads_in_forward is None:
+        grads_in_forward = x.device.type == "cpu"
+    grads_in_forward = grads_in_forward and torch.is_grad_enabled()
     return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, rows, reference)
+                                            z_loss, rows, reference, grads_in_forward)

@@ -31,7 +31,7 @@ from ..kernels.rmsnorm import rms_norm
 from ..kernels.rope import rope
 from ..kernels.swiglu import swiglu
 from ..parallel.context import causal_mask, gather_kv_from_cp, local_positions, query_chunks
-from ..parallel.cross_entropy import BufferPool, vocab_parallel_linear_cross_entropy
+from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec, Sharding, collect_specs
 from ..parallel.state import Group
@@ -263,7 +263,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
         if self.selective_recompute and self.training:
-            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=self.rng.checkpoint_context)
+            # no dropout: no random stream to restore (and nothing for torch.compile to trace)
+            context = self.rng.checkpoint_context if self.dropout else torch.utils.checkpoint.noop_context_fn
+            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=context)
         else:
             y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
@@ -366,7 +368,6 @@ class LlamaModel(nn.Module):
                                                     vocab_rows=args.vocab_size, **kw)
         self._rope_cache: dict = {}
         self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
-        self._logits_pool = BufferPool()  # CPU: keeps the output layer's logits buffer across steps
 
     # -- layout and initialization -----------------------------------------------------------------
 
@@ -461,14 +462,15 @@ class LlamaModel(nn.Module):
         if targets is None:
             return F.linear(x, weight)  # (b, s, v/tp) logits
         vocab_start = self.tp.rank * weight.shape[0]
-        if self.kernels == "triton" or self.z_loss:  # chunks of tokens: no (b, s, v/tp) logits at all
+        # chunks of tokens, no (b, s, v/tp) logits at all: the kernels' path, and on CPU the torch
+        # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
+        if self.kernels == "triton" or self.z_loss or x.device.type == "cpu":
             return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
                                                   z_loss=self.z_loss, reference=self.kernels == "torch")  # (b, s)
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
-        pool = self._logits_pool if x.device.type == "cpu" else None
         return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,
-                                                   self.args.vocab_size, pool=pool)  # (b, s)
+                                                   self.args.vocab_size)  # (b, s)
 
 
 def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:

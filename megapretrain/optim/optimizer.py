@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import CheckpointError, ConfigError
-from ..kernels.adamw import decay_mask, fused_adamw_
+from ..kernels.adamw import decay_mask, fused_adamw_, grad_sq_sum
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
@@ -293,19 +293,22 @@ class MixedPrecisionAdamW:
             self.buffers.overlap_param_gather(model)
         self._async_param_gather = True
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once."""
+    def grad_norm(self, scale: float = 1.0) -> float:
+        """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once, divided
+        by ``scale`` (grads still multiplied by the fp16 loss scale)."""
         views = [v for s in self.shards for v in s.norm_views]
         device = self.shards[0].bucket.grad_shard.device if self.shards else self.ps.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
-        if views and device.type == "cpu":
+        if views and self.impl == "triton":  # kernels/adamw.py: one read of each grad
+            sq = sum(grad_sq_sum(v) for v in views).float()
+        elif views and device.type == "cpu":
             sq = sum(_sum_of_squares(v) for v in views).float()
         elif views:
             sq = torch.stack(torch._foreach_norm(views)).pow(2).sum()
         if self.zero >= 1:
             self.ps.dp_shard.all_reduce(sq)  # shards are disjoint: their squares add up (replicas hold copies)
         self.ps.mp.all_reduce(sq)
-        return math.sqrt(sq.item()) if torch.isfinite(sq) else float("inf")
+        return math.sqrt(sq.item()) / scale if torch.isfinite(sq) else float("inf")
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -319,38 +322,42 @@ class MixedPrecisionAdamW:
         if self.units is not None:
             self.units.free_all()  # a unit still gathered (kept, or unused in backward) would go stale
         grads = [s.bucket.grad_shard for s in self.shards]
-        if self.scaler.scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = self.grad_norm()
+        fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
+        scale = self.scaler.scale
+        if scale != 1.0 and not fused:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = self.grad_norm(scale if fused else 1.0)
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
             return norm, True
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        clip = self.cfg.clip_grad / (norm + 1e-6) if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad else 1.0
+        if clip != 1.0 and not fused:
+            torch._foreach_mul_(grads, clip)
         staged = [s for s in self.shards if s.grad_staging is not None]
         for s in staged:
             s.grad_staging.copy_(s.bucket.grad_shard, non_blocking=True)
         if staged:
             torch.cuda.current_stream(staged[0].bucket.grad_shard.device).synchronize()
-        self._adamw(lr)
+        self._adamw(lr, grad_scale=clip / scale if fused else 1.0)
         for s in self.shards:
             s.write_back()
         self._refresh_params()
         return norm, False
 
-    def _adamw(self, lr: float) -> None:
+    def _adamw(self, lr: float, grad_scale: float = 1.0) -> None:
         """One decoupled-weight-decay Adam step over every shard. ``optim.impl`` torch: torch's fused
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
         ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
-        that also writes the bf16/fp16 parameters; apex: apex's multi-tensor Adam."""
+        that also writes the bf16/fp16 parameters and multiplies each grad as it reads it by
+        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's multi-tensor Adam."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
             for s in self.shards:
                 fused_adamw_(s.grad, s.master, s.exp_avg, s.exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                              weight_decay=self.cfg.weight_decay, step=self.step_count, param_out=s.param_out,
-                             decay=s.decay_mask)
+                             decay=s.decay_mask, grad_scale=grad_scale)
                 s.params_current = s.param_out is not None
             return
         for decay in (True, False):
