@@ -113,8 +113,9 @@ class Layout:
         return 1 if self.zero == 0 else self.shard or self.dp * self.cp
 
     def flags(self) -> str:
+        # always said: a config's own uneven split would not fit another pp × vpp
         uneven = (f" --parallel.pipeline_layers '[{', '.join(map(str, self.pipeline_layers))}]'"
-                  if self.pipeline_layers else "")
+                  if self.pipeline_layers else " --parallel.pipeline_layers null")
         return (f"--parallel.tp {self.tp} --parallel.cp {self.cp} --parallel.pp {self.pp} "
                 f"--parallel.vpp {self.vpp}{uneven} "
                 f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
