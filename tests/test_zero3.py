@@ -192,3 +192,21 @@ def test_zero3_checkpoints_load_under_other_stages_and_sizes(corpus, tmp_path):
         assert [r[0] for r in rows] == list(range(1, 7))
         assert [r[1] for r in rows[3:]] == pytest.approx([r[1] for r in one[3:]], rel=1e-5)
         assert [r[2] for r in rows[3:]] == pytest.approx([r[2] for r in one[3:]], rel=1e-5)
+
+
+def test_the_offline_reshard_reads_a_zero3_checkpoint(corpus, tmp_path):
+    """tools/reshard_checkpoint.py turns a zero-3 checkpoint of 2 ranks into one for a single
+    process, which resumes onto the single-process curve (and loads without resharding)."""
+    from test_parallel_equivalence import BASE
+    from test_preprocess_data import load_tool
+
+    tool = load_tool("reshard_checkpoint")
+    one = _run(0, 1, str(tmp_path / "one"), corpus, 6, [])[0]
+    run = str(tmp_path / "z3")
+    run_distributed(_run, 2, run, corpus, 3, Z3, timeout=300)
+    out = str(tmp_path / "single")
+    assert tool.main(["--checkpoint", run, "--output", out, "--world-size", "1", *BASE,
+                      "--schedule.decay_iters", "6"]) == 0
+    rows, resumed = _run(0, 1, str(tmp_path / "target"), corpus, 6, ["--checkpoint.load", out])
+    assert resumed == [3]
+    assert [r[1] for r in rows] == pytest.approx([r[1] for r in one[3:]], rel=1e-5)
