@@ -123,9 +123,12 @@ def test_recorded_1f1b_trace(pp, corpus, tmp_path):
             assert r["peak_in_flight"] == min(pp - rank, 6) <= pp
 
 
-def _resume_run(rank, world, run_dir, corpus, iters, layout):
+def _resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
+    """``iters`` iterations (resuming from RUN_DIR's checkpoint if any) of a 6-iteration schedule;
+    returns the (iter, loss, grad norm) rows and the iterations resumed from."""
     argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
-            "--schedule.decay_iters", "6", "--model.hidden_dropout", "0.1", "--model.attention_dropout", "0.1"]
+            "--schedule.decay_iters", "6", "--model.hidden_dropout", str(dropout),
+            "--model.attention_dropout", str(dropout)]
     setup(argv).fit()
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_distributed
-from test_parallel_equivalence import _train, check, reference_for
+from test_parallel_equivalence import _resume_run, _train, check, reference_for
 
 Z3 = ["--parallel.zero", "3"]
 LAYOUTS = {
@@ -141,23 +141,8 @@ def test_gathers_are_prefetched_and_grads_reduced_during_backward(probe):
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def _run(rank, world, run_dir, corpus, iters, layout, dropout=0.0):
-    """``iters`` iterations (resuming from RUN_DIR's checkpoint if any) of a 6-iteration schedule;
-    returns the (iter, loss, grad norm) rows and the iterations resumed from."""
-    import json
-    import os
-
-    from megapretrain.train import setup
-
-    from test_parallel_equivalence import BASE
-
-    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
-            "--schedule.decay_iters", "6", "--model.hidden_dropout", str(dropout),
-            "--model.attention_dropout", str(dropout)]
-    setup(argv).fit()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
-        [r["iter"] for r in rows if r.get("event") == "resumed"]
+    """``_resume_run`` without dropout unless asked: runs under different layouts are compared."""
+    return _resume_run(rank, world, run_dir, corpus, iters, layout, dropout)
 
 
 @pytest.mark.slow

@@ -272,19 +272,19 @@ class MixedPrecisionAdamW:
         if self.units is None:
             yield
             return
-        for unit in self.units.units:
-            self.units._ready(unit)
+        self.units.gather_all()
         try:
             yield
         finally:
             self.units.free_all()
 
-    def _refresh_params(self) -> None:
-        """After the shards changed: the model's parameters must show them."""
+    def _refresh_params(self, async_op: bool = False) -> None:
+        """After the shards changed: the model's parameters must show them (``async_op``: the
+        all-gathers of zero 1/2 may run under the next forward)."""
         if self.units is not None:
             self.units.free_all()  # the next use gathers the new values
         else:
-            self.buffers.gather_params(async_op=self._async_param_gather)
+            self.buffers.gather_params(async_op=async_op)
 
     def overlap_param_gather(self, models: nn.Module | list[nn.Module]) -> None:
         """From now on the post-step all-gather (zero ≥ 1) runs while the next forward of
@@ -319,8 +319,6 @@ class MixedPrecisionAdamW:
         A non-finite grad norm (NaN/Inf in the reduced grads) skips the step, leaving the parameters
         unchanged, and lowers the fp16 loss scale."""
         self.buffers.wait_params()
-        if self.units is not None:
-            self.units.free_all()  # a unit still gathered (kept, or unused in backward) would go stale
         grads = [s.bucket.grad_shard for s in self.shards]
         fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
         scale = self.scaler.scale
@@ -342,7 +340,7 @@ class MixedPrecisionAdamW:
         self._adamw(lr, grad_scale=clip / scale if fused else 1.0)
         for s in self.shards:
             s.write_back()
-        self._refresh_params()
+        self._refresh_params(async_op=self._async_param_gather)  # zero 3: a unit still gathered would go stale
         return norm, False
 
     def _adamw(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -450,10 +448,7 @@ class MixedPrecisionAdamW:
             f.of(s.master).copy_(_piece(weights[name], "master", f))
         for s in self.shards:
             s.write_back()
-        if self.units is not None:
-            self.units.free_all()
-        else:
-            self.buffers.gather_params()
+        self._refresh_params()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -160,7 +160,8 @@ class DataParallelBuffers:
         splits = bucket_split(params, bucket_numel, self.shard.size, by_unit=self.zero == 3)
         total = sum(numel for _, _, numel in splits)
         device = params[0][0].device
-        param_buffer = torch.zeros(total, dtype=dtype, device=device)  # zero=3: only until the shards are cut
+        # zero=3: no shared buffer; each bucket has its own full buffer, freed once its shard is cut
+        param_buffer = torch.zeros(total, dtype=dtype, device=device) if self.zero < 3 else None
         grad_buffer = torch.zeros(total // (self.shard.size if self.zero >= 2 else 1),
                                   dtype=torch.float32, device=device)
         param_shards = torch.empty(total // self.shard.size, dtype=dtype, device=device) if self.zero == 3 else None
@@ -169,18 +170,16 @@ class DataParallelBuffers:
             shard = numel // self.shard.size if self.zero >= 1 else numel
             lo = self.shard.rank * shard if self.zero >= 1 else 0
             b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard)
-            b.param_data = param_buffer[start:start + numel]
+            b.param_data = (param_buffer[start:start + numel] if param_buffer is not None
+                            else torch.zeros(numel, dtype=dtype, device=device))
             for p, off in zip(bucket_params, offsets):
                 view = b.param_data[off:off + p.numel()].view(p.shape)
                 view.copy_(p.data)
                 p.data = view
                 self._bucket_of[id(p)] = b
-            if self.zero == 3:  # the bucket's own full buffer, which exists only while gathered
+            if self.zero == 3:  # the full buffer exists only while gathered from now on
                 b.param_shard = param_shards[shard_start:shard_start + shard]
                 b.param_shard.copy_(b.param_data[b.shard_start:b.shard_end])
-                b.param_data = b.param_data.clone()
-                for p, off in zip(bucket_params, offsets):
-                    p.data = b.param_data[off:off + p.numel()].view(p.shape)
                 self.free(b)
             else:
                 b.param_shard = b.param_data[b.shard_start:b.shard_end]
@@ -193,7 +192,7 @@ class DataParallelBuffers:
             self.buckets.append(b)
             start += numel
             shard_start += shard
-        self.param_buffers.append(param_buffer if param_shards is None else param_shards)
+        self.param_buffers.append(param_buffer if param_buffer is not None else param_shards)
         self.grad_buffers.append(grad_buffer)
 
     # -- gradients --------------------------------------------------------------------------------

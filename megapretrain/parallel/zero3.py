@@ -122,6 +122,11 @@ class ShardedUnits:
         self.max_gathered["roots"] = max(self.max_gathered["roots"], len(alive) - layers)
         self.max_gathered["bytes"] = max(self.max_gathered["bytes"], self.buffers.gathered_bytes())
 
+    def gather_all(self) -> None:
+        """Gather every unit and wait for it (reading the whole model outside its forward)."""
+        for unit in self.units:
+            self._ready(unit)
+
     def free_all(self) -> None:
         """Release every unit (after the optimizer step: the shards hold new values)."""
         for unit in self.units:
