@@ -52,6 +52,7 @@ def resolve_device(cfg: Config) -> torch.device:
 
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
+    from .host_memory import keep_freed_host_memory
     from .parallel.state import ParallelState, init_distributed
     from .trainer import Trainer
 
@@ -70,6 +71,7 @@ def setup(argv: list[str]):
         # Ranks sharing a CPU must not oversubscribe it: OpenMP spin-waits make that ~100× slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
+        keep_freed_host_memory()  # no page faults on each step's large tensors (host_memory.py)
     if device.type == "cpu" and cfg.train.precision in ("bf16", "fp16"):
         slow = slow_half_precision_warning(cfg.train.precision)
         warnings += [slow] if slow else []

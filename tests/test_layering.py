@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a module may import its own level and the levels below it
 LEVELS = {
-    "errors": 0, "config": 0, "cli": 0,
+    "errors": 0, "config": 0, "cli": 0, "host_memory": 0,
     "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
     "optim": 2,
     "checkpoint": 3,

@@ -20,9 +20,8 @@ attention, ``torch.optim.AdamW`` with the same gradient clipping, batch and micr
 
 CPU notes: with more threads than free cores, OpenMP spin-waiting makes elementwise ops up to ~100×
 slower; check the load (``uptime``) and pass ``--threads`` accordingly. Both models run in one
-process under the same allocator; glibc returns freed blocks above 32 MB to the OS, so every step
-page-faults its large tensors afresh (``MALLOC_MMAP_THRESHOLD_=17179869184
-MALLOC_TRIM_THRESHOLD_=17179869184`` in the environment turns that off, for both).
+process under the same allocator, set as training sets it on CPU (``megapretrain/host_memory.py``:
+freed blocks are kept for the next step rather than page-faulted afresh).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megapretrain.cli import non_negative_int, positive_int
 from megapretrain.config import load_config, validate
 from megapretrain.errors import ConfigError, UserError
+from megapretrain.host_memory import keep_freed_host_memory
 from megapretrain.model.build import DTYPES, build_model_chunks
 from megapretrain.model.llama import flops_per_token
 from megapretrain.monitor.flops import slow_half_precision_warning
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or cfg.train.threads
     if threads:
         torch.set_num_threads(threads)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # as train.py does on CPU; both models below run with it
     t = cfg.train
     slow = slow_half_precision_warning(t.precision) if device.type == "cpu" and t.precision != "fp32" else None
     if slow:
