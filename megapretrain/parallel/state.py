@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import ConfigError
 
@@ -92,7 +93,11 @@ class Group:
         self._native_reduce_scatter: bool | None = None  # unknown until first tried
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
-        """Account a collective this rank enters (byte counts, the watchdog's last collective)."""
+        """Account a collective this rank enters (byte counts, the watchdog's last collective).
+        Not inside a compiled layer: Dynamo cannot trace the side effect within autograd
+        functions, and would break the graph at every tp collective."""
+        if torch.compiler.is_compiling():
+            return
         if self.stats is not None:
             self.stats.record(f"{self.name}.{kind}", tensor)
         if self.activity is not None:
@@ -120,6 +125,8 @@ class Group:
         """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
         if self.size == 1:
             return tensor
+        if torch.compiler.is_compiling():  # inside a compiled layer: a functional collective, traced
+            return funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, self.pg)
         chunks = tensor.chunk(self.size, dim=dim)
         flat = torch.cat([c.reshape(-1) for c in chunks])  # the ranks' slices, one after another
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
