@@ -5,8 +5,8 @@ and unmaps it on ``free``. A training step allocates such blocks again each step
 layer's weight gradient, the embedding's, the loss's chunk of logits at larger vocabularies — and
 the kernel then zero-fills every 4 KB page of each on first touch. :func:`keep_freed_host_memory`
 turns mmap off for malloc (every block comes from the heap) and raises the trim threshold, so a
-freed block is reused by the next step. The resident set then stays at the run's peak rather than dropping between steps (the
-heap's alignment padding adds a few percent to it).
+freed block is reused by the next step. The resident set then stays at the run's peak rather
+than dropping between steps (the heap's alignment padding adds a few percent to it).
 
 Measured on 2 CPU cores, ``tools/bench_train.py --config configs/bench_cpu.yaml --steps 8``, four
 interleaved pairs: 734–841 tokens/s with this, 696–816 without (``GLIBC_TUNABLES`` naming malloc),

@@ -32,7 +32,7 @@ from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader
 from .data.tokenizers import build_tokenizer
 from .faults import Faults
-from .model.build import DTYPES, build_model_chunks
+from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.llama import documents, flops_per_token, num_parameters
 from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
 from .monitor.flops import device_peak_tflops
@@ -85,7 +85,8 @@ class Trainer(RunState):
         self.args = self.model_chunks[0].args
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
-                                             zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
+                                             zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb,
+                                             initialize=deferred_initializer(self.model_chunks, t.seed))
         # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer gathered around its use
         self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
                                    prefetch=cfg.parallel.zero3_prefetch)

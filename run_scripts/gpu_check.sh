@@ -6,6 +6,7 @@
 #   3. tools/bench_kernels.py (bandwidth against the measured copy bandwidth, loss memory at 32k/128k vocab)
 #   4. tools/bench_train.py on configs/gpu/bench_1b.yaml (~1.2B Llama, bf16): kernels torch, kernels
 #      triton (+ optim.impl triton), kernels triton + train.compile — tokens/s, TFLOP/s and MFU
+#   5. a short training run of configs/tiny.yaml on the NCCL backend (torchrun, one rank)
 # Everything goes to one file: --output FILE, else $OUT/gpu_check.txt when $OUT is set, else
 # runs/gpu_check/gpu_check_<time>.txt. Each step has its own time limit; a step that fails or runs out
 # of time is recorded as such and the next one runs.
@@ -123,6 +124,17 @@ BENCH=("$PYTHON" tools/bench_train.py --config "$CONFIG" --steps 6 --warmup 2)
 run "train kernels=torch" 60 "${BENCH[@]}" --model.kernels torch --optim.impl torch
 run "train kernels=triton" 60 "${BENCH[@]}" --model.kernels triton --optim.impl triton
 run "train triton+compile" 100 "${BENCH[@]}" --model.kernels triton --optim.impl triton --train.compile true
+
+# -- 5. the NCCL backend: a short real training run (one rank: NCCL's start-up, barrier and the
+#       trainer's CUDA path; more ranks need more GPUs) ------------------------------------------------
+NCCL_DIR="$(dirname "$OUTPUT")/nccl"
+run "nccl corpus" 30 bash -c "mkdir -p '$NCCL_DIR' && '$PYTHON' tools/build_demo_corpus.py --output '$NCCL_DIR/corpus.jsonl' \
+  --max-mb 2 && '$PYTHON' tools/preprocess_data.py --input '$NCCL_DIR/corpus.jsonl' --output-prefix '$NCCL_DIR/corpus' \
+  --tokenizer-type ByteTokenizer --json-keys text --append-eod --workers 2"
+run "train nccl" 60 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 -m megapretrain.train \
+  --config configs/tiny.yaml --parallel.backend nccl --train.device cuda --train.iters 20 \
+  --train.eval_interval 10 --checkpoint.interval 0 --logging.tensorboard false \
+  --run.dir "$NCCL_DIR/run" --data.paths "[$NCCL_DIR/corpus_text_document]"
 
 # -- summary ----------------------------------------------------------------------------------------
 log ""

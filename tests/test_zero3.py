@@ -195,3 +195,55 @@ def test_the_offline_reshard_reads_a_zero3_checkpoint(corpus, tmp_path):
     rows, resumed = _run(0, 1, str(tmp_path / "target"), corpus, 6, ["--checkpoint.load", out])
     assert resumed == [3]
     assert [r[1] for r in rows] == pytest.approx([r[1] for r in one[3:]], rel=1e-5)
+
+
+def _start_up(rank, world):
+    """Build a 4-layer model and its zero-3 optimizer as the trainer does, recording at each
+    parameter's initialization the bytes of parameter storage alive on this rank; and the same
+    model built for zero 1, for its parameters' initial values."""
+
+    from megapretrain.config import load_config
+    from megapretrain.model.build import build_model_chunks, deferred_initializer
+    from megapretrain.optim.optimizer import MixedPrecisionAdamW
+    from megapretrain.parallel.state import ParallelState
+
+    ps = ParallelState()
+    out = {}
+    for zero in (3, 1):
+        cfg = load_config(None, ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
+                                 "--model.vocab_size", "300", "--parallel.zero", str(zero)])
+        (model,), specs = build_model_chunks(cfg, ps)
+        params = list(model.parameters())
+        built = sum(p.untyped_storage().nbytes() for p in params)
+        initialize, alive = deferred_initializer([model], cfg.train.seed), []
+
+        def record(p, view, initialize=initialize, alive=alive, params=params):
+            storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in params}
+            alive.append(sum(storages.values()))  # a unit's parameters share its buffer: counted once
+            initialize(p, view)
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, "fp32", ps, zero=zero,
+                                  initialize=record)
+        opt.hook_models([model])
+        with opt.full_params():
+            values = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[zero] = dict(built=built, alive=max(alive, default=0), calls=len(alive), values=values,
+                         params=len(params), model_bytes=sum(p.numel() * p.element_size() for p in params),
+                         unit_bytes=max(b.numel * 4 for b in opt.buffers.buckets))
+    return out
+
+
+def test_zero3_never_holds_the_whole_model_at_start_up():
+    """Under zero 3 the chunks are built without parameter storage, each unit is initialized in
+    its own gathered buffer and cut to this rank's shard before the next one is made: at any
+    initialization the parameter storage alive is at most one unit's (the model is 4 layers and a
+    root); gathered, the parameters hold a zero-1 build's initial values, bit for bit."""
+    import torch
+
+    for got in run_distributed(_start_up, 2, timeout=300):
+        z3, z1 = got[3], got[1]
+        assert z3["built"] == 0 and z1["built"] == z1["model_bytes"]
+        assert z3["calls"] == z3["params"] and z1["calls"] == 0  # zero 1: built with values, copied
+        assert 0 < z3["alive"] <= z3["unit_bytes"] < z3["model_bytes"] / 2, z3
+        assert z3["values"].keys() == z1["values"].keys()
+        for name, value in z1["values"].items():
+            torch.testing.assert_close(z3["values"][name], value, rtol=0, atol=0, msg=name)

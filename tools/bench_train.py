@@ -41,7 +41,7 @@ from megapretrain.cli import non_negative_int, positive_int
 from megapretrain.config import load_config, validate
 from megapretrain.errors import ConfigError, UserError
 from megapretrain.host_memory import keep_freed_host_memory
-from megapretrain.model.build import DTYPES, build_model_chunks
+from megapretrain.model.build import DTYPES, build_model_chunks, deferred_initializer
 from megapretrain.model.llama import flops_per_token
 from megapretrain.monitor.flops import slow_half_precision_warning
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
@@ -108,7 +108,8 @@ def megapretrain_step(cfg, plan, device):
     (model,), specs = build_model_chunks(cfg, ps)  # pp 1: one chunk, built as training builds it
     model.train()
     opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, cfg.train.precision, ps,
-                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb)
+                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb,
+                              initialize=deferred_initializer([model], cfg.train.seed))
     opt.hook_models([model])  # the parameter-gather hooks training attaches (a compiled layer must not trace them)
     batches = micro_batches(cfg, device)
 

@@ -113,19 +113,55 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
     """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
     and their parameter-spec table.
 
+    Under ZeRO-3 (``parallel.zero: 3``) the chunks are built without parameter storage and their
+    values are written when the optimizer shards them (pass :func:`deferred_initializer` to it).
+
     The first stage's first chunk embeds, the last stage's last chunk holds the head. With tied
     embeddings and pp > 1 the last stage keeps its own copy of the embedding: both copies start
     equal (same name, same seed), their grads are summed over the embedding group, and the copy on
     the last stage is left out of the grad norm (its spec says so).
     """
     rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
+    deferred = cfg.parallel.zero == 3
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=resolve_kernels(cfg.model.kernels, ps.device),
-                     z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision], device=ps.device)
+                     z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision],
+                     device="meta" if deferred else ps.device)
     for chunk in chunks:
-        chunk.init_weights(cfg.train.seed)
+        if deferred:
+            _placeholders(chunk, ps.device)
+        else:
+            chunk.init_weights(cfg.train.seed)
         if cfg.train.compile:
             compile_layers(chunk, ps.device)
     return chunks, table_of(chunks)
+
+
+def _placeholders(chunk: LlamaModel, device: torch.device) -> None:
+    """ZeRO-3: replace every (meta) parameter of ``chunk`` by one of its shape and dtype on
+    ``device`` that has no storage. The optimizer's buffers (parallel/data.py) then write each
+    unit's initial values straight into its gathered buffer, keep this rank's shard and free the
+    rest, so no rank ever holds its whole model: one parameter at a time is allocated here, for an
+    instant, and one unit at a time there."""
+    for module in chunk.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
+            tensor.untyped_storage().resize_(0)
+            setattr(module, name, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+def deferred_initializer(chunks: list[LlamaModel], seed: int):
+    """``initialize(param, out)`` for the optimizer's buffers: writes the initial value of a
+    parameter of ``chunks`` that :func:`build_model_chunks` left without storage (ZeRO-3) into
+    ``out``, the same values :meth:`LlamaModel.init_weights` gives it."""
+    owner = {}
+    for chunk in chunks:
+        specs = chunk.param_specs()
+        owner.update({id(p): (chunk, name, specs[name]) for name, p in chunk.named_parameters()})
+
+    def initialize(param: torch.nn.Parameter, out: torch.Tensor) -> None:
+        chunk, name, spec = owner[id(param)]
+        chunk.init_parameter(name, out, seed, spec)
+    return initialize
 
 
 def rank_param_specs(cfg: Config, pp_rank: int, tp_rank: int) -> dict[str, ParamSpec]:

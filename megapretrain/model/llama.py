@@ -390,15 +390,23 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Give every parameter its layout-invariant initial value (see ``init_shard_``): norms 1,
-        every other weight drawn with its layer's ``init_std``."""
+        """Give every parameter its layout-invariant initial value (see :meth:`init_parameter`)."""
         specs = self.param_specs()
-        for mod_name, mod in self.named_modules():
-            for pname, param in mod.named_parameters(recurse=False):
-                if isinstance(mod, RMSNorm):
-                    param.fill_(1.0)
-                else:
-                    init_shard_(param, specs[f"{mod_name}.{pname}"], seed, mod.init_std, self.tp)
+        for name, param in self.named_parameters():
+            self.init_parameter(name, param, seed, specs[name])
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, out: torch.Tensor, seed: int, spec: ParamSpec | None = None) -> None:
+        """Write parameter ``name``'s initial value (this rank's shard of it, ``init_shard_``) into
+        ``out``, a tensor of its shape: norms 1, every other weight drawn with its layer's
+        ``init_std``. ``out`` need not be the parameter itself (ZeRO-3 writes each unit straight into
+        its gathered buffer: parallel/data.py)."""
+        module_name, _, _ = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, RMSNorm):
+            out.fill_(1.0)
+        else:
+            init_shard_(out, spec or self.param_specs()[name], seed, module.init_std, self.tp)
 
     # -- forward ----------------------------------------------------------------------------------
 

@@ -210,11 +210,13 @@ def _piece(entry, key: str, f: Fragment) -> torch.Tensor:
 
 class MixedPrecisionAdamW:
     """AdamW over fp32 master weights of ``named_params``, sharded over dp by ``zero``; ``specs``
-    is their parameter-spec table (``model/build.py``). See the module docstring."""
+    is their parameter-spec table (``model/build.py``). ``initialize(param, out)`` writes the
+    initial value of a parameter built without storage (zero=3: ``deferred_initializer``). See the
+    module docstring."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], optim_cfg,
                  precision: str, ps: ParallelState, *, zero: int = 0, bucket_size_mb: float = 32.0,
-                 overlap_grad_reduce: bool = True):
+                 overlap_grad_reduce: bool = True, initialize=None):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen ones: not ours
         names = [n for n, _ in named_params]
         if len(set(names)) != len(names):
@@ -227,7 +229,7 @@ class MixedPrecisionAdamW:
         self.offload = optim_cfg.offload
         self.buffers = DataParallelBuffers(named_params, specs, ps.dp_cp, ps.tp, ps.embedding, zero=zero,
                                            bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
-                                           shard=ps.dp_shard, replicas=ps.dp_replicas)
+                                           shard=ps.dp_shard, replicas=ps.dp_replicas, initialize=initialize)
         self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
         self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl) for b in self.buffers.buckets]
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}

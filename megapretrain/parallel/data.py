@@ -9,6 +9,8 @@ Layout (one buffer pair per parameter dtype)::
 
 Every parameter starts at a multiple of ``ALIGN`` elements and every bucket is padded to a multiple
 of ``ALIGN · dp``, so each dp rank owns an equal, aligned 1/dp slice (its *shard*) of every bucket.
+Under ``zero=3`` the model arrives without parameter storage (``model/build.py``): each bucket's
+full buffer is made, filled by ``initialize``, cut to this rank's shard and freed, one at a time.
 
 Autograd's ``p.grad`` is folded into ``p.main_grad`` (fp32) as soon as it is accumulated, and freed;
 micro-batches therefore sum in fp32. Inside ``grad_sync(last=True)`` (the last micro-batch's
@@ -130,8 +132,10 @@ class DataParallelBuffers:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], dp: Group,
                  tp: Group, embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
-                 overlap: bool = True, shard: Group | None = None, replicas: Group | None = None):
+                 overlap: bool = True, shard: Group | None = None, replicas: Group | None = None,
+                 initialize=None):
         self.dp, self.tp, self.embedding, self.zero, self.overlap = dp, tp, embedding, zero, overlap
+        self.initialize = initialize  # (param, out) -> None: the initial value of a storage-less param
         self.shard = shard or dp
         self.replicas = replicas
         self.names = {id(p): n for n, p in named_params}
@@ -174,7 +178,13 @@ class DataParallelBuffers:
                             else torch.zeros(numel, dtype=dtype, device=device))
             for p, off in zip(bucket_params, offsets):
                 view = b.param_data[off:off + p.numel()].view(p.shape)
-                view.copy_(p.data)
+                if p.untyped_storage().nbytes() == 0 and p.numel():  # a ZeRO-3 placeholder (model/build.py)
+                    if self.initialize is None:
+                        raise ValueError(f"parameter '{self.names[id(p)]}' has no storage and no initializer "
+                                         "was given (model/build.py: deferred_initializer)")
+                    self.initialize(p, view)
+                else:
+                    view.copy_(p.data)
                 p.data = view
                 self._bucket_of[id(p)] = b
             if self.zero == 3:  # the full buffer exists only while gathered from now on
