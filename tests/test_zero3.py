@@ -134,8 +134,10 @@ def test_gathers_are_prefetched_and_grads_reduced_during_backward(probe):
             reduce = at[("reduce", layers[i])][0]
             assert any(g < reduce for g in at[("gather", layers[i - 1])][1:]), (layers[i - 1], events)
             assert reduce < at[("backward", layers[0])][0]
-        # every micro-batch gathers each layer twice (forward, backward) and frees it twice
+        # every micro-batch gathers each layer twice (forward, backward) and frees it twice, but
+        # the last, kept from its forward to its backward (one chunk, no pipeline)
         assert len(at[("gather", layers[2])]) == len(at[("free", layers[2])]) == 2 * 2 * 2
+        assert len(at[("gather", layers[3])]) == len(at[("free", layers[3])]) == 2 * 2
 
 
 # -- checkpoints ------------------------------------------------------------------------------------

@@ -261,9 +261,9 @@ class MixedPrecisionAdamW:
         """Attach the parameter gathers to the model ``chunks``: under zero=3 each unit's gather
         and release around its use (parallel/zero3.py); under zero 1/2 the post-step all-gather
         running under the next forward (``overlap_param_gather``)."""
-        if self.zero == 3:
+        if self.zero == 3:  # one chunk and no pipeline: its backward follows its forward (keep the last layer)
             self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
-                                      trace=trace)
+                                      keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)
         else:
             self.overlap_param_gather(chunks)
 

@@ -7,6 +7,7 @@ Around every use, a layer's full parameters are all-gathered into its bucket's o
 released again; its gradients are reduce-scattered into the shard as soon as its backward is done::
 
     forward of layer i     wait gather(i) · start gather(i+1) (prefetch) · compute · free(i)
+                           (the last layer is kept for its backward when that comes next)
     backward of layer i    wait gather(i) · start gather(i-1) · compute · reduce-scatter(i) · free(i)
 
 The backward gather is started by a hook on the layer's output, which fires when the gradient
@@ -16,6 +17,9 @@ the chunk's forward starts and kept until the step's last backward is done (the 
 embedding are used at both ends of the chunk). With ``zero3_keep_gathered`` every unit stays
 gathered from its first use to the step's last backward: no re-gather between forward and
 backward or between micro-batches, at the memory cost of the whole chunk's parameters.
+``keep_last`` (a model of one chunk, without pipeline parallelism, whose backward starts right
+after its forward) keeps the last layer from its forward to its backward, as nothing runs in
+between but the head: one gather fewer per micro-batch, and no wait for it when backward starts.
 
 At most three layer units are gathered at any moment — the one computing, the one prefetched,
 and in backward the previous one while its last gradients arrive — plus every chunk's root
@@ -50,8 +54,8 @@ class ShardedUnits:
     ``zero=3``) through module hooks. ``trace``: record (time, event, unit) for tests."""
 
     def __init__(self, buffers: DataParallelBuffers, chunks: list[nn.Module], *, keep_gathered: bool = False,
-                 prefetch: bool = True, trace: bool = False):
-        self.buffers, self.keep, self.prefetch = buffers, keep_gathered, prefetch
+                 prefetch: bool = True, keep_last: bool = False, trace: bool = False):
+        self.buffers, self.keep, self.prefetch, self.keep_last = buffers, keep_gathered, prefetch, keep_last
         self.events: list[tuple[float, str, str]] | None = [] if trace else None
         self.units: list[Unit] = []
         self._unit_of: dict[int, Unit] = {}  # bucket index -> unit
@@ -156,7 +160,7 @@ class ShardedUnits:
         self._record("forward_done", unit)
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._before_backward, unit=unit))
-            if self.keep:
+            if self.keep or (self.keep_last and unit.next is None):
                 return
         self._free(unit)
 
