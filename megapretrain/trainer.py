@@ -86,7 +86,7 @@ class Trainer(RunState):
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
                                              zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                             initialize=deferred_initializer(self.model_chunks, t.seed))
+                                             initialize=deferred_initializer(self.model_chunks, self.specs, t.seed))
         # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer gathered around its use
         self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
                                    prefetch=cfg.parallel.zero3_prefetch)

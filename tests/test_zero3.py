@@ -217,7 +217,7 @@ def _start_up(rank, world):
         (model,), specs = build_model_chunks(cfg, ps)
         params = list(model.parameters())
         built = sum(p.untyped_storage().nbytes() for p in params)
-        initialize, alive = deferred_initializer([model], cfg.train.seed), []
+        initialize, alive = deferred_initializer([model], specs, cfg.train.seed), []
 
         def record(p, view, initialize=initialize, alive=alive, params=params):
             storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q in params}

@@ -109,7 +109,7 @@ def megapretrain_step(cfg, plan, device):
     model.train()
     opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, cfg.train.precision, ps,
                               zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                              initialize=deferred_initializer([model], cfg.train.seed))
+                              initialize=deferred_initializer([model], specs, cfg.train.seed))
     opt.hook_models([model])  # the parameter-gather hooks training attaches (a compiled layer must not trace them)
     batches = micro_batches(cfg, device)
 

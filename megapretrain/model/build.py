@@ -149,18 +149,16 @@ def _placeholders(chunk: LlamaModel, device: torch.device) -> None:
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
-def deferred_initializer(chunks: list[LlamaModel], seed: int):
+def deferred_initializer(chunks: list[LlamaModel], specs: dict[str, ParamSpec], seed: int):
     """``initialize(param, out)`` for the optimizer's buffers: writes the initial value of a
     parameter of ``chunks`` that :func:`build_model_chunks` left without storage (ZeRO-3) into
-    ``out``, the same values :meth:`LlamaModel.init_weights` gives it."""
-    owner = {}
-    for chunk in chunks:
-        specs = chunk.param_specs()
-        owner.update({id(p): (chunk, name, specs[name]) for name, p in chunk.named_parameters()})
+    ``out``, the same values :meth:`LlamaModel.init_weights` gives it. ``specs``: the chunks'
+    table, as :func:`build_model_chunks` returns it."""
+    owner = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
 
     def initialize(param: torch.nn.Parameter, out: torch.Tensor) -> None:
-        chunk, name, spec = owner[id(param)]
-        chunk.init_parameter(name, out, seed, spec)
+        chunk, name = owner[id(param)]
+        chunk.init_parameter(name, out, seed, specs[name])
     return initialize
 
 

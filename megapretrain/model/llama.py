@@ -396,9 +396,9 @@ class LlamaModel(nn.Module):
             self.init_parameter(name, param, seed, specs[name])
 
     @torch.no_grad()
-    def init_parameter(self, name: str, out: torch.Tensor, seed: int, spec: ParamSpec | None = None) -> None:
-        """Write parameter ``name``'s initial value (this rank's shard of it, ``init_shard_``) into
-        ``out``, a tensor of its shape: norms 1, every other weight drawn with its layer's
+    def init_parameter(self, name: str, out: torch.Tensor, seed: int, spec: ParamSpec) -> None:
+        """Write parameter ``name``'s initial value (this rank's shard of it, ``init_shard_``, by its
+        ``spec``) into ``out``, a tensor of its shape: norms 1, every other weight drawn with its layer's
         ``init_std``. ``out`` need not be the parameter itself (ZeRO-3 writes each unit straight into
         its gathered buffer: parallel/data.py)."""
         module_name, _, _ = name.rpartition(".")
@@ -406,7 +406,7 @@ class LlamaModel(nn.Module):
         if isinstance(module, RMSNorm):
             out.fill_(1.0)
         else:
-            init_shard_(out, spec or self.param_specs()[name], seed, module.init_std, self.tp)
+            init_shard_(out, spec, seed, module.init_std, self.tp)
 
     # -- forward ----------------------------------------------------------------------------------
 
