@@ -23,6 +23,11 @@ added by one ``addmm_``, which rounds once per chunk: over 8 chunks of bf16 the 
 spends more time re-packing the weight than multiplying (2048 × 512 × 50304 in bf16 on 2 cores:
 64-token chunks take 3× as long as 256-token ones), and of equal size.
 
+:func:`chunked_loss_and_grads` can instead add d loss / d weight into a wider buffer it is given
+(the weight's fp32 main grad in training, ``model/fused_loss.py``): each chunk's product is made a
+tile of ``ACCUM_TILE_ROWS`` vocabulary rows at a time and added, so no weight-sized gradient exists
+(on 2 CPU cores as fast as summing in bf16 and folding the sum into the main grad afterwards).
+
 :func:`linear_cross_entropy_reference` is the same chunked algorithm with the torch phases (on one
 rank, fused into one pass per row block), so the CPU path gets the same memory saving.
 """
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = {"cpu": 16 << 20, "default": 512 << 20}  # bytes of one chunk's logits, by device type
 MIN_ROWS = {"cpu": 256, "default": 1}  # tokens per chunk at least, by device type
+ACCUM_TILE_ROWS = 2048  # vocabulary rows per product folded into a wider weight gradient
 
 
 def default_chunk_rows(tokens: int, vocab_local: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -80,12 +86,27 @@ def _add_product(acc, a, b, accum_dtype, tmp):
     return acc.add_(torch.mm(a, b, out=tmp))  # low-precision product, wider sum
 
 
+def _accumulate_product(out, a, b, tmp):
+    """out += a @ b for a wider ``out`` (an fp32 main grad) than the operands: tile by tile of
+    ``tmp``'s rows, so the low-precision product never exists whole."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+        return
+    step = tmp.shape[0]
+    for i in range(0, out.shape[0], step):
+        j = min(i + step, out.shape[0])
+        out[i:j].add_(torch.mm(a[i:j], b, out=tmp[: j - i]))
+
+
 def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real_vocab, ignore_index,
-                           z_loss, rows, need_x: bool, need_w: bool, reference: bool, accum_dtype=None, lse=None):
+                           z_loss, rows, need_x: bool, need_w: bool, reference: bool, accum_dtype=None, lse=None,
+                           grad_w_out=None):
     """Per-token loss and log-sum-exp (n,) fp32 and, when asked, the gradients of Σ_t scale_t · loss_t:
     d/dx (n, h), this rank's partial sum over tp, and d/dweight (v/tp, h) in ``accum_dtype``
     (default the weight's). Given ``lse`` (n,) from an earlier pass, only the gradients are made
-    (the loss returned is None)."""
+    (the loss returned is None). Given ``grad_w_out`` (v/tp, h), typically the weight's fp32 main
+    grad, d/dweight is added into it chunk by chunk instead (and None returned): no weight-sized
+    gradient is allocated."""
     n, vocab_local = x2d.shape[0], weight.shape[0]
     valid = _valid(vocab_local, vocab_start, real_vocab)
     accum_dtype = accum_dtype or weight.dtype
@@ -96,7 +117,10 @@ def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real
     lse_out = lse if lse is not None else x2d.new_empty(n, dtype=torch.float32)
     grad_x = torch.empty_like(x2d) if need_x else None
     grad_w = None
-    tmp_w = x2d.new_empty(weight.shape) if need_w and x2d.dtype != accum_dtype else None
+    if need_w and grad_w_out is not None:
+        tmp_w = x2d.new_empty(min(ACCUM_TILE_ROWS, vocab_local), weight.shape[1])  # (tile, h)
+    else:
+        tmp_w = x2d.new_empty(weight.shape) if need_w and x2d.dtype != accum_dtype else None
     for i in range(0, n, rows):
         x_c, t_c, s_c = x2d[i:i + rows], targets[i:i + rows], scale[i:i + rows]
         logits = torch.mm(x_c, weight.t(), out=buf[: x_c.shape[0]])  # (chunk, v/tp)
@@ -106,8 +130,12 @@ def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real
             loss_out[i:i + rows], lse_out[i:i + rows] = loss, lse_c
         if need_x:
             torch.mm(logits, weight, out=grad_x[i:i + rows])  # (chunk, h), partial over tp
-        if need_w:
+        if need_w and grad_w_out is not None:
+            _accumulate_product(grad_w_out, logits.t(), x_c, tmp_w)  # (v/tp, h) += this chunk's
+        elif need_w:
             grad_w = _add_product(grad_w, logits.t(), x_c, accum_dtype, tmp_w)  # (v/tp, h)
+    if need_w and grad_w_out is not None:
+        return loss_out, lse_out, grad_x, None
     if need_w and grad_w is None:  # no tokens
         grad_w = torch.zeros(weight.shape, dtype=accum_dtype, device=weight.device)
     return loss_out, lse_out, grad_x, grad_w

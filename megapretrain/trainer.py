@@ -306,7 +306,7 @@ class Trainer(RunState):
                 docs[micro] = documents(tokens, self.eod, d.reset_attention_mask, d.reset_position_ids, cp)
             tokens, targets = split_to_cp(tokens, cp), split_to_cp(targets, cp)  # (b, s/cp): this rank's
             out = model(tokens if model.pre_process else hidden, targets if model.post_process else None,
-                        docs.get(micro))
+                        docs.get(micro), loss_grad_scale=scale)  # what the backward of out.sum() * scale brings
             if not model.post_process:
                 return out  # (b, s, h) activation for the next stage
             loss_sum.add_(out.detach().sum())  # out: (b, s) fp32 per-token loss

@@ -17,8 +17,9 @@ C++ backend), and the memory table measures the chunked torch algorithm, which i
 gets. GPU figures need a CUDA device; the script says so instead of printing them.
 
 The memory table gives two figures for each form: its peak above the inputs, and its working
-memory, that peak less the gradients for x and the weight, which every form must return (the
-weight's is most of what the chunked forms hold).
+memory, that peak less the gradients it returns, for x and the weight (the weight's is most of
+what the chunked forms hold). The trainer's form returns x's alone: it adds the weight's into the
+weight's fp32 main grad, which the trainer holds anyway (made before the measurement).
 """
 
 from __future__ import annotations
@@ -245,13 +246,23 @@ def time_kernels(a, device: torch.device) -> list[dict]:
 
 # -- peak memory of the loss computation ------------------------------------------------------------
 
-def _loss_fn(impl: str, device: torch.device):
-    """(x, weight, targets) -> scalar loss, for each form of the output layer + cross entropy."""
+def _loss_fn(impl: str, device: torch.device, weight: torch.Tensor):
+    """(x, weight, targets) -> scalar loss, for each form of the output layer + cross entropy. The
+    trainer's form holds ``weight`` in data-parallel buffers first (made here, before any
+    measurement: in training its fp32 main grad exists all along)."""
     from megapretrain.model.fused_loss import linear_cross_entropy_per_token
     from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+    from megapretrain.parallel.data import DataParallelBuffers
+    from megapretrain.parallel.specs import plain_specs
     from megapretrain.parallel.state import Group
 
     tp = Group("tp", [0])
+    if impl == MEMORY_IMPLS[4]:
+        named = [("weight", weight)]
+        sink = DataParallelBuffers(named, plain_specs(named), Group("dp", [0]), tp)
+        reference = device.type != "cuda"
+        return lambda x, w, t: linear_cross_entropy_per_token(x, w, t, tp, 0, w.shape[0], reference=reference,
+                                                              grad_sink=sink, grad_scale=1.0).sum()
     if impl == MEMORY_IMPLS[0]:
         return lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t, reduction="sum")
     if impl == MEMORY_IMPLS[1]:
@@ -263,7 +274,9 @@ def _loss_fn(impl: str, device: torch.device):
 
 
 MEMORY_IMPLS = ("unfused F.linear + F.cross_entropy", "one logits buffer (parallel/cross_entropy.py)",
-                "chunked, per token (model/fused_loss.py)", "chunked, weights given (kernels/)")
+                "chunked, per token (model/fused_loss.py)", "chunked, weights given (kernels/)",
+                "chunked, weight grad into its fp32 main grad (trainer)")
+FUSED_GRAD = MEMORY_IMPLS[4]  # returns no weight gradient: it is added into the (existing) main grad
 
 
 def _loss_inputs(tokens, hidden, vocab, dtype, device):
@@ -290,7 +303,7 @@ def _cpu_peak_child(impl, tokens, hidden, vocab, dtype_name, results) -> None:
     libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD, fixed
     libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
     x, w, t = _loss_inputs(tokens, hidden, vocab, DTYPES[dtype_name], torch.device("cpu"))
-    fn = _loss_fn(impl, torch.device("cpu"))
+    fn = _loss_fn(impl, torch.device("cpu"), w)
     fn(x, w, t).backward()
     x.grad = w.grad = None
     libc.malloc_trim(0)
@@ -305,7 +318,7 @@ def peak_loss_memory(impl, tokens, hidden, vocab, dtype_name, device: torch.devi
     """Bytes the loss computation (forward + backward, incl. the gradients it returns) adds at peak."""
     if device.type == "cuda":
         x, w, t = _loss_inputs(tokens, hidden, vocab, DTYPES[dtype_name], device)
-        fn = _loss_fn(impl, device)
+        fn = _loss_fn(impl, device, w)
         fn(x, w, t).backward()  # warm-up
         x.grad = w.grad = None
         torch.cuda.synchronize(device)
@@ -324,12 +337,13 @@ def peak_loss_memory(impl, tokens, hidden, vocab, dtype_name, device: torch.devi
 
 def memory_table(a, device: torch.device) -> list[dict]:
     """Two figures per form: the whole peak, and its working memory, the peak less the gradients
-    for x (tokens, hidden) and the weight (vocab, hidden) that every form must return (at the
-    benchmark's sizes the weight's gradient is most of what the chunked forms hold)."""
+    it returns: for x (tokens, hidden) and the weight (vocab, hidden), or for x alone in the
+    trainer's form, which adds the weight's into the fp32 main grad the trainer holds anyway (at
+    the benchmark's sizes the weight's gradient is most of what the other chunked forms hold)."""
     tokens, size = a.tokens, torch.finfo(DTYPES[a.dtype]).bits // 8
     print(f"\npeak memory of output layer + cross entropy, forward + backward: {tokens} tokens, hidden "
           f"{a.hidden}, {a.dtype} ({'peak RSS in a fresh process' if device.type == 'cpu' else 'CUDA allocator'}); "
-          "working = peak - the x and weight gradients every form returns")
+          "working = peak - the gradients returned (x and weight; x only for the trainer's form)")
     rows = []
     for vocab in a.vocab:
         grads = (tokens + vocab) * a.hidden * size
@@ -338,11 +352,12 @@ def memory_table(a, device: torch.device) -> list[dict]:
         peaks, works = {}, {}
         for impl in MEMORY_IMPLS:
             peak = peaks[impl] = peak_loss_memory(impl, tokens, a.hidden, vocab, a.dtype, device)
-            work = works[impl] = max(peak - grads, 1)
+            returned = tokens * a.hidden * size if impl == FUSED_GRAD else grads
+            work = works[impl] = max(peak - returned, 1)
             rows.append(dict(vocab=vocab, impl=impl, peak_bytes=peak, working_bytes=work))
             vs = [f"{peaks[ref] / peak:.1f}x less than {name} (working {works[ref] / work:.1f}x)"
                   for ref, name in zip(MEMORY_IMPLS[:2], ("unfused", "one buffer")) if ref in peaks and ref != impl]
-            print(f"    {impl:46} peak {peak / 2**20:7.1f} MiB, working {work / 2**20:7.1f} MiB   "
+            print(f"    {impl:55} peak {peak / 2**20:7.1f} MiB, working {work / 2**20:7.1f} MiB   "
                   f"{', '.join(vs)}")
     return rows
 

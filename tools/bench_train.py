@@ -116,10 +116,11 @@ def megapretrain_step(cfg, plan, device):
     def step() -> float:
         opt.zero_grad()
         total = torch.zeros((), device=device)
+        scale = opt.scaler.scale / plan.tokens_per_batch
         for i, (tokens, targets) in enumerate(batches):
-            losses = model(tokens, targets)  # (b, s) fp32 per-token losses
+            losses = model(tokens, targets, loss_grad_scale=scale)  # (b, s) fp32 per-token losses
             with opt.grad_sync(last=i == len(batches) - 1):
-                (losses.sum() * (opt.scaler.scale / plan.tokens_per_batch)).backward()
+                (losses.sum() * scale).backward()
             total += losses.detach().sum()
         opt.reduce_grads()
         opt.step(cfg.optim.lr)

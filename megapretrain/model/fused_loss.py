@@ -17,6 +17,16 @@ uniform would wait for the device, and where the chunks' recomputation is cheap 
 weight-sized gradient across the pipeline's in-flight micro-batches) the forward computes only the
 loss and the backward always recomputes: one more matmul.
 
+Held by the trainer's data-parallel buffers (``grad_sink``), d loss / d weight is not returned to
+autograd at all: each chunk's product is added straight into the weight's fp32 main grad, a tile
+of vocabulary rows at a time (Megatron-LM's gradient-accumulation fusion, for the output layer),
+and the buffers are told, as their gradient hook would have been. No weight-sized gradient ever
+exists, the sum over chunks and micro-batches is fp32's, and the separate fold of a bf16 gradient
+into the main grad is gone. When the gradients are made in the forward, the forward adds them for
+the incoming gradient the trainer announces (``grad_scale``); a backward that brings another adds
+the difference, recomputed from the log-sum-exp, so it stays exact. A tied weight whose chunk also
+embeds with it keeps autograd's path (the embedding's gradient comes later, through autograd).
+
 The phases are those of :mod:`megapretrain.kernels.cross_entropy` (Triton on CUDA, or under the
 interpreter) or, with ``reference``, their torch twins; the statistics are all-reduced over tp
 between them. d loss / d x is this rank's partial sum, completed by the caller's tp mapping (as
@@ -43,15 +53,21 @@ def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> float | None:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference,
-                grads_in_forward):
+                grads_in_forward, sink, grad_scale):
         x2d, t1d = x.reshape(-1, x.shape[-1]), targets.reshape(-1)  # (b·s, h), (b·s,)
         need_x, need_w = grads_in_forward and ctx.needs_input_grad[0], grads_in_forward and ctx.needs_input_grad[1]
-        ones = x2d.new_ones(t1d.shape, dtype=torch.float32)  # the gradient made here: for a unit incoming one
-        loss, lse, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, ones, group, vocab_start, real_vocab,
-                                                           ignore_index, z_loss, rows, need_x, need_w, reference)
+        # the gradient made here: for the incoming one announced, or else for a unit one
+        scale = x2d.new_full(t1d.shape, 1.0 if grad_scale is None else grad_scale, dtype=torch.float32)
+        main = sink.main_grad_for(weight) if need_w and sink is not None else None
+        loss, lse, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, group, vocab_start, real_vocab,
+                                                           ignore_index, z_loss, rows, need_x, need_w, reference,
+                                                           grad_w_out=main)
         ctx.save_for_backward(x2d, weight, t1d, lse)
         ctx.grads = grad_x, grad_w  # not saved tensors: the backward drops them before it returns
         ctx.args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x.shape)
+        ctx.made = (1.0 if grad_scale is None else grad_scale) if grads_in_forward else None  # its scale
+        ctx.sink = sink
+        ctx.param = weight if sink is not None else None  # the parameter itself: saved tensors come back as others
         return loss.view(targets.shape)
 
     @staticmethod
@@ -60,25 +76,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         (grad_x, grad_w), ctx.grads = ctx.grads, None  # the only references left are these
         group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x_shape = ctx.args
         need_x, need_w = ctx.needs_input_grad[:2]
+        fused = need_w and ctx.sink is not None  # d/dweight goes into the main grad, not through autograd
         scale = grad_loss.reshape(-1).float()  # (b·s,)
-        ready = (grad_x is not None or not need_x) and (grad_w is not None or not need_w)
-        shared = _uniform(scale, t1d != ignore_index) if ready else None
-        if shared is None:  # recompute the chunks with this gradient
-            grad_x = grad_w = None  # frees the forward's before the new ones are made
-            _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, group, vocab_start, real_vocab,
-                                                          ignore_index, z_loss, rows, need_x, need_w, reference,
-                                                          lse=lse)
+        args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows)
+        if ctx.made is None:  # nothing made in the forward: the chunks once, with this gradient
+            main = ctx.sink.main_grad_for(ctx.param) if fused else None
+            _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w, reference,
+                                                          lse=lse, grad_w_out=main)
+        elif fused:  # the forward added made · G to the main grad: add (incoming - made) · G
+            shared = _uniform(scale, t1d != ignore_index)
+            if shared != ctx.made:
+                main = ctx.sink.main_grad_for(ctx.param)
+                _, _, fix_x, _ = chunked_loss_and_grads(x2d, weight, t1d, scale - ctx.made, *args, need_x, True,
+                                                        reference, lse=lse, grad_w_out=main)
+                grad_x = grad_x.add_(fix_x) if need_x else None
         else:
-            grad_x = grad_x.mul_(shared) if need_x else None
-            grad_w = grad_w.mul_(shared) if need_w else None
+            shared = _uniform(scale, t1d != ignore_index)
+            ready = (grad_x is not None or not need_x) and (grad_w is not None or not need_w)
+            if shared is None or not ready or not ctx.made:  # recompute the chunks with this gradient
+                grad_x = grad_w = None  # frees the forward's before the new ones are made
+                _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w,
+                                                              reference, lse=lse)
+            else:
+                grad_x = grad_x.mul_(shared / ctx.made) if need_x else None
+                grad_w = grad_w.mul_(shared / ctx.made) if need_w else None
+        if fused:
+            ctx.sink.grad_added(ctx.param)
+            grad_w = None
         grad_x = grad_x.view(x_shape) if need_x else None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group,
                                    vocab_start: int, real_vocab: int, *, ignore_index: int = -100,
                                    z_loss: float = 0.0, reference: bool = False, chunk_rows: int | None = None,
-                                   grads_in_forward: bool | None = None) -> torch.Tensor:
+                                   grads_in_forward: bool | None = None, grad_sink=None,
+                                   grad_scale: float | None = None) -> torch.Tensor:
     """Per-token loss (b, s) fp32 of ``F.linear(x, weight)`` against global ``targets`` (b, s).
 
     ``x`` (b, s, h) is replicated over tp, ``weight`` (v/tp, h) this rank's output rows starting at
@@ -86,10 +119,23 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
     loss 0 and no gradient. ``reference``: the torch phases instead of the kernels.
     ``grads_in_forward`` (default: on CPU) computes the gradients in the forward (see the module
     docstring); it only applies when gradients are being recorded.
+
+    ``grad_sink`` (the weight's :class:`~megapretrain.parallel.data.DataParallelBuffers`):
+    d loss / d weight is added straight into the weight's fp32 main grad, chunk by chunk, and the
+    sink told, instead of being returned to autograd: no weight-sized gradient exists. With the
+    gradients made in the forward that needs ``grad_scale``, the incoming gradient the backward
+    will bring for every kept token (the trainer's loss scale over the token count); a backward
+    that brings another is still exact (it adds the difference), but a forward that records
+    gradients must then be followed by its backward. Without ``grad_scale`` the forward keeps a
+    weight-sized gradient, as without a sink.
     """
     rows = chunk_rows or default_chunk_rows(targets.numel(), weight.shape[0], x.dtype, x.device)
     if grads_in_forward is None:
         grads_in_forward = x.device.type == "cpu"
     grads_in_forward = grads_in_forward and torch.is_grad_enabled()
+    if grads_in_forward and grad_scale is None:
+        grad_sink = None
+    if grad_scale is not None:  # as the incoming gradient will hold it
+        grad_scale = float(torch.tensor(grad_scale, dtype=torch.float32))
     return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, rows, reference, grads_in_forward)
+                                            z_loss, rows, reference, grads_in_forward, grad_sink, grad_scale)

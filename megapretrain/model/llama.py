@@ -449,15 +449,28 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                docs: Documents | None = None) -> torch.Tensor:
+                docs: Documents | None = None, *, loss_grad_scale: float | None = None) -> torch.Tensor:
         """``docs``: the micro-batch's document structure (positions, attention mask), the same on
-        every pipeline chunk, or None for one causal stream per sample."""
+        every pipeline chunk, or None for one causal stream per sample. ``loss_grad_scale``: the
+        gradient the backward will bring to every per-token loss (the trainer backpropagates
+        their sum times it), which lets the chunked loss add the output layer's weight gradient
+        straight into its fp32 main grad in the forward (``model/fused_loss.py``)."""
         if self.saved_shards is None:
-            return self._forward(x, targets, docs)
+            return self._forward(x, targets, docs, loss_grad_scale)
         with self.saved_shards.hooks():  # backward keeps seq shards, not gathered sequences
-            return self._forward(x, targets, docs)
+            return self._forward(x, targets, docs, loss_grad_scale)
 
-    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None, docs: Documents | None) -> torch.Tensor:
+    def _grad_sink(self, weight: torch.Tensor):
+        """The buffers that hold ``weight``'s fp32 main grad, for the loss to add its gradient into,
+        or None: none, or the weight (tied) also gets a gradient from this chunk's embedding."""
+        ref = getattr(weight, "grad_sink", None)
+        sink = ref() if ref is not None else None
+        if sink is None or not sink.holds(weight) or (self.pre_process and self.args.tie_embeddings):
+            return None
+        return sink
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None, docs: Documents | None,
+                 loss_grad_scale: float | None = None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
         cos, sin, mask = self._positions(x, docs)
@@ -474,7 +487,9 @@ class LlamaModel(nn.Module):
         # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
         if self.kernels == "triton" or self.z_loss or x.device.type == "cpu":
             return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
-                                                  z_loss=self.z_loss, reference=self.kernels == "torch")  # (b, s)
+                                                  z_loss=self.z_loss, reference=self.kernels == "torch",
+                                                  grad_sink=self._grad_sink(weight),
+                                                  grad_scale=loss_grad_scale)  # (b, s)
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
         return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+import weakref
 from functools import partial
 
 import torch
@@ -157,6 +158,7 @@ class DataParallelBuffers:
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
         for _, p in named_params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+            p.grad_sink = weakref.ref(self)  # where an op may add p's gradient itself (main_grad_for, grad_added)
         self.zero_grad()
 
     @torch.no_grad()
@@ -236,6 +238,17 @@ class DataParallelBuffers:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """Fold autograd's ``p.grad`` into ``p.main_grad``; launch the bucket once it is complete."""
+        if p.grad is None:  # the op added it itself (main_grad_for) and has said so (grad_added)
+            return
+        self.main_grad_for(p).add_(p.grad)
+        p.grad = None
+        self.grad_added(p)
+
+    def main_grad_for(self, p: nn.Parameter) -> torch.Tensor:
+        """``p.main_grad`` (fp32), to add a gradient into; under zero=2 made on the bucket's first
+        gradient of a micro-batch. An op that adds its gradient for ``p`` here itself (the output
+        layer's chunked loss: ``p.grad_sink`` is this object) instead of returning it to autograd
+        then calls :meth:`grad_added`."""
         b = self._bucket_of[id(p)]
         if b.launched:
             raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its bucket's "
@@ -244,8 +257,16 @@ class DataParallelBuffers:
         if b.grad_data is None:  # zero=2: the bucket's first grad of this micro-batch
             b.grad_data = torch.zeros(b.numel, dtype=torch.float32, device=p.device)
             b.set_main_grads()
-        p.main_grad.add_(p.grad)
-        p.grad = None
+        return p.main_grad
+
+    def holds(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` itself (not a copy of a model built on these buffers) is one of ours."""
+        b = self._bucket_of.get(id(p))
+        return b is not None and any(q is p for q in b.params)
+
+    def grad_added(self, p: nn.Parameter) -> None:
+        """``p``'s gradient of this backward is in its main grad: launch its bucket if complete."""
+        b = self._bucket_of[id(p)]
         if self._context is None:
             return
         if self._context == "last":
