@@ -342,6 +342,7 @@ class LlamaModel(nn.Module):
         self.args, self.tp = args, tp
         self.cp = cp if cp is not None else Group("cp", [0])
         self.kernels, self.z_loss = kernels, z_loss
+        self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
         self.sequence_parallel = sequence_parallel and tp.size > 1
@@ -463,8 +464,7 @@ class LlamaModel(nn.Module):
     def _grad_sink(self, weight: torch.Tensor):
         """The buffers that hold ``weight``'s fp32 main grad, for the loss to add its gradient into,
         or None: none, or the weight (tied) also gets a gradient from this chunk's embedding."""
-        ref = getattr(weight, "grad_sink", None)
-        sink = ref() if ref is not None else None
+        sink = self.grad_sink() if self.grad_sink is not None else None
         if sink is None or not sink.holds(weight) or (self.pre_process and self.args.tie_embeddings):
             return None
         return sink

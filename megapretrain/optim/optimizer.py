@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -260,7 +261,11 @@ class MixedPrecisionAdamW:
                     trace: bool = False) -> None:
         """Attach the parameter gathers to the model ``chunks``: under zero=3 each unit's gather
         and release around its use (parallel/zero3.py); under zero 1/2 the post-step all-gather
-        running under the next forward (``overlap_param_gather``)."""
+        running under the next forward (``overlap_param_gather``). Each chunk is also told the
+        buffers holding its fp32 main grads (a weak reference: ``grad_sink``), into which its
+        output layer's loss adds the weight's gradient itself (``model/fused_loss.py``)."""
+        for chunk in chunks:
+            chunk.grad_sink = weakref.ref(self.buffers)
         if self.zero == 3:  # one chunk and no pipeline: its backward follows its forward (keep the last layer)
             self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
                                       keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)

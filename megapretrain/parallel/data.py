@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-import weakref
 from functools import partial
 
 import torch
@@ -158,7 +157,6 @@ class DataParallelBuffers:
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
         for _, p in named_params:
             p.register_post_accumulate_grad_hook(self._on_grad)
-            p.grad_sink = weakref.ref(self)  # where an op may add p's gradient itself (main_grad_for, grad_added)
         self.zero_grad()
 
     @torch.no_grad()
@@ -247,8 +245,8 @@ class DataParallelBuffers:
     def main_grad_for(self, p: nn.Parameter) -> torch.Tensor:
         """``p.main_grad`` (fp32), to add a gradient into; under zero=2 made on the bucket's first
         gradient of a micro-batch. An op that adds its gradient for ``p`` here itself (the output
-        layer's chunked loss: ``p.grad_sink`` is this object) instead of returning it to autograd
-        then calls :meth:`grad_added`."""
+        layer's chunked loss, given these buffers by ``MixedPrecisionAdamW.hook_models``) instead
+        of returning it to autograd then calls :meth:`grad_added`."""
         b = self._bucket_of[id(p)]
         if b.launched:
             raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its bucket's "
