@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a module may import its own level and the levels below it
 LEVELS = {
-    "errors": 0, "config": 0, "cli": 0, "host_memory": 0,
+    "errors": 0, "config": 0, "config_rules": 0, "cli": 0, "host_memory": 0,
     "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
     "optim": 2,
     "checkpoint": 3,
@@ -22,10 +22,25 @@ LEVELS = {
 DRIVERS = {"smoke_test", "bench_checkpoint"}  # tools whose job is to run the real trainer in-process
 
 
-def _imports(path: str, package: str | None) -> set[str]:
-    """The megapretrain modules ``path`` imports, as dotted names."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:``: imports for annotations, never run."""
     out = set()
-    for node in ast.walk(ast.parse(open(path).read(), path)):
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(test, "attr", None) == "TYPE_CHECKING"):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def _imports(path: str, package: str | None) -> set[str]:
+    """The megapretrain modules ``path`` imports when it runs, as dotted names."""
+    out = set()
+    tree = ast.parse(open(path).read(), path)
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("megapretrain"))
         elif isinstance(node, ast.ImportFrom):
