@@ -146,8 +146,19 @@ def test_no_weight_sized_gradient_is_allocated(grads_in_forward):
 def test_training_with_the_fused_weight_gradient_gives_autograds_losses(tmp_path, corpus, monkeypatch, extra):
     """Ten fp32 steps with the output layer's gradient added into its main grad give the losses
     and grad norms of the same run with that gradient returned to autograd (a tied embedding,
-    whose weight the embedding's backward also reaches, keeps autograd's path: the same run)."""
+    whose weight the embedding's backward also reaches, keeps autograd's path: the same run).
+    The gradient the trainer announces is the one its backward brings: no chunk is recomputed."""
+    from megapretrain.model import fused_loss
     from megapretrain.model.llama import LlamaModel
+
+    recomputed = []
+    real_chunks = fused_loss.chunked_loss_and_grads
+
+    def spy(*args, lse=None, **kw):
+        recomputed.append(lse is not None)  # the backward's passes are given the forward's lse
+        return real_chunks(*args, lse=lse, **kw)
+
+    monkeypatch.setattr(fused_loss, "chunked_loss_and_grads", spy)
 
     common = ["--train.iters", "10", "--train.precision", "fp32", "--train.eval_interval", "0",
               "--checkpoint.interval", "0", *extra]
@@ -162,6 +173,7 @@ def test_training_with_the_fused_weight_gradient_gives_autograds_losses(tmp_path
     monkeypatch.setattr(LlamaModel, "_grad_sink", counting)
     assert train(tmp_path / "fused", corpus, *common) == 0
     assert calls and (not any(calls) if extra else all(calls))  # fused on every micro-batch unless tied
+    assert recomputed and not any(recomputed)
     monkeypatch.setattr(LlamaModel, "_grad_sink", lambda self, weight: None)
     assert train(tmp_path / "autograd", corpus, *common) == 0
     fused, plain = records(tmp_path / "fused"), records(tmp_path / "autograd")
