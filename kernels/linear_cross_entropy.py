@@ -81,14 +81,13 @@ def _add_product(acc, a, b, accum_dtype, tmp):
         return torch.mm(a, b)  # (v/tp, h)
     if acc is None:
         acc = a.new_zeros(a.shape[0], b.shape[1], dtype=accum_dtype)  # (v/tp, h)
-    if acc.dtype == a.dtype:
-        return acc.addmm_(a, b)
-    return acc.add_(torch.mm(a, b, out=tmp))  # low-precision product, wider sum
+    _accumulate_product(acc, a, b, tmp)
+    return acc
 
 
 def _accumulate_product(out, a, b, tmp):
-    """out += a @ b for a wider ``out`` (an fp32 main grad) than the operands: tile by tile of
-    ``tmp``'s rows, so the low-precision product never exists whole."""
+    """out += a @ b. For a wider ``out`` than the operands (an fp32 sum or main grad) tile by tile
+    of ``tmp``'s rows, so the low-precision product never exists whole."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
         return
@@ -117,10 +116,9 @@ def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real
     lse_out = lse if lse is not None else x2d.new_empty(n, dtype=torch.float32)
     grad_x = torch.empty_like(x2d) if need_x else None
     grad_w = None
-    if need_w and grad_w_out is not None:
-        tmp_w = x2d.new_empty(min(ACCUM_TILE_ROWS, vocab_local), weight.shape[1])  # (tile, h)
-    else:
-        tmp_w = x2d.new_empty(weight.shape) if need_w and x2d.dtype != accum_dtype else None
+    sum_dtype = grad_w_out.dtype if grad_w_out is not None else accum_dtype
+    wider = need_w and x2d.dtype != sum_dtype  # each product is made a tile at a time, then added
+    tmp_w = x2d.new_empty(min(ACCUM_TILE_ROWS, vocab_local), weight.shape[1]) if wider else None  # (tile, h)
     for i in range(0, n, rows):
         x_c, t_c, s_c = x2d[i:i + rows], targets[i:i + rows], scale[i:i + rows]
         logits = torch.mm(x_c, weight.t(), out=buf[: x_c.shape[0]])  # (chunk, v/tp)

@@ -257,7 +257,7 @@ def _loss_fn(impl: str, device: torch.device, weight: torch.Tensor):
     from megapretrain.parallel.state import Group
 
     tp = Group("tp", [0])
-    if impl == MEMORY_IMPLS[4]:
+    if impl == FUSED_GRAD:
         named = [("weight", weight)]
         sink = DataParallelBuffers(named, plain_specs(named), Group("dp", [0]), tp)
         reference = device.type != "cuda"
