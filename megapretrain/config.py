@@ -453,15 +453,9 @@ def _help_lines(cls, where: str) -> list[str]:
 # the sizes derived from a config and its validator live in config_rules.py; importable from here
 from .config_rules import (  # noqa: E402, F401
     CHOICES,
-    ROPE_LLAMA3_KEYS,
     SCHEDULES,
     RunSizes,
     batch_size_at,
-    check_rope_scaling,
-    default_ffn_hidden_size,
-    ffn_hidden_size,
-    kv_heads,
-    padded_vocab_size,
     resolve_schedule,
     run_length,
     validate,

@@ -8,37 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, PipelineError
+from .model.args import check_model, ffn_hidden_size, kv_heads, padded_vocab_size
 
 if TYPE_CHECKING:
-    from .config import Config, ModelConfig, ParallelConfig, TrainConfig
-
-def default_ffn_hidden_size(hidden_size: int) -> int:
-    """Llama's rule: 2/3 of 4·hidden, rounded up to a multiple of 256."""
-    return 256 * math.ceil(int(8 * hidden_size / 3) / 256)
-
-
-def kv_heads(m: ModelConfig) -> int:
-    """``model.num_kv_heads`` resolved (null: multi-head attention)."""
-    return m.num_heads if m.num_kv_heads is None else m.num_kv_heads
-
-
-def ffn_hidden_size(m: ModelConfig) -> int:
-    """``model.ffn_hidden_size`` resolved (null: Llama's rule)."""
-    return default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None else m.ffn_hidden_size
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Round the vocabulary up so every tp rank holds an equal, aligned slice of it."""
-    multiple = divisible_by * tp
-    return multiple * math.ceil(vocab_size / multiple)
-
+    from .config import Config, ParallelConfig, TrainConfig
 
 SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
 
@@ -165,24 +144,6 @@ def _check_ranges(node, where: str = "") -> None:
             _check(not f.metadata.get("positive") or value > 0, f"{path}={value} must be positive{null}")
 
 
-ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def check_rope_scaling(rs: Any, where: str) -> None:
-    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four numbers."""
-    if rs is None:
-        return
-    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
-    _check(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
-                                          "other variants would not compute the same function")
-    if kind == "default":
-        return
-    missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
-    _check(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
-    _check(rs["low_freq_factor"] < rs["high_freq_factor"],
-           f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
-
-
 def _check_rampup(t: TrainConfig, per_step: int, p: ParallelConfig) -> None:
     """train.rampup_batch_size = [start, increment, ramp_samples]: every batch of the ramp a whole
     number of micro-batches on every dp rank (and of pp with the interleaved schedule)."""
@@ -244,7 +205,6 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
     _check(p.zero_shard_size is None or p.zero >= 1,
            f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1, 2 or 3")
-    _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
     _check_kernels(m.kernels, o.impl, o.offload, t.device)
 
     model_parallel = p.tp * p.cp * p.pp
@@ -257,22 +217,8 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
            f"parallel.zero_shard_size={p.zero_shard_size} must divide dp × cp = {dp * p.cp} "
            f"(valid: {_divisors(dp * p.cp)})")
 
-    kv = kv_heads(m)
-    _check(m.hidden_size % m.num_heads == 0,
-           f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
-           f"(valid: {_divisors(m.hidden_size)})")
-    _check((m.hidden_size // m.num_heads) % 2 == 0,
-           f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even for RoPE")
-    _check(m.num_heads % kv == 0,
-           f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
-           f"(valid: {_divisors(m.num_heads)})")
-    _check(m.num_heads % p.tp == 0,
-           f"parallel.tp={p.tp} must divide model.num_heads={m.num_heads} (valid: {_divisors(m.num_heads)})")
-    _check(kv % p.tp == 0,
-           f"parallel.tp={p.tp} must divide model.num_kv_heads={kv} (valid: {_divisors(kv)})")
-    ffn = ffn_hidden_size(m)
-    _check(ffn % p.tp == 0, f"parallel.tp={p.tp} must divide model.ffn_hidden_size={ffn} "
-                            f"(valid: {_divisors(ffn)})")
+    check_model(m, p.tp)
+    kv, ffn = kv_heads(m), ffn_hidden_size(m)
     chunks = p.pp * p.vpp
     if p.pipeline_layers is None:
         _check(m.num_layers % chunks == 0,
@@ -286,11 +232,6 @@ def validate(cfg: Config, world_size: int) -> tuple[RunSizes, list[str]]:
     _check(not (p.sequence_parallel and t.seq_length % p.tp),
            f"parallel.sequence_parallel needs parallel.tp={p.tp} to divide train.seq_length={t.seq_length}")
     _check_context_parallel(p, t.seq_length)
-    _check(m.vocab_size is not None and m.vocab_size >= 1,
-           "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
-    for name in ("attention_dropout", "hidden_dropout"):
-        _check(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
-    check_rope_scaling(m.rope_scaling, "model.rope_scaling")
     _check(cfg.checkpoint.milestone_fraction <= 1,
            f"checkpoint.milestone_fraction={cfg.checkpoint.milestone_fraction} must be in [0, 1] (e.g. 0.1)")
 

@@ -12,13 +12,12 @@ import yaml
 from megapretrain.config import (
     Config,
     ConfigError,
-    default_ffn_hidden_size,
     help_text,
     load_config,
-    padded_vocab_size,
     to_dict,
     validate,
 )
+from megapretrain.model.args import default_ffn_hidden_size, padded_vocab_size
 
 
 def valid(**sections) -> Config:

@@ -101,7 +101,7 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
     """tp 4 → 2 and → 1 on synthetic files: a vocabulary-padded row-split weight (zero 0 whole shards)
     and a column-split weight saved as ZeRO ranges spread over two dp ranks."""
     from megapretrain.checkpoint.reshard import SavedShards, resharded_state
-    from megapretrain.config import padded_vocab_size
+    from megapretrain.model.args import padded_vocab_size
     from megapretrain.parallel.specs import Sharding, make_spec
 
     vocab, hidden, cols, div = 50, 6, 8, 4

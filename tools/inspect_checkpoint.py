@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megapretrain.checkpoint.format import METADATA, problem, read_metadata
 from megapretrain.checkpoint.manager import resolve_checkpoint
 from megapretrain.checkpoint.reshard import GlobalWeights, SavedShards, saved_config_path
-from megapretrain.config import ffn_hidden_size, kv_heads, load_config
+from megapretrain.config import load_config
 from megapretrain.errors import CheckpointError, UserError
+from megapretrain.model.args import ffn_hidden_size, kv_heads
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -19,8 +19,9 @@ import os
 
 import torch
 
-from ..config import ROPE_LLAMA3_KEYS, Config, check_rope_scaling
+from ..config import Config
 from ..errors import ConfigError, UserError, read_json_file
+from ..model.args import ROPE_LLAMA3_KEYS, check_rope_scaling
 from ..model.build import model_args
 from .tensorfile import TensorFile
 

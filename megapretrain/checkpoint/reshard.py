@@ -23,8 +23,8 @@ import shutil
 import numpy as np
 import torch
 
-from ..config import padded_vocab_size
 from ..errors import CheckpointError
+from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
 from ..parallel.specs import ParamSpec
 from .format import RankFile, rank_file, rank_state, read_metadata, write_rank_state

@@ -16,28 +16,16 @@ from types import MethodType
 import torch
 
 from .. import kernels
-from ..config import Config, default_ffn_hidden_size
+from ..config import Config
 from ..errors import ConfigError
 from ..parallel.pipeline import chunk_layers
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
-from .llama import LlamaModel, ModelArgs
+from .args import ModelArgs, model_args
+from .llama import LlamaModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_args(cfg: Config) -> ModelArgs:
-    """The architecture of ``cfg.model`` with its nulls resolved (``model.vocab_size`` must be set)."""
-    m = cfg.model
-    return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
-                     num_kv_heads=m.num_heads if m.num_kv_heads is None else m.num_kv_heads,
-                     ffn_hidden_size=(default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None
-                                      else m.ffn_hidden_size),
-                     vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
-                     rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
-                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None)
 
 
 def table_of(chunks: list[LlamaModel]) -> dict[str, ParamSpec]:

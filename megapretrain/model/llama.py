@@ -26,7 +26,6 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
-from ..config import padded_vocab_size
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.rope import rope
 from ..kernels.swiglu import swiglu
@@ -43,38 +42,10 @@ from ..parallel.tensor import (
     enter_tp_region,
     init_shard_,
 )
+from .args import ModelArgs
 from .fused_loss import linear_cross_entropy_per_token
 
 KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """The architecture, resolved (the config's nulls filled in) and independent of the layout:
-    the one model-shape type of the trainer, the tools and the planner."""
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
-    vocab_divisible_by: int = 128  # the vocabulary is padded to a multiple of this × tp
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    rope_scaling: tuple | None = None  # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
-    mlp: str = "swiglu"  # or "gelu": GPT-3's two-matrix MLP (the planner models it; the layers are SwiGLU)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def padded_vocab(self, tp: int) -> int:
-        """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned slice."""
-        return padded_vocab_size(self.vocab_size, self.vocab_divisible_by, tp)
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -1,0 +1,132 @@
+"""The model's shape: :class:`ModelArgs` (``model.*`` with its nulls resolved, independent of the
+layout) and the rules that belong to it — heads against the hidden size, grouped-query heads,
+the FFN width, the padded vocabulary, rotary scaling, and what tensor parallelism may split.
+
+The config's schema (``config.py``) declares the fields; this module is where their meaning as a
+model lives, so the trainer, the tools and the planner derive the same sizes from one place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import Config, ModelConfig
+
+
+def default_ffn_hidden_size(hidden_size: int) -> int:
+    """Llama's rule: 2/3 of 4·hidden, rounded up to a multiple of 256."""
+    return 256 * math.ceil(int(8 * hidden_size / 3) / 256)
+
+
+def kv_heads(m: ModelConfig) -> int:
+    """``model.num_kv_heads`` resolved (null: multi-head attention)."""
+    return m.num_heads if m.num_kv_heads is None else m.num_kv_heads
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    """``model.ffn_hidden_size`` resolved (null: Llama's rule)."""
+    return default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None else m.ffn_hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up so every tp rank holds an equal, aligned slice of it."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The architecture, resolved (the config's nulls filled in) and independent of the layout:
+    the one model-shape type of the trainer, the tools and the planner."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    vocab_divisible_by: int = 128  # the vocabulary is padded to a multiple of this × tp
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    rope_scaling: tuple | None = None  # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
+    mlp: str = "swiglu"  # or "gelu": GPT-3's two-matrix MLP (the planner models it; the layers are SwiGLU)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned slice."""
+        return padded_vocab_size(self.vocab_size, self.vocab_divisible_by, tp)
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    """The architecture of ``cfg.model`` with its nulls resolved (``model.vocab_size`` must be set)."""
+    m = cfg.model
+    return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                     num_kv_heads=kv_heads(m), ffn_hidden_size=ffn_hidden_size(m),
+                     vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
+                     rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
+                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None)
+
+
+ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def divisors(n: int) -> str:
+    """``n``'s divisors as the list an error message offers."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_rope_scaling(rs: Any, where: str) -> None:
+    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four numbers."""
+    if rs is None:
+        return
+    kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
+    _check(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
+                                          "other variants would not compute the same function")
+    if kind == "default":
+        return
+    missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
+    _check(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
+    _check(rs["low_freq_factor"] < rs["high_freq_factor"],
+           f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
+
+
+def check_model(m: ModelConfig, tp: int) -> None:
+    """The model's own rules, and what tensor parallelism over ``tp`` ranks may split of it: heads,
+    grouped-query heads and the FFN width split over tp; the head size even for RoPE."""
+    _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
+    kv = kv_heads(m)
+    _check(m.hidden_size % m.num_heads == 0,
+           f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
+           f"(valid: {divisors(m.hidden_size)})")
+    _check((m.hidden_size // m.num_heads) % 2 == 0,
+           f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even for RoPE")
+    _check(m.num_heads % kv == 0,
+           f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
+           f"(valid: {divisors(m.num_heads)})")
+    _check(m.num_heads % tp == 0,
+           f"parallel.tp={tp} must divide model.num_heads={m.num_heads} (valid: {divisors(m.num_heads)})")
+    _check(kv % tp == 0, f"parallel.tp={tp} must divide model.num_kv_heads={kv} (valid: {divisors(kv)})")
+    ffn = ffn_hidden_size(m)
+    _check(ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={ffn} (valid: {divisors(ffn)})")
+    _check(m.vocab_size is not None and m.vocab_size >= 1,
+           "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
+    for name in ("attention_dropout", "hidden_dropout"):
+        _check(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    check_rope_scaling(m.rope_scaling, "model.rope_scaling")
