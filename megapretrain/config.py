@@ -1,5 +1,9 @@
-"""Configuration: a tree of dataclasses, YAML files, dotted command-line overrides; the sizes
-derived from a config and its one validator are in :mod:`.config_rules`, re-exported here.
+"""Configuration schema: a tree of dataclasses, YAML files, dotted command-line overrides, and each
+field's own range or choices (:func:`check_fields`).
+
+What the fields mean together — the parallel layout, the model's shape, the batch sizes, the run's
+length — is decided by their owners (``parallel/layout.py``, ``model/args.py``, ``data/sampler.py``,
+``optim/``) and composed once by :func:`megapretrain.resolve.resolve`.
 
 Precedence is defaults < YAML < command line. Every field has a one-line help text (``metadata``),
 which ``--help`` prints. Values from YAML and from the command line go through the same coercion to
@@ -7,7 +11,7 @@ the field's declared type, so ``--train.iters 50`` and ``iters: 50`` mean the sa
 
 User mistakes raise :class:`~megapretrain.errors.ConfigError` with one line that names the field,
 the rule and the fix; the entry point prints it without a traceback. This module is plain data and
-rules: it imports nothing else of the package but the error types.
+schema: it imports nothing else of the package but the error types.
 """
 
 from __future__ import annotations
@@ -24,16 +28,18 @@ from .errors import ConfigError
 
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None, min: float | None = None,
-       positive: bool = False):
+       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = ()):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
-    declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``; null passes."""
+    declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
+    most) or ``below``; a string its ``choices``. Null passes (it means the default)."""
     meta = {"help": help}
-    if name is not None:
-        meta["name"] = name
-    if min is not None:
-        meta["min"] = min
+    for key, value in (("name", name), ("min", min), ("max", max), ("below", below)):
+        if value is not None:
+            meta[key] = value
     if positive:
         meta["positive"] = True
+    if choices:
+        meta["choices"] = choices
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,7 +58,8 @@ class ModelConfig:
     num_heads: int = _f(4, "Attention (query) heads.", min=1)
     num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: num_heads).", min=1)
     ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to 256).", min=1)
-    mlp: str = _f("swiglu", "MLP: swiglu (Llama, the trainer's) | gelu (GPT-3 style; the planner only).")
+    mlp: str = _f("swiglu", "MLP: swiglu (Llama, the trainer's) | gelu (GPT-3 style; the planner only).",
+                  choices=("swiglu", "gelu"))
     vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).", min=1)
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × parallel.tp.", min=1)
     rope_theta: float = _f(10000.0, "Rotary embedding base.", positive=True)
@@ -63,9 +70,10 @@ class ModelConfig:
     tie_embeddings: bool = _f(False, "Share the input embedding with the output layer.")
     init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2·num_layers).",
                          positive=True)
-    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.")
-    hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.")
-    kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).")
+    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", min=0, below=1)
+    hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.", min=0, below=1)
+    kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).",
+                      choices=("auto", "triton", "torch"))
     z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: none).", min=0)
 
 
@@ -92,10 +100,12 @@ class ParallelConfig:
     zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp × cp ranks "
                                         "(e.g. a node's) and replicate across the groups (null: shard over all "
                                         "of dp × cp).", min=1)
-    recompute: str = _f("none", "Activation recomputation: none | selective | full.")
+    recompute: str = _f("none", "Activation recomputation: none | selective | full.",
+                        choices=("none", "selective", "full"))
     bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB; 0: one bucket).",
                                min=0)
-    backend: str = _f("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.")
+    backend: str = _f("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.",
+                      choices=("auto", "nccl", "gloo"))
     comm_stats: bool = _f(False, "Count bytes and calls per collective each step (debugging).")
 
 
@@ -133,10 +143,11 @@ class TrainConfig:
                                            "batch grows from start by increment until ramp_samples samples are "
                                            "consumed (Megatron's --rampup-batch-size).")
     seed: int = _f(1234, "Seed of initialization, data order and dropout.", min=0)
-    precision: str = _f("fp32", "fp32 | bf16 | fp16 (bf16/fp16 keep fp32 master weights).")
+    precision: str = _f("fp32", "fp32 | bf16 | fp16 (bf16/fp16 keep fp32 master weights).",
+                        choices=("fp32", "bf16", "fp16"))
     eval_interval: int = _f(100, "Evaluate on the valid split every this many iterations (0: never).", min=0)
     eval_iters: int = _f(10, "Global batches per evaluation.", min=1)
-    device: str = _f("auto", "auto (cuda when available) | cpu | cuda.")
+    device: str = _f("auto", "auto (cuda when available) | cpu | cuda.", choices=("auto", "cpu", "cuda"))
     threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).", min=0)
     compile: bool = _f(False, "torch.compile each decoder layer (regional: compile time independent of depth).")
 
@@ -153,15 +164,17 @@ class OptimConfig:
     initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.", positive=True)
     loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.", min=1)
     min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.", positive=True)
-    impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton | torch | apex.")
+    impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton | torch | apex.",
+                   choices=("auto", "triton", "torch", "apex"))
 
 
 @dataclass
 class ScheduleConfig:
     warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
-    decay: str = _f("cosine", "cosine | linear | wsd | constant.")
+    decay: str = _f("cosine", "cosine | linear | wsd | constant.", choices=("cosine", "linear", "wsd", "constant"))
     decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).", min=1)
-    wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.")
+    wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.",
+                                   positive=True, max=1)
 
 
 @dataclass
@@ -173,7 +186,7 @@ class CheckpointConfig:
     async_save: bool = _f(False, "Write checkpoints in the background.", name="async")
     load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.")
     milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this fraction of "
-                                   "train.iters, e.g. 0.1: every 10% of the run (0: none).", min=0)
+                                   "train.iters, e.g. 0.1: every 10% of the run (0: none).", min=0, max=1)
     load_optimizer: bool = _f(True, "Load the optimizer state (Adam moments and step, loss scale) with the weights.")
     load_rng: bool = _f(True, "Load the random-number states (dropout streams) with the weights.")
     finetune: bool = _f(False, "Start a new run from checkpoint.load's weights: fresh optimizer, schedule "
@@ -450,13 +463,36 @@ def _help_lines(cls, where: str) -> list[str]:
     return lines
 
 
-# the sizes derived from a config and its validator live in config_rules.py; importable from here
-from .config_rules import (  # noqa: E402, F401
-    CHOICES,
-    SCHEDULES,
-    RunSizes,
-    batch_size_at,
-    resolve_schedule,
-    run_length,
-    validate,
-)
+# ----------------------------------------------------------------------------------------------
+# Each field against what it declares
+
+
+def check_fields(node, where: str = "") -> None:
+    """Every field of ``node`` (a config or a section of one) against the range or choices its
+    declaration names (``_f(min=..., max=..., below=..., positive=..., choices=...)``)."""
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, path)
+            continue
+        meta = f.metadata
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"{path}={value!r} is not one of: {', '.join(map(str, meta['choices']))}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
+        low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
+        positive = meta.get("positive", False)
+        if high is not None or below is not None:  # a bounded interval: say both ends
+            ok = ((value > 0) if positive else (low is None or value >= low)) and \
+                 (value <= high if high is not None else value < below)
+            opening = "(0" if positive else f"[{low:g}" if low is not None else "(-inf"
+            closing = f"{high:g}]" if high is not None else f"{below:g})"
+            if not ok:
+                raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
+            continue
+        if low is not None and value < low:
+            raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
+        if positive and value <= 0:
+            raise ConfigError(f"{path}={value} must be positive{null}")

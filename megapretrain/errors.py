@@ -43,6 +43,11 @@ class PipelineError(UserError):
     """An impossible pipeline layout or schedule."""
 
 
+def divisors(n: int) -> str:
+    """``n``'s divisors, as a message offers them: ``parallel.tp=3 must divide 32 (valid: 1, 2, 4, ...)``."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def read_json_file(path: str, error: type[UserError], fix: str, missing: str = "not found"):
     """The JSON value in ``path``; a missing or unreadable file raises ``error`` naming it, what is
     wrong (``missing`` for an absent file) and ``fix``."""

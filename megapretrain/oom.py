@@ -14,9 +14,10 @@ import os
 import torch
 
 from .errors import UserError
-from .model.build import model_args
+from .model.args import model_args
 from .monitor.flops import DEVICES, find_device
-from .planner import GIB, Layout, estimate
+from .parallel.layout import Layout
+from .planner import GIB, estimate_run
 
 OOM_EXIT = 4
 
@@ -36,20 +37,23 @@ def memory_summary(device: torch.device) -> str:
     return "\n".join(lines) or "no memory statistics on this platform"
 
 
-def remedies(cfg, dp: int, device: torch.device) -> list[str]:
+def advice_device(device: torch.device):
+    """The device whose figures the advice quotes: this GPU when the planner knows it, else an H100."""
+    gpu = find_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return gpu or DEVICES["h100"]
+
+
+def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
     """The changes to try, in order, each with the planner's per-GPU memory for the new layout."""
     p, t = cfg.parallel, cfg.train
-    gpu = find_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    dev = gpu or DEVICES["h100"]
-    args = model_args(cfg)
+    dev, args, dp = advice_device(device), model_args(cfg), layout.dp
 
     def planned(**change) -> str:
-        layout = dict(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
-                      recompute=p.recompute, cp=p.cp,
-                      shard=p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None)
-        layout.update(change)
+        changed = layout.replace(**change)
+        if "pp" in change or "vpp" in change:
+            changed = changed.replace(pipeline_layers=None)  # the config's own split fits its pp × vpp only
         try:
-            e = estimate(args, t.seq_length, Layout(**layout), t.global_batch_size, dev, t.precision)
+            e = estimate_run(cfg, changed, dev)
         except UserError:
             return "(not a valid layout here)"
         return f"(planner: {e.memory['total'] / GIB:.1f} GB per GPU on {dev.name})"
@@ -73,12 +77,12 @@ def remedies(cfg, dp: int, device: torch.device) -> list[str]:
     return out
 
 
-def report_oom(exc: BaseException, cfg, dp: int, rank: int, iteration: int, device: torch.device) -> str:
+def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: int, device: torch.device) -> str:
     """Write ``RUN_DIR/oom_rankN.txt``; return the console message with the remedies."""
     path = os.path.join(cfg.run.dir, f"oom_rank{rank}.txt")
     with open(path, "w") as fh:
         fh.write(f"rank {rank}, iteration {iteration}: {type(exc).__name__}: {exc}\n\n{memory_summary(device)}\n")
     lines = [f"error: out of memory on rank {rank} at iteration {iteration} ({type(exc).__name__}); memory summary "
              f"in {path}. Try, in this order:"]
-    lines += [f"  {i}. {r}" for i, r in enumerate(remedies(cfg, dp, device), start=1)]
+    lines += [f"  {i}. {r}" for i, r in enumerate(remedies(cfg, layout, device), start=1)]
     return "\n".join(lines)

@@ -57,13 +57,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import resolve_schedule
 from .errors import ConfigError, PipelineError, UserError
+from .model.args import model_args
 from .model.build import one_layer_specs
 from .model.llama import ModelArgs, flops_per_token, num_parameters
 from .monitor.flops import Device
-from .parallel.pipeline import peak_in_flight, schedule_order, simulate
+from .parallel.layout import Layout, split_layers
+from .parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
+
+if TYPE_CHECKING:
+    from .config import Config
 
 GIB = 2**30
 KERNEL_S = 2e-6        # fixed cost of every kernel (launch gap, ramp-up and tail of its waves)
@@ -87,53 +92,6 @@ def layer_params(args: ModelArgs) -> tuple[int, int, int]:
     if args.mlp == "gelu":
         split -= args.hidden_size * args.ffn_hidden_size
     return split, replicated, head
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    vpp: int = 1
-    micro_batch: int = 1
-    zero: int = 1
-    recompute: str = "none"  # none | selective | full
-    pipeline_layers: tuple | None = None  # layers per chunk (pp × vpp) when they do not split evenly
-    sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
-    cp: int = 1  # context parallel: ranks that split each sequence (world = tp × cp × pp × dp)
-    shard: int | None = None  # hybrid sharding: ZeRO over groups of this many of the dp × cp ranks
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.tp > 1 and self.sp
-
-    @property
-    def shard_ranks(self) -> int:
-        """Ranks the ZeRO state is sharded over (1 under zero 0)."""
-        return 1 if self.zero == 0 else self.shard or self.dp * self.cp
-
-    def flags(self) -> str:
-        # always said: a config's own uneven split would not fit another pp × vpp
-        uneven = (f" --parallel.pipeline_layers '[{', '.join(map(str, self.pipeline_layers))}]'"
-                  if self.pipeline_layers else " --parallel.pipeline_layers null")
-        return (f"--parallel.tp {self.tp} --parallel.cp {self.cp} --parallel.pp {self.pp} "
-                f"--parallel.vpp {self.vpp}{uneven} "
-                f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
-                + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
-                + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
-
-
-def split_layers(layers: int, chunks: int) -> tuple | None:
-    """Layers per pipeline chunk when ``chunks`` does not divide ``layers``: as even as possible,
-    the first and last chunk (which also hold the embedding and the output layer) the lighter ones."""
-    if layers % chunks == 0:
-        return None
-    base, extra = divmod(layers, chunks)
-    order = list(range(1, chunks - 1)) + [0, chunks - 1]  # middle chunks take the extra layers first
-    counts = [base] * chunks
-    for i in order[:extra]:
-        counts[i] += 1
-    return tuple(counts)
 
 
 def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none",
@@ -372,7 +330,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m)
     stage_layers, per_chunk = _stage_layers(model, L)
-    sp, hidden, world = L.sequence_parallel, model.hidden_size, tp * cp * pp * dp
+    sp, hidden, world = L.sequence_parallel, model.hidden_size, L.world_size
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
@@ -419,6 +377,14 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     peak = device.peak_tflops * 1e12
     return Estimate(L, mem, time, model_flops / (total * world * peak), tokens / total / world,
                     hw_flops / (total * world * peak), device.peak_tflops)
+
+
+def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "flash") -> Estimate:
+    """:func:`estimate` of ``cfg``'s model, sequence, batch, precision and pipeline schedule under
+    ``layout``: what ``tools/plan.py --check`` reports and the OOM advice quotes, from one call."""
+    t = cfg.train
+    return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
+                    cfg.parallel.pp_schedule, attention)
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,

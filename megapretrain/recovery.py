@@ -28,6 +28,17 @@ import subprocess
 import sys
 from collections import deque
 
+from .errors import ConfigError
+
+ACTIONS = ("rollback", "alert", "none")
+
+
+def check_recovery(action: str) -> None:
+    """``recovery.action`` is one this module carries out."""
+    if action not in ACTIONS:
+        raise ConfigError(f"recovery.action={action!r} must be one of: {', '.join(ACTIONS)}"
+                          + (" (YAML reads off/on/yes/no as booleans)" if action in ("False", "True") else ""))
+
 
 class RecoveryError(RuntimeError):
     """The run keeps failing after the allowed rollbacks; the message says what to do."""

@@ -13,10 +13,11 @@ import sys
 
 import torch
 
-from .config import Config, help_text, load_config, validate
+from .config import Config, help_text, load_config
 from .data.checks import check_data_matches_model, resolve_vocab
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
+from .resolve import resolve
 from .run_lock import RunLock
 
 USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]
@@ -61,7 +62,8 @@ def setup(argv: list[str]):
     device = resolve_device(cfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
-    sizes, warnings = validate(cfg, world_size)  # before any process group exists
+    run = resolve(cfg, world_size)  # before any process group exists
+    warnings = list(run.warnings)
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
@@ -80,13 +82,11 @@ def setup(argv: list[str]):
         lock.acquire()  # before anything is written: one training per run directory
     try:
         init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
-        ps = ParallelState(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp, device=device,
-                           comm_stats=cfg.parallel.comm_stats,
-                           zero_shard_size=cfg.parallel.zero_shard_size)
+        ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats)
         if ps.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
-        return Trainer(cfg, sizes, ps, lock=lock)
+        return Trainer(cfg, run.sizes, ps, lock=lock)
     except BaseException:
         if lock is not None:
             lock.release()

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager, milestone_iterations
 from .checkpoint.reshard import global_shapes
-from .config import Config, RunSizes, batch_size_at, resolve_schedule, to_dict
+from .config import Config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
-from .data.sampler import BatchLoader
+from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
@@ -46,6 +46,7 @@ from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_i
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
 from .recovery import Detector, run_alert_command
+from .resolve import RunSizes
 from .run_lock import RunLock
 from .run_state import RunState
 
@@ -91,8 +92,7 @@ class Trainer(RunState):
         self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
                                    prefetch=cfg.parallel.zero3_prefetch)
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
-        self.pipeline_schedule = resolve_schedule(cfg.parallel.pp_schedule, ps.pp.size, cfg.parallel.vpp,
-                                                  self.num_micro)
+        self.pipeline_schedule = sizes.schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
         self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] * ps.pp.size
         act_seq = t.seq_length // ps.cp.size  # a stage hands on its cp share of each sample
@@ -114,7 +114,7 @@ class Trainer(RunState):
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
 
-        layout = {"tp": ps.tp.size, "pp": ps.pp.size, "dp": ps.dp.size, "cp": ps.cp.size}
+        layout = ps.layout.meta()
         self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
@@ -240,7 +240,7 @@ class Trainer(RunState):
             self.faults.before_step(self.iteration + 1)
             return self.train_step()
         except (torch.OutOfMemoryError, MemoryError) as exc:
-            message = report_oom(exc, self.cfg, self.ps.dp.size, self.ps.rank, self.iteration + 1, self.device)
+            message = report_oom(exc, self.cfg, self.sizes.layout, self.ps.rank, self.iteration + 1, self.device)
             print(message, file=sys.stderr, flush=True)
             self.metrics.event("oom", self.iteration + 1, rank=self.ps.rank, error=str(exc)[:500])
             self.metrics.close()

@@ -9,15 +9,9 @@ import re
 import pytest
 import yaml
 
-from megapretrain.config import (
-    Config,
-    ConfigError,
-    help_text,
-    load_config,
-    to_dict,
-    validate,
-)
+from megapretrain.config import Config, ConfigError, help_text, load_config, to_dict
 from megapretrain.model.args import default_ffn_hidden_size, padded_vocab_size
+from megapretrain.resolve import resolve
 
 
 def valid(**sections) -> Config:
@@ -114,13 +108,14 @@ def test_missing_and_malformed_files(tmp_path):
 def test_validation_errors(changes, world, message):
     cfg = valid(**changes)
     with pytest.raises(ConfigError, match=message):
-        validate(cfg, world)
+        resolve(cfg, world)
 
 
 def test_validation_does_not_mutate_and_derives_plan():
     cfg = valid(train__global_batch_size=32, train__micro_batch_size=4, parallel__tp=2)
     before = to_dict(cfg)
-    plan, warnings = validate(cfg, world_size=8)
+    run = resolve(cfg, world_size=8)
+    plan, warnings = run.sizes, list(run.warnings)
     assert to_dict(cfg) == before
     assert (plan.dp, plan.grad_accum) == (4, 2)
     assert plan.tokens_per_batch == 32 * cfg.train.seq_length
@@ -130,9 +125,9 @@ def test_validation_does_not_mutate_and_derives_plan():
 
 
 def test_schedule_warnings():
-    _, warnings = validate(valid(schedule__warmup_iters=10, train__iters=100), 1)
+    warnings = list(resolve(valid(schedule__warmup_iters=10, train__iters=100), 1).warnings)
     assert any("more than 5%" in w for w in warnings)
-    _, warnings = validate(valid(schedule__decay_iters=200, train__iters=100), 1)
+    warnings = list(resolve(valid(schedule__decay_iters=200, train__iters=100), 1).warnings)
     assert any("not reached" in w for w in warnings)
 
 
@@ -156,5 +151,5 @@ def test_shipped_configs_validate_at_their_world_size(path):
     cfg = load_config(path)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = 257  # the byte tokenizer's
-    plan, _ = validate(cfg, world)
+    plan = resolve(cfg, world).sizes
     assert plan.world_size == world and plan.dp >= 1

@@ -10,11 +10,12 @@ import shlex
 
 import pytest
 
-from megapretrain.config import load_config, validate
+from megapretrain.config import load_config
 from megapretrain.model.build import model_args, rank_param_specs
 from megapretrain.model.llama import num_parameters
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.planner import Layout, estimate
+from megapretrain.resolve import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +80,7 @@ def test_the_recipe(name):
         assert 2 * 2**20 <= tokens <= 4 * 2**20
     # the peak LR by size: GPT-3's 6e-4 to 2e-4 up to 1.3B, Llama's 3e-4 to 13B, 1.5e-4 for 70B, 8e-5 for 405B
     assert o.lr <= (6e-4 if params < 2e8 else 3e-4 if params < 2e10 else 1.5e-4 if params < 1e11 else 8e-5)
-    sizes, warnings = validate(cfg, gpus_of(name))
+    warnings = resolve(cfg, gpus_of(name)).warnings
     assert not [w for w in warnings if "warmup" in w]  # warmup within 5% of the steps
 
 
@@ -88,7 +89,7 @@ def test_the_layout_is_for_nodes_of_8_h100s_and_fits(name):
     cfg = _config(name)
     gpus = gpus_of(name)
     assert gpus % 8 == 0 and cfg.parallel.tp <= 8
-    sizes, _ = validate(cfg, gpus)
+    sizes = resolve(cfg, gpus).sizes
     p, t = cfg.parallel, cfg.train
     layout = Layout(p.tp, p.pp, sizes.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
                     tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel)

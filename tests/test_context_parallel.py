@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapretrain.config import ConfigError, load_config, validate
+from megapretrain.config import ConfigError, load_config
 from megapretrain.model.llama import LlamaModel, ModelArgs, documents
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.parallel.context import (
@@ -34,6 +34,7 @@ from megapretrain.parallel.context import (
 from megapretrain.parallel.random import RNGTracker
 from megapretrain.parallel.state import Group, ParallelState, grid_groups, shard_groups
 from megapretrain.planner import Layout, context_gather_bytes, context_sizes, estimate, search
+from megapretrain.resolve import resolve
 from megapretrain.train import setup
 
 from distributed import run_distributed
@@ -275,7 +276,7 @@ def test_a_checkpoint_saved_before_cp_reads_as_cp1(tmp_path):
 def test_impossible_cp_layouts_are_one_line_errors(flags, world, message):
     cfg = load_config(None, ["--model.vocab_size", "300", "--train.global_batch_size", "16", *flags])
     with pytest.raises(ConfigError, match=message) as info:
-        validate(cfg, world)
+        resolve(cfg, world)
     assert "\n" not in str(info.value)
 
 
@@ -283,7 +284,7 @@ def test_a_cp_layout_validates_with_dp_left_over():
     cfg = load_config(None, ["--model.vocab_size", "300", "--parallel.cp", "2", "--parallel.tp", "2",
                              "--parallel.sequence_parallel", "true", "--train.seq_length", "64",
                              "--train.micro_batch_size", "2", "--train.global_batch_size", "8"])
-    sizes, _ = validate(cfg, 8)
+    sizes = resolve(cfg, 8).sizes
     assert (sizes.tp, sizes.cp, sizes.pp, sizes.dp, sizes.grad_accum) == (2, 2, 1, 2, 2)
     assert "world=8 (tp=2 cp=2 pp=1 dp=2)" in sizes.describe()
 
@@ -332,7 +333,7 @@ def test_the_planner_chooses_cp_for_long_sequences_only():
         cfg = load_config(cfg_path, [*shlex.split(e.layout.flags()), "--train.seq_length", "131072",
                                      "--train.global_batch_size", "128", "--train.rampup_batch_size", "null",
                                      "--model.vocab_size", "128256"])
-        sizes, _ = validate(cfg, 16384)
+        sizes = resolve(cfg, 16384).sizes
         assert (sizes.cp, sizes.dp) == (e.layout.cp, e.layout.dp)
 
 

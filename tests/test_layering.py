@@ -1,6 +1,7 @@
-"""Imports go downwards only: config → model and parallel → optim → checkpoint → trainer → entry
-points and tools. Read from the source (every import, function-local ones too), so a cycle hidden
-in a function cannot creep back."""
+"""Imports go downwards only: config → the layout and the model's shape → model, parallel and data
+→ optim → checkpoint → what composes them (resolve, the planner) → trainer → entry points and
+tools. Read from the source (every import, function-local ones too), so a cycle hidden in a
+function cannot creep back."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a module may import its own level and the levels below it
+# (a module's own entry, e.g. "parallel.layout", comes before its package's)
 LEVELS = {
-    "errors": 0, "config": 0, "config_rules": 0, "cli": 0, "host_memory": 0,
-    "data": 1, "parallel": 1, "model": 1, "monitor": 1, "kernels": 1,
-    "optim": 2,
-    "checkpoint": 3,
-    "planner": 4, "recovery": 4, "run_lock": 4, "faults": 4, "oom": 4, "run_state": 4,
-    "trainer": 5,
-    "train": 6,
+    "errors": 0, "config": 0, "cli": 0, "host_memory": 0,
+    "parallel.layout": 1, "model.args": 1,
+    "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
+    "optim": 3,
+    "checkpoint": 4,
+    "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "resolve": 5,
+    "trainer": 6,
+    "train": 7,
 }
 DRIVERS = {"smoke_test", "bench_checkpoint"}  # tools whose job is to run the real trainer in-process
 
@@ -56,6 +59,8 @@ def _imports(path: str, package: str | None) -> set[str]:
 
 def _level(module: str) -> int:
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in LEVELS:
+        return LEVELS[".".join(parts[1:3])]
     return LEVELS[parts[1]] if len(parts) > 1 else 0
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megapretrain.config import resolve_schedule
 from megapretrain.errors import PipelineError
-from megapretrain.parallel.pipeline import P2P, PipelineExecutor, chunk_layers, schedule_order
+from megapretrain.parallel.layout import chunk_layers
+from megapretrain.parallel.pipeline import P2P, PipelineExecutor, resolve_schedule, schedule_order
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed

@@ -7,16 +7,16 @@ from collections import defaultdict
 
 import pytest
 
-from megapretrain.config import resolve_schedule
 from megapretrain.errors import PipelineError
+from megapretrain.parallel.layout import chunk_layers
 from megapretrain.parallel.pipeline import (
     Op,
     Step,
-    chunk_layers,
     forward_only_order,
     input_transfer,
     output_transfer,
     peak_in_flight,
+    resolve_schedule,
     schedule_order,
     simulate,
     transfer_rounds,

@@ -11,13 +11,14 @@ import subprocess
 import pytest
 import torch
 
-from megapretrain.config import load_config, validate
+from megapretrain.config import load_config
 from megapretrain.model.build import model_args
 from megapretrain.model.llama import ModelArgs, flops_per_token, num_parameters
 from megapretrain.monitor.flops import DEVICES, with_device
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 from megapretrain.planner import GIB, Layout, estimate, layer_params, search, split_layers, state_bytes_per_param
+from megapretrain.resolve import resolve
 
 from helpers import build, tiny_args
 from test_preprocess_data import load_tool
@@ -116,7 +117,7 @@ def test_every_layout_found_for_a_config_is_one_the_trainer_accepts():
     assert [e.time["total"] for e in fitting] == sorted(e.time["total"] for e in fitting)
     for e in fitting[:5] + fitting[-3:]:
         checked = load_config(os.path.join(ROOT, "configs", "llama3_70b.yaml"), shlex.split(e.layout.flags()))
-        plan, _ = validate(checked, 512)
+        plan = resolve(checked, 512).sizes
         assert plan.dp == e.layout.dp
 
 
@@ -302,7 +303,7 @@ def test_the_plan_writes_a_config_and_a_launch_script_it_will_not_overwrite(tmp_
             "--train-tokens", "1T", "--write-config", out_cfg, "--write-launch", out_sh]
     assert plan_tool.main(argv) == 0
     written = load_config(out_cfg)
-    sizes, _ = validate(written, 256)
+    sizes = resolve(written, 256).sizes
     assert (written.parallel.tp, written.parallel.pp, written.parallel.vpp, sizes.dp) == (4, 2, 5, 32)
     assert getattr(written.train, "train_tokens", None) == 10**12 or written.train.iters == -(-10**12 // (384 * 8192))
     assert "256 GPUs" in open(out_cfg).readline()

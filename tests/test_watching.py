@@ -250,7 +250,7 @@ RAMP = ["--train.global_batch_size", "8", "--train.rampup_batch_size", "[2, 2, 2
 
 
 def test_the_batch_ramps_up_and_resume_in_the_middle_is_exact(tmp_path, corpus):
-    from megapretrain.config import batch_size_at
+    from megapretrain.data.sampler import batch_size_at
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert _train(straight, corpus, *RAMP, "--train.iters", "12") == 0

@@ -65,15 +65,16 @@ def _build(args, run: str):
 
     from megapretrain.checkpoint.manager import CheckpointManager
     from megapretrain.checkpoint.reshard import global_shapes
-    from megapretrain.config import load_config, validate
+    from megapretrain.config import load_config
     from megapretrain.model.build import build_model_chunks
     from megapretrain.optim.optimizer import MixedPrecisionAdamW
     from megapretrain.parallel.state import ParallelState
+    from megapretrain.resolve import resolve
 
     cfg = load_config(None, ["--run.dir", run, "--model.vocab_size", str(args.vocab), "--model.hidden_size",
                              str(args.hidden), "--model.num_layers", str(args.layers), "--model.num_heads",
                              str(args.heads), "--checkpoint.keep_last", "0"])
-    sizes, _ = validate(cfg, 1)
+    sizes = resolve(cfg, 1).sizes
     ps = ParallelState(device=torch.device("cpu"))
     (model,), specs = build_model_chunks(cfg, ps)
     opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, cfg.train.precision, ps)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megapretrain.cli import non_negative_int, positive_int
-from megapretrain.config import load_config, validate
+from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, UserError
 from megapretrain.host_memory import keep_freed_host_memory
 from megapretrain.model.build import DTYPES, build_model_chunks, deferred_initializer
@@ -46,6 +46,7 @@ from megapretrain.model.llama import flops_per_token
 from megapretrain.monitor.flops import slow_half_precision_warning
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
+from megapretrain.resolve import resolve
 
 BYTE_VOCAB = 257  # ByteTokenizer: 256 bytes + EOS
 
@@ -69,7 +70,7 @@ def load(path: str, overrides: list[str]):
         if cfg.data.tokenizer.type != "ByteTokenizer":
             raise ConfigError("model.vocab_size is null: set it (the benchmark loads no tokenizer)")
         cfg.model.vocab_size = BYTE_VOCAB
-    plan, _ = validate(cfg, 1)
+    plan = resolve(cfg, 1).sizes
     if plan.tp != 1 or plan.pp != 1:
         raise ConfigError(f"the benchmark runs one process: use --parallel.tp 1 --parallel.pp 1 "
                           f"(got tp={plan.tp} pp={plan.pp})")

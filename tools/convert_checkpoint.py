@@ -64,9 +64,10 @@ from megapretrain.checkpoint.hf import (
 )
 from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.reshard import GlobalWeights, global_shapes, saved_config_path, write_layout
-from megapretrain.config import load_config, save_config, validate
+from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
+from megapretrain.resolve import resolve
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -136,7 +137,7 @@ def to_hf(args: argparse.Namespace) -> str:
                                "pass --config with model.vocab_size set")
     check_shapes(path, meta, global_shapes(cfg))  # every saved tensor goes somewhere, in its shape
     weights = GlobalWeights(path, cfg)  # resets cfg's layout to one process
-    validate(cfg, 1)
+    resolve(cfg, 1)
     dtype = DTYPES[args.dtype or cfg.train.precision]
     specs = weights.specs
     bos, eos = _tokenizer_ids(cfg)
@@ -217,7 +218,7 @@ def _target_config(args, overrides: list[str], hf: dict):
     world = args.world_size or p.tp * p.cp * p.pp
     if world < 1:
         raise ConvertError(f"--world-size {world} must be at least 1")
-    sizes, _ = validate(cfg, world)
+    sizes = resolve(cfg, world).sizes
     return cfg, sizes, world
 
 
@@ -265,7 +266,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
                            f"says vocab_size={hf['vocab_size']}")
-    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "cp": sizes.cp}
+    layout = sizes.layout.meta()
     with new_directory(args.output) as tmp:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             specs = rank_param_specs(cfg, pp_rank, tp_rank)
@@ -273,7 +274,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
                               model={n: _slice(weights, s, tp_rank) for n, s in specs.items()},
                               moments={n: {} for n in specs})
 
-        files, _ = write_layout(tmp, layout, state_at)
+        files, _ = write_layout(tmp, sizes.layout, state_at)
         save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf and inspection
         write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout, vocab_size=hf["vocab_size"],
                                      padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,

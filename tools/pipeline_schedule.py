@@ -25,9 +25,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megapretrain.cli import positive_float, positive_int
-from megapretrain.config import load_config, resolve_schedule, validate
+from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError, UserError
-from megapretrain.parallel.pipeline import peak_in_flight, replay, schedule_order, simulate, transfer_rounds
+from megapretrain.parallel.pipeline import (
+    peak_in_flight,
+    replay,
+    resolve_schedule,
+    schedule_order,
+    simulate,
+    transfer_rounds,
+)
+from megapretrain.resolve import resolve
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -66,7 +74,7 @@ def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict
     cfg = load_config(path, overrides)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = 257  # only the vocabulary padding depends on it; the pipeline does not
-    sizes, _ = validate(cfg, world_size)
+    sizes = resolve(cfg, world_size).sizes
     p, t = cfg.parallel, cfg.train
     seq = t.seq_length // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)  # a stage's share of a sample
     per_stage = world_size // sizes.pp

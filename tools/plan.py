@@ -36,12 +36,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import yaml
 
-from megapretrain.config import TrainConfig, load_config, run_length, to_dict, validate
+from megapretrain.config import TrainConfig, load_config, to_dict
+from megapretrain.data.sampler import run_length
 from megapretrain.errors import ConfigError, UserError
 from megapretrain.model.build import model_args
 from megapretrain.model.llama import ModelArgs, num_parameters
 from megapretrain.monitor.flops import DEVICES, with_device
-from megapretrain.planner import ATTENTION, GIB, Layout, context_gather_bytes, estimate, search, split_layers
+from megapretrain.planner import (
+    ATTENTION,
+    GIB,
+    Layout,
+    context_gather_bytes,
+    estimate,
+    estimate_run,
+    search,
+    split_layers,
+)
+from megapretrain.resolve import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -270,7 +281,7 @@ def run_samples(t, budget: int | None) -> tuple[int, int]:
 def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     overrides, budget = split_train_tokens(overrides)
     cfg = load_config(args.config, overrides)
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    m, t = cfg.model, cfg.train
     if m.vocab_size is None:
         raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
     device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
@@ -278,12 +289,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
                          efficiency=args.efficiency)
     model = model_args(cfg)
     if args.check:
-        sizes, _ = validate(cfg, args.gpus)
-        layout = Layout(p.tp, p.pp, sizes.dp, p.vpp, t.micro_batch_size, p.zero, p.recompute,
-                        tuple(p.pipeline_layers) if p.pipeline_layers else None, p.sequence_parallel, p.cp,
-                        p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < sizes.dp * p.cp else None)
-        found = [estimate(model, t.seq_length, layout, t.global_batch_size, device, t.precision, p.pp_schedule,
-                          args.attention)]
+        found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
         found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision, args.attention)
     budget = args.train_tokens or budget

@@ -20,7 +20,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megapretrain.config import ConfigError, batch_size_at, load_config, run_length  # noqa: E402
+from megapretrain.config import ConfigError, load_config  # noqa: E402
+from megapretrain.data.sampler import batch_size_at, run_length  # noqa: E402
 from megapretrain.errors import UserError  # noqa: E402
 from megapretrain.optim.lr_schedule import LRSchedule  # noqa: E402
 

@@ -46,10 +46,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megapretrain.cli import non_negative_float, positive_float, positive_int  # noqa: E402
-from megapretrain.config import Config, ConfigError, load_config, validate  # noqa: E402
+from megapretrain.config import Config, ConfigError, load_config  # noqa: E402
 from megapretrain.errors import UserError  # noqa: E402
 from megapretrain.monitor.metrics import read_metrics, training_records  # noqa: E402
 from megapretrain.optim.lr_schedule import LRSchedule  # noqa: E402
+from megapretrain.resolve import resolve  # noqa: E402
 
 GRAD_NORM_RANGE = (0.1, 10.0)
 NOISE_SIGMAS = 3.0  # the loss must fall by more than this many standard deviations of its noise
@@ -128,7 +129,7 @@ def load(args: argparse.Namespace, overrides: list[str]) -> tuple[Config, int, i
 
     cfg = load_config(args.config, overrides)
     tokenizer_vocab = resolve_vocab(cfg)
-    sizes, _ = validate(cfg, args.nproc_per_node)
+    sizes = resolve(cfg, args.nproc_per_node).sizes
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py")
     return cfg, sizes.decay_iters, tokenizer_vocab

@@ -36,9 +36,10 @@ from megapretrain.checkpoint.reshard import (
     saved_padded_vocab,
     write_layout,
 )
-from megapretrain.config import load_config, validate
+from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import rank_param_specs
+from megapretrain.resolve import resolve
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -59,18 +60,18 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     path = resolve_checkpoint(args.checkpoint)
     meta = read_metadata(path)
     cfg = load_config(saved_config_path(path, args.config), overrides)
-    sizes, _ = validate(cfg, args.world_size)  # the target layout, checked as training would
+    sizes = resolve(cfg, args.world_size).sizes  # the target layout, checked as training would
     m = cfg.model
     shapes = global_shapes(cfg)
     check_shapes(path, meta, shapes)  # every saved tensor has its place in the target
     saved = SavedShards(path, meta)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
-    layout = {"tp": sizes.tp, "pp": sizes.pp, "dp": sizes.dp, "cp": sizes.cp}
+    layout = sizes.layout.meta()
     with new_directory(args.output) as tmp:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             return resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded)
 
-        files, distinct = write_layout(tmp, layout, state_at)
+        files, distinct = write_layout(tmp, sizes.layout, state_at)
         iteration = saved.state(0)["iteration"]
         saved.close()
         write_metadata(tmp, metadata(iteration=iteration, world_size=args.world_size, layout=layout,

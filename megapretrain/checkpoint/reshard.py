@@ -26,19 +26,9 @@ import torch
 from ..errors import CheckpointError
 from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
+from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
 from .format import RankFile, rank_file, rank_state, read_metadata, write_rank_state
-
-
-def rank_coords(layout: dict) -> list[tuple[int, int, int, int]]:
-    """(pp_rank, dp_rank, cp_rank, tp_rank) of every rank of ``layout`` (ParallelState's grid
-    order; a layout without cp, saved before context parallelism, has cp = 1)."""
-    shape = (layout["pp"], layout["dp"], layout.get("cp", 1), layout["tp"])
-    grid = np.arange(int(np.prod(shape))).reshape(shape)
-    coords = [None] * grid.size
-    for (p, d, c, t), rank in np.ndenumerate(grid):
-        coords[int(rank)] = (p, d, c, t)
-    return coords
 
 
 class SavedShards:
@@ -48,7 +38,7 @@ class SavedShards:
     def __init__(self, path: str, meta: dict):
         self.path, self.layout = path, meta["layout"]
         self.version = meta.get("format_version", 1)
-        self.coords = rank_coords(self.layout)
+        self.coords = Layout.from_meta(self.layout).all_coords()  # (pp, dp, cp, tp) of every saved rank
         if len(self.coords) != meta["world_size"]:
             raise CheckpointError(f"{path}/metadata.json: layout {self.layout} does not multiply out to "
                                   f"world_size={meta['world_size']}")
@@ -204,14 +194,14 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
     return path
 
 
-def write_layout(directory: str, layout: dict, state_at) -> tuple[dict, int]:
+def write_layout(directory: str, layout: Layout, state_at) -> tuple[dict, int]:
     """Write a rank file for every rank of ``layout`` into ``directory``: ``state_at(pp_rank,
     tp_rank)`` gives the state of the ranks at that place, whose data- and context-parallel
     replicas are hard links to the first one's file (copies where the file system has no links). Returns the files'
     records for the metadata (name -> (bytes, crc32)) and how many distinct files were written."""
     written: dict[tuple[int, int], tuple[str, tuple]] = {}
     files = {}
-    for rank, (pp_rank, _, _, tp_rank) in enumerate(rank_coords(layout)):
+    for rank, (pp_rank, _, _, tp_rank) in enumerate(layout.all_coords()):
         file = rank_file(directory, rank)
         if (pp_rank, tp_rank) in written:  # a data-parallel replica: the same content
             first, record = written[(pp_rank, tp_rank)]

@@ -24,6 +24,13 @@ from .tokenizers import build_tokenizer
 _CHUNK = 1 << 24  # tokens per pass over the memory map
 
 
+def check_split(split: list) -> None:
+    """``data.split``: three non-negative weights [train, valid, test], train above zero."""
+    if not (len(split) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in split) and split[0] > 0):
+        raise ConfigError(f"data.split={split} must be three non-negative weights [train, valid, test] "
+                          "with train > 0, e.g. [98, 2, 0]")
+
+
 def read_summary(prefix: str) -> dict | None:
     """The preprocessing summary of ``prefix``, or None when there is none (e.g. Megatron-made data)."""
     path = prefix + ".summary.json"

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 
 def micro_batch_ranges(consumed_samples: int, global_batch_size: int, micro_batch_size: int,
@@ -118,3 +124,63 @@ class BatchLoader:
     def _to_device(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.device, non_blocking=True)  # (b, s + 1)
         return batch[:, :-1], batch[:, 1:]  # (b, s) inputs and (b, s) targets
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch sizes over the run: the global batch, its ramp-up, the run's length
+
+
+def batch_size_at(consumed_samples: int, global_batch: int, rampup: list | None) -> int:
+    """The global batch of the step after ``consumed_samples`` samples: ``global_batch``, or under
+    ``rampup`` = [start, increment, ramp_samples] start + increment per ramp_samples/increments
+    samples consumed (Megatron's rule), up to ``global_batch``."""
+    if not rampup or consumed_samples >= rampup[2]:
+        return global_batch
+    start, increment, ramp_samples = rampup
+    increments = (global_batch - start) // increment
+    per_increment = ramp_samples / increments
+    return min(global_batch, start + int(consumed_samples / per_increment) * increment)
+
+
+def run_length(t: TrainConfig) -> tuple[int, int]:
+    """(steps, samples) of the run: train.iters steps, or as many as train.train_tokens take."""
+    if t.rampup_batch_size is None and t.train_tokens is None:
+        return t.iters, t.iters * t.global_batch_size
+    steps = samples = 0
+    while (samples * t.seq_length < t.train_tokens) if t.train_tokens is not None else steps < t.iters:
+        samples += batch_size_at(samples, t.global_batch_size, t.rampup_batch_size)
+        steps += 1
+    return steps, samples
+
+
+def check_batches(t: TrainConfig, dp: int) -> list[int]:
+    """Every global batch the run steps with — the full one, and each of a ramp-up's — as a whole
+    number of micro-batches on every one of ``dp`` ranks; returns them, the full batch first
+    (for the pipeline schedule's own check). Also: one of train.iters and train.train_tokens."""
+    per_step = t.micro_batch_size * dp
+    _check(t.global_batch_size % per_step == 0,
+           f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+           f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
+           f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
+    _check(t.train_tokens is None or t.iters == type(t).iters,
+           f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived")
+    r = t.rampup_batch_size
+    if r is None:
+        return [t.global_batch_size]
+    _check(len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+           and r[0] >= 1 and r[1] >= 1 and r[2] >= 0,
+           f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, ramp_samples >= 0]")
+    start, increment, _ = r
+    _check(start <= t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+           f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus start={start} "
+           f"must be a non-negative multiple of increment={increment}")
+    ramp = list(range(start, t.global_batch_size, increment))
+    for batch in ramp:
+        _check(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is not a multiple of "
+                                      f"micro_batch_size × dp = {per_step}; choose start and increment as multiples")
+    return [t.global_batch_size, *ramp]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

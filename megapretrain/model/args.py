@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, divisors
 
 if TYPE_CHECKING:
     from ..config import Config, ModelConfig
@@ -85,11 +85,6 @@ ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_m
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def divisors(n: int) -> str:
-    """``n``'s divisors as the list an error message offers."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def check_rope_scaling(rs: Any, where: str) -> None:

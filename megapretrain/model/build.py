@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
-from ..parallel.pipeline import chunk_layers
+from ..parallel.layout import chunk_layers
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState

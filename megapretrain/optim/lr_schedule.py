@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 @dataclass(frozen=True)
@@ -50,3 +56,22 @@ class LRSchedule:
         return cls(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_iters=cfg.schedule.warmup_iters,
                    decay_iters=decay_iters, decay=cfg.schedule.decay,
                    wsd_decay_fraction=cfg.schedule.wsd_decay_fraction)
+
+
+def resolve_decay_iters(cfg: Config, iters: int) -> tuple[int, list[str]]:
+    """The step the decay ends at (``schedule.decay_iters``, null: the run's ``iters`` steps),
+    checked against the warmup, and the warnings a schedule deserves (a long warmup, a min_lr the
+    run never reaches)."""
+    s, o = cfg.schedule, cfg.optim
+    decay_iters = s.decay_iters if s.decay_iters is not None else iters
+    if decay_iters < s.warmup_iters:
+        raise ConfigError(f"schedule.decay_iters={decay_iters} must be ≥ schedule.warmup_iters={s.warmup_iters}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
+    warnings = []
+    if s.warmup_iters > 0.05 * iters:
+        warnings.append(f"schedule.warmup_iters={s.warmup_iters} is more than 5% of the run's {iters} steps")
+    if s.decay != "constant" and decay_iters > iters and o.min_lr < o.lr:
+        warnings.append(f"optim.min_lr={o.min_lr} is not reached: schedule.decay_iters={decay_iters} "
+                        f"> the run's {iters} steps")
+    return decay_iters, warnings

@@ -25,9 +25,11 @@ and the model-parallel group; a non-finite norm skips the step and, with fp16, h
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,7 +40,26 @@ from ..kernels.adamw import decay_mask, fused_adamw_, grad_sq_sum
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from ..config import OptimConfig
 from ..parallel.zero3 import LAYER_UNITS_ALIVE, ShardedUnits
+
+
+def check_optim(o: OptimConfig) -> None:
+    """The optimizer's own rules: AdamW's betas, the fp16 loss-scale bounds, and an implementation
+    that is installed and can step where the masters live."""
+    if not (len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)):
+        raise ConfigError(f"optim.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if o.initial_loss_scale < o.min_loss_scale:
+        raise ConfigError(f"optim.initial_loss_scale={o.initial_loss_scale} must be ≥ optim.min_loss_scale="
+                          f"{o.min_loss_scale} > 0")
+    if o.impl == "apex" and importlib.util.find_spec("apex") is None:
+        raise ConfigError("optim.impl=apex: apex is not importable (install NVIDIA apex with its CUDA extensions, "
+                          "or optim.impl=auto)")
+    if o.impl not in ("auto", "torch") and o.offload:
+        raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set optim.impl=auto "
+                          "or torch")
 
 
 class LossScaler:

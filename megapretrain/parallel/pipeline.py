@@ -60,32 +60,33 @@ class Step:
 
 
 # ----------------------------------------------------------------------------------------------
-# Partitioning
-
-
-def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
-                 layers_per_chunk: list[int] | None = None) -> list[list[int]]:
-    """Global layer ids of each of this stage's ``vpp`` chunks.
-
-    Even split by default; ``layers_per_chunk`` (length pp·vpp, in global chunk order) lets the
-    first and last chunks hold fewer layers to balance the embedding and output layer.
-    """
-    n_chunks = pp * vpp
-    if layers_per_chunk is None:
-        if num_layers % n_chunks:
-            raise PipelineError(f"parallel.pp={pp} × parallel.vpp={vpp} = {n_chunks} must divide "
-                                f"model.num_layers={num_layers}")
-        layers_per_chunk = [num_layers // n_chunks] * n_chunks
-    if len(layers_per_chunk) != n_chunks or sum(layers_per_chunk) != num_layers or min(layers_per_chunk) < 1:
-        raise PipelineError(f"parallel.pipeline_layers={layers_per_chunk} must list {n_chunks} positive "
-                            f"layer counts (pp × vpp) summing to model.num_layers={num_layers}")
-    starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
-    return [list(range(starts[c], starts[c] + layers_per_chunk[c]))
-            for c in (v * pp + pp_rank for v in range(vpp))]
-
-
-# ----------------------------------------------------------------------------------------------
 # Schedules (orders)
+
+
+SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+
+
+def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
+    """The pipeline schedule ``parallel.pp_schedule`` names at this layout, checking that it fits
+    (pp, vpp, micro-batches per step); :func:`schedule_order` builds its order."""
+    if kind not in SCHEDULES:
+        raise PipelineError(f"parallel.pp_schedule={kind!r} is not one of: {', '.join(SCHEDULES)}")
+    if vpp > 1 and pp == 1:
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave stages)")
+    if kind == "auto":
+        kind = "none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")
+    if vpp > 1 and kind != "interleaved":
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto), not {kind!r}")
+    if kind == "interleaved":
+        if pp == 1:
+            raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
+        if num_micro % pp:
+            raise PipelineError(f"the interleaved schedule needs the micro-batches per step ({num_micro} = "
+                                f"global_batch_size / (micro_batch_size × dp)) to be a multiple of "
+                                f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size")
+    if kind == "none" and pp > 1:
+        raise PipelineError("parallel.pp_schedule=none runs one stage; use gpipe, 1f1b or auto with parallel.pp > 1")
+    return kind
 
 
 def schedule_order(kind: str, pp_rank: int, pp: int, vpp: int, num_micro: int) -> list[Op]:

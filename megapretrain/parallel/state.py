@@ -1,9 +1,10 @@
-"""Process groups: the (pp, dp, cp, tp) rank grid, built once and passed to whatever needs it.
+"""Process groups: the groups of a :class:`~megapretrain.parallel.layout.Layout`'s rank grid,
+built once and passed to whatever needs it.
 
 Ranks are laid out tp-fastest, then cp (context parallel), then dp, then pp, so tensor-parallel
 neighbours share a node and context-parallel ones sit next to them:
 
-    grid = arange(world).reshape(pp, dp, cp, tp)
+    grid = layout.grid()  # arange(world).reshape(pp, dp, cp, tp)
     tp group of (i, j, c): grid[i, j, c, :]     cp group of (i, j, k): grid[i, j, :, k]
     dp group of (i, c, k): grid[i, :, c, k]     pp group of (j, c, k): grid[:, j, c, k]
     dp_cp group of (i, k): grid[i, :, :, k]  (parameters are replicated over dp and cp alike)
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ConfigError
+from .layout import Layout
 
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -226,19 +228,35 @@ class ParallelState:
 
     def __init__(self, tp: int = 1, pp: int = 1, *, cp: int = 1, device: torch.device | str = "cpu",
                  comm_stats: bool = False, zero_shard_size: int | None = None):
+        """The groups of tp × cp × pp (× the dp that the world size leaves) ranks; :meth:`of`
+        builds them from a resolved :class:`Layout`."""
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world_size % (tp * cp * pp):
             raise ConfigError(f"parallel.tp={tp} × parallel.cp={cp} × parallel.pp={pp} must divide the world "
                               f"size {self.world_size}")
+        dp = self.world_size // (tp * cp * pp)
+        n = zero_shard_size or dp * cp
+        if (dp * cp) % n:
+            raise ConfigError(f"parallel.zero_shard_size={n} must divide dp × cp = {dp * cp}")
+        self.layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, shard=n if n < dp * cp else None)
         self.device = torch.device(device)
         self.stats = CommStats() if comm_stats else None
         self.activity = CommActivity()
-        dp = self.world_size // (tp * cp * pp)
-        grid = np.arange(self.world_size).reshape(pp, dp, cp, tp)
-        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (int(c[0]) for c in np.nonzero(grid == self.rank))
+        grid = self.layout.grid()
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = self.layout.coords(self.rank)
         self._make_groups(grid)
         self._make_shards(grid, zero_shard_size)
+
+    @classmethod
+    def of(cls, layout: Layout, *, device: torch.device | str = "cpu", comm_stats: bool = False) -> ParallelState:
+        """The groups of ``layout`` (which must span the world); ``self.layout`` is then that layout."""
+        ps = cls(layout.tp, layout.pp, cp=layout.cp, device=device, comm_stats=comm_stats, zero_shard_size=layout.shard)
+        if ps.world_size != layout.world_size:
+            raise ConfigError(f"the layout {layout.describe()} needs {layout.world_size} ranks, the world has "
+                              f"{ps.world_size}")
+        ps.layout = layout
+        return ps
 
     def _make_groups(self, grid: np.ndarray) -> None:
         """Every group of the grid; every rank must create every group, in the same order
@@ -252,8 +270,6 @@ class ParallelState:
         """``dp_shard`` and ``dp_replicas``: hybrid sharding's subdivision of dp_cp."""
         size = grid.shape[1] * grid.shape[2]
         n = zero_shard_size or size
-        if size % n:
-            raise ConfigError(f"parallel.zero_shard_size={n} must divide dp × cp = {size}")
         if n == size:  # plain sharding over all of dp_cp
             self.dp_shard, self.dp_replicas = self.dp_cp, Group("dp_replicas", [self.rank])
             return
