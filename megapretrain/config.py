@@ -150,6 +150,11 @@ class TrainConfig:
     device: str = _f("auto", "auto (cuda when available) | cpu | cuda.", choices=("auto", "cpu", "cuda"))
     threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).", min=0)
     compile: bool = _f(False, "torch.compile each decoder layer (regional: compile time independent of depth).")
+    tf32: bool = _f(True, "fp32 on CUDA: matmuls and convolutions on TF32 tensor cores (the MFU peak follows; "
+                    "false: full fp32, about 15x slower on H100).")
+    deterministic: bool = _f(False, "Deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS "
+                             "workspace fixed): the same run gives the same bits on CUDA too, more slowly; an op "
+                             "without a deterministic form warns.")
 
 
 @dataclass

@@ -54,7 +54,9 @@ def resolve_device(cfg: Config) -> torch.device:
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
+    from .model.llama import num_parameters
     from .parallel.state import ParallelState, init_distributed
+    from .runtime import bind_device, pinned_host_warning, set_numerics
     from .trainer import Trainer
 
     config_path, overrides = split_args(argv)
@@ -64,6 +66,11 @@ def setup(argv: list[str]):
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
     warnings = list(run.warnings)
+    bind_device(device)  # before any CUDA tensor, Triton launch or process group
+    numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
+    pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
+                                 num_parameters(run.model) // (run.layout.tp * run.layout.pp))
+    warnings += [pinned] if pinned else []
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
@@ -86,6 +93,8 @@ def setup(argv: list[str]):
         if ps.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
+            if numerics:
+                print(f"numerics: {numerics}", flush=True)
         return Trainer(cfg, run.sizes, ps, lock=lock)
     except BaseException:
         if lock is not None:

@@ -103,7 +103,7 @@ class Trainer(RunState):
                                          self.optimizer.grad_sync, record=cfg.parallel.pp_trace)
         self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
-        self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision)
+        self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
 
         self.datasets = self._build_datasets()
         d = cfg.data

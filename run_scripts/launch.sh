@@ -68,6 +68,8 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # keeps TP comms ordered before compute
+# segments that grow in place: no fragmentation from the changing sizes of a ramp-up, eval or a long run
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 torchrun_command() {  # the command node $1 runs, shell-quoted
   local line

@@ -1,7 +1,8 @@
 """Accelerators: one table of peak FLOP/s, memory and bandwidth, for MFU logging and the planner.
 
 Peaks are dense bf16/fp16 tensor-core figures from the vendors' datasheets (no sparsity); fp32
-training runs on tf32 units at half of that. Memory bandwidths are the datasheets' HBM figures.
+training runs on tf32 units at half of that (``train.tf32``, on by default), or at the plain fp32
+figure (``fp32_tflops``) with TF32 off. Memory bandwidths are the datasheets' HBM figures.
 Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within a
 node) and of its usual fabric per GPU (between nodes: 200 Gb/s HDR InfiniBand per A100, 400 Gb/s
 NDR per H100), for estimates.
@@ -33,29 +34,31 @@ class Device:
     attention_efficiency: float = 0.5  # fraction of peak a flash-attention kernel sustains (planner)
     overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack (planner)
     spare: float = 0.05  # fraction of memory a layout must leave free (planner)
+    fp32_tflops: float = 0.0  # plain fp32 (no tensor cores: train.tf32 false); 0: unknown
 
 
 # key: the lower-case short name (``tools/plan.py --device``), matched against CUDA's device name
 # (longest key first, so "a100-40gb" is tried before "a100")
 _HOPPER = dict(efficiency=0.66, attention_efficiency=0.35)
 DEVICES = {
-    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER),
-    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER),
-    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER),
-    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER),
+    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER, fp32_tflops=67.0),
+    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER, fp32_tflops=67.0),
+    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER, fp32_tflops=51.0),
+    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER, fp32_tflops=67.0),
     "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=2039.0,
-                   attention_efficiency=0.45),
+                   attention_efficiency=0.45, fp32_tflops=19.5),
     "a100-40gb": Device("A100 SXM 40GB", 312.0, 40.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=1555.0,
-                        attention_efficiency=0.45),
+                        attention_efficiency=0.45, fp32_tflops=19.5),
     "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0, efficiency=0.6, hbm_gbs=8000.0,
-                   attention_efficiency=0.35),
+                   attention_efficiency=0.35, fp32_tflops=80.0),
     "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0, efficiency=0.5, hbm_gbs=5300.0,
-                     attention_efficiency=0.3),
+                     attention_efficiency=0.3, fp32_tflops=163.4),
     "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0, efficiency=0.6, hbm_gbs=3277.0,
-                     attention_efficiency=0.35),
-    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0),
-    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7, hbm_gbs=600.0),
-    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0),
+                     attention_efficiency=0.35, fp32_tflops=47.9),
+    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0, fp32_tflops=91.6),
+    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7, hbm_gbs=600.0,
+                   fp32_tflops=31.2),
+    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0, fp32_tflops=30.3),
 }
 
 
@@ -68,14 +71,21 @@ def find_device(cuda_name: str) -> Device | None:
     return None
 
 
-def device_peak_tflops(device: torch.device, precision: str) -> float | None:
-    """Datasheet peak for this device at ``precision``, or None when unknown (e.g. CPUs)."""
+def peak_for(found: Device, precision: str, tf32: bool = True) -> float | None:
+    """``found``'s datasheet peak at ``precision``: the bf16/fp16 tensor-core figure, half of it for
+    fp32 on TF32 tensor cores, or the plain fp32 figure with TF32 off (None when not in the table)."""
+    if precision in ("bf16", "fp16"):
+        return found.peak_tflops
+    return found.peak_tflops / 2 if tf32 else (found.fp32_tflops or None)
+
+
+def device_peak_tflops(device: torch.device, precision: str, tf32: bool = True) -> float | None:
+    """Datasheet peak for this device at ``precision`` (``tf32``: fp32 matmuls on TF32 units), or
+    None when unknown (e.g. CPUs)."""
     if device.type != "cuda":
         return None
     found = find_device(torch.cuda.get_device_name(device))
-    if found is None:
-        return None
-    return found.peak_tflops if precision in ("bf16", "fp16") else found.peak_tflops / 2  # tf32
+    return None if found is None else peak_for(found, precision, tf32)
 
 
 def cpu_matmul_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:

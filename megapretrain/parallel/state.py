@@ -161,7 +161,9 @@ class Group:
                 self._native_reduce_scatter = True
                 return work
             except (RuntimeError, NotImplementedError):
-                if self._native_reduce_scatter:  # it worked before: a real error
+                # only gloo (older releases) lacks it; on NCCL a failure is real, and a rank that
+                # switched to all-reduce alone would wait forever for ranks that did not
+                if self._native_reduce_scatter or dist.get_backend(self.pg) != "gloo":
                     raise
                 self._native_reduce_scatter = False  # older gloo: all-reduce, keep our slice
         work = dist.all_reduce(tensor, group=self.pg, async_op=True)
