@@ -58,12 +58,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .config import resolve_schedule
-from .errors import ConfigError, PipelineError, UserError
-from .model.build import one_layer_specs
-from .model.llama import ModelArgs, flops_per_token, num_parameters
-from .monitor.flops import Device
-from .parallel.pipeline import peak_in_flight, schedule_order, simulate
+from ..config import resolve_schedule
+from ..errors import ConfigError, PipelineError, UserError
+from ..model.build import one_layer_specs
+from ..model.llama import ModelArgs, flops_per_token, num_parameters
+from ..monitor.flops import Device
+from ..parallel.pipeline import peak_in_flight, schedule_order, simulate
 
 GIB = 2**30
 KERNEL_S = 2e-6        # fixed cost of every kernel (launch gap, ramp-up and tail of its waves)
