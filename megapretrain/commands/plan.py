@@ -217,5 +217,6 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
         note = emit(fmt, path, plan, s, args)
         print(f"wrote {path}" + (f"\n{note}" if note else ""), file=done)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,6 @@ class OutputExistsError(UserError):
     """An output file that exists (pass --overwrite)."""
 
 
-
 def _open_new(path: str, overwrite: bool):
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
