@@ -45,5 +45,20 @@ setup(
                 # only a source build, which run_scripts/test.sh makes against the installed torch)
                 "accelerate>=0.30"],
     },
-    entry_points={"console_scripts": ["megapretrain-train=megapretrain.train:main"]},
+    entry_points={"console_scripts": [
+        "megapretrain-train=megapretrain.train:main",
+        # the tools (tools/NAME.py runs the same megapretrain.commands.NAME:main)
+        "megapretrain-plan=megapretrain.commands.plan:main",
+        "megapretrain-preflight=megapretrain.commands.preflight:main",
+        "megapretrain-smoke-test=megapretrain.commands.smoke_test:main",
+        "megapretrain-preprocess=megapretrain.commands.preprocess_data:main",
+        "megapretrain-merge-datasets=megapretrain.commands.merge_datasets:main",
+        "megapretrain-inspect-data=megapretrain.commands.inspect_data:main",
+        "megapretrain-convert=megapretrain.commands.convert_checkpoint:main",
+        "megapretrain-reshard=megapretrain.commands.reshard_checkpoint:main",
+        "megapretrain-inspect-checkpoint=megapretrain.commands.inspect_checkpoint:main",
+        "megapretrain-pipeline-schedule=megapretrain.commands.pipeline_schedule:main",
+        "megapretrain-plot-run=megapretrain.commands.plot_run:main",
+        "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
+    ]},
 )

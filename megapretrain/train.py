@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .cli import USER_ERROR_EXIT, print_error
 from .config import Config, help_text, load_config
 from .data.checks import check_data_matches_model, resolve_vocab
 from .errors import ConfigError, UserError
@@ -112,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = setup(argv)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        print_error(exc)
+        return USER_ERROR_EXIT
     try:
         trainer.fit()
     except RecoveryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 3
     except KeyboardInterrupt:
         print(f"interrupted at iteration {trainer.iteration} (a second Ctrl-C); nothing saved since the last "

@@ -16,6 +16,8 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# the checkout's package for every step, whether or not $PYTHON has it installed (tools/*.py import it)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 OUTPUT="" DRY_RUN=0
 while [ $# -gt 0 ]; do

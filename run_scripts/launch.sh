@@ -84,7 +84,8 @@ if [ "$DRY_RUN" = 1 ]; then
   WORLD=$((NNODES * NPROC_PER_NODE))
   echo "dry run: $CONFIG on $NNODES node(s) × $NPROC_PER_NODE processes = $WORLD; nothing is launched"
   status=0
-  "$PYTHON" "$ROOT/tools/plan.py" --config "$CONFIG" --gpus "$WORLD" --check --device "${PLAN_DEVICE:-h100}" \
+  # the checkout's package even where $PYTHON has none installed (tools/*.py import it)
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$ROOT/tools/plan.py" --config "$CONFIG" --gpus "$WORLD" --check --device "${PLAN_DEVICE:-h100}" \
     ${ARGS[@]+"${ARGS[@]}"} || status=$?
   if [ "$status" = 2 ]; then
     echo "dry run: the config does not validate at world size $WORLD (see above)" >&2

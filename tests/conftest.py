@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py, tests/helpers.py
 
 WORDS = ("def return import class self value index tensor rank batch layer model data token "
          "loss grad step seed shard group split merge print while for if else").split()

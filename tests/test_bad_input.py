@@ -148,11 +148,8 @@ def test_bad_input_gets_one_line_and_changes_nothing(name, tmp_path):
 
 def test_a_full_disk_while_preprocessing_leaves_nothing(tmp_path, monkeypatch, capsys):
     """ENOSPC in the middle of writing: one line naming the directory, the partial files removed."""
+    from megapretrain.commands import preprocess_data as preprocess
     from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
-
-    from test_preprocess_data import load_tool
-
-    preprocess = load_tool("preprocess_data")
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 50}) + "\n" for i in range(200)))
 
     def full(self, arr):

@@ -96,8 +96,8 @@ def test_no_pickle_on_any_load_path(straight, corpus, tmp_path, monkeypatch):
         trainer = setup(_argv(tmp_path / f"r{i}", corpus, 7, "--checkpoint.load", str(straight), *extra))
         assert trainer.iteration == 6 and (trainer.resharded_from is None) == (not extra)
         trainer.lock.release()
-    from test_preprocess_data import load_tool
-    assert load_tool("inspect_checkpoint").main([str(straight)]) == 0
+    from megapretrain.commands import inspect_checkpoint
+    assert inspect_checkpoint.main([str(straight)]) == 0
 
 
 def test_version_1_checkpoints_still_load(straight, corpus, tmp_path):
@@ -218,7 +218,6 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start(straight, corpus, t
 
 KILLER = """
 import os, signal, sys
-sys.path.insert(0, {root!r})
 from megapretrain.checkpoint import tensorfile
 original, calls = tensorfile.write, []
 
@@ -242,7 +241,7 @@ sys.exit(main(sys.argv[1:]))
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(mode, straight, corpus, tmp_path):
     run = tmp_path / "run"
     argv = _argv(run, corpus, 6, "--checkpoint.async", str(mode == "async").lower())
-    proc = subprocess.run([sys.executable, "-c", KILLER.format(root=ROOT), *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", KILLER, *argv], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -9, proc.stderr
     ck = run / "checkpoints"
@@ -330,9 +329,8 @@ def test_ranks_agree_on_a_finished_async_save_at_the_next_step_boundary(corpus, 
 
 
 def test_inspect_reports_and_checks(straight, tmp_path, capsys):
-    from test_preprocess_data import load_tool
+    from megapretrain.commands import inspect_checkpoint as tool
 
-    tool = load_tool("inspect_checkpoint")
     assert tool.main([_ckpt(straight, 6)]) == 0
     out = capsys.readouterr().out
     assert "iteration 6" in out and "layers.0.mlp.up_proj.weight" in out and "(128, 64)" in out

@@ -9,13 +9,12 @@ import os
 import pytest
 import torch
 
+from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.train import setup
 
 from distributed import run_distributed
 from test_parallel_equivalence import BASE
-from test_preprocess_data import load_tool
 
-convert = load_tool("convert_checkpoint")
 transformers = pytest.importorskip("transformers")
 
 
@@ -242,14 +241,9 @@ def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp
 
 
 MEASURE = """
-import json, os, sys
-sys.path.insert(0, {root!r})
+import json, sys
 sys.argv = ["convert_checkpoint.py", *sys.argv[1:]]
-import importlib.util
-path = os.path.join({root!r}, "tools", "convert_checkpoint.py")
-spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+from megapretrain.commands import convert_checkpoint as tool
 import megapretrain.checkpoint.hf, megapretrain.train  # noqa: F401 (everything imported before measuring)
 def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
@@ -257,15 +251,14 @@ def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 before = status("VmRSS")
 rc = tool.main(sys.argv[1:])
-print(json.dumps({{"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}}))
+print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
 """
 
 
 def _measured(*argv):
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", MEASURE.format(root=root), *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

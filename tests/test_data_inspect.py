@@ -7,11 +7,10 @@ import struct
 import numpy as np
 import pytest
 
+from megapretrain.commands import inspect_data
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
 
-from test_preprocess_data import load_tool, preprocess, write_jsonl
-
-inspect_data = load_tool("inspect_data")
+from test_preprocess_data import preprocess, write_jsonl
 
 
 @pytest.fixture

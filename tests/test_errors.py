@@ -61,9 +61,8 @@ def test_the_error_family():
 
 
 def test_tools_catch_only_user_errors(tmp_path, monkeypatch, capsys):
-    from test_preprocess_data import load_tool
+    from megapretrain.commands import reshard_checkpoint as reshard
 
-    reshard = load_tool("reshard_checkpoint")
     argv = ["--checkpoint", str(tmp_path / "none"), "--output", str(tmp_path / "out"), "--world-size", "1"]
     assert reshard.main(argv) == 2
     assert capsys.readouterr().err.startswith("error: ")

@@ -1,7 +1,7 @@
 """Imports go downwards only: config → the layout and the model's shape → model, parallel and data
-→ optim → checkpoint → what composes them (resolve, the planner) → trainer → entry points and
-tools. Read from the source (every import, function-local ones too), so a cycle hidden in a
-function cannot creep back."""
+→ optim → checkpoint → what composes them (resolve, the planner) → trainer → entry points → the
+tools' commands, and tools/*.py import nothing but their command. Read from the source (every
+import, function-local ones too), so a cycle hidden in a function cannot creep back."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ LEVELS = {
     "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "resolve": 5, "runtime": 5,
     "trainer": 6,
     "train": 7,
+    "commands": 8,  # the tools' code: may drive the trainer; nothing below imports it
 }
-DRIVERS = {"smoke_test", "bench_checkpoint"}  # tools whose job is to run the real trainer in-process
+DRIVERS = {"smoke_test", "bench_checkpoint"}  # commands whose job is to run the real trainer in-process
 
 
 def _type_only(tree: ast.AST) -> set[int]:
@@ -106,12 +107,24 @@ def test_no_import_cycles_between_modules():
             visit(module, [])
 
 
-def test_tools_import_no_training_loop():
+def test_only_the_drivers_among_commands_import_the_training_loop():
+    wrong = []
+    for module, package, path in _package_modules():
+        name = module.split(".")
+        if name[1:2] == ["commands"] and name[-1] not in DRIVERS:
+            found = {i for i in _imports(path, package) if i in ("megapretrain.trainer", "megapretrain.train")}
+            wrong += [f"{module} imports {i}" for i in found]
+    assert not wrong, wrong
+
+
+def test_tools_import_only_their_command():
+    """tools/NAME.py is an entry point: it imports megapretrain.commands.NAME and nothing else of
+    the package (its logic lives there, importable and tested)."""
     tools = os.path.join(ROOT, "tools")
     wrong = []
     for f in sorted(os.listdir(tools)):
-        if f.endswith(".py") and f[:-3] not in DRIVERS:
-            found = {i for i in _imports(os.path.join(tools, f), None) if i in ("megapretrain.trainer",
-                                                                                "megapretrain.train")}
-            wrong += [f"tools/{f} imports {i}" for i in found]
+        if f.endswith(".py"):
+            found = _imports(os.path.join(tools, f), None)
+            if found != {f"megapretrain.commands.{f[:-3]}"}:
+                wrong.append(f"tools/{f} imports {sorted(found)}")
     assert not wrong, wrong

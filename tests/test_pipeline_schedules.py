@@ -205,8 +205,7 @@ def test_chunk_layers():
 
 
 def test_schedule_tool_reports_the_bubble_and_draws_the_timeline(capsys):
-    from test_preprocess_data import load_tool
-    tool = load_tool("pipeline_schedule")
+    from megapretrain.commands import pipeline_schedule as tool
     assert tool.main(["--pp", "4", "--micro-batches", "8", "--backward-cost", "1", "--timeline"]) == 0
     out = capsys.readouterr().out
     assert "schedule 1f1b" in out and "efficiency 72.7%" in out  # 1 - 3/11 with unit costs
@@ -218,8 +217,7 @@ def test_schedule_tool_reports_the_bubble_and_draws_the_timeline(capsys):
 
 
 def test_schedule_tool_reads_a_config_at_its_gpu_count(capsys):
-    from test_preprocess_data import load_tool
-    tool = load_tool("pipeline_schedule")
+    from megapretrain.commands import pipeline_schedule as tool
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama3_405b.yaml")
     assert tool.main(["--config", config]) == 0
     out = capsys.readouterr().out

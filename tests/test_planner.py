@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 
+from megapretrain.commands import plan as plan_tool
 from megapretrain.config import load_config
 from megapretrain.model.build import model_args
 from megapretrain.model.llama import ModelArgs, flops_per_token, num_parameters
@@ -18,13 +19,12 @@ from megapretrain.monitor.flops import DEVICES, with_device
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 from megapretrain.planner import GIB, Layout, estimate, layer_params, search, split_layers, state_bytes_per_param
+from megapretrain.planner.published import PUBLISHED, published_estimates
 from megapretrain.resolve import resolve
 
 from helpers import build, tiny_args
-from test_preprocess_data import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-plan_tool = load_tool("plan")
 
 
 def test_parameter_and_flop_counts_are_the_model_s():
@@ -136,7 +136,7 @@ def test_the_tool_ranks_layouts_and_checks_a_config_s_own(capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# The model against published runs. tools/plan.py's PUBLISHED holds each run's layout; the figures
+# The model against published runs. megapretrain/planner/published.py's PUBLISHED holds each run's layout; the figures
 # are repeated here with their sources, so an edit to that table cannot move the targets.
 #
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -156,7 +156,7 @@ DUBEY_2024 = {"Llama 3 405B": (430, 0.43, 8192), "Llama 3 405B 16k": (400, 0.41,
 
 
 def test_published_runs_are_the_papers_layouts():
-    rows = {row.name: row for row in plan_tool.PUBLISHED}
+    rows = {row.name: row for row in PUBLISHED}
     assert set(rows) == set(NARAYANAN_2021) | set(KORTHIKANTI_2022) | set(DUBEY_2024)
     for name, value in NARAYANAN_2021.items():
         assert rows[name].value == value and rows[name].metric == "hw_tflops_per_gpu"
@@ -180,7 +180,7 @@ def test_published_runs_are_the_papers_layouts():
 
 @pytest.mark.parametrize("name", sorted(set(NARAYANAN_2021) | set(KORTHIKANTI_2022) | set(DUBEY_2024)))
 def test_the_estimate_of_a_published_run_is_within_20_percent(name):
-    (row, got), = [(r, g) for r, g in plan_tool.published_estimates() if r.name == name]
+    (row, got), = [(r, g) for r, g in published_estimates() if r.name == name]
     assert got == pytest.approx(row.value, rel=0.2), f"{name}: estimated {got:.0f}, published {row.value:.0f}"
     e = estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16", "auto",
                  row.attention)

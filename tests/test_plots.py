@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
+from megapretrain.commands import plot_run, plot_schedule
+from megapretrain.monitor import plots
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import plot_run  # noqa: E402
-import plot_schedule  # noqa: E402
-
-from megapretrain.monitor import plots  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import pytest
 
+from megapretrain.commands import preflight
+from megapretrain.config import Config, ConfigError, load_config
+from megapretrain.optim.lr_schedule import LRSchedule
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-import preflight  # noqa: E402
-
-from megapretrain.config import Config, ConfigError, load_config  # noqa: E402
-from megapretrain.optim.lr_schedule import LRSchedule  # noqa: E402
 
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
         "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",

@@ -1,7 +1,6 @@
 """tools/preprocess_data.py end to end (in-process, with real worker processes) and the demo corpus tool."""
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,23 +9,13 @@ import sys
 import numpy as np
 import pytest
 
+from megapretrain.commands import preprocess_data as preprocess
 from megapretrain.data.indexed_dataset import IndexedDataset
 from megapretrain.data.tokenizers import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_tool(name):
-    """Import tools/NAME.py; registered in sys.modules so forked workers resolve its functions."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-preprocess = load_tool("preprocess_data")
 
 TEXTS = ["plain ascii text", "unicode: naïve café ✓ 数据", "", "line one\nline two\n", "x" * 3000]
 
@@ -165,7 +154,7 @@ def test_runs_as_a_script_from_the_repository_root(tmp_path):
 
 
 def test_build_demo_corpus(tmp_path):
-    demo = load_tool("build_demo_corpus")
+    from megapretrain.commands import build_demo_corpus as demo
     output = str(tmp_path / "demo" / "corpus.jsonl")
     assert demo.main(["--output", output, "--max-mb", "0.3"]) == 0
     records = [json.loads(line) for line in open(output, encoding="utf-8")]
@@ -338,7 +327,7 @@ def test_interrupted_run_leaves_nothing_that_looks_complete(tmp_path, monkeypatc
 
 
 def test_merge_datasets_streams_prefixes_in_order(tmp_path, capsys):
-    merge_tool = load_tool("merge_datasets")
+    from megapretrain.commands import merge_datasets as merge_tool
     texts = sample_texts(60)
     prefixes = []
     for k in range(3):
@@ -361,9 +350,8 @@ def test_merge_datasets_streams_prefixes_in_order(tmp_path, capsys):
 
 
 def test_merge_refuses_mixed_dtypes(tmp_path, capsys):
+    from megapretrain.commands import merge_datasets as merge_tool
     from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
-
-    merge_tool = load_tool("merge_datasets")
     for name, dtype in (("a", np.uint16), ("b", np.int32)):
         builder = IndexedDatasetBuilder(str(tmp_path / name) + ".bin", dtype)
         builder.add_document([1, 2])

@@ -154,8 +154,7 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
 
 
 def test_offline_reshard_writes_a_checkpoint_the_target_layout_loads_as_its_own(corpus, tmp_path):
-    from test_preprocess_data import load_tool
-    tool = load_tool("reshard_checkpoint")
+    from megapretrain.commands import reshard_checkpoint as tool
     straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, [])[0]
     run = str(tmp_path / "run")
     _launch(1, run, corpus, SPLIT, [])

@@ -7,10 +7,9 @@ import os
 
 import pytest
 
-from distributed import run_distributed
-from test_preprocess_data import load_tool
+from megapretrain.commands import smoke_test as smoke
 
-smoke = load_tool("smoke_test")
+from distributed import run_distributed
 
 
 def test_auto_layouts_cover_every_split_of_the_world():

@@ -184,10 +184,9 @@ def test_zero3_checkpoints_load_under_other_stages_and_sizes(corpus, tmp_path):
 def test_the_offline_reshard_reads_a_zero3_checkpoint(corpus, tmp_path):
     """tools/reshard_checkpoint.py turns a zero-3 checkpoint of 2 ranks into one for a single
     process, which resumes onto the single-process curve (and loads without resharding)."""
-    from test_parallel_equivalence import BASE
-    from test_preprocess_data import load_tool
+    from megapretrain.commands import reshard_checkpoint as tool
 
-    tool = load_tool("reshard_checkpoint")
+    from test_parallel_equivalence import BASE
     one = _run(0, 1, str(tmp_path / "one"), corpus, 6, [])[0]
     run = str(tmp_path / "z3")
     run_distributed(_run, 2, run, corpus, 3, Z3, timeout=300)

@@ -59,16 +59,16 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError, PipelineError, UserError
-from .model.args import model_args
-from .model.build import one_layer_specs
-from .model.llama import ModelArgs, flops_per_token, num_parameters
-from .monitor.flops import Device
-from .parallel.layout import Layout, split_layers
-from .parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
+from ..errors import ConfigError, PipelineError, UserError
+from ..model.args import model_args
+from ..model.build import one_layer_specs
+from ..model.llama import ModelArgs, flops_per_token, num_parameters
+from ..monitor.flops import Device
+from ..parallel.layout import Layout, split_layers
+from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 GIB = 2**30
 KERNEL_S = 2e-6        # fixed cost of every kernel (launch gap, ramp-up and tail of its waves)

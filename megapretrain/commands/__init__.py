@@ -1,0 +1,5 @@
+"""The tools' code: one module per command, each with ``main(argv) -> int``.
+
+``tools/NAME.py`` (the documented paths) and the ``megapretrain-*`` console scripts only call
+``megapretrain.commands.NAME.main``; ``python -m megapretrain.commands.NAME`` runs it as well.
+"""

@@ -1,0 +1,222 @@
+"""Choose a parallel layout before spending GPU hours: memory per GPU, step time, MFU, run length.
+
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train-tokens 2T
+    python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --device a100 --top 5
+    python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --check --json   # the config's own layout
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --write-config runs/70b.yaml \\
+        --write-launch runs/70b.sh --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml
+    python tools/plan.py --published                                  # the model against published runs
+
+Every layout of ``--gpus`` devices (tp within a node, cp for long sequences, pp dividing the layers,
+virtual chunks, micro batches 1-4, ZeRO 0-2, recompute none/selective/full, sequence parallelism
+with tp; ranks tp × cp × pp × dp) is estimated
+with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
+the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
+the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
+wall-clock days and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
+prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
+as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
+JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``). Device figures can be
+overridden (``--peak-tflops``, ``--memory-gb``, ``--hbm-gbs``, ``--intra-gbs``, ``--inter-gbs``,
+``--efficiency``). Any other ``--section.key VALUE`` overrides the config.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+
+from megapretrain.cli import print_error, user_errors
+from megapretrain.monitor.flops import DEVICES
+from megapretrain.planner import ATTENTION, GIB
+from megapretrain.planner.emit import OutputExistsError, emit, write_config, write_launch
+from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
+from megapretrain.planner.published import published_table
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    value = _positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, through the UserError path
+        raise PlanArgumentError(f"{message} (see tools/plan.py --help)")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML config (model, batch, sequence, iterations)")
+    ap.add_argument("--gpus", type=_positive(int), help="number of GPUs")
+    ap.add_argument("--device", default="h100", choices=sorted(DEVICES), help="GPU type (default h100)")
+    ap.add_argument("--top", type=_positive(int), default=8, help="layouts to show")
+    ap.add_argument("--check", action="store_true", help="plan only the config's own layout")
+    ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also --train.train_tokens")
+    ap.add_argument("--attention", default="flash", choices=ATTENTION, help="attention kernels (default flash)")
+    ap.add_argument("--published", action="store_true", help="compare the model with published runs and exit")
+    for name, kind, help_ in (("peak-tflops", _positive(float), "dense bf16 peak per GPU"),
+                              ("memory-gb", _positive(float), "memory per GPU"),
+                              ("hbm-gbs", _positive(float), "memory bandwidth per GPU, GB/s"),
+                              ("intra-gbs", _positive(float), "bus bandwidth within a node, GB/s"),
+                              ("inter-gbs", _positive(float), "bandwidth per GPU between nodes, GB/s"),
+                              ("efficiency", fraction, "fraction of peak large matmuls reach")):
+        ap.add_argument(f"--{name}", type=kind, help=help_)
+    ap.add_argument("--write-config", metavar="PATH", help="write the config with the plan's layout")
+    ap.add_argument("--write-launch", metavar="PATH", help="write a launch script (SLURM or by hand) for it")
+    ap.add_argument("--emit", nargs=2, action="append", default=[], metavar=("FORMAT", "PATH"),
+                    help="write the recipe for another framework: deepspeed PATH.json | accelerate PATH.yaml")
+    ap.add_argument("--accelerate-plugin", default="deepspeed", choices=("deepspeed", "fsdp"),
+                    help="the Accelerate YAML's plugin (default deepspeed)")
+    ap.add_argument("--overwrite", action="store_true", help="replace files that exist")
+    args, rest = ap.parse_known_args(argv)
+    for fmt, _ in args.emit:
+        if fmt not in ("deepspeed", "accelerate"):
+            raise PlanArgumentError(f"--emit {fmt}: the formats are deepspeed and accelerate")
+    if not args.published and (args.config is None or args.gpus is None):
+        raise PlanArgumentError("--config and --gpus are required (or --published)")
+    return args, rest
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "step s",
+          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "days"]
+
+
+def describe(e, steps: float) -> list[str]:
+    L, t, mem = e.layout, e.time, e.memory
+    parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "context", "bubble", "p2p", "data"))
+    zero = f"{L.zero}/{L.shard}" if L.shard else str(L.zero)  # zero/shard group: hybrid sharding
+    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero, L.recompute,
+            f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
+            f"{steps * t['total'] / 86400:.1f}"]
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [HEADER] + rows)
+
+
+PARTS = ("compute", "memory", "tensor", "context", "bubble", "p2p", "data", "optimizer")
+
+
+def report(s: dict, checked: bool) -> str:
+    L, mem, t = s["layout"], s["memory_gb"], s["time_s"]
+    return "\n".join([
+        f"\n{'layout' if checked else 'plan'}: {s['gpus']:,} × {s['device']} "
+        f"({s['nodes']} node{'s' * (s['nodes'] > 1)}), "
+        f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}, "
+        f"micro-batch {L['micro_batch_size']}, "
+        f"zero {L['zero']}, recompute {L['recompute']})",
+        f"{'layout' if checked else 'fastest'}: {L['flags']}",
+        f"  memory/GPU  {mem['total']:.1f} of {mem['capacity']:.1f} usable GB{'' if s['fits'] else ' (DOES NOT FIT)'}: "
+        f"weights {mem['weights']:.1f}, grads+optimizer {mem['grads_optimizer']:.1f}, activations "
+        f"{mem['activations']:.1f}, allowance {mem['overhead']:.1f}",
+        f"  step        {t['total']:.2f} s: " + ", ".join(f"{k} {t[k]:.2f}" for k in PARTS)
+        + f" (recompute {t['recompute']:.2f})",
+        f"  throughput  {s['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {s['tokens_per_s']:,.0f} tokens/s; "
+        f"MFU {s['mfu']:.1%}, HFU {s['hfu']:.1%}; {s['tflops_per_gpu']:.0f} TFLOP/s/GPU "
+        f"({s['hw_tflops_per_gpu']:.0f} with recompute)",
+        f"  budget      {s['train_tokens']:,} tokens in {s['steps']:,} steps of up to {s['tokens_per_step']:,} tokens "
+        f"({s['train_tokens'] / s['params']:.0f} tokens/parameter, {s['params'] / 1e9:.2f}B parameters)",
+        f"  time        {s['days']:.1f} days wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
+        "  estimates: check them with tools/bench_train.py on the real machines before the run"])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.published:
+        print(published_table())
+        return 0
+    plan = make_plan(args, overrides)
+    cfg, found, device = plan["cfg"], plan["found"], plan["device"]
+    fitting = [e for e in found if e.fits]
+    if not found:
+        print_error("no layout of these GPUs divides the model and batch; change --gpus or train.global_batch_size")
+        return 1
+    best = fitting[0] if fitting else (found[0] if args.check else None)
+    if args.json:
+        print(json.dumps(summary(plan, best or min(found, key=lambda e: e.memory["total"]), args)))
+    else:
+        m, t = cfg.model, cfg.train
+        print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {t.global_batch_size} × "
+              f"{t.seq_length} = {t.global_batch_size * t.seq_length:,} tokens per step, {plan['steps']:,} steps, "
+              f"{t.precision}; {args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
+              f"{device.efficiency:.0%}, {device.memory_gb:g} GB)")
+        if best is None:
+            print(f"nothing fits in {device.memory_gb:g} GB; the leanest layouts need:")
+            leanest = sorted(found, key=lambda e: e.memory["total"])[:args.top]
+            print(table([describe(e, plan["full_steps"]) for e in leanest]))
+            return 1
+        print(table([describe(e, plan["full_steps"]) for e in (fitting or found)[:args.top]]))
+        print(report(summary(plan, best, args), args.check))
+    if best is None or not best.fits:
+        if not args.json and best is not None:
+            print(f"nothing fits in {device.memory_gb:g} GB: this layout needs {best.memory['total'] / GIB:.1f} GB")
+        return 1
+    try:
+        write_outputs(args, plan, summary(plan, best, args), best)
+    except OSError as err:  # a UserError goes through user_errors: the same line, exit 2
+        print_error(err)
+        return 2
+    return 0
+
+
+def write_outputs(args, plan: dict, s: dict, best) -> None:
+    """--write-config, --write-launch and --emit, after checking that none would overwrite a file."""
+    paths = [p for p in (args.write_config, args.write_launch) if p] + [path for _, path in args.emit]
+    for path in paths:
+        if os.path.exists(path) and not args.overwrite:
+            raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
+    if args.emit and s["layout"]["cp"] > 1:
+        raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has parallel.cp={s['layout']['cp']}, "
+                                "which DeepSpeed and Accelerate configs do not express (their sequence parallelism "
+                                "is another scheme); plan without it: --check --parallel.cp 1")
+    done = sys.stderr if args.json else sys.stdout  # --json keeps stdout one object
+    # the launch script runs the written config, or the given one with the layout and overrides
+    config_path, flags = args.config, " ".join([best.layout.flags(), shlex.join(plan["overrides"])]).strip()
+    if args.write_config:
+        write_config(args.write_config, plan, s, args.overwrite)
+        config_path, flags = args.write_config, ""
+        print(f"wrote {args.write_config}", file=done)
+    if args.write_launch:
+        write_launch(args.write_launch, s, config_path, flags, args.overwrite)
+        print(f"wrote {args.write_launch}", file=done)
+    for fmt, path in args.emit:
+        note = emit(fmt, path, plan, s, args)
+        print(f"wrote {path}" + (f"\n{note}" if note else ""), file=done)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

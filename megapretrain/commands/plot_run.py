@@ -1,0 +1,50 @@
+"""Draw a run's dashboard from its metrics.jsonl into one PNG.
+
+    python tools/plot_run.py runs/tiny                        # writes runs/tiny/dashboard.png
+    python tools/plot_run.py runs/tiny --output /tmp/tiny.png
+
+Panels (those the run logged): loss and validation loss, grad norm (before clipping), learning
+rate, tokens/s, MFU, memory, loss scale (fp16) and the time breakdown (data_time, step_time and
+any other ``*_s`` / ``*_time`` field); events — checkpoint_saved, resumed, alert, rollback,
+skipped_step, ... — are dotted vertical lines on every panel. Works on a run still in progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megapretrain.cli import user_errors
+from megapretrain.errors import DataError, UserError
+from megapretrain.monitor.metrics import read_metrics, training_records
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("run_dir", help="a run directory (holding metrics.jsonl), or a metrics.jsonl file")
+    ap.add_argument("--output", help="PNG to write (default: RUN_DIR/dashboard.png)")
+    ap.add_argument("--title", help="figure title (default: the run directory)")
+    return ap.parse_args(argv)
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    records = read_metrics(args.run_dir)
+    if not training_records(records):
+        raise DataError(f"{args.run_dir}: metrics.jsonl has no training lines yet (lines with iter and loss)")
+    run_dir = args.run_dir if os.path.isdir(args.run_dir) else os.path.dirname(args.run_dir) or "."
+    output = args.output or os.path.join(run_dir, "dashboard.png")
+    if not output.lower().endswith(".png"):
+        raise UserError(f"--output {output}: the dashboard is a PNG; give a name ending in .png")
+    from megapretrain.monitor.plots import plot_dashboard
+
+    plot_dashboard(records, output, args.title or os.path.abspath(run_dir))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""A plan written out: the config with its layout, a launch script (SLURM or by hand), and the
+same recipe as a DeepSpeed JSON or an Accelerate YAML. None overwrites a file unless asked to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+
+import yaml
+
+from ..config import TrainConfig, to_dict
+from ..errors import ConfigError, UserError
+
+# the repository root (the directory holding the megapretrain package): launch scripts run its
+# run_scripts/launch.sh
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class OutputExistsError(UserError):
+    """An output file that exists (pass --overwrite)."""
+
+
+def _open_new(path: str, overwrite: bool):
+    if os.path.exists(path) and not overwrite:
+        raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "w")
+
+
+def layout_config(plan: dict, s: dict) -> dict:
+    """The config with the plan's layout (and token budget) as a plain dict."""
+    tree, L = to_dict(plan["cfg"]), s["layout"]
+    tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
+                            sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"],
+                            zero_shard_size=L["zero_shard_size"])
+    tree["train"]["micro_batch_size"] = L["micro_batch_size"]
+    if plan["budget"] and "train_tokens" in tree["train"]:  # the budget, the steps derived from it
+        tree["train"].update(train_tokens=plan["budget"], iters=TrainConfig.iters)
+    elif plan["budget"]:
+        tree["train"]["iters"] = plan["steps"]
+    return tree
+
+
+def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
+    tree = layout_config(plan, s)
+    L = s["layout"]
+    with _open_new(path, overwrite) as fh:
+        fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} nodes), "
+                 f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); "
+                 f"estimated {s['step_s']:.2f} s/step, "
+                 f"MFU {s['mfu']:.1%}, {s['days']:.1f} days\n")
+        yaml.safe_dump(tree, fh, sort_keys=False)
+
+
+def write_launch(path: str, s: dict, config: str, flags: str, overwrite: bool) -> None:
+    name = os.path.splitext(os.path.basename(path))[0]
+    per_node = s["gpus"] // s["nodes"]
+    script = f"""#!/usr/bin/env bash
+# Written by tools/plan.py: {s['gpus']} GPUs = {s['nodes']} nodes × {per_node}, {s['layout']['flags']}
+# Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps, {s['days']:.1f} days.
+# SLURM:   sbatch {path}
+# By hand: NNODES={s['nodes']} NODE_RANK=<i> MASTER_ADDR=<node 0> bash {path}   (on every node)
+# Check first: bash {path} --dry-run
+#SBATCH --job-name={name}
+#SBATCH --nodes={s['nodes']}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --exclusive
+set -euo pipefail
+ROOT={shlex.quote(ROOT)}
+[ -f "$ROOT/run_scripts/launch.sh" ] || ROOT="${{SLURM_SUBMIT_DIR:?submit from the repository root}}"
+export DEFAULT_NNODES={s['nodes']} DEFAULT_NPROC_PER_NODE={per_node}
+exec bash "$ROOT/run_scripts/launch.sh" {shlex.quote(os.path.abspath(config))}{" " + flags if flags else ""} "$@"
+"""
+    with _open_new(path, overwrite) as fh:
+        fh.write(script)
+    os.chmod(path, 0o755)
+
+
+def _no_hybrid(L: dict, target: str) -> None:
+    """DeepSpeed shards over all data-parallel ranks: hybrid sharding has no equivalent there."""
+    if L["zero_shard_size"]:
+        raise ConfigError(f"parallel.zero_shard_size={L['zero_shard_size']}: {target} has no hybrid sharding (shard "
+                          "inside groups, replicate across them); emit with --parallel.zero_shard_size null, or use "
+                          "--accelerate-plugin fsdp (HYBRID_SHARD)")
+
+
+def deepspeed_config(plan: dict, s: dict) -> dict:
+    """The recipe as a DeepSpeed config: the same batch, precision, ZeRO stage, optimizer, schedule."""
+    cfg, L = plan["cfg"], s["layout"]
+    o, sch, t = cfg.optim, cfg.schedule, cfg.train
+    accum = t.global_batch_size // (L["micro_batch_size"] * L["dp"])
+    ds = {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": L["micro_batch_size"],
+          "gradient_accumulation_steps": accum, "gradient_clipping": o.clip_grad,
+          "steps_per_print": cfg.logging.interval, "wall_clock_breakdown": False}
+    if t.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif t.precision == "fp16":
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": int(math.log2(o.initial_loss_scale)),
+                      "loss_scale_window": o.loss_scale_window, "min_loss_scale": o.min_loss_scale, "hysteresis": 2}
+    zero = {"stage": L["zero"], "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": int(cfg.parallel.bucket_size_mb * 2**20)}
+    _no_hybrid(L, "DeepSpeed")
+    if o.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ds["zero_optimization"] = zero
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                   "weight_decay": o.weight_decay}}
+    total = sch.decay_iters if sch.decay_iters is not None else plan["steps"]
+    if sch.decay == "cosine":
+        ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total, "warmup_num_steps": sch.warmup_iters, "warmup_min_ratio": 0.0,
+            "cos_min_ratio": o.min_lr / o.lr, "warmup_type": "linear"}}
+    elif sch.decay == "constant":
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                                                          "warmup_num_steps": sch.warmup_iters,
+                                                          "warmup_type": "linear"}}
+    elif sch.decay == "linear" and o.min_lr == 0:
+        ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": total, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+            "warmup_num_steps": sch.warmup_iters, "warmup_type": "linear"}}
+    else:
+        raise ConfigError(f"schedule.decay={sch.decay} with optim.min_lr={o.min_lr} has no DeepSpeed scheduler; "
+                          "use schedule.decay cosine or constant (or linear with optim.min_lr 0) for --emit deepspeed")
+    if L["tp"] > 1:
+        ds["tensor_parallel"] = {"autotp_size": L["tp"]}
+    if L["pp"] > 1:
+        ds["pipeline"] = {"stages": L["pp"], "partition": "uniform",
+                          "activation_checkpoint_interval": 1 if L["recompute"] == "full" else 0}
+    if L["recompute"] != "none":
+        ds["activation_checkpointing"] = {"partition_activations": L["sequence_parallel"],
+                                          "contiguous_memory_optimization": False, "cpu_checkpointing": False}
+    return ds
+
+
+def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
+    """The recipe as an Accelerate config file: machines, processes, precision, and the plugin."""
+    cfg, L = plan["cfg"], s["layout"]
+    acc = {"compute_environment": "LOCAL_MACHINE", "debug": False,
+           "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no"),
+           "num_machines": s["nodes"], "num_processes": s["gpus"], "machine_rank": 0,
+           "main_process_ip": "127.0.0.1", "main_process_port": 29500, "rdzv_backend": "static",
+           "same_network": True, "main_training_function": "main", "use_cpu": False, "downcast_bf16": False}
+    if plugin == "deepspeed":
+        _no_hybrid(L, "Accelerate's DeepSpeed plugin")
+        acc["distributed_type"] = "DEEPSPEED"
+        accum = cfg.train.global_batch_size // (L["micro_batch_size"] * L["dp"])
+        acc["deepspeed_config"] = {"zero_stage": L["zero"], "gradient_accumulation_steps": accum,
+                                   "gradient_clipping": cfg.optim.clip_grad,
+                                   "offload_optimizer_device": "cpu" if cfg.optim.offload else "none",
+                                   "offload_param_device": "none", "zero3_init_flag": False}
+    else:  # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less), 3 to FULL_SHARD
+        acc["distributed_type"] = "FSDP"
+        hybrid = "HYBRID_SHARD" if L["zero"] == 3 else "HYBRID_SHARD_ZERO2"  # shard inside a node
+        strategy = "NO_SHARD" if L["zero"] == 0 else "FULL_SHARD" if L["zero"] == 3 else "SHARD_GRAD_OP"
+        acc["fsdp_config"] = {"fsdp_sharding_strategy": hybrid if L["zero_shard_size"] and L["zero"] else strategy,
+                              "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                              "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                              "fsdp_offload_params": bool(cfg.optim.offload), "fsdp_use_orig_params": True,
+                              "fsdp_sync_module_states": True, "fsdp_cpu_ram_efficient_loading": True,
+                              "fsdp_activation_checkpointing": L["recompute"] != "none"}
+    return acc
+
+
+def emit(fmt: str, path: str, plan: dict, s: dict, args) -> str:
+    if fmt == "deepspeed":
+        ds = deepspeed_config(plan, s)  # before the file is opened: a refusal leaves nothing behind
+        with _open_new(path, args.overwrite) as fh:
+            json.dump(ds, fh, indent=2)
+            fh.write("\n")
+    else:
+        acc = accelerate_config(plan, s, args.accelerate_plugin)
+        with _open_new(path, args.overwrite) as fh:
+            yaml.safe_dump(acc, fh, sort_keys=False)
+    if s["layout"]["tp"] * s["layout"]["pp"] > 1 and fmt == "accelerate":
+        return (f"note: {path}: Accelerate's {args.accelerate_plugin} plugin has no tensor or pipeline parallelism; "
+                f"set them up in the model code (tp {s['layout']['tp']}, pp {s['layout']['pp']})")
+    return ""

@@ -1,0 +1,100 @@
+"""The tools' entry points: every tools/NAME.py runs megapretrain.commands.NAME (``--help`` works,
+exit codes pass through), the console scripts setup.py declares resolve to a callable ``main``, and
+running without the package installed says so in one line."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py"))
+
+# runs every tools/*.py --help as its own __main__ in one interpreter (a process each costs a torch import)
+EVERY_HELP = """
+import json, os, runpy, sys
+codes = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+        codes[path] = "returned without exiting"
+    except SystemExit as exit:
+        codes[path] = exit.code
+import megapretrain
+print(json.dumps({"codes": codes, "package": megapretrain.__file__}))
+"""
+
+
+def every_help(env: dict | None = None, cwd: str | None = None) -> dict:
+    paths = [os.path.join(ROOT, "tools", f"{name}.py") for name in TOOLS]
+    proc = subprocess.run([sys.executable, "-c", EVERY_HELP, *paths], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_tool_help_exits_0():
+    result = every_help()
+    assert result["codes"] == {os.path.join(ROOT, "tools", f"{name}.py"): 0 for name in TOOLS}
+
+
+def test_every_tool_is_a_command_with_a_main():
+    for name in TOOLS:
+        module = importlib.import_module(f"megapretrain.commands.{name}")
+        assert callable(module.main), name
+        assert module.__doc__ and module.__doc__.strip(), name
+
+
+def console_scripts() -> dict[str, str]:
+    """setup.py's console_scripts: {name: "module:function"}."""
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "console_scripts":
+                    return dict(item.value.split("=", 1) for item in value.elts)
+    raise AssertionError("setup.py declares no console_scripts")
+
+
+def test_console_scripts_resolve_to_a_callable_main():
+    scripts = console_scripts()
+    assert {"megapretrain-train", "megapretrain-plan", "megapretrain-preprocess", "megapretrain-convert",
+            "megapretrain-reshard", "megapretrain-preflight", "megapretrain-smoke-test", "megapretrain-inspect-data",
+            "megapretrain-inspect-checkpoint", "megapretrain-merge-datasets",
+            "megapretrain-pipeline-schedule"} <= set(scripts)
+    for name, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert function == "main", name
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_a_tool_passes_its_exit_status_and_one_error_line_through(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "inspect_checkpoint.py"),
+                           str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_tool_without_the_package_installed_says_how_to_install_it(tmp_path):
+    """``python -S``: no site-packages, so neither an installed nor an editable megapretrain."""
+    proc = subprocess.run([sys.executable, "-S", os.path.join(ROOT, "tools", "plan.py"), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "pip install -e ." in proc.stderr, proc.stderr
+
+
+def test_a_checkout_that_is_not_installed_finds_its_kernels(tmp_path):
+    """From the repository root without an install (the editable mapping taken away), the model code
+    still imports: kernels/ is megapretrain.kernels, never a top-level ``kernels``."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(f).lower()]; "
+            "import megapretrain.model.llama, megapretrain.optim.optimizer, megapretrain.kernels as k; "
+            "print(megapretrain.__file__); print(k.__file__); print('kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    assert out == [os.path.join(ROOT, "megapretrain", "__init__.py"), os.path.join(ROOT, "kernels", "__init__.py"),
+                   "False"]
