@@ -52,7 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     ap.add_argument("--no-memory", action="store_true", help="skip the loss memory table")
     ap.add_argument("--no-timing", action="store_true", help="skip the kernel timings (the memory table only)")
-    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--json", default=None, help="also write the results to this file (at the end)")
+    ap.add_argument("--jsonl", default=None, help="also append each result to this file as one JSON line, "
+                    "the moment it is measured (a run cut short keeps what it measured)")
     return ap.parse_args(argv)
 
 
@@ -165,7 +167,9 @@ def cross_entropy_case(n, vocab, dtype, device):
     liger = _optional("liger_kernel.transformers") if device.type == "cuda" else None
     if liger:
         impls["liger"] = run(liger.LigerCrossEntropyLoss(reduction="none"))
-    return f"cross entropy ({n}x{vocab})", 3 * base.numel() * base.element_size(), impls
+    # the timed step passes over the logits 5 times: the fresh copy (read + write), the forward's read,
+    # and the gradient written over them (read + write)
+    return f"cross entropy ({n}x{vocab})", 5 * base.numel() * base.element_size(), impls
 
 
 def _compiled_adamw(grad, master, m, v, kw):
@@ -209,6 +213,13 @@ def adamw_case(numel, out_dtype, device):
     return f"adamw ({numel / 1e6:.0f}M fp32)", bytes_moved, impls
 
 
+def stream(a, record: dict) -> None:
+    """Append ``record`` to ``--jsonl`` at once (flushed), when it is set."""
+    if a.jsonl:
+        with open(a.jsonl, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
 def time_kernels(a, device: torch.device) -> list[dict]:
     """One row per (kernel, implementation) that runs on this device."""
     dtype = DTYPES[a.dtype]
@@ -233,10 +244,12 @@ def time_kernels(a, device: torch.device) -> list[dict]:
             rows.append(dict(kernel=name, impl=impl, ms=seconds * 1e3, bytes=nbytes))
             if nbytes is None:  # compute-bound: the time is the figure
                 print(f"{name:40} {impl:34} {seconds * 1e3:9.3f}")
-                continue
-            bw = nbytes / seconds
-            rows[-1].update(gbps=bw / 1e9, of_copy=bw / copy_bw)
-            print(f"{name:40} {impl:34} {seconds * 1e3:9.3f} {nbytes / 1e6:9.1f}M {bw / 1e9:8.1f} {bw / copy_bw:8.0%}")
+            else:
+                bw = nbytes / seconds
+                rows[-1].update(gbps=bw / 1e9, of_copy=bw / copy_bw)
+                print(f"{name:40} {impl:34} {seconds * 1e3:9.3f} {nbytes / 1e6:9.1f}M {bw / 1e9:8.1f} "
+                      f"{bw / copy_bw:8.0%}")
+            stream(a, {"case": "kernel", "copy_gbps": copy_bw / 1e9, **rows[-1]})
     if device.type != "cuda":
         print("\nTriton kernels (and Liger-Kernel, apex): not timed, no CUDA device here; GPU figures need a GPU.")
     return rows
@@ -353,6 +366,7 @@ def memory_table(a, device: torch.device) -> list[dict]:
             returned = tokens * a.hidden * size if impl == FUSED_GRAD else grads
             work = works[impl] = max(peak - returned, 1)
             rows.append(dict(vocab=vocab, impl=impl, peak_bytes=peak, working_bytes=work))
+            stream(a, {"case": "loss_memory", "tokens": tokens, "hidden": a.hidden, **rows[-1]})
             vs = [f"{peaks[ref] / peak:.1f}x less than {name} (working {works[ref] / work:.1f}x)"
                   for ref, name in zip(MEMORY_IMPLS[:2], ("unfused", "one buffer")) if ref in peaks and ref != impl]
             print(f"    {impl:55} peak {peak / 2**20:7.1f} MiB, working {work / 2**20:7.1f} MiB   "

@@ -1,0 +1,423 @@
+"""The first hour on a GPU, in one call: every check and figure one device can give, in under 8 minutes.
+
+    bash run_scripts/gpu_check.sh [--output DIR] [--only NAME ...] [--dry-run]
+
+Phases run in the order that gives the most if time runs out, each under its own limit (the limits
+sum to under 8 minutes) and each result streamed to ``DIR/gpu_check.jsonl`` as one JSON line the
+moment it is known, so a run cut short keeps everything before the cut:
+
+ 1. ``env``         torch, CUDA, the device, triton, the optional packages
+ 2. ``aot``         tools/check_kernels.py: every Triton kernel compiled for sm_80/sm_90 (registers, spills)
+ 3. ``kernel_tests`` the kernel tests on real CUDA (no interpreter): what only the GPU can check
+ 4. ``gemm``        the measured bf16 GEMM rate (the ceiling MFU is compared with, besides the datasheet)
+ 5. ``bench_kernels`` per-kernel bandwidth against the measured copy bandwidth; eager, torch.compile,
+                    Liger-Kernel where importable; one JSON line per case as it is timed
+ 6. ``attention``   SDPA at seq 8192 with grouped-query heads: causal, and with document masking
+ 7. ``nccl``        one NCCL rank: every collective and dtype the project uses, through its own Group
+ 8. ``resume``      a bf16 training run with async checkpoints, killed and resumed, against an
+                    uninterrupted run: the same losses, bit for bit
+ 9. ``throughput``  2 layers of Llama-3-8B at seq 8192, bf16, the Triton kernels: tokens/s, MFU
+                    against the datasheet peak and against the measured GEMM rate
+
+The run ends with ``PASS n / FAIL m`` and exits non-zero when anything failed. One GPU cannot test
+multi-rank NCCL (tensor, pipeline and data parallelism across devices): ``tools/smoke_test.py``
+does that on a real cluster, every layout against one process. ``--dry-run`` walks every phase's
+setup on any machine and prints the plan without running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from megapretrain.cli import user_errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUDGET_S = 470  # the phases' limits add up to this: under 8 minutes, with room for start-up
+
+
+@dataclass
+class Phase:
+    """One check: a command (run in a subprocess under ``limit_s``) or an in-process probe."""
+    name: str
+    limit_s: int
+    what: str
+    command: list[str] = field(default_factory=list)
+    parse: object = None  # (stdout) -> figures dict, for commands
+    config: list[str] = field(default_factory=list)  # --config PATH and overrides its run resolves (checked in
+    #                                                 a dry run, on any machine)
+
+    def describe(self) -> str:
+        return f"{self.name:<14} {self.limit_s:>4}s  {self.what}" + (
+            f"\n{'':<21}$ {' '.join(self.command)}" if self.command else "")
+
+
+class Results:
+    """The JSON lines file, written (and flushed) a result at a time."""
+
+    def __init__(self, path: str):
+        self.path, self.passed, self.failed = path, 0, 0
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fh = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        status = record.get("status")
+        if status == "pass":
+            self.passed += 1
+        elif status in ("fail", "timeout"):
+            self.failed += 1
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+# -- what the commands print, as figures ------------------------------------------------------------
+
+
+def _bench_train_figures(out: str) -> dict:
+    """bench_train's ``megapretrain step ... tokens/s | ... TFLOP/s`` line."""
+    found = re.search(r"^megapretrain\s+step\s+([\d.]+) ms.*?\|\s*([\d,]+) tokens/s \|\s*([\d.]+) TFLOP/s", out, re.M)
+    if not found:
+        return {}
+    return {"step_ms": float(found.group(1)), "tokens_per_s": float(found.group(2).replace(",", "")),
+            "tflops": float(found.group(3))}
+
+
+def _pytest_figures(out: str) -> dict:
+    return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out)}
+
+
+def _resume_figures(out: str) -> dict:
+    found = re.search(r"^RESUME (\{.*\})$", out, re.M)
+    return json.loads(found.group(1)) if found else {}
+
+
+def _probe_figures(out: str) -> dict:
+    found = re.search(r"^FIGURES (\{.*\})$", out, re.M)
+    return json.loads(found.group(1)) if found else {}
+
+
+THROUGHPUT = ["--config", os.path.join(ROOT, "configs", "llama3_8b.yaml"), "--model.num_layers", "2",
+              "--train.seq_length", "8192", "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+              "--train.rampup_batch_size", "null", "--train.train_tokens", "null", "--train.iters", "10",
+              "--schedule.warmup_iters", "0",
+              "--parallel.tp", "1", "--parallel.pp", "1", "--parallel.zero", "0", "--parallel.sequence_parallel",
+              "false", "--model.kernels", "triton", "--optim.impl", "triton", "--train.precision", "bf16"]
+
+
+def resume_argv(corpus: str) -> list[str]:
+    """The resume phase's training flags (``--run.dir`` added per run)."""
+    return ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--data.paths", f"[{corpus}_text_document]",
+            "--train.device", "cuda", "--train.precision", "bf16", "--train.iters", "20", "--train.eval_interval",
+            "0", "--train.deterministic", "true", "--checkpoint.interval", "5", "--checkpoint.async", "true",
+            "--logging.tensorboard", "false", "--recovery.action", "none"]
+
+
+def phases(out_dir: str, python: str) -> list[Phase]:
+    """Every phase, in order; commands use ``python`` and write under ``out_dir``."""
+    me = [python, "-m", "megapretrain.commands.gpu_check"]
+    tiny = os.path.join(out_dir, "train")
+    return [
+        Phase("env", 10, "torch, CUDA, device, triton and the optional packages", me + ["--probe", "env"],
+              _probe_figures),
+        Phase("aot", 60, "every Triton kernel compiled ahead of time for sm_80/sm_90: registers, spills, shared memory",
+              [python, os.path.join(ROOT, "tools", "check_kernels.py")]),
+        Phase("kernel_tests", 90, "the kernel tests on CUDA, compiled (no interpreter)",
+              [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+               *(os.path.join(ROOT, "tests", f"test_kernels{s}.py") for s in ("", "_loss", "_model"))],
+              _pytest_figures),
+        Phase("gemm", 15, "measured bf16 GEMM rate, 8192³", me + ["--probe", "gemm"], _probe_figures),
+        Phase("bench_kernels", 60, "per-kernel GB/s against the copy bandwidth (one JSON line per case)",
+              [python, os.path.join(ROOT, "tools", "bench_kernels.py"), "--iters", "20",
+               "--jsonl", os.path.join(out_dir, "bench_kernels.jsonl")]),
+        Phase("attention", 25, "SDPA at seq 8192, GQA 32/8 heads: causal, and document-masked (dense mask)",
+              me + ["--probe", "attention"], _probe_figures),
+        Phase("nccl", 25, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
+              [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+               "megapretrain.commands.gpu_check", "--probe", "nccl"], _probe_figures),
+        Phase("resume", 90, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
+              "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
+              config=resume_argv(os.path.join(tiny, "corpus"))),
+        Phase("throughput", 95, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
+              [python, os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2", *THROUGHPUT],
+              _bench_train_figures, config=THROUGHPUT),
+    ]
+
+
+# -- in-process probes (each prints FIGURES {...}) ------------------------------------------------------
+
+
+def _probe_env() -> dict:
+    import importlib.util
+
+    import torch
+    figures = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        figures.update(device=p.name, memory_gib=round(p.total_memory / 2**30, 1), sm=f"{p.major}{p.minor}",
+                       sms=p.multi_processor_count)
+    for name in ("triton", "liger_kernel", "apex", "transformers", "pytest"):
+        figures[name] = importlib.util.find_spec(name) is not None
+    if not (torch.version.cuda and torch.cuda.is_available()):
+        raise SystemExit(f"FIGURES {json.dumps(figures)}\nno CUDA device: a CUDA build of torch and a GPU are needed")
+    return figures
+
+
+def _cuda_time(fn, iters: int) -> float:
+    """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _probe_gemm() -> dict:
+    import torch
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seconds = _cuda_time(lambda: a @ b, 20)
+    return {"n": n, "ms": seconds * 1e3, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def _probe_attention() -> dict:
+    import torch
+    import torch.nn.functional as F
+    b, heads, kv, s, d = 1, 32, 8, 8192, 128
+    q = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    docs = torch.arange(s, device="cuda") // 1024  # eight documents of 1024 tokens
+    figures = {}
+    cases = {"causal": dict(is_causal=True),
+             "document_mask": dict(attn_mask=(docs[:, None] == docs[None, :]).tril()[None, None])}
+    for name, kw in cases.items():
+        def step(kw=kw):
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+            out.sum().backward()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        seconds = _cuda_time(step, 5)
+        figures[name] = {"ms": seconds * 1e3, "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+    return figures
+
+
+def _probe_nccl() -> dict:
+    """Each collective parallel/state.py issues, by the same torch.distributed calls, in every
+    dtype it sends, on a one-rank NCCL group (a world of one still goes through NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    from megapretrain.parallel import state
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")  # torchrun's world of one: init_distributed would skip it
+    pg = dist.new_group([0])
+    figures = {"backend": dist.get_backend(pg), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.arange(1 << 20, device="cuda").to(dtype)
+        out = torch.empty_like(x)
+        works = [dist.all_reduce(x, group=pg, async_op=True),
+                 state._reduce_scatter_single(out, x.clone(), group=pg, async_op=True),
+                 state._all_gather_single(out, x, group=pg, async_op=True)]
+        for w in works:
+            w.wait()
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x, group=pg)
+        dist.broadcast(x, src=0, group=pg)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=pg)
+        torch.cuda.synchronize()
+        if not torch.equal(parts[0], x):
+            raise SystemExit(f"all_gather of {dtype} returned other values")
+        figures[str(dtype).replace("torch.", "")] = "ok"
+    dist.barrier()
+    dist.destroy_process_group()
+    return figures
+
+
+def _probe_resume(out_dir: str) -> dict:
+    """Train 20 steps uninterrupted; train again with a fault at step 15 and checkpoints every 5
+    (async), restart: the restarted run's losses must equal the uninterrupted one's."""
+    corpus = os.path.join(out_dir, "corpus")
+    os.makedirs(out_dir, exist_ok=True)
+    py = sys.executable
+    subprocess.run([py, os.path.join(ROOT, "tools", "build_demo_corpus.py"), "--output", corpus + ".jsonl",
+                    "--max-mb", "2"], check=True)
+    subprocess.run([py, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus + ".jsonl",
+                    "--output-prefix", corpus, "--tokenizer-type", "ByteTokenizer", "--json-keys", "text",
+                    "--append-eod", "--workers", "2"], check=True)
+    base = [py, "-m", "megapretrain.train", *resume_argv(corpus)]
+    straight, broken = os.path.join(out_dir, "straight"), os.path.join(out_dir, "resumed")
+    start = time.perf_counter()
+    subprocess.run(base + ["--run.dir", straight], check=True)
+    first = subprocess.run(base + ["--run.dir", broken, "--faults.exit_at", "15"])
+    subprocess.run(base + ["--run.dir", broken], check=True)
+
+    def losses(run_dir: str) -> dict:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            records = [json.loads(line) for line in fh]
+        return {r["iter"]: r["loss"] for r in records if "loss" in r and "event" not in r}
+
+    a, b = losses(straight), losses(broken)
+    equal = sorted(a) == sorted(b) == list(range(1, 21)) and all(a[i] == b[i] for i in a)
+    return {"equal": equal, "first_exit": first.returncode, "final_loss": a.get(20),
+            "seconds": time.perf_counter() - start, "differ_at": [i for i in sorted(a) if a.get(i) != b.get(i)][:5]}
+
+
+PROBES = {"env": _probe_env, "gemm": _probe_gemm, "attention": _probe_attention, "nccl": _probe_nccl}
+
+
+def run_probe(name: str, output: str | None) -> int:
+    if name == "resume":
+        figures = _probe_resume(output or os.path.join("runs", "gpu_check", "train"))
+        print(f"RESUME {json.dumps(figures)}")
+        return 0 if figures["equal"] else 1
+    figures = PROBES[name]()
+    print(f"FIGURES {json.dumps(figures)}")
+    return 0
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+
+
+def run_phase(phase: Phase, results: Results, left_s: float) -> dict:
+    limit = int(min(phase.limit_s, left_s))
+    if left_s < 5:
+        results.write({"phase": phase.name, "status": "skip", "why": "the time budget is spent"})
+        return {}
+    missing = [c for c in phase.command if c.startswith(ROOT) and c.endswith(".py") and not os.path.exists(c)]
+    if missing:
+        results.write({"phase": phase.name, "status": "skip", "why": f"{missing[0]} is not in this checkout"})
+        return {}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(phase.command, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
+        status = "pass" if done.returncode == 0 else "fail"
+        out, err, code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        status, code = "timeout", None
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    record = {"phase": phase.name, "status": status, "seconds": round(time.perf_counter() - start, 1),
+              "limit_s": limit, "exit": code, "command": phase.command}
+    if phase.parse:
+        record["figures"] = phase.parse(out)
+    if status != "pass":
+        record["tail"] = (out[-1500:] + "\n" + err[-2500:]).strip()
+    results.write(record)
+    print(f"{phase.name:<14} {status:<8} {record['seconds']:>6.1f}s  {json.dumps(record.get('figures', {}))[:150]}",
+          flush=True)
+    return record.get("figures", {}) if status == "pass" else {}
+
+
+def check_config(argv: list[str]) -> str:
+    """What a phase's training run resolves to: its layout and sizes, or the error it would stop on."""
+    from megapretrain.config import load_config
+    from megapretrain.errors import UserError
+    from megapretrain.resolve import resolve
+    from megapretrain.train import split_args
+    path, overrides = split_args(argv)
+    try:
+        cfg = load_config(path, overrides)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = 257  # the byte tokenizer's, as the run reads it from the tokenizer
+        run = resolve(cfg, 1)
+    except UserError as exc:
+        raise UserError(f"gpu_check: a phase's config does not resolve: {exc}") from None
+    return (f"{run.layout.describe()}, {run.sizes.tokens_per_batch:,} tokens/step, {run.sizes.iters} steps, "
+            f"{cfg.train.precision}")
+
+
+def derived(figures: dict) -> dict:
+    """MFU of the throughput run against the datasheet peak and the measured GEMM rate."""
+    from megapretrain.monitor.flops import find_device, peak_for
+    tflops = figures.get("throughput", {}).get("tflops")
+    out = {}
+    if not tflops:
+        return out
+    device = find_device(figures.get("env", {}).get("device", "")) if figures.get("env") else None
+    if device is not None:
+        out["mfu_datasheet"] = tflops / peak_for(device, "bf16")
+        out["datasheet_tflops"] = peak_for(device, "bf16")
+    gemm = figures.get("gemm", {}).get("tflops")
+    if gemm:
+        out["of_measured_gemm"] = tflops / gemm
+    return out
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--output", default=None, help="directory for gpu_check.jsonl and the phases' files "
+                                                   "(default: $OUT when set, else runs/gpu_check/TIME)")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these phases")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (each phase's setup) and run nothing")
+    ap.add_argument("--probe", choices=[*PROBES, "resume"], help=argparse.SUPPRESS)  # one phase's own process
+    return ap.parse_args(argv)
+
+
+@user_errors
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.probe:
+        return run_probe(args.probe, args.output)
+    out_dir = args.output or os.environ.get("OUT") or os.path.join(
+        "runs", "gpu_check", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    out_dir = os.path.abspath(out_dir)
+    todo = phases(out_dir, sys.executable)
+    names = [p.name for p in todo]
+    if args.only:
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            print(f"error: --only {unknown[0]}: not a phase (phases: {', '.join(names)})", file=sys.stderr)
+            return 2
+        todo = [p for p in todo if p.name in args.only]
+    total = sum(p.limit_s for p in todo)
+    print(f"gpu_check: {len(todo)} phases, limits {total}s in all (budget {BUDGET_S}s); results stream to "
+          f"{os.path.join(out_dir, 'gpu_check.jsonl')}")
+    if args.dry_run:
+        for p in todo:
+            print(p.describe())
+            if p.config:
+                print(f"{'':<21}config: {check_config(p.config)}")
+        missing = [c for p in todo for c in p.command if c.startswith(ROOT) and c.endswith(".py")
+                   and not os.path.exists(c)]
+        for path in missing:
+            print(f"note: {os.path.relpath(path, ROOT)} is not in this checkout; its phase will be skipped")
+        return 0
+    results = Results(os.path.join(out_dir, "gpu_check.jsonl"))
+    start = time.perf_counter()
+    results.write({"phase": "start", "root": ROOT, "phases": [p.name for p in todo], "budget_s": BUDGET_S})
+    figures = {}
+    try:
+        for p in todo:
+            figures[p.name] = run_phase(p, results, BUDGET_S - (time.perf_counter() - start))
+        if derived(figures):
+            results.write({"phase": "mfu", **derived(figures)})
+            print(f"mfu: {json.dumps(derived(figures))}")
+    finally:
+        results.write({"phase": "end", "passed": results.passed, "failed": results.failed,
+                       "seconds": round(time.perf_counter() - start, 1)})
+        results.close()
+    print(f"PASS {results.passed} / FAIL {results.failed}  ({os.path.join(out_dir, 'gpu_check.jsonl')})")
+    return 1 if results.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
