@@ -196,6 +196,20 @@ def test_rms_norm_weight_grad_spans_many_programs():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_over_column_chunks(monkeypatch, dtype):
+    """Rows wider than BWD_CHUNK (405B's 16384 at BWD_CHUNK 8192) are split over programs by columns:
+    here 300 columns in chunks of 64 (the last ones partly or wholly past the row), as the reference."""
+    monkeypatch.setattr(rmsnorm, "BWD_CHUNK", 64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 300, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(300, generator=g)).to(DEVICE, dtype)
+    dy = torch.randn(23, 300, generator=g).to(DEVICE, dtype)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy)
+    _close(dx, dx_ref, dtype)
+    _close(dw, dw_ref, dtype, fp32_tol=1e-4)
+
+
 def test_rms_norm_op_registration_and_compile():
     x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
     w = torch.randn(33, device=DEVICE, requires_grad=True)
