@@ -191,9 +191,10 @@ def _(grad):
 def grad_sq_sum(grad: torch.Tensor) -> torch.Tensor:
     """Σ grad² of a flat shard as a 0-d float64 tensor (no host sync), reading each grad once.
 
-    Each block of SQ_BLOCK elements gives its max |g| and Σ (g / max)² in fp32, a tree of adds
-    over values in [0, 1]; the blocks are combined in fp64 as Σ max² · partial. Relative error at
-    most (log2(SQ_BLOCK) + 3) · 2⁻²⁴ ≈ 9e-7 against the exact sum, for any finite grads: no square
+    Each block of SQ_BLOCK elements gives its max |g| and Σ (g / max)² in fp32 (the division
+    correctly rounded, ``tl.div_rn``: the GPU's default division is not), a tree of adds over values
+    in [0, 1]; the blocks are combined in fp64 as Σ max² · partial. Relative error at most
+    (log2(SQ_BLOCK) + 3) · 2⁻²⁴ ≈ 9e-7 against the exact sum, for any finite grads: no square
     overflows (plain fp32 squares do above 1.8e19) or underflows (below about 1e-19 where the GPU
     flushes denormals). A NaN or infinite grad gives a non-finite sum."""
     return _grad_sq_sum_op(grad.reshape(-1))

@@ -4,7 +4,9 @@ Unfused, the norm reads and writes x several times (upcast, square, mean, scale,
 The forward kernel reads a block of rows once, keeps them in registers in fp32, and writes y plus
 one 1/rms per row; the backward reads x, dy and 1/rms once and writes dx, with the weight gradient
 reduced in two stages (each program sums its own rows, then the per-program partials are summed),
-so no (rows, h) fp32 product is ever stored.
+so no (rows, h) fp32 product is ever stored. Rows wider than ``BWD_CHUNK`` are split by columns
+over programs, each of which reads the whole row a second time (from L2) for the row's dot product.
+Divisions and the square root are correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``), as torch's.
 
 Semantics are those of the model's norm: statistics in fp32, ``x_hat`` rounded to x's dtype before
 the weight multiplies it (as HF does), dx in x's dtype, the weight gradient in the weight's dtype.
@@ -20,9 +22,10 @@ from ._triton import cdiv, jit, next_pow2, sm_count, tl, to_dtype, use_triton
 # elements per program tile (rows × padded hidden size): about 16-32 per thread, so no registers
 # spill (the backward holds more arrays per element, so its tile is smaller)
 FWD_TILE, BWD_TILE = 4096, 2048
-# columns of a backward program at most: it keeps a chunk of d weight in registers across its rows,
-# and at 16384 (405B) that whole row beside x, dy and w spilled (48 B a thread at 128 registers)
-BWD_CHUNK = 8192
+# columns of a backward program at most: it keeps its chunk of d weight in registers across its rows,
+# beside that chunk of x, dy and w. A whole 16384 row (405B) spilled 48 B a thread at 128 registers,
+# and 8192 columns still reach 128 in fp16 (tools/check_kernels.py)
+BWD_CHUNK = 4096
 
 
 @jit

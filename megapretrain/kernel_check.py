@@ -12,7 +12,7 @@ i64), compiled with ``triton.compile`` for each target, and ptxas is asked (``-v
 and spills. One line per distinct specialisation and target; the exit status is 1 on a compile
 error, any spill, or shared memory over the target's limit.
 
-    python tools/check_kernels.py [--configs configs] [--targets 80,90,100] [--dtypes fp32,bf16,fp16]
+    python tools/check_kernels.py [--configs configs] [--targets 80,90[,100]] [--dtypes fp32,bf16,fp16]
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _LOAD = re.compile(r"^\s*(?:@%p\d+\s+)?ld\.global(?:\.[a-z_]+)*?(?:\.v(\d))?\.[bfsu](\d+)\s", re.M)
 
 
-def ptxas_usage(ptx: str, cc: int, fp_fusion: bool) -> tuple[int, int]:
-    """(registers, spill bytes stored + loaded) from ``ptxas -v``, with the flags Triton compiles with."""
+def ptxas_usage(ptx: str, cc: int, fp_fusion: bool) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) a thread from ``ptxas -v``, run with Triton's flags."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,8 +222,8 @@ def ptxas_usage(ptx: str, cc: int, fp_fusion: bool) -> tuple[int, int]:
                "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(cc)}", src, "-o", src + ".o"]
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     regs = int(_USAGE.search(log).group(1))
-    spills = sum(int(a) + int(b) for a, b in _SPILL.findall(log))
-    return regs, spills
+    stores, loads = (sum(int(m[i]) for m in _SPILL.findall(log)) for i in (0, 1))
+    return regs, stores, loads
 
 
 def load_widths(ptx: str) -> str:
@@ -254,21 +254,21 @@ def compile_variant(variant: Variant, cc: int) -> dict:
                     attrs=variant.attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=variant.options)
     ptx = compiled.asm["ptx"]
-    regs, spills = ptxas_usage(ptx, cc, variant.options.get("enable_fp_fusion", True))
+    regs, spills, spill_loads = ptxas_usage(ptx, cc, variant.options.get("enable_fp_fusion", True))
     shared, warps = compiled.metadata.shared, variant.options["num_warps"]
-    return dict(regs=regs, spills=spills, shared=shared, warps=warps,
+    return dict(regs=regs, spills=spills, spill_loads=spill_loads, shared=shared, warps=warps,
                 warps_per_sm=warps_per_sm(regs, shared, warps, TARGETS[cc]), loads=load_widths(ptx))
 
 
 def describe(variant: Variant) -> str:
-    """dtype of the first pointer, the constexprs and the aligned (D) arguments, in a few words."""
+    """The first pointer's dtype, the constexprs by name, and per runtime argument D (a pointer
+    16-byte aligned, an int divisible by 16: Triton's tt.divisibility) or . (neither)."""
+    names = variant.kernel.arg_names
     first = next((v for v in variant.signature.values() if isinstance(v, str) and v.startswith("*")), "")
-    consts = ",".join(f"{k[0] if isinstance(k, tuple) else k}={v}" for k, v in variant.constexprs.items()
-                      if not isinstance(v, torch.dtype))
-    names = list(variant.signature)
-    aligned = "".join("D" if ((i,), [["tt.divisibility", 16]]) in variant.attrs.items() else "." for i in
-                      range(len(names)))
-    return f"{first[1:]} {consts} align={aligned}"
+    consts = ",".join(f"{names[k[0]]}={v}" for k, v in variant.constexprs.items())
+    marks = "".join("D" if ((i,), [["tt.divisibility", 16]]) in variant.attrs.items() else "."
+                    for i, t in enumerate(variant.signature.values()) if t != "constexpr")
+    return f"{first[1:]} {consts} {marks}"
 
 
 def supported_targets(requested: list[int]) -> list[int]:
@@ -283,7 +283,7 @@ def supported_targets(requested: list[int]) -> list[int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="configs", help="folder of config YAML files (searched recursively)")
-    parser.add_argument("--targets", default="80,90,100", help="compute capabilities (100 only if ptxas has it)")
+    parser.add_argument("--targets", default="80,90", help="compute capabilities, e.g. 80,90,100 (100: ptxas 12.8 on)")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -298,8 +298,8 @@ def main(argv=None) -> int:
     targets = supported_targets([int(c) for c in args.targets.split(",")])
     print(f"{len(shapes)} configs ({', '.join(s.name for s in shapes)}); targets "
           f"{', '.join(f'sm_{c}' for c in targets)}")
-    print(f"{'kernel':<18} {'specialisation':<44} {'target':<7} {'regs':>4} {'spill':>5} {'smem':>6} "
-          f"{'warps/SM':>8} {'ld bits':>7}  first case (of n)")
+    print(f"{'kernel':<17} {'target':<6} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8} {'ld bits':>7}  "
+          f"{'first case (of n)':<26} specialisation (pointer dtype, constexprs, D: 16-aligned / divisible)")
     failures, kernels, start = [], set(), time.perf_counter()
     for cc in targets:
         for variant, cases in capture(shapes, dtypes, cc).values():
@@ -309,15 +309,15 @@ def main(argv=None) -> int:
                 r = compile_variant(variant, cc)
             except Exception as e:  # reported; the exit status says so
                 failures.append(f"{name} sm_{cc} {describe(variant)}: {type(e).__name__}: {str(e)[:400]}")
-                print(f"{name:<18} {describe(variant):<44} sm_{cc:<4} COMPILE ERROR")
+                print(f"{name:<17} sm_{cc:<3} COMPILE ERROR  {cases[0]} ({len(cases)})  {describe(variant)}")
                 continue
             bad = []
-            if r["spills"]:
-                bad.append(f"spills {r['spills']} B")
+            if r["spills"] or r["spill_loads"]:
+                bad.append(f"spills {r['spills']} B (stores), {r['spill_loads']} B (loads) a thread")
             if r["shared"] > TARGETS[cc].smem_per_block:
                 bad.append(f"shared {r['shared']} B > {TARGETS[cc].smem_per_block}")
-            print(f"{name:<18} {describe(variant):<44} sm_{cc:<4} {r['regs']:>4} {r['spills']:>5} "
-                  f"{r['shared']:>6} {r['warps_per_sm']:>8} {r['loads']:>7}  {cases[0]} ({len(cases)})"
+            print(f"{name:<17} sm_{cc:<3} {r['regs']:>4} {r['spills']:>5} {r['shared']:>6} {r['warps_per_sm']:>8} "
+                  f"{r['loads']:>7}  {f'{cases[0]} ({len(cases)})':<26} {describe(variant)}"
                   + (f"  FAIL: {', '.join(bad)}" if bad else ""))
             if bad:
                 failures.append(f"{name} sm_{cc} {describe(variant)}: {', '.join(bad)}")
