@@ -19,9 +19,10 @@ import torch
 
 from ._triton import cdiv, jit, next_pow2, sm_count, tl, to_dtype, use_triton
 
-# elements per program tile (rows × padded hidden size): about 16-32 per thread, so no registers
-# spill (the backward holds more arrays per element, so its tile is smaller)
-FWD_TILE, BWD_TILE = 4096, 2048
+# elements per program tile (rows × padded hidden size) of narrow rows: 16 a thread forward, 8 backward
+# (it holds more arrays per element), so no registers spill on sm_80-sm_100 (tools/check_kernels.py:
+# twice that spilled 8 B a thread on sm_100)
+FWD_TILE, BWD_TILE = 2048, 1024
 # columns of a backward program at most: it keeps its chunk of d weight in registers across its rows,
 # beside that chunk of x, dy and w. A whole 16384 row (405B) spilled 48 B a thread at 128 registers,
 # and 8192 columns still reach 128 in fp16 (tools/check_kernels.py)

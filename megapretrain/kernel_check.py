@@ -283,7 +283,7 @@ def supported_targets(requested: list[int]) -> list[int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="configs", help="folder of config YAML files (searched recursively)")
-    parser.add_argument("--targets", default="80,90", help="compute capabilities, e.g. 80,90,100 (100: ptxas 12.8 on)")
+    parser.add_argument("--targets", default="80,90,100", help="compute capabilities (100: ptxas 12.8 or later)")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
