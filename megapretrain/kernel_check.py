@@ -1,4 +1,4 @@
-"""Compile every Triton kernel ahead of time, as the ops launch it, for sm_80 / sm_90 (/ sm_100).
+"""Compile every Triton kernel ahead of time, as the ops launch it, for sm_80, sm_90 and sm_100.
 
 No GPU is needed: Triton ships ptxas. The project's own ops (RMSNorm forward and backward, SwiGLU,
 RoPE, cross entropy on one rank and vocab-parallel, linear + cross entropy, AdamW, the grad
@@ -12,7 +12,7 @@ i64), compiled with ``triton.compile`` for each target, and ptxas is asked (``-v
 and spills. One line per distinct specialisation and target; the exit status is 1 on a compile
 error, any spill, or shared memory over the target's limit.
 
-    python tools/check_kernels.py [--configs configs] [--targets 80,90[,100]] [--dtypes fp32,bf16,fp16]
+    python tools/check_kernels.py [--configs configs] [--targets 80,90,100] [--dtypes fp32,bf16,fp16]
 """
 
 from __future__ import annotations
