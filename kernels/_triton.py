@@ -10,6 +10,7 @@ torch references need nothing else); launching a kernel then raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -50,10 +51,40 @@ def jit(fn):
     return InterpretedFunction(fn) if INTERPRETED else JITFunction(fn)
 
 
+_capture = None  # (on_launch, sm_count) while capture_launches() runs, else None
+
+
+@contextlib.contextmanager
+def capture_launches(on_launch, sm_count: int):
+    """Run the ops' Triton path on tensors of any device (meta ones: no memory, no work) and launch
+    nothing: each ``kernel[grid](*args, **kwargs)`` inside calls ``on_launch(kernel, args, kwargs)``
+    instead (kwargs hold the constexprs and ``num_warps``), and grids are sized for a GPU of
+    ``sm_count`` multiprocessors. What ``megapretrain.kernel_check`` compiles ahead of time."""
+    global _capture
+    if triton is None or INTERPRETED:
+        raise RuntimeError("capturing launches needs Triton imported without TRITON_INTERPRET")
+    saved_run = JITFunction.run
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: on_launch(self, args, kwargs)
+    _capture = (on_launch, sm_count)
+    try:
+        yield
+    finally:
+        JITFunction.run, _capture = saved_run, None
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` that persistent grids are sized for (on CPU 2: few programs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _capture[1] if _capture is not None else 2
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Triton on CUDA tensors, or on CPU ones under the interpreter; else the torch reference."""
     if triton is None:
         return False
+    if _capture is not None:
+        return True
     if all(t.device.type == "cuda" for t in tensors):
         return not INTERPRETED
     if os.environ.get("TRITON_INTERPRET") != "1":

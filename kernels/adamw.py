@@ -45,7 +45,8 @@ def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, ma
         p = p - lr_wd * p
     m = m + (1.0 - beta1) * (g - m)  # lerp(m, g, 1 - beta1)
     v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    # correctly rounded square root and divisions, as torch's (the GPU's defaults are approximate)
+    p = p - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
     tl.store(master_ptr + offs, p, mask=live)
     tl.store(exp_avg_ptr + offs, m, mask=live)
     tl.store(exp_avg_sq_ptr + offs, v, mask=live)
@@ -58,7 +59,7 @@ def _sq_sum_kernel(grad_ptr, partial_ptr, top_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g = tl.abs(tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))  # (BLOCK,)
     top = tl.maximum(tl.max(g, axis=0), 1.1754944e-38)  # at least the smallest normal: no 0 / 0
-    r = g / top  # in [0, 1]: no square overflows or underflows
+    r = tl.div_rn(g, top)  # in [0, 1]: no square overflows or underflows; correctly rounded (the bound needs it)
     tl.store(partial_ptr + tl.program_id(0), tl.sum(r * r, axis=0))  # a tree of fp32 adds
     tl.store(top_ptr + tl.program_id(0), top)
 
@@ -190,9 +191,10 @@ def _(grad):
 def grad_sq_sum(grad: torch.Tensor) -> torch.Tensor:
     """Σ grad² of a flat shard as a 0-d float64 tensor (no host sync), reading each grad once.
 
-    Each block of SQ_BLOCK elements gives its max |g| and Σ (g / max)² in fp32, a tree of adds
-    over values in [0, 1]; the blocks are combined in fp64 as Σ max² · partial. Relative error at
-    most (log2(SQ_BLOCK) + 3) · 2⁻²⁴ ≈ 9e-7 against the exact sum, for any finite grads: no square
+    Each block of SQ_BLOCK elements gives its max |g| and Σ (g / max)² in fp32 (the division
+    correctly rounded, ``tl.div_rn``: the GPU's default division is not), a tree of adds over values
+    in [0, 1]; the blocks are combined in fp64 as Σ max² · partial. Relative error at most
+    (log2(SQ_BLOCK) + 3) · 2⁻²⁴ ≈ 9e-7 against the exact sum, for any finite grads: no square
     overflows (plain fp32 squares do above 1.8e19) or underflows (below about 1e-19 where the GPU
     flushes denormals). A NaN or infinite grad gives a non-finite sum."""
     return _grad_sq_sum_op(grad.reshape(-1))

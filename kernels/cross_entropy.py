@@ -31,7 +31,7 @@ CHUNK_BYTES = 8 << 20  # fp32 bytes per row chunk of the torch phases (stays in 
 
 
 @jit
-def _ce_stats_kernel(logits_ptr, targets_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, stride, valid,
+def _ce_stats_kernel(logits_ptr, targets_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, stride, width, valid,
                      vocab_start, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
@@ -39,7 +39,9 @@ def _ce_stats_kernel(logits_ptr, targets_ptr, max_ptr, sum_exp_ptr, target_logit
     sum_exp = tl.zeros([], tl.float32)
     for v0 in range(0, valid, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < valid, other=float("-inf")).to(tl.float32)  # (BV,)
+        # loaded up to the (padded, 16-divisible) width so the loads stay 128-bit, then masked to valid
+        x = tl.load(base + cols, mask=cols < width, other=float("-inf")).to(tl.float32)  # (BV,)
+        x = tl.where(cols < valid, x, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(x, axis=0))  # finite: every block has a valid column
         sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
         row_max = new_max
@@ -63,7 +65,7 @@ def _ce_grad_kernel(logits_ptr, targets_ptr, lse_ptr, scale_ptr, stride, width, 
     local = tl.load(targets_ptr + row) - vocab_start
     for v0 in range(0, width, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < valid, other=0.0).to(tl.float32)  # (BV,)
+        x = tl.load(base + cols, mask=cols < width, other=0.0).to(tl.float32)  # (BV,) 128-bit loads, as above
         g = tl.exp(x - lse) * coef - tl.where(cols == local, 1.0, 0.0)
         g = tl.where(cols < valid, g * scale, 0.0)  # padding columns: 0
         tl.store(base + cols, to_dtype(g, logits_ptr.dtype.element_ty), mask=cols < width)
@@ -77,7 +79,7 @@ def _triton_stats(logits, targets, vocab_start: int, valid: int, ignore_index: i
     rows = logits.shape[0]
     stats = [torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3)]
     if rows:
-        _ce_stats_kernel[(rows,)](logits, targets, *stats, logits.stride(0), valid, vocab_start,
+        _ce_stats_kernel[(rows,)](logits, targets, *stats, logits.stride(0), logits.shape[1], valid, vocab_start,
                                   ignore_index, BLOCK_V=_block_v(valid), num_warps=8)
     return tuple(stats)
 

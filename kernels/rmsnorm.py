@@ -4,7 +4,9 @@ Unfused, the norm reads and writes x several times (upcast, square, mean, scale,
 The forward kernel reads a block of rows once, keeps them in registers in fp32, and writes y plus
 one 1/rms per row; the backward reads x, dy and 1/rms once and writes dx, with the weight gradient
 reduced in two stages (each program sums its own rows, then the per-program partials are summed),
-so no (rows, h) fp32 product is ever stored.
+so no (rows, h) fp32 product is ever stored. Rows wider than ``BWD_CHUNK`` are split by columns
+over programs, each of which reads the whole row a second time (from L2) for the row's dot product.
+Divisions and the square root are correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``), as torch's.
 
 Semantics are those of the model's norm: statistics in fp32, ``x_hat`` rounded to x's dtype before
 the weight multiplies it (as HF does), dx in x's dtype, the weight gradient in the weight's dtype.
@@ -15,11 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, jit, next_pow2, tl, to_dtype, use_triton
+from ._triton import cdiv, jit, next_pow2, sm_count, tl, to_dtype, use_triton
 
-# elements per program tile (rows × padded hidden size): about 16-32 per thread, so no registers
-# spill (the backward holds more arrays per element, so its tile is smaller)
-FWD_TILE, BWD_TILE = 4096, 2048
+# elements per program tile (rows × padded hidden size) of narrow rows: 16 a thread forward, 8 backward
+# (it holds more arrays per element), so no registers spill on sm_80-sm_100 (tools/check_kernels.py:
+# twice that spilled 8 B a thread on sm_100)
+FWD_TILE, BWD_TILE = 2048, 1024
+# columns of a backward program at most: it keeps its chunk of d weight in registers across its rows,
+# beside that chunk of x, dy and w. A whole 16384 row (405B) spilled 48 B a thread at 128 registers,
+# and 8192 columns still reach 128 in fp16 (tools/check_kernels.py)
+BWD_CHUNK = 4096
 
 
 @jit
@@ -30,7 +37,8 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
     mask = (r[:, None] < rows) & (c[None, :] < h)
     offs = r[:, None] * h + c[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / h + eps)  # (BR,)
+    # correctly rounded divisions and square root (the GPU's defaults are approximate), as torch's
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), h * 1.0) + eps))  # (BR,)
     x_hat = to_dtype(x * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, to_dtype(x_hat * w[None, :], y_ptr.dtype.element_ty), mask=mask)
@@ -39,24 +47,35 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
 
 @jit
 def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, rows_per_prog,
-                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid = tl.program_id(0)
-    c = tl.arange(0, BLOCK_H)
-    w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)  # (BH,)
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
+    # program (p, k) owns columns [k·BH, (k+1)·BH) of rows [p·rows_per_prog, ...): it writes dx there
+    # and sums that chunk of d weight in registers (acc); wide rows (h > BH) read the whole row once
+    # more for its dot product, from L2, where the row's other CHUNKS - 1 programs read it at the same time
+    pid = tl.program_id(0) // CHUNKS
+    c = (tl.program_id(0) % CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,) this program's columns
     acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)  # this program's share of d weight
     start = pid * rows_per_prog
     end = tl.minimum(start + rows_per_prog, rows)
     for r0 in range(start, end, BLOCK_R):
         r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        rstd = tl.load(rstd_ptr + r, mask=r < end, other=0.0)  # (BR,)
+        dot = tl.zeros((BLOCK_R,), dtype=tl.float32)  # Σ over the row of d loss / d x_hat · x_hat
+        for k0 in range(0, h, BLOCK_H):  # a loop, not unrolled: one chunk's loads in flight
+            ck = k0 + tl.arange(0, BLOCK_H)
+            mk = (r[:, None] < end) & (ck[None, :] < h)
+            xk = tl.load(x_ptr + r[:, None] * h + ck[None, :], mask=mk, other=0.0).to(tl.float32)  # (BR, BH)
+            gk = tl.load(dy_ptr + r[:, None] * h + ck[None, :], mask=mk, other=0.0).to(tl.float32)
+            wk = tl.load(w_ptr + ck, mask=ck < h, other=0.0).to(tl.float32)
+            dot += tl.sum((gk * wk[None, :]) * (xk * rstd[:, None]), axis=1)
+        dot = tl.div_rn(dot, h * 1.0)  # correctly rounded, as torch's
         mask = (r[:, None] < end) & (c[None, :] < h)
         offs = r[:, None] * h + c[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
         g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + r, mask=r < end, other=0.0)  # (BR,)
+        w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)  # reloaded: not held beside acc
         x_hat = x * rstd[:, None]
         acc += g * x_hat
         gw = g * w[None, :]  # d loss / d x_hat
-        dot = tl.sum(gw * x_hat, axis=1) / h  # (BR,)
         dx = (gw - x_hat * dot[:, None]) * rstd[:, None]
         tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_part_ptr + pid * h + c, tl.sum(acc, axis=0), mask=c < h)
@@ -65,13 +84,12 @@ def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, r
 def blocks(h: int, tile: int) -> tuple[int, int, int]:
     """(rows per block, padded hidden size, warps) of a program for hidden size ``h``."""
     block_h = next_pow2(h)
-    warps = 16 if block_h >= 8192 else 8 if block_h >= 4096 else 4  # wide rows: more threads per row
+    warps = 16 if block_h >= 16384 else 8 if block_h >= 4096 else 4  # wide rows: more threads per row
     return max(1, min(16, tile // block_h)), block_h, warps
 
 
 def _num_programs(device: torch.device, row_blocks: int) -> int:
-    per_device = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(row_blocks, per_device))
+    return max(1, min(row_blocks, 2 * sm_count(device)))  # two programs per multiprocessor
 
 
 def _triton_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -93,14 +111,16 @@ def _triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     rows = x2d.shape[0]
     if not rows:
         return torch.empty_like(x), torch.zeros_like(weight)
-    block_r, block_h, warps = blocks(h, BWD_TILE)
+    chunks = cdiv(next_pow2(h), BWD_CHUNK)  # column chunks of a row, each its own program
+    block_r, block_h, warps = blocks(cdiv(h, chunks), BWD_TILE)
     programs = _num_programs(x.device, cdiv(rows, block_r))
     rows_per_prog = cdiv(cdiv(rows, programs), block_r) * block_r
     programs = max(1, cdiv(rows, rows_per_prog))
     dx = torch.empty_like(x2d)
     dw_part = torch.empty(programs, h, dtype=torch.float32, device=x.device)  # (programs, h)
-    _rmsnorm_bwd[(programs,)](g2d, x2d, weight.contiguous(), rstd.reshape(-1).contiguous(), dx, dw_part,
-                              rows, h, rows_per_prog, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+    _rmsnorm_bwd[(programs * chunks,)](g2d, x2d, weight.contiguous(), rstd.reshape(-1).contiguous(), dx,
+                                       dw_part, rows, h, rows_per_prog, BLOCK_R=block_r, BLOCK_H=block_h,
+                                       CHUNKS=chunks, num_warps=warps)
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)  # second stage of the d weight reduction
 
 

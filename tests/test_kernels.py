@@ -114,7 +114,27 @@ def test_empty_inputs():
     assert adamw.grad_sq_sum(torch.zeros(0, device=DEVICE)) == 0
 
 
-def _close(actual, expected, dtype, fp32_tol=1e-5):
+# -- Tolerances, each from the error of the operation ------------------------------------------------
+# u = 2⁻²⁴, fp32's unit roundoff. Kernel and reference compute in fp32 and round to the output dtype
+# at the same points, and every division and square root in the kernels is correctly rounded
+# (tl.div_rn, tl.sqrt_rn: the GPU's defaults, div.full and sqrt.approx, are not), so the interpreted and
+# the compiled kernels differ from the reference only by summation order (a tree or loop of n adds:
+# at most ⌈log2 n⌉·u, or n·u, of the sum of magnitudes), by FMA contraction (compiled: one rounding
+# fewer per fused product) and by exp / sigmoid (compiled: ex2.approx, 2 ulp, plus u·|x·log2 e| from
+# scaling the argument). The same tolerances hold interpreted and compiled.
+U = 2.0 ** -24
+# fp32 elementwise and row ops: at most ~20 roundings of u on each side (2.4e-6 of values of O(1-10),
+# sums over rows of at most 512 terms: ⌈log2 512⌉ = 9 of them), with 4× margin
+FP32_TOL = 1e-5
+# fp32 sums over rows (RMSNorm's weight grad): each program adds its up to 150 rows in sequence,
+# ≤ 150·u = 9e-6 of Σ|dy·x_hat|, which for random signs is ~√150 ≈ 12 times |Σ dy·x_hat|
+FP32_ROW_SUM_TOL = 1e-4
+# bf16 / fp16: torch's defaults (bf16 rtol 1.6e-2 = 4 ulps of 2⁻⁸, fp16 rtol 1e-3 ≥ 1 ulp of 2⁻¹⁰, atol
+# 1e-5): the fp32 values before the final rounding agree to ~1e-6, so the outputs differ by at most the
+# one ulp of a rounding that falls the other way
+
+
+def _close(actual, expected, dtype, fp32_tol=FP32_TOL):
     tol = {"rtol": fp32_tol, "atol": fp32_tol} if dtype == torch.float32 else {}
     torch.testing.assert_close(actual, expected, **tol)
 
@@ -149,7 +169,7 @@ def test_rms_norm_matches_reference(shape, dtype, wdtype):
     assert y.dtype == y_ref.dtype and dx.dtype == dtype and dw.dtype == wdtype
     _close(y, y_ref, dtype)
     _close(dx, dx_ref, dtype)
-    _close(dw, dw_ref, wdtype, fp32_tol=1e-4)
+    _close(dw, dw_ref, wdtype, fp32_tol=FP32_ROW_SUM_TOL)
 
 
 def test_rms_norm_reference_is_rms_norm():
@@ -162,7 +182,9 @@ def test_rms_norm_reference_is_rms_norm():
     dy = torch.randn(6, 41, dtype=torch.float64)
     y.backward(dy.float())
     y_auto.backward(dy)
-    torch.testing.assert_close(y.double(), y_auto.detach(), rtol=1e-5, atol=1e-5)
+    # the fp32 reference against float64: y as FP32_TOL; its grads through the row dot product (41
+    # terms, then a cancelling difference of O(1) terms, ~1e-6 of them) and a sum over 6 rows, ×10 margin
+    torch.testing.assert_close(y.double(), y_auto.detach(), rtol=FP32_TOL, atol=FP32_TOL)
     torch.testing.assert_close(xl.grad, xa.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(wl.grad, wa.grad, rtol=1e-4, atol=1e-4)
 
@@ -179,7 +201,7 @@ def test_rms_norm_extreme_values():
         outs = _rms_norm_both(x, w, dy)
         for a, b in zip(*outs):
             assert torch.isfinite(a).all()
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=FP32_TOL, atol=FP32_TOL)  # relative: scale-free
     assert (outs[0][1] == 0).all() and (outs[0][2] == 0).all()
 
 
@@ -193,7 +215,22 @@ def test_rms_norm_weight_grad_spans_many_programs():
         wl = _leaf(w)
         fn(x, wl, 1e-6).backward(dy)
         grads.append(wl.grad)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+    # 150 rows over 4 programs of ~38 rows each, then 4 partials: ≤ ~40·u = 2.4e-6 of Σ|dy·x_hat|
+    torch.testing.assert_close(grads[0], grads[1], rtol=FP32_TOL, atol=FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_over_column_chunks(monkeypatch, dtype):
+    """Rows wider than BWD_CHUNK (405B's 16384 at BWD_CHUNK 8192) are split over programs by columns:
+    here 300 columns in chunks of 64 (the last ones partly or wholly past the row), as the reference."""
+    monkeypatch.setattr(rmsnorm, "BWD_CHUNK", 64)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 300, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(300, generator=g)).to(DEVICE, dtype)
+    dy = torch.randn(23, 300, generator=g).to(DEVICE, dtype)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy)
+    _close(dx, dx_ref, dtype)
+    _close(dw, dw_ref, dtype, fp32_tol=FP32_ROW_SUM_TOL)
 
 
 def test_rms_norm_op_registration_and_compile():
@@ -203,7 +240,7 @@ def test_rms_norm_op_registration_and_compile():
     compiled = torch.compile(rmsnorm.rms_norm, backend="aot_eager", fullgraph=True)
     y = compiled(x, w, 1e-6)
     y.sum().backward()
-    torch.testing.assert_close(y, rmsnorm.rms_norm_reference(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, rmsnorm.rms_norm_reference(x, w, 1e-6), rtol=FP32_TOL, atol=FP32_TOL)
 
 
 # -- SwiGLU -----------------------------------------------------------------------------------------
@@ -236,7 +273,9 @@ def test_swiglu_extreme_values():
     for dy in (torch.randn(gate.numel(), device=DEVICE), torch.zeros(gate.numel(), device=DEVICE)):
         for a, b in zip(*_swiglu_both(gate, up, dy)):
             assert torch.isfinite(a).all()
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            # sigmoid saturates to 0 or 1 in the tails (exp's approximation error vanishes there), and
+            # at |gate| ≤ 20 costs ≤ (2 + 20·1.44)·u = 1.8e-6 relative: FP32_TOL
+            torch.testing.assert_close(a, b, rtol=FP32_TOL, atol=FP32_TOL)
 
 
 def test_swiglu_op_registration_and_compile():
@@ -305,7 +344,10 @@ def test_rope_extreme_values():
     for dy in (torch.randn(1, 2, 4, 8, device=DEVICE), torch.zeros(1, 2, 4, 8, device=DEVICE)):
         for a, b in zip(*_rope_both(x, cos, sin, dy)):
             assert torch.isfinite(a).all()
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            # x·cos rounded, then x·sin added: 2-3 roundings, u each, of terms up to 1e4; where they
+            # cancel (y1 = 1e4·(cos - sin) here), an FMA (compiled) moves y by ≤ u·1e4 = 6e-4, inside
+            # rtol·|y| while |cos ± sin| > 0.06 (here ≥ 0.3 at every angle)
+            torch.testing.assert_close(a, b, rtol=FP32_TOL, atol=FP32_TOL)
 
 
 def test_rope_op_registration_and_compile():
@@ -358,6 +400,8 @@ def test_fused_adamw_matches_torch_adamw_over_ten_steps(fn, out_dtype):
                    grad_scale=torch.tensor(clip / loss_scale, device=DEVICE), **ADAM)
         expected = torch.cat([p.detach() for p in params])
         got = state[0].cpu()
+        # per step both round p (|p| ~ 1) a few times, u each, and the update (lr·m̂/(√v̂ + eps), all
+        # correctly rounded) ~6 times: over 10 steps ≤ ~30·u = 1.8e-6 relative; atol for p near 0
         torch.testing.assert_close(got[:1000], expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(out, state[0].to(out_dtype))  # the model's copy, rounded as .to() rounds
 
@@ -380,6 +424,7 @@ def test_fused_adamw_kernel_matches_reference_at_extremes():
             runs.append(state)
         for a, b in zip(*runs):
             assert torch.isfinite(a).all()
+            # one step, same formulas, correctly rounded: the moments ≤ 4·u, p ≤ ~8·u = 4.8e-7 (1e-6 = 16·u)
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -395,7 +440,10 @@ def test_decay_mask_round_trips_ranges():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 4095, 4097, 9001])
 def test_grad_sq_sum_matches_reference(dtype, n):
-    """Odd sizes, a few huge grads among ordinary ones, zeros: within the stated 9e-7 of fp64."""
+    """Odd sizes, a few huge grads among ordinary ones, zeros: within the stated 9e-7 of fp64.
+
+    9e-7 ≥ (log2(SQ_BLOCK) + 3)·u: g / max correctly rounded (tl.div_rn) u, its square 2u + u, a tree
+    of 12 adds of non-negative terms 12u; the fp64 combination adds nothing at this scale."""
     grad = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEVICE, dtype)
     grad[: min(3, n)] = 1e18 if dtype == torch.float32 else 1e15
     got = adamw.grad_sq_sum(grad)

@@ -14,6 +14,20 @@ from megapretrain.parallel.state import Group
 from distributed import run_distributed
 from test_kernels import DEVICE, _close, _leaf, run_in_fresh_process, triton_interpreter  # noqa: F401
 
+# Tolerances (u = 2⁻²⁴; the common rules are in tests/test_kernels.py). Loss = log Σ exp(x - max) minus
+# the target's logit; gradient = softmax · (1 + 2z·lse) - onehot. Compiled, exp is ex2.approx of
+# (x - max)·log2 e: 2 ulp plus u·|x - max|·log2 e, at most ~45·u = 2.7e-6 relative for these logits
+# (randn·4: |x - max| ≤ 30), and the sums over ≤ 300 columns add ⌈log2 300⌉·u. So losses of O(1-10)
+# agree within 1e-5 relative or absolute (TOL), softmax entries within 1e-5 relative, 1e-6 absolute
+# near 0 (SOFTMAX_TOL); the linear + cross entropy gradients are those entries through the same
+# torch matmul on both sides, so they keep the relative error of the entries (TOL).
+TOL = dict(rtol=1e-5, atol=1e-5)
+SOFTMAX_TOL = dict(rtol=1e-5, atol=1e-6)
+# bf16 x and weight against an unfused reference: each matmul rounds its (≤ 45 or 11 term) sums to bf16,
+# 2⁻⁹ relative, and the weight grad once per chunk (the module docstring: 1.1e-3 over 8 chunks), so
+# gradients within 2e-2 (5 bf16 ulps); the fp32 loss from bf16 logits within 1e-4 relative, 1e-3 abs
+BF16_LOSS_TOL = dict(rtol=1e-4, atol=1e-3)
+
 
 def test_kernels_in_a_fresh_process():
     """Runs this file in its own process when Triton was imported here without the interpreter."""
@@ -48,7 +62,7 @@ def test_cross_entropy_matches_reference(rows, width, real_vocab, dtype, z_loss)
     logits, targets, dy = _ce_inputs(rows, width, dtype, real_vocab)
     (loss, grad), (loss_ref, grad_ref) = _ce_both(logits, targets, dy, real_vocab=real_vocab, z_loss=z_loss)
     assert loss.dtype == torch.float32 and grad.dtype == dtype
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, loss_ref, **TOL)
     _close(grad, grad_ref, dtype)
     assert loss[1] == 0 and (grad[1] == 0).all()  # the ignored row
     if real_vocab:
@@ -63,8 +77,8 @@ def test_cross_entropy_reference_is_cross_entropy():
     expected = expected + 1e-2 * torch.logsumexp(ref[:, :45], -1).square() * (targets != -100)
     expected.backward(dy)
     (loss, grad), _ = _ce_both(logits, targets, dy, real_vocab=45, z_loss=1e-2)
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, expected.detach(), **TOL)
+    torch.testing.assert_close(grad, ref.grad, **SOFTMAX_TOL)
 
 
 def test_cross_entropy_matches_the_model_loss():
@@ -80,7 +94,7 @@ def test_cross_entropy_matches_the_model_loss():
         loss.backward(dy)
         outs.append((loss, leaf.grad))
     for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, **SOFTMAX_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -155,7 +169,7 @@ def test_vocab_parallel_cross_entropy_tp2(dtype, z_loss):
     ranks = run_distributed(_tp_cross_entropy, 2, logits, targets, dy, 83, z_loss)
     (loss, grad), _ = _ce_both(logits, targets, dy, real_vocab=83, z_loss=z_loss)
     for loss_r, _ in ranks:
-        torch.testing.assert_close(loss_r, loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_r, loss, **TOL)
     _close(torch.cat([g for _, g in ranks], -1), grad, dtype)
 
 
@@ -194,7 +208,7 @@ def test_linear_cross_entropy_matches_unfused(fn, chunk_rows, z_loss):
     loss, dx, dw = _lce_run(fn, x, weight, targets, loss_weight=lw, chunk_rows=chunk_rows, **kw)
     ref = _lce_run(lambda *a, **k: _unfused_loss(*a, lw, **k), x, weight, targets, **kw)
     for a, b in zip((loss, dx, dw), ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **TOL)
 
 
 def test_linear_cross_entropy_low_precision_and_defaults():
@@ -204,7 +218,7 @@ def test_linear_cross_entropy_low_precision_and_defaults():
     loss, dx, dw = _lce_run(LCE[0], x, weight, targets, chunk_rows=4)
     ref = _lce_run(lambda *a, **k: _unfused_loss(*a, torch.ones(2, 11, device=DEVICE), **k), x, weight, targets)
     assert dx.dtype == dw.dtype == torch.bfloat16
-    torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(loss, ref[0], **BF16_LOSS_TOL)
     torch.testing.assert_close(dx, ref[1], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dw, ref[2], rtol=2e-2, atol=2e-2)
     fp32_sum = _lce_run(LCE[0], x, weight, targets, chunk_rows=4, accum_dtype=torch.float32)
@@ -259,9 +273,9 @@ def test_vocab_parallel_linear_cross_entropy_tp2():
     loss, dx, dw = _lce_run(linear_cross_entropy.linear_cross_entropy_reference, x, weight, targets,
                             grad_scale=1.0, real_vocab=47, z_loss=1e-3, loss_weight=lw)
     for loss_r, _, _ in ranks:
-        torch.testing.assert_close(loss_r, loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ranks[0][1] + ranks[1][1], dx, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat([r[2] for r in ranks]), dw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_r, loss, **TOL)
+    torch.testing.assert_close(ranks[0][1] + ranks[1][1], dx, **TOL)
+    torch.testing.assert_close(torch.cat([r[2] for r in ranks]), dw, **TOL)
 
 
 def test_linear_cross_entropy_compiles():
@@ -270,7 +284,7 @@ def test_linear_cross_entropy_compiles():
     got = _lce_run(lambda *a, **k: compiled(*a, **k), x, weight, targets, loss_weight=lw, chunk_rows=5)
     expected = _lce_run(LCE[1], x, weight, targets, loss_weight=lw, chunk_rows=5)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **TOL)
 
 
 # -- the fused torch phase, the chunk size and the per-token chunked loss ---------------------------
@@ -290,8 +304,8 @@ def test_one_pass_torch_phase_matches_the_two_phases(rows, width, real_vocab, dt
     stats = cross_entropy._torch_stats(two, targets, 0, valid, -100)
     loss_ref, lse_ref = cross_entropy.combine_stats(stats, targets, None, 0, valid, -100, z_loss)
     cross_entropy._torch_grad_(two, targets, lse_ref, dy.float().masked_fill(targets == -100, 0.0), z_loss, 0, valid)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(loss, loss_ref, **TOL)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)  # both torch: only the order of the sums
     _close(one, two, dtype)
     assert loss[1] == 0 and (one[1] == 0).all() and (one[:, valid:] == 0).all()
 
@@ -339,7 +353,7 @@ def test_per_token_linear_cross_entropy_matches_unfused(reference, grads_in_forw
     want = cross_entropy.cross_entropy_reference(F.linear(xl, wl), targets, real_vocab=45, z_loss=1e-3)
     want.backward(dy)
     for a, b in zip(got, (want, xl.grad, wl.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **TOL)
 
 
 def test_per_token_backward_recomputes_only_for_a_gradient_that_differs():
@@ -402,6 +416,6 @@ def test_per_token_bf16_matches_the_one_buffer_loss():
     want = vocab_parallel_linear_cross_entropy(xl, wl, targets, Group("tp", [0]), 0, 45)
     want.backward(dy)
     assert dx.dtype == dw.dtype == torch.bfloat16
-    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(loss, want, **BF16_LOSS_TOL)
     torch.testing.assert_close(dx, xl.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(dw, wl.grad, rtol=2e-2, atol=2e-3)
