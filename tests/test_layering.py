@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVELS = {
     "errors": 0, "config": 0, "cli": 0, "host_memory": 0,
     "parallel.layout": 1, "model.args": 1,
-    "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2, "kernel_check": 2,
+    "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
     "optim": 3,
     "checkpoint": 4,
     "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "resolve": 5, "runtime": 5,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from megapretrain.cli import user_errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUDGET_S = 470  # the phases' limits add up to this: under 8 minutes, with room for start-up
+BUDGET_S = 475  # the phases' limits add up to this: under 8 minutes, with room for start-up
 
 
 @dataclass
@@ -130,8 +130,10 @@ def phases(out_dir: str, python: str) -> list[Phase]:
     return [
         Phase("env", 10, "torch, CUDA, device, triton and the optional packages", me + ["--probe", "env"],
               _probe_figures),
-        Phase("aot", 60, "every Triton kernel compiled ahead of time for sm_80/sm_90: registers, spills, shared memory",
-              [python, os.path.join(ROOT, "tools", "check_kernels.py")]),
+        Phase("aot", 75, "every Triton kernel compiled ahead of time for this device's sm_90: registers, spills, "
+              "shared memory (CI checks sm_80/90/100)",
+              [python, os.path.join(ROOT, "tools", "check_kernels.py"), "--targets", "90",
+               "--configs", os.path.join(ROOT, "configs")]),
         Phase("kernel_tests", 90, "the kernel tests on CUDA, compiled (no interpreter)",
               [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                *(os.path.join(ROOT, "tests", f"test_kernels{s}.py") for s in ("", "_loss", "_model"))],
@@ -148,7 +150,7 @@ def phases(out_dir: str, python: str) -> list[Phase]:
         Phase("resume", 90, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
               "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
               config=resume_argv(os.path.join(tiny, "corpus"))),
-        Phase("throughput", 95, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
+        Phase("throughput", 85, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
               [python, os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2", *THROUGHPUT],
               _bench_train_figures, config=THROUGHPUT),
     ]
@@ -332,8 +334,8 @@ def check_config(argv: list[str]) -> str:
     from megapretrain.config import load_config
     from megapretrain.errors import UserError
     from megapretrain.resolve import resolve
-    from megapretrain.train import split_args
-    path, overrides = split_args(argv)
+    at = argv.index("--config")
+    path, overrides = argv[at + 1], argv[:at] + argv[at + 2:]
     try:
         cfg = load_config(path, overrides)
         if cfg.model.vocab_size is None:

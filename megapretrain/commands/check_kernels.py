@@ -70,7 +70,7 @@ def config_shapes(paths: list[str]) -> list[Shape]:
     """:class:`Shape` of each config file (those without a vocabulary size are skipped)."""
     import yaml
 
-    from .model.args import default_ffn_hidden_size, padded_vocab_size
+    from ..model.args import default_ffn_hidden_size, padded_vocab_size
 
     shapes = []
     for path in paths:
@@ -103,7 +103,7 @@ class _Group:
 
 def run_ops(shape: Shape, dtype: torch.dtype) -> None:
     """Every op, forward and backward, on meta tensors as one rank of ``shape`` calls it."""
-    from .kernels import adamw, cross_entropy, linear_cross_entropy, rmsnorm, rope, swiglu
+    from ..kernels import adamw, cross_entropy, linear_cross_entropy, rmsnorm, rope, swiglu
 
     meta = dict(device="meta", dtype=dtype)
     norm_rows = shape.tokens // shape.tp if shape.sp else shape.tokens  # sequence parallel: s/tp rows
@@ -170,7 +170,7 @@ def _with_real_impls():
     (not its fake) on meta tensors, so the dispatch reaches the Triton launches."""
     from torch._library.custom_ops import CustomOpDef
 
-    from .kernels import adamw, cross_entropy, rmsnorm, rope, swiglu
+    from ..kernels import adamw, cross_entropy, rmsnorm, rope, swiglu
 
     lib = torch.library.Library("megapretrain", "IMPL")
     for module in (adamw, cross_entropy, rmsnorm, rope, swiglu):
@@ -184,7 +184,7 @@ def _with_real_impls():
 
 def capture(shapes: list[Shape], dtypes: list[torch.dtype], cc: int) -> dict:
     """{variant key: (Variant, [case names])} of every launch the ops make for these shapes."""
-    from .kernels._triton import capture_launches
+    from ..kernels._triton import capture_launches
 
     found = {}
     case = []
