@@ -243,6 +243,12 @@ def test_biases_and_norm_weights_do_not_decay_and_start_as_declared(flags):
         assert specs["layers.0.self_attn.o_proj.bias"].tp_dim is None
 
 
+def test_the_registry_holds_the_families_the_config_accepts():
+    from megapretrain.model.args import FAMILIES
+    from megapretrain.model.families import FAMILIES as REGISTRY
+    assert tuple(REGISTRY) == FAMILIES
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--model.family", "gpt_neox"), "model.mlp=swiglu: GPT-NeoX's MLP is gelu"),
     ((*NEOX, "--model.qk_norm", "true"), "model.qk_norm=true is a llama-family option"),
@@ -256,3 +262,14 @@ def test_family_rules_are_one_line(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         validate(_config(*flags), 1)
     assert "\n" not in str(err.value)
+
+
+def test_triton_kernels_name_the_layers_that_have_none_once(monkeypatch, capsys):
+    from megapretrain.model import build
+    from megapretrain.parallel.state import ParallelState
+
+    monkeypatch.setattr(build, "resolve_kernels", lambda choice, device: "triton")  # building calls no kernel
+    for flags, said in ((NEOX, ["model.kernels=triton: LayerNorm and GELU of model.family=gpt_neox have no Triton "
+                                "kernel and run torch's ops"]), (QWEN, [])):
+        build.build_model_chunks(_config(*flags, "--train.device", "cpu"), ParallelState())
+        assert capsys.readouterr().out.splitlines() == said

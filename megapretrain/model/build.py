@@ -23,18 +23,18 @@ from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
 from .args import ModelArgs, model_args
-from .decoder import DecoderModel
+from .decoder import DecoderModel, ModelChunk
 from .families import family, torch_only_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def table_of(chunks: list[DecoderModel]) -> dict[str, ParamSpec]:
+def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
     """The parameter-spec table of a rank's chunks, in their parameter order."""
     return {name: spec for chunk in chunks for name, spec in chunk.param_specs().items()}
 
 
-def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[DecoderModel]:
+def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     args, p = model_args(cfg), cfg.parallel
     layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
     return [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
@@ -79,7 +79,7 @@ def _pre_hooks_run_eagerly(forward):
     return method
 
 
-def compile_layers(chunk: DecoderModel, device: torch.device) -> None:
+def compile_layers(chunk: ModelChunk, device: torch.device) -> None:
     """``train.compile``: torch.compile the decoder layers' ``forward`` (regional compilation). One
     compiled function serves every layer: Dynamo caches by code object and, with modules inlined,
     guards on their attributes rather than their identity, so a chunk of layers of one shape
@@ -98,7 +98,7 @@ def compile_layers(chunk: DecoderModel, device: torch.device) -> None:
         layer.forward = MethodType(compiled[cls], layer)
 
 
-def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[DecoderModel], dict[str, ParamSpec]]:
+def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk], dict[str, ParamSpec]]:
     """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
     and their parameter-spec table.
 
@@ -130,7 +130,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[DecoderMode
     return chunks, table_of(chunks)
 
 
-def _placeholders(chunk: DecoderModel, device: torch.device) -> None:
+def _placeholders(chunk: ModelChunk, device: torch.device) -> None:
     """ZeRO-3: replace every (meta) parameter of ``chunk`` by one of its shape and dtype on
     ``device`` that has no storage. The optimizer's buffers (parallel/data.py) then write each
     unit's initial values straight into its gathered buffer, keep this rank's shard and free the
@@ -143,7 +143,7 @@ def _placeholders(chunk: DecoderModel, device: torch.device) -> None:
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
-def deferred_initializer(chunks: list[DecoderModel], specs: dict[str, ParamSpec], seed: int):
+def deferred_initializer(chunks: list[ModelChunk], specs: dict[str, ParamSpec], seed: int):
     """``initialize(param, out)`` for the optimizer's buffers: writes the initial value of a
     parameter of ``chunks`` that :func:`build_model_chunks` left without storage (ZeRO-3) into
     ``out``, the same values :meth:`DecoderModel.init_weights` gives it. ``specs``: the chunks'
