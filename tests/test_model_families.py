@@ -273,3 +273,13 @@ def test_triton_kernels_name_the_layers_that_have_none_once(monkeypatch, capsys)
                                 "kernel and run torch's ops"]), (QWEN, [])):
         build.build_model_chunks(_config(*flags, "--train.device", "cpu"), ParallelState())
         assert capsys.readouterr().out.splitlines() == said
+
+
+def test_the_family_is_read_off_model_type_or_architectures():
+    from megapretrain.model.families import family_of_hf
+    from megapretrain.model.hf_adapter import ConvertError
+
+    assert family_of_hf({"model_type": "qwen3"}, "x").NAME == "llama"
+    assert family_of_hf({"architectures": ["GPTNeoXForCausalLM"]}, "x").NAME == "gpt_neox"
+    with pytest.raises(ConvertError, match="model_type='mamba'.*is not a family megapretrain converts"):
+        family_of_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "x")

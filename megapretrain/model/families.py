@@ -30,9 +30,12 @@ def family(name: str) -> Family:
 
 
 def family_of_hf(hf: dict, where: str) -> Family:
-    """The family whose adapter reads a Hugging Face ``config.json`` (by its ``model_type``)."""
+    """The family whose adapter reads a Hugging Face ``config.json``: by its ``model_type``, or
+    without one by its ``architectures``."""
+    archs = hf.get("architectures") or []
     for fam in FAMILIES.values():
-        if hf.get("model_type") in fam.HF.model_types:
+        if hf.get("model_type") in fam.HF.model_types or (not hf.get("model_type") and archs
+                                                          and archs[0] in fam.HF.architectures):
             return fam
     known = ", ".join(t for fam in FAMILIES.values() for t in fam.HF.model_types)
     raise ConvertError(f"{where}: model_type={hf.get('model_type')!r} (architectures {hf.get('architectures')}) "

@@ -27,6 +27,7 @@ IN_LAYER = {".self_attn.qkv_proj.": ".attention.query_key_value.", ".self_attn.o
 
 class GPTNeoXAdapter:
     model_types = ("gpt_neox",)
+    architectures = ("GPTNeoXForCausalLM",)
     ignored_suffixes = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
 
     def hf_name(self, name: str) -> str:

@@ -25,6 +25,7 @@ class ConvertError(UserError):
 class HFAdapter(Protocol):
     """One family's mapping to and from Hugging Face checkpoints."""
     model_types: tuple[str, ...]     # config.json model_type values the family reads
+    architectures: tuple[str, ...]   # and its architectures (read when model_type is absent)
     ignored_suffixes: tuple[str, ...]  # buffers old exports carry (recomputed, not weights)
 
     def hf_name(self, name: str) -> str:

@@ -27,6 +27,7 @@ VARIANTS = {"llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False)),
 
 class LlamaAdapter:
     model_types = tuple(VARIANTS)
+    architectures = tuple(arch for arch, _ in VARIANTS.values())
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
     def hf_name(self, name: str) -> str:
@@ -65,8 +66,12 @@ class LlamaAdapter:
                 out["attention_bias"] = False
         return out
 
+    def model_type(self, hf: dict) -> str:
+        """The variant of a config.json (its model_type, or the one of its architecture)."""
+        return hf.get("model_type") or self.model_types[self.architectures.index(hf["architectures"][0])]
+
     def check(self, hf: dict, where: str) -> None:
-        model_type = hf.get("model_type")
+        model_type = self.model_type(hf)
         unsupported = {}
         if hf.get("hidden_act", "silu") != "silu":
             unsupported["hidden_act"] = hf["hidden_act"]
@@ -83,13 +88,14 @@ class LlamaAdapter:
         theta, scaling = rope_from_hf(hf, where)
         heads = hf["num_attention_heads"]
         d = hf.get("head_dim") or hf["hidden_size"] // heads
+        model_type = self.model_type(hf)
         flags = {"family": "llama", "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
                  "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
                  "head_dim": d if d * heads != hf["hidden_size"] else None,
                  "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"], "rope_theta": theta,
                  "norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
                  "mlp": "swiglu", "rotary_pct": 1.0, "parallel_residual": False,
-                 **VARIANTS[hf["model_type"]][1]}
+                 **VARIANTS[model_type][1]}
         if scaling:
             flags["rope_scaling"] = scaling
         return flags
