@@ -58,7 +58,7 @@ class ModelConfig:
     num_heads: int = _f(4, "Attention (query) heads.", min=1)
     num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: num_heads).", min=1)
     ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to 256).", min=1)
-    mlp: str = _f("swiglu", "MLP: swiglu (Llama, the trainer's) | gelu (GPT-3 style; the planner only).",
+    mlp: str = _f("swiglu", "MLP: swiglu (Llama) | gelu (two matrices, exact GELU: GPT-NeoX, GPT-3 style).",
                   choices=("swiglu", "gelu"))
     vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).", min=1)
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × parallel.tp.", min=1)
@@ -66,7 +66,7 @@ class ModelConfig:
     rope_scaling: Optional[dict] = _f(None, "Rotary frequency scaling (null: none), as Hugging Face writes it; "
                                       "Llama 3.1's: {rope_type: llama3, factor: 8, low_freq_factor: 1, "
                                       "high_freq_factor: 4, original_max_position_embeddings: 8192}.")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon.", positive=True)
+    norm_eps: float = _f(1e-5, "Norm epsilon (RMSNorm's; GPT-NeoX: its LayerNorm's layer_norm_eps).", positive=True)
     tie_embeddings: bool = _f(False, "Share the input embedding with the output layer.")
     init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2·num_layers).",
                          positive=True)
@@ -75,6 +75,15 @@ class ModelConfig:
     kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).",
                       choices=("auto", "triton", "torch"))
     z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: none).", min=0)
+    family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias / qk_norm) | "
+                     "gpt_neox (LayerNorm with bias, parallel residual, partial rotary, GELU, biases; Pythia).")
+    qkv_bias: bool = _f(False, "llama family: biases on the query, key and value projections (Qwen2/2.5).")
+    qk_norm: bool = _f(False, "llama family: RMSNorm over each head's query and key before RoPE (Qwen3).")
+    head_dim: Optional[int] = _f(None, "Per-head size (null: hidden_size/num_heads; Qwen3 sets it apart).", min=1)
+    rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates, the first ones (GPT-NeoX's "
+                           "rotary_pct; Pythia: 0.25).", positive=True, max=1)
+    parallel_residual: Optional[bool] = _f(None, "x + attn(ln1(x)) + mlp(ln2(x)) instead of one after the other "
+                                           "(GPT-NeoX's use_parallel_residual; null: the family's default).")
 
 
 @dataclass

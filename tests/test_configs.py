@@ -35,6 +35,9 @@ PUBLISHED = {
     "llama3_8b": 8.03e9,
     "llama3_70b": 70.6e9,
     "llama3_405b": 405e9,
+    # Biderman et al. 2023, "Pythia", Table 1 / the released checkpoints (GPT-NeoX family), exactly
+    "pythia_160m": 162_322_944,
+    "pythia_1p4b": 1_414_647_808,
 }
 CPU_CONFIGS = {"tiny", "bench_cpu"}  # for this machine, not a published model
 NAMES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -71,7 +74,8 @@ def test_the_recipe(name):
     cfg = _config(name)
     o, s, t = cfg.optim, cfg.schedule, cfg.train
     assert o.min_lr == pytest.approx(0.1 * o.lr) and 1e-5 <= o.lr <= 1e-3
-    assert (o.betas, o.weight_decay, o.clip_grad, s.decay, t.precision) == ([0.9, 0.95], 0.1, 1.0, "cosine", "bf16")
+    decay = 0.01 if name.startswith("pythia") else 0.1  # Pythia's recipe (Biderman et al. 2023, Appendix E)
+    assert (o.betas, o.weight_decay, o.clip_grad, s.decay, t.precision) == ([0.9, 0.95], decay, 1.0, "cosine", "bf16")
     tokens = t.global_batch_size * t.seq_length
     params = num_parameters(model_args(cfg))
     if name == "llama3_405b":  # Llama 3's final 16M-token batch (Dubey et al. 2024, Table 4)

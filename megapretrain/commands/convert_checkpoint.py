@@ -1,4 +1,5 @@
-"""Convert between megapretrain checkpoints and Hugging Face Llama directories, streaming.
+"""Convert between megapretrain checkpoints and Hugging Face directories, streaming: Llama, Qwen2, Qwen3
+(the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family gpt_neox``).
 
     python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny [--dtype bf16] [--verify]
     python tools/convert_checkpoint.py from-hf --hf hf/llama --output ckpt/llama \\
@@ -9,15 +10,17 @@
 or a run directory for its newest usable one), puts every weight together from the tensor- and
 pipeline-parallel shards and ZeRO ranges, drops the vocabulary padding and writes what
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (LlamaForCausalLM,
-with Llama 3.1 rotary scaling when the run has it), ``generation_config.json``, safetensors files
+Qwen2ForCausalLM, Qwen3ForCausalLM or GPTNeoXForCausalLM, as the family and its options say; with
+Llama 3.1 rotary scaling when the run has it), ``generation_config.json``, safetensors files
 (split at ``--max-shard-gb``, with an index) and the tokenizer files of a HuggingFace or
 SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``--config``).
 
 ``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
 layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
 tp × cp × pp, one data-parallel replica; replicas are hard links): training under that layout loads it
-as its own, with no resharding at start-up; under any other layout it reshards as usual. It prints
-the ``model.*`` settings that match the weights.
+as its own, with no resharding at start-up; under any other layout it reshards as usual. The family
+comes from ``config.json`` (``model_type``, else ``architectures``); it prints the ``model.*``
+settings that match the weights, ``--model.family`` first.
 
 Both stream: one tensor at a time is read (by byte range: a tp rank's rows only) and written, so
 host memory stays at about one input tensor plus its slices whatever the model's size. ``--verify``
@@ -83,7 +86,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     to.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
     to.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's train.precision)")
     to.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors files at this size")
-    frm = sub.add_parser("from-hf", help="Hugging Face Llama directory -> megapretrain checkpoint",
+    frm = sub.add_parser("from-hf", help="Hugging Face directory (Llama, Qwen2/3, GPT-NeoX) -> megapretrain checkpoint",
                          epilog="Other --section.key VALUE arguments set the target layout (--parallel.tp ...).")
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
@@ -146,11 +149,11 @@ def to_hf(args: argparse.Namespace) -> str:
             f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
         total = 0
         for file, members in zip(names, plan):
-            entries = [(hf_name(n), dtype, specs[n].shape, lambda n=n: weights.get(n).to(dtype).contiguous())
-                       for n in members]
+            entries = [(hf_name(n, m.family), dtype, specs[n].shape,
+                        lambda n=n: weights.get(n).to(dtype).contiguous()) for n in members]
             total += tensorfile.write(os.path.join(tmp, file), entries, {"format": "pt"})[0]
         if len(plan) > 1:
-            weight_map = {hf_name(n): file for file, members in zip(names, plan) for n in members}
+            weight_map = {hf_name(n, m.family): file for file, members in zip(names, plan) for n in members}
             size = sum(specs[n].numel for n in specs) * dtype.itemsize
             _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": size}, "weight_map": weight_map})
@@ -221,11 +224,11 @@ def _target_config(args, overrides: list[str], hf: dict):
     return cfg, sizes, world
 
 
-def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool) -> None:
+def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool, family: str) -> None:
     """Every HF tensor is one of the model's, of its global shape, and none is missing."""
-    ours = {hf_name(n): s for n, s in shapes.items()}
+    ours = {hf_name(n, family): s for n, s in shapes.items()}
     for name in weights.names():
-        if name == "lm_head.weight" and tied:
+        if name == hf_name("lm_head.weight", family) and tied:
             continue  # a tied model's head is the embedding; some exports write it anyway
         if name not in ours:
             raise ConvertError(f"{hf_dir}: tensor '{name}' {weights.shape(name)} has no place in the model "
@@ -238,9 +241,9 @@ def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool)
         raise ConvertError(f"{hf_dir}: the weights lack {missing[:3]}{' ...' if len(missing) > 3 else ''}")
 
 
-def _slice(weights: HFWeights, spec, tp_rank: int):
+def _slice(weights: HFWeights, spec, tp_rank: int, family: str):
     """Rank ``tp_rank``'s fp32 slice of ``spec``'s HF tensor (of ``spec.local_shape``), padded."""
-    name, dim, local = hf_name(spec.name), spec.tp_dim, spec.local_shape
+    name, dim, local = hf_name(spec.name, family), spec.tp_dim, spec.local_shape
 
     def read() -> torch.Tensor:
         if dim is None:
@@ -261,7 +264,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     cfg, sizes, world = _target_config(args, overrides, hf)
     shapes = global_shapes(cfg)
     weights = HFWeights(args.hf)
-    _check_hf_tensors(args.hf, weights, shapes, cfg.model.tie_embeddings)
+    _check_hf_tensors(args.hf, weights, shapes, cfg.model.tie_embeddings, cfg.model.family)
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
                            f"says vocab_size={hf['vocab_size']}")
@@ -270,7 +273,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             specs = rank_param_specs(cfg, pp_rank, tp_rank)
             return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model={n: _slice(weights, s, tp_rank) for n, s in specs.items()},
+                              model={n: _slice(weights, s, tp_rank, cfg.model.family) for n, s in specs.items()},
                               moments={n: {} for n in specs})
 
         files, _ = write_layout(tmp, sizes.layout, state_at)

@@ -57,11 +57,22 @@ class ModelArgs:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     rope_scaling: tuple | None = None  # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
-    mlp: str = "swiglu"  # or "gelu": GPT-3's two-matrix MLP (the planner models it; the layers are SwiGLU)
+    mlp: str = "swiglu"  # or "gelu": the two-matrix MLP with exact GELU (GPT-NeoX, GPT-3)
+    family: str = "llama"  # the decoder's layer choices and its Hugging Face adapter (model/families.py)
+    qkv_bias: bool = False  # llama family: biases on q, k, v (Qwen2)
+    qk_norm: bool = False  # llama family: RMSNorm over each head's q and k before RoPE (Qwen3)
+    kv_channels: int | None = None  # per-head size when not hidden/heads (model.head_dim)
+    rotary_pct: float = 1.0  # the first rotary_pct of each head's dims are rotated
+    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all of them but for partial rotary), as HF counts them."""
+        return int(self.head_dim * self.rotary_pct)
 
     def padded_vocab(self, tp: int) -> int:
         """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned slice."""
@@ -76,7 +87,22 @@ def model_args(cfg: Config) -> ModelArgs:
                      vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
                      rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
                      init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None)
+                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None,
+                     family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, kv_channels=m.head_dim,
+                     rotary_pct=m.rotary_pct, parallel_residual=parallel_residual(m))
+
+
+FAMILIES = ("llama", "gpt_neox")  # model/families.py holds each one's layers and Hugging Face adapter
+
+
+def parallel_residual(m: ModelConfig) -> bool:
+    """``model.parallel_residual`` resolved (null: GPT-NeoX's yes, Llama's no)."""
+    return m.family == "gpt_neox" if m.parallel_residual is None else m.parallel_residual
+
+
+def head_dim(m: ModelConfig) -> int:
+    """``model.head_dim`` resolved (null: hidden_size / num_heads)."""
+    return m.head_dim or m.hidden_size // m.num_heads
 
 
 ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -102,16 +128,41 @@ def check_rope_scaling(rs: Any, where: str) -> None:
            f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
 
 
+def check_family(m: ModelConfig) -> None:
+    """What each family's layers implement of the options (GPT-NeoX: LayerNorm, GELU, biases, no GQA)."""
+    _check(m.family in FAMILIES, f"model.family={m.family!r} is not a model family (valid: {', '.join(FAMILIES)})")
+    if m.family == "gpt_neox":
+        _check(m.mlp == "gelu", f"model.mlp={m.mlp}: GPT-NeoX's MLP is gelu; set --model.mlp gelu")
+        for name in ("qkv_bias", "qk_norm"):
+            _check(not getattr(m, name), f"model.{name}=true is a llama-family option; GPT-NeoX has biases on every "
+                                         f"linear and no QK-norm: set --model.{name} false")
+        _check(kv_heads(m) == m.num_heads, f"model.num_kv_heads={kv_heads(m)}: GPT-NeoX has no grouped-query "
+                                           f"attention; set it to model.num_heads={m.num_heads} (or null)")
+        _check(not m.tie_embeddings, "model.tie_embeddings=true: GPT-NeoX's head (embed_out) is its own; set "
+                                     "--model.tie_embeddings false")
+        _check(m.head_dim in (None, m.hidden_size // m.num_heads),
+               f"model.head_dim={m.head_dim}: GPT-NeoX's heads are hidden_size/num_heads wide; set it to null")
+    else:
+        _check(m.rotary_pct == 1.0, f"model.rotary_pct={m.rotary_pct}: the llama family rotates every head dim; "
+                                    "set 1.0 (partial rotary is model.family=gpt_neox's)")
+        _check(not parallel_residual(m), "model.parallel_residual=true is GPT-NeoX's; the llama family adds its "
+                                         "attention and MLP one after the other: set it to null or false")
+
+
 def check_model(m: ModelConfig, tp: int) -> None:
     """The model's own rules, and what tensor parallelism over ``tp`` ranks may split of it: heads,
-    grouped-query heads and the FFN width split over tp; the head size even for RoPE."""
-    _check(m.mlp == "swiglu", "model.mlp=gelu: the trainer implements swiglu only so far; the planner models gelu")
+    grouped-query heads and the FFN width split over tp; the rotated head dims even for RoPE."""
+    check_family(m)
     kv = kv_heads(m)
-    _check(m.hidden_size % m.num_heads == 0,
-           f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
-           f"(valid: {divisors(m.hidden_size)})")
-    _check((m.hidden_size // m.num_heads) % 2 == 0,
-           f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even for RoPE")
+    if m.head_dim is None:
+        _check(m.hidden_size % m.num_heads == 0,
+               f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
+               f"(valid: {divisors(m.hidden_size)}), or set model.head_dim")
+    _check(0 < m.rotary_pct <= 1, f"model.rotary_pct={m.rotary_pct} must be in (0, 1]")
+    rotary = int(head_dim(m) * m.rotary_pct)
+    _check(rotary >= 2 and rotary % 2 == 0,
+           f"rotary dims head_dim·rotary_pct={head_dim(m)}·{m.rotary_pct} → {rotary} must be even and at least 2 "
+           "for RoPE (change model.rotary_pct or the head size)")
     _check(m.num_heads % kv == 0,
            f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
            f"(valid: {divisors(m.num_heads)})")

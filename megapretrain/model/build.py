@@ -23,20 +23,21 @@ from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
 from .args import ModelArgs, model_args
-from .llama import LlamaModel
+from .decoder import DecoderModel, ModelChunk
+from .families import family, torch_only_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def table_of(chunks: list[LlamaModel]) -> dict[str, ParamSpec]:
+def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
     """The parameter-spec table of a rank's chunks, in their parameter order."""
     return {name: spec for chunk in chunks for name, spec in chunk.param_specs().items()}
 
 
-def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[LlamaModel]:
+def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     args, p = model_args(cfg), cfg.parallel
     layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
-    return [LlamaModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
+    return [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
                        post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
                        sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
             for v, layer_ids in enumerate(layer_chunks)]
@@ -78,7 +79,7 @@ def _pre_hooks_run_eagerly(forward):
     return method
 
 
-def compile_layers(chunk: LlamaModel, device: torch.device) -> None:
+def compile_layers(chunk: ModelChunk, device: torch.device) -> None:
     """``train.compile``: torch.compile the decoder layers' ``forward`` (regional compilation). One
     compiled function serves every layer: Dynamo caches by code object and, with modules inlined,
     guards on their attributes rather than their identity, so a chunk of layers of one shape
@@ -97,7 +98,7 @@ def compile_layers(chunk: LlamaModel, device: torch.device) -> None:
         layer.forward = MethodType(compiled[cls], layer)
 
 
-def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel], dict[str, ParamSpec]]:
+def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk], dict[str, ParamSpec]]:
     """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
     and their parameter-spec table.
 
@@ -111,7 +112,12 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
     """
     rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
     deferred = cfg.parallel.zero == 3
-    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=resolve_kernels(cfg.model.kernels, ps.device),
+    kernels = resolve_kernels(cfg.model.kernels, ps.device)
+    torch_only = torch_only_layers(family(cfg.model.family).layer_spec(model_args(cfg)))
+    if kernels == "triton" and torch_only and ps.rank == 0:
+        print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "
+              "kernel and run torch's ops", flush=True)
+    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels,
                      z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision],
                      device="meta" if deferred else ps.device)
     for chunk in chunks:
@@ -124,7 +130,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[LlamaModel]
     return chunks, table_of(chunks)
 
 
-def _placeholders(chunk: LlamaModel, device: torch.device) -> None:
+def _placeholders(chunk: ModelChunk, device: torch.device) -> None:
     """ZeRO-3: replace every (meta) parameter of ``chunk`` by one of its shape and dtype on
     ``device`` that has no storage. The optimizer's buffers (parallel/data.py) then write each
     unit's initial values straight into its gathered buffer, keep this rank's shard and free the
@@ -137,10 +143,10 @@ def _placeholders(chunk: LlamaModel, device: torch.device) -> None:
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
-def deferred_initializer(chunks: list[LlamaModel], specs: dict[str, ParamSpec], seed: int):
+def deferred_initializer(chunks: list[ModelChunk], specs: dict[str, ParamSpec], seed: int):
     """``initialize(param, out)`` for the optimizer's buffers: writes the initial value of a
     parameter of ``chunks`` that :func:`build_model_chunks` left without storage (ZeRO-3) into
-    ``out``, the same values :meth:`LlamaModel.init_weights` gives it. ``specs``: the chunks'
+    ``out``, the same values :meth:`DecoderModel.init_weights` gives it. ``specs``: the chunks'
     table, as :func:`build_model_chunks` returns it."""
     owner = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
 
@@ -165,5 +171,5 @@ def one_layer_specs(args: ModelArgs) -> dict[str, ParamSpec]:
     norm and the head, built on the meta device: per-layer and per-stage parameter counts for the
     planner, read off the model itself."""
     with torch.device("meta"):
-        model = LlamaModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
+        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
     return model.param_specs()

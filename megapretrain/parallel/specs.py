@@ -2,12 +2,12 @@
 
 Each layer declares, for the parameters it owns, a :class:`Sharding` (which dimension tensor
 parallelism splits, whether the rows are the vocabulary, whether the parameter decays, whether its
-gradient is a partial sum over tp). The model turns those into one :class:`ParamSpec` per parameter
-under its global name, adding what only it knows (the decoder layer, a tied embedding's copy on
-another pipeline stage). ``model/build.py`` collects the specs of a rank's chunks into a table
-(``dict[str, ParamSpec]``, in parameter order) that the optimizer, the data-parallel buffers,
-checkpointing, resharding, Hugging Face conversion and the planner read — and nothing else: no
-layout fact is ever read off a parameter object.
+gradient is a partial sum over tp, how it starts: :class:`Init`). The model turns those into one
+:class:`ParamSpec` per parameter under its global name, adding what only it knows (the decoder
+layer, a tied embedding's copy on another pipeline stage). ``model/build.py`` collects the specs of
+a rank's chunks into a table (``dict[str, ParamSpec]``, in parameter order) that the optimizer, the
+data-parallel buffers, checkpointing, resharding, Hugging Face conversion and the planner read — and
+nothing else: no layout fact is ever read off a parameter object.
 
 A module that owns parameters and declares no sharding is a bug, reported as soon as the specs are
 collected; so is a declared sharding that does not match the parameters the module owns. New
@@ -25,6 +25,23 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class Init:
+    """How a parameter starts, declared by the layer that owns it: ``normal`` draws the global
+    tensor from normal(0, ``std``) seeded by the parameter's name (layout-invariant, see
+    ``parallel/tensor.py``'s ``init_shard_``; output projections declare their scaled std),
+    ``ones`` and ``zeros`` are constants (norm weights, biases)."""
+    kind: str = "normal"  # normal | ones | zeros
+    std: float = 0.0
+
+    @staticmethod
+    def normal(std: float) -> Init:
+        return Init("normal", std)
+
+
+ONES, ZEROS = Init("ones"), Init("zeros")
+
+
+@dataclass(frozen=True)
 class Sharding:
     """What a layer declares about one of its parameters."""
     tp_dim: int | None = None        # dimension split across tp ranks; None: replicated over tp
@@ -32,6 +49,7 @@ class Sharding:
     weight_decay: bool = True        # AdamW's decoupled decay applies (not to norm weights)
     partial_grad_over_tp: bool = False  # replicated, but each tp rank's grad covers part of the
     #                                     sequence (sequence-parallel norms): grads are summed over tp
+    init: Init | None = None         # how the parameter starts (None: a module outside the model's layers)
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,7 @@ class ParamSpec:
     #                                  the last pipeline stage: grads summed over the embedding group
     duplicate: bool = False          # this rank's copy of a tied embedding is the last stage's second
     #                                  copy: not counted in the grad norm
+    init: Init | None = None         # how the parameter starts (its layer's declaration)
 
     @property
     def numel(self) -> int:
@@ -97,7 +116,7 @@ def make_spec(name: str, param: torch.Tensor, s: Sharding, tp_size: int, **model
         shape[0] = s.vocab_rows
     return ParamSpec(name=name, shape=tuple(shape), local_shape=tuple(param.shape), dtype=param.dtype,
                      tp_dim=s.tp_dim, vocab=s.vocab_rows is not None, weight_decay=s.weight_decay,
-                     partial_grad_over_tp=s.partial_grad_over_tp, **model_facts)
+                     partial_grad_over_tp=s.partial_grad_over_tp, init=s.init, **model_facts)
 
 
 def plain_specs(named_params) -> dict[str, ParamSpec]:

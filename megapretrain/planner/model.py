@@ -83,14 +83,11 @@ ATTENTION = ("flash", "unfused")
 @functools.cache
 def layer_params(args: ModelArgs) -> tuple[int, int, int]:
     """(tp-split, replicated) parameters of one decoder layer and the head's replicated ones (the
-    final norm), from the model's spec table. The layers built are SwiGLU; a GELU MLP has one
-    ``h × f`` matrix fewer."""
+    final norm), from the model's spec table (the family's own layers, GELU MLP included)."""
     specs = one_layer_specs(args).values()
     split = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is not None)
     replicated = sum(s.numel for s in specs if s.layer == 0 and s.tp_dim is None)
     head = sum(s.numel for s in specs if s.layer is None and not s.vocab)
-    if args.mlp == "gelu":
-        split -= args.hidden_size * args.ffn_hidden_size
     return split, replicated, head
 
 

@@ -1,0 +1,82 @@
+"""What a model family's Hugging Face adapter provides (:class:`HFAdapter`), and the helpers the
+adapters share: the error type of a conversion and the reading of rotary settings.
+
+A family's adapter (model/llama_hf.py, model/gpt_neox_hf.py) owns everything that differs between
+families: the Hugging Face names of the chunk's parameters, ``config.json`` in both directions and
+what of a ``config.json`` the family's layers cannot compute. ``checkpoint/hf.py`` streams the
+tensors, checks the logits and picks the adapter (``model/families.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import ConfigError, UserError
+from .args import ROPE_LLAMA3_KEYS, check_rope_scaling
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+
+class ConvertError(UserError):
+    """Bad input to a conversion; the message names the file or flag and what to do."""
+
+
+class HFAdapter(Protocol):
+    """One family's mapping to and from Hugging Face checkpoints."""
+    model_types: tuple[str, ...]     # config.json model_type values the family reads
+    architectures: tuple[str, ...]   # and its architectures (read when model_type is absent)
+    ignored_suffixes: tuple[str, ...]  # buffers old exports carry (recomputed, not weights)
+
+    def hf_name(self, name: str) -> str:
+        """The Hugging Face name of the chunk's parameter ``name`` (a one-to-one map, no reshaping:
+        the chunk lays each tensor out as Hugging Face does, so tp slices are row/column ranges)."""
+
+    def hf_config(self, cfg: Config, dtype_name: str, bos: int | None, eos: int | None) -> dict:
+        """``config.json`` of the Hugging Face model computing what ``cfg.model`` does."""
+
+    def check(self, hf: dict, where: str) -> None:
+        """Raise :class:`ConvertError` for what of ``hf`` (a config.json) the family cannot compute."""
+
+    def model_flags(self, hf: dict, where: str) -> dict[str, object]:
+        """``model.*`` settings (field → value) describing the checkpoint's architecture."""
+
+
+def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, model.rope_scaling) of an HF config: ``rope_scaling`` (older checkpoints; it
+    wins, as in transformers) or ``rope_parameters`` (transformers 5)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or hf.get("rotary_emb_base") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    if kind == "default":
+        return theta, None
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling["rope_type"] = kind
+    if kind == "llama3":
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        extra = sorted(set(scaling) - {"rope_type", *ROPE_LLAMA3_KEYS})
+        if extra:
+            raise ConvertError(f"{where}: rope_scaling keys {extra} are not part of rope_type llama3; the weights "
+                               "would not compute the same function")
+    try:
+        check_rope_scaling(scaling, f"{where}: rope_scaling")
+    except ConfigError as exc:
+        raise ConvertError(str(exc)) from None
+    return theta, scaling
+
+
+def rope_config(cfg: Config) -> tuple[dict | None, int]:
+    """(rope_scaling as config.json writes it, or None; max_position_embeddings) of ``cfg``."""
+    rs = cfg.model.rope_scaling
+    max_positions = cfg.train.seq_length
+    if not rs or rs.get("rope_type", rs.get("type")) == "default":
+        return None, max_positions
+    scaling = {"rope_type": "llama3", **{k: rs[k] for k in ROPE_LLAMA3_KEYS}}
+    return scaling, max(max_positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+
+
+def refuse(unsupported: dict, where: str, family: str) -> None:
+    if unsupported:
+        raise ConvertError(f"{where}: {unsupported} is not supported by megapretrain's {family} family; the weights "
+                           "would not compute the same function")

@@ -1,0 +1,424 @@
+"""The decoder's layers, shared by the model families: norms, rotary embeddings, attention, MLPs
+and the decoder block, all tensor-parallel (column/row-parallel linears from ``parallel/tensor.py``),
+sequence-parallel aware and context-parallel aware.
+
+A family chooses among them with a :class:`LayerSpec` (model/llama.py, model/gpt_neox.py): which
+norm, which MLP, which biases, QK-norm, a fused QKV projection, the residual form. Every layer
+declares its parameters' layout and initialization (``param_shardings``, ``parallel/specs.py``),
+so nothing downstream tells a norm from a linear by its type.
+
+The Triton kernels (kernels/) serve RMSNorm, RoPE and SwiGLU when ``kernels="triton"``; LayerNorm
+and GELU are torch's ops on every device.
+
+Shapes in comments: b batch, s sequence (this rank's s/cp tokens under context parallelism, and
+s/tp of them when sequence-parallel), h hidden, n heads, k kv heads, d head size, r rotated dims,
+f FFN width; "/tp" marks a dimension split across tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
+
+from ..kernels.rmsnorm import rms_norm
+from ..kernels.rope import rope
+from ..kernels.swiglu import swiglu
+from ..parallel.context import gather_kv_from_cp, query_chunks
+from ..parallel.random import RNGTracker
+from ..parallel.specs import ONES, ZEROS, Init, Sharding
+from ..parallel.state import Group
+from ..parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SavedShards,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+from .args import ModelArgs
+
+KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A family's choice of parts for its decoder layers (Megatron-Core's layer submodules, as data)."""
+    norm: type[nn.Module]          # RMSNorm | LayerNorm (the final norm too)
+    mlp: type[nn.Module]           # SwiGLU | GeluMLP
+    qkv_bias: bool = False         # biases on the query, key and value projections
+    dense_bias: bool = False       # biases on the attention output and on the MLP's linears
+    qk_norm: bool = False          # RMSNorm over each head's q and k before RoPE (Qwen3)
+    fused_qkv: bool = False        # one projection, rows grouped per kv head: [q·n/k, k, v] (GPT-NeoX)
+    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+
+
+# -- linears with biases, embedding: the parallel layers with their initialization declared ----------
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` with an optional bias, split over tp with the output rows."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float, bias: bool = False,
+                 vocab_rows: int | None = None, dtype=torch.float32, device=None):
+        super().__init__(in_features, out_features, tp, init_std=init_std, vocab_rows=vocab_rows,
+                         dtype=dtype, device=device)
+        self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) if bias else None
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std))}
+        if self.bias is not None:
+            out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+
+
+class RowLinear(RowParallelLinear):
+    """:class:`RowParallelLinear` with an optional bias, replicated and added once, after the sum
+    over tp. Under sequence parallelism each rank adds it to its own positions, so its gradient is
+    a partial sum over tp."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float, bias: bool = False,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__(in_features, out_features, tp, init_std=init_std, sequence_parallel=sequence_parallel,
+                         dtype=dtype, device=device)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std))}  # input columns split over tp
+        if self.bias is not None:
+            out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel, init=ZEROS)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(VocabParallelEmbedding):
+    """:class:`VocabParallelEmbedding` declaring its normal(init_std) initialization."""
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab, init=Init.normal(self.init_std))}
+
+
+# -- norms ------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = weight · x / rms(x), computed on an fp32 copy of x. Written out (rather than left to
+    autograd) so that it saves only ``x`` and 1/rms, not four activation-sized temporaries, and
+    converts each tensor between bf16 and fp32 once (mixed-dtype elementwise ops are slow on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # (..., h) fp32
+        mean_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+        rstd = mean_sq.add_(eps).rsqrt_()  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return xf.mul_(rstd).to(x.dtype).mul_(weight)  # rounded to x's dtype, then scaled (as HF does)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype, copy=True).mul_(rstd)  # (..., h) fp32
+        g = grad.to(rstd.dtype, copy=True)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype)  # (h,)
+        g.mul_(weight.to(rstd.dtype))  # d loss / d x_hat
+        # d x_hat / d x = rstd · (I - x_hat x_hatᵀ / h)
+        dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
+        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in fp32 whatever the input dtype. ``partial_grad``: each tp
+    rank normalizes other rows (other positions under sequence parallelism, other heads for
+    QK-norm), so the weight's grads are partial sums over tp."""
+
+    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False, kernels: str = "torch",
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps, self.partial_grad, self.kernels = eps, partial_grad, kernels
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(weight_decay=False, partial_grad_over_tp=self.partial_grad, init=ONES)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            return rms_norm(x, self.weight, self.eps)  # one kernel each way (kernels/rmsnorm.py)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std · weight + bias (GPT-NeoX), torch's op (no Triton kernel: the same on every
+    device). Grads partial over tp under sequence parallelism, as for :class:`RMSNorm`."""
+
+    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False, kernels: str = "torch",
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps, self.partial_grad = eps, partial_grad
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        kw = dict(weight_decay=False, partial_grad_over_tp=self.partial_grad)
+        return {"weight": Sharding(init=ONES, **kw), "bias": Sharding(init=ZEROS, **kw)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+# -- rotary embeddings --------------------------------------------------------------------------------
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int, **_) -> torch.Tensor:
+    """Llama 3.1's rotary scaling, as transformers computes it: wavelengths longer than the original
+    context / low_freq_factor are stretched by ``factor``, shorter than context / high_freq_factor
+    kept, and those in between interpolated smoothly."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(seq: int, rotary_dim: int, theta: float, device, dtype,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (s, r) for positions 0..seq-1 (the rotate-half layout) over the
+    ``rotary_dim`` = r rotated dims of a head (all d of them but for partial rotary); ``scaling``:
+    ``model.rope_scaling`` (rope_type llama3, or none)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (s, r/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (s, r)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1), as three fused multiply-adds
+    (no rotated copy of x, and nothing saved but the tables)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        half = x.shape[-1] // 2
+        ctx.save_for_backward(cos, sin)
+        y = x * cos
+        y[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)  # y1 = x1 c1 - x2 s1
+        y[..., half:].addcmul_(x[..., :half], sin[..., half:])  # y2 = x2 c2 + x1 s2
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        dx = grad * cos
+        dx[..., :half].addcmul_(grad[..., half:], sin[..., half:])  # dx1 = g1 c1 + g2 s2
+        dx[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)  # dx2 = g2 c2 - g1 s1
+        return dx, None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """Rotate (b, n, s, d) query/key vectors by their position's angle; cos, sin: (s, r), or
+    (b, 1, s, r) when each token has its own position (document masking). With r < d (partial
+    rotary, GPT-NeoX) the first r dims of each head turn and the rest pass through.
+    ``kernels="triton"``: the kernel of kernels/rope.py, for (s, r) tables (per-token tables take
+    the torch ops)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin, kernels), x[..., r:]], dim=-1)  # (b, n, s, d)
+    if kernels == "triton" and cos.dim() == 2:
+        return rope(x, cos, sin)
+    return _RoPEFunction.apply(x, cos, sin)
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through ``scaled_dot_product_attention``: q, k, v projections (or
+    one fused projection), optional QK-norm, RoPE on the first r dims of each head, the output
+    projection. Heads are split over tp; under context parallelism the keys and values are
+    all-gathered over cp (``parallel/context.py``)."""
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
+                 selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
+                 cp: Group | None = None, dtype, device):
+        super().__init__()
+        self.rng, self.saved, self.kernels = rng, saved, kernels
+        self.cp = cp if cp is not None else Group("cp", [0])
+        d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.selective_recompute = selective_recompute
+        self.n_local, self.k_local, self.d = args.num_heads // tp.size, args.num_kv_heads // tp.size, d
+        self.dropout = args.attention_dropout
+        self.fused = spec.fused_qkv
+        kw = dict(dtype=dtype, device=device)
+        h, n, k = args.hidden_size, args.num_heads, args.num_kv_heads
+        lin = dict(init_std=args.init_std, bias=spec.qkv_bias, **kw)
+        if self.fused:  # rows per kv head: its n/k queries, its key, its value (tp splits whole groups)
+            self.qkv_proj = ColumnLinear(h, (n + 2 * k) * d, tp, **lin)
+        else:
+            self.q_proj = ColumnLinear(h, n * d, tp, **lin)
+            self.k_proj = ColumnLinear(h, k * d, tp, **lin)
+            self.v_proj = ColumnLinear(h, k * d, tp, **lin)
+        self.o_proj = RowLinear(n * d, h, tp, init_std=out_std, bias=spec.dense_bias,
+                                sequence_parallel=sequence_parallel, **kw)
+        if spec.qk_norm:  # one weight for every head, and tp ranks hold other heads: partial grads
+            norm = dict(partial_grad=tp.size > 1, kernels=kernels, **kw)
+            self.q_norm, self.k_norm = RMSNorm(d, args.norm_eps, **norm), RMSNorm(d, args.norm_eps, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _core(self, q, k, v, mask=None):
+        dropout = self.dropout if self.training else 0.0
+        if not dropout:  # no random numbers drawn: no stream to fork (and no graph break under compile)
+            return self._attend(q, k, v, mask, 0.0)
+        with self.rng.fork():  # heads differ per tp (and cp) rank, so must their dropout masks
+            return self._attend(q, k, v, mask, dropout)
+
+    def _attend(self, q, k, v, mask, dropout: float):
+        """Scaled dot-product attention of this rank's queries: under ``mask`` when given, else
+        causal — over the whole sequence, or under context parallelism chunk by chunk, each of the
+        rank's two query chunks against the keys up to its end (``parallel/context.py``)."""
+        kw = dict(enable_gqa=True, dropout_p=dropout)
+        if mask is not None or self.cp.size == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kw)
+        out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
+                                              attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
+               for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
+        return torch.cat(out, dim=2)  # (b, n/tp, s, d)
+
+    def _project(self, x: torch.Tensor):
+        """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the full-sequence input x (b, s, h)."""
+        b, s, _ = x.shape
+        if not self.fused:
+            return (self.q_proj(x).view(b, s, self.n_local, self.d), self.k_proj(x).view(b, s, self.k_local, self.d),
+                    self.v_proj(x).view(b, s, self.k_local, self.d))
+        group = self.n_local // self.k_local
+        qkv = self.qkv_proj(x).view(b, s, self.k_local, (group + 2) * self.d)  # (b, s, k/tp, (n/k + 2)·d)
+        q, k, v = qkv.split([group * self.d, self.d, self.d], dim=-1)
+        return q.reshape(b, s, self.n_local, self.d), k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (b, 1, s, s·cp) attention allowed (document masking), or None for plain causal."""
+        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
+        b, s, _ = x.shape
+        q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2
+        if self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, n/tp, s, d), (b, k/tp, s, d)
+        q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
+        k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
+        if self.selective_recompute and self.training:
+            # no dropout: no random stream to restore (and nothing for torch.compile to trace)
+            context = self.rng.checkpoint_context if self.dropout else torch.utils.checkpoint.noop_context_fn
+            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=context)
+        else:
+            y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
+        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
+        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+
+
+# -- MLPs ------------------------------------------------------------------------------------------
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Llama)."""
+
+    def __init__(self, args: ModelArgs, tp: Group, *, bias: bool = False, sequence_parallel: bool,
+                 saved: SavedShards | None, kernels: str = "torch", dtype, device):
+        super().__init__()
+        out_std = args.init_std / math.sqrt(2 * args.num_layers)
+        self.tp, self.sequence_parallel, self.saved, self.kernels = tp, sequence_parallel, saved, kernels
+        kw = dict(bias=bias, dtype=dtype, device=device)
+        h, f = args.hidden_size, args.ffn_hidden_size
+        self.gate_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
+        self.up_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
+        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (b, s, f/tp)
+        act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up  # kernels/swiglu.py
+        return self.down_proj(act)  # (b, s, h)
+
+
+class GeluMLP(nn.Module):
+    """down(gelu(up(x))) with exact (erf) GELU: GPT-NeoX's dense_h_to_4h → gelu → dense_4h_to_h,
+    GPT-3's MLP. torch's GELU on every device (no Triton kernel)."""
+
+    def __init__(self, args: ModelArgs, tp: Group, *, bias: bool = False, sequence_parallel: bool,
+                 saved: SavedShards | None, kernels: str = "torch", dtype, device):
+        super().__init__()
+        out_std = args.init_std / math.sqrt(2 * args.num_layers)
+        self.tp, self.sequence_parallel, self.saved = tp, sequence_parallel, saved
+        kw = dict(bias=bias, dtype=dtype, device=device)
+        h, f = args.hidden_size, args.ffn_hidden_size
+        self.up_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
+        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
+        return self.down_proj(F.gelu(self.up_proj(x)))  # (b, s, f/tp) -> (b, s, h)
+
+
+MLP = SwiGLU  # the name it had in model/llama.py
+
+
+# -- the decoder block -------------------------------------------------------------------------------
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream one after the other, or both
+    from the same input (``spec.parallel_residual``, GPT-NeoX)."""
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool, recompute: str,
+                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
+                 dtype, device):
+        super().__init__()
+        kw = dict(kernels=kernels, dtype=dtype, device=device)
+        self.rng, self.sequence_parallel = rng, sequence_parallel
+        self.parallel_residual = spec.parallel_residual
+        norm = dict(partial_grad=sequence_parallel, **kw)
+        self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
+        self.self_attn = Attention(args, spec, tp, sequence_parallel=sequence_parallel,
+                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp, **kw)
+        self.post_attention_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
+        self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel, saved=saved, **kw)
+        self.dropout = args.hidden_dropout
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual-branch dropout: the residual is replicated over tp (same mask everywhere: the
+        default stream) unless sequence-parallel, where each rank holds other positions."""
+        if not (self.training and self.dropout):
+            return x
+        if self.sequence_parallel:
+            with self.rng.fork():
+                return F.dropout(x, self.dropout, True)
+        return F.dropout(x, self.dropout, True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self._dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        if self.parallel_residual:
+            return x + attn + self._dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = x + attn
+        return x + self._dropout(self.mlp(self.post_attention_layernorm(x)))

@@ -1,0 +1,285 @@
+"""Model families through the one chunk contract: the Llama family's Qwen options (``model.qkv_bias``:
+Qwen2, ``model.qk_norm`` + ``model.head_dim``: Qwen3) and GPT-NeoX (Pythia).
+
+For each: a random transformers model converts here and back bit for bit, our logits are
+transformers' (fp32), 20 steps of the real trainer from it equal transformers + torch.optim.AdamW
+on the same batches, and tp2+sp, pp2, dp2 with ZeRO-3 and cp2 equal one process. The spec table
+gives the parameter count (Pythia's published figures), the initializations and the weight decay
+(none on biases and norm weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megapretrain.config import load_config
+from megapretrain.errors import ConfigError
+from megapretrain.model.build import model_args, rank_param_specs
+from megapretrain.model.llama import num_parameters
+from megapretrain.train import setup
+
+from distributed import run_distributed
+from test_parallel_equivalence import BASE, check, reference_for
+from test_parallel_equivalence import _train as _train_layout
+from test_preprocess_data import load_tool
+
+transformers = pytest.importorskip("transformers")
+convert = load_tool("convert_checkpoint")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 257  # the corpus' byte tokenizer
+
+
+def _hf_model(kind: str):
+    """A random transformers model of ``kind`` whose biases and norm weights are not their init."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    if kind == "gpt_neox":
+        config = transformers.GPTNeoXConfig(**common, intermediate_size=256, rotary_pct=0.25, rotary_emb_base=10000,
+                                            layer_norm_eps=1e-5, use_parallel_residual=True, hidden_act="gelu")
+        cls = transformers.GPTNeoXForCausalLM
+    elif kind == "gpt_neox_sequential":
+        config = transformers.GPTNeoXConfig(**common, intermediate_size=128, rotary_pct=0.5, layer_norm_eps=1e-5,
+                                            use_parallel_residual=False)
+        cls = transformers.GPTNeoXForCausalLM
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(**common, intermediate_size=128, num_key_value_heads=2, head_dim=32,
+                                          rms_norm_eps=1e-6)
+        cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    """tools/convert_checkpoint.py; its ``hf_name(n)`` calls given the family of the run at hand, as
+    the port (report) does: GPT-NeoX's names differ from Llama's."""
+    from megapretrain.checkpoint import hf
+
+    def use(family: str):
+        monkeypatch.setattr(convert, "hf_name", lambda n: hf.hf_name(n, family))
+        return convert
+    return use
+
+
+def _safetensors(directory):
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def _family(kind: str) -> str:
+    return "gpt_neox" if kind.startswith("gpt_neox") else "llama"
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential"])
+def test_hf_round_trip_is_bitwise_and_logits_match(kind, tool, tmp_path, capsys):
+    from megapretrain.checkpoint.hf import model_overrides, our_logits, our_model
+    from megapretrain.checkpoint.reshard import GlobalWeights
+
+    hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    reference = _hf_model(kind)
+    reference.save_pretrained(hf_dir)
+    conv = tool(_family(kind))
+    assert conv.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--parallel.tp", "2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"--model.family {_family(kind)}" in out and "--verify: max logit difference" in out
+    assert conv.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
+    original, again = _safetensors(hf_dir), _safetensors(back)
+    assert set(original) == set(again)
+    assert all(torch.equal(original[k], again[k]) for k in original)
+    config = json.load(open(os.path.join(back, "config.json")))
+    assert config["architectures"] == reference.config.architectures
+    assert config["model_type"] == reference.config.model_type
+    hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert model_overrides(config, back) == model_overrides(hf_config, hf_dir)
+
+    cfg = load_config(os.path.join(ckpt, "config.yaml"), [])
+    weights = GlobalWeights(ckpt, cfg)
+    ours = our_model(cfg, weights.get)
+    weights.close()
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = reference(tokens).logits
+    torch.testing.assert_close(our_logits(ours, tokens), theirs, rtol=0, atol=1e-5)
+
+
+def _flags(run_dir, corpus, arch, *extra):
+    return ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *arch, "--train.seq_length", "32",
+            "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.eval_interval", "0",
+            "--logging.tensorboard", "false", "--checkpoint.interval", "0", "--train.seed", "5", *extra]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox"])
+def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, tool, corpus, tmp_path):
+    from megapretrain.checkpoint.hf import model_overrides
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    reference = _hf_model(kind)
+    reference.save_pretrained(hf_dir)
+    assert tool(_family(kind)).main(["from-hf", "--hf", hf_dir, "--output", ckpt]) == 0
+    arch = model_overrides(json.load(open(os.path.join(hf_dir, "config.json"))), hf_dir)
+    lr, wd, betas, eps = 1e-3, 0.1, (0.9, 0.95), 1e-6
+    trainer = setup(_flags(str(tmp_path / "run"), corpus, arch, "--checkpoint.load", ckpt, "--checkpoint.finetune",
+                           "true", "--train.iters", "20", "--optim.lr", str(lr), "--optim.weight_decay", str(wd),
+                           "--optim.betas", f"[{betas[0]}, {betas[1]}]", "--optim.eps", str(eps),
+                           "--optim.clip_grad", "0", "--schedule.decay", "constant", "--schedule.warmup_iters", "0"))
+    seen, corrupt = [], trainer.faults.corrupt
+
+    def record(it, consumed, batches, vocab):
+        batches = corrupt(it, consumed, batches, vocab)
+        seen.append([(t.clone(), y.clone()) for t, y in batches])
+        return batches
+    trainer.faults.corrupt = record
+    trainer.fit()
+    with open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) as fh:
+        ours = [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+
+    model = reference.train()  # dropout 0: train mode changes nothing else
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # the HF Trainer's groups: not biases, not norms
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
+                            lr=lr, betas=betas, eps=eps)
+    theirs = []
+    for batches in seen:
+        opt.zero_grad()
+        count = sum(t.numel() for _, t in batches)
+        total = 0.0
+        for tokens, targets in batches:
+            logits = model(tokens).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+            (loss / count).backward()
+            total += loss.item()
+        opt.step()
+        theirs.append(total / count)
+    assert len(ours) == len(theirs) == 20
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert theirs[-1] < theirs[0]
+
+
+# -- parallel layouts against one process -------------------------------------------------------------
+
+TINY = ["--model.num_layers", "2"]
+QWEN = ("--model.qkv_bias", "true", "--model.qk_norm", "true", "--model.head_dim", "32")  # both options at once
+NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4", "--model.rotary_pct",
+        "0.5", "--model.ffn_hidden_size", "256")
+LAYOUTS = {
+    "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "pp2": (2, ["--parallel.pp", "2"]),
+    "dp2_zero3": (2, ["--parallel.zero", "3"]),
+    "cp2": (2, ["--parallel.cp", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", ["qwen", "gpt_neox"])
+def test_layout_matches_single_process(model, layout, corpus, tmp_path, tmp_path_factory):
+    flags = QWEN if model == "qwen" else NEOX
+    world, parallel = LAYOUTS[layout]
+    reference = reference_for(flags, corpus, tmp_path_factory)
+    check(reference, run_distributed(_train_layout, world, str(tmp_path), corpus, [*flags, *parallel], timeout=300))
+
+
+# -- the spec table: counts, initialization, weight decay -----------------------------------------------
+
+
+def _config(*overrides):
+    return load_config(None, ["--model.vocab_size", "300", *BASE, *overrides])
+
+
+@pytest.mark.parametrize("flags", [(), ("--model.tie_embeddings", "true"), QWEN, NEOX,
+                                   (*NEOX, "--model.parallel_residual", "false")])
+def test_parameter_count_is_the_spec_table(flags):
+    cfg = _config(*flags, "--parallel.tp", "2", "--parallel.pp", "2")
+    table = {n: s for pp in range(2) for tp in range(2) for n, s in rank_param_specs(cfg, pp, tp).items()}
+    assert num_parameters(model_args(cfg)) == sum(s.numel for s in table.values())
+
+
+@pytest.mark.parametrize("name, published", [("pythia_160m", 162_322_944), ("pythia_1p4b", 1_414_647_808)])
+def test_pythia_configs_have_the_published_parameter_counts(name, published):
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [])
+    m, args = cfg.model, model_args(cfg)
+    assert num_parameters(args) == published
+    hf = transformers.GPTNeoXConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                    num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                                    intermediate_size=args.ffn_hidden_size, rotary_pct=m.rotary_pct)
+    with torch.device("meta"):
+        theirs = transformers.GPTNeoXForCausalLM(hf)
+    assert sum(p.numel() for p in theirs.parameters()) == published
+
+
+@pytest.mark.parametrize("flags", [QWEN, NEOX])
+def test_biases_and_norm_weights_do_not_decay_and_start_as_declared(flags):
+    specs = rank_param_specs(_config(*flags, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"), 0, 1)
+    for name, spec in specs.items():
+        vector = len(spec.shape) == 1  # a bias or a norm weight
+        assert spec.weight_decay is not vector, name
+        if name.endswith(".bias"):
+            assert spec.init.kind == "zeros", name
+        elif vector:
+            assert spec.init.kind == "ones", name
+        else:
+            assert spec.init.kind == "normal" and spec.init.std > 0, name
+    assert any(n.endswith(".bias") for n in specs)
+    if flags == QWEN:  # one QK-norm weight for every head, tp ranks hold other heads: partial grads
+        assert specs["layers.0.self_attn.q_norm.weight"].partial_grad_over_tp
+        assert not specs["layers.0.self_attn.q_proj.bias"].partial_grad_over_tp
+        assert specs["layers.0.self_attn.q_proj.bias"].tp_dim == 0
+    else:  # a row-parallel bias under sequence parallelism: each rank's positions
+        assert specs["layers.0.self_attn.o_proj.bias"].partial_grad_over_tp
+        assert specs["layers.0.self_attn.o_proj.bias"].tp_dim is None
+
+
+def test_the_registry_holds_the_families_the_config_accepts():
+    from megapretrain.model.args import FAMILIES
+    from megapretrain.model.families import FAMILIES as REGISTRY
+    assert tuple(REGISTRY) == FAMILIES
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--model.family", "gpt_neox"), "model.mlp=swiglu: GPT-NeoX's MLP is gelu"),
+    ((*NEOX, "--model.qk_norm", "true"), "model.qk_norm=true is a llama-family option"),
+    ((*NEOX, "--model.num_kv_heads", "2"), "GPT-NeoX has no grouped-query attention"),
+    (("--model.rotary_pct", "0.5"), "the llama family rotates every head dim"),
+    ((*NEOX, "--model.rotary_pct", "0.1"), "must be even and at least 2"),
+    (("--model.family", "mamba"), "model.family='mamba' is not a model family"),
+])
+def test_family_rules_are_one_line(flags, message):
+    from megapretrain.config import validate
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        validate(_config(*flags), 1)
+    assert "\n" not in str(err.value)
+
+
+def test_triton_kernels_name_the_layers_that_have_none_once(monkeypatch, capsys):
+    from megapretrain.model import build
+    from megapretrain.parallel.state import ParallelState
+
+    monkeypatch.setattr(build, "resolve_kernels", lambda choice, device: "triton")  # building calls no kernel
+    for flags, said in ((NEOX, ["model.kernels=triton: LayerNorm and GELU of model.family=gpt_neox have no Triton "
+                                "kernel and run torch's ops"]), (QWEN, [])):
+        build.build_model_chunks(_config(*flags, "--train.device", "cpu"), ParallelState())
+        assert capsys.readouterr().out.splitlines() == said
+
+
+def test_the_family_is_read_off_model_type_or_architectures():
+    from megapretrain.model.families import family_of_hf
+    from megapretrain.model.hf_adapter import ConvertError
+
+    assert family_of_hf({"model_type": "qwen3"}, "x").NAME == "llama"
+    assert family_of_hf({"architectures": ["GPTNeoXForCausalLM"]}, "x").NAME == "gpt_neox"
+    with pytest.raises(ConvertError, match="model_type='mamba'.*is not a family megapretrain converts"):
+        family_of_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "x")
