@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError
 from megapretrain.model.build import model_args, rank_param_specs
@@ -24,10 +25,8 @@ from megapretrain.train import setup
 from distributed import run_distributed
 from test_parallel_equivalence import BASE, check, reference_for
 from test_parallel_equivalence import _train as _train_layout
-from test_preprocess_data import load_tool
 
 transformers = pytest.importorskip("transformers")
-convert = load_tool("convert_checkpoint")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 257  # the corpus' byte tokenizer
 
@@ -61,13 +60,9 @@ def _hf_model(kind: str):
 
 
 @pytest.fixture
-def tool(monkeypatch):
-    """tools/convert_checkpoint.py; its ``hf_name(n)`` calls given the family of the run at hand, as
-    the port (report) does: GPT-NeoX's names differ from Llama's."""
-    from megapretrain.checkpoint import hf
-
+def tool():
+    """tools/convert_checkpoint.py's command (it names each tensor as the run's family does)."""
     def use(family: str):
-        monkeypatch.setattr(convert, "hf_name", lambda n: hf.hf_name(n, family))
         return convert
     return use
 
@@ -258,9 +253,9 @@ def test_the_registry_holds_the_families_the_config_accepts():
     (("--model.family", "mamba"), "model.family='mamba' is not a model family"),
 ])
 def test_family_rules_are_one_line(flags, message):
-    from megapretrain.config import validate
+    from megapretrain.resolve import resolve
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
-        validate(_config(*flags), 1)
+        resolve(_config(*flags), 1)
     assert "\n" not in str(err.value)
 
 
