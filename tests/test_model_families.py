@@ -176,6 +176,8 @@ LAYOUTS = {
     "pp2": (2, ["--parallel.pp", "2"]),
     "dp2_zero3": (2, ["--parallel.zero", "3"]),
     "cp2": (2, ["--parallel.cp", "2"]),
+    "pp2_vpp2_selective": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.recompute", "selective"]),
+    "dp2_zero1_full": (2, ["--parallel.zero", "1", "--parallel.recompute", "full"]),
 }
 
 
