@@ -55,7 +55,7 @@ def resolve_device(cfg: Config) -> torch.device:
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
-    from .model.llama import num_parameters
+    from .model.decoder import num_parameters
     from .parallel.state import ParallelState, init_distributed
     from .runtime import bind_device, pinned_host_warning, set_numerics
     from .trainer import Trainer

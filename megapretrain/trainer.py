@@ -33,7 +33,7 @@ from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
-from .model.llama import documents, flops_per_token, num_parameters
+from .model.decoder import documents, flops_per_token, num_parameters
 from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megapretrain.config import OptimConfig
-from megapretrain.model.llama import LlamaModel, ModelArgs
+from megapretrain.model.args import ModelArgs
+from megapretrain.model.decoder import DecoderModel
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 
@@ -28,13 +29,13 @@ def make_tokens(batch: int = 8, seq: int = 32, seed: int = 0) -> torch.Tensor:
 
 
 def build(ps: ParallelState, args: ModelArgs, *, seed: int = 7, sequence_parallel: bool = False,
-          recompute: str = "none", dtype=torch.float32) -> LlamaModel:
-    model = LlamaModel(args, ps.tp, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
+          recompute: str = "none", dtype=torch.float32) -> DecoderModel:
+    model = DecoderModel(args, ps.tp, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
     model.init_weights(seed)
     return model
 
 
-def gather_full(model: LlamaModel, ps: ParallelState, grads: bool = False) -> dict:
+def gather_full(model: DecoderModel, ps: ParallelState, grads: bool = False) -> dict:
     """Every parameter (or main grad) of ``model``, tp shards concatenated into the global tensor."""
     out, specs = {}, model.param_specs()
     for name, p in model.named_parameters():
@@ -57,7 +58,7 @@ def trainer_params(trainer) -> dict:
     return out
 
 
-def train(ps: ParallelState, model: LlamaModel, tokens: torch.Tensor, steps: int, micro: int = 2,
+def train(ps: ParallelState, model: DecoderModel, tokens: torch.Tensor, steps: int, micro: int = 2,
           lr: float = 3e-3, precision: str = "fp32") -> tuple[list[float], dict]:
     """``steps`` AdamW steps on the same global batch split into ``micro`` micro-batches per dp rank.
 

@@ -12,7 +12,7 @@ import pytest
 
 from megapretrain.config import load_config
 from megapretrain.model.build import model_args, rank_param_specs
-from megapretrain.model.llama import num_parameters
+from megapretrain.model.decoder import num_parameters
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.planner import Layout, estimate
 from megapretrain.resolve import resolve

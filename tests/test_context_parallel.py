@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megapretrain.config import ConfigError, load_config
-from megapretrain.model.llama import LlamaModel, ModelArgs, documents
+from megapretrain.model.args import ModelArgs
+from megapretrain.model.decoder import DecoderModel, documents
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.parallel.context import (
     causal_mask,
@@ -118,7 +119,7 @@ def test_kv_all_gather_backward_is_a_reduce_scatter():
 def _packed_losses(rank, world, tokens):
     """Per-token losses of a packed sample under cp=world, each with its global position."""
     ps = ParallelState(cp=world)
-    model = LlamaModel(tiny_args(), ps.tp, cp=ps.cp)
+    model = DecoderModel(tiny_args(), ps.tp, cp=ps.cp)
     model.init_weights(7)  # the weights of helpers.build's one-process model
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     docs = documents(inputs, EOD, True, True, ps.cp)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megapretrain.model.llama import documents
+from megapretrain.model.decoder import documents
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed

@@ -149,7 +149,7 @@ def test_training_with_the_fused_weight_gradient_gives_autograds_losses(tmp_path
     whose weight the embedding's backward also reaches, keeps autograd's path: the same run).
     The gradient the trainer announces is the one its backward brings: no chunk is recomputed."""
     from megapretrain.model import fused_loss
-    from megapretrain.model.llama import LlamaModel
+    from megapretrain.model.decoder import DecoderModel
 
     recomputed = []
     real_chunks = fused_loss.chunked_loss_and_grads
@@ -163,18 +163,18 @@ def test_training_with_the_fused_weight_gradient_gives_autograds_losses(tmp_path
     common = ["--train.iters", "10", "--train.precision", "fp32", "--train.eval_interval", "0",
               "--checkpoint.interval", "0", *extra]
     calls = []
-    real = LlamaModel._grad_sink
+    real = DecoderModel._grad_sink
 
     def counting(self, weight):
         sink = real(self, weight)
         calls.append(sink is not None)
         return sink
 
-    monkeypatch.setattr(LlamaModel, "_grad_sink", counting)
+    monkeypatch.setattr(DecoderModel, "_grad_sink", counting)
     assert train(tmp_path / "fused", corpus, *common) == 0
     assert calls and (not any(calls) if extra else all(calls))  # fused on every micro-batch unless tied
     assert recomputed and not any(recomputed)
-    monkeypatch.setattr(LlamaModel, "_grad_sink", lambda self, weight: None)
+    monkeypatch.setattr(DecoderModel, "_grad_sink", lambda self, weight: None)
     assert train(tmp_path / "autograd", corpus, *common) == 0
     fused, plain = records(tmp_path / "fused"), records(tmp_path / "autograd")
     for key in ("loss", "grad_norm"):

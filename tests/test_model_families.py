@@ -19,7 +19,7 @@ from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError
 from megapretrain.model.build import model_args, rank_param_specs
-from megapretrain.model.llama import num_parameters
+from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
 from distributed import run_distributed

@@ -13,8 +13,9 @@ import torch
 
 from megapretrain.commands import plan as plan_tool
 from megapretrain.config import load_config
+from megapretrain.model.args import ModelArgs
 from megapretrain.model.build import model_args
-from megapretrain.model.llama import ModelArgs, flops_per_token, num_parameters
+from megapretrain.model.decoder import flops_per_token, num_parameters
 from megapretrain.monitor.flops import DEVICES, with_device
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState

@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from megapretrain.cli import non_negative_float, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.config import OptimConfig
-from megapretrain.model.llama import LlamaModel, ModelArgs
+from megapretrain.model.args import ModelArgs
+from megapretrain.model.decoder import DecoderModel
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 
@@ -68,7 +69,7 @@ def model_args(a) -> ModelArgs:
 
 def build(ps: ParallelState, a, zero: int, precision: str, overlap: bool = True, offload: bool = False,
           prefetch: bool = True):
-    model = LlamaModel(model_args(a), ps.tp, dtype=DTYPES[precision])
+    model = DecoderModel(model_args(a), ps.tp, dtype=DTYPES[precision])
     model.init_weights(1234)
     opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
                               OptimConfig(lr=1e-4, offload=offload), precision, ps, zero=zero,
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         for p in procs:
             p.join()
     args = model_args(a)
-    n = sum(p.numel() for p in LlamaModel(args, ParallelState().tp, device="meta").parameters())
+    n = sum(p.numel() for p in DecoderModel(args, ParallelState().tp, device="meta").parameters())
     print(f"dp={a.dp} gloo CPU, {a.precision}, {n / 1e6:.1f}M params, {a.accum} micro-batches of "
           f"{a.micro_batch}×{a.seq} per rank, buckets of {a.bucket_mb} MB")
     shard = a.shard_size or a.dp

@@ -40,7 +40,7 @@ from megapretrain.config import load_config
 from megapretrain.errors import ConfigError
 from megapretrain.host_memory import keep_freed_host_memory
 from megapretrain.model.build import DTYPES, build_model_chunks, deferred_initializer
-from megapretrain.model.llama import flops_per_token
+from megapretrain.model.decoder import flops_per_token
 from megapretrain.monitor.flops import slow_half_precision_warning
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState

@@ -10,22 +10,8 @@ assembled by ``model/decoder.py``'s chunk) and its Hugging Face adapter (``HF``,
 
 from __future__ import annotations
 
-import importlib
-
 from .args import ModelArgs
-from .layers import (  # noqa: F401  (their old import path)
-    KERNELS,
-    MLP,
-    Attention,
-    DecoderLayer,
-    GeluMLP,
-    LayerSpec,
-    RMSNorm,
-    SwiGLU,
-    apply_rope,
-    llama3_inv_freq,
-    rope_tables,
-)
+from .layers import GeluMLP, LayerSpec, RMSNorm, SwiGLU
 from .llama_hf import ADAPTER as HF
 
 __all__ = ["HF", "NAME", "layer_spec"]
@@ -38,14 +24,3 @@ def layer_spec(args: ModelArgs) -> LayerSpec:
     return LayerSpec(norm=RMSNorm, mlp=SwiGLU if args.mlp == "swiglu" else GeluMLP, qkv_bias=args.qkv_bias,
                      qk_norm=args.qk_norm)
 
-
-# names that model/decoder.py holds now, importable from here as before (resolved on first use:
-# the decoder imports the families, so importing it here at once would be circular)
-_MOVED = {"LlamaModel": "DecoderModel", "Documents": "Documents", "documents": "documents",
-          "num_parameters": "num_parameters", "flops_per_token": "flops_per_token"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        return getattr(importlib.import_module(".decoder", __package__), _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,9 +60,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, PipelineError, UserError
-from ..model.args import model_args
+from ..model.args import ModelArgs, model_args
 from ..model.build import one_layer_specs
-from ..model.llama import ModelArgs, flops_per_token, num_parameters
+from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate

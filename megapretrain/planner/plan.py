@@ -17,7 +17,7 @@ from ..config import TrainConfig, load_config
 from ..data.sampler import run_length
 from ..errors import ConfigError, UserError
 from ..model.build import model_args
-from ..model.llama import num_parameters
+from ..model.decoder import num_parameters
 from ..monitor.flops import DEVICES, with_device
 from ..resolve import resolve
 from .model import GIB, context_gather_bytes, estimate_run, search

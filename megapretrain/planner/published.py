@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model.llama import ModelArgs
+from ..model.args import ModelArgs
 from ..monitor.flops import DEVICES
 from .model import Layout, estimate, split_layers
 
