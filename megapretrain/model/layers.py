@@ -380,8 +380,6 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(self.up_proj(x)))  # (b, s, f/tp) -> (b, s, h)
 
 
-
-
 # -- the decoder block -------------------------------------------------------------------------------
 
 
