@@ -14,6 +14,7 @@ from megapretrain.train import setup
 
 from distributed import run_distributed
 from helpers import trainer_params
+from test_model_families import NEOX, QWEN
 from test_parallel_equivalence import BASE
 
 ITERS, SPLIT = 6, 3
@@ -53,11 +54,17 @@ CASES = [("tp2_pp2_vpp2", "single", ()), ("single", "tp2_dp2_zero1", ()),
          ("dp2_zero2", "pp2", ("--model.tie_embeddings", "true")), ("tp2_dp2_zero1", "dp2_zero2", ()),
          # the same layout, another cut of the optimizer state (ZeRO stage, hybrid shard groups)
          ("dp2_zero2", "dp2_zero0", ()), ("dp4_zero1_shard2", "single", ()),
-         ("dp2_zero3", "tp2_dp2_zero1", ("--model.tie_embeddings", "true"))]
+         ("dp2_zero3", "tp2_dp2_zero1", ("--model.tie_embeddings", "true")),
+         # the other families reshard through the same spec table
+         ("tp2_dp2_zero1", "single", NEOX), ("pp2", "dp2_zero3", QWEN)]
+
+
+FAMILY = {NEOX: "-gpt_neox", QWEN: "-qwen"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, resumed, model_flags", CASES, ids=[f"{a}-to-{b}" for a, b, _ in CASES])
+@pytest.mark.parametrize("saved, resumed, model_flags", CASES,
+                         ids=[f"{a}-to-{b}{FAMILY.get(m, '')}" for a, b, m in CASES])
 def test_resume_under_another_layout_continues_the_single_process_run(saved, resumed, model_flags, corpus,
                                                                        tmp_path):
     straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, list(model_flags))[0]
