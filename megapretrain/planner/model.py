@@ -46,7 +46,7 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
   optimizer step (memory-bound over its shard).
 
-MFU counts the model's FLOPs (``model/llama.py``'s ``flops_per_token``, PaLM's convention); HFU also
+MFU counts the model's FLOPs (``model/decoder.py``'s ``flops_per_token``, PaLM's convention); HFU also
 counts what recomputation runs again, as Megatron's papers report "achieved TFLOP/s". Parameter
 counts come from the model's own spec table (``model/build.py``), devices from ``monitor/flops.py``.
 ``tests/test_planner.py`` checks the estimates against published runs (Megatron-LM on A100s, Llama 3
