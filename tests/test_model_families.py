@@ -23,6 +23,7 @@ from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
 from distributed import run_distributed
+from test_convert_checkpoint import _safetensors
 from test_parallel_equivalence import BASE, check, reference_for
 from test_parallel_equivalence import _train as _train_layout
 
@@ -59,40 +60,22 @@ def _hf_model(kind: str):
     return model.eval()
 
 
-@pytest.fixture
-def tool():
-    """tools/convert_checkpoint.py's command (it names each tensor as the run's family does)."""
-    def use(family: str):
-        return convert
-    return use
-
-
-def _safetensors(directory):
-    from safetensors.torch import load_file
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
 def _family(kind: str) -> str:
     return "gpt_neox" if kind.startswith("gpt_neox") else "llama"
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential"])
-def test_hf_round_trip_is_bitwise_and_logits_match(kind, tool, tmp_path, capsys):
+def test_hf_round_trip_is_bitwise_and_logits_match(kind, tmp_path, capsys):
     from megapretrain.checkpoint.hf import model_overrides, our_logits, our_model
     from megapretrain.checkpoint.reshard import GlobalWeights
 
     hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
     reference = _hf_model(kind)
     reference.save_pretrained(hf_dir)
-    conv = tool(_family(kind))
-    assert conv.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--parallel.tp", "2", "--verify"]) == 0
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--parallel.tp", "2", "--verify"]) == 0
     out = capsys.readouterr().out
     assert f"--model.family {_family(kind)}" in out and "--verify: max logit difference" in out
-    assert conv.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
+    assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
     original, again = _safetensors(hf_dir), _safetensors(back)
     assert set(original) == set(again)
     assert all(torch.equal(original[k], again[k]) for k in original)
@@ -119,13 +102,13 @@ def _flags(run_dir, corpus, arch, *extra):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox"])
-def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, tool, corpus, tmp_path):
+def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, corpus, tmp_path):
     from megapretrain.checkpoint.hf import model_overrides
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     reference = _hf_model(kind)
     reference.save_pretrained(hf_dir)
-    assert tool(_family(kind)).main(["from-hf", "--hf", hf_dir, "--output", ckpt]) == 0
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt]) == 0
     arch = model_overrides(json.load(open(os.path.join(hf_dir, "config.json"))), hf_dir)
     lr, wd, betas, eps = 1e-3, 0.1, (0.9, 0.95), 1e-6
     trainer = setup(_flags(str(tmp_path / "run"), corpus, arch, "--checkpoint.load", ckpt, "--checkpoint.finetune",
