@@ -43,6 +43,12 @@ class PipelineError(UserError):
     """An impossible pipeline layout or schedule."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``ok``: a config rule, stated where it lives."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def divisors(n: int) -> str:
     """``n``'s divisors, as a message offers them: ``parallel.tp=3 must divide 32 (valid: 1, 2, 4, ...)``."""
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

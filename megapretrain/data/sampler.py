@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import require
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -158,29 +158,25 @@ def check_batches(t: TrainConfig, dp: int) -> list[int]:
     number of micro-batches on every one of ``dp`` ranks; returns them, the full batch first
     (for the pipeline schedule's own check). Also: one of train.iters and train.train_tokens."""
     per_step = t.micro_batch_size * dp
-    _check(t.global_batch_size % per_step == 0,
-           f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-           f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
-           f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
-    _check(t.train_tokens is None or t.iters == type(t).iters,
-           f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived")
+    require(t.global_batch_size % per_step == 0,
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
+            f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
+    require(t.train_tokens is None or t.iters == type(t).iters,
+            f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived")
     r = t.rampup_batch_size
     if r is None:
         return [t.global_batch_size]
-    _check(len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-           and r[0] >= 1 and r[1] >= 1 and r[2] >= 0,
-           f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, ramp_samples >= 0]")
+    require(len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            and r[0] >= 1 and r[1] >= 1 and r[2] >= 0,
+            f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, ramp_samples >= 0]")
     start, increment, _ = r
-    _check(start <= t.global_batch_size and (t.global_batch_size - start) % increment == 0,
-           f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus start={start} "
-           f"must be a non-negative multiple of increment={increment}")
+    require(start <= t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+            f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus start={start} "
+            f"must be a non-negative multiple of increment={increment}")
     ramp = list(range(start, t.global_batch_size, increment))
     for batch in ramp:
-        _check(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is not a multiple of "
+        require(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is not a multiple of "
                                       f"micro_batch_size × dp = {per_step}; choose start and increment as multiples")
     return [t.global_batch_size, *ramp]
 
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)

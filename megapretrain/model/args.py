@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, divisors
+from ..errors import divisors, require
 
 if TYPE_CHECKING:
     from ..config import Config, ModelConfig
@@ -108,44 +108,40 @@ def head_dim(m: ModelConfig) -> int:
 ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
 
 def check_rope_scaling(rs: Any, where: str) -> None:
     """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four numbers."""
     if rs is None:
         return
     kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
-    _check(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
+    require(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
                                           "other variants would not compute the same function")
     if kind == "default":
         return
     missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
-    _check(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
-    _check(rs["low_freq_factor"] < rs["high_freq_factor"],
-           f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
+    require(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
+    require(rs["low_freq_factor"] < rs["high_freq_factor"],
+            f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
 
 
 def check_family(m: ModelConfig) -> None:
     """What each family's layers implement of the options (GPT-NeoX: LayerNorm, GELU, biases, no GQA)."""
-    _check(m.family in FAMILIES, f"model.family={m.family!r} is not a model family (valid: {', '.join(FAMILIES)})")
+    require(m.family in FAMILIES, f"model.family={m.family!r} is not a model family (valid: {', '.join(FAMILIES)})")
     if m.family == "gpt_neox":
-        _check(m.mlp == "gelu", f"model.mlp={m.mlp}: GPT-NeoX's MLP is gelu; set --model.mlp gelu")
+        require(m.mlp == "gelu", f"model.mlp={m.mlp}: GPT-NeoX's MLP is gelu; set --model.mlp gelu")
         for name in ("qkv_bias", "qk_norm"):
-            _check(not getattr(m, name), f"model.{name}=true is a llama-family option; GPT-NeoX has biases on every "
+            require(not getattr(m, name), f"model.{name}=true is a llama-family option; GPT-NeoX has biases on every "
                                          f"linear and no QK-norm: set --model.{name} false")
-        _check(kv_heads(m) == m.num_heads, f"model.num_kv_heads={kv_heads(m)}: GPT-NeoX has no grouped-query "
+        require(kv_heads(m) == m.num_heads, f"model.num_kv_heads={kv_heads(m)}: GPT-NeoX has no grouped-query "
                                            f"attention; set it to model.num_heads={m.num_heads} (or null)")
-        _check(not m.tie_embeddings, "model.tie_embeddings=true: GPT-NeoX's head (embed_out) is its own; set "
+        require(not m.tie_embeddings, "model.tie_embeddings=true: GPT-NeoX's head (embed_out) is its own; set "
                                      "--model.tie_embeddings false")
-        _check(m.head_dim in (None, m.hidden_size // m.num_heads),
-               f"model.head_dim={m.head_dim}: GPT-NeoX's heads are hidden_size/num_heads wide; set it to null")
+        require(m.head_dim in (None, m.hidden_size // m.num_heads),
+                f"model.head_dim={m.head_dim}: GPT-NeoX's heads are hidden_size/num_heads wide; set it to null")
     else:
-        _check(m.rotary_pct == 1.0, f"model.rotary_pct={m.rotary_pct}: the llama family rotates every head dim; "
+        require(m.rotary_pct == 1.0, f"model.rotary_pct={m.rotary_pct}: the llama family rotates every head dim; "
                                     "set 1.0 (partial rotary is model.family=gpt_neox's)")
-        _check(not parallel_residual(m), "model.parallel_residual=true is GPT-NeoX's; the llama family adds its "
+        require(not parallel_residual(m), "model.parallel_residual=true is GPT-NeoX's; the llama family adds its "
                                          "attention and MLP one after the other: set it to null or false")
 
 
@@ -155,24 +151,24 @@ def check_model(m: ModelConfig, tp: int) -> None:
     check_family(m)
     kv = kv_heads(m)
     if m.head_dim is None:
-        _check(m.hidden_size % m.num_heads == 0,
-               f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
-               f"(valid: {divisors(m.hidden_size)}), or set model.head_dim")
-    _check(0 < m.rotary_pct <= 1, f"model.rotary_pct={m.rotary_pct} must be in (0, 1]")
+        require(m.hidden_size % m.num_heads == 0,
+                f"model.num_heads={m.num_heads} must divide model.hidden_size={m.hidden_size} "
+                f"(valid: {divisors(m.hidden_size)}), or set model.head_dim")
+    require(0 < m.rotary_pct <= 1, f"model.rotary_pct={m.rotary_pct} must be in (0, 1]")
     rotary = int(head_dim(m) * m.rotary_pct)
-    _check(rotary >= 2 and rotary % 2 == 0,
-           f"rotary dims head_dim·rotary_pct={head_dim(m)}·{m.rotary_pct} → {rotary} must be even and at least 2 "
-           "for RoPE (change model.rotary_pct or the head size)")
-    _check(m.num_heads % kv == 0,
-           f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
-           f"(valid: {divisors(m.num_heads)})")
-    _check(m.num_heads % tp == 0,
-           f"parallel.tp={tp} must divide model.num_heads={m.num_heads} (valid: {divisors(m.num_heads)})")
-    _check(kv % tp == 0, f"parallel.tp={tp} must divide model.num_kv_heads={kv} (valid: {divisors(kv)})")
+    require(rotary >= 2 and rotary % 2 == 0,
+            f"rotary dims head_dim·rotary_pct={head_dim(m)}·{m.rotary_pct} → {rotary} must be even and at least 2 "
+            "for RoPE (change model.rotary_pct or the head size)")
+    require(m.num_heads % kv == 0,
+            f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
+            f"(valid: {divisors(m.num_heads)})")
+    require(m.num_heads % tp == 0,
+            f"parallel.tp={tp} must divide model.num_heads={m.num_heads} (valid: {divisors(m.num_heads)})")
+    require(kv % tp == 0, f"parallel.tp={tp} must divide model.num_kv_heads={kv} (valid: {divisors(kv)})")
     ffn = ffn_hidden_size(m)
-    _check(ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={ffn} (valid: {divisors(ffn)})")
-    _check(m.vocab_size is not None and m.vocab_size >= 1,
-           "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
+    require(ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={ffn} (valid: {divisors(ffn)})")
+    require(m.vocab_size is not None and m.vocab_size >= 1,
+            "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
     for name in ("attention_dropout", "hidden_dropout"):
-        _check(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
+        require(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
     check_rope_scaling(m.rope_scaling, "model.rope_scaling")

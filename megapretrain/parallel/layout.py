@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ..errors import ConfigError, PipelineError, divisors
+from ..errors import PipelineError, divisors, require
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -38,10 +38,6 @@ class Coords(NamedTuple):
     cp: int
     tp: int
 
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -71,16 +67,16 @@ class Layout:
         p, m, t = cfg.parallel, cfg.model, cfg.train
         mp = p.tp * p.cp * p.pp
         named = f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1 else "") + f"parallel.pp={p.pp}"
-        _check(world_size % mp == 0,
-               f"{named} = {mp} must divide the world size {world_size} (launch {mp}·k processes with torchrun, "
-               f"or pick tp×{'cp×' if p.cp > 1 else ''}pp from: {divisors(world_size)})")
+        require(world_size % mp == 0,
+                f"{named} = {mp} must divide the world size {world_size} (launch {mp}·k processes with torchrun, "
+                f"or pick tp×{'cp×' if p.cp > 1 else ''}pp from: {divisors(world_size)})")
         dp = world_size // mp
-        _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
-        _check(p.zero_shard_size is None or p.zero >= 1,
-               f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1, 2 or 3")
-        _check(p.zero_shard_size is None or (dp * p.cp) % p.zero_shard_size == 0,
-               f"parallel.zero_shard_size={p.zero_shard_size} must divide dp × cp = {dp * p.cp} "
-               f"(valid: {divisors(dp * p.cp)})")
+        require(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
+        require(p.zero_shard_size is None or p.zero >= 1,
+                f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1, 2 or 3")
+        require(p.zero_shard_size is None or (dp * p.cp) % p.zero_shard_size == 0,
+                f"parallel.zero_shard_size={p.zero_shard_size} must divide dp × cp = {dp * p.cp} "
+                f"(valid: {divisors(dp * p.cp)})")
         shard = p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None
         layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
                      recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
@@ -93,30 +89,30 @@ class Layout:
         """``num_layers`` split over the pp × vpp model chunks: evenly, or as ``pipeline_layers`` lists."""
         chunks = self.chunks
         if self.pipeline_layers is None:
-            _check(num_layers % chunks == 0,
-                   f"parallel.pp={self.pp} × parallel.vpp={self.vpp} = {chunks} must divide model.num_layers="
-                   f"{num_layers} (valid pp×vpp: {divisors(num_layers)})")
+            require(num_layers % chunks == 0,
+                    f"parallel.pp={self.pp} × parallel.vpp={self.vpp} = {chunks} must divide model.num_layers="
+                    f"{num_layers} (valid pp×vpp: {divisors(num_layers)})")
         else:
             pl = list(self.pipeline_layers)
-            _check(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and sum(pl) == num_layers,
-                   f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts (pp × vpp) "
-                   f"summing to model.num_layers={num_layers}")
+            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and sum(pl) == num_layers,
+                    f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts (pp × vpp) "
+                    f"summing to model.num_layers={num_layers}")
 
     def check_sequence(self, seq: int) -> None:
         """A sequence of ``seq`` tokens cut as the layout cuts it: over tp by sequence parallelism,
         and under cp into 2·cp equal chunks (each cp rank takes two: the causal load balance),
         each split again over tp when sequence-parallel."""
-        _check(not (self.sp and self.tp > 1 and seq % self.tp),
-               f"parallel.sequence_parallel needs parallel.tp={self.tp} to divide train.seq_length={seq}")
+        require(not (self.sp and self.tp > 1 and seq % self.tp),
+                f"parallel.sequence_parallel needs parallel.tp={self.tp} to divide train.seq_length={seq}")
         if self.cp == 1:
             return
         unit = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
-        _check(seq % unit == 0,
-               f"train.seq_length={seq} must be a multiple of 2 × parallel.cp"
-               + (" × parallel.tp" if self.sequence_parallel else "")
-               + f" = {unit} (each cp rank takes 2 of {2 * self.cp} equal chunks"
-               + (", split again over tp by sequence parallelism" if self.sequence_parallel else "")
-               + f"); e.g. train.seq_length={unit * max(1, round(seq / unit))}")
+        require(seq % unit == 0,
+                f"train.seq_length={seq} must be a multiple of 2 × parallel.cp"
+                + (" × parallel.tp" if self.sequence_parallel else "")
+                + f" = {unit} (each cp rank takes 2 of {2 * self.cp} equal chunks"
+                + (", split again over tp by sequence parallelism" if self.sequence_parallel else "")
+                + f"); e.g. train.seq_length={unit * max(1, round(seq / unit))}")
 
     # -- sizes ------------------------------------------------------------------------------------
 
