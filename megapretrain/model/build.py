@@ -46,9 +46,10 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
 def resolve_kernels(choice: str, device: torch.device) -> str:
     """``model.kernels`` on ``device``: "triton" (kernels/) or "torch". auto: Triton on CUDA, and on
     CPU only under Triton's interpreter (``TRITON_INTERPRET=1``); torch otherwise."""
-    runs = kernels.use_triton(device.type)
+    kind = kernels.device_type(device)
+    runs = kernels.use_triton(kind)
     if choice == "triton" and not runs:
-        raise ConfigError(f"model.kernels=triton cannot run on {device.type}: it needs triton and CUDA, or "
+        raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
     return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
 

@@ -1,0 +1,117 @@
+"""tools/simulate.py: the trainer's own program for one rank of a large world on fake tensors — its
+result's contract, the figures it must get right by construction, the GPU step reading nothing
+back, Llama 3 8B at its config's layout, and what real shapes and fake tensors revealed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megapretrain.commands import simulate as command
+from megapretrain.config import load_config
+from megapretrain.model.decoder import num_parameters
+from megapretrain.parallel.state import Group
+from megapretrain.parallel.tensor import SavedShards
+from megapretrain.resolve import resolve
+from megapretrain.simulate.measure import CATEGORIES
+from megapretrain.simulate.report import role_ranks
+from megapretrain.simulate.run import planned, simulate_rank
+
+TINY = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",
+        "--train.precision", "bf16"]
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = command.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_contract_for_every_role(capsys, tmp_path):
+    """--roles --json: one object, a rank per distinct stage, every part of the breakdown, the
+    parts adding up to the peak, traffic per group and op, FLOPs, checkpoint bytes; --output
+    writes the same object and a Markdown report."""
+    code, out, _ = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "16", "--roles", "--steps", "1",
+                        "--json", "--output", str(tmp_path), *TINY, "--parallel.tp", "2", "--parallel.pp", "4",
+                        "--parallel.sequence_parallel", "true", "--parallel.zero", "1", "--train.micro_batch_size", "1",
+                        "--train.global_batch_size", "8")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc == json.loads((tmp_path / "report.json").read_text())
+    assert "# Simulated ranks" in (tmp_path / "report.md").read_text()
+    assert doc["world_size"] == 16 and doc["layout"]["pp"] == 4 and doc["layout"]["dp"] == 2
+    assert [r["coords"]["pp"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    for r in doc["ranks"]:
+        assert set(r["breakdown"]) == set(CATEGORIES)
+        assert sum(r["breakdown"].values()) == r["peak_bytes"] > 0
+        assert r["planned_peak_bytes"] > 0 and r["flops"] > 0 and r["checkpoint_bytes"] > 0
+        assert r["comm_bytes"]["pp"]["send"] == r["comm_bytes"]["pp"]["recv"] > 0
+        assert r["comm_bytes"]["tp"]["all_gather"] > 0 and r["comm_bytes"]["dp"]["reduce_scatter"] > 0
+    first, last = doc["ranks"][0], doc["ranks"][-1]
+    assert first["breakdown"]["pipeline_in_flight"] > last["breakdown"]["pipeline_in_flight"]  # 1F1B's warmup
+
+
+def test_bad_flags_are_one_line(capsys, tmp_path):
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--rank", "4", *TINY)
+    assert code == 2 and "--rank: 4 is not a rank of a world of 4" in err and err.count("\n") == 1
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4")
+    assert code == 2 and "model.vocab_size is null" in err
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "6", *TINY, "--parallel.tp", "4")
+    assert code == 2 and "must divide the world size 6" in err
+    (tmp_path / "report.md").write_text("mine")
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "1", "--output", str(tmp_path), *TINY)
+    assert code == 2 and "exists; pass --overwrite" in err and (tmp_path / "report.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.zero", "1", "--parallel.recompute", "full"],
+    ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.zero", "3"],
+    ["--parallel.cp", "2", "--parallel.zero", "2", "--parallel.recompute", "selective"],
+])
+def test_the_gpu_step_reads_nothing_back_from_the_device(layout):
+    """The GPU program's training step (loss, grad norm, clipping, the skip of a non-finite step)
+    stays on the device: the simulation answers no host read."""
+    cfg = load_config("configs/tiny.yaml", TINY + layout + ["--train.micro_batch_size", "1",
+                                                             "--train.global_batch_size", "8"])
+    world = 4
+    for rank, _ in role_ranks(resolve(cfg, world).layout):
+        assert simulate_rank(cfg, world, rank, steps=1, device="cuda").host_reads == []
+
+
+def test_saved_shards_tell_fake_storages_apart():
+    """Sequence parallelism saves a gathered input as its shard, keyed by the input's storage:
+    fake tensors all have data pointer 0, so it is the storage itself that tells them apart."""
+    group = Group("tp", [0, 1], None, 0)
+    saved = SavedShards()
+    with FakeTensorMode():
+        shards = [torch.empty(2, 4, 8), torch.empty(2, 4, 8)]
+        fulls = [torch.empty(2, 8, 8), torch.empty(2, 8, 8)]
+        other = torch.empty(2, 8, 8)
+        for shard, full in zip(shards, fulls):
+            saved.register(shard, group, full)
+        packed = [saved._pack(full[:, :3]) for full in fulls]
+        assert saved._pack(other) is other  # not a gathered input: saved as it is
+    assert [p[0].shard for p in packed] == shards
+
+
+def test_llama3_8b_rank_at_its_layout():
+    """Llama 3 8B at its config's layout (64 GPUs, dp 64, ZeRO-2): one rank's weights are the
+    model's parameters in bf16, its optimizer state 1/64 of its fp32 bytes,
+    and every micro-batch's gradients are reduce-scattered (ZeRO-2) in fp32."""
+    cfg = load_config("configs/llama3_8b.yaml", [])
+    run = resolve(cfg, 64)
+    r = simulate_rank(cfg, 64, 0, steps=1)
+    params = num_parameters(run.model)  # 8.03B: no vocabulary padding at tp 1
+    assert params * 2 <= r.breakdown["parameters"] <= params * 2 * 1.0001  # + 64-element alignment
+    adam = 4 + 8 + 1 / 8  # fp32 master, two moments, the Triton AdamW's weight-decay bit mask
+    assert params * adam / 64 <= r.breakdown["optimizer"] <= params * adam / 64 * 1.001
+    assert r.comm_calls["dp"]["all_gather"] > 0
+    micro = run.sizes.grad_accum
+    assert params * 4 * micro <= r.comm_bytes["dp"]["reduce_scatter"] <= params * 4 * micro * 1.001
+    assert r.host_reads == [] and sum(r.breakdown.values()) == r.peak_bytes
+    plan = planned(cfg, run, 0)
+    assert abs(plan["planned_peak_bytes"] - r.peak_bytes) <= 0.05 * r.peak_bytes, (plan, r.breakdown)
