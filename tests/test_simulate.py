@@ -115,3 +115,19 @@ def test_llama3_8b_rank_at_its_layout():
     assert r.host_reads == [] and sum(r.breakdown.values()) == r.peak_bytes
     plan = planned(cfg, run, 0)
     assert abs(plan["planned_peak_bytes"] - r.peak_bytes) <= 0.05 * r.peak_bytes, (plan, r.breakdown)
+
+
+def test_zero2_frees_each_bucket_s_full_gradients_as_the_next_reduction_starts():
+    """ZeRO-2 keeps a bucket's full fp32 gradients only while its reduce-scatter is in flight: at a
+    fully recomputed 8B rank's peak, the shard plus the output layer's own gradients and a bucket or
+    two — not the whole model's fp32 gradients, which it held until each backward's end before."""
+    cfg = load_config("configs/llama3_8b.yaml", ["--model.num_layers", "4", "--parallel.recompute", "full",
+                                                  "--train.global_batch_size", "128", "--train.rampup_batch_size",
+                                                  "null"])
+    run = resolve(cfg, 64)
+    r = simulate_rank(cfg, 64, 0, steps=1)
+    params = num_parameters(run.model)
+    head = run.model.padded_vocab(1) * run.model.hidden_size  # the output layer: a bucket of its own
+    largest = run.model.ffn_hidden_size * run.model.hidden_size  # the largest parameter of a layer
+    assert r.breakdown["gradients"] <= 4 * (params / 64 + head + 2 * largest) * 1.001
+    assert r.breakdown["gradients"] < 4 * params / 2  # the whole model's would be 4 × params

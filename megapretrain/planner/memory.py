@@ -19,13 +19,15 @@ program's code, and ``tests/test_simulate_planner.py`` holds them to the simulat
 
 from __future__ import annotations
 
+import functools
+
 from ..model.args import ModelArgs
 from ..parallel.layout import Layout
 from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
          "comm_buffers", "temporary")
-LAYER_UNITS_ALIVE = 3  # parallel/zero3.py's bound on gathered decoder layers
+LAYER_UNITS_ALIVE = 3  # parallel/zero3.py's bound on gathered decoder layers (2 as a backward starts)
 HEAD_CHUNK_BYTES = 512 << 20  # kernels/linear_cross_entropy.py: one chunk of logits on a GPU
 
 
@@ -54,21 +56,31 @@ def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[in
 
 
 def in_flight(layout: Layout, pp_rank: int, micro_batches: int, schedule: str) -> int:
-    """The most micro-batch chunks stage ``pp_rank`` keeps activations of, read off its schedule."""
+    """The most micro-batch chunks stage ``pp_rank`` keeps activations of, read off its schedule
+    (1F1B and interleaved: past 2·pp micro-batches the warmup, and so the peak, no longer grows)."""
     kind = resolve_schedule(schedule, layout.pp, layout.vpp, micro_batches)
-    return peak_in_flight(schedule_order(kind, pp_rank, layout.pp, layout.vpp, micro_batches))
+    steady = kind in ("1f1b", "interleaved")
+    return _peak(kind, pp_rank, layout.pp, layout.vpp, min(micro_batches, 2 * layout.pp) if steady else micro_batches)
 
 
-def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision: str, kernels: str) -> float:
+@functools.cache
+def _peak(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int) -> int:
+    return peak_in_flight(schedule_order(kind, pp_rank, pp, vpp, micro_batches))
+
+
+def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision: str, kernels: str,
+                          attention: str = "flash") -> float:
     """Bytes autograd keeps of one decoder layer per token of a rank's share of a micro-batch.
 
     Without recomputation (flash attention): the layer's input, its attention norm's output, the
     residual after attention and the MLP norm's output (sequence-parallel: the rank's 1/tp of the
     tokens; else whole on every tp rank); q and the attention output, k and v (heads split over
-    tp; under cp the keys and values of every cp rank); the MLP's inner activations (the Triton
+    tp; under cp the keys and values of every cp rank, and the output twice); the MLP's inner activations (the Triton
     SwiGLU keeps gate, up and their product; torch's also the SiLU; GELU its input and output);
-    fp32 norm statistics and attention log-sum-exp. Selective recomputation drops the
-    log-sum-exp; full recomputation keeps the layer's input only."""
+    fp32 norm statistics and attention log-sum-exp, dropout masks. Unfused attention (Megatron
+    before flash attention) also keeps its softmax, and its dropout mask, unless recomputed
+    selectively; selective recomputation drops the log-sum-exp; full recomputation keeps the
+    layer's input only."""
     w, tp, cp = weight_bytes(precision), layout.tp, layout.cp
     sp = tp if layout.sequence_parallel or tp == 1 else 1
     h, d = model.hidden_size, model.head_dim
@@ -78,49 +90,89 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     stream = 3 if model.parallel_residual else 4
     f = model.ffn_hidden_size / tp
     mlp = 2 * f if model.mlp == "gelu" else (3 if kernels == "triton" else 4) * f
-    attention = 2 * q + 2 * kv * cp + (q + model.num_kv_heads * d / tp if model.qk_norm else 0)
+    # under cp the two query chunks' outputs are kept by their attention and, concatenated, by the
+    # output projection: the attention output twice
+    kv_and_q = (2 if cp == 1 else 3) * q + 2 * kv * cp + (q + kv if model.qk_norm else 0)
     stats = 4 * 2 * (2 if model.mlp == "gelu" else 1) / sp  # rstd per norm (LayerNorm: mean and rstd)
-    lse = 0 if layout.recompute == "selective" else 4 * model.num_heads / tp
-    return w * (stream * h / sp + attention + mlp) + stats + lse
+    lse = 4 * model.num_heads / tp if attention == "flash" and layout.recompute != "selective" else 0
+    dropout = 2 * h / sp if model.hidden_dropout > 0 else 0  # a bool mask per residual branch
+    scores = 0.0
+    if attention == "unfused" and layout.recompute != "selective":  # softmax (+ dropout mask and output)
+        scores = (w + 3 * (model.attention_dropout > 0)) * model.num_heads / tp * seq
+    return w * (stream * h / sp + kv_and_q + mlp) + stats + lse + dropout + scores
+
+
+@functools.cache
+def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int,
+                    chunks: tuple[int, ...]) -> tuple[int, float, bool]:
+    """At the backward that starts with the most activations held: the layers of its own micro-batch
+    chunk, those of the others in flight, and whether it holds the head (the last chunk)."""
+    best, held = (0, 0.0, False), {}
+    for op in schedule_order(kind, pp_rank, pp, vpp, micro_batches):
+        key = (op.micro, op.chunk)
+        if op.kind == "F":
+            held[key] = chunks[op.chunk]
+            continue
+        others = sum(held.values()) - held[key]
+        if held[key] + others > best[0] + best[1]:
+            best = (held[key], others, op.chunk == vpp - 1)
+        del held[key]
+    return best
 
 
 def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
                  layer: tuple[int, int, int], precision: str = "bf16", schedule: str = "auto",
-                 kernels: str = "triton", bucket_mb: float = 32.0) -> dict:
+                 kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
+                 fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
-    ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`."""
+    ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
+    ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
+    ``chunk_bytes``: the output layer's chunk of logits.
+
+    The peak is taken at the backward that starts with the most activations held (the schedule's
+    own order decides which): everything kept for the backward of its micro-batch chunk and of the
+    others in flight, and what that backward computes with — the output layer's chunk of logits
+    and its gradients (on the stage holding it), a layer's recomputation (full) and its backward's
+    gradients, the fp32 gradients of the buckets being reduced (zero 2, 3)."""
     L, w = layout, weight_bytes(precision)
     n_shard = L.shard_ranks
     params = stage_params(model, L, pp_rank, layer)
-    first, last = pp_rank == 0, pp_rank == L.pp - 1
-    chunks = stage_layers(model, L, pp_rank)
+    last = pp_rank == L.pp - 1
+    chunks = tuple(stage_layers(model, L, pp_rank))
     tokens = L.micro_batch * seq // L.cp  # the rank's share of a micro-batch
     sp = L.tp if L.sequence_parallel or L.tp == 1 else 1
-    h = model.hidden_size
+    h, f = model.hidden_size, model.ffn_hidden_size // L.tp
     vocab_rows = model.padded_vocab(L.tp) // L.tp
+    layer_params = layer[0] // L.tp + layer[1]
 
     out = dict.fromkeys(PARTS, 0.0)
     out["parameters"] = params * w / (n_shard if L.zero == 3 else 1)
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
-    out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0) / (n_shard if L.zero >= 1 else 1)
-    if L.zero == 2:  # a bucket's full fp32 gradients while its reduction is in flight (the head's: its own)
-        out["gradients"] += 4.0 * (vocab_rows * h if last and not model.tie_embeddings else 0) + bucket_mb * 2**20
-    per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels)
-    held = in_flight(L, pp_rank, micro_batches, schedule)
-    out["activations"] = max(chunks) * per_layer
-    out["pipeline_in_flight"] = (held - 1) * sum(chunks) / len(chunks) * per_layer
+    out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0 + (1 / 8 if fused_adamw else 0.0)) \
+        / (n_shard if L.zero >= 1 else 1)
+    kind = resolve_schedule(schedule, L.pp, L.vpp, micro_batches)
+    steady = min(micro_batches, 2 * L.pp) if kind in ("1f1b", "interleaved") else micro_batches
+    own, others, head = _backward_start(kind, pp_rank, L.pp, L.vpp, steady, chunks)
+    head = head and last
+    per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
+    out["activations"] = own * per_layer
+    out["pipeline_in_flight"] = others * per_layer
     if L.recompute == "full":  # the layer recomputed for its backward keeps its whole activations then
         full = L.replace(recompute="none")
-        out["activations"] += tokens * saved_bytes_per_token(model, full, seq, precision, kernels)
-    if L.zero == 3:
-        layer_full = (layer[0] // L.tp + layer[1]) * w
-        roots = params - sum(chunks) * (layer[0] // L.tp + layer[1])
-        out["zero3_gathered"] = min(LAYER_UNITS_ALIVE, max(chunks)) * layer_full + roots * w
-    if L.tp > 1:  # a gathered (b, s, h) input and its pieces
-        out["comm_buffers"] = 2.0 * tokens * h * w * (1 if sp > 1 else 0)
-    out["temporary"] = (min(tokens * vocab_rows * w, HEAD_CHUNK_BYTES) + tokens * h * w * 2) if last \
-        else tokens * h * w * 2 / sp
-    if first:
-        out["temporary"] += tokens * h * w
+        out["activations"] += tokens * saved_bytes_per_token(model, full, seq, precision, kernels, attention)
+    if L.zero >= 2:  # the full fp32 gradients of the bucket filling: a layer's (zero 3) or a parameter's
+        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)
+        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else 0))  # and the output layer's own
+    if L.zero == 3:  # as a backward starts: its layer and the one prefetched, and every chunk's root
+        roots = params - sum(chunks) * layer_params
+        out["zero3_gathered"] = (min(LAYER_UNITS_ALIVE - 1, max(chunks)) * layer_params + roots) * w
+    if L.sequence_parallel:  # an input gathered (again) for the weight gradients, and its pieces
+        out["comm_buffers"] = 2.0 * tokens * h * w
+    # a layer's backward: the MLP's gradients (of its input and of gate and up), the gradients in and
+    # out of the layer (recomputed: what the recomputation made, counted above, is freed as they are
+    # made); on the stage with the head, its chunk of logits and the gradient of its input
+    layer_backward = (2 * h / sp + (0 if L.recompute == "full" else 3 * f)) * tokens * w
+    head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
+    out["temporary"] = max(layer_backward, head_backward)
     out["total"] = sum(out[k] for k in PARTS)
     return out

@@ -95,6 +95,7 @@ def _attention_bwd(grad, q, k, v, *args, out_val=None, **kwargs) -> int:
 
 
 _aten = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
 FLOPS = dict(flop_registry)
 FLOPS.update({  # the flash kernels, GQA included (torch's formulas need equal heads)
     _aten._scaled_dot_product_flash_attention_for_cpu: _attention_fwd,
@@ -127,6 +128,8 @@ class ProgramTrace(MemoryTrace):
         self.host_reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            return args[0].fake_device  # asked of fake tensors at every op (most calls): answered here
         kwargs = kwargs or {}
         if func is _aten._local_scalar_dense.default and isinstance(args[0], FakeTensor) \
                 and args[0].constant is None:  # (a constant, from torch.tensor(3.0), has its value)
@@ -208,7 +211,8 @@ class Measurement:
             chunk.register_forward_hook(self._chunk_done)
             for name, layer in chunk.layers.items():
                 layer.register_forward_pre_hook(partial(self._layer_start, name=f"layers.{name}"))
-                layer.register_forward_hook(partial(self._layer_done, name=f"layers.{name}"))
+                # always: a recomputation stops with an exception once it has what the backward needs
+                layer.register_forward_hook(partial(self._layer_done, name=f"layers.{name}"), always_call=True)
 
     # -- regions ---------------------------------------------------------------------------------
 
@@ -320,6 +324,15 @@ def breakdown(trace: MemoryTrace, clock: int, now: Region | None, steps: list[St
     for segment in trace.alive_at(clock):
         out[_category(segment, current, steps)] += segment.bytes
     return out
+
+
+def largest(trace: MemoryTrace, clock: int, now: Region | None, steps: list[StepRecord], n: int = 8) -> list[dict]:
+    """The ``n`` largest allocations alive at event ``clock``: bytes, category, and where made."""
+    current = now.op if now is not None else None
+    alive = sorted(trace.alive_at(clock), key=lambda s: -s.bytes)[:n]
+    return [{"bytes": s.bytes, "category": _category(s, current, steps),
+             "made_in": s.phase.where() if isinstance(s.phase, Region) else "before the first step",
+             "by": s.tag} for s in alive]
 
 
 def _category(s: Segment, current: Region | None, steps: list[StepRecord]) -> str:

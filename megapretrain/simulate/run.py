@@ -35,14 +35,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..checkpoint.format import rank_state_size
 from ..config import Config
 from ..errors import ConfigError
-from ..kernels import simulated_device
+from ..kernels import simulated_device, use_triton
 from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState
 from ..planner.memory import stage_memory
 from ..planner.model import layer_params
+from ..planner.traffic import stage_traffic
 from ..resolve import Resolved, resolve
 from ..trainer import Trainer
-from .measure import Measurement, ProgramTrace, breakdown, comm_by_group
+from .measure import Measurement, ProgramTrace, breakdown, comm_by_group, largest
 
 DEVICES = ("cuda", "cpu")  # what a simulated rank runs on (its choices of kernels and loss path)
 
@@ -82,19 +83,30 @@ class RankResult:
     host_reads: list
     steps: int
     seconds: float
+    peak_allocations: list = dataclasses.field(default_factory=list)  # the largest alive at the peak
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> dict:
-    """The planner's estimate for a rank of stage ``pp_rank`` (``planner/memory.py``), in the
-    simulation's parts: {"planned_peak_bytes", "planned_breakdown"}."""
-    kernels = cfg.model.kernels if cfg.model.kernels != "auto" else ("triton" if device == "cuda" else "torch")
-    est = stage_memory(run.model, cfg.train.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
-                       layer=layer_params(run.model), precision=cfg.train.precision,
-                       schedule=cfg.parallel.pp_schedule, kernels=kernels, bucket_mb=cfg.parallel.bucket_size_mb)
-    return {"planned_peak_bytes": int(est.pop("total")), "planned_breakdown": {k: int(v) for k, v in est.items()}}
+    """The planner's figures for a rank of stage ``pp_rank`` in the simulation's terms: its memory
+    (``planner/memory.py``) and traffic (``planner/traffic.py``) — {"planned_peak_bytes",
+    "planned_breakdown", "planned_comm_bytes", "planned_comm_calls"}."""
+    triton = use_triton(device)  # what model.kernels / optim.impl auto choose on the device
+    kernels = cfg.model.kernels if cfg.model.kernels != "auto" else ("triton" if triton else "torch")
+    p, t = cfg.parallel, cfg.train
+    fused_adamw = cfg.optim.impl == "triton" or (cfg.optim.impl == "auto" and device == "cuda" and triton
+                                                 and not cfg.optim.offload)
+    est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
+                       layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
+                       kernels=kernels, bucket_mb=p.bucket_size_mb, fused_adamw=fused_adamw)
+    traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum, precision=t.precision,
+                            schedule=p.pp_schedule, device=device, bucket_mb=p.bucket_size_mb,
+                            keep_gathered=p.zero3_keep_gathered)
+    nbytes, calls = traffic.as_dicts()
+    return {"planned_peak_bytes": int(est.pop("total")), "planned_breakdown": {k: int(v) for k, v in est.items()},
+            "planned_comm_bytes": nbytes, "planned_comm_calls": calls}
 
 
 def simulation_config(cfg: Config, run_dir: str) -> Config:
@@ -166,6 +178,7 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
         records = Measurement(trainer, trace).run(steps)
         checkpoint_bytes = rank_state_size(trainer.checkpoint_state())
         parts = breakdown(trace, trace.peak_clock, trace.peak_phase, records)
+        top = largest(trace, trace.peak_clock, trace.peak_phase, records)
         peak_at = trace.peak_phase.where() if trace.peak_phase is not None else {}
         for loader in trainer.loaders.values():
             loader.close()
@@ -177,5 +190,23 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
                       comm_bytes=comm_bytes, comm_calls=comm_calls, flops=last.flops,
                       model_flops=flops_per_token(run.model, cfg.train.seq_length) * tokens / ps.world_size,
                       checkpoint_bytes=checkpoint_bytes, host_reads=sorted(set(last.host_reads)), steps=steps,
-                      seconds=0.0)
+                      seconds=0.0, peak_allocations=top)
 
+
+
+def check_layout(cfg: Config, world_size: int, steps: int = 1, device: str = "cuda") -> dict:
+    """The planner's busiest pipeline stage of ``cfg`` on ``world_size`` ranks, simulated: its
+    first rank's peak and traffic beside the planner's (what ``tools/plan.py --simulate`` and
+    ``tools/preflight.py --world-size`` report)."""
+    run = resolve_for_simulation(cfg, world_size)
+    plans = [planned(cfg, run, stage, device) for stage in range(run.layout.pp)]
+    stage = max(range(run.layout.pp), key=lambda s: plans[s]["planned_peak_bytes"])
+    rank = int(run.layout.grid()[stage, 0, 0, 0])
+    result = simulate_rank(cfg, world_size, rank, steps=steps, device=device)
+    plan = plans[stage]
+    return {"rank": rank, "pp_rank": stage, "peak_bytes": result.peak_bytes,
+            "planned_peak_bytes": plan["planned_peak_bytes"],
+            "memory_error": (plan["planned_peak_bytes"] - result.peak_bytes) / result.peak_bytes,
+            "traffic_equal": (result.comm_bytes, result.comm_calls) == (plan["planned_comm_bytes"],
+                                                                        plan["planned_comm_calls"]),
+            "breakdown": result.breakdown, "peak_at": result.peak_at, "seconds": result.seconds}
