@@ -56,16 +56,16 @@ def _short(case: Case, layers: int) -> Case:
 
 
 AT_SCALE = {c.name: c for c in SWEEP}
-SHORT = [  # ten of the sweep's layouts, one pipeline chunk of two layers per stage or so
+SHORT = [  # ten of the sweep's layouts with fewer layers: two to ten per pipeline chunk
     _short(AT_SCALE["8b-config"], 4), _short(AT_SCALE["8b-z3-full-mb2"], 4), _short(AT_SCALE["8b-tp2-sp"], 4),
     _short(AT_SCALE["8b-cp2"], 4), _short(AT_SCALE["8b-tp2-pp2-vpp2-sel"], 8),
-    _short(AT_SCALE["70b-config"], 32), _short(AT_SCALE["70b-tp8-pp2-z3-full"], 4),
+    _short(AT_SCALE["70b-config"], 40), _short(AT_SCALE["70b-tp8-pp2-z3-full"], 4),
     _short(AT_SCALE["70b-hybrid8-vpp2"], 16),
-    Case("405b-tp8-pp4-vpp2-full", "configs/llama3_405b.yaml", 1024, small(64, parallel__pp=4) + (
+    Case("405b-tp8-pp4-vpp2-full", "configs/llama3_405b.yaml", 1024, small(128, parallel__pp=4) + (
         "--model.num_layers", "16", "--parallel.pipeline_layers", "null"), ("first", "last")),
     Case("405b-tp8-pp2-z3", "configs/llama3_405b.yaml", 512, small(64, parallel__pp=2, parallel__vpp=1,
                                                                       parallel__zero=3) + (
-        "--model.num_layers", "4", "--parallel.pipeline_layers", "null")),
+        "--model.num_layers", "8", "--parallel.pipeline_layers", "null")),
 ]
 
 

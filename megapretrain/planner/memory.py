@@ -27,7 +27,6 @@ from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
          "comm_buffers", "temporary")
-LAYER_UNITS_ALIVE = 3  # parallel/zero3.py's bound on gathered decoder layers (2 as a backward starts)
 HEAD_CHUNK_BYTES = 512 << 20  # kernels/linear_cross_entropy.py: one chunk of logits on a GPU
 
 
@@ -157,22 +156,28 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
     out["activations"] = own * per_layer
     out["pipeline_in_flight"] = others * per_layer
-    if L.recompute == "full":  # the layer recomputed for its backward keeps its whole activations then
-        full = L.replace(recompute="none")
-        out["activations"] += tokens * saved_bytes_per_token(model, full, seq, precision, kernels, attention)
-    if L.zero >= 2:  # the full fp32 gradients of the bucket filling: a layer's (zero 3) or a parameter's
-        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)
-        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else 0))  # and the output layer's own
-    if L.zero == 3:  # as a backward starts: its layer and the one prefetched, and every chunk's root
+    if L.zero >= 2:  # the full fp32 gradients of the bucket filling and of the one reducing: a layer's
+        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)  # (zero 3) or a parameter's
+        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else bucket))  # (the output layer's own)
+    if L.zero == 3:  # every chunk's root, the layer computing and the next one, prefetched (the one
+        # that follows the chunk's second layer is its first: by its backward, the second has been freed)
         roots = params - sum(chunks) * layer_params
-        out["zero3_gathered"] = (min(LAYER_UNITS_ALIVE - 1, max(chunks)) * layer_params + roots) * w
+        out["zero3_gathered"] = (max(1, min(2, max(chunks) - 1)) * layer_params + roots) * w
     if L.sequence_parallel:  # an input gathered (again) for the weight gradients, and its pieces
         out["comm_buffers"] = 2.0 * tokens * h * w
-    # a layer's backward: the MLP's gradients (of its input and of gate and up), the gradients in and
-    # out of the layer (recomputed: what the recomputation made, counted above, is freed as they are
-    # made); on the stage with the head, its chunk of logits and the gradient of its input
-    layer_backward = (2 * h / sp + (0 if L.recompute == "full" else 3 * f)) * tokens * w
+    # what the backward computes with, at the larger of two moments: on the stage with the head, its
+    # backward (a chunk of logits and the gradient of its input); then a layer's MLP backward — the
+    # gradients in and out of the layer and those of the MLP's input, gate and up (recomputed fully:
+    # with the layer's activations made again, the MLP's output already used)
+    grads = 2 * h / sp * tokens * w
     head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
-    out["temporary"] = max(layer_backward, head_backward)
+    if L.recompute == "full":
+        redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision, kernels, attention)
+        mlp_backward = grads + 2 * f * tokens * w
+        if redo + mlp_backward > head_backward:
+            out["activations"] += redo
+        out["temporary"] = mlp_backward if redo + mlp_backward > head_backward else head_backward
+    else:
+        out["temporary"] = max(grads + 3 * f * tokens * w, head_backward)
     out["total"] = sum(out[k] for k in PARTS)
     return out

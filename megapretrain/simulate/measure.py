@@ -39,6 +39,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..monitor.memtrace import MemoryTrace, Segment
 from ..parallel.pipeline import schedule_order
+from ..parallel.state import Group
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
               "comm_buffers", "temporary", "other")
@@ -192,7 +193,7 @@ class Measurement:
     def _wrap_communication(self) -> None:
         ps, seen = self.trainer.ps, set()
         for group in vars(ps).values():
-            if hasattr(group, "all_gather_async") and id(group) not in seen:
+            if isinstance(group, Group) and id(group) not in seen:
                 seen.add(id(group))
                 for name in ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_async",
                              "reduce_scatter_async", "all_gather_async"):
