@@ -21,7 +21,7 @@ def test_positions_and_mask_follow_the_documents():
     tokens = torch.tensor([[1, 2, EOD, 3, 4, 5, EOD, 6]])
     docs = documents(tokens, EOD, True, True)
     assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
-    mask = docs.attn_mask[0, 0]
+    mask = docs.mask.dense()[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
     assert mask[2].tolist() == [True, True, True, False, False, False, False, False]  # EOD ends its document
     assert mask.sum() == 6 + 10 + 1  # causal inside each document: 3·4/2 + 4·5/2 + 1
