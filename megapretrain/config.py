@@ -139,7 +139,8 @@ class DataConfig:
                                     factory=TokenizerConfig)
     cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).")
     reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
-                                    "document inside a packed sample (Megatron's --reset-attention-mask).")
+                                    "document inside a packed sample (Megatron's --reset-attention-mask); "
+                                    "the kernel: model.attention.")
     reset_position_ids: bool = _f(False, "Rotary positions restart at each document of a packed sample.")
     eod_mask_loss: bool = _f(False, "Leave the end-of-document targets out of the loss (and of its mean).")
 

@@ -7,6 +7,8 @@ recomputation; the block masks' structure; that no (s, s) tensor is allocated; a
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megapretrain.config import ConfigError, load_config
 from megapretrain.model.attention import FLEX_BLOCK, check_attention, resolve_attention
 from megapretrain.model.decoder import DecoderModel, documents
+from megapretrain.monitor.flops import DEVICES
 from megapretrain.parallel.context import gather_kv_from_cp, local_positions, split_to_cp
 from megapretrain.parallel.state import Group, ParallelState
+from megapretrain.planner import estimate_run
 from megapretrain.resolve import resolve
 
 from distributed import run_distributed
@@ -181,6 +185,36 @@ def test_the_model_trains_alike_under_every_kernel_and_recomputation():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{recompute}: {name}")
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_compiled_layers_run_it_without_recompiling_per_micro_batch(recompute, monkeypatch):
+    """``train.compile``'s regional compilation (model/build.py, Dynamo with its eager backend
+    here: inductor's C++ build takes minutes) around the blockwise kernel: the eager model's
+    losses and gradients, and no new graph for a micro-batch of other documents."""
+    from torch._dynamo.utils import counters
+
+    from megapretrain.model.build import compile_layers
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    models = [DecoderModel(tiny_args(num_heads=4, num_kv_heads=2), Group("tp", [0]), recompute=recompute,
+                           attention="blockwise") for _ in range(2)]
+    for model in models:
+        model.init_weights(7)
+    compile_layers(models[1], CPU)
+    graphs = []
+    for step, eods in enumerate([[[3, 4, 20], [31]], [[0, 9], [5, 6, 7, 30]], [[], [16]]]):
+        tokens = _tokens(33, eods, seed=step)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        losses = [model(inputs, targets, documents(inputs, EOD, True, True)) for model in models]
+        for loss in losses:
+            loss.sum().backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    for (name, p), compiled in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(compiled.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2, graphs
+
+
 class _Allocations(TorchDispatchMode):
     """The element count of every tensor an op returns (new storages and views alike)."""
 
@@ -248,3 +282,34 @@ def test_resolve_refuses_flex_on_a_cpu_run_and_warns_of_sdpa_memory():
     assert not check_attention(_cfg(*big), resolve(_cfg(*big), 1).layout)  # auto: neither
     dropout = resolve(_cfg("--model.attention_dropout", "0.1"), 1).warnings  # auto falls back to sdpa: said
     assert any("only sdpa has dropout" in w for w in dropout), dropout
+
+
+def test_the_planner_counts_the_dense_masks_scores():
+    """plan --check and the OOM advice: sdpa under document masking keeps (b, heads, s, s) scores
+    per layer; the default (flex on a GPU) keeps none, as without documents."""
+    flags = ["--train.seq_length", "8192", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
+             "--model.num_layers", "4", "--model.num_heads", "32", "--model.hidden_size", "4096"]
+    h100 = DEVICES["h100"]
+
+    def activations(*more):
+        cfg = load_config(None, ["--model.vocab_size", "32000", *flags, *more])
+        return estimate_run(cfg, resolve(cfg, 8).layout, h100).memory["activations"]
+
+    plain, auto = activations(), activations("--data.reset_attention_mask", "true")
+    dense = activations("--data.reset_attention_mask", "true", "--model.attention", "sdpa")
+    assert auto == plain
+    assert dense - plain >= 4 * 32 * 8192 * 8192 * 2  # four layers' bf16 softmax, at least
+
+
+def test_the_oom_advice_starts_with_attention_without_the_dense_mask():
+    from megapretrain.oom import remedies
+
+    flags = ["--model.vocab_size", "32000", "--train.seq_length", "8192", "--train.micro_batch_size", "1",
+             "--train.global_batch_size", "8", "--model.num_layers", "4", "--model.num_heads", "32",
+             "--model.hidden_size", "4096", "--data.reset_attention_mask", "true"]
+    dense = load_config(None, [*flags, "--model.attention", "sdpa"])
+    first = remedies(dense, resolve(dense, 8).layout, CPU)[0]
+    auto = load_config(None, flags)
+    want = estimate_run(auto, resolve(auto, 8).layout, DEVICES["h100"]).memory["total"] / 2**30
+    assert first == f"--model.attention auto (planner: {want:.1f} GB per GPU on {DEVICES['h100'].name})", first
+    assert not remedies(auto, resolve(auto, 8).layout, CPU)[0].startswith("--model.attention")

@@ -61,6 +61,11 @@ def test_document_masking_under_a_layout_matches_one_process(layout, single, cor
     check(single, results)
 
 
+def test_the_dense_mask_and_the_blockwise_kernel_train_alike(single, corpus, tmp_path):
+    """model.attention=sdpa (the dense (b, 1, s, s) mask) trains as auto does on CPU (blockwise)."""
+    check(single, [_train(0, 1, str(tmp_path), corpus, [*DOCS, "--model.attention", "sdpa"])])
+
+
 def test_masking_changes_the_loss(single, corpus, tmp_path):
     plain = _train(0, 1, str(tmp_path), corpus, [])
     assert plain["losses"][0] != pytest.approx(single["losses"][0], rel=1e-4)

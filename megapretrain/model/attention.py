@@ -39,7 +39,9 @@ from .blockwise import TilePlan, blockwise_attention
 
 ATTENTION = ("sdpa", "flex", "blockwise")  # model.attention once resolved
 FLEX_BLOCK = 128  # FlexAttention's block (its default), rows and columns
-TILE = 256  # blockwise's tile: tools/bench_attention.py measured 128-512 on CPU, 256 fastest at seq 2k-8k
+# blockwise's tile, rows and columns. fwd + bwd at seq 4096 on one CPU thread (8/2 heads of 64):
+# two long documents 2.6 / 2.3 / 3.3 s at tiles 128 / 256 / 512, documents of 64-448 tokens 1.0 / 1.5 / 3.0 s
+TILE = 256
 LARGE_SCORES = 256 * 2**20  # sdpa with documents warns above this many bytes of scores per layer
 
 
@@ -236,6 +238,14 @@ def dense_attention_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:
     return mask, mask * cfg.model.num_heads // layout.tp * element
 
 
+def dense_document_mask(cfg: Config) -> bool:
+    """Whether ``cfg``'s run on a GPU builds the dense mask: document masking under sdpa, chosen
+    or (auto, with attention dropout) fallen back to."""
+    m = cfg.model
+    return cfg.data.reset_attention_mask and (m.attention == "sdpa" or (m.attention == "auto" and
+                                                                        m.attention_dropout > 0))
+
+
 def check_attention(cfg: Config, layout: Layout) -> list[str]:
     """``model.attention`` against the config, before any work: a ConfigError for a choice that
     cannot train (on ``train.device: cpu``, where the device is known), warnings for sdpa with
@@ -245,16 +255,17 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
         return []
     device = torch.device("cpu" if cfg.train.device == "cpu" else "cuda")  # auto: a GPU run's rules
     resolve_attention(m.attention, device, dropout=m.attention_dropout, documents=True)
-    dense = m.attention == "sdpa" or (m.attention == "auto" and m.attention_dropout > 0)
     mask, scores = dense_attention_bytes(cfg, layout)
-    if not dense or (m.attention == "sdpa" and scores < LARGE_SCORES):
+    if not dense_document_mask(cfg) or (m.attention == "sdpa" and scores < LARGE_SCORES):
         return []
-    why = "model.attention=sdpa" if m.attention == "sdpa" else \
-        f"model.attention=auto with model.attention_dropout={m.attention_dropout} (only sdpa has dropout)"
+    if m.attention == "sdpa":
+        why, fix = "model.attention=sdpa", "model.attention auto (flex on CUDA, blockwise elsewhere) needs neither"
+    else:
+        why = f"model.attention=auto with model.attention_dropout={m.attention_dropout} (only sdpa has dropout)"
+        fix = "with model.attention_dropout 0 auto chooses flex on CUDA or blockwise elsewhere, which need neither"
     return [f"{why} under data.reset_attention_mask builds a dense (b, 1, s, s) mask ({mask / 2**20:,.0f} MiB per "
             f"micro-batch) and on CUDA runs SDPA's math kernel: {scores / 2**30:,.1f} GiB of scores per layer at "
-            f"train.seq_length={cfg.train.seq_length}; model.attention auto (flex on CUDA, blockwise elsewhere) "
-            "needs neither"]
+            f"train.seq_length={cfg.train.seq_length}; {fix}"]
 
 
 def describe_attention(kind: str, documents: bool, context_parallel: bool) -> str:

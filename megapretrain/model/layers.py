@@ -335,9 +335,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
         if self.selective_recompute and self.training:
-            # no dropout: no random stream to restore (and nothing for torch.compile to trace)
-            context = self.rng.checkpoint_context if self.dropout else torch.utils.checkpoint.noop_context_fn
-            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=context)
+            # no dropout: no random stream to restore, and no context_fn argument at all (torch.compile
+            # traces a checkpoint only without one, even the no-op)
+            context = dict(context_fn=self.rng.checkpoint_context) if self.dropout else {}
+            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
         else:
             y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
