@@ -8,6 +8,7 @@ recomputation; the block masks' structure; that no (s, s) tensor is allocated; a
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -313,3 +314,15 @@ def test_the_oom_advice_starts_with_attention_without_the_dense_mask():
     want = estimate_run(auto, resolve(auto, 8).layout, DEVICES["h100"]).memory["total"] / 2**30
     assert first == f"--model.attention auto (planner: {want:.1f} GB per GPU on {DEVICES['h100'].name})", first
     assert not remedies(auto, resolve(auto, 8).layout, CPU)[0].startswith("--model.attention")
+
+
+def test_the_bench_prints_a_row_per_case_and_refuses_bad_flags(capsys):
+    from megapretrain.commands.bench_attention import main
+
+    assert main(["--seqs", "96", "--kinds", "sdpa", "blockwise", "--docs", "short", "--iters", "1", "--threads", "1",
+                 "--json"]) == 0  # a fresh process per case
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["seq"], r["kind"]) for r in rows] == [(96, "sdpa"), (96, "blockwise")]
+    assert all(r["peak_bytes"] > 0 and r["ms"] > 0 and r["docs"] == "short" for r in rows)
+    assert main(["--heads", "8", "--kv-heads", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --kv-heads 3 must divide --heads 8"

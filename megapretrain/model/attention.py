@@ -273,7 +273,7 @@ def describe_attention(kind: str, documents: bool, context_parallel: bool) -> st
     causal = "SDPA causal" + (" (lower-right chunks under cp)" if context_parallel else "")
     if not documents:
         return f"attention: {causal}"
-    how = {"flex": "FlexAttention, a block mask per micro-batch from the document ids",
-           "blockwise": "blockwise tiles with an online softmax, a tile plan per micro-batch from the document ids",
+    how = {"flex": "FlexAttention, compiled; a block mask per micro-batch from the document ids",
+           "blockwise": "tiles with an online softmax; a tile plan per micro-batch from the document ids",
            "sdpa": "SDPA with a dense (b, 1, s, s) mask per micro-batch"}[kind]
-    return f"attention: model.attention={kind} for document masking ({how})"
+    return f"attention: model.attention={kind} under document masking ({how})"
