@@ -74,6 +74,10 @@ class ModelConfig:
     hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.", min=0, below=1)
     kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).",
                       choices=("auto", "triton", "torch"))
+    attention: str = _f("auto", "Attention under document masking (data.reset_attention_mask): auto (flex on CUDA, "
+                        "blockwise elsewhere, sdpa with attention_dropout) | flex (FlexAttention) | blockwise (tiles, "
+                        "plain torch) | sdpa (a dense s×s mask). Plain causal attention is SDPA's under every choice.",
+                        choices=("auto", "sdpa", "flex", "blockwise"))
     z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: none).", min=0)
     family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias / qk_norm) | "
                      "gpt_neox (LayerNorm with bias, parallel residual, partial rotary, GELU, biases; Pythia).")
@@ -135,7 +139,8 @@ class DataConfig:
                                     factory=TokenizerConfig)
     cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).")
     reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
-                                    "document inside a packed sample (Megatron's --reset-attention-mask).")
+                                    "document inside a packed sample (Megatron's --reset-attention-mask); "
+                                    "the kernel: model.attention.")
     reset_position_ids: bool = _f(False, "Rotary positions restart at each document of a packed sample.")
     eod_mask_loss: bool = _f(False, "Leave the end-of-document targets out of the loss (and of its mean).")
 

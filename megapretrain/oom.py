@@ -2,19 +2,22 @@
 
 The trainer catches an out-of-memory error (``torch.OutOfMemoryError``, or ``MemoryError`` for host
 memory) at the step boundary, writes the memory summary to ``RUN_DIR/oom_rankN.txt``, prints the
-remedies — activation recomputation, half the micro-batch, a higher ZeRO stage or optimizer
-offload, more tensor or pipeline parallelism — each with the planner's memory estimate for the
-changed layout, and exits with :data:`OOM_EXIT`.
+remedies — document masking without a dense mask (``model.attention``), activation recomputation,
+half the micro-batch, a higher ZeRO stage or optimizer offload, more tensor or pipeline
+parallelism — each with the planner's memory estimate for the changed layout, and exits with
+:data:`OOM_EXIT`.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
 
 from .errors import UserError
 from .model.args import model_args
+from .model.attention import dense_document_mask
 from .monitor.flops import DEVICES, find_device
 from .parallel.layout import Layout
 from .planner import GIB, estimate_run
@@ -45,7 +48,7 @@ def advice_device(device: torch.device):
 
 def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
     """The changes to try, in order, each with the planner's per-GPU memory for the new layout."""
-    p, t = cfg.parallel, cfg.train
+    p, t, m = cfg.parallel, cfg.train, cfg.model
     dev, args, dp = advice_device(device), model_args(cfg), layout.dp
 
     def planned(**change) -> str:
@@ -59,6 +62,15 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
         return f"(planner: {e.memory['total'] / GIB:.1f} GB per GPU on {dev.name})"
 
     out = []
+    if dense_document_mask(cfg):  # the (b, heads, s, s) scores of SDPA's math kernel, per layer
+        fused = copy.deepcopy(cfg)
+        fused.model.attention, fused.model.attention_dropout = "auto", 0.0
+        try:
+            gb = f"(planner: {estimate_run(fused, layout, dev).memory['total'] / GIB:.1f} GB per GPU on {dev.name})"
+        except UserError:
+            gb = ""
+        dropout = " --model.attention_dropout 0" if m.attention_dropout else ""
+        out.append(f"--model.attention auto{dropout} {gb}".rstrip())
     if p.recompute != "full":
         out.append(f"--parallel.recompute full {planned(recompute='full')}")
     if t.micro_batch_size > 1:
