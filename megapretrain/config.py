@@ -145,9 +145,10 @@ class TrainConfig:
     seq_length: int = _f(256, "Tokens per sample.", min=1)
     micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", min=1)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).", min=1)
-    iters: int = _f(100, "Optimizer steps to train for (derived instead when train.train_tokens is set).", min=1)
+    iters: Optional[int] = _f(100, "Optimizer steps to train for (null: derived from train.train_tokens).", min=1)
     train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set one of the "
-                                     "two; the steps are derived, batch-size ramp-up included).", min=1)
+                                     "two; the steps are derived, batch-size ramp-up included; over a config "
+                                     "that sets train.iters: --train.iters null).", min=1)
     rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, ramp_samples]: the global "
                                            "batch grows from start by increment until ramp_samples samples are "
                                            "consumed (Megatron's --rampup-batch-size).")
@@ -186,9 +187,13 @@ class OptimConfig:
 class ScheduleConfig:
     warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
     decay: str = _f("cosine", "cosine | linear | wsd | constant.", choices=("cosine", "linear", "wsd", "constant"))
-    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).", min=1)
+    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters; a "
+                                    "resumed run keeps its checkpoint's).", min=1)
     wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.",
                                    positive=True, max=1)
+    rewarm_iters: int = _f(0, "A resumed run extended past the end of its checkpoint's schedule: warm from the rate "
+                           "reached there back to optim.lr over this many steps, then decay to optim.min_lr at the "
+                           "new train.iters (0: continue at optim.min_lr).", min=0)
 
 
 @dataclass
