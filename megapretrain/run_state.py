@@ -76,6 +76,7 @@ class RunState:
                            scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
                            schedule=self.lr_schedule.to_dict())
         self.checkpoints.save(self.iteration, state)
+        self.saved.append(self.iteration)
         self.metrics.event("checkpoint_saved", self.iteration,
                            path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),
                            checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)

@@ -36,7 +36,8 @@ from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
 from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
 from .monitor.flops import device_peak_tflops
-from .monitor.metrics import MetricsLogger
+from .monitor.metrics import MetricsLogger, read_metrics
+from .monitor.progress import Progress, describe_summary
 from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
 from .optim.lr_schedule import LRSchedule
@@ -135,6 +136,8 @@ class Trainer(RunState):
         self.faults = Faults(cfg.faults, ps.rank)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
+        self.progress = Progress(sizes.iters)
+        self.saved: list[int] = []  # the iterations this launch saved checkpoints at
         resumed_from = self._maybe_resume()
         if self.is_logger:
             self._write_config()
@@ -186,12 +189,15 @@ class Trainer(RunState):
     def _loop(self) -> None:
         t, c, iters = self.cfg.train, self.cfg.checkpoint, self.sizes.iters
         last_save = time.monotonic()
+        first_iter, first_samples = self.iteration, self.consumed_samples
+        self.progress.start(self.iteration)
         while self.iteration < iters:
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
             self.checkpoints.step_boundary()  # an async save every rank has written is published now
             self.iteration += 1
+            self.progress.step(self.iteration)
             if self.lock is not None:
                 self.lock.heartbeat()
             if self.pipeline.record:
@@ -226,12 +232,28 @@ class Trainer(RunState):
             if not (c.interval and self.iteration % c.interval == 0):
                 self.save()
         self.checkpoints.finalize()
+        summary = self._summary(first_iter, first_samples)
+        self.metrics.event("summary", self.iteration, **summary)
         self.metrics.close()
         for loader in self.loaders.values():
             loader.close()
-        ckpt = os.path.join(self.cfg.run.dir, "checkpoints")
-        self.log(f"done: metrics {os.path.join(self.cfg.run.dir, 'metrics.jsonl')}  "
-                 f"tensorboard {os.path.join(self.cfg.run.dir, 'tensorboard')}  checkpoints {ckpt}")
+        self.log(describe_summary({**summary, "iter": self.iteration}))
+
+    def _summary(self, first_iter: int, first_samples: int) -> dict:
+        """What this launch did (steps, tokens, time, checkpoints), the run's latest and best
+        validation loss, and where its files are (tensorboard: only when it is on)."""
+        run, seq = self.cfg.run.dir, self.cfg.train.seq_length
+        valid = [(r["iter"], r["valid_loss"]) for r in read_metrics(run)
+                 if r.get("valid_loss") is not None] if self.is_logger else []
+        best = min(valid, key=lambda v: v[1]) if valid else (None, None)
+        return {"first_iter": first_iter, "tokens": (self.consumed_samples - first_samples) * seq,
+                "consumed_tokens": self.consumed_samples * seq, "elapsed_s": round(self.progress.elapsed_s, 3),
+                "valid_iter": valid[-1][0] if valid else None, "valid_loss": valid[-1][1] if valid else None,
+                "best_valid_iter": best[0], "best_valid_loss": best[1],
+                "checkpoints_written": [os.path.join(run, "checkpoints", f"iter_{i:07d}") for i in self.saved],
+                "run_dir": run, "metrics": os.path.join(run, "metrics.jsonl"),
+                "tensorboard": os.path.join(run, "tensorboard") if self.cfg.logging.tensorboard else None,
+                "checkpoints": os.path.join(run, "checkpoints"), "config": os.path.join(run, "config.yaml")}
 
     def _guarded_step(self) -> dict:
         """``train_step``, with the injected faults of this iteration, and out-of-memory turned
@@ -403,7 +425,10 @@ class Trainer(RunState):
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],
                   **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self._stall_s, "tflops": tflops,
-                  "memory_mb": memory_mb(self.device)}
+                  "memory_mb": memory_mb(self.device), "elapsed_s": round(self.progress.elapsed_s, 3)}
+        eta = self.progress.eta_s
+        if eta is not None:
+            record["eta_s"] = round(eta, 1)
         self._stall_s = 0.0
         if self.lr_scale != 1.0:
             record["lr_scale"] = self.lr_scale
@@ -419,8 +444,8 @@ class Trainer(RunState):
                                grad_norm=s["grad_norm"])
         self.log(f"iter {self.iteration:>6}/{self.sizes.iters} | loss {s['loss']:.4f} | "
                  f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
-                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB"
-                 + (" | skipped" if s["skipped"] else ""))
+                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB | "
+                 f"{self.progress.describe()}" + (" | skipped" if s["skipped"] else ""))
 
     def _log_memory(self) -> None:
         """Bytes per rank (this rank's) for parameters, grads and optimizer state, from the tensors."""

@@ -28,7 +28,8 @@ TENSORBOARD_LAYOUT = {
         "tokens/s": ["Multiline", [r"^tokens_per_sec$"]],
         "MFU": ["Multiline", [r"^mfu$"]],
         "memory (MB)": ["Multiline", [r"^memory_mb$"]],
-        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^[a-z_.]*_s$"]],
+        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^(?!elapsed_s$|eta_s$)[a-z_.]*_s$"]],
+        "elapsed and left (s)": ["Multiline", [r"^elapsed_s$", r"^eta_s$"]],
     },
 }
 
