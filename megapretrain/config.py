@@ -224,10 +224,13 @@ class LoggingConfig:
 class RecoveryConfig:
     action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
                      "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
-    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
-                             "recovery.window losses by this many standard deviations.", positive=True)
-    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).", min=2)
-    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.", min=0)
+    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds what a line fitted to the previous "
+                             "recovery.window losses expects by this many standard deviations of their "
+                             "residuals.", positive=True)
+    window: int = _f(50, "Steps of loss history the spike test compares with (it judges from 8 of them on).",
+                     min=2)
+    min_std_fraction: float = _f(0.02, "Floor of that standard deviation, as a fraction of the mean loss (so a "
+                                 "spike is at least spike_zscore × this above the trend: 12% by default).", min=0)
     max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
                             "that trigger the action.", min=1)
     skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.", min=0)
@@ -252,8 +255,11 @@ class AlertsConfig:
     throughput_drop: float = _f(0.2, "Alert when tokens/s falls this fraction below its rolling median.",
                                 positive=True)
     data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).", positive=True)
-    straggler_ratio: float = _f(1.2, "Name a rank whose step time exceeds the median rank's by this factor "
+    straggler_ratio: float = _f(1.2, "Name a rank whose own step time (the median of its last "
+                                "alerts.straggler_steps) is at least this many times the median rank's "
                                 "(checked every logging interval).", positive=True)
+    straggler_steps: int = _f(20, "Steps a rank must be slow for (the window of that median) to be named a "
+                              "straggler.", min=1)
 
 
 @dataclass
@@ -279,6 +285,8 @@ class FaultsConfig:
     slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is faults.slow_data_s.",
                                      min=1)
     slow_data_s: float = _f(2.0, "Fault drill: the length of that data wait (seconds).", min=0)
+    slow_data_steps: int = _f(1, "Fault drill: the steps from faults.slow_data_at that wait so (a rank slow for "
+                              "alerts.straggler_steps or more is a straggler).", min=1)
     oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.", min=1)
     rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
 
@@ -297,7 +305,8 @@ class Config:
     recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
     alerts: AlertsConfig = _f(None, "Thresholds of the run's alerts.", factory=AlertsConfig)
     watchdog: WatchdogConfig = _f(None, "Hang detection.", factory=WatchdogConfig)
-    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default).", factory=FaultsConfig)
+    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default; each fires once "
+                              "per run directory).", factory=FaultsConfig)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ class RunState:
         self.log(f"alert: {describe(alert)}")
         self.metrics.event("alert", self.iteration, **{k: v for k, v in alert.items() if k != "iter"})
         if self.is_logger:
-            run_alert_command(self.cfg.recovery.alert_command, alert)
+            run_alert_command(self.cfg.recovery.alert_command, self.alert_payload(alert))
         return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"])
 
     def _rollback(self, since: int) -> bool:

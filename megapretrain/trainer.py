@@ -4,7 +4,8 @@ Read top to bottom: ``Trainer.__init__`` builds this rank's model chunks, the op
 writers and resumes from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one
 optimizer step over the global batch — its micro-batches run through the pipeline schedule (with
 pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
-Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base.
+Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base; the
+alerts and the closing summary in :class:`megapretrain.run_watch.RunWatch`, its other base.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
 per-token losses and divides by the global token count, and the sums are added over dp and cp
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,9 +34,9 @@ from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
-from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
+from .monitor.alerts import AlertMonitor, Stragglers
 from .monitor.flops import device_peak_tflops
-from .monitor.metrics import MetricsLogger, read_metrics
+from .monitor.metrics import MetricsLogger
 from .monitor.progress import Progress, describe_summary
 from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
@@ -46,10 +46,11 @@ from .parallel.context import split_to_cp
 from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
-from .recovery import Detector, run_alert_command
+from .recovery import Detector, check_spike_drill
 from .resolve import RunSizes
 from .run_lock import RunLock
 from .run_state import RunState
+from .run_watch import RunWatch
 
 IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
 
@@ -70,7 +71,7 @@ def memory_mb(device: torch.device) -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-class Trainer(RunState):
+class Trainer(RunState, RunWatch):
     def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
         """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
@@ -133,12 +134,17 @@ class Trainer(RunState):
         self._stall_s = 0.0  # seconds saves blocked training since the last logged step
         self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
         self.alerts = AlertMonitor(cfg.alerts)
-        self.faults = Faults(cfg.faults, ps.rank)
+        self.stragglers = Stragglers(cfg.alerts.straggler_ratio, cfg.alerts.straggler_steps)
+        self.faults = Faults(cfg.faults, ps.rank, cfg.run.dir)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
         self.progress = Progress(sizes.iters)
         self.saved: list[int] = []  # the iterations this launch saved checkpoints at
         resumed_from = self._maybe_resume()
+        if "spike_at" not in self.faults.fired:  # (a resumed run's detector starts from an empty history)
+            check_spike_drill(cfg, self.iteration)
+        for drill in self.faults.already_fired():
+            self.log(f"{drill}: fired already in this run directory (faults/): not injected again")
         if self.is_logger:
             self._write_config()
         self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
@@ -238,22 +244,6 @@ class Trainer(RunState):
         for loader in self.loaders.values():
             loader.close()
         self.log(describe_summary({**summary, "iter": self.iteration}))
-
-    def _summary(self, first_iter: int, first_samples: int) -> dict:
-        """What this launch did (steps, tokens, time, checkpoints), the run's latest and best
-        validation loss, and where its files are (tensorboard: only when it is on)."""
-        run, seq = self.cfg.run.dir, self.cfg.train.seq_length
-        valid = [(r["iter"], r["valid_loss"]) for r in read_metrics(run)
-                 if r.get("valid_loss") is not None] if self.is_logger else []
-        best = min(valid, key=lambda v: v[1]) if valid else (None, None)
-        return {"first_iter": first_iter, "tokens": (self.consumed_samples - first_samples) * seq,
-                "consumed_tokens": self.consumed_samples * seq, "elapsed_s": round(self.progress.elapsed_s, 3),
-                "valid_iter": valid[-1][0] if valid else None, "valid_loss": valid[-1][1] if valid else None,
-                "best_valid_iter": best[0], "best_valid_loss": best[1],
-                "checkpoints_written": [os.path.join(run, "checkpoints", f"iter_{i:07d}") for i in self.saved],
-                "run_dir": run, "metrics": os.path.join(run, "metrics.jsonl"),
-                "tensorboard": os.path.join(run, "tensorboard") if self.cfg.logging.tensorboard else None,
-                "checkpoints": os.path.join(run, "checkpoints"), "config": os.path.join(run, "config.yaml")}
 
     def _guarded_step(self) -> dict:
         """``train_step``, with the injected faults of this iteration, and out-of-memory turned
@@ -474,33 +464,6 @@ class Trainer(RunState):
             return
         self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
         self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
-
-    def _report_alerts(self, stats: dict, stragglers: bool) -> None:
-        """This step's alerts (start and clear), and every logging interval the stragglers."""
-        tokens_per_sec = stats["global_batch_size"] * self.cfg.train.seq_length / stats["step_time"]
-        for alert in self.alerts.observe(self.iteration, stats["loss"], stats["grad_norm"], tokens_per_sec,
-                                         stats["data_time"]):
-            self._announce(alert, describe_alert(alert))
-        if stragglers and self.ps.world_size > 1:
-            if self.hosts is None:
-                self.hosts = [None] * self.ps.world_size
-                dist.all_gather_object(self.hosts, socket.gethostname())
-            own = stats["step_time"] - stats["grad_sync_time"]  # waiting for the others is not slowness
-            for alert in gather_stragglers(self.ps, self.hosts, own, stats["data_time"], self.iteration,
-                                           self.cfg.alerts.straggler_ratio):
-                self._announce(alert, f"straggler: rank {alert['rank']} on {alert['host']} took "
-                                      f"{alert['step_time']:.3f} s per step, {alert['ratio']:.2f}× the median "
-                                      f"{alert['median_step_time']:.3f} s (data wait {alert['data_time']:.3f} s)")
-
-    def _announce(self, alert: dict, line: str) -> None:
-        """One alert: a console warning, an ``alert`` event in metrics.jsonl (a TensorBoard text
-        entry too), and recovery.alert_command."""
-        self.log(f"warning: {line}")
-        self.metrics.event("straggler" if alert["kind"] == "straggler" else "alert", self.iteration,
-                           **{k: v for k, v in alert.items() if k != "iter"})
-        if self.is_logger:
-            self.metrics.text("alerts", line, self.iteration)
-            run_alert_command(self.cfg.recovery.alert_command, alert)
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:

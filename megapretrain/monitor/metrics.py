@@ -37,7 +37,7 @@ TENSORBOARD_LAYOUT = {
 class MetricsLogger:
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, wandb: bool = False,
                  config: dict | None = None, run_name: str = ""):
-        self.enabled = enabled
+        self.enabled, self.run_name = enabled, run_name
         self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
