@@ -197,7 +197,9 @@ class Trainer(RunState, RunWatch):
         last_save = time.monotonic()
         first_iter, first_samples = self.iteration, self.consumed_samples
         self.progress.start(self.iteration)
+        saved = False  # whether the pass that ended last saved its iteration
         while self.iteration < iters:
+            saved = False
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
@@ -227,7 +229,7 @@ class Trainer(RunState, RunWatch):
                 self.watchdog.beat("save", self.iteration)
                 self.save()
                 self.alerts.settle()
-                last_save = time.monotonic()
+                last_save, saved = time.monotonic(), True
             if stop:
                 self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "
                          f"{self.iteration}, exiting")
@@ -235,7 +237,7 @@ class Trainer(RunState, RunWatch):
         else:
             if t.eval_interval and self.iteration % t.eval_interval:
                 self._log_eval(self.evaluate())
-            if not (c.interval and self.iteration % c.interval == 0):
+            if not saved:  # (by the interval, or by the clock)
                 self.save()
         self.checkpoints.finalize()
         summary = self._summary(first_iter, first_samples)

@@ -182,6 +182,10 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
+# bad input is one line now, not one per restart of every process
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) \
+  "$PYTHON" -m megapretrain.train --config "$CONFIG" --check ${ARGS[@]+"${ARGS[@]}"} || exit $?
+
 # torchrun in the background: a stop signal (SIGTERM, SLURM's SIGUSR1) goes to the training
 # processes themselves, which save at the next step boundary and exit 0 (torchrun itself would
 # kill them after a short grace period, possibly in the middle of the save)

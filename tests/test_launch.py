@@ -99,14 +99,14 @@ def test_a_dry_run_under_slurm_reads_its_nodes(fake_bin, corpus):
     assert out.rstrip().endswith("--train.eval_iters 5")
     assert not log.exists()
     # without --dry-run the batch script starts one launcher per node through srun (here: recorded)
-    rc, _, err = finish(run([script, "--train.rampup_batch_size", "null"], env, **slurm))
+    rc, _, err = finish(run([script, "--train.rampup_batch_size", "null", *data(corpus)], env, **slurm))
     assert rc == 0, err
     assert log.read_text().startswith(f"srun --ntasks-per-node 1 bash {LAUNCH} {ROOT}/configs/llama3_8b.yaml")
     assert "scontrol" not in log.read_text()  # no stop signal: no requeue
     # and inside that step (SLURM_STEP_ID set), each node runs torchrun with its rank
     log.unlink()
-    rc, _, err = finish(run([LAUNCH, "configs/llama3_8b.yaml", "--train.rampup_batch_size", "null"], env,
-                            SLURM_STEP_ID="0", **slurm))
+    rc, _, err = finish(run([LAUNCH, "configs/llama3_8b.yaml", "--train.rampup_batch_size", "null", *data(corpus)],
+                            env, SLURM_STEP_ID="0", **slurm))
     assert rc == 0, err
     assert "--nnodes 3 --nproc_per_node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint gpu-a07:29500" \
         in log.read_text()
@@ -120,7 +120,8 @@ def test_by_hand_with_nnodes_node_rank_and_master_addr(fake_bin, corpus):
     assert rc == 0, err
     assert "on 8 node(s) × 8 processes = 64" in out and out.count("--rdzv-endpoint 10.1.2.3:29600") == 8
     assert not log.exists()
-    rc, _, err = finish(run([os.path.join(ROOT, "run_scripts", "pretrain_llama3_8b.sh")], env, NPROC_PER_NODE="8",
+    rc, _, err = finish(run([os.path.join(ROOT, "run_scripts", "pretrain_llama3_8b.sh"), *data(corpus)], env,
+                            NPROC_PER_NODE="8",
                             **hand))
     assert rc == 0, err
     launched = log.read_text()
@@ -184,7 +185,7 @@ def _wait_for_line(path, text, timeout=60):
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
-def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job(fake_bin, tmp_path):
+def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job(fake_bin, tmp_path, corpus):
     env, log = fake_bin
     bin_dir = tmp_path / "bin"
     # srun starts the per-node launcher as SLURM would (SLURM_STEP_ID set); the "training process"
@@ -203,7 +204,7 @@ def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job
         f.chmod(0o755)
     slurm = dict(SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="gpu-a07",
                  SLURM_GPUS_ON_NODE="8")
-    proc = run([LAUNCH, "configs/llama3_8b.yaml"], env, **slurm)
+    proc = run([LAUNCH, "configs/llama3_8b.yaml", "--train.rampup_batch_size", "null", *data(corpus)], env, **slurm)
     _wait_for_line(log, "worker up")
     proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` sends the batch script
     rc, _, err = finish(proc)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 
-from ..errors import DataError, MissingFileError
+from ..errors import DataError, MissingFileError, MissingPackageError
 
 # TensorBoard's custom-scalars page: the dashboard's panels, each a list of tag regexes
 TENSORBOARD_LAYOUT = {
@@ -93,13 +94,13 @@ def _init_wandb(run_dir: str, run_name: str, config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise RuntimeError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
+        raise MissingPackageError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
     id_path = os.path.join(run_dir, "wandb_id")
     if os.path.exists(id_path):
         with open(id_path) as fh:
             run_id = fh.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(4)  # any letters and digits do (wandb's own helper moved between releases)
         with open(id_path, "w") as fh:
             fh.write(run_id + "\n")
     return wandb.init(project="megapretrain", name=run_name or None, config=config, dir=run_dir,
