@@ -143,8 +143,9 @@ class Trainer(RunState, RunWatch):
         resumed_from = self._maybe_resume()
         if "spike_at" not in self.faults.fired:  # (a resumed run's detector starts from an empty history)
             check_spike_drill(cfg, self.iteration)
-        for drill in self.faults.already_fired():
-            self.log(f"{drill}: fired already in this run directory (faults/): not injected again")
+        for drill in self.faults.already_fired():  # (said by the rank it was for)
+            print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not injected again",
+                  flush=True)
         if self.is_logger:
             self._write_config()
         self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,

@@ -113,7 +113,7 @@ def test_a_drill_fires_once_per_run_directory(tmp_path, corpus, capsys):
     (run / "checkpoints" / "latest").write_text("iter_0000002\n")  # a restart from before the drill
     capsys.readouterr()
     assert _train(run, corpus, *flags) == 0
-    assert "faults.nan_at=3: fired already in this run directory" in capsys.readouterr().out
+    assert "faults.nan_at=3 (rank 0): fired already in this run directory" in capsys.readouterr().out
     assert [r["iter"] for r in records(run) if r.get("event") == "skipped_step"] == [3]  # not again
 
 

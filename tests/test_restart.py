@@ -17,7 +17,7 @@ TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_hea
         "--model.ffn_hidden_size", "128", "--train.seq_length", "32", "--train.micro_batch_size", "2",
         "--train.global_batch_size", "4", "--logging.tensorboard", "false", "--optim.lr", "3e-3",
         "--train.eval_interval", "0", "--train.iters", "8", "--checkpoint.interval", "2",
-        "--schedule.warmup_iters", "2", "--watchdog.timeout_s", "25"]
+        "--schedule.warmup_iters", "2", "--logging.interval", "1", "--watchdog.timeout_s", "25"]
 
 
 def _launch(run_dir, corpus, *extra):
@@ -39,10 +39,11 @@ def test_a_hang_under_launch_sh_restarts_and_ends_on_the_uninterrupted_losses(tm
     hung, straight = tmp_path / "hung", tmp_path / "straight"
     procs = [_launch(hung, corpus, "--faults.hang_at", "5", "--faults.rank", "1"), _launch(straight, corpus)]
     (out, err), (_, straight_err) = (p.communicate(timeout=900) for p in procs)
+    (tmp_path / "hung.log").write_text(out + err)
     assert procs[1].returncode == 0, straight_err[-3000:]
     assert procs[0].returncode == 0, err[-3000:]
     assert json.loads((hung / "hang" / "rank1.txt").read_text().splitlines()[0])["iter"] == 5
-    assert "faults.hang_at=5: fired already in this run directory" in out  # the restarted job goes on past it
+    assert "faults.hang_at=5 (rank 1): fired already in this run directory" in out  # the restarted job goes on past it
     with open(hung / "metrics.jsonl") as fh:
         resumed = [json.loads(line)["iter"] for line in fh if '"event": "resumed"' in line]
     assert resumed == [4]
