@@ -129,13 +129,13 @@ def describe(alert: dict) -> str:
             f"loss {alert['loss']})")
 
 
-def check_spike_drill(cfg, iteration: int) -> None:
-    """``faults.spike_at`` rehearses detection (and a rollback): refuse one that cannot happen in a
-    run starting at ``iteration`` — the detector has too little history by then, or a rollback
-    would find no checkpoint from before it."""
+def check_spike_drill(cfg, iteration: int) -> str | None:
+    """``faults.spike_at`` rehearses detection (and a rollback) in a run starting at ``iteration``:
+    refuse one the detector cannot catch (too little history by then); return a warning when the
+    rollback it rehearses would find no checkpoint from before it (the spike is still caught)."""
     spike, r, c = cfg.faults.spike_at, cfg.recovery, cfg.checkpoint
     if spike is None or r.action == "none" or spike <= iteration:
-        return
+        return None
     judged = iteration + min(r.window, JUDGE_FROM) + 1  # the first iteration the spike test can judge
     if spike < judged:
         raise ConfigError(f"faults.spike_at={spike} comes before the spike detector judges (from iteration "
@@ -143,9 +143,10 @@ def check_spike_drill(cfg, iteration: int) -> None:
                           f"--faults.spike_at {judged} or later")
     first_save = (iteration // c.interval + 1) * c.interval if c.interval else None
     if r.action == "rollback" and iteration == 0 and (first_save is None or first_save >= spike):
-        raise ConfigError(f"faults.spike_at={spike} rehearses a rollback (recovery.action=rollback) but no "
-                          f"checkpoint is saved before it (checkpoint.interval={c.interval}): use "
-                          f"--checkpoint.interval {max(1, (spike - 1) // 2)}, or --recovery.action alert")
+        return (f"faults.spike_at={spike} rehearses a rollback (recovery.action=rollback) but no checkpoint is "
+                f"saved before it (checkpoint.interval={c.interval}): the spike is caught, the rollback finds "
+                f"nothing to go back to; use --checkpoint.interval {max(1, (spike - 1) // 2)} to rehearse it")
+    return None
 
 
 def run_alert_command(command: str | None, alert: dict) -> None:

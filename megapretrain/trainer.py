@@ -141,8 +141,9 @@ class Trainer(RunState, RunWatch):
         self.progress = Progress(sizes.iters)
         self.saved: list[int] = []  # the iterations this launch saved checkpoints at
         resumed_from = self._maybe_resume()
-        if "spike_at" not in self.faults.fired:  # (a resumed run's detector starts from an empty history)
-            check_spike_drill(cfg, self.iteration)
+        drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired else None
+        if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)
+            print(f"warning: {drill}", file=sys.stderr, flush=True)
         for drill in self.faults.already_fired():  # (said by the rank it was for)
             print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not injected again",
                   flush=True)
