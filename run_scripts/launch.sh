@@ -107,6 +107,7 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   NNODES="${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-1}}"
   NODE_RANK="${SLURM_NODEID:-0}"
   mapfile -t HOSTS < <(expand_nodelist "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")
+  [ "${#HOSTS[@]}" -gt 0 ] || die "SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST names no host"
   MASTER_ADDR="${HOSTS[0]}"
   [ -z "${SLURM_GPUS_ON_NODE:-}" ] || NPROC_PER_NODE="${NPROC_PER_NODE:-$SLURM_GPUS_ON_NODE}"
 elif [ "$DRY_RUN" = 1 ]; then
@@ -127,13 +128,14 @@ whole MASTER_PORT "$MASTER_PORT" 1 65535 "the rendezvous port on MASTER_ADDR"
 whole MAX_RESTARTS "$MAX_RESTARTS" 0 "" "how often torchrun restarts a failed job"
 [[ "$MASTER_ADDR" =~ ^[A-Za-z0-9_.:-]+$ ]] || die "MASTER_ADDR='$MASTER_ADDR' must be node 0's host name or address"
 [[ "$RDZV_ID" =~ ^[A-Za-z0-9_.-]+$ ]] || die "RDZV_ID='$RDZV_ID' must be letters, digits, '.', '_' or '-' (the same on every node)"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # (checked before any python here loads OpenMP, which rejects a bad one)
+whole OMP_NUM_THREADS "$OMP_NUM_THREADS" 1 "" "the CPU threads of each process"
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE="$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')"
 fi
 whole NPROC_PER_NODE "$NPROC_PER_NODE" 1 "" "the training processes on each node, one per GPU"
 NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK)) NPROC_PER_NODE=$((10#$NPROC_PER_NODE))
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-whole OMP_NUM_THREADS "$OMP_NUM_THREADS" 1 "" "the CPU threads of each process"
+export OMP_NUM_THREADS
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # keeps TP comms ordered before compute
 # segments that grow in place: no fragmentation from the changing sizes of a ramp-up, eval or a long run
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

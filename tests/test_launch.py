@@ -191,7 +191,8 @@ def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job
     # srun starts the per-node launcher as SLURM would (SLURM_STEP_ID set); the "training process"
     # under the fake torchrun records the stop signal it gets and exits 0 (it saved)
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {log}\nshift 2\nSLURM_STEP_ID=0 exec "$@"\n')
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {log}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {log}\n'
+                                      '[ "$1 $2" != "show hostnames" ] || echo "$3"\n')
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
         'if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then\n'
@@ -205,7 +206,11 @@ def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job
     slurm = dict(SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NODELIST="gpu-a07",
                  SLURM_GPUS_ON_NODE="8")
     proc = run([LAUNCH, "configs/llama3_8b.yaml", "--train.rampup_batch_size", "null", *data(corpus)], env, **slurm)
-    _wait_for_line(log, "worker up")
+    try:
+        _wait_for_line(log, "worker up", timeout=300)  # after the config check (a python start: slow when busy)
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(proc.communicate()[1][-3000:]) from None
     proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` sends the batch script
     rc, _, err = finish(proc)
     lines = log.read_text().splitlines()
