@@ -225,7 +225,8 @@ def test_a_straggler_with_slow_data_is_named(tmp_path, corpus):
     assert [(s["state"], s["rank"]) for s in stragglers] == [("start", 1), ("clear", 1)]  # once, not every step
     start, clear = stragglers
     # slow at steps 3-7: named once the median of its last 4 steps is slow, cleared once it is not
-    assert 4 <= start["iter"] <= 7 and start["data_time"] >= 0.5 and start["host"] and start["ratio"] >= 1.2
+    assert 4 <= start["iter"] <= 7 and start["host"] and start["ratio"] >= 1.2
+    assert start["data_time"] >= 0.25  # the median data wait of its last 4 steps: at least half of them slow
     assert clear["since"] == start["iter"] and clear["iter"] >= 8
     assert "straggler: rank 1" in done.stdout and "straggler cleared" in done.stdout
 
