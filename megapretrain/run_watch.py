@@ -58,9 +58,11 @@ class RunWatch:
         valid = [(r["iter"], r["valid_loss"]) for r in read_metrics(run)
                  if r.get("valid_loss") is not None] if self.is_logger else []
         best = min(valid, key=lambda v: v[1]) if valid else (None, None)
-        return {"first_iter": first_iter, "tokens": (self.consumed_samples - first_samples) * seq,
-                "consumed_tokens": self.consumed_samples * seq, "elapsed_s": round(self.progress.elapsed_s, 3),
-                "valid_iter": valid[-1][0] if valid else None, "valid_loss": valid[-1][1] if valid else None,
+        # (no key of a training or an eval line: a reader that picks lines by their keys keeps away)
+        return {"first_iter": first_iter, "trained_tokens": (self.consumed_samples - first_samples) * seq,
+                "run_tokens": self.consumed_samples * seq, "seconds": round(self.progress.elapsed_s, 3),
+                "last_valid_iter": valid[-1][0] if valid else None,
+                "last_valid_loss": valid[-1][1] if valid else None,
                 "best_valid_iter": best[0], "best_valid_loss": best[1],
                 "checkpoints_written": [os.path.join(run, "checkpoints", f"iter_{i:07d}") for i in self.saved],
                 "run_dir": run, "metrics": os.path.join(run, "metrics.jsonl"),

@@ -59,8 +59,9 @@ def test_every_training_line_has_the_time_and_the_run_ends_with_a_summary(tmp_pa
 
     summary, = [r for r in records if r.get("event") == "summary"]
     valid = {r["iter"]: r["valid_loss"] for r in records if "valid_loss" in r}
-    assert summary["tokens"] == summary["consumed_tokens"] == 6 * 4 * 32
-    assert summary["valid_iter"] == 6 and summary["valid_loss"] == valid[6]
+    assert sorted(valid) == [3, 6]  # the eval lines only: the summary holds no eval line's key
+    assert summary["trained_tokens"] == summary["run_tokens"] == 6 * 4 * 32 and summary["seconds"] > 0
+    assert summary["last_valid_iter"] == 6 and summary["last_valid_loss"] == valid[6]
     assert summary["best_valid_loss"] == min(valid.values())
     assert summary["checkpoints_written"] == [str(run / "checkpoints" / f"iter_000000{i}") for i in (3, 6)]
     assert summary["tensorboard"] is None and "tensorboard" not in out.split("done:")[1]

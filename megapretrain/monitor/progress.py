@@ -72,15 +72,18 @@ def describe_summary(s: dict) -> str:
     """The closing lines of a run from its ``summary`` event: what it trained, how long it took,
     its validation loss, its checkpoints, and where everything it wrote is."""
     trained = s["iter"] - s["first_iter"]
-    line = (f"done: {trained:,} steps (iterations {s['first_iter'] + 1}-{s['iter']}), {s['tokens']:,} tokens in "
-            f"{human_duration(s['elapsed_s'])}" if trained else f"done: no step trained (iteration {s['iter']})")
-    if trained and s["elapsed_s"] > 0:
-        line += f" ({s['tokens'] / s['elapsed_s']:,.0f} tokens/s)"
+    if not trained:
+        line = f"done: no step trained (iteration {s['iter']})"
+    else:
+        line = (f"done: {trained:,} steps (iterations {s['first_iter'] + 1}-{s['iter']}), {s['trained_tokens']:,} "
+                f"tokens in {human_duration(s['seconds'])}")
+    if trained and s["seconds"] > 0:
+        line += f" ({s['trained_tokens'] / s['seconds']:,.0f} tokens/s)"
     if s["first_iter"]:  # resumed: what the whole run has trained
-        line += f"; {s['consumed_tokens']:,} tokens in all"
-    if s["valid_loss"] is not None:
-        line += f"; validation loss {s['valid_loss']:.4f} at iteration {s['valid_iter']}"
-        if s["best_valid_iter"] != s["valid_iter"]:
+        line += f"; {s['run_tokens']:,} tokens in all"
+    if s["last_valid_loss"] is not None:
+        line += f"; validation loss {s['last_valid_loss']:.4f} at iteration {s['last_valid_iter']}"
+        if s["best_valid_iter"] != s["last_valid_iter"]:
             line += f" (best {s['best_valid_loss']:.4f} at iteration {s['best_valid_iter']})"
     saved = s["checkpoints_written"]
     line += f"; {len(saved)} checkpoint{'s' * (len(saved) != 1)} written" + (f", the last {saved[-1]}" if saved else "")
