@@ -150,9 +150,10 @@ class TrainConfig:
     seq_length: int = _f(256, "Tokens per sample.", min=1)
     micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", min=1)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).", min=1)
-    iters: int = _f(100, "Optimizer steps to train for (derived instead when train.train_tokens is set).", min=1)
+    iters: Optional[int] = _f(100, "Optimizer steps to train for (null: derived from train.train_tokens).", min=1)
     train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set one of the "
-                                     "two; the steps are derived, batch-size ramp-up included).", min=1)
+                                     "two; the steps are derived, batch-size ramp-up included; over a config "
+                                     "that sets train.iters: --train.iters null).", min=1)
     rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, ramp_samples]: the global "
                                            "batch grows from start by increment until ramp_samples samples are "
                                            "consumed (Megatron's --rampup-batch-size).")
@@ -191,9 +192,13 @@ class OptimConfig:
 class ScheduleConfig:
     warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
     decay: str = _f("cosine", "cosine | linear | wsd | constant.", choices=("cosine", "linear", "wsd", "constant"))
-    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).", min=1)
+    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters; a "
+                                    "resumed run keeps its checkpoint's).", min=1)
     wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.",
                                    positive=True, max=1)
+    rewarm_iters: int = _f(0, "A resumed run extended past the end of its checkpoint's schedule: warm from the rate "
+                           "reached there back to optim.lr over this many steps, then decay to optim.min_lr at the "
+                           "new train.iters (0: continue at optim.min_lr).", min=0)
 
 
 @dataclass
@@ -224,10 +229,13 @@ class LoggingConfig:
 class RecoveryConfig:
     action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
                      "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
-    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
-                             "recovery.window losses by this many standard deviations.", positive=True)
-    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).", min=2)
-    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.", min=0)
+    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds what a line fitted to the previous "
+                             "recovery.window losses expects by this many standard deviations of their "
+                             "residuals.", positive=True)
+    window: int = _f(50, "Steps of loss history the spike test compares with (it judges from 8 of them on).",
+                     min=2)
+    min_std_fraction: float = _f(0.02, "Floor of that standard deviation, as a fraction of the mean loss (so a "
+                                 "spike is at least spike_zscore × this above the trend: 12% by default).", min=0)
     max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
                             "that trigger the action.", min=1)
     skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.", min=0)
@@ -252,8 +260,11 @@ class AlertsConfig:
     throughput_drop: float = _f(0.2, "Alert when tokens/s falls this fraction below its rolling median.",
                                 positive=True)
     data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).", positive=True)
-    straggler_ratio: float = _f(1.2, "Name a rank whose step time exceeds the median rank's by this factor "
+    straggler_ratio: float = _f(1.2, "Name a rank whose own step time (the median of its last "
+                                "alerts.straggler_steps) is at least this many times the median rank's "
                                 "(checked every logging interval).", positive=True)
+    straggler_steps: int = _f(20, "Steps a rank must be slow for (the window of that median) to be named a "
+                              "straggler.", min=1)
 
 
 @dataclass
@@ -279,6 +290,8 @@ class FaultsConfig:
     slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is faults.slow_data_s.",
                                      min=1)
     slow_data_s: float = _f(2.0, "Fault drill: the length of that data wait (seconds).", min=0)
+    slow_data_steps: int = _f(1, "Fault drill: the steps from faults.slow_data_at that wait so (a rank slow for "
+                              "alerts.straggler_steps or more is a straggler).", min=1)
     oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.", min=1)
     rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
 
@@ -297,7 +310,8 @@ class Config:
     recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
     alerts: AlertsConfig = _f(None, "Thresholds of the run's alerts.", factory=AlertsConfig)
     watchdog: WatchdogConfig = _f(None, "Hang detection.", factory=WatchdogConfig)
-    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default).", factory=FaultsConfig)
+    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default; each fires once "
+                              "per run directory).", factory=FaultsConfig)
 
 
 # ----------------------------------------------------------------------------------------------

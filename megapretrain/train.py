@@ -16,16 +16,20 @@ import torch
 from .cli import USER_ERROR_EXIT, print_error
 from .config import Config, help_text, load_config
 from .data.checks import check_data_matches_model, resolve_vocab
+from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
 from .resolve import resolve
 from .run_lock import RunLock
 
-USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]
+USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
 
 Every config field can be overridden by its dotted name; values are read as YAML
 (--train.iters 50, --data.paths '[prefixA, prefixB]', --parallel.sequence_parallel true).
 Rerunning with the same run.dir resumes from its latest checkpoint.
+--check validates the config, its data paths and its tokenizer at $WORLD_SIZE ranks (default 1)
+and exits (0: ready; 2: the line that says what is not), building and writing nothing but the data
+checks' cache.
 Options (default, meaning):"""
 
 
@@ -52,6 +56,22 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def checked(argv: list[str]):
+    """The config of ``argv``, resolved at $WORLD_SIZE ranks, with its data and tokenizer checked
+    against the model: everything a launch needs that can be checked without building it."""
+    config_path, overrides = split_args(argv)
+    cfg = load_config(config_path, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer_vocab = resolve_vocab(cfg)
+    run = resolve(cfg, world_size)  # before any process group exists
+    if not cfg.data.paths:
+        raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
+                          "e.g. --data.paths '[data/corpus_text_document]'")
+    check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab, cfg.model.vocab_size,
+                             cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
+    return cfg, run
+
+
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
@@ -60,23 +80,14 @@ def setup(argv: list[str]):
     from .runtime import bind_device, pinned_host_warning, set_numerics
     from .trainer import Trainer
 
-    config_path, overrides = split_args(argv)
-    cfg = load_config(config_path, overrides)
+    cfg, run = checked(argv)
     device = resolve_device(cfg)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tokenizer_vocab = resolve_vocab(cfg)
-    run = resolve(cfg, world_size)  # before any process group exists
     warnings = list(run.warnings)
     bind_device(device)  # before any CUDA tensor, Triton launch or process group
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
     pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
                                  num_parameters(run.model) // (run.layout.tp * run.layout.pp))
     warnings += [pinned] if pinned else []
-    if not cfg.data.paths:
-        raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
-                          "e.g. --data.paths '[data/corpus_text_document]'")
-    check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab, cfg.model.vocab_size,
-                             cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
     if device.type == "cpu":
         # Ranks sharing a CPU must not oversubscribe it: OpenMP spin-waits make that ~100× slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -110,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .recovery import RecoveryError
 
+    if "--check" in argv:
+        try:
+            cfg, run = checked([a for a in argv if a != "--check"])
+        except UserError as exc:
+            print_error(exc)
+            return USER_ERROR_EXIT
+        for warning in run.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"check: the config, its data ({', '.join(prefix for _, prefix in parse_data_paths(cfg.data.paths))}) "
+              f"and its tokenizer ({cfg.data.tokenizer.type}) are ready at {run.layout.describe()}")
+        return 0
     try:
         trainer = setup(argv)
     except UserError as exc:

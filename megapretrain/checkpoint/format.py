@@ -78,16 +78,20 @@ def rank_file(directory: str, rank: int, version: int = FORMAT_VERSION) -> str:
 
 
 def rank_state(*, iteration: int, consumed_samples: int, model: dict, optimizer_step: int, moments: dict,
-               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0) -> dict:
+               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0,
+               schedule: dict | None = None) -> dict:
     """One rank's checkpoint state. ``model`` and ``moments`` map parameter names to entries (see
     the module docstring; moments carry ``exp_avg`` and ``exp_avg_sq``); ``scaler`` is the loss
     scaler's state (None: a fresh one); ``rng`` the rank's random states (None: not carried);
-    ``lr_scale`` the learning-rate factor rollbacks have applied so far."""
+    ``lr_scale`` the learning-rate factor rollbacks have applied so far; ``schedule`` the learning-rate
+    schedule trained with (``LRSchedule.to_dict``; None: not recorded)."""
     state = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "model": model,
              "optimizer": {"step": int(optimizer_step), "params": moments, "scaler": scaler},
              "lr_scale": float(lr_scale)}
     if rng is not None:
         state["rng"] = rng
+    if schedule is not None:
+        state["schedule"] = schedule
     return state
 
 

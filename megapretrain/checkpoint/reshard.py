@@ -135,7 +135,7 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
                     saved_padded: int, *, moments: bool = True) -> dict:
     """The state of a rank of another layout that holds the parameters ``specs`` (its table) at
     ``tp_rank`` of ``tp``: whole tp slices of the masters and moments (any ZeRO stage takes its
-    ranges from them); iteration, data position, Adam step and loss scale from the checkpoint.
+    ranges from them); iteration, data position, Adam step, loss scale and LR schedule from the checkpoint.
     Random streams are per rank: not carried. ``moments=False``: the weights only (no moments read)."""
     model, saved_moments = {}, {}
     for name, spec in specs.items():
@@ -145,7 +145,8 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
                       optimizer_step=first["optimizer"]["step"], moments=saved_moments,
-                      scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0))
+                      scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0),
+                      schedule=first.get("schedule"))
 
 
 def global_shapes(cfg) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,7 @@ with tp; ranks tp × cp × pp × dp) is estimated
 with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
-wall-clock days and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
+wall-clock time and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
 prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
 as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
 JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``). Device figures can be
@@ -33,6 +33,7 @@ import sys
 
 from megapretrain.cli import print_error, user_errors
 from megapretrain.monitor.flops import DEVICES
+from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
 from megapretrain.planner.emit import OutputExistsError, emit, write_config, write_launch
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
@@ -107,7 +108,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "step s",
-          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "days"]
+          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "wall-clock"]
 
 
 def describe(e, steps: float) -> list[str]:
@@ -116,7 +117,7 @@ def describe(e, steps: float) -> list[str]:
     zero = f"{L.zero}/{L.shard}" if L.shard else str(L.zero)  # zero/shard group: hybrid sharding
     return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero, L.recompute,
             f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
-            f"{steps * t['total'] / 86400:.1f}"]
+            human_duration(steps * t['total'])]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -146,7 +147,7 @@ def report(s: dict, checked: bool) -> str:
         f"({s['hw_tflops_per_gpu']:.0f} with recompute)",
         f"  budget      {s['train_tokens']:,} tokens in {s['steps']:,} steps of up to {s['tokens_per_step']:,} tokens "
         f"({s['train_tokens'] / s['params']:.0f} tokens/parameter, {s['params'] / 1e9:.2f}B parameters)",
-        f"  time        {s['days']:.1f} days wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
+        f"  time        {human_duration(s['days'] * 86400)} wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
         "  estimates: check them with tools/bench_train.py on the real machines before the run"])
 
 

@@ -13,6 +13,7 @@ import yaml
 
 from ..config import TrainConfig, to_dict
 from ..errors import ConfigError, UserError
+from ..monitor.progress import human_duration
 
 # the repository root (the directory holding the megapretrain package): launch scripts run its
 # run_scripts/launch.sh
@@ -51,7 +52,7 @@ def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
         fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} nodes), "
                  f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); "
                  f"estimated {s['step_s']:.2f} s/step, "
-                 f"MFU {s['mfu']:.1%}, {s['days']:.1f} days\n")
+                 f"MFU {s['mfu']:.1%}, {human_duration(s['days'] * 86400)}\n")
         yaml.safe_dump(tree, fh, sort_keys=False)
 
 
