@@ -8,7 +8,6 @@ is byte for byte the same afterwards (and no partial output is left behind).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -18,22 +17,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import write_corpus
+from conftest import assert_one_line, snapshot, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--train.iters", "2",
         "--train.seq_length", "32", "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
         "--logging.tensorboard", "false"]
-
-
-def snapshot(folder) -> dict:
-    out = {}
-    for base, _, files in os.walk(folder):
-        for f in files:
-            path = os.path.join(base, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def run(args: list[str], cwd) -> subprocess.CompletedProcess:
@@ -191,35 +180,6 @@ def test_a_stale_lock_is_taken_over(tmp_path, corpus, capsys):
 # -- in-process cases: one line, no traceback, every file as it was ------------------------------
 
 
-def assert_one_line(capsys, status: int, expected: int, *words: str) -> str:
-    """The command returned ``expected`` and wrote one error line (argparse: its usage, then one)
-    naming every one of ``words``; returns that stderr."""
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
-    assert status == expected, err
-    assert "Traceback" not in err, err
-    errors = [line for line in lines if "error: " in line]
-    assert len(errors) == 1 and errors[0] == lines[-1], err
-    assert all(w in err for w in words), (words, err)
-    return err
-
-
-@pytest.fixture
-def unchanged(tmp_path, monkeypatch):
-    """Work in tmp_path; afterwards every file that was there is byte for byte the same and no
-    temporary or partial file is left."""
-    monkeypatch.chdir(tmp_path)
-    before: dict = {}
-
-    def start():
-        before.update(snapshot(tmp_path))
-
-    yield start
-    after = snapshot(tmp_path)
-    assert {k: v for k, v in after.items() if k in before} == before
-    assert not [f for f in after if ".tmp" in f or f.endswith(".part") or "/.iter_" in f], sorted(after)
-
-
 def _train_main(*args) -> int:
     from megapretrain.train import main
 
@@ -345,7 +305,7 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, unchanged, c
         assert_one_line(capsys, _train_main("--run.dir", str(target / "run")), 2, "run.dir=", "Read-only file system")
     finally:
         if mounted:
-            subprocess.run(["umount", str(target)], check=True)
+            subprocess.run(["umount", "-l", str(target)], check=True)  # lazily: a failed run may hold files
 
 
 @pytest.mark.parametrize("flags,words", [

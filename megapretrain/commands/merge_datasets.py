@@ -54,10 +54,12 @@ def check_no_duplicates(prefixes: list[str], summaries: dict[str, dict | None]) 
     seen: dict[tuple, str] = {}
     for prefix in prefixes:
         stat = os.stat(prefix + ".bin")
-        first = seen.setdefault((stat.st_dev, stat.st_ino), prefix)
-        if first != prefix:
-            raise DataError(f"--input: {prefix} and {first} are the same files; every document would be merged "
-                            "twice: give each dataset once")
+        if (stat.st_dev, stat.st_ino) in seen:
+            first = seen[(stat.st_dev, stat.st_ino)]
+            same = "is given twice" if first == prefix else f"and {first} are the same files"
+            raise DataError(f"--input: {prefix} {same}; every document would be merged twice: give each dataset "
+                            "once")
+        seen[(stat.st_dev, stat.st_ino)] = prefix
     by_path = {_real(p): p for p in prefixes}
     for prefix in prefixes:
         summary = summaries[prefix] or {}
