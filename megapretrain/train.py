@@ -78,7 +78,8 @@ def setup(argv: list[str]):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
-    check_output_dirs(cfg)  # run.dir and data.cache_dir can be written
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
     check_micro_batch_fits(cfg, run.layout, device)
     warnings = list(run.warnings)
     bind_device(device)  # before any CUDA tensor, Triton launch or process group

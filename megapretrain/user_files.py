@@ -87,11 +87,14 @@ def not_writable_dir(path: str) -> str | None:
     if not os.path.isdir(here):
         what = "is a file" if here == os.path.abspath(path) else f"cannot be made: {here} is a file"
         return f"{what}, not a directory; choose another path"
-    made = []
+    made = []  # other ranks may probe the same path at once: what they make or remove is theirs
     try:
         for part in _missing_parts(os.path.abspath(path), here):
-            os.mkdir(part)
-            made.append(part)
+            try:
+                os.mkdir(part)
+                made.append(part)
+            except FileExistsError:
+                pass
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
         os.close(fd)
         os.remove(probe)
@@ -99,7 +102,10 @@ def not_writable_dir(path: str) -> str | None:
         return f"cannot be written ({exc.strerror}); choose a writable path"
     finally:
         for part in reversed(made):
-            os.rmdir(part)
+            try:
+                os.rmdir(part)
+            except OSError:  # another rank's probe or run is inside it now
+                break
     return None
 
 

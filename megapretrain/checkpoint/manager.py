@@ -289,8 +289,8 @@ class CheckpointManager:
         failed = {r: rec for r, rec in records.items() if "error" in rec}
         if failed:
             first = next(iter(failed.values()))
-            error = OSError(first.get("errno") or 0, f"rank(s) {sorted(failed)} failed to write: {first['error']}")
-            raise error
+            message = f"rank(s) {sorted(failed)} failed to write: {first['error']}"
+            raise OSError(first["errno"], message) if first.get("errno") else RuntimeError(message)
         files = {rec["file"]: (rec["bytes"], rec["crc32"]) for rec in records.values()}
         write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
                                      vocab_size=self.vocab_size, padded_vocab=self.padded_vocab, files=files,
