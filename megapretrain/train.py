@@ -105,8 +105,9 @@ def setup(argv: list[str]):
     lock = RunLock(cfg.run.dir) if int(os.environ.get("RANK", "0")) == 0 else None
     if lock is not None:
         lock.acquire()  # before anything is written: one training per run directory
-        warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
     try:
+        if lock is not None:
+            warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
         init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
         ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats)
         if ps.rank == 0:

@@ -17,10 +17,12 @@ from .format import METADATA, fsync_dir, problem
 
 
 def iter_dir_name(iteration: int) -> str:
+    """The name of the checkpoint directory of ``iteration``: ``iter_0000100``."""
     return f"iter_{iteration:07d}"
 
 
-def _iteration_of(name: str) -> int | None:
+def iteration_of(name: str) -> int | None:
+    """The iteration of a checkpoint directory's name, or None for any other name."""
     return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
 
 
@@ -39,7 +41,7 @@ def candidates(root: str) -> tuple[list[str], str | None]:
             out.append(os.path.join(root, name))
         elif note is None:
             note = f"{pointer} names '{name}', which is missing or incomplete"
-    done = sorted((i, d) for d in os.listdir(root) if (i := _iteration_of(d)) is not None
+    done = sorted((i, d) for d in os.listdir(root) if (i := iteration_of(d)) is not None
                   and os.path.exists(os.path.join(root, d, METADATA)))
     out += [p for p in (os.path.join(root, d) for _, d in reversed(done)) if p not in out]
     return out, note

@@ -19,8 +19,10 @@ step boundary the ranks agree (one small all-reduce, only while a save is in fli
 rank's writer is done, and then finish the save together (errors raised on every rank); at most
 one save is in flight (the next one waits for it). A crash at any point leaves either the
 previous checkpoint or the new one, never a half-written one under a final name; an existing
-directory of the same name is moved aside, not overwritten. Leftovers of an interrupted save are
-removed when the next run starts.
+directory of the same name is moved aside, not overwritten. A save that fails on any rank (a full
+disk, say) removes its temporary directory and raises on every rank — a full disk as one line
+naming the directory, the bytes needed and free. Leftovers of an interrupted save are removed when
+the next run starts.
 
 Loading: :meth:`CheckpointManager.choose` checks candidates newest first (metadata, every rank's
 file present at its recorded size, the checksums — each rank checks a share of the files) and falls
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FULL_DISK, CheckpointError, DiskFullError, disk_full
-from .directories import _iteration_of, candidates, iter_dir_name, latest_checkpoint
+from .directories import candidates, iter_dir_name, iteration_of, latest_checkpoint
 from .format import (
     METADATA,
     fsync_dir,
@@ -347,7 +349,7 @@ class CheckpointManager:
 
     def complete(self) -> list[int]:
         """Iterations of the complete checkpoints of this run, oldest first."""
-        return sorted(i for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None
+        return sorted(i for d in os.listdir(self.root) if (i := iteration_of(d)) is not None
                       and os.path.exists(os.path.join(self.root, d, METADATA)))
 
     def _apply_retention(self) -> None:
@@ -378,7 +380,7 @@ class CheckpointManager:
         ``NAME.rolled-back-TIME`` (kept until retention drops them: the newest ``keep_last``) and
         point ``latest`` at ``keep`` (collective). Returns the names set aside."""
         self.finalize()
-        moved = sorted(d for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None and i >= iteration)
+        moved = sorted(d for d in os.listdir(self.root) if (i := iteration_of(d)) is not None and i >= iteration)
         _barrier()  # every rank has read what it needs before anything moves
         if self.rank == 0:
             stamp = int(time.time())
