@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,14 +26,19 @@ from typing import Any, Optional
 import yaml
 
 from .errors import ConfigError
+from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text, yaml_problem
 
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None, min: float | None = None,
-       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = ()):
+       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = (),
+       output_dir: bool = False):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
     declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
-    most) or ``below``; a string its ``choices``. Null passes (it means the default)."""
+    most) or ``below``; a string its ``choices``, or ``output_dir`` for a directory the run writes
+    into (:func:`check_output_dirs`). Null passes (it means the default)."""
     meta = {"help": help}
+    if output_dir:
+        meta["output_dir"] = True
     for key, value in (("name", name), ("min", min), ("max", max), ("below", below)):
         if value is not None:
             meta[key] = value
@@ -47,7 +53,8 @@ def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
 
 @dataclass
 class RunConfig:
-    dir: str = _f("runs/default", "Directory for everything the run writes; rerunning with it resumes.")
+    dir: str = _f("runs/default", "Directory for everything the run writes; rerunning with it resumes.",
+                  output_dir=True)
     name: str = _f("", "Free-form run name shown in logs (defaults to the directory name).")
 
 
@@ -137,7 +144,7 @@ class DataConfig:
                      factory=lambda: [98.0, 2.0, 0.0])
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
                                     factory=TokenizerConfig)
-    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).")
+    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).", output_dir=True)
     reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
                                     "document inside a packed sample (Megatron's --reset-attention-mask); "
                                     "the kernel: model.attention.")
@@ -442,7 +449,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         else:
             raise ConfigError(f"option '{arg}' needs a value, e.g. {arg} 10")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
+        except DuplicateKey as exc:
+            raise ConfigError(f"option '--{name}': {exc.problem}") from None
         except yaml.YAMLError:
             value = raw
         pairs.append((name, value))
@@ -454,17 +463,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     tree: dict = {}
     if path is not None:
         try:
-            with open(path) as fh:
-                tree = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file '{path}' not found (see configs/ for examples)") from None
-        except OSError as exc:  # a directory, no permission, ...
-            raise ConfigError(f"config file '{path}' cannot be read ({exc.strerror}); --config takes a YAML file "
-                              "(see configs/)") from None
+            tree = yaml.load(read_text(path), Loader=StrictLoader) or {}
         except yaml.YAMLError as exc:
-            line = getattr(getattr(exc, "problem_mark", None), "line", None)
-            at = f" at line {line + 1}" if line is not None else ""
-            raise ConfigError(f"config file '{path}' is not valid YAML{at}: {exc.problem}") from None
+            raise ConfigError(f"config file '{path}' is not valid YAML {yaml_problem(exc)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, ...)")
     for name, value in parse_overrides(overrides or []):
@@ -500,9 +501,14 @@ def _help_lines(cls, where: str) -> list[str]:
 # Each field against what it declares
 
 
+_INT_LIMIT = 2 ** 63  # every count ends up in an int64 (numpy indices, torch tensors)
+
+
 def check_fields(node, where: str = "") -> None:
     """Every field of ``node`` (a config or a section of one) against the range or choices its
-    declaration names (``_f(min=..., max=..., below=..., positive=..., choices=...)``)."""
+    declaration names (``_f(min=..., max=..., below=..., positive=..., choices=...)``); every
+    number, also inside a list or a mapping, must be finite (NaN passes no range check: ``nan < 0``
+    is false) and an integer must fit in 64 bits."""
     hints = typing.get_type_hints(type(node))
     for f in dataclasses.fields(node):
         value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
@@ -512,20 +518,61 @@ def check_fields(node, where: str = "") -> None:
         meta = f.metadata
         if meta.get("choices") and value not in meta["choices"]:
             raise ConfigError(f"{path}={value!r} is not one of: {', '.join(map(str, meta['choices']))}")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        bad = _unrepresentable(value)
+        if bad is not None:
+            shown = f"{path}={value!r}" if isinstance(value, (list, dict)) else f"{path}={value}"
+            raise ConfigError(f"{shown}: {bad}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
+            _check_range(path, value, meta, null)
+
+
+def _unrepresentable(value) -> str | None:
+    """What makes a number in ``value`` (or in its items) unusable, or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "every number must be finite (not NaN or infinite)"
+    if isinstance(value, int) and abs(value) >= _INT_LIMIT:
+        return f"{value} is out of range (an integer must be below 2**63)"
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((found for item in items if (found := _unrepresentable(item)) is not None), None)
+
+
+def _check_range(path: str, value: float, meta, null: str) -> None:
+    """``value`` against the range its field declares (min, max, below, positive)."""
+    low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
+    positive = meta.get("positive", False)
+    if high is not None or below is not None:  # a bounded interval: say both ends
+        ok = ((value > 0) if positive else (low is None or value >= low)) and \
+             (value <= high if high is not None else value < below)
+        opening = "(0" if positive else f"[{low:g}" if low is not None else "(-inf"
+        closing = f"{high:g}]" if high is not None else f"{below:g})"
+        if not ok:
+            raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
+        return
+    if low is not None and value < low:
+        raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
+    if positive and value <= 0:
+        raise ConfigError(f"{path}={value} must be positive{null}")
+
+
+def check_output_dirs(cfg: Config) -> None:
+    """Every directory field the run writes into (``_f(output_dir=True)``: ``run.dir``,
+    ``data.cache_dir``) is a directory that exists or can be made, and can be written to: checked
+    before any work, so a run never fails after building indices or a model."""
+    for path, value in _output_dirs(cfg):
+        if value is None:
             continue
-        null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
-        low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
-        positive = meta.get("positive", False)
-        if high is not None or below is not None:  # a bounded interval: say both ends
-            ok = ((value > 0) if positive else (low is None or value >= low)) and \
-                 (value <= high if high is not None else value < below)
-            opening = "(0" if positive else f"[{low:g}" if low is not None else "(-inf"
-            closing = f"{high:g}]" if high is not None else f"{below:g})"
-            if not ok:
-                raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
-            continue
-        if low is not None and value < low:
-            raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
-        if positive and value <= 0:
-            raise ConfigError(f"{path}={value} must be positive{null}")
+        problem = not_writable_dir(value)
+        if problem:
+            raise ConfigError(f"{path}={value!r}: {problem}")
+
+
+def _output_dirs(node, where: str = ""):
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
+        if dataclasses.is_dataclass(value):
+            yield from _output_dirs(value, path)
+        elif f.metadata.get("output_dir"):
+            yield path, value

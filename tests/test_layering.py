@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a module may import its own level and the levels below it
 # (a module's own entry, e.g. "parallel.layout", comes before its package's)
 LEVELS = {
-    "errors": 0, "config": 0, "cli": 0, "host_memory": 0,
+    "errors": 0, "config": 0, "cli": 0, "host_memory": 0, "user_files": 0,
     "parallel.layout": 1, "model.args": 1,
     "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
     "optim": 3,

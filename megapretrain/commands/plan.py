@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
 
-from megapretrain.cli import print_error, user_errors
+from megapretrain.cli import fraction, positive_float, positive_int, print_error, user_errors
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
@@ -43,27 +42,6 @@ from megapretrain.planner.published import published_table
 # Arguments
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
-def fraction(text: str) -> float:
-    value = _positive(float)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
-    return value
-
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, through the UserError path
         raise PlanArgumentError(f"{message} (see tools/plan.py --help)")
@@ -72,19 +50,19 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config (model, batch, sequence, iterations)")
-    ap.add_argument("--gpus", type=_positive(int), help="number of GPUs")
+    ap.add_argument("--gpus", type=positive_int, help="number of GPUs")
     ap.add_argument("--device", default="h100", choices=sorted(DEVICES), help="GPU type (default h100)")
-    ap.add_argument("--top", type=_positive(int), default=8, help="layouts to show")
+    ap.add_argument("--top", type=positive_int, default=8, help="layouts to show")
     ap.add_argument("--check", action="store_true", help="plan only the config's own layout")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also --train.train_tokens")
     ap.add_argument("--attention", default="flash", choices=ATTENTION, help="attention kernels (default flash)")
     ap.add_argument("--published", action="store_true", help="compare the model with published runs and exit")
-    for name, kind, help_ in (("peak-tflops", _positive(float), "dense bf16 peak per GPU"),
-                              ("memory-gb", _positive(float), "memory per GPU"),
-                              ("hbm-gbs", _positive(float), "memory bandwidth per GPU, GB/s"),
-                              ("intra-gbs", _positive(float), "bus bandwidth within a node, GB/s"),
-                              ("inter-gbs", _positive(float), "bandwidth per GPU between nodes, GB/s"),
+    for name, kind, help_ in (("peak-tflops", positive_float, "dense bf16 peak per GPU"),
+                              ("memory-gb", positive_float, "memory per GPU"),
+                              ("hbm-gbs", positive_float, "memory bandwidth per GPU, GB/s"),
+                              ("intra-gbs", positive_float, "bus bandwidth within a node, GB/s"),
+                              ("inter-gbs", positive_float, "bandwidth per GPU between nodes, GB/s"),
                               ("efficiency", fraction, "fraction of peak large matmuls reach")):
         ap.add_argument(f"--{name}", type=kind, help=help_)
     ap.add_argument("--write-config", metavar="PATH", help="write the config with the plan's layout")
