@@ -20,6 +20,7 @@ from .data.checks import changed_datasets, check_data_matches_model, resolve_voc
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
+from .oom import check_micro_batch_fits
 from .resolve import resolve
 from .run_lock import RunLock
 
@@ -67,6 +68,9 @@ def checked(argv: list[str], verify: bool = True):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
+    check_micro_batch_fits(cfg, run.layout, resolve_device(cfg))  # before any index is read or written
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
@@ -90,7 +94,6 @@ def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
     from .model.decoder import num_parameters
-    from .oom import check_micro_batch_fits
     from .parallel.state import ParallelState, init_distributed
     from .runtime import bind_device, pinned_host_warning, set_numerics
     from .trainer import Trainer
@@ -98,9 +101,6 @@ def setup(argv: list[str]):
     builder = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one rank per node reads the data files through
     cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
-    check_micro_batch_fits(cfg, run.layout, device)
     warnings = list(run.warnings)
     bind_device(device)  # before any CUDA tensor, Triton launch or process group
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
@@ -145,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         try:
             cfg, run, _ = checked([a for a in argv if a != "--check"])
-            from .oom import check_micro_batch_fits
-            check_micro_batch_fits(cfg, run.layout, resolve_device(cfg))
         except UserError as exc:
             print_error(exc)
             return USER_ERROR_EXIT
