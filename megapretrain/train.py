@@ -23,6 +23,7 @@ from .monitor.flops import slow_half_precision_warning
 from .oom import check_micro_batch_fits
 from .resolve import resolve
 from .run_lock import RunLock
+from .runtime import bind_device
 
 USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
 
@@ -68,12 +69,14 @@ def checked(argv: list[str], verify: bool = True):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
+    device = resolve_device(cfg)
+    bind_device(device)  # before any CUDA query, tensor, Triton launch or process group
     if int(os.environ.get("RANK", "0")) == 0:
         check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
-    check_micro_batch_fits(cfg, run.layout, resolve_device(cfg))  # before any index is read or written
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
                           "e.g. --data.paths '[data/corpus_text_document]'")
+    check_micro_batch_fits(cfg, run.layout, device)  # before any index is read or written
     data_files = check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab,
                                           cfg.model.vocab_size,
                                           cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"), verify)
@@ -95,14 +98,13 @@ def setup(argv: list[str]):
     from .host_memory import keep_freed_host_memory
     from .model.decoder import num_parameters
     from .parallel.state import ParallelState, init_distributed
-    from .runtime import bind_device, pinned_host_warning, set_numerics
+    from .runtime import pinned_host_warning, set_numerics
     from .trainer import Trainer
 
     builder = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one rank per node reads the data files through
     cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
     warnings = list(run.warnings)
-    bind_device(device)  # before any CUDA tensor, Triton launch or process group
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
     pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
                                  num_parameters(run.model) // (run.layout.tp * run.layout.pp))
