@@ -107,8 +107,8 @@ SKIP = {
 }
 
 
-# tools that set process-wide state (torch's threads) or need their own launcher: always a process
-OWN_PROCESS = {"bench_train", "bench_dp", "smoke_test", "check_kernels", "gpu_check"}
+# tools that set process-wide state (torch's threads), spawn processes or need their own launcher: run as scripts
+OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "smoke_test", "check_kernels", "gpu_check"}
 
 
 @dataclass
