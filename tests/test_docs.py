@@ -64,6 +64,8 @@ REWRITES = [
      "the 8-rank smoke test on 4 CPU ranks"),
     (r"--layouts \"tp=2,pp=2,vpp=2,sp=1,zero=1; tp=8; tp=2,cp=2,sp=1\"",
      "--layouts \"tp=2,pp=2,vpp=2,sp=1,zero=1; tp=4; tp=2,cp=2,sp=1\"", "tp=8 needs 8 ranks: tp=4 on 4"),
+    (r"--nproc_per_node 4 tools/smoke_test\.py --workdir runs/smoke4$",
+     "--nproc_per_node 2 tools/smoke_test.py --workdir runs/smoke4", "every layout of 2 ranks, not of 4"),
     (r"(smoke_test\.py.*)$", r"\1 --steps 2", "the smoke test: 2 steps per layout"),
     (r"--max-mb 40", "--max-mb 2", "a 2 MB demo corpus"),
     (r"bench_train\.py (.*)", r"bench_train.py \1 --steps 1 --warmup 0 " + TINY, "one tiny timed step"),
@@ -253,7 +255,8 @@ def _hf_models(sandbox: str) -> None:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+    # 1000 ids: at tp 8 every rank holds real rows (from-hf fails on a rank that holds padding alone)
+    llama = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=8, rope_theta=500000.0,
                         max_position_embeddings=131072,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
