@@ -4,19 +4,24 @@
     python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --device a100 --top 5
     python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --check --json   # the config's own layout
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --write-config runs/70b.yaml \\
-        --write-launch runs/70b.sh --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml
+        --write-launch runs/70b.sh
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train.rampup_batch_size null \\
+        --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml    # neither holds a ramp-up
     python tools/plan.py --published                                  # the model against published runs
 
 Every layout of ``--gpus`` devices (tp within a node, cp for long sequences, pp dividing the layers,
-virtual chunks, micro batches 1-4, ZeRO 0-2, recompute none/selective/full, sequence parallelism
-with tp; ranks tp × cp × pp × dp) is estimated
+virtual chunks, micro batches 1-4, ZeRO 0-3 with hybrid sharding inside a node, recompute
+none/selective/full, sequence parallelism with tp; ranks tp × cp × pp × dp) is estimated
 with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
 wall-clock time and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
 prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
 as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
-JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``). Device figures can be
+JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``; what a format cannot
+hold — a batch-size ramp-up where the batch is fixed, hybrid sharding in DeepSpeed, cp — is refused
+in one line before anything is written, and what an Accelerate YAML leaves to the training script
+is printed). Device figures can be
 overridden (``--peak-tflops``, ``--memory-gb``, ``--hbm-gbs``, ``--intra-gbs``, ``--inter-gbs``,
 ``--efficiency``). Any other ``--section.key VALUE`` overrides the config.
 """
@@ -34,7 +39,7 @@ from megapretrain.cli import fraction, positive_float, positive_int, print_error
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
-from megapretrain.planner.emit import OutputExistsError, emit, write_config, write_launch
+from megapretrain.planner.emit import OutputExistsError, render, write_config, write_launch, write_text
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
 from megapretrain.planner.published import published_table
 
@@ -182,6 +187,7 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
         raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has parallel.cp={s['layout']['cp']}, "
                                 "which DeepSpeed and Accelerate configs do not express (their sequence parallelism "
                                 "is another scheme); plan without it: --check --parallel.cp 1")
+    emitted = [(path, *render(fmt, path, plan, s, args)) for fmt, path in args.emit]  # refusals before any write
     done = sys.stderr if args.json else sys.stdout  # --json keeps stdout one object
     # the launch script runs the written config, or the given one with the layout and overrides
     config_path, flags = args.config, " ".join([best.layout.flags(), shlex.join(plan["overrides"])]).strip()
@@ -192,8 +198,8 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
     if args.write_launch:
         write_launch(args.write_launch, s, config_path, flags, args.overwrite)
         print(f"wrote {args.write_launch}", file=done)
-    for fmt, path in args.emit:
-        note = emit(fmt, path, plan, s, args)
+    for path, text, note in emitted:
+        write_text(path, text, args.overwrite)
         print(f"wrote {path}" + (f"\n{note}" if note else ""), file=done)
 
 

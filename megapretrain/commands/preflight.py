@@ -457,18 +457,19 @@ def check_layouts(args, cfg: Config, out: str) -> Check:
 
 def write_plots(out: str, full: Run, resumed: Run, schedule: LRSchedule, minimum: float | None) -> list[str]:
     """loss.png, grad_norm.png, lr.png and throughput.png in ``out``; returns their file names."""
-    from megapretrain.monitor.plots import events, plot_lines, series
+    from megapretrain.monitor.plots import OVER, UNDER, events, plot_lines, series
 
     a, b = training_records(full.records), training_records(resumed.records)
-    marks = events(full.records)
+    # the resumed run's losses equal the full run's: the full run is drawn wide and pale under them
+    marks = events(full.records) + [m for m in events(resumed.records) if m.name == "resumed"]
     its = sorted(full.steps())
     plots = {
-        "loss.png": ("loss", [("full run", *series(a, "loss")), ("resumed at the midpoint", *series(b, "loss"))],
-                     {"ylabel": "loss"}),
+        "loss.png": ("loss", [("full run", *series(a, "loss"), UNDER),
+                              ("resumed at the midpoint", *series(b, "loss"), OVER)], {"ylabel": "loss"}),
         "grad_norm.png": ("grad norm (before clipping)", [("grad norm", *series(a, "grad_norm"))],
                           {"log": True, "band": GRAD_NORM_RANGE}),
-        "lr.png": ("learning rate", [("logged", *series(a, "lr")),
-                                     ("expected (LRSchedule)", its, [schedule(it) for it in its])], {}),
+        "lr.png": ("learning rate", [("expected (LRSchedule)", its, [schedule(it) for it in its], UNDER),
+                                     ("logged", *series(a, "lr"), OVER)], {}),
         "throughput.png": ("throughput", [("tokens/s", *series(a, "tokens_per_sec"))],
                            {"ylabel": "tokens/s", "hline": minimum}),
     }
