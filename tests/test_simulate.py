@@ -58,6 +58,10 @@ def test_json_contract_for_every_role(capsys, tmp_path):
 def test_bad_flags_are_one_line(capsys, tmp_path):
     code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--rank", "4", *TINY)
     assert code == 2 and "--rank: 4 is not a rank of a world of 4" in err and err.count("\n") == 1
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--rank", "-1", *TINY)
+    assert code == 2 and "--rank: -1 is not a non-negative integer" in err and err.count("\n") == 1
+    code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "nan", *TINY)
+    assert code == 2 and "--world-size: 'nan' is not a positive integer" in err
     code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4")
     assert code == 2 and "model.vocab_size is null" in err
     code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "6", *TINY, "--parallel.tp", "4")

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.simulate.report import layout_json, markdown, role_of, role_ranks, text
@@ -44,7 +44,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--config", required=True, help="YAML config of the run")
     ap.add_argument("--world-size", type=positive_int, required=True, help="ranks of the run (GPUs)")
     which = ap.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=int, action="append", help="a rank to simulate (repeatable; default 0)")
+    which.add_argument("--rank", type=non_negative_int, action="append",
+                       help="a rank to simulate (repeatable; default 0)")
     which.add_argument("--roles", action="store_true", help="one rank of every distinct role")
     ap.add_argument("--steps", type=positive_int, default=2, help="training steps per rank (default 2)")
     ap.add_argument("--device", default="cuda", choices=DEVICES, help="whose program: a GPU's (default) or a CPU's")

@@ -193,7 +193,6 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
                       seconds=0.0, peak_allocations=top)
 
 
-
 def check_layout(cfg: Config, world_size: int, steps: int = 1, device: str = "cuda") -> dict:
     """The planner's busiest pipeline stage of ``cfg`` on ``world_size`` ranks, simulated: its
     first rank's peak and traffic beside the planner's (what ``tools/plan.py --simulate`` and
