@@ -193,3 +193,7 @@ def test_production_layout_check_simulates_every_role(tmp_path):
     args.world_size = 6  # tp 4 × pp 2 does not divide it
     bad = preflight.check_production(args, overrides + ["--parallel.tp", "4"], cfg, str(tmp_path))
     assert bad.ok is False and "must divide the world size 6" in bad.measured
+    args.world_size, args.max_memory_gb = 8, None  # dp 4: the ramp-up's first batch, 2, is under one sample a rank
+    ramp = preflight.check_production(args, overrides + ["--train.rampup_batch_size", "[2, 2, 100]"], cfg,
+                                      str(tmp_path))
+    assert ramp.ok is False and "the ramp's batch 2 is not a multiple" in ramp.measured, ramp

@@ -71,6 +71,22 @@ def test_bad_flags_are_one_line(capsys, tmp_path):
     assert code == 2 and "exists; pass --overwrite" in err and (tmp_path / "report.md").read_text() == "mine"
 
 
+def test_a_rampup_the_world_size_refuses_is_a_warning_and_the_full_batch_is_simulated(capsys):
+    """Llama 3 405B's config on its 16,384-GPU layout: the ramp-up's first batch (512 samples, 4
+    micro-batches of dp 128) is refused by the interleaved schedule (16 stages), the full batch is
+    not. The tool simulates the full batch's steps and says, in a warning, what train.py refuses."""
+    ramp = ["--parallel.pp", "2", "--parallel.vpp", "2", "--train.micro_batch_size", "1", "--train.global_batch_size",
+            "8", "--train.rampup_batch_size", "[2, 2, 100]"]
+    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--json", *TINY, *ramp)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["layout"]["micro_batches"] == 4 and doc["ranks"][0]["peak_bytes"] > 0
+    [warning] = doc["warnings"]
+    assert "train.rampup_batch_size=[2, 2, 100], at batch 2" in warning and "train.py refuses" in warning
+    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--json", *TINY, *ramp[:-2])
+    assert code == 0 and json.loads(out)["warnings"] == []
+
+
 @pytest.mark.parametrize("layout", [
     ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.zero", "1", "--parallel.recompute", "full"],
     ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.zero", "3"],

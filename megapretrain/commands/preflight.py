@@ -479,6 +479,10 @@ def check_production(args, overrides: list[str], cfg: Config, out: str) -> Check
     except UserError as exc:
         return Check("production layout", False, f"{args.world_size} GPUs: {exc}", "the layout resolves",
                      "fix the config for that world size (tools/plan.py --layout config shows the layout)")
+    if doc["warnings"]:  # the launch itself would be refused (a ramp-up's batch at this size)
+        return Check("production layout", False, f"{args.world_size} GPUs: {doc['warnings'][0]}",
+                     "the layout resolves", "fix the config for that world size (tools/plan.py --layout config "
+                     "shows the layout)")
     os.makedirs(os.path.join(out, "simulate"), exist_ok=True)
     with open(os.path.join(out, "simulate", "report.json"), "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -26,7 +26,7 @@ from megapretrain.cli import non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.simulate.report import layout_json, markdown, role_of, role_ranks, text
-from megapretrain.simulate.run import DEVICES, planned, resolve_for_simulation, simulate_rank
+from megapretrain.simulate.run import DEVICES, planned, rampup_refusal, resolve_for_simulation, simulate_rank
 
 
 class SimulateArgumentError(UserError):
@@ -67,6 +67,12 @@ def simulate(args: argparse.Namespace, overrides: list[str], progress=None) -> d
     """The simulation's result as the JSON object ``--json`` prints."""
     cfg = load_config(args.config, overrides)
     run = resolve_for_simulation(cfg, args.world_size)
+    refusal = rampup_refusal(cfg, args.world_size)
+    warnings = [f"{refusal}: train.py refuses this config on {args.world_size:,} ranks; simulated are the steps at "
+                f"the full batch (--train.rampup_batch_size null runs them from the first step)"] if refusal else []
+    if progress is not None:
+        for line in warnings:
+            progress(f"warning: {line}")
     ranks = role_ranks(run.layout) if args.roles else [(r, role_of(run.layout, r)) for r in args.rank or [0]]
     results = []
     for rank, role in ranks:
@@ -79,7 +85,7 @@ def simulate(args: argparse.Namespace, overrides: list[str], progress=None) -> d
             progress(f"  peak {result['peak_bytes'] / 2**30:.2f} GiB "
                      f"(planned {result['planned_peak_bytes'] / 2**30:.2f}), {result['seconds']:.0f} s")
     return {"config": args.config, "world_size": args.world_size, "device": args.device, "steps": args.steps,
-            "overrides": overrides, "layout": layout_json(run.layout, run), "ranks": results}
+            "overrides": overrides, "layout": layout_json(run.layout, run), "warnings": warnings, "ranks": results}
 
 
 @user_errors

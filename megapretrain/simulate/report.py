@@ -100,7 +100,8 @@ def title(doc: dict) -> str:
             f"{L['micro_batch_size']}, "
             f"zero {L['zero']}" + (f" over {L['zero_shard_size']}" if L["zero_shard_size"] else "")
             + f", recompute {L['recompute']}, sequence parallel {str(L['sequence_parallel']).lower()}); "
-            f"{doc['steps']} steps of the {doc['device']} program")
+            f"{doc['steps']} steps of the {doc['device']} program"
+            + "".join(f"\nwarning: {w}" for w in doc.get("warnings", ())))
 
 
 NOTES = ("Memory is what the program holds in tensors (the allocator's rounding and cache, the CUDA context "

@@ -134,11 +134,26 @@ def fake_world(world_size: int, rank: int):
 
 
 def resolve_for_simulation(cfg: Config, world_size: int) -> Resolved:
-    """``cfg`` resolved on ``world_size`` ranks, with the one field a run reads from its data set."""
+    """``cfg`` resolved on ``world_size`` ranks as the simulation runs it: at the full global batch
+    (the steps of a batch-size ramp-up are not simulated; :func:`rampup_refusal` checks them), with
+    the one field a run reads from its data set."""
     if cfg.model.vocab_size is None:
         raise ConfigError("model.vocab_size is null (a run reads it from the tokenizer): set it for the simulation, "
                           "e.g. --model.vocab_size 128256")
-    return resolve(cfg, world_size)
+    return resolve(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rampup_batch_size=None)), world_size)
+
+
+def rampup_refusal(cfg: Config, world_size: int) -> str | None:
+    """Why ``train.py`` would refuse ``cfg`` on ``world_size`` ranks when its full batch resolves
+    (:func:`resolve_for_simulation`) but a batch of its ramp-up does not — Llama 3 405B's ramp from
+    512 samples on 16,384 GPUs, say: 4 micro-batches where its interleaved schedule needs 16."""
+    if not cfg.train.rampup_batch_size:
+        return None
+    try:
+        resolve(cfg, world_size)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def simulate_rank(cfg: Config, world_size: int, rank: int, steps: int = 2, device: str = "cuda") -> RankResult:
