@@ -119,6 +119,25 @@ def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: i
     return best
 
 
+def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: bool, precision: str,
+                      kernels: str, attention: str, chunk_bytes: int) -> tuple[float, float]:
+    """(activations made again, temporaries) of what a backward computes with, at the larger of two
+    moments: on the stage with the head, its backward (a chunk of logits and the gradient of its
+    input); then a layer's MLP backward — the gradients in and out of the layer and those of the
+    MLP's input, gate and up (recomputed fully: with the layer's activations made again, the MLP's
+    output already used)."""
+    w, sp = weight_bytes(precision), L.tp if L.sequence_parallel or L.tp == 1 else 1
+    h, f = model.hidden_size, model.ffn_hidden_size // L.tp
+    grads = 2 * h / sp * tokens * w
+    vocab_rows = model.padded_vocab(L.tp) // L.tp
+    head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
+    if L.recompute != "full":
+        return 0.0, max(grads + 3 * f * tokens * w, head_backward)
+    redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision, kernels, attention)
+    mlp_backward = grads + 2 * f * tokens * w
+    return (redo, mlp_backward) if redo + mlp_backward > head_backward else (0.0, head_backward)
+
+
 def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
                  layer: tuple[int, int, int], precision: str = "bf16", schedule: str = "auto",
                  kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
@@ -139,7 +158,6 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     last = pp_rank == L.pp - 1
     chunks = tuple(stage_layers(model, L, pp_rank))
     tokens = L.micro_batch * seq // L.cp  # the rank's share of a micro-batch
-    sp = L.tp if L.sequence_parallel or L.tp == 1 else 1
     h, f = model.hidden_size, model.ffn_hidden_size // L.tp
     vocab_rows = model.padded_vocab(L.tp) // L.tp
     layer_params = layer[0] // L.tp + layer[1]
@@ -165,19 +183,8 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
         out["zero3_gathered"] = (max(1, min(2, max(chunks) - 1)) * layer_params + roots) * w
     if L.sequence_parallel:  # an input gathered (again) for the weight gradients, and its pieces
         out["comm_buffers"] = 2.0 * tokens * h * w
-    # what the backward computes with, at the larger of two moments: on the stage with the head, its
-    # backward (a chunk of logits and the gradient of its input); then a layer's MLP backward — the
-    # gradients in and out of the layer and those of the MLP's input, gate and up (recomputed fully:
-    # with the layer's activations made again, the MLP's output already used)
-    grads = 2 * h / sp * tokens * w
-    head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
-    if L.recompute == "full":
-        redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision, kernels, attention)
-        mlp_backward = grads + 2 * f * tokens * w
-        if redo + mlp_backward > head_backward:
-            out["activations"] += redo
-        out["temporary"] = mlp_backward if redo + mlp_backward > head_backward else head_backward
-    else:
-        out["temporary"] = max(grads + 3 * f * tokens * w, head_backward)
+    redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels, attention,
+                                                 chunk_bytes)
+    out["activations"] += redone
     out["total"] = sum(out[k] for k in PARTS)
     return out
