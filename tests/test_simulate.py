@@ -55,6 +55,29 @@ def test_json_contract_for_every_role(capsys, tmp_path):
     assert first["breakdown"]["pipeline_in_flight"] > last["breakdown"]["pipeline_in_flight"]  # 1F1B's warmup
 
 
+def test_a_stage_s_ranks_hold_and_move_the_same_whatever_their_tp_cp_dp_place():
+    """What --roles rests on: the ranks of a pipeline stage differ by their stage, not their tp or
+    dp place — here with a vocabulary (301) that tp pads and ZeRO-3 shards of every parameter over
+    dp × cp — so one rank per stage tells them all (its checkpoint file to a few header bytes). (The
+    cp place is held at 0: on CPU tensors torch materializes the lower-right causal mask of each
+    context-parallel query chunk, whose keys differ by cp place; a GPU's flash kernel does not.)"""
+    cfg = load_config("configs/tiny.yaml", TINY + ["--model.vocab_size", "301", "--parallel.tp", "2", "--parallel.cp",
+                                                   "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
+                                                   "--parallel.zero", "3", "--train.micro_batch_size", "1",
+                                                   "--train.global_batch_size", "4"])
+    world = 16
+    grid = resolve(cfg, world).layout.grid()  # [pp, dp, cp, tp]
+    for stage in (0, 1):
+        ranks = [grid[stage, 0, 0, 0], grid[stage, 1, 0, 1], grid[stage, 1, 0, 0], grid[stage, 0, 0, 1]]
+        results = [simulate_rank(cfg, world, int(r), steps=1) for r in ranks]
+        for r in results[1:]:
+            assert (r.peak_bytes, r.breakdown) == (results[0].peak_bytes, results[0].breakdown), (stage, r.coords)
+            assert (r.comm_bytes, r.comm_calls) == (results[0].comm_bytes, results[0].comm_calls), (stage, r.coords)
+            assert r.flops == results[0].flops, (stage, r.coords)
+            # the file's header names each parameter its ZeRO shard cuts: which ones, by its dp place
+            assert abs(r.checkpoint_bytes - results[0].checkpoint_bytes) < 4096, (stage, r.coords)
+
+
 def test_bad_flags_are_one_line(capsys, tmp_path):
     code, _, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--rank", "4", *TINY)
     assert code == 2 and "--rank: 4 is not a rank of a world of 4" in err and err.count("\n") == 1
