@@ -68,8 +68,8 @@ def simulate(args: argparse.Namespace, overrides: list[str], progress=None) -> d
     cfg = load_config(args.config, overrides)
     run = resolve_for_simulation(cfg, args.world_size)
     refusal = rampup_refusal(cfg, args.world_size)
-    warnings = [f"{refusal}: train.py refuses this config on {args.world_size:,} ranks; simulated are the steps at "
-                f"the full batch (--train.rampup_batch_size null runs them from the first step)"] if refusal else []
+    warnings = [f"{refusal} (train.py refuses this config on {args.world_size:,} ranks; simulated are the steps "
+                f"at the full batch)"] if refusal else []
     if progress is not None:
         for line in warnings:
             progress(f"warning: {line}")
