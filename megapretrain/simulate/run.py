@@ -36,6 +36,7 @@ from ..checkpoint.format import rank_state_size
 from ..config import Config
 from ..errors import ConfigError
 from ..kernels import simulated_device, use_triton
+from ..model.attention import dense_document_mask
 from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState
 from ..planner.memory import stage_memory
@@ -98,9 +99,10 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
     p, t = cfg.parallel, cfg.train
     fused_adamw = cfg.optim.impl == "triton" or (cfg.optim.impl == "auto" and device == "cuda" and triton
                                                  and not cfg.optim.offload)
+    attention = "unfused" if dense_document_mask(cfg) else "flash"  # as planner/model.py: estimate_run
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
-                       kernels=kernels, bucket_mb=p.bucket_size_mb, fused_adamw=fused_adamw)
+                       kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention, fused_adamw=fused_adamw)
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum, precision=t.precision,
                             schedule=p.pp_schedule, device=device, bucket_mb=p.bucket_size_mb,
                             keep_gathered=p.zero3_keep_gathered)
