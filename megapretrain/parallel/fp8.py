@@ -183,8 +183,11 @@ class FP8Linear:
     def cast_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Cast:
         """W (n, k) for the forward: per output row (rowwise) or whole (every tp rank's shard:
         all-reduced); ``scale``: the one to use. ZeRO-3's FP8 gather's cast when it has one."""
-        gathered = self.weights.get(weight) if self.weights is not None else None
-        if gathered is not None:
+        if self.weights is not None:  # ZeRO-3 gathers it as FP8: the bf16 parameter has no storage now
+            gathered = self.weights.get(weight)
+            if gathered is None:
+                raise RuntimeError(f"an FP8 weight {tuple(weight.shape)} was used outside its ZeRO-3 unit's gather "
+                                   "(parallel/zero3.py gathers a layer around its forward and backward)")
             return gathered
         if scale is not None:
             return Cast(to_fp8(weight, scale, E4M3), scale)
@@ -252,6 +255,11 @@ class _FP8LinearFunction(torch.autograd.Function):
             if pre_data is not None else None
         y, saved = linear.forward(x.reshape(-1, k), weight, pre)  # (m, n)
         ctx.linear, ctx.shape = linear, x.shape
+        # ZeRO-3's FP8 weights are found by the parameter itself, which a saved tensor is not once
+        # saved-tensor hooks (SavedShards) repack it: keep the parameter (its value is not read)
+        ctx.weight = weight if linear.weights is not None else None
+        if ctx.weight is not None:
+            saved = saved._replace(weight=None)
         ctx.has = tuple(t is not None for t in saved)
         ctx.save_for_backward(*(t for t in saved if t is not None))
         return y.view(*x.shape[:-1], y.shape[-1])  # (..., n)
@@ -260,6 +268,8 @@ class _FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad):
         tensors = iter(ctx.saved_tensors)
         saved = Saved(*(next(tensors) if has else None for has in ctx.has))
+        if ctx.weight is not None:
+            saved = saved._replace(weight=ctx.weight)
         linear = ctx.linear
         g = grad.reshape(-1, grad.shape[-1])  # (m, n)
         gc = None if linear.recipe.rowwise else linear.cast_grad(g)  # tensorwise: one cast serves both
