@@ -41,6 +41,9 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
   all-gathers K and V over the cp ranks forward (``2·b·s·kv·d/tp`` values) and reduce-scatters their
   gradients backward (full recompute gathers again), exposed: the trainer does not overlap them;
+- FP8 linears (``model.fp8``): their GEMMs at the device's FP8 peak, their casts as memory-bound
+  kernels, FP8 input all-gathers, FP8 copies in memory (``planner/fp8.py``, applied by
+  :func:`estimate`);
 - the pipeline bubble from replaying the real schedule with the busiest stage's forward and
   backward times, the point-to-point transfers, the exposed part of the data-parallel
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
