@@ -91,7 +91,8 @@ def _tp_linears(rank, world):
     from megapretrain.parallel.state import ParallelState
 
     ps = ParallelState(tp=world)
-    return {(recipe, split): _tp_linear(ps, rank, world, recipe, split) for recipe in RECIPES for split in ("out", "in")}
+    return {(recipe, split): _tp_linear(ps, rank, world, recipe, split)
+            for recipe in RECIPES for split in ("out", "in")}
 
 
 def _tp_linear(ps, rank, world, recipe, split):
