@@ -117,9 +117,13 @@ def fp8_summary(cfg: Config) -> str:
 
 def check_fp8_device(device: torch.device) -> None:
     """FP8 GEMMs need FP8 tensor cores on CUDA (compute capability 8.9: Ada, Hopper and later);
-    CPUs run ``torch._scaled_mm`` too (slowly: for tests and debugging)."""
+    CPUs run ``torch._scaled_mm`` too (slowly: for tests and debugging). ROCm's MI300 takes FP8
+    in its own formats (e4m3fnuz), which the recipes here do not cast to."""
     if device.type != "cuda":
         return
+    if torch.version.hip:
+        raise ConfigError("model.fp8 casts to the OCP formats (e4m3fn, e5m2), which ROCm's FP8 GEMMs on MI300 do not "
+                          "take: set --model.fp8 none")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ConfigError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9+: L4/L40S, H100, B200); "

@@ -3,7 +3,8 @@
 Peaks are dense bf16/fp16 tensor-core figures from the vendors' datasheets (no sparsity); fp32
 training runs on tf32 units at half of that (``train.tf32``, on by default), or at the plain fp32
 figure (``fp32_tflops``) with TF32 off. ``fp8_tflops`` is the dense FP8 figure (twice bf16's on
-Ada, Hopper, Blackwell and MI300; 0: no FP8 tensor cores): the planner runs ``model.fp8``'s GEMMs
+Ada, Hopper and Blackwell; 0: no FP8 tensor cores that ``model.fp8``'s e4m3fn/e5m2 run on — MI300
+has them for its fnuz formats only): the planner runs ``model.fp8``'s GEMMs
 at it, while a run's logged MFU stays a fraction of the bf16 peak, as NVIDIA and torchtitan report
 FP8 runs (so FP8 and bf16 runs compare on one scale). Memory bandwidths are the datasheets' HBM figures.
 Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within a
@@ -38,7 +39,7 @@ class Device:
     overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack (planner)
     spare: float = 0.05  # fraction of memory a layout must leave free (planner)
     fp32_tflops: float = 0.0  # plain fp32 (no tensor cores: train.tf32 false); 0: unknown
-    fp8_tflops: float = 0.0   # dense FP8 (e4m3/e5m2) tensor cores; 0: none
+    fp8_tflops: float = 0.0   # dense FP8 (e4m3/e5m2) tensor cores; 0: none that model.fp8 runs on
 
 
 # key: the lower-case short name (``tools/plan.py --device``), matched against CUDA's device name
@@ -60,7 +61,7 @@ DEVICES = {
     "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0, efficiency=0.6, hbm_gbs=8000.0,
                    attention_efficiency=0.35, fp32_tflops=80.0, fp8_tflops=4500.0),
     "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0, efficiency=0.5, hbm_gbs=5300.0,
-                     attention_efficiency=0.3, fp32_tflops=163.4, fp8_tflops=2615.0),
+                     attention_efficiency=0.3, fp32_tflops=163.4),  # FP8 2615 dense, in fnuz formats only
     "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0, efficiency=0.6, hbm_gbs=3277.0,
                      attention_efficiency=0.35, fp32_tflops=47.9),
     "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0, fp32_tflops=91.6,

@@ -191,12 +191,9 @@ class FP8Linear:
             return gathered
         if scale is not None:
             return Cast(to_fp8(weight, scale, E4M3), scale)
-        r = self.recipe
+        r = self.recipe  # rowwise: per output row, over the input columns; tensorwise: all of this rank's shard
         return cast(weight, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
-                    group=self._over("in") if r.rowwise else self._over_any())
-
-    def _over_any(self) -> Group | None:
-        return self.tp if self.tp.size > 1 else None
+                    group=self._over("in" if r.rowwise else self.split))
 
     # -- the three GEMMs ----------------------------------------------------------------------------
 
@@ -321,9 +318,11 @@ class GatheredInputs:
         scale = tp.all_gather(shard.scale, SEQ_DIM) if r.rowwise else shard.scale  # (b, s, 1) or ()
         full = _FromGathered.apply(x, data, scale, tp)
         self._register(full, Cast(data, scale))
-        if saved is not None and torch.is_grad_enabled():  # backward keeps shards (SavedShards)
-            saved.register(shard.data, tp, data)
-            saved.register(x.detach(), tp, full)
+        if saved is not None and torch.is_grad_enabled():  # backward keeps shards (SavedShards) of what it reads
+            if r.rowwise:
+                saved.register(x.detach(), tp, full)
+            else:
+                saved.register(shard.data, tp, data)
         return full
 
     def _register(self, full: torch.Tensor, c: Cast) -> None:

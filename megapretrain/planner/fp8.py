@@ -59,7 +59,7 @@ def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int
     and ``memory_s(device, bytes, kernels)`` are the planner's kernel models (bf16 GEMMs)."""
     if device.fp8_tflops <= 0:
         raise ConfigError(f"model.fp8={recipe}: the {device.name} has no FP8 tensor cores (set --model.fp8 none, "
-                          "or plan for H100/H200/B200/L40S/MI300X)")
+                          "or plan for H100/H200/B200/L40S/L4)")
     # gemm_s counts 2 bytes an operand element: twice the bandwidth stands for FP8's 1
     fp8_device = replace(device, peak_tflops=device.fp8_tflops, hbm_gbs=device.hbm_gbs * 2)
     tokens = micro * seq // cp
