@@ -20,6 +20,7 @@ from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
 from .model.args import ModelArgs, check_model, model_args
+from .model.attention import check_attention
 from .model.fp8 import check_fp8, fp8_summary
 from .optim.lr_schedule import resolve_decay_iters
 from .optim.optimizer import check_optim
@@ -136,6 +137,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     layout = Layout.from_config(cfg, world_size)
     check_model(m, layout.tp)
     check_fp8(cfg, layout)
+    attention_warnings = check_attention(cfg, layout)
     batches = check_batches(t, layout.dp)
     schedule = _schedule(cfg, layout, batches)
     iters, train_samples = run_length(t)
@@ -150,5 +152,5 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
                      ffn_hidden_size=model.ffn_hidden_size, padded_vocab=model.padded_vocab(layout.tp),
                      decay_iters=decay_iters, iters=iters, train_samples=train_samples, schedule=schedule,
                      rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None, fp8=fp8_summary(cfg))
-    return Resolved(cfg=cfg, layout=layout, model=model, sizes=sizes, warnings=tuple(warnings))
+    return Resolved(cfg=cfg, layout=layout, model=model, sizes=sizes, warnings=(*warnings, *attention_warnings))
 

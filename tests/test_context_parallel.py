@@ -90,7 +90,7 @@ def test_document_mask_follows_global_positions_and_documents():
         share = documents(tokens, EOD, True, True, cp)
         mine = local_positions(8, cp)
         assert torch.equal(share.position_ids, whole.position_ids[:, mine])
-        assert torch.equal(share.attn_mask, whole.attn_mask[:, :, mine])  # its queries' rows, every key
+        assert torch.equal(share.mask.dense(), whole.mask.dense()[:, :, mine])  # its queries' rows, every key
 
 
 def _kv_gradients(rank, world):
@@ -161,6 +161,7 @@ LAYOUTS = {
     "cp2_full_recompute": (2, [*CP2, "--parallel.recompute", "full"], ()),
     "cp2_selective_recompute": (2, [*CP2, "--parallel.recompute", "selective"], ()),
     "cp2_documents": (2, CP2, tuple(DOCS)),
+    "cp2_documents_full_recompute": (2, [*CP2, "--parallel.recompute", "full"], tuple(DOCS)),
     "cp4": (4, ["--parallel.cp", "4"], ()),
     "tp2_cp2_sp": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *CP2], ()),
     "cp2_pp2": (4, ["--parallel.pp", "2", *CP2], ()),

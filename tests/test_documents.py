@@ -21,7 +21,7 @@ def test_positions_and_mask_follow_the_documents():
     tokens = torch.tensor([[1, 2, EOD, 3, 4, 5, EOD, 6]])
     docs = documents(tokens, EOD, True, True)
     assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
-    mask = docs.attn_mask[0, 0]
+    mask = docs.mask.dense()[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
     assert mask[2].tolist() == [True, True, True, False, False, False, False, False]  # EOD ends its document
     assert mask.sum() == 6 + 10 + 1  # causal inside each document: 3·4/2 + 4·5/2 + 1
@@ -59,6 +59,11 @@ def single(corpus, tmp_path_factory):
 def test_document_masking_under_a_layout_matches_one_process(layout, single, corpus, tmp_path):
     results = run_distributed(_train, 2, str(tmp_path), corpus, [*DOCS, *layout], timeout=300)
     check(single, results)
+
+
+def test_the_dense_mask_and_the_blockwise_kernel_train_alike(single, corpus, tmp_path):
+    """model.attention=sdpa (the dense (b, 1, s, s) mask) trains as auto does on CPU (blockwise)."""
+    check(single, [_train(0, 1, str(tmp_path), corpus, [*DOCS, "--model.attention", "sdpa"])])
 
 
 def test_masking_changes_the_loss(single, corpus, tmp_path):

@@ -12,7 +12,9 @@ moment it is known, so a run cut short keeps everything before the cut:
  4. ``gemm``        the measured bf16 GEMM rate (the ceiling MFU is compared with, besides the datasheet)
  5. ``bench_kernels`` per-kernel bandwidth against the measured copy bandwidth; eager, torch.compile,
                     Liger-Kernel where importable; one JSON line per case as it is timed
- 6. ``attention``   SDPA at seq 8192 with grouped-query heads: causal, and with document masking
+ 6. ``attention``   attention at seq 8192 with grouped-query heads: SDPA causal, and document-masked
+                    through the trainer's own path (model.attention auto: FlexAttention), then
+                    through sdpa's dense mask for comparison
  7. ``nccl``        one NCCL rank: every collective and dtype the project uses, through its own Group
  8. ``resume``      a bf16 training run with async checkpoints, killed and resumed, against an
                     uninterrupted run: the same losses, bit for bit
@@ -107,8 +109,9 @@ def _resume_figures(out: str) -> dict:
 
 
 def _probe_figures(out: str) -> dict:
-    found = re.search(r"^FIGURES (\{.*\})$", out, re.M)
-    return json.loads(found.group(1)) if found else {}
+    """The last ``FIGURES {...}`` line (a probe may print its figures so far after each case)."""
+    found = re.findall(r"^FIGURES (\{.*\})$", out, re.M)
+    return json.loads(found[-1]) if found else {}
 
 
 THROUGHPUT = ["--config", os.path.join(ROOT, "configs", "llama3_8b.yaml"), "--model.num_layers", "2",
@@ -142,7 +145,7 @@ def phases(out_dir: str, python: str) -> list[Phase]:
     return [
         Phase("env", 10, "torch, CUDA, device, triton and the optional packages", me + ["--probe", "env"],
               _probe_figures),
-        Phase("aot", 65, "every Triton kernel compiled ahead of time for this device's sm_90: registers, spills, "
+        Phase("aot", 55, "every Triton kernel compiled ahead of time for this device's sm_90: registers, spills, "
               "shared memory (CI checks sm_80/90/100)",
               [python, os.path.join(ROOT, "tools", "check_kernels.py"), "--targets", "90",
                "--configs", os.path.join(ROOT, "configs")]),
@@ -154,7 +157,8 @@ def phases(out_dir: str, python: str) -> list[Phase]:
         Phase("bench_kernels", 50, "per-kernel GB/s against the copy bandwidth (one JSON line per case)",
               [python, os.path.join(ROOT, "tools", "bench_kernels.py"), "--iters", "20",
                "--jsonl", os.path.join(out_dir, "bench_kernels.jsonl")]),
-        Phase("attention", 20, "SDPA at seq 8192, GQA 32/8 heads: causal, and document-masked (dense mask)",
+        Phase("attention", 35, "seq 8192, GQA 32/8 heads: SDPA causal; document-masked as the trainer runs it "
+              "(model.attention auto, compiled on first use), and with sdpa's dense mask",
               me + ["--probe", "attention"], _probe_figures),
         Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
               [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
@@ -165,7 +169,7 @@ def phases(out_dir: str, python: str) -> list[Phase]:
         Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
               [python, os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2", *THROUGHPUT],
               _bench_train_figures, config=THROUGHPUT),
-        Phase("fp8", 65, "FP8 linears of Llama-3 8B/70B against bf16, then 2 layers of Llama-3-8B at seq 4096 in "
+        Phase("fp8", 60, "FP8 linears of Llama-3 8B/70B against bf16, then 2 layers of Llama-3-8B at seq 4096 in "
               "bf16, tensorwise and rowwise: tokens/s, speed-up, loss", me + ["--probe", "fp8"], _probe_figures,
               config=FP8_RUN),
     ]
@@ -215,23 +219,40 @@ def _probe_gemm() -> dict:
 
 
 def _probe_attention() -> dict:
+    """Forward + backward at seq 8192 (eight documents of 1024 tokens): SDPA causal; document
+    masking through the trainer's path — ``documents()``, ``model.attention: auto`` resolved for
+    this device, the prepared mask's kernel — and through sdpa's dense mask. The figures so far
+    are printed after each case, so a timeout keeps them."""
     import torch
     import torch.nn.functional as F
-    b, heads, kv, s, d = 1, 32, 8, 8192, 128
-    q = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    docs = torch.arange(s, device="cuda") // 1024  # eight documents of 1024 tokens
-    figures = {}
-    cases = {"causal": dict(is_causal=True),
-             "document_mask": dict(attn_mask=(docs[:, None] == docs[None, :]).tril()[None, None])}
-    for name, kw in cases.items():
-        def step(kw=kw):
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
-            out.sum().backward()
+
+    from megapretrain.model.attention import resolve_attention
+    from megapretrain.model.decoder import documents
+    b, heads, kv, s, d, eod = 1, 32, 8, 8192, 128, 0
+    device = torch.device("cuda")
+    q = torch.randn(b, heads, s, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    tokens = torch.ones(b, s, dtype=torch.long, device=device)
+    tokens[:, 1023::1024] = eod  # eight documents of 1024 tokens
+    kind = resolve_attention("auto", device, dropout=0.0, documents=True)
+    mask = documents(tokens, eod, True, False).mask
+    start = time.perf_counter()
+    documents(tokens, eod, True, False).mask.prepare(kind)
+    torch.cuda.synchronize()
+    figures = {"trainer_kind": kind, "prepare_ms": (time.perf_counter() - start) * 1e3}
+    cases = {"causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+             f"documents_{kind}": lambda: mask.prepare(kind).attend(q, k, v, 0.0),
+             "documents_sdpa_dense_mask": lambda: mask.prepare("sdpa").attend(q, k, v, 0.0)}
+    for name, attend in cases.items():
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        seconds = _cuda_time(step, 5)
-        figures[name] = {"ms": seconds * 1e3, "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+        try:
+            seconds = _cuda_time(lambda attend=attend: attend().sum().backward(), 5)
+            figures[name] = {"ms": seconds * 1e3, "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+        except torch.OutOfMemoryError:
+            figures[name] = {"error": "out of memory"}
+        q.grad = k.grad = v.grad = None
+        print(f"FIGURES {json.dumps(figures)}", flush=True)
     return figures
 
 
@@ -298,7 +319,8 @@ def _probe_resume(out_dir: str) -> dict:
 
 def _probe_fp8() -> dict:
     """tools/bench_fp8.py's linears (8B and 70B shapes, a few runs each), then the FP8_RUN model
-    built and trained 1 + 3 steps in bf16 and in each recipe, from the same seed and batch."""
+    built and trained 1 + 3 steps in bf16 and in each recipe, from the same seed and batch. The
+    figures so far are printed after each part, so a timeout keeps them."""
     import argparse
 
     import torch
@@ -310,16 +332,18 @@ def _probe_fp8() -> dict:
     linears = bench_fp8.bench(argparse.Namespace(models=list(bench_fp8.MODELS), tokens=8192, tp=1, iters=5,
                                                  compile=False, jsonl=None), device)
     figures = {"layer": bench_fp8.layer_totals(linears)}
+    print(f"FIGURES {json.dumps(figures)}", flush=True)
     at = FP8_RUN.index("--config")
     for recipe in ("none", *RECIPES):
         cfg, plan = load(FP8_RUN[at + 1], FP8_RUN[:at] + FP8_RUN[at + 2:] + ["--model.fp8", recipe])
         step, _ = megapretrain_step(cfg, plan, device)
         times, loss = time_steps(step, 1, 3, device)
         figures[recipe] = {"tokens_per_s": plan.tokens_per_batch / sorted(times)[1], "loss": loss}
+        if recipe != "none":
+            figures[recipe]["speedup"] = figures[recipe]["tokens_per_s"] / figures["none"]["tokens_per_s"]
+        print(f"FIGURES {json.dumps(figures)}", flush=True)
         del step
         torch.cuda.empty_cache()
-    for recipe in RECIPES:
-        figures[recipe]["speedup"] = figures[recipe]["tokens_per_s"] / figures["none"]["tokens_per_s"]
     return figures
 
 

@@ -24,6 +24,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
 from .args import ModelArgs, model_args
+from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
 from .families import family, torch_only_layers
 from .fp8 import check_fp8_device, convert_to_fp8
@@ -128,7 +129,12 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     if kernels == "triton" and torch_only and ps.rank == 0:
         print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "
               "kernel and run torch's ops", flush=True)
-    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels,
+    documents = cfg.data.reset_attention_mask
+    attention = resolve_attention(cfg.model.attention, ps.device, dropout=cfg.model.attention_dropout,
+                                  documents=documents)
+    if ps.rank == 0:
+        print(describe_attention(attention, documents, ps.cp.size > 1), flush=True)
+    chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
                      z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision],
                      device="meta" if deferred else ps.device)
     for chunk in chunks:

@@ -9,7 +9,9 @@ are keyed by their *global* index, so a pipeline stage holding layers 4..7 names
 
 Under context parallelism (``cp``) a chunk holds its rank's share of every sequence
 (``parallel/context.py``): attention all-gathers the keys and values over cp and masks by global
-position; everything else is local to the rank's tokens.
+position; everything else is local to the rank's tokens. Document masking is described by O(s)
+document ids (:class:`~.attention.DocumentMask`), never by an s × s mask, unless
+``model.attention=sdpa`` asks for one (``model/attention.py``).
 
 :class:`ModelChunk` is what the trainer, the pipeline schedules, the optimizer, checkpointing and
 ``model/build.py`` rely on of a chunk; :class:`DecoderModel` is the one implementation.
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.context import causal_mask, local_positions
+from ..parallel.context import local_positions
 from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from ..parallel.fp8 import WeightCasts
 from ..parallel.random import RNGTracker
@@ -34,6 +36,7 @@ from ..parallel.specs import ParamSpec, collect_specs
 from ..parallel.state import Group
 from ..parallel.tensor import SavedShards, enter_tp_region, init_shard_
 from .args import ModelArgs
+from .attention import ATTENTION, DocumentMask
 from .families import family
 from .fused_loss import linear_cross_entropy_per_token
 from .layers import KERNELS, ColumnLinear, DecoderLayer, Embedding, rope_tables
@@ -81,10 +84,11 @@ class ModelChunk(Protocol):
 @dataclass
 class Documents:
     """The documents packed into a micro-batch (``data.reset_position_ids`` / ``reset_attention_mask``):
-    each token's position inside its document, and which tokens it may attend to. Under context
-    parallelism both are this rank's share: its tokens' positions, its queries' rows of the mask."""
+    each token's position inside its document, and which tokens it may attend to — as document
+    ids and positions, O(s) per sample. Under context parallelism both are this rank's share: its
+    tokens' positions, its queries' documents and global positions (against every key)."""
     position_ids: torch.Tensor | None  # (b, s) int64: positions restarting at each document, or None
-    attn_mask: torch.Tensor | None     # (b, 1, s, s·cp) bool: causal and within the document, or None
+    mask: DocumentMask | None          # causal and within the document, or None (causal only)
 
 
 def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_position_ids: bool,
@@ -92,12 +96,11 @@ def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_
     """The document structure of (b, s) input ids: a document ends with its ``eod`` token, the next
     one starts after it (Megatron's ``get_ltor_masks_and_position_ids``). ``tokens`` are the whole
     sequence on every cp rank; with ``cp`` the result is this rank's share, each token judged by
-    its global position and document: the mask of its queries against every key, in global order."""
+    its global position and document, against every key in global order."""
     b, s = tokens.shape
     is_eod = tokens == eod
-    doc = torch.cumsum(is_eod, dim=1) - is_eod.long()  # (b, s): EODs before each token (its document)
-    keys = torch.arange(s, device=tokens.device)  # global positions of the mask's columns
-    queries = local_positions(s, cp, tokens.device) if cp is not None else keys  # (s/cp,): its rows
+    doc = torch.cumsum(is_eod, dim=1, dtype=torch.int32) - is_eod.int()  # (b, s): EODs before each token
+    queries = local_positions(s, cp, tokens.device) if cp is not None else torch.arange(s, device=tokens.device)
     positions = mask = None
     if reset_position_ids:
         idx = torch.arange(s, device=tokens.device).expand(b, s)
@@ -106,7 +109,7 @@ def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_
         positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
         positions = positions[:, queries]  # (b, s/cp): this rank's tokens
     if reset_attention_mask:
-        mask = causal_mask(queries, keys, doc[:, queries], doc[:, keys])  # (b, 1, s/cp, s)
+        mask = DocumentMask(q_doc=doc[:, queries], k_doc=doc, q_pos=queries)  # (b, s/cp), (b, s), (s/cp,)
     return Documents(positions, mask)
 
 
@@ -125,10 +128,14 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
-                 z_loss: float = 0.0, cp: Group | None = None, dtype=torch.float32, device=None):
+                 z_loss: float = 0.0, cp: Group | None = None, attention: str = "sdpa", dtype=torch.float32,
+                 device=None):
         super().__init__()
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r} must be one of {ATTENTION} (model/build.py resolves auto)")
+        self.attention = attention  # the kernel of document-masked attention (model/attention.py)
         self.args, self.tp = args, tp
         self.cp = cp if cp is not None else Group("cp", [0])
         self.kernels, self.z_loss = kernels, z_loss
@@ -225,14 +232,16 @@ class DecoderModel(nn.Module):
 
     def _positions(self, x: torch.Tensor, docs: Documents | None):
         """cos, sin of this rank's tokens — (s, d), or (b, 1, s, d) when positions restart per
-        document — and the attention mask (None: causal by global position)."""
+        document — and the document mask in the form this model's attention kernel reads, built
+        once per micro-batch (None: causal by global position)."""
         seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size  # global length
         cos, sin = self._rope(seq, x)  # (s·cp, d): every global position
         if docs is not None and docs.position_ids is not None:
             cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
         elif self.cp.size > 1:
             cos, sin = self._context_tables(seq, x)  # (s, d)
-        return cos, sin, docs.attn_mask if docs is not None else None
+        mask = docs.mask.prepare(self.attention) if docs is not None and docs.mask is not None else None
+        return cos, sin, mask
 
     def _layer(self, layer: nn.Module, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:

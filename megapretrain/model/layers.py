@@ -44,6 +44,7 @@ from ..parallel.tensor import (
     reduce_scatter_to_sp,
 )
 from .args import ModelArgs
+from .attention import PreparedMask
 
 KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
 
@@ -258,10 +259,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 
 
 class Attention(nn.Module):
-    """Grouped-query attention through ``scaled_dot_product_attention``: q, k, v projections (or
-    one fused projection), optional QK-norm, RoPE on the first r dims of each head, the output
-    projection. Heads are split over tp; under context parallelism the keys and values are
-    all-gathered over cp (``parallel/context.py``)."""
+    """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
+    RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
+    context parallelism the keys and values are all-gathered over cp (``parallel/context.py``).
+    Causal attention runs ``scaled_dot_product_attention``; under document masking the kernel the
+    micro-batch's prepared mask stands for (``model/attention.py``: flex, blockwise or sdpa), with
+    the kv heads unexpanded either way."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
@@ -300,12 +303,15 @@ class Attention(nn.Module):
             return self._attend(q, k, v, mask, dropout)
 
     def _attend(self, q, k, v, mask, dropout: float):
-        """Scaled dot-product attention of this rank's queries: under ``mask`` when given, else
-        causal — over the whole sequence, or under context parallelism chunk by chunk, each of the
-        rank's two query chunks against the keys up to its end (``parallel/context.py``)."""
+        """Scaled dot-product attention of this rank's queries: under the document ``mask`` when
+        given (its own kernel: ``model/attention.py``), else causal — over the whole sequence, or
+        under context parallelism chunk by chunk, each of the rank's two query chunks against the
+        keys up to its end (``parallel/context.py``)."""
+        if mask is not None:
+            return mask.attend(q, k, v, dropout)  # (b, n/tp, s, d)
         kw = dict(enable_gqa=True, dropout_p=dropout)
-        if mask is not None or self.cp.size == 1:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kw)
+        if self.cp.size == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
                                               attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
@@ -323,8 +329,9 @@ class Attention(nn.Module):
         return q.reshape(b, s, self.n_local, self.d), k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (b, 1, s, s·cp) attention allowed (document masking), or None for plain causal."""
+                mask: PreparedMask | None = None) -> torch.Tensor:
+        """``mask``: the micro-batch's document mask, prepared for the model's attention kernel
+        (``DocumentMask.prepare``), or None for plain causal."""
         x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
         b, s, _ = x.shape
         q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2
@@ -334,9 +341,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
         if self.selective_recompute and self.training:
-            # no dropout: no random stream to restore (and nothing for torch.compile to trace)
-            context = self.rng.checkpoint_context if self.dropout else torch.utils.checkpoint.noop_context_fn
-            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, context_fn=context)
+            # no dropout: no random stream to restore, and no context_fn argument at all (torch.compile
+            # traces a checkpoint only without one, even the no-op)
+            context = dict(context_fn=self.rng.checkpoint_context) if self.dropout else {}
+            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
         else:
             y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
@@ -419,7 +427,7 @@ class DecoderLayer(nn.Module):
         return F.dropout(x, self.dropout, True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: PreparedMask | None = None) -> torch.Tensor:
         attn = self._dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         if self.parallel_residual:
             return x + attn + self._dropout(self.mlp(self.post_attention_layernorm(x)))

@@ -16,8 +16,11 @@ embeddings rotate each token by its global position, so the function is exactly 
 
 With plain causal masking no mask is built: each of the rank's two query chunks attends to the
 keys before its end, its own chunk under a lower-right causal mask (:func:`query_chunks`), which
-the fused attention kernels run without materializing it. Like the mappings of ``parallel/tensor.py``,
-everything here returns at once when the cp group has one rank.
+the fused attention kernels run without materializing it. With document masking the rank's
+queries carry their global positions and documents, the keys their documents, O(s) each, and
+the attention kernels judge each pair by them (``model/attention.py``); :func:`causal_mask` builds
+the dense mask only for ``model.attention: sdpa`` and as the tests' reference. Like the mappings of
+``parallel/tensor.py``, everything here returns at once when the cp group has one rank.
 """
 
 from __future__ import annotations

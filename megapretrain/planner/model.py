@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, PipelineError, UserError
 from ..model.args import ModelArgs, model_args
+from ..model.attention import dense_document_mask
 from ..model.build import one_layer_specs
 from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
@@ -393,8 +394,12 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
 
 def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "flash") -> Estimate:
     """:func:`estimate` of ``cfg``'s model, sequence, batch, precision and pipeline schedule under
-    ``layout``: what ``tools/plan.py --check`` reports and the OOM advice quotes, from one call."""
+    ``layout``: what ``tools/plan.py --check`` reports and the OOM advice quotes, from one call.
+    Document masking through a dense mask (``model/attention.py``: sdpa) runs SDPA's math kernel
+    on a GPU, with its (b, heads, s, s) scores in memory: estimated as unfused attention."""
     t = cfg.train
+    if dense_document_mask(cfg):
+        attention = "unfused"
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
                     cfg.parallel.pp_schedule, attention, cfg.model.fp8)
 

@@ -13,9 +13,10 @@ import dataclasses
 import math
 import re
 
-from ..config import TrainConfig, load_config
+from ..config import TrainConfig, check_fields, load_config
 from ..data.sampler import run_length
 from ..errors import ConfigError, UserError
+from ..model.args import check_model
 from ..model.build import model_args
 from ..model.decoder import num_parameters
 from ..monitor.flops import DEVICES, with_device
@@ -70,6 +71,8 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     m, t = cfg.model, cfg.train
     if m.vocab_size is None:
         raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
+    check_fields(cfg)  # every size positive and finite before the search divides by any of them
+    check_model(m, 1)  # the model's own shape; each layout's tp is checked by the search
     device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                          hbm_gbs=args.hbm_gbs, intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs,
                          efficiency=args.efficiency)

@@ -1,0 +1,279 @@
+"""Attention under document masking without an s × s mask or s × s scores (``model.attention``).
+
+With ``data.reset_attention_mask`` a token attends to the earlier tokens of its own document. What
+attention needs to know of that is O(s): each query's document and global position, each key's
+document (keys are in global order: all of a sample's positions, gathered over cp).
+:class:`DocumentMask` holds that, once per micro-batch, and turns it — once, shared by every layer
+and by the recomputation of any of them — into what the chosen kernel reads:
+
+- ``flex``: torch's FlexAttention (compiled to Triton on CUDA) with a block mask built straight
+  from the documents' bounds per 128 × 128 block (never from a dense mask): blocks no query may see
+  are skipped, whole blocks inside one document run unmasked, and the rest test
+  ``same document and key position ≤ query position`` per pair in the kernel.
+- ``blockwise``: ``model/blockwise.py``, tiles with an online softmax and their own backward, in
+  plain torch (so on CPU, where FlexAttention has no backward), from the same bounds per tile.
+- ``sdpa``: ``scaled_dot_product_attention`` with the dense (b, 1, s_q, s_k) mask, as before: with a
+  mask and grouped-query heads CUDA runs its math kernel, (b, heads, s_q, s_k) scores per layer.
+
+``model.attention: auto`` resolves (:func:`resolve_attention`, called where ``model.kernels`` is)
+to flex on CUDA, blockwise elsewhere, and sdpa when attention dropout is on (neither of the
+others has it). Without document masking every choice runs SDPA's causal kernels (the plain
+``is_causal`` path, and the lower-right chunks of context parallelism): nothing changes there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from ..errors import ConfigError
+from ..parallel.context import causal_mask
+from ..parallel.layout import Layout
+from .blockwise import TilePlan, blockwise_attention
+
+ATTENTION = ("sdpa", "flex", "blockwise")  # model.attention once resolved
+FLEX_BLOCK = 128  # FlexAttention's block (its default), rows and columns
+# blockwise's tile, rows and columns. fwd + bwd at seq 4096 on one CPU thread (8/2 heads of 64):
+# two long documents 2.6 / 2.3 / 3.3 s at tiles 128 / 256 / 512, documents of 64-448 tokens 1.0 / 1.5 / 3.0 s
+TILE = 256
+LARGE_SCORES = 256 * 2**20  # sdpa with documents warns above this many bytes of scores per layer
+
+
+def _bounds(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of each run of ``size`` entries along the last dimension (the last may be shorter)."""
+    pad = -x.shape[-1] % size
+    if pad:  # repeating the last entry changes no minimum or maximum
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1)
+    runs = x.unflatten(-1, (-1, size))  # (..., blocks, size)
+    return runs.amin(-1), runs.amax(-1)
+
+
+@dataclass
+class DocumentMask:
+    """Which keys each query may attend to under document masking, as O(s) data: a key of the
+    query's own document at its global position or before. Queries are this rank's tokens (all
+    of them without context parallelism); keys are all of a sample's positions in global order."""
+    q_doc: torch.Tensor  # (b, s_q) int32: each query's document (EODs before it in its sample)
+    k_doc: torch.Tensor  # (b, s_k) int32: each key's document
+    q_pos: torch.Tensor  # (s_q,) int64: each query's global position (a key's is its index)
+    _prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def dense(self) -> torch.Tensor:
+        """(b, 1, s_q, s_k) bool: the mask itself (sdpa's input, and the tests' reference)."""
+        keys = torch.arange(self.k_doc.shape[1], device=self.k_doc.device)
+        return causal_mask(self.q_pos, keys, self.q_doc, self.k_doc)
+
+    def blocks(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, s_q/rows, s_k/cols) bool each, blocks of ``rows`` queries × ``cols`` keys: those with
+        some allowed pair (exactly, or a few more: a block straddling a cp chunk boundary is judged
+        by its bounds), and those whose every pair is allowed (exactly). Read off each block's
+        bounds of positions and documents: documents never decrease along global positions."""
+        q_lo, q_hi = _bounds(self.q_pos, rows)  # (nq,)
+        qd_lo, qd_hi = _bounds(self.q_doc, rows)  # (b, nq)
+        kd_lo, kd_hi = _bounds(self.k_doc, cols)  # (b, nk)
+        k_first = torch.arange(0, self.k_doc.shape[1], cols, device=self.q_pos.device)  # (nk,)
+        k_last = (k_first + cols - 1).clamp(max=self.k_doc.shape[1] - 1)
+        overlap = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (qd_lo[:, :, None] <= kd_hi[:, None, :])  # (b, nq, nk)
+        some = overlap & (k_first[None, :] <= q_hi[:, None])
+        one_doc = (qd_lo == qd_hi)[:, :, None] & (kd_lo == kd_hi)[:, None, :] & (qd_lo[:, :, None] == kd_lo[:, None, :])
+        return some, one_doc & (k_last[None, :] <= q_lo[:, None])
+
+    def prepare(self, kind: str, tile: int = TILE):
+        """What the ``kind`` kernel reads (see the module docstring), built once per micro-batch and
+        kind: every layer, every chunk of the stage and every recomputation gets the same object."""
+        key = (kind, tile)
+        if key not in self._prepared:
+            builders = {"sdpa": lambda: DenseMask(self.dense()), "flex": lambda: FlexMask(self._block_mask()),
+                        "blockwise": lambda: TileMask(self._tile_plan(tile))}
+            if kind not in builders:
+                raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION}")
+            self._prepared = {key: builders[kind]()}  # one kind per model: keep the latest only
+        return self._prepared[key]
+
+    def _allowed(self, rows: slice, cols: slice) -> torch.Tensor:
+        """(b, rows, cols) bool: the mask on one block, from the O(s) data."""
+        keys = torch.arange(cols.start, cols.stop, device=self.q_pos.device)
+        causal = keys[None, :] <= self.q_pos[rows, None]  # (rows, cols)
+        return causal[None] & (self.q_doc[:, rows, None] == self.k_doc[:, None, cols])
+
+    def _tile_plan(self, tile: int) -> TilePlan:
+        """Blockwise's plan: per query tile, the key tiles some sample needs, a tile mask unless every
+        sample's pairs are all allowed (the samples of a micro-batch share one plan)."""
+        some, full = self.blocks(tile, tile)  # (b, nq, nk)
+        some, full = some.any(0).tolist(), full.all(0).tolist()
+        s_q, s_k = self.q_doc.shape[1], self.k_doc.shape[1]
+        rows = []
+        for i, (needed, whole) in enumerate(zip(some, full)):
+            q = slice(i * tile, min((i + 1) * tile, s_q))
+            keys = []
+            for j in (j for j, hit in enumerate(needed) if hit):
+                k = slice(j * tile, min((j + 1) * tile, s_k))
+                keys.append((k.start, k.stop, None if whole[j] else ~self._allowed(q, k)[:, None, None]))
+            rows.append((q.start, q.stop, tuple(keys)))
+        return TilePlan(tuple(rows), s_k)
+
+    def _block_mask(self):
+        """FlexAttention's BlockMask: per 128-query block, the key blocks to compute partially (the
+        mask function decides each pair) and fully, from :meth:`blocks` (no dense mask built)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        some, full = self.blocks(FLEX_BLOCK, FLEX_BLOCK)  # (b, nq, nk)
+        partial = some & ~full
+        q_doc, k_doc, q_pos = self.q_doc, self.k_doc, self.q_pos
+
+        def mask_mod(b, h, q_idx, kv_idx):  # keys in global order: a key's index is its position
+            return (q_doc[b, q_idx] == k_doc[b, kv_idx]) & (kv_idx <= q_pos[q_idx])
+
+        def indexed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts (b, 1, nq), indices first
+            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)  # (b, nq, nk): listed ones first
+            return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+        return BlockMask.from_kv_blocks(*indexed(partial), *indexed(full), BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+                                        mask_mod=mask_mod, seq_lengths=(q_doc.shape[1], k_doc.shape[1]))
+
+
+# -- the prepared masks: each attends (b, n, s_q, d) queries to (b, k, s_k, d) keys and values ---------
+
+
+class PreparedMask(Protocol):
+    """A micro-batch's document mask in the form one kernel reads (:meth:`DocumentMask.prepare`)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        """(b, n, s_q, d) queries against (b, k, s_k, d) keys and values -> (b, n, s_q, d)."""
+
+
+@dataclass(frozen=True)
+class DenseMask:
+    """sdpa: the (b, 1, s_q, s_k) mask handed to ``scaled_dot_product_attention``."""
+    mask: torch.Tensor
+
+    def attend(self, q, k, v, dropout: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex():
+    """torch's flex_attention, compiled once per process: its kernels read the block mask's
+    sparsity at run time, so each micro-batch's new mask reuses the compiled code."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@dataclass(frozen=True)
+class FlexMask:
+    """flex: FlexAttention's block mask of the micro-batch."""
+    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+
+    @torch.compiler.disable  # its own compiled kernel, outside a compiled layer's graph (model/build.py)
+    def attend(self, q, k, v, dropout: float) -> torch.Tensor:
+        if dropout:
+            raise ValueError("FlexAttention has no attention dropout (model.attention resolves to sdpa with it)")
+        if q.device.type == "cuda":
+            return _compiled_flex()(q, k, v, block_mask=self.block_mask, enable_gqa=True)
+        # CPU: forward only (torch has no FlexAttention backward there; resolve_attention refuses
+        # training with it), eagerly: compiling it with inductor's C++ backend takes minutes
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=self.block_mask, enable_gqa=True)
+
+
+@dataclass(frozen=True)
+class TileMask:
+    """blockwise: the micro-batch's :class:`TilePlan`."""
+    plan: TilePlan
+
+    @torch.compiler.disable  # Python loops over the plan: run eagerly inside a compiled layer
+    def attend(self, q, k, v, dropout: float) -> torch.Tensor:
+        if dropout:
+            raise ValueError("blockwise attention has no attention dropout (model.attention resolves to sdpa "
+                             "with it)")
+        return blockwise_attention(q, k, v, self.plan)
+
+
+# -- the choice -----------------------------------------------------------------------------------
+
+
+def _flex_runs(device_type: str) -> str | None:
+    """None when FlexAttention can train on ``device_type``, else why not."""
+    if device_type != "cuda":
+        return f"torch's FlexAttention has no backward on {device_type}"
+    if importlib.util.find_spec("triton") is None:
+        return "FlexAttention compiles to Triton, which is not installed"
+    return None
+
+
+def resolve_attention(choice: str, device: torch.device, *, dropout: float, documents: bool) -> str:
+    """``model.attention`` on ``device``: the kernel of document-masked attention (see the module
+    docstring; without document masking the choice is kept, and unused). Raises ConfigError for
+    a choice that cannot train there."""
+    if not documents:
+        return "sdpa" if choice == "auto" else choice
+    if choice == "auto":
+        if dropout:
+            return "sdpa"
+        return "flex" if _flex_runs(device.type) is None else "blockwise"
+    if choice in ("flex", "blockwise") and dropout:
+        raise ConfigError(f"model.attention={choice} has no attention dropout (model.attention_dropout={dropout}): "
+                          "set model.attention_dropout 0, or model.attention sdpa")
+    why = _flex_runs(device.type) if choice == "flex" else None
+    if why:
+        raise ConfigError(f"model.attention=flex cannot train on {device.type}: {why}; set model.attention auto "
+                          f"(blockwise off CUDA) or blockwise")
+    return choice
+
+
+def dense_attention_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:
+    """(mask bytes per micro-batch, scores bytes per layer) of sdpa under document masking: the
+    (b, 1, s/cp, s) bool mask, and one (b, heads/tp, s/cp, s) tensor of SDPA's math kernel."""
+    t, seq = cfg.train, cfg.train.seq_length
+    element = 4 if t.precision == "fp32" else 2
+    mask = t.micro_batch_size * seq // layout.cp * seq
+    return mask, mask * cfg.model.num_heads // layout.tp * element
+
+
+def dense_document_mask(cfg: Config) -> bool:
+    """Whether ``cfg``'s run on a GPU builds the dense mask: document masking under sdpa, chosen
+    or (auto, with attention dropout) fallen back to."""
+    m = cfg.model
+    return cfg.data.reset_attention_mask and (m.attention == "sdpa" or (m.attention == "auto" and
+                                                                        m.attention_dropout > 0))
+
+
+def check_attention(cfg: Config, layout: Layout) -> list[str]:
+    """``model.attention`` against the config, before any work: a ConfigError for a choice that
+    cannot train (on ``train.device: cpu``, where the device is known), warnings for sdpa with
+    document masking at sizes where its dense mask and scores cost memory."""
+    m = cfg.model
+    if not cfg.data.reset_attention_mask:
+        return []
+    device = torch.device("cpu" if cfg.train.device == "cpu" else "cuda")  # auto: a GPU run's rules
+    resolve_attention(m.attention, device, dropout=m.attention_dropout, documents=True)
+    mask, scores = dense_attention_bytes(cfg, layout)
+    if not dense_document_mask(cfg) or (m.attention == "sdpa" and scores < LARGE_SCORES):
+        return []
+    if m.attention == "sdpa":
+        why, fix = "model.attention=sdpa", "model.attention auto (flex on CUDA, blockwise elsewhere) needs neither"
+    else:
+        why = f"model.attention=auto with model.attention_dropout={m.attention_dropout} (only sdpa has dropout)"
+        fix = "with model.attention_dropout 0 auto chooses flex on CUDA or blockwise elsewhere, which need neither"
+    return [f"{why} under data.reset_attention_mask builds a dense (b, 1, s, s) mask ({mask / 2**20:,.0f} MiB per "
+            f"micro-batch) and on CUDA runs SDPA's math kernel: {scores / 2**30:,.1f} GiB of scores per layer at "
+            f"train.seq_length={cfg.train.seq_length}; {fix}"]
+
+
+def describe_attention(kind: str, documents: bool, context_parallel: bool) -> str:
+    """The start-up line saying which kernel attention runs."""
+    causal = "SDPA causal" + (" (lower-right chunks under cp)" if context_parallel else "")
+    if not documents:
+        return f"attention: {causal}"
+    how = {"flex": "FlexAttention, compiled; a block mask per micro-batch from the document ids",
+           "blockwise": "tiles with an online softmax; a tile plan per micro-batch from the document ids",
+           "sdpa": "SDPA with a dense (b, 1, s, s) mask per micro-batch"}[kind]
+    return f"attention: model.attention={kind} under document masking ({how})"
