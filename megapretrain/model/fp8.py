@@ -136,9 +136,10 @@ def convert_to_fp8(chunk: DecoderModel, recipe: str, skip: list[str], *, allgath
     with ``allgather``, the FP8 all-gathers: each block whose column-parallel linears are all FP8
     gathers its sequence-parallel input in FP8, and under ZeRO-3 (``zero`` 3, a recipe with one
     scale per weight) the weights are gathered in FP8 into ``weights`` (shared by a rank's chunks:
-    the data-parallel buffers fill it). Returns the number of FP8 linears."""
+    the data-parallel buffers fill it). Under context parallelism the amaxes over the tokens are
+    all-reduced over the chunk's cp group. Returns the number of FP8 linears."""
     r = RECIPES[recipe]
-    inputs = GatheredInputs(r) if allgather and chunk.sequence_parallel else None
+    inputs = GatheredInputs(r, chunk.cp) if allgather and chunk.sequence_parallel else None
     weights = weights if allgather and zero == 3 and r.gathers_weight else None
     count = 0
     for i, layer in chunk.layers.items():
@@ -152,7 +153,7 @@ def convert_to_fp8(chunk: DecoderModel, recipe: str, skip: list[str], *, allgath
             for m in on:
                 column = isinstance(m, ColumnParallelLinear)
                 m.fp8 = FP8Linear(r, m.tp, "out" if column else "in", weights=weights,
-                                  inputs=inputs if column and gathers else None)
+                                  inputs=inputs if column and gathers else None, cp=chunk.cp)
             if gathers:
                 block.saved = block.saved.with_fp8(inputs)
             count += len(on)

@@ -17,10 +17,12 @@ GEMM dequantizes by ``1/s`` of each operand. Power-of-two scales make that exact
 recipe may scale after the GEMM (where a per-row kernel is slow or missing) and get the same bits.
 
 Tensor parallelism splits W (column-parallel: its output rows, and so y's and g's features;
-row-parallel: its input columns, and so x's features). Wherever a scale's amax runs over a split
-dimension it is all-reduced (max) over tp, so every rank casts with the scale one process would
-use and the run is layout-invariant; amaxes over the tokens never are (every tp rank holds all
-of them: the column-parallel input is gathered, the row-parallel output gradient too).
+row-parallel: its input columns, and so x's features); context parallelism splits the tokens of
+each sequence over cp ranks. Wherever a scale's amax runs over a split dimension it is all-reduced
+(max) over that group — tp for features, cp for tokens, both for a whole activation's tensorwise
+scale — so every rank casts with the scale one process would use and the run is layout-invariant
+(as Megatron-Core reduces its amaxes over tp × cp). Sequence parallelism needs nothing: the
+column-parallel input is gathered before its cast, the row-parallel output gradient too.
 
 The GEMM choice is a seam of the linear (``parallel/tensor.py``): ``F.linear`` in bf16, or
 :class:`FP8Linear` here, whose :meth:`~FP8Linear.forward`, :meth:`~FP8Linear.grad_input` and
@@ -96,20 +98,21 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
-def amax(x: torch.Tensor, dim: int | None = None, group: Group | None = None) -> torch.Tensor:
-    """max |x| in fp32, over all of ``x`` or along ``dim`` (kept, size 1); ``group``: all-reduced
-    (max) over its ranks, which hold other parts of the reduced dimension."""
+def amax(x: torch.Tensor, dim: int | None = None, groups: tuple[Group | None, ...] = ()) -> torch.Tensor:
+    """max |x| in fp32, over all of ``x`` or along ``dim`` (kept, size 1); ``groups``: all-reduced
+    (max) over each one's ranks, which hold other parts of the reduced dimensions (None: none)."""
     found = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=dim is not None).float()
-    if group is not None and group.size > 1:
-        group.all_reduce(found, op=dist.ReduceOp.MAX)
+    for group in groups:
+        if group is not None and group.size > 1:
+            group.all_reduce(found, op=dist.ReduceOp.MAX)
     return found
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None, pow2: bool = False,
-         group: Group | None = None) -> Cast:
+         groups: tuple[Group | None, ...] = ()) -> Cast:
     """``x`` in ``dtype`` with current scaling: one scale (``dim`` None) or one per slice along
-    ``dim`` (``dim=-1``: per row), from the amax of this ``x`` (all-reduced over ``group``)."""
-    scale = amax_to_scale(amax(x, dim, group), dtype, pow2)
+    ``dim`` (``dim=-1``: per row), from the amax of this ``x`` (all-reduced over ``groups``)."""
+    scale = amax_to_scale(amax(x, dim, groups), dtype, pow2)
     return Cast(to_fp8(x, scale, dtype), scale)
 
 
@@ -152,18 +155,24 @@ class FP8Linear:
     """The FP8 GEMMs of one tensor-parallel linear under ``recipe``. ``split``: what tp splits —
     ``"out"`` (column-parallel: W's rows) or ``"in"`` (row-parallel: W's columns). ``inputs``:
     the block's FP8 sequence-parallel gather, whose casts the forward takes instead of casting its
-    input again; ``weights``: ZeRO-3's weights gathered in FP8, whose casts replace the weight's."""
+    input again; ``weights``: ZeRO-3's weights gathered in FP8, whose casts replace the weight's;
+    ``cp``: the context-parallel group, whose ranks hold the sequence's other tokens."""
 
     def __init__(self, recipe: Recipe, tp: Group, split: str, *, inputs: GatheredInputs | None = None,
-                 weights: WeightCasts | None = None):
+                 weights: WeightCasts | None = None, cp: Group | None = None):
         if split not in ("in", "out"):
             raise ValueError(f"split={split!r}: 'out' (column-parallel) or 'in' (row-parallel)")
-        self.recipe, self.tp, self.split = recipe, tp, split
+        self.recipe, self.tp, self.split, self.cp = recipe, tp, split, cp
         self.inputs, self.weights = inputs, weights
 
     def _over(self, split: str) -> Group | None:
         """The group an amax over W's ``split`` dimension ("in" or "out") is all-reduced over."""
         return self.tp if self.split == split and self.tp.size > 1 else None
+
+    def _activation(self, split: str) -> tuple[Group | None, ...]:
+        """The groups an activation's amax is all-reduced over: tp where its features are W's
+        ``split`` dimension, split over tp; and, for a tensorwise scale (over the tokens too), cp."""
+        return (self._over(split), None if self.recipe.rowwise else self.cp)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ``: (..., k) @ (n, k)ᵀ -> (..., n), in x's dtype."""
@@ -178,7 +187,7 @@ class FP8Linear:
         if scale is not None:
             return Cast(to_fp8(x, scale, E4M3), scale)
         r = self.recipe
-        return cast(x, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales, group=self._over("in"))
+        return cast(x, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales, groups=self._activation("in"))
 
     def cast_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Cast:
         """W (n, k) for the forward: per output row (rowwise) or whole (every tp rank's shard:
@@ -193,7 +202,7 @@ class FP8Linear:
             return Cast(to_fp8(weight, scale, E4M3), scale)
         r = self.recipe  # rowwise: per output row, over the input columns; tensorwise: all of this rank's shard
         return cast(weight, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
-                    group=self._over("in" if r.rowwise else self.split))
+                    groups=(self._over("in" if r.rowwise else self.split),))
 
     # -- the three GEMMs ----------------------------------------------------------------------------
 
@@ -210,7 +219,7 @@ class FP8Linear:
     def _input_for_grad(self, saved: Saved) -> Cast:
         """x (m, k) as the weight gradient's second operand (column-major)."""
         if self.recipe.rowwise:
-            return column_major(cast(saved.x, E4M3, dim=0, pow2=True))  # per column, over the tokens
+            return column_major(cast(saved.x, E4M3, dim=0, pow2=True, groups=(self.cp,)))  # per column, over tokens
         if saved.x.dtype in FP8_DTYPES:
             return column_major(Cast(saved.x, saved.x_scale))
         return column_major(self.cast_input(saved.x, saved.x_scale))
@@ -219,13 +228,14 @@ class FP8Linear:
         """g (m, n) for the data gradient: per token (rowwise) or whole; features split over tp
         for a column-parallel linear."""
         r = self.recipe
-        return cast(g, r.grad_dtype, dim=-1 if r.rowwise else None, pow2=r.pow2_scales, group=self._over("out"))
+        return cast(g, r.grad_dtype, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
+                    groups=self._activation("out"))
 
     def grad_input(self, g: torch.Tensor, saved: Saved, gc: Cast | None = None) -> torch.Tensor:
         """dx (m, k) = g (m, n) W (n, k); ``gc``: g's cast when the caller has it."""
         gc = gc if gc is not None else self.cast_grad(g)
         if self.recipe.rowwise:  # W per input column: its amax runs over the output rows
-            wc = cast(saved.weight, E4M3, dim=0, pow2=True, group=self._over("out"))  # scale (1, k)
+            wc = cast(saved.weight, E4M3, dim=0, pow2=True, groups=(self._over("out"),))  # scale (1, k)
         else:
             wc = self.cast_weight(saved.weight, saved.w_scale)
         return scaled_mm(gc, column_major(wc), g.dtype, fast_accum=False)  # (m, k)
@@ -234,7 +244,7 @@ class FP8Linear:
         """dW (n, k) = gᵀ (n, m) x (m, k); ``gc``: g's per-tensor cast when the caller has it
         (rowwise casts g again, per column)."""
         if self.recipe.rowwise:
-            gc = cast(g, E4M3, dim=0, pow2=True)  # per column, over the tokens: scale (1, n)
+            gc = cast(g, E4M3, dim=0, pow2=True, groups=(self.cp,))  # per column, over the tokens: scale (1, n)
         elif gc is None:
             gc = self.cast_grad(g)
         a = Cast(gc.data.t().contiguous(), gc.scale.t())  # (n, m) row-major
@@ -305,15 +315,15 @@ class GatheredInputs:
     gathers again (in FP8). rowwise: per-token scales are local; the backward needs x itself
     (the weight gradient scales it per column), which SavedShards gathers again in bf16."""
 
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    def __init__(self, recipe: Recipe, cp: Group | None = None):
+        self.recipe, self.cp = recipe, cp  # cp: the ranks holding the sequence's other tokens
         self._casts: dict[int, tuple[weakref.ref, Cast]] = {}  # storage of a live gathered input -> its cast
 
     def gather(self, x: torch.Tensor, tp: Group, saved: SavedShards | None) -> torch.Tensor:
         """The full-sequence (b, s, h) input from this rank's (b, s/tp, h) shard."""
         r = self.recipe
         shard = cast(x.detach(), E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
-                     group=None if r.rowwise else tp)
+                     groups=() if r.rowwise else (tp, self.cp))
         data = tp.all_gather(shard.data, SEQ_DIM)  # (b, s, h) float8
         scale = tp.all_gather(shard.scale, SEQ_DIM) if r.rowwise else shard.scale  # (b, s, 1) or ()
         full = _FromGathered.apply(x, data, scale, tp)
