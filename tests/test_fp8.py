@@ -306,7 +306,11 @@ def _resolve(*flags, world=1):
     (["--model.fp8", "rowwise", "--model.fp8_skip", "['layers.*.mlp.dwn_proj']"],
      "model.fp8_skip pattern 'layers.*.mlp.dwn_proj' matches no decoder linear"),
     (["--model.fp8", "tensorwise", "--model.ffn_hidden_size", "200"],
-     "mlp.gate_proj is 200×64 on a tp rank (tp=1); FP8 GEMMs need multiples of 16"),
+     "mlp.gate_proj is 200×64, mlp.up_proj is 200×64, mlp.down_proj is 64×200 on a tp rank (tp=1); FP8 GEMMs "
+     "need multiples of 16: change the sizes or tp, or keep them in fp32 with --model.fp8_skip "
+     "\"['*.mlp.gate_proj', '*.mlp.up_proj', '*.mlp.down_proj']\""),
+    (["--model.fp8", "rowwise", "--model.ffn_hidden_size", "200", "--model.fp8_skip", "['layers.0.*', '*.down_proj']"],
+     "mlp.gate_proj is 200×64, mlp.up_proj is 200×64 on a tp rank"),  # layer 1's still run in FP8
     (["--model.fp8", "tensorwise", "--train.seq_length", "36", "--train.micro_batch_size", "1"],
      "train.micro_batch_size × train.seq_length / parallel.cp = 36, must be a multiple of 16"),
 ])

@@ -88,12 +88,18 @@ def check_fp8(cfg: Config, layout: Layout) -> None:
     require(tokens % GEMM_MULTIPLE == 0,
             f"model.fp8={m.fp8}: a micro-batch's tokens on a rank, train.micro_batch_size × train.seq_length / "
             f"parallel.cp = {tokens}, must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs' rule)")
+    bad = {}  # every linear FP8 cannot take, named in one line
     for name, kind, (out, inp) in _one_layer(args):
         local = (out // layout.tp, inp) if kind == "column" else (out, inp // layout.tp)
-        if any(d % GEMM_MULTIPLE for d in local) and not skipped(f"layers.0.{name}", m.fp8_skip):
-            raise ConfigError(f"model.fp8={m.fp8}: {name} is {local[0]}×{local[1]} on a tp rank (tp={layout.tp}); "
-                              f"FP8 GEMMs need multiples of {GEMM_MULTIPLE}: change the sizes or tp, or keep it in "
-                              f"bf16 with --model.fp8_skip \"['*.{name}']\"")
+        if any(d % GEMM_MULTIPLE for d in local) and not all(
+                skipped(f"layers.{i}.{name}", m.fp8_skip) for i in range(args.num_layers)):
+            bad[name] = local
+    if bad:
+        sizes = ", ".join(f"{name} is {out}×{inp}" for name, (out, inp) in bad.items())
+        skip = ", ".join(f"'*.{name}'" for name in bad)
+        raise ConfigError(f"model.fp8={m.fp8}: {sizes} on a tp rank (tp={layout.tp}); FP8 GEMMs need multiples of "
+                          f"{GEMM_MULTIPLE}: change the sizes or tp, or keep them in {cfg.train.precision} with "
+                          f"--model.fp8_skip \"[{skip}]\"")
 
 
 def fp8_summary(cfg: Config) -> str:
