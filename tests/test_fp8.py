@@ -288,6 +288,30 @@ def test_zero3_gathers_tensorwise_weights_as_fp8():
     assert rowwise_fp8 == [] and rowwise_sent == rowwise_expected == none_sent
 
 
+def test_the_bench_prints_each_linear_and_layer_and_refuses_bad_sizes(capsys, monkeypatch, tmp_path):
+    """tools/bench_fp8.py on a small Llama-shaped layer: one row per linear and kind (bf16 the
+    ×1.00 base), a JSON line per row, a layer total per kind; sizes FP8 cannot take are one line."""
+    from megapretrain.commands import bench_fp8
+
+    monkeypatch.setitem(bench_fp8.MODELS, "small", (64, 32, 128))  # hidden, kv heads × head dim, ffn
+    out = tmp_path / "fp8.jsonl"
+    assert bench_fp8.main(["--models", "small", "--tokens", "32", "--tp", "2", "--iters", "1",
+                           "--jsonl", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shapes = [(name, o, i) for name, o, i in bench_fp8.layer_linears("small", 2)]
+    assert [(r["linear"], r["out"], r["in"], r["kind"]) for r in rows] == \
+        [(*shape, kind) for shape in shapes for kind in ("bf16", *RECIPES)]
+    assert shapes[0] == ("q_proj", 32, 64) and shapes[-1] == ("down_proj", 64, 64)  # tp 2 shards
+    assert all(r["ms"] > 0 and (r["speedup"] == 1.0) == (r["kind"] == "bf16") for r in rows)
+    printed = capsys.readouterr().out
+    totals = [line.split()[1] for line in printed.splitlines() if line.endswith("of bf16")]
+    assert totals == ["bf16", *RECIPES]  # a whole layer's total per kind
+    assert bench_fp8.main(["--models", "small", "--tokens", "40"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --tokens 40 must be a multiple of 16 (FP8 GEMMs' rule)"
+    assert bench_fp8.main(["--models", "8b", "--tp", "3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tp 3: Llama-3 8b's hidden 4096")
+
+
 # -- the config, the start-up plan, the planner ---------------------------------------------------
 
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads", "2",

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from megapretrain.cli import positive_int, user_errors
+from megapretrain.errors import UserError
+from megapretrain.model.fp8 import GEMM_MULTIPLE
 from megapretrain.parallel.fp8 import RECIPES, FP8Linear
 from megapretrain.parallel.state import Group
 
@@ -48,6 +50,19 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd FP8 linears")
     ap.add_argument("--jsonl", default=None, help="append each result to this file as one JSON line as it is measured")
     return ap.parse_args(argv)
+
+
+def check_sizes(a) -> None:
+    """Every linear's shard a whole one, and every GEMM dimension (the tokens included: the weight
+    gradient's inner one) a multiple of 16, as FP8 GEMMs need; one line naming the flag otherwise."""
+    if a.tokens % GEMM_MULTIPLE:
+        raise UserError(f"--tokens {a.tokens} must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs' rule)")
+    for model in a.models:
+        h, kv, f = MODELS[model]
+        if any(d % (a.tp * GEMM_MULTIPLE) for d in (h, kv, f)):
+            raise UserError(f"--tp {a.tp}: Llama-3 {model}'s hidden {h}, kv heads × head dim {kv} and ffn {f} split "
+                            f"over tp must stay multiples of {GEMM_MULTIPLE} (FP8 GEMMs' rule): take a smaller "
+                            f"power of two")
 
 
 def _sync(device: torch.device) -> None:
@@ -126,6 +141,7 @@ def main(argv=None) -> int:
     gpu = device.type == "cuda"
     a.tokens = a.tokens or (8192 if gpu else 64)
     a.iters = a.iters or (20 if gpu else 2)
+    check_sizes(a)
     name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; {a.tokens} tokens, tp {a.tp}; forward + backward per linear")
     rows = bench(a, device)
