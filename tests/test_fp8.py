@@ -1,7 +1,7 @@
-"""FP8 training (``model.fp8``): the linear against torchao.float8, tensor parallelism against one
-process at the GEMM level, what the FP8 all-gathers send, recomputation, the config's rules, the
-planner, and the real trainer — parallel layouts against one process, checkpoints across
-precisions, and 200 steps on real text against bf16 (slow).
+"""FP8 training (``model.fp8``): the linear against torchao.float8, tensor and context parallelism
+against one process at the GEMM level, what the FP8 all-gathers send, recomputation, the bench,
+the config's rules, the planner, and the real trainer — parallel layouts against one process,
+checkpoints across precisions, and 200 steps on real text against bf16 (slow).
 
 Equivalence under parallel layouts runs in fp32 and over two optimizer steps. FP8 rounds each
 operand to 3 mantissa bits, so the ~1e-7 differences of fp32 summation order that tensor
