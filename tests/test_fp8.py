@@ -180,7 +180,7 @@ def test_context_parallel_linear_equals_one_process():
                     assert torch.equal(got, want), (recipe, name)
 
 
-def _model(recipe, *, recompute="none", tp=None, sequence_parallel=False, zero=0, weights=None):
+def _model(recipe, *, recompute="none", tp=None, sequence_parallel=False, zero=0, weights=None, allgather=True):
     from megapretrain.model.fp8 import convert_to_fp8
     from megapretrain.parallel.state import ParallelState
 
@@ -189,7 +189,7 @@ def _model(recipe, *, recompute="none", tp=None, sequence_parallel=False, zero=0
     ps = tp or ParallelState()
     model = build(ps, tiny_args(), recompute=recompute, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
     if recipe != "none":
-        convert_to_fp8(model, recipe, [], allgather=True, zero=zero, weights=weights)
+        convert_to_fp8(model, recipe, [], allgather=allgather, zero=zero, weights=weights)
     return ps, model
 
 
@@ -214,30 +214,36 @@ def test_recomputation_recasts_the_same_bits(recipe):
 
 
 def _sp_bytes(rank, world):
-    """Each recipe's (and bf16's) collectives of one forward and backward under tp + sp."""
+    """Each recipe's (and bf16's) collectives of one forward and backward under tp + sp, and for
+    each recipe the parameters whose gradients differ from those of bf16 input gathers."""
     from megapretrain.parallel.state import ParallelState
 
     from helpers import make_tokens
 
     ps = ParallelState(tp=world, comm_stats=True)
     tokens = make_tokens(batch=2, seq=32)
-    out = {}
-    for recipe in ("none", *RECIPES):
-        _, model = _model(recipe, tp=ps, sequence_parallel=True)
+    out, grads = {}, {}
+    for recipe, allgather in [("none", True), *((r, a) for r in RECIPES for a in (True, False))]:
+        _, model = _model(recipe, tp=ps, sequence_parallel=True, allgather=allgather)
         ps.stats.reset()
         model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
-        out[recipe] = ps.stats.summary()
-    return out
+        if allgather:
+            out[recipe] = ps.stats.summary()
+        grads[recipe, allgather] = {n: p.grad for n, p in model.named_parameters()}
+    differ = {r: [n for n, g in grads[r, True].items() if not torch.equal(g, grads[r, False][n])] for r in RECIPES}
+    return out, differ
 
 
 def test_sequence_parallel_gathers_send_fp8():
     """tp 2 + sp, bf16, 2 layers: each block's input all-gather sends e4m3 (half of bf16's bytes),
     and tensorwise's backward gathers the saved FP8 shard again (rowwise gathers the bf16 shard:
-    its weight gradient scales x per column); rowwise also sends each token's scale."""
+    its weight gradient scales x per column); rowwise also sends each token's scale. The FP8 gather
+    changes no bit of the gradients: its casts are those a linear makes of the bf16-gathered input."""
     b, s, h, layers, world = 2, 32, 64, 2, 2
     shard = b * s // world * h * 2  # bytes of a (b, s/tp, h) bf16 shard
     blocks = 2 * layers  # attention and MLP inputs
-    counts = run_distributed(_sp_bytes, world)[0]
+    counts, differ = run_distributed(_sp_bytes, world)[0]
+    assert differ == {r: [] for r in RECIPES}
     base, tensorwise, rowwise = (counts[r]["tp.all_gather"] for r in ("none", "tensorwise", "rowwise"))
     assert tensorwise == {"calls": base["calls"], "bytes": base["bytes"] - 2 * blocks * shard // 2}
     scales = b * s // world * 4  # fp32, one per token of the shard
