@@ -95,10 +95,12 @@ def fp8_memory(delta: FP8Delta, memory: dict, *, tokens: int, in_flight: int, pe
     a micro-batch on a rank, ``in_flight`` micro-batch chunks of ``per_chunk`` layers each holding
     activations, ``gathered_bytes`` of layers ZeRO-3 holds gathered at once."""
     out = dict(memory)
-    out["activations"] += delta.transient_bytes - in_flight * per_chunk * tokens * delta.saved_bytes_per_token
-    if zero == 3:
-        saved = gathered_bytes * (1.0 - delta.gathered_fraction)
+    change = delta.transient_bytes - in_flight * per_chunk * tokens * delta.saved_bytes_per_token
+    out["activations"] += change
+    if zero == 3:  # never more than the estimate holds gathered
+        saved = min(gathered_bytes, memory["parts"]["zero3_gathered"]) * (1.0 - delta.gathered_fraction)
         out["params"] -= saved
         out["state"] -= saved
-    out["total"] = out["state"] + out["activations"] + out["overhead"]
+        change -= saved
+    out["total"] += change
     return out

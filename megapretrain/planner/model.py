@@ -60,7 +60,7 @@ from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
 from .fp8 import fp8_delta, fp8_memory
-from .memory import stage_memory, stage_params
+from .memory import in_flight, stage_memory, stage_params
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -306,7 +306,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m)
-    stage_layers, per_chunk = _stage_layers(model, L)
+    stage_layers, _ = _stage_layers(model, L)
     sp, hidden, world = L.sequence_parallel, model.hidden_size, L.world_size
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
@@ -336,7 +336,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
     f, b = stage(busiest)
-    stretch, in_flight = _pipeline(kind, pp, vpp, m, round(4 * b / f) / 4)  # backward/forward to 1/4: cached
+    stretch, _ = _pipeline(kind, pp, vpp, m, round(4 * b / f) / 4)  # backward/forward to 1/4: cached
     n, head = stage_layers[busiest], busiest == pp - 1
     compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
@@ -348,7 +348,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     mem, params = _memory(model, seq, L, device, precision, m, schedule, attention)
     if delta is not None:
         split, replicated, _ = layer_params(model)
-        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight, per_chunk=per_chunk, zero=L.zero,
+        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight(L, mem["stage"], m, schedule),
+                         per_chunk=_stage_layers(model, L)[1], zero=L.zero,
                          gathered_bytes=min(3, max(stage_layers)) * (split / tp + replicated) * 2)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)

@@ -1,0 +1,202 @@
+"""FP8 training (``model.fp8``) through the real trainer: parallel layouts against one process,
+checkpoints across precisions, torch.compile, and 200 steps on real text against bf16 (slow).
+
+Equivalence under parallel layouts runs in fp32 and over two optimizer steps. FP8 rounds each
+operand to 3 mantissa bits, so the ~1e-7 differences of fp32 summation order that tensor
+parallelism makes in the gradients turn, once an update has moved the weights by them, into whole
+FP8 steps of a few elements: measured on this model, tp 2 + sp equals one process at step 1 (bit
+for bit here) and within 4e-6 at step 2, but drifts to 2e-5 at step 3 and 5e-5 at step 5 (a
+relative perturbation of 1e-7 of the weights moves a tensorwise FP8 loss by 2e-6; without FP8 the
+same layouts stay within 1e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megapretrain.parallel.fp8 import RECIPES
+
+from distributed import run_distributed
+from test_fp8 import _model
+
+# -- the trainer ----------------------------------------------------------------------------------
+
+
+def _train(rank, world, run_dir, corpus, flags):
+    from megapretrain.model.fp8 import LINEARS
+    from megapretrain.train import setup
+
+    from test_parallel_equivalence import BASE
+
+    trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
+    trainer.fit()
+    fp8 = sum(m.fp8 is not None for c in trainer.model_chunks for m in c.modules() if isinstance(m, LINEARS))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [r for r in map(json.loads, fh) if "loss" in r]
+    return {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows], "fp8_linears": fp8}
+
+
+FP8_LAYOUTS = {
+    "tp2_sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    "pp2": ["--parallel.pp", "2"],
+    "dp2_zero3": ["--parallel.zero", "3"],
+    "dp2_zero2": ["--parallel.zero", "2"],
+    "pp2_vpp2": ["--parallel.pp", "2", "--parallel.vpp", "2"],
+    "cp2": ["--parallel.cp", "2"],
+}
+_SINGLE: dict = {}
+
+
+@pytest.mark.parametrize("layout, recipe", [("tp2_sp", "tensorwise"), ("tp2_sp", "rowwise"), ("pp2", "tensorwise"),
+                                            ("pp2_vpp2", "rowwise"), ("dp2_zero3", "tensorwise"),
+                                            ("dp2_zero2", "rowwise"), ("cp2", "tensorwise")])
+def test_fp8_layout_matches_single_process(layout, recipe, corpus, tmp_path, tmp_path_factory):
+    """The trainer with FP8 under tp 2 + sp (FP8 input gathers), pp 2, pp 2 × vpp 2, dp 2 ZeRO-3
+    (FP8 weight gathers), dp 2 ZeRO-2 and cp 2 (amaxes over the tokens all-reduced) gives one FP8
+    process's losses within 1e-5 (two steps: see the module docstring)."""
+    # the first two steps of a 5-step schedule; eps 1e-4: an element whose gradient is ~0 gets no
+    # update that hinges on its sign; one thread everywhere: the same fp32 sums in the reference
+    flags = ["--model.fp8", recipe, "--train.iters", "2", "--schedule.decay_iters", "5", "--optim.eps", "1e-4",
+             "--train.threads", "1"]
+    if recipe not in _SINGLE:
+        _SINGLE[recipe] = run_distributed(_train, 1, str(tmp_path_factory.mktemp("single")), corpus, flags)[0]
+    single = _SINGLE[recipe]
+    ranks = run_distributed(_train, 2, str(tmp_path), corpus, [*flags, *FP8_LAYOUTS[layout]], timeout=300)
+    assert single["fp8_linears"] == 4 * 7  # every decoder linear of the 4 layers
+    stage = 2 * 7 if layout.startswith("pp2") else 4 * 7  # pp: 2 layers a stage (vpp: in two chunks)
+    assert [r["fp8_linears"] for r in ranks] == [stage] * 2
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    # the first gradients come from the same weights; the second from weights one fp32-rounded
+    # update apart, which the FP8 casts of the backward amplify most (measured: 1e-5 under tp 2)
+    assert ranks[0]["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-5)
+    assert ranks[0]["grad_norms"][1] == pytest.approx(single["grad_norms"][1], rel=1e-4)
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return {r["iter"]: r["loss"] for r in map(json.loads, fh) if "loss" in r and "event" not in r}
+
+
+def _run(rank, world, run_dir, corpus, flags):
+    from megapretrain.train import main
+
+    from test_parallel_equivalence import BASE
+
+    assert main(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, "--train.precision", "bf16",
+                 "--checkpoint.interval", "2", "--schedule.decay_iters", "6", *flags]) == 0
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_resumes_in_bf16_and_back(corpus, tmp_path):
+    """Checkpoints hold the fp32 masters and nothing of FP8: a tensorwise run saved under tp 2 +
+    sp resumes in one process in bf16, whose checkpoint resumes in rowwise; each resumed step's
+    loss is within 1% of an uninterrupted tensorwise run's (a fresh model's would be ~10% off).
+    Slow (~70 s on 2 busy cores): four training runs, one of them on 2 ranks."""
+    straight = str(tmp_path / "straight")
+    _run(0, 1, straight, corpus, ["--model.fp8", "tensorwise", "--train.iters", "6"])
+    run = str(tmp_path / "run")
+    run_distributed(_run, 2, run, corpus, ["--model.fp8", "tensorwise", "--train.iters", "2", "--parallel.tp", "2",
+                                           "--parallel.sequence_parallel", "true"], timeout=300)
+    _run(0, 1, run, corpus, ["--model.fp8", "none", "--train.iters", "4"])
+    _run(0, 1, run, corpus, ["--model.fp8", "rowwise", "--train.iters", "6"])
+    want, got = _losses(straight), _losses(run)
+    assert sorted(got) == list(range(1, 7))
+    for i in range(1, 7):
+        assert got[i] == pytest.approx(want[i], rel=1e-2), i
+    assert want[6] < 0.9 * want[1]
+
+
+@pytest.mark.slow
+def test_compiled_fp8_layers_have_no_graph_break_and_train_like_eager():
+    """torch.compile traces the FP8 linears whole (casts and scaled GEMMs in the layer's graph, no
+    break) and gives eager's gradients (fp32: inductor only reorders float operations). Slow: the
+    compilation on CPU takes minutes."""
+    from torch._dynamo.utils import counters
+
+    from megapretrain.model.build import compile_layers
+
+    from helpers import make_tokens
+
+    tokens = make_tokens(batch=2, seq=32)
+    out = {}
+    for compiled in (False, True):
+        _, model = _model("tensorwise")
+        model.float()
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_layers(model, torch.device("cpu"))
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        out[compiled] = loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+# -- 200 steps on real text -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus(tmp_path_factory) -> str:
+    """1 MB of the Python standard library's sources, byte-tokenized: real text, no download."""
+    from megapretrain.commands import build_demo_corpus, preprocess_data
+
+    d = tmp_path_factory.mktemp("stdlib")
+    assert build_demo_corpus.main(["--output", str(d / "c.jsonl"), "--max-mb", "1"]) == 0
+    assert preprocess_data.main(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "c"), "--tokenizer-type",
+                                 "ByteTokenizer", "--json-keys", "text", "--append-eod", "--workers", "1"]) == 0
+    return str(d / "c_text_document")
+
+
+# 2 layers of hidden 64 at 1,024 tokens a step; lr 1e-3: at a larger rate this model's curve turns
+# chaotic, and fp32 itself departs from bf16 by 4% at single steps (here: under 0.1%)
+CURVE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+         "--model.ffn_hidden_size", "192", "--train.seq_length", "64", "--train.micro_batch_size", "16",
+         "--train.global_batch_size", "16", "--train.iters", "200", "--train.precision", "bf16",
+         "--train.eval_interval", "0", "--logging.interval", "10", "--logging.tensorboard", "false",
+         "--checkpoint.interval", "0", "--optim.lr", "1e-3", "--schedule.warmup_iters", "20",
+         "--recovery.action", "none"]
+
+
+def _curve(run_dir: str, corpus: str, recipe: str) -> dict[int, float]:
+    from megapretrain.train import main
+
+    assert main(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *CURVE, "--model.fp8", recipe]) == 0
+    return _losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def bf16_curve(stdlib_corpus, tmp_path_factory) -> dict[int, float]:
+    return _curve(str(tmp_path_factory.mktemp("bf16")), stdlib_corpus, "none")
+
+
+def _deviation(curve: dict[int, float], reference: dict[int, float]) -> float:
+    assert sorted(curve) == sorted(reference) == list(range(10, 201, 10))
+    return max(abs(curve[i] - reference[i]) / reference[i] for i in reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two 200-step runs (bf16's is shared) on a shared CPU
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_tracks_the_bf16_loss_for_200_steps(recipe, stdlib_corpus, bf16_curve, tmp_path):
+    """Each recipe's loss is within 1% of bf16's at every logged step of 200 (measured: 0.5%
+    tensorwise, 0.4% rowwise). Slow (~1 min a run on 2 cores): a curve needs its 200 steps."""
+    assert _deviation(_curve(str(tmp_path), stdlib_corpus, recipe), bf16_curve) < 0.01
+    assert bf16_curve[200] < 0.6 * bf16_curve[10]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_curve_check_fails_when_the_scaling_is_broken(stdlib_corpus, bf16_curve, tmp_path, monkeypatch):
+    """The same check on a run whose casts ignore their amax (every scale 1: small weights and
+    gradients flush to zero in FP8) falls well outside 1% (measured: 7%)."""
+    import megapretrain.parallel.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "amax_to_scale", lambda amax, dtype, pow2: torch.ones_like(amax))
+    assert _deviation(_curve(str(tmp_path), stdlib_corpus, "tensorwise"), bf16_curve) > 0.03
