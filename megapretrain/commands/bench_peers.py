@@ -75,6 +75,7 @@ def nanogpt_step(module, cfg, plan, batches, device):
     model = module.GPT(gpt_cfg).to(device).train()
     opt = model.configure_optimizers(o.weight_decay, o.lr, tuple(o.betas), device.type)
     amp = t.precision != "fp32"
+    batches = [(x.contiguous(), y.contiguous()) for x, y in batches]  # as its get_batch makes them (it .view()s)
 
     def step() -> torch.Tensor:
         total = torch.zeros((), device=device)

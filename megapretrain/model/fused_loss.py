@@ -39,6 +39,8 @@ for ``F.linear`` on a vocab shard).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -47,8 +49,10 @@ from ..parallel.state import Group
 
 
 def _differs(scale: torch.Tensor, keep: torch.Tensor, made: float) -> torch.Tensor:
-    """Whether some kept token's incoming gradient is not ``made``: a 0-d bool device tensor."""
-    return ((scale != made) & keep).any()
+    """Whether some kept token's incoming gradient is not ``made``: a 0-d bool device tensor (a NaN
+    announced and brought is the same: an injected fault, whose step is skipped)."""
+    same = scale.isnan() if math.isnan(made) else scale == made
+    return (~same & keep).any()
 
 
 def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> float | None:

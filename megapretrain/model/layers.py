@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.rmsnorm import rms_norm
@@ -306,6 +305,9 @@ class Attention(nn.Module):
         kw = dict(enable_gqa=True, dropout_p=dropout)
         if self.cp.size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
+        from torch.nn.attention.bias import causal_lower_right
+
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
                                               attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
