@@ -82,6 +82,7 @@ class Trainer(RunState, RunWatch):
         self.iteration, self.consumed_samples = 0, 0
         self.last_loss: float | None = None
         self._unread: list[dict] = []  # the steps since the last read point, their values still on the device
+        self._started = False  # whether fit() ran (the start-up to the first step is logged once)
         os.makedirs(cfg.run.dir, exist_ok=True)
 
         # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded by name
@@ -205,7 +206,8 @@ class Trainer(RunState, RunWatch):
         first_iter, first_samples = self.iteration, self.consumed_samples
         self.progress.start(self.iteration)
         saved = False  # whether the pass that ended last saved its iteration
-        startup_s = process_age_s()
+        startup_s = None if self._started else process_age_s()  # this launch's first step
+        self._started = True
         if startup_s is not None:  # interpreter, imports, data indices, model build, resume
             self.log(f"start-up: {startup_s:.1f} s from process start to the first step")
             self.metrics.event("first_step", self.iteration + 1, startup_s=round(startup_s, 2))

@@ -224,6 +224,7 @@ def startup_seconds(config: str, overrides: list[str], cfg) -> tuple[float | Non
             argv = [sys.executable, "-m", "megapretrain.train", "--config", config, *overrides,
                     "--data.paths", f"[{prefix}]", "--data.tokenizer.type", "ByteTokenizer",
                     "--data.tokenizer.model", "null", "--data.cache_dir", os.path.join(tmp, "cache"),
+                    "--model.vocab_size", str(max(cfg.model.vocab_size, BYTE_VOCAB)),  # the corpus's byte ids
                     "--run.dir", run_dir, "--train.iters", "1", "--schedule.warmup_iters", "0",
                     "--schedule.decay_iters", "null", "--train.eval_interval", "0",
                     "--checkpoint.interval", "0", "--logging.tensorboard", "false", "--logging.wandb", "false"]
