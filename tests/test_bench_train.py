@@ -29,4 +29,5 @@ def test_bench_train_prints_the_anatomy_of_a_tiny_step(tmp_path):
     assert "host syncs per step: 0 (0 scalar reads, 0 device-to-host copies)" in text
     assert re.search(r"tensors allocated per step: [1-9]", text)
     assert re.search(r"Python and framework: [\d,.]+ ms", text)
-    assert re.search(r"start-up to the first step .*: cold [\d.]+ s \(data indices built\), warm [\d.]+ s", text)
+    assert re.search(r"start-up to the first step .*: cold [\d.]+ s \([\d.]+ s CPU; data indices built\), "
+                     r"warm [\d.]+ s \([\d.]+ s CPU; cached\)", text)

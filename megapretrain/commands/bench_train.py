@@ -176,38 +176,45 @@ def megapretrain_step(cfg, plan, batches, device):
     return step, model, flops_per_token(model.args, cfg.train.seq_length)
 
 
-def anatomy(step, model) -> DispatchCounter:
-    """One step counted at the dispatcher; ``scoped_ops`` are the first decoder layer's (forward and
-    backward, over all micro-batches)."""
+def anatomy(step, model) -> tuple[DispatchCounter, float]:
+    """One step counted at the dispatcher, and its wall time; ``scoped_ops`` are the first decoder
+    layer's (forward and backward, over all micro-batches)."""
     counter = DispatchCounter()
     first_layer = next(iter(model.layers.values()))
     hooks = count_in_module(counter, first_layer)
     try:
+        start = time.perf_counter()
         with counter:
             step()
+        wall = time.perf_counter() - start
     finally:
         for h in hooks:
             h.remove()
-    return counter
+    return counter, wall
 
 
-def describe_anatomy(counter: DispatchCounter, micro: int, step_s: float) -> list[str]:
-    python_s = max(0.0, step_s - counter.op_seconds)
+def describe_anatomy(counter: DispatchCounter, wall_s: float, micro: int) -> list[str]:
+    """The counted step's figures. Python and framework time is its wall time less the time inside
+    the ops, both of that one step (so that a load changing between steps does not skew it); it
+    includes the counter's own cost per op, so it is an upper bound."""
+    python_s = max(0.0, wall_s - counter.op_seconds)
     return [f"  ops dispatched per layer (forward + backward, one micro-batch): {counter.scoped_ops / micro:,.0f}",
             f"  ops dispatched per step: {counter.ops:,} ({micro} micro-batches)",
             f"  host syncs per step: {counter.syncs} ({counter.scalar_reads} scalar reads, "
             f"{counter.host_copies} device-to-host copies)",
             f"  tensors allocated per step: {counter.allocations:,}",
-            f"  time in ops: {1e3 * counter.op_seconds:,.1f} ms of the {1e3 * step_s:,.1f} ms median step; "
-            f"Python and framework: {1e3 * python_s:,.1f} ms ({100 * python_s / step_s:.0f}%)"]
+            f"  time in ops: {1e3 * counter.op_seconds:,.1f} ms of the counted step's {1e3 * wall_s:,.1f} ms; "
+            f"Python and framework: {1e3 * python_s:,.1f} ms ({100 * python_s / wall_s:.0f}%, at most: the "
+            "counter's own cost included)"]
 
 
 # -- start-up -------------------------------------------------------------------------------------
 
 
-def startup_seconds(config: str, overrides: list[str], cfg) -> tuple[float | None, float | None, str]:
-    """Seconds from process start to the first step of ``python -m megapretrain.train`` on this
-    config and a generated corpus: with the data indices to build (cold), then cached (warm)."""
+def startup_seconds(config: str, overrides: list[str], cfg) -> tuple[tuple, tuple, str]:
+    """(Seconds, CPU seconds) from process start to the first step of ``python -m
+    megapretrain.train`` on this config and a generated corpus: with the data indices to build
+    (cold), then cached (warm); and the failed run's last line, if it failed."""
     from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
 
     t = cfg.train
@@ -227,13 +234,13 @@ def startup_seconds(config: str, overrides: list[str], cfg) -> tuple[float | Non
                     "--model.vocab_size", str(max(cfg.model.vocab_size, BYTE_VOCAB)),  # the corpus's byte ids
                     "--run.dir", run_dir, "--train.iters", "1", "--schedule.warmup_iters", "0",
                     "--schedule.decay_iters", "null", "--train.eval_interval", "0",
-                    "--checkpoint.interval", "0", "--logging.tensorboard", "false", "--logging.wandb", "false"]
+                    "--checkpoint.interval", "0", "--logging.wandb", "false"]  # TensorBoard as configured
             done = subprocess.run(argv, capture_output=True, text=True)
             if done.returncode != 0:
-                return None, None, (done.stderr.strip().splitlines() or ["no output"])[-1]
+                return (), (), (done.stderr.strip().splitlines() or ["no output"])[-1]
             with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
                 events = [r for r in map(json.loads, fh) if r.get("event") == "first_step"]
-            figures.append(events[0]["startup_s"] if events else None)
+            figures.append((events[0]["startup_s"], events[0]["startup_cpu_s"]) if events else (None, None))
     return figures[0], figures[1], ""
 
 
@@ -332,13 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     systems, peer_flops = peers(args, cfg, plan, batches, device, flops)
     systems = {"megapretrain": step, **systems}
     times = interleaved(systems, args.rounds, args.warmup, args.steps, device)
-    step_s = statistics.median(t for r in times["megapretrain"] for t in r)
     print(f"throughput: {args.rounds} interleaved rounds of {args.steps} steps each "
           f"(after {args.warmup} warm-up steps); medians over all the rounds' steps")
     for line in describe_throughput(times, plan.tokens_per_batch, {"megapretrain": flops, **peer_flops}, ceiling):
         print(line)
     print("anatomy of a megapretrain step:")
-    for line in describe_anatomy(anatomy(step, model), plan.grad_accum, step_s):
+    for line in describe_anatomy(*anatomy(step, model), plan.grad_accum):
         print(line)
     if cfg.train.compile:
         print(compile_report())
@@ -349,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if error:
             print(f"start-up: not measured: the training run failed: {error}")
         else:
-            print(f"start-up to the first step (python -m megapretrain.train, this config): cold {cold:.1f} s "
-                  f"(data indices built), warm {warm:.1f} s (cached)")
+            print(f"start-up to the first step (python -m megapretrain.train, this config): cold {cold[0]:.1f} s "
+                  f"({cold[1]:.1f} s CPU; data indices built), warm {warm[0]:.1f} s ({warm[1]:.1f} s CPU; cached)")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     return 0
 
