@@ -73,8 +73,12 @@ def memory_mb(device: torch.device) -> float:
 
 
 class Trainer(RunState, RunWatch):
-    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
-        """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
+    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None, *,
+                 datasets: dict | None = None, eod: int | None = None):
+        """``lock``: rank 0's hold on the run directory, touched every step and released by fit().
+        ``datasets``: the train (and valid) datasets to read batches from, in place of those of
+        ``data.paths`` (a simulation's samples of the right shape), with ``eod`` their
+        end-of-document id (else the tokenizer's)."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
         self.lock = lock
         t = cfg.train
@@ -113,11 +117,12 @@ class Trainer(RunState, RunWatch):
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
 
-        self.datasets = self._build_datasets()
+        self.datasets = self._build_datasets() if datasets is None else datasets
         d = cfg.data
         self.documents = d.reset_attention_mask or d.reset_position_ids  # every stage needs the token ids
-        self.eod = build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod \
-            if self.documents or d.eod_mask_loss else None
+        self.eod = None
+        if self.documents or d.eod_mask_loss:
+            self.eod = eod if datasets is not None else build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod
         needs_data = self.documents or any(c.pre_process or c.post_process for c in self.model_chunks)
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.rmsnorm import rms_norm
@@ -251,6 +252,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 # -- attention -------------------------------------------------------------------------------------
 
 
+def _lower_right(queries: int, keys: int):
+    """``causal_lower_right(queries, keys)`` (a ``CausalBias``), made outside any dispatch mode:
+    torch builds that tensor subclass with a legacy constructor, which fails under one (fake
+    tensors, FLOP and memory counters)."""
+    # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
+    from torch.nn.attention.bias import causal_lower_right
+
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
@@ -305,11 +317,8 @@ class Attention(nn.Module):
         kw = dict(enable_gqa=True, dropout_p=dropout)
         if self.cp.size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-        # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
-        from torch.nn.attention.bias import causal_lower_right
-
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
-                                              attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
+                                              attn_mask=_lower_right(rows.stop - rows.start, keys), **kw)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 

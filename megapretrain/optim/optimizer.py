@@ -107,14 +107,15 @@ class Fragment:
 def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
     """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
     CUDA (unless offloaded: the host steps), torch elsewhere."""
-    runs = kernels.use_triton(device.type) and not offload
+    kind = kernels.device_type(device)
+    runs = kernels.use_triton(kind) and not offload
     if choice == "triton" and not runs:
-        raise ConfigError(f"optim.impl=triton cannot run on {device.type}: it needs triton and CUDA, or "
+        raise ConfigError(f"optim.impl=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set optim.impl=auto)")
-    if choice == "apex" and device.type != "cuda":
-        raise ConfigError(f"optim.impl=apex runs on CUDA only, not {device.type} (set optim.impl=auto)")
+    if choice == "apex" and kind != "cuda":
+        raise ConfigError(f"optim.impl=apex runs on CUDA only, not {kind} (set optim.impl=auto)")
     if choice == "auto":
-        return "triton" if runs and device.type == "cuda" else "torch"
+        return "triton" if runs and kind == "cuda" else "torch"
     return choice
 
 
@@ -444,11 +445,11 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
 
         def storage_bytes(tensors, exclude=frozenset()) -> dict:
-            out = {}
+            out = {}  # by storage (its address: tensors without data, fake ones, all have data pointer 0)
             for t in tensors:
                 st = t.untyped_storage()
-                if st.data_ptr() not in exclude:
-                    out[st.data_ptr()] = st.nbytes()
+                if st._cdata not in exclude:
+                    out[st._cdata] = st.nbytes()
             return out
 
         params = storage_bytes(self.buffers.param_buffers)
