@@ -39,6 +39,7 @@ from ..parallel.tensor import (
     SavedShards,
     VocabParallelEmbedding,
     enter_tp_region,
+    fp8_gathered,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -73,13 +74,17 @@ class ColumnLinear(ColumnParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std))}
+        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std),
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if self.fp8 is None:
+            return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        y = self.matmul(x)  # (b, s, out/tp)
+        return y if self.bias is None else y + self.bias
 
 
 class RowLinear(RowParallelLinear):
@@ -94,13 +99,14 @@ class RowLinear(RowParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std))}  # input columns split over tp
+        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std),  # input columns split over tp
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = self.matmul(x)  # (b, s, out) partial sums
         y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
