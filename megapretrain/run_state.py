@@ -179,25 +179,28 @@ class RunState:
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    def _on_alert(self, alert: dict) -> bool:
-        """Report an alert and act on it; returns True when training was rolled back."""
+    def _on_alert(self, alert: dict, iteration: int, consumed_samples: int) -> bool:
+        """Report an alert of the step ``iteration`` (after which ``consumed_samples`` samples were
+        consumed) and act on it; returns True when training was rolled back."""
         self.log(f"alert: {describe(alert)}")
-        self.metrics.event("alert", self.iteration, **{k: v for k, v in alert.items() if k != "iter"})
+        self.metrics.event("alert", iteration, **{k: v for k, v in alert.items() if k != "iter"})
         if self.is_logger:
             run_alert_command(self.cfg.recovery.alert_command, self.alert_payload(alert))
-        return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"])
+        return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"], iteration, consumed_samples)
 
-    def _rollback(self, since: int) -> bool:
+    def _rollback(self, since: int, bad_iteration: int, consumed_samples: int) -> bool:
         """Reload the newest checkpoint from before iteration ``since``, set aside those saved since,
-        and skip the global batches trained since then (plus ``recovery.skip_batches``)."""
+        and skip the global batches trained up to ``bad_iteration`` — the step whose outcome made
+        the verdict, after which ``consumed_samples`` samples were consumed (steps trained after it
+        before it was read are dropped too) — plus ``recovery.skip_batches``."""
         r, t = self.cfg.recovery, self.cfg.train
         if self.rollbacks >= r.max_rollbacks:
             raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already (recovery.max_rollbacks) and the "
-                                f"run is still unhealthy at iteration {self.iteration}; inspect metrics.jsonl, "
+                                f"run is still unhealthy at iteration {bad_iteration}; inspect metrics.jsonl, "
                                 "then lower optim.lr or raise recovery.skip_batches and relaunch")
         self.checkpoints.finalize()
         path = self.checkpoints.newest_before(since)
-        skip_to = self.consumed_samples + r.skip_batches * t.global_batch_size
+        skip_to = consumed_samples + r.skip_batches * t.global_batch_size
         if path is None:
             self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; going on")
             return False
@@ -207,7 +210,6 @@ class RunState:
             self.log(f"recovery: skipping to sample {skip_to:,} would run past the {len(self.datasets['train']):,} "
                      "samples indexed for this run; going on without a rollback")
             return False
-        bad_iteration = self.iteration
         self._apply(state)
         moved = self.checkpoints.set_aside_from(since, keep=path)
         skipped = skip_to - self.consumed_samples

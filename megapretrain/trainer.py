@@ -35,6 +35,7 @@ from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
 from .monitor.alerts import AlertMonitor, Stragglers
+from .monitor.anatomy import process_age_s
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
 from .monitor.progress import Progress, describe_summary
@@ -84,6 +85,8 @@ class Trainer(RunState, RunWatch):
         self.is_logger = ps.rank == 0
         self.iteration, self.consumed_samples = 0, 0
         self.last_loss: float | None = None
+        self._unread: list[dict] = []  # the steps since the last read point, their values still on the device
+        self._started = False  # whether fit() ran (the start-up to the first step is logged once)
         os.makedirs(cfg.run.dir, exist_ok=True)
 
         # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded by name
@@ -97,6 +100,9 @@ class Trainer(RunState, RunWatch):
         # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer gathered around its use
         self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
                                    prefetch=cfg.parallel.zero3_prefetch)
+        # the loss's backward always brings the gradient the forward was told (_forward_fn): the fused
+        # output layer's check that it did is read at the next read point, not waited for per micro-batch
+        self.optimizer.buffers.grad_scale_checks = []
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
         self.pipeline_schedule = sizes.schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
@@ -205,6 +211,13 @@ class Trainer(RunState, RunWatch):
         first_iter, first_samples = self.iteration, self.consumed_samples
         self.progress.start(self.iteration)
         saved = False  # whether the pass that ended last saved its iteration
+        startup_s = None if self._started else process_age_s()  # this launch's first step
+        self._started = True
+        if startup_s is not None:  # interpreter, imports, data indices, model build, resume
+            cpu_s = time.process_time()  # the CPU time of it: what a machine shared with others does not inflate
+            self.log(f"start-up: {startup_s:.1f} s from process start to the first step ({cpu_s:.1f} s of CPU)")
+            self.metrics.event("first_step", self.iteration + 1, startup_s=round(startup_s, 2),
+                               startup_cpu_s=round(cpu_s, 2))
         while self.iteration < iters:
             saved = False
             self.watchdog.beat("step", self.iteration + 1)
@@ -218,21 +231,21 @@ class Trainer(RunState, RunWatch):
             if self.pipeline.record:
                 self._write_trace()
             self.consumed_samples += stats["global_batch_size"]
+            self._unread.append({**stats, "iter": self.iteration, "consumed_samples": self.consumed_samples})
             logged = self.iteration % self.cfg.logging.interval == 0 or self.iteration == iters
-            if logged:
-                self._log_step(stats)
-            self._report_alerts(stats, stragglers=logged)
-            alert = self.detector and self.detector.observe(self.iteration, stats["loss"], stats["skipped"],
-                                                            stats["grad_norm"])
-            if alert and self._on_alert(alert):
+            evaluates = t.eval_interval and self.iteration % t.eval_interval == 0
+            saves = c.interval and self.iteration % c.interval == 0
+            if not (logged or evaluates or saves or self._read_now(last_save)):
+                continue  # the step's values stay on the device: read with the next ones
+            if self._read_steps(logged):
                 continue  # rolled back: this iteration is trained again from the checkpoint
-            if t.eval_interval and self.iteration % t.eval_interval == 0:
+            if evaluates:
                 self.watchdog.beat("eval", self.iteration)
                 self._log_eval(self.evaluate())
                 self.alerts.settle()
             timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
             stop = self._agree(self._stop_requested)
-            if (c.interval and self.iteration % c.interval == 0) or timed or stop:
+            if saves or timed or stop:
                 self.watchdog.beat("save", self.iteration)
                 self.save()
                 self.alerts.settle()
@@ -259,7 +272,7 @@ class Trainer(RunState, RunWatch):
         into guidance (the memory summary and the remedies with the planner's estimates)."""
         try:
             self.faults.before_step(self.iteration + 1)
-            return self._read_step(self.train_step())
+            return self.train_step()
         except (torch.OutOfMemoryError, MemoryError) as exc:
             message = report_oom(exc, self.cfg, self.sizes.layout, self.ps.rank, self.iteration + 1, self.device)
             print(message, file=sys.stderr, flush=True)
@@ -270,8 +283,8 @@ class Trainer(RunState, RunWatch):
     def train_step(self) -> dict:
         """One optimizer step over the global batch, which reads nothing back from the device;
         returns the step's metrics as it left them — the loss sum, the grad norm and the skip flag
-        still device tensors (:meth:`_read_step` reads them) — with where its time went (data wait,
-        forward/backward, waiting for the gradient reduction, the optimizer)."""
+        still device tensors (:meth:`_read_steps` reads them) — with where its host time went
+        (data wait, forward/backward, waiting for the gradient reduction, the optimizer)."""
         ps, it = self.ps, self.iteration + 1
         start = time.perf_counter()
         if ps.stats is not None:
@@ -296,25 +309,11 @@ class Trainer(RunState, RunWatch):
         lr = self.lr_schedule(it) * self.lr_scale
         self._stall_s += self.checkpoints.wait_snapshot()  # an async save still copying what the step changes
         grad_norm, skipped = self.optimizer.step_on_device(lr)
-        return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
-                "global_batch_size": batch, "started": start, "data_time": data_time,
-                "forward_backward_time": backward_done - computed, "grad_sync_time": reduced - backward_done,
-                "optimizer_started": reduced}
-
-    def _read_step(self, stats: dict) -> dict:
-        """``train_step``'s metrics read on the host, which waits for the step to finish: the loss
-        (the mean over the step's tokens), the grad norm and whether the optimizer skipped the
-        step (then settled: its step count and fp16 loss scale), and the step's and the
-        optimizer's times up to now."""
-        stats = dict(stats)
-        loss = stats.pop("loss_sum").item() / stats.pop("tokens")
-        skipped = bool(stats["skipped"])
-        self.optimizer.settle(skipped)
         now = time.perf_counter()
-        self.last_loss = loss
-        stats.update(loss=loss, grad_norm=float(stats["grad_norm"]), skipped=skipped,
-                     step_time=now - stats.pop("started"), optimizer_time=now - stats.pop("optimizer_started"))
-        return stats
+        return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
+                "global_batch_size": batch, "started": start, "step_time": now - start, "data_time": data_time,
+                "forward_backward_time": backward_done - computed, "grad_sync_time": reduced - backward_done,
+                "optimizer_started": reduced, "optimizer_time": now - reduced}
 
     def _orders(self, batch: int) -> tuple[list, int]:
         """Every stage's schedule order for a global batch of ``batch`` samples, and its micro-batches."""
@@ -431,10 +430,10 @@ class Trainer(RunState, RunWatch):
 
     TIME_PARTS = ("data_time", "forward_backward_time", "grad_sync_time", "optimizer_time")
 
-    def _log_step(self, s: dict) -> None:
-        tokens_per_sec = s["global_batch_size"] * self.cfg.train.seq_length / s["step_time"]
+    def _log_step(self, s: dict, tokens_per_sec: float) -> None:
+        """The logged step's line; ``tokens_per_sec`` over the steps since the last read point."""
         tflops = self.flops_per_token * tokens_per_sec / self.ps.world_size / 1e12
-        record = {"iter": self.iteration, "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"],
+        record = {"iter": s["iter"], "loss": s["loss"], "grad_norm": s["grad_norm"], "lr": s["lr"],
                   "tokens_per_sec": tokens_per_sec,
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],

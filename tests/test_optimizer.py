@@ -161,6 +161,36 @@ def test_nan_grad_skips_the_step():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def _steps(read_at_once: bool, poisoned=(1,)) -> tuple[dict, int]:
+    """Four steps, the ``poisoned`` ones with NaN grads, read after each (``step``) or all at the
+    end (``step_on_device``, then ``settle`` in order); the weights and Adam's step count."""
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args())
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(lr=1e-2), "fp32", ps)
+    flags = []
+    for i in range(4):
+        opt.zero_grad()
+        with opt.grad_sync(last=True):
+            (_loss(model, tokens) * (float("nan") if i in poisoned else 1.0)).backward()
+        opt.reduce_grads()
+        if read_at_once:
+            opt.step(1e-2)
+        else:
+            flags.append(opt.step_on_device(1e-2)[1])
+    for skipped in flags:
+        opt.settle(bool(skipped))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, opt.step_count
+
+
+def test_steps_read_later_update_as_steps_read_at_once():
+    """A skipped step not yet settled leaves Adam's step count (its bias correction) exact on the
+    device: the weights after skipped and clean steps read at the end equal those read each step."""
+    at_once, count = _steps(True)
+    later, later_count = _steps(False)
+    assert count == later_count == 3
+    assert all(torch.equal(later[n], p) for n, p in at_once.items())
+
+
 def test_loss_scaler():
     s = LossScaler(initial=8.0, window=2, min_scale=2.0, dynamic=True)
     s.update(found_inf=True)

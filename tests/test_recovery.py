@@ -129,7 +129,7 @@ def test_non_finite_steps_roll_back_past_a_checkpoint_that_holds_them(corpus, tm
     data of steps 9-13 plus one batch. Twice the same way."""
     from megapretrain.optim.optimizer import MixedPrecisionAdamW
 
-    norm, step = MixedPrecisionAdamW.grad_norm, Trainer.train_step
+    norm, step = MixedPrecisionAdamW._norm, Trainer.train_step
     poisoned = {12, 13}
     state = {"broken": False, "hits": 0}
 
@@ -139,8 +139,9 @@ def test_non_finite_steps_roll_back_past_a_checkpoint_that_holds_them(corpus, tm
         return step(self)
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
-    monkeypatch.setattr(MixedPrecisionAdamW, "grad_norm",
-                        lambda self, *a: float("inf") if state["broken"] else norm(self, *a))
+    monkeypatch.setattr(MixedPrecisionAdamW, "_norm",  # the grad norm as the step sees it (a device tensor)
+                        lambda self, *a: torch.tensor(float("inf"), dtype=torch.float64) if state["broken"]
+                        else norm(self, *a))
     runs = []
     for name in ("a", "b"):
         state["hits"] = 0

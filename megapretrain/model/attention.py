@@ -166,12 +166,25 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _eager_in_compiled(attend):
+    """``attend`` run eagerly when a compiled region (``train.compile``'s layers) calls it: there it
+    calls ``torch.compiler.disable(attend)``, a graph break. Applying ``torch.compiler.disable``
+    at import instead would import Dynamo in every run (a second or more of start-up, as much as
+    torch itself); a run that compiles has it loaded already."""
+    @functools.wraps(attend)
+    def call(self, q, k, v, dropout: float) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(attend)(self, q, k, v, dropout)
+        return attend(self, q, k, v, dropout)
+    return call
+
+
 @dataclass(frozen=True)
 class FlexMask:
     """flex: FlexAttention's block mask of the micro-batch."""
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
 
-    @torch.compiler.disable  # its own compiled kernel, outside a compiled layer's graph (model/build.py)
+    @_eager_in_compiled  # its own compiled kernel, outside a compiled layer's graph (model/build.py)
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         if dropout:
             raise ValueError("FlexAttention has no attention dropout (model.attention resolves to sdpa with it)")
@@ -189,7 +202,7 @@ class TileMask:
     """blockwise: the micro-batch's :class:`TilePlan`."""
     plan: TilePlan
 
-    @torch.compiler.disable  # Python loops over the plan: run eagerly inside a compiled layer
+    @_eager_in_compiled  # Python loops over the plan: run eagerly inside a compiled layer
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         if dropout:
             raise ValueError("blockwise attention has no attention dropout (model.attention resolves to sdpa "

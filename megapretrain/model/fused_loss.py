@@ -24,8 +24,12 @@ and the buffers are told, as their gradient hook would have been. No weight-size
 exists, the sum over chunks and micro-batches is fp32's, and the separate fold of a bf16 gradient
 into the main grad is gone. When the gradients are made in the forward, the forward adds them for
 the incoming gradient the trainer announces (``grad_scale``); a backward that brings another adds
-the difference, recomputed from the log-sum-exp, so it stays exact. A tied weight whose chunk also
-embeds with it keeps autograd's path (the embedding's gradient comes later, through autograd).
+the difference, recomputed from the log-sum-exp, so it stays exact. Knowing whether it brought
+another means reading a flag on the host; a caller whose backward always brings the announced
+gradient (the trainer) sets the buffers' ``grad_scale_checks`` to a list, and each backward appends
+its flag there, a device tensor, for the caller to read with the step's other values (the trainer
+raises if one is ever set). A tied weight whose chunk also embeds with it keeps autograd's path
+(the embedding's gradient comes later, through autograd).
 
 The phases are those of :mod:`megapretrain.kernels.cross_entropy` (Triton on CUDA, or under the
 interpreter) or, with ``reference``, their torch twins; the statistics are all-reduced over tp
@@ -35,11 +39,21 @@ for ``F.linear`` on a vocab shard).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from ..kernels import device_type
 from ..kernels.linear_cross_entropy import chunked_loss_and_grads, default_chunk_rows
 from ..parallel.state import Group
+
+
+def _differs(scale: torch.Tensor, keep: torch.Tensor, made: float) -> torch.Tensor:
+    """Whether some kept token's incoming gradient is not ``made``: a 0-d bool device tensor (a NaN
+    announced and brought is the same: an injected fault, whose step is skipped)."""
+    same = scale.isnan() if math.isnan(made) else scale == made
+    return (~same & keep).any()
 
 
 def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
@@ -48,11 +62,6 @@ def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
     values (so it also runs on the fake tensors of a simulation)."""
     first = torch.where(keep.any(), scale[keep.to(torch.int8).argmax()], 0.0)  # the first kept token's
     return first if bool(((scale == first) | ~keep).all()) else None
-
-
-def _matches(scale: torch.Tensor, keep: torch.Tensor, made: float) -> bool:
-    """Whether every kept token's incoming gradient is ``made`` (one host read)."""
-    return bool(((scale == made) | ~keep).all())
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -89,7 +98,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w, reference,
                                                           lse=lse, grad_w_out=main)
         elif fused:  # the forward added made · G to the main grad: add (incoming - made) · G
-            if not _matches(scale, t1d != ignore_index, ctx.made):
+            differs = _differs(scale, t1d != ignore_index, ctx.made)
+            checks = ctx.sink.grad_scale_checks
+            if checks is not None:  # the caller brings what it announced, and reads the check later
+                checks.append(differs)
+            elif bool(differs):
                 main = ctx.sink.main_grad_for(ctx.param)
                 _, _, fix_x, _ = chunked_loss_and_grads(x2d, weight, t1d, scale - ctx.made, *args, need_x, True,
                                                         reference, lse=lse, grad_w_out=main)
@@ -140,7 +153,7 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
     grads_in_forward = grads_in_forward and torch.is_grad_enabled()
     if grads_in_forward and grad_scale is None:
         grad_sink = None
-    if grad_scale is not None:  # as the incoming gradient will hold it
-        grad_scale = float(torch.tensor(grad_scale, dtype=torch.float32))
+    if grad_scale is not None:  # as the incoming gradient will hold it (rounded on the host: no op)
+        grad_scale = float(np.float32(grad_scale))
     return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index,
                                             z_loss, rows, reference, grads_in_forward, grad_sink, grad_scale)

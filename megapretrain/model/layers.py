@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
@@ -259,10 +258,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 # -- attention -------------------------------------------------------------------------------------
 
 
-def _lower_right(queries: int, keys: int) -> CausalBias:
-    """``causal_lower_right(queries, keys)``, made outside any dispatch mode: torch builds that
-    tensor subclass with a legacy constructor, which fails under one (fake tensors, FLOP and
-    memory counters)."""
+def _lower_right(queries: int, keys: int):
+    """``causal_lower_right(queries, keys)`` (a ``CausalBias``), made outside any dispatch mode:
+    torch builds that tensor subclass with a legacy constructor, which fails under one (fake
+    tensors, FLOP and memory counters)."""
+    # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
+    from torch.nn.attention.bias import causal_lower_right
+
     with _disable_current_modes():
         return causal_lower_right(queries, keys)
 

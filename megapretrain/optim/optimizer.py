@@ -256,7 +256,9 @@ class MixedPrecisionAdamW:
         self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
         self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl) for b in self.buffers.buckets]
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
-        self.step_count = 0
+        self.step_count = 0  # steps taken, less the skipped ones settled (read on the host)
+        # steps skipped and not yet settled (a device count: the torch AdamW's step is exact meanwhile)
+        self._unsettled_skips = torch.zeros((), dtype=torch.int64, device=ps.device)
         self.scaler = LossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
                                  optim_cfg.min_loss_scale, dynamic=precision == "fp16")
         if precision != "fp16":
@@ -364,9 +366,11 @@ class MixedPrecisionAdamW:
         """Unscale, clip and apply one AdamW step without waiting for the device: returns the grad
         norm (0-d float64, inf when not finite) and whether the step is skipped (0-d bool), both
         device tensors. A non-finite grad norm (NaN/Inf in the reduced grads) skips the update on
-        the device, leaving masters, moments and parameters unchanged; the caller then reads the
-        flag and calls :meth:`settle` before the next step (the step count and the fp16 loss
-        scale depend on it)."""
+        the device, leaving masters, moments and parameters unchanged. The caller reads the flags
+        later (several steps' at once) and calls :meth:`settle` with each, in order, before
+        saving; until then the steps skipped are counted on the device, so Adam's step count (its
+        bias correction) is exact meanwhile. The fp16 loss scale needs each step's flag before
+        the next step's backward: with fp16, read and settle every step."""
         self.buffers.wait_params()
         grads = [s.bucket.grad_shard for s in self.shards]
         fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
@@ -393,11 +397,13 @@ class MixedPrecisionAdamW:
         return norm, found_inf
 
     def settle(self, skipped: bool) -> None:
-        """What a step's outcome changes on the host, once read: a skipped step is not counted
-        (Adam's bias correction) and, with fp16, lowers the loss scale (a clean one counts)."""
+        """What a step's outcome changes on the host, once read (steps in order): a skipped step
+        is not counted (Adam's bias correction) and, with fp16, lowers the loss scale (a clean one
+        counts)."""
         self.scaler.update(skipped)
         if skipped:
             self.step_count -= 1
+            self._unsettled_skips -= 1
 
     def _adamw(self, lr: float, found_inf: torch.Tensor, grad_scale: float | torch.Tensor = 1.0) -> None:
         """One decoupled-weight-decay Adam step over every shard, skipped where ``found_inf`` is
@@ -418,6 +424,9 @@ class MixedPrecisionAdamW:
             return
         if self.impl == "apex" and bool(found_inf):
             return
+        # the step as counted once every skipped one is settled: skips not read yet counted here
+        self._unsettled_skips += found_inf
+        step = float(self.step_count) - self._unsettled_skips.float()  # (,) fp32 on the device
         for decay in (True, False):
             params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
                                                   for i in range(4))
@@ -427,10 +436,10 @@ class MixedPrecisionAdamW:
                 _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, self.step_count,
                             self.cfg.weight_decay if decay else 0.0)
                 continue
-            step = torch.full((), float(self.step_count), device=params[0].device)
-            torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step] * len(params), lr=lr,
+            where = params[0].device  # the host, with optim.offload: the flags follow (a copy that waits)
+            torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step.to(where)] * len(params), lr=lr,
                                 beta1=beta1, beta2=beta2, weight_decay=self.cfg.weight_decay if decay else 0.0,
-                                eps=eps, amsgrad=False, maximize=False, found_inf=found_inf.float())
+                                eps=eps, amsgrad=False, maximize=False, found_inf=found_inf.float().to(where))
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -525,5 +534,6 @@ class MixedPrecisionAdamW:
                 self.step_count = int(entry["step"])
         if "step" in state:
             self.step_count = int(state["step"])
+        self._unsettled_skips.zero_()  # the loaded count is settled
         if state.get("scaler") is not None:  # none in a checkpoint converted from other weights
             self.scaler.load_state_dict(state["scaler"])

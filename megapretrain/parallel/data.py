@@ -175,6 +175,10 @@ class DataParallelBuffers:
         # zero=3: one bucket per unit, whatever its size (a unit is gathered whole anyway)
         bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
         self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
+        # a list when the caller's backward always brings the gradient it announced to a fused loss
+        # (model/fused_loss.py): each backward's check that it did lands here, a device flag, for the
+        # caller to read with the step's other values instead of waiting for the device there and then
+        self.grad_scale_checks: list[torch.Tensor] | None = None
         self.fp8_weights: WeightCasts | None = None  # zero=3: where FP8-gathered weights go (hook_models)
         layout = [p for _, p in reversed(named_params)]
         if zero == 3:

@@ -1,0 +1,74 @@
+"""No host sync in a training step: the trainer's loop, from the first step to the read point of
+the first logging step, reads no tensor's value on the host (``aten._local_scalar_dense``: every
+``.item()``, ``float(t)``, ``bool(t)``) and copies nothing from a device to the host — under one
+process and tp 2, pp 2 and dp 2 with ZeRO 3 on gloo. The read point itself then brings back every
+step's loss and grad norm, and the run behaves as it did reading each step: the same losses and
+grad norms as a run logging every step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megapretrain.monitor.anatomy import DispatchCounter
+from megapretrain.train import setup
+
+from distributed import run_distributed
+
+STEPS = 11  # 10 steps that log nothing, then the logging step whose read point ends the count
+BASE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.iters", str(STEPS),
+        "--train.eval_interval", "0", "--logging.tensorboard", "false", "--checkpoint.interval", "0",
+        "--optim.lr", "3e-3", "--train.seed", "5", "--recovery.action", "rollback"]
+
+
+def _count(rank, world, run_dir, corpus, layout, interval):
+    """Train with the counter on from the first step until the first read point."""
+    trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout,
+                     "--logging.interval", str(interval)])
+    counter, counting = DispatchCounter(where=True), []
+    step, read = trainer._guarded_step, trainer._read_steps
+
+    def first_step():
+        if trainer.iteration == 0 and not counting:
+            counter.__enter__()
+            counting.append(True)
+        return step()
+
+    def first_read(logged):
+        if counting == [True]:  # the first read point: stop counting
+            counter.__exit__(None, None, None)
+            counting.append(False)
+        return read(logged)
+
+    trainer._guarded_step, trainer._read_steps = first_step, first_read
+    trainer.fit()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [r for r in map(json.loads, fh) if "loss" in r]
+    return {"syncs": counter.syncs, "sites": dict(counter.sync_sites), "ops": counter.ops,
+            "rows": [(r["iter"], r["loss"], r["grad_norm"]) for r in rows]}
+
+
+LAYOUTS = {"one process": (1, []), "tp2": (2, ["--parallel.tp", "2"]), "pp2": (2, ["--parallel.pp", "2"]),
+           "dp2_zero3": (2, ["--parallel.zero", "3"])}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_no_host_sync_outside_logging_steps(name, corpus, tmp_path):
+    world, layout = LAYOUTS[name]
+    results = run_distributed(_count, world, str(tmp_path / "run"), corpus, layout, STEPS, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["ops"] > 1000, rank  # the counter saw the steps
+        assert r["syncs"] == 0, (rank, r["sites"])
+    assert [it for it, _, _ in results[0]["rows"]] == [STEPS]
+
+
+def test_reading_late_logs_what_reading_each_step_logs(corpus, tmp_path):
+    """The values read at a logging step are those a run logging (reading) every step logs."""
+    late = run_distributed(_count, 1, str(tmp_path / "late"), corpus, [], STEPS, timeout=300)
+    every = run_distributed(_count, 1, str(tmp_path / "every"), corpus, [], 1, timeout=300)
+    assert len(every[0]["rows"]) == STEPS
+    assert late[0]["rows"][-1] == pytest.approx(every[0]["rows"][-1], rel=1e-12)
