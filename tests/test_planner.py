@@ -110,6 +110,32 @@ def test_estimates_move_the_way_the_layout_says():
     assert 0 < base.mfu < h100.efficiency
 
 
+def test_the_zero_bubble_schedules_are_modelled_and_ranked():
+    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2) at 1F1B's
+    peak of activations (its first stage's: what waits for a W is kept as shards, a fraction of a
+    layer's activations, so no stage's peak passes it), and the search weighs them against 1F1B
+    and interleaved layouts: every layout it returns is one the trainer accepts."""
+    m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
+    at = {kind: estimate(m, seq, Layout(tp=2, pp=8, dp=4, vpp=vpp, zero=1, pp_schedule=kind), 128, h100)
+          for kind, vpp in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2), ("zbv", 2))}
+    bubble = {kind: e.time["bubble"] for kind, e in at.items()}
+    assert bubble["zbv"] < bubble["interleaved"] < bubble["1f1b"] and bubble["zb_h1"] < bubble["1f1b"]
+    assert at["zb_h1"].time["total"] < at["1f1b"].time["total"]
+    acts = {kind: e.memory["activations"] for kind, e in at.items()}
+    assert acts["zb_h1"] == acts["zbv"] == acts["1f1b"] < acts["interleaved"]
+    assert at["zb_h1"].time["compute"] == pytest.approx(at["1f1b"].time["compute"])  # the same work, reordered
+    found = search(m, seq, 64, 128, h100)
+    kinds = {e.layout.pp_schedule for e in found}
+    assert {"1f1b", "zb_h1", "interleaved", "zbv"} <= kinds
+    piped = [e for e in found if e.fits and e.layout.pp > 1]
+    for e in piped[:3] + [e for e in piped if e.layout.pp_schedule == "zbv"][:2]:
+        cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"),
+                          [*shlex.split(e.layout.flags()), "--train.global_batch_size", "128",
+                           "--train.rampup_batch_size", "null"])
+        sizes = resolve(cfg, 64).sizes
+        assert sizes.schedule == e.layout.pp_schedule and sizes.pp == e.layout.pp
+
+
 def test_every_layout_found_for_a_config_is_one_the_trainer_accepts():
     cfg = load_config(os.path.join(ROOT, "configs", "llama3_70b.yaml"))
     found = search(model_args(cfg), cfg.train.seq_length, 512, cfg.train.global_batch_size, DEVICES["h100"])

@@ -122,9 +122,9 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     attention = resolve_attention(cfg.model.attention, ps.device, dropout=cfg.model.attention_dropout,
                                   documents=documents)
     if ps.rank == 0:
-        print(describe_attention(attention, documents, ps.cp.size > 1), flush=True)
+        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm), flush=True)
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
-                     z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision],
+                     z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm, dtype=DTYPES[cfg.train.precision],
                      device="meta" if deferred else ps.device)
     for chunk in chunks:
         if deferred:

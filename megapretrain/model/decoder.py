@@ -36,6 +36,7 @@ from ..parallel.state import Group
 from ..parallel.tensor import SavedShards, enter_tp_region, init_shard_
 from .args import ModelArgs
 from .attention import ATTENTION, DocumentMask
+from .context_attention import ring_mask
 from .families import family
 from .fused_loss import linear_cross_entropy_per_token
 from .layers import KERNELS, ColumnLinear, DecoderLayer, Embedding, rope_tables
@@ -124,8 +125,8 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
-                 z_loss: float = 0.0, cp: Group | None = None, attention: str = "sdpa", dtype=torch.float32,
-                 device=None):
+                 z_loss: float = 0.0, cp: Group | None = None, cp_comm: str = "allgather", attention: str = "sdpa",
+                 dtype=torch.float32, device=None):
         super().__init__()
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
@@ -134,6 +135,7 @@ class DecoderModel(nn.Module):
         self.attention = attention  # the kernel of document-masked attention (model/attention.py)
         self.args, self.tp = args, tp
         self.cp = cp if cp is not None else Group("cp", [0])
+        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # parallel/context.py: how attention meets cp
         self.kernels, self.z_loss = kernels, z_loss
         self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
@@ -153,7 +155,8 @@ class DecoderModel(nn.Module):
                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp, **kw)
+                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp,
+                                 cp_comm=self.cp_comm, **kw)
             for i in layer_ids})
         if post_process:
             self.norm = self.spec.norm(args.hidden_size, args.norm_eps, partial_grad=self.sequence_parallel,
@@ -163,6 +166,7 @@ class DecoderModel(nn.Module):
                                             vocab_rows=args.vocab_size, **kw)
         self._rope_cache: dict = {}
         self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
+        self._ring_cache: dict = {}  # ring attention without documents: its plans, per sequence length
 
     # -- layout and initialization -----------------------------------------------------------------
 
@@ -235,8 +239,22 @@ class DecoderModel(nn.Module):
             cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
         elif self.cp.size > 1:
             cos, sin = self._context_tables(seq, x)  # (s, d)
-        mask = docs.mask.prepare(self.attention) if docs is not None and docs.mask is not None else None
-        return cos, sin, mask
+        return cos, sin, self._mask(seq, x.device, docs.mask if docs is not None else None)
+
+    def _mask(self, seq: int, device, documents: DocumentMask | None):
+        """What attention reads of the micro-batch's mask: the document mask prepared for the model's
+        kernel (all-to-all cp: for every query of the sample), or under ring attention the ring's
+        plans (with or without documents), or None (causal by global position)."""
+        if self.cp_comm == "ring":
+            if documents is not None:
+                return documents.cached("ring", lambda: ring_mask(self.cp, seq, device, documents))
+            key = (seq, device)
+            if key not in self._ring_cache:
+                self._ring_cache = {key: ring_mask(self.cp, seq, device)}
+            return self._ring_cache[key]
+        if documents is None:
+            return None
+        return (documents.whole() if self.cp_comm == "a2a" else documents).prepare(self.attention)
 
     def _layer(self, layer: nn.Module, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.rope import rope
 from ..kernels.swiglu import swiglu
-from ..parallel.context import gather_kv_from_cp, query_chunks
+from ..parallel.context import gather_kv_from_cp, heads_from_cp, heads_to_cp, query_chunks
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ONES, ZEROS, Init, Sharding
 from ..parallel.state import Group
@@ -255,17 +255,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
-    context parallelism the keys and values are all-gathered over cp (``parallel/context.py``).
-    Causal attention runs ``scaled_dot_product_attention``; under document masking the kernel the
-    micro-batch's prepared mask stands for (``model/attention.py``: flex, blockwise or sdpa), with
-    the kv heads unexpanded either way."""
+    context parallelism (``parallel/context.py``, ``cp_comm``) the keys and values are all-gathered
+    over cp, or passed around the cp ranks (ring: the micro-batch's prepared mask is a
+    ``RingMask``, ``model/context_attention.py``), or heads and sequence are swapped by
+    all-to-alls (a2a). Causal attention runs ``scaled_dot_product_attention``; under document
+    masking the kernel the micro-batch's prepared mask stands for (``model/attention.py``: flex,
+    blockwise or sdpa), with the kv heads unexpanded either way."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
-                 cp: Group | None = None, dtype, device):
+                 cp: Group | None = None, cp_comm: str = "allgather", dtype, device):
         super().__init__()
         self.rng, self.saved, self.kernels = rng, saved, kernels
         self.cp = cp if cp is not None else Group("cp", [0])
+        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # one rank: nothing to exchange
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -304,7 +307,7 @@ class Attention(nn.Module):
         if mask is not None:
             return mask.attend(q, k, v, dropout)  # (b, n/tp, s, d)
         kw = dict(enable_gqa=True, dropout_p=dropout)
-        if self.cp.size == 1:
+        if self.cp.size == 1 or self.cp_comm == "a2a":  # the whole sequence, in order
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
                                               attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
@@ -333,16 +336,28 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, n/tp, s, d), (b, k/tp, s, d)
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
-        k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
+        if self.cp_comm == "ring":
+            # the ring's own function saves only q, k, v, the output and the log-sum-exp, which is
+            # what selective recomputation would keep: nothing to recompute
+            y = mask.attend(q, k, v, 0.0)  # (b, n/tp, s, d): mask is the micro-batch's RingMask
+        else:
+            if self.cp_comm == "a2a":  # (b, n/(tp·cp), s·cp, d), (b, k/(tp·cp), s·cp, d): the whole sequence
+                q, k, v = heads_from_cp(q, k, v, self.cp)
+            else:  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
+                k, v = gather_kv_from_cp(k, v, self.cp)
+            y = self._attention(q, k, v, mask)
+            y = heads_to_cp(y, self.cp) if self.cp_comm == "a2a" else y  # (b, n/tp, s, d)
+        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
+        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+
+    def _attention(self, q, k, v, mask):
+        """The attention core, checkpointed under selective recomputation."""
         if self.selective_recompute and self.training:
             # no dropout: no random stream to restore, and no context_fn argument at all (torch.compile
             # traces a checkpoint only without one, even the no-op)
             context = dict(context_fn=self.rng.checkpoint_context) if self.dropout else {}
-            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
-        else:
-            y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
-        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
-        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+            return checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
+        return self._core(q, k, v, mask)  # (b, n/tp, s, d)
 
 
 # -- MLPs ------------------------------------------------------------------------------------------
@@ -397,7 +412,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool, recompute: str,
                  rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
-                 dtype, device):
+                 cp_comm: str = "allgather", dtype, device):
         super().__init__()
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
@@ -405,7 +420,8 @@ class DecoderLayer(nn.Module):
         norm = dict(partial_grad=sequence_parallel, **kw)
         self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, spec, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp, **kw)
+                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp,
+                                   cp_comm=cp_comm, **kw)
         self.post_attention_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel, saved=saved, **kw)
         self.dropout = args.hidden_dropout

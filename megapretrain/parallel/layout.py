@@ -55,6 +55,9 @@ class Layout:
     sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
     cp: int = 1  # context parallel: ranks that split each sequence
     shard: int | None = None  # hybrid sharding: ZeRO over groups of this many of the dp × cp ranks
+    cp_comm: str = "allgather"  # how attention meets the other cp ranks' keys: allgather | ring | a2a
+    tp_comm_overlap: bool = False  # sequence-parallel collectives chunked under their GEMMs
+    pp_schedule: str = "auto"  # the pipeline schedule asked for (parallel/pipeline.py resolves auto)
 
     # -- built from a config ----------------------------------------------------------------------
 
@@ -80,7 +83,12 @@ class Layout:
         shard = p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None
         layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
                      recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                     sp=p.sequence_parallel, cp=p.cp, shard=shard)
+                     sp=p.sequence_parallel, cp=p.cp, shard=shard, cp_comm=p.cp_comm,
+                     tp_comm_overlap=p.tp_comm_overlap, pp_schedule=p.pp_schedule)
+        require(not p.tp_comm_overlap or layout.sequence_parallel,
+                f"parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters with "
+                f"their GEMMs: it needs parallel.tp > 1 (is {p.tp}) and parallel.sequence_parallel true (is "
+                f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap false")
         layout.check_pipeline_split(m.num_layers)
         layout.check_sequence(t.seq_length)
         return layout
@@ -185,10 +193,13 @@ class Layout:
                 f"--parallel.vpp {self.vpp}{uneven} "
                 f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
                 + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
+                + (f"--parallel.cp_comm {self.cp_comm} " if self.cp > 1 else "")
+                + ("--parallel.tp_comm_overlap true " if self.tp_comm_overlap else "")
+                + (f"--parallel.pp_schedule {self.pp_schedule} " if self.pp_schedule != "auto" else "")
                 + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
 
     def describe(self) -> str:
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" cp={self.cp}" + (f":{self.cp_comm}" if self.cp_comm != "allgather" else "") if self.cp > 1 else ""
         return f"world={self.world_size} (tp={self.tp}{cp} pp={self.pp} dp={self.dp})"
 
 

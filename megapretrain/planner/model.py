@@ -39,8 +39,10 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   passes of the ``(b, s, h)`` activation at the NCCL bus bandwidth plus a latency each;
 - context parallelism: a rank's matmuls, memory-bound kernels and loss run on its s/cp tokens, its
   causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
-  all-gathers K and V over the cp ranks forward (``2·b·s·kv·d/tp`` values) and reduce-scatters their
-  gradients backward (full recompute gathers again), exposed: the trainer does not overlap them;
+  reaches the other ranks' keys as ``parallel.cp_comm`` says (``planner/comm.py``): all-gathers K
+  and V (``2·b·s·kv·d/tp`` values) and reduce-scatters their gradients, exposed; passes them
+  around a ring under each block's attention, exposed only beyond it; or two all-to-alls each
+  way, exposed (full recompute repeats the forward's);
 - the pipeline bubble from replaying the real schedule with the busiest stage's forward and
   backward times, the point-to-point transfers, the exposed part of the data-parallel
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
@@ -56,17 +58,20 @@ on H100s); they are estimates to choose a layout with, to be checked with ``tool
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, PipelineError, UserError
+from ..errors import ConfigError, UserError
 from ..model.args import ModelArgs, model_args
 from ..model.attention import dense_document_mask
 from ..model.build import one_layer_specs
 from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
-from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
+from ..parallel.pipeline import resolve_schedule
+from .comm import context_comm_s, context_modes, kv_copies
+from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -152,6 +157,7 @@ class LayerTime:
     memory_b: float
     attn_f: float = 0.0  # the attention core, recomputed under selective recompute
     attn_b: float = 0.0
+    weight_b: float = 0.0  # the weight-gradient matmuls (part of matmul_b): a zero-bubble schedule's W
 
     @property
     def forward(self) -> float:
@@ -173,6 +179,7 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, s
     shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]  # (out, in) on this rank
     mm = [gemm_fwd_bwd_s(device, tokens, out, inp) for out, inp in shapes]
     matmul_f, matmul_b = sum(a for a, _ in mm), sum(b for _, b in mm)
+    weight_b = sum(gemm_s(device, inp, out, tokens) for out, inp in shapes)  # (in × tokens)·(tokens × out)
 
     # memory-bound kernels: norms and residual adds (+ dropout) run on s/tp tokens under SP, on
     # all of them otherwise; activation function, q/k/v layout copies and RoPE on h/tp features
@@ -192,14 +199,15 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, s
         scores = micro * n * queries * seq
         attn_f = qk[0] + pv[0] + memory_s(device, scores * (4 + 5 * dropout), 1 + dropout)
         attn_b = qk[1] + pv[1] + memory_s(device, scores * (6 + 5 * dropout), 1 + dropout)
-    return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b)
+    return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b, weight_b)
 
 
 def head_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int) -> LayerTime:
     """The output layer and the vocab-parallel loss (fp32 logits written, read, their gradient)."""
     tokens, rows = micro * seq, args.padded_vocab(tp) // tp
     f, b = gemm_fwd_bwd_s(device, tokens, rows, args.hidden_size)
-    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2))
+    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2),
+                     weight_b=gemm_s(device, args.hidden_size, rows, tokens))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,26 +257,19 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
     return passes * ((size - 1) / size * nbytes / bw + latency)
 
 
-def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
-    """Layers on each stage (its chunks together) and the most in one chunk."""
-    pp, vpp, n = layout.pp, layout.vpp, model.num_layers
-    chunks = layout.pipeline_layers or [n // (pp * vpp)] * (pp * vpp)
-    if len(chunks) != pp * vpp or sum(chunks) != n or min(chunks) < 1 or (
-            layout.pipeline_layers is None and n % (pp * vpp)):
-        raise PipelineError(f"{n} layers do not split into pp {pp} × vpp {vpp} chunks (give pipeline_layers)")
-    return [sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp)], max(chunks)
-
-
-def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: int,
-            layers: int, per_chunk: int, attention: str) -> tuple[dict, float]:
-    """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters."""
+def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: float,
+            layers: int, per_chunk: int, attention: str, head_first: bool = False) -> tuple[dict, float]:
+    """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters;
+    ``in_flight``: chunks' worth of activations held at once, ``head_first``: the first stage also
+    holds the head (V placement)."""
     tp, L = layout.tp, layout  # ZeRO shards over dp × cp, or the hybrid group
     split, replicated, head = layer_params(model)
     vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
     first = layers * (split / tp + replicated) + vocab_rows * hidden
     last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not model.tie_embeddings or L.pp > 1
                                                          else 0)
-    params = max(first, last if L.pp > 1 else first + head + (0 if model.tie_embeddings else vocab_rows * hidden))
+    together = first + head + (0 if model.tie_embeddings else vocab_rows * hidden)  # embedding and head on one stage
+    params = max(first, last) if L.pp > 1 and not head_first else max(together, layers * (split / tp + replicated))
     state = params * state_bytes_per_param(precision, L.zero, L.shard_ranks)
     scale = 1.0 if precision in ("bf16", "fp16") else 2.0
     gathered = 0.0
@@ -278,11 +279,11 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
         state += gathered + layer * 4
     tokens = L.micro_batch * seq // L.cp  # this rank's share of each micro-batch
     per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention,
-                                           L.cp) * scale
+                                           kv_copies(L)) * scale
     acts = in_flight * per_chunk * tokens * per_layer
     if L.recompute == "full":  # one layer's full activations while it is recomputed
         acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention,
-                                                    L.cp) * scale
+                                                    kv_copies(L)) * scale
     logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
     weights = params * (2 if scale == 1 else 4) / (L.shard_ranks if L.zero == 3 else 1)
     if L.zero == 3:
@@ -313,12 +314,6 @@ def context_gather_bytes(model: ModelArgs, layout: Layout, seq: int) -> float:
     return 0.0 if layout.cp == 1 else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
 
 
-def context_gather_s(model: ModelArgs, device: Device, layout: Layout, seq: int) -> float:
-    """One layer's K/V all-gather over cp (its backward's reduce-scatter takes as long): a ring over
-    the cp ranks, tp apart in the rank grid, on the critical path."""
-    return _ring_s(device, layout.cp, layout.tp, context_gather_bytes(model, layout, seq))
-
-
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
@@ -326,8 +321,9 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
-    kind = resolve_schedule(schedule, pp, vpp, m)
-    stage_layers, per_chunk = _stage_layers(model, L)
+    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, pp, vpp, m)
+    layers_on, per_chunk = stage_layers(model, L, kind)
+    last = head_stage(L, kind)
     sp, hidden, world = L.sequence_parallel, model.hidden_size, L.world_size
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
@@ -338,21 +334,27 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
-    cp_f = cp_b = context_gather_s(model, device, L, seq)  # K/V all-gather forward, grads reduce-scattered back
+    # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or all-to-all
+    cp_f, cp_b = context_comm_s(model, L, seq, lt.attn_f, lt.attn_b, _bandwidth(device, cp, tp))
     # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
     redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
             "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
     def stage(r: int) -> tuple[float, float]:
-        head = r == pp - 1
-        f = stage_layers[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
-        b = stage_layers[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
+        head = r == last
+        f = layers_on[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
+        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
         return f * slow, b * slow
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
     f, b = stage(busiest)
-    stretch, in_flight = _pipeline(kind, pp, vpp, m, round(4 * b / f) / 4)  # backward/forward to 1/4: cached
-    n, head = stage_layers[busiest], busiest == pp - 1
+    n, head = layers_on[busiest], busiest == last
+    w = (n * lt.weight_b + head * ht.weight_b) * slow  # what a zero-bubble schedule's W ops run
+    per_token = activation_bytes_per_token(model, tp, sp, L.recompute, seq, attention, kv_copies(L))
+    deferred = deferred_bytes_per_token(model, tp, sp) / per_token  # what waits for a W, in activations
+    # ratios to 1/4 (deferred to 1/8): the replay is cached
+    stretch, in_flight = pipeline_model(kind, pp, vpp, m, round(4 * b / f) / 4, round(4 * w / f) / 4,
+                                        round(8 * deferred) / 8)
     compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
     tensor = n * (tp_f + tp_b + redo[2]) + head * 4 * ring
@@ -360,7 +362,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, in_flight, max(stage_layers), per_chunk, attention)
+    mem, params = _memory(model, seq, L, device, precision, in_flight, max(layers_on), per_chunk, attention,
+                          head_first=last == 0 and pp > 1)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
@@ -428,17 +431,6 @@ def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> floa
     return 2.0 * matmul / args.num_layers + attention
 
 
-@functools.cache
-def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[float, int]:
-    """(step time over busy time, peak in-flight micro-batch chunks on stage 0) of a schedule,
-    replayed with a forward costing 1 and a backward ``b_cost``. Past 2·pp micro-batches the idle
-    time and the peak no longer grow (steady state), so at most that many are replayed."""
-    ms = min(m, 2 * pp)
-    sim = simulate([schedule_order(kind, r, pp, vpp, ms) for r in range(pp)], pp, vpp, 1.0, b_cost)
-    idle = sim["makespan"] - ms * vpp * (1.0 + b_cost)
-    return 1.0 + max(0.0, idle) / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, ms))
-
-
 MIN_CP_TOKENS = 8192  # cp > 1 only while each rank keeps this many tokens of a sample
 
 
@@ -491,9 +483,11 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
             if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                 continue
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                for recompute in ("none", "selective", "full"):
-                    for shard in _shard_sizes(zero, tp, dp * cp, gpus_per_node):
-                        out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard))
+                for recompute, shard, cp_comm, schedule in itertools.product(
+                        ("none", "selective", "full"), _shard_sizes(zero, tp, dp * cp, gpus_per_node),
+                        context_modes(model, tp, cp), schedules(pp, vpp)):
+                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard,
+                                      cp_comm=cp_comm, pp_schedule=schedule))
     return out
 
 
