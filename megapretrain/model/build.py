@@ -19,6 +19,7 @@ from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
 from ..parallel.layout import chunk_layers
+from ..parallel.pipeline import V_SHAPED, Placement
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
@@ -36,12 +37,21 @@ def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
 
 
 def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
+    """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
+    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head."""
     args, p = model_args(cfg), cfg.parallel
-    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
-    return [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
-                       post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
-                       sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
-            for v, layer_ids in enumerate(layer_chunks)]
+    place = Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED)
+    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers, place.v_shape)
+    head_on_stage = place.stage_of(place.chunks - 1) == pp_rank and place.stage_of(0) == pp_rank
+    chunks: list[ModelChunk] = []
+    for v, layer_ids in enumerate(layer_chunks):
+        g = place.global_chunk(pp_rank, v)
+        pre, post = g == 0, g == place.chunks - 1
+        shared = chunks[0].embed_tokens if post and not pre and head_on_stage and args.tie_embeddings else None
+        chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre, post_process=post,
+                                   sequence_parallel=p.sequence_parallel, recompute=p.recompute,
+                                   head_on_stage=head_on_stage and pre, stage_embedding=shared, **kw))
+    return chunks
 
 
 def resolve_kernels(choice: str, device: torch.device) -> str:

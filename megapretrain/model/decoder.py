@@ -20,6 +20,7 @@ document ids (:class:`~.attention.DocumentMask`), never by an s × s mask, unles
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,7 +127,8 @@ class DecoderModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
                  z_loss: float = 0.0, cp: Group | None = None, cp_comm: str = "allgather", attention: str = "sdpa",
-                 dtype=torch.float32, device=None):
+                 head_on_stage: bool = False, stage_embedding: Embedding | None = None, dtype=torch.float32,
+                 device=None):
         super().__init__()
         if kernels not in KERNELS:
             raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
@@ -149,7 +151,12 @@ class DecoderModel(nn.Module):
         layer_ids = list(range(args.num_layers)) if layer_ids is None else layer_ids
         kw = dict(dtype=dtype, device=device)
         padded_vocab = args.padded_vocab(tp.size)
-        if pre_process or (post_process and args.tie_embeddings):
+        # V placement puts the head on the embedding's stage: a tied head then uses that chunk's
+        # embedding (``stage_embedding``, not this chunk's parameter), and the embedding's chunk
+        # knows its weight has a second use there (``head_on_stage``)
+        self.head_on_stage = head_on_stage or (pre_process and post_process)
+        self._stage_embedding = weakref.ref(stage_embedding) if stage_embedding is not None else None
+        if pre_process or (post_process and args.tie_embeddings and stage_embedding is None):
             self.embed_tokens = Embedding(padded_vocab, args.hidden_size, tp,
                                        init_std=args.init_std, real_vocab=args.vocab_size,
                                        sequence_parallel=self.sequence_parallel, **kw)
@@ -173,16 +180,18 @@ class DecoderModel(nn.Module):
     def param_specs(self) -> dict[str, ParamSpec]:
         """Every parameter's spec, in ``named_parameters`` order. A tied embedding held by two
         chunks (first and last pipeline stage) is marked ``tied``; the last stage's copy is the
-        ``duplicate``."""
+        ``duplicate``. One that the stage's head uses from another chunk (V placement) gets its
+        gradient from two backwards per micro-batch (``uses``)."""
         specs, tp = {}, self.tp.size
         for name, module in self.named_children():
             if name == "layers":
                 for i, layer in self.layers.items():
                     specs.update(collect_specs(layer, tp, prefix=f"layers.{i}", layer=int(i)))
             elif name == "embed_tokens":
-                tied = self.args.tie_embeddings and not (self.pre_process and self.post_process)
+                tied = self.args.tie_embeddings and not self.head_on_stage
+                shared = self.args.tie_embeddings and self.head_on_stage and not self.post_process
                 specs.update(collect_specs(module, tp, prefix=name, tied=tied,
-                                           duplicate=tied and not self.pre_process))
+                                           duplicate=tied and not self.pre_process, uses=2 if shared else 1))
             else:
                 specs.update(collect_specs(module, tp, prefix=name))
         return specs
@@ -262,7 +271,9 @@ class DecoderModel(nn.Module):
         return layer(x, cos, sin, mask)
 
     def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
+        if not self.args.tie_embeddings:
+            return self.lm_head.weight
+        return (self._stage_embedding() if self._stage_embedding is not None else self.embed_tokens).weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 docs: Documents | None = None, *, loss_grad_scale: float | None = None) -> torch.Tensor:
@@ -278,9 +289,10 @@ class DecoderModel(nn.Module):
 
     def _grad_sink(self, weight: torch.Tensor):
         """The buffers that hold ``weight``'s fp32 main grad, for the loss to add its gradient into,
-        or None: none, or the weight (tied) also gets a gradient from this chunk's embedding."""
+        or None: none, or the weight (tied) also gets a gradient from an embedding on this stage."""
         sink = self.grad_sink() if self.grad_sink is not None else None
-        if sink is None or not sink.holds(weight) or (self.pre_process and self.args.tie_embeddings):
+        embedded_here = self.pre_process or self._stage_embedding is not None
+        if sink is None or not sink.holds(weight) or (embedded_here and self.args.tie_embeddings):
             return None
         return sink
 

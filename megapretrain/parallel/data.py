@@ -73,8 +73,10 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None  # (shard,) fp32: what the optimizer steps on
         self.launched = False       # the reduction of the current grads has started
         self.work = None            # its handle while in flight
-        self.final: set[int] = set()  # ids of params not yet folded in a last micro-batch
-        self.fresh: set[int] = set()  # ids of params folded in the current micro-batch (zero=2)
+        # param id -> folds still to come in a last micro-batch (a param may get its gradient from
+        # two backwards: ParamSpec.uses), and -> folds in the current micro-batch (zero=2)
+        self.final: dict[int, int] = {}
+        self.fresh: dict[int, int] = {}
         self.param_work = None      # pending all-gather of the param buffer
         self.launch_time: float | None = None  # time.perf_counter() of the latest reduction launch
 
@@ -212,7 +214,7 @@ class DataParallelBuffers:
             if b.work is not None:  # never free or zero what a collective still writes
                 b.work.wait()
             b.launched, b.work = False, None
-            b.final = {id(p) for p in b.params}
+            b.final = {id(p): self.spec_of[id(p)].uses for p in b.params}
             if self.zero >= 2 and b.grad_data is not None:
                 b.grad_data = None
                 b.set_main_grads()
@@ -220,18 +222,21 @@ class DataParallelBuffers:
             buf.zero_()
 
     @contextlib.contextmanager
-    def grad_sync(self, last: bool):
-        """Context for one micro-batch's backward (per model chunk); inside ``last=True`` buckets
-        are reduced as they become ready. Under zero=2 every micro-batch is reduced."""
+    def grad_sync(self, last: bool, weights_pending: bool = False):
+        """Context for one micro-batch's backward (per model chunk), or for the weight gradients a
+        zero-bubble schedule's W runs later; inside ``last=True`` buckets are reduced as they become
+        ready (a bucket of linears whose W has not run is not). Under zero=2 every micro-batch is
+        reduced as the context ends — after its W when ``weights_pending`` (a B whose linears'
+        weight gradients are deferred)."""
         self.wait_params()  # normally a no-op: the forward has waited for what it used
         self._context = "last" if last else "accumulate"
         for b in self.buckets:
-            b.fresh = set()
+            b.fresh = {}
         try:
             yield
         finally:
             self._context = None
-        if self.zero >= 2 and not last:
+        if self.zero >= 2 and not last and not weights_pending:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -267,16 +272,24 @@ class DataParallelBuffers:
         b = self._bucket_of[id(p)]
         if self._context is None:
             return
+        key = id(p)
         if self._context == "last":
-            b.final.discard(id(p))
+            b.final[key] = b.final.get(key, 1) - 1
+            if b.final[key] <= 0:
+                del b.final[key]
             ready = not b.final
         else:
-            b.fresh.add(id(p))
-            ready = self.zero >= 2 and len(b.fresh) == len(b.params)
+            b.fresh[key] = b.fresh.get(key, 0) + 1
+            ready = self.zero >= 2 and self.folded(b, last=False)
         if ready and self.overlap:
             self._launch(b)
         if ready and self.after_grads is not None:
             self.after_grads(b, self._context == "last")
+
+    def folded(self, b: Bucket, last: bool) -> bool:
+        """Whether bucket ``b``'s grads of the current micro-batch are all folded (``last``: of the
+        step's last micro-batch)."""
+        return not b.final if last else all(b.fresh.get(id(p), 0) >= self.spec_of[id(p)].uses for p in b.params)
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True

@@ -166,9 +166,10 @@ class Layout:
 
     def chunk_layers(self, num_layers: int, pp_rank: int) -> list[list[int]]:
         """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks (chunk ``v`` of stage
-        ``i`` is global chunk ``v·pp + i``)."""
+        ``i`` is global chunk ``v·pp + i``; under ZB-V ``i`` and ``2·pp − 1 − i``)."""
         return chunk_layers(num_layers, self.pp, self.vpp, pp_rank,
-                            list(self.pipeline_layers) if self.pipeline_layers else None)
+                            list(self.pipeline_layers) if self.pipeline_layers else None,
+                            v_shape=self.pp_schedule == "zbv")
 
     # -- as a checkpoint records it -----------------------------------------------------------------
 
@@ -204,8 +205,9 @@ class Layout:
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
-                 layers_per_chunk: list[int] | None = None) -> list[list[int]]:
-    """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks.
+                 layers_per_chunk: list[int] | None = None, v_shape: bool = False) -> list[list[int]]:
+    """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks: global chunks ``v·pp +
+    pp_rank``, or with ``v_shape`` (ZB-V's placement, vpp 2) ``pp_rank`` and ``2·pp − 1 − pp_rank``.
 
     Even split by default; ``layers_per_chunk`` (length pp·vpp, in global chunk order) lets the
     first and last chunks hold fewer layers to balance the embedding and output layer.
@@ -220,8 +222,8 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
         raise PipelineError(f"parallel.pipeline_layers={layers_per_chunk} must list {n_chunks} positive "
                             f"layer counts (pp × vpp) summing to model.num_layers={num_layers}")
     starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
-    return [list(range(starts[c], starts[c] + layers_per_chunk[c]))
-            for c in (v * pp + pp_rank for v in range(vpp))]
+    mine = (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else (v * pp + pp_rank for v in range(vpp))
+    return [list(range(starts[c], starts[c] + layers_per_chunk[c])) for c in mine]
 
 
 def split_layers(layers: int, chunks: int) -> tuple | None:

@@ -495,7 +495,8 @@ class PipelineExecutor:
             elif op.kind == "B":
                 inp, out = saved.pop(key)
                 grad = inbox.pop(source) if source is not None else None
-                with self.grad_sync(last), (self.deferred.capture(key) if split else contextlib.nullcontext()):
+                with self.grad_sync(last, weights_pending=split), \
+                        (self.deferred.capture(key) if split else contextlib.nullcontext()):
                     _backward(out, grad)
                 if sink is not None:
                     box[sink] = inp.grad

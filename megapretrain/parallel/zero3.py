@@ -175,14 +175,10 @@ class ShardedUnits:
         """``buffers``: every grad of ``bucket`` in this micro-batch is folded (and its reduction
         launched); ``last``: in the step's last micro-batch."""
         unit = self._unit_of.get(bucket.index)
-        if unit is None or not all(_done(b, last) for b in unit.buckets):
+        if unit is None or not all(self.buffers.folded(b, last) for b in unit.buckets):
             return
         self._record("reduce", unit)
         unit.backward = False
         if last or not (unit.root or self.keep):
             self._free(unit)
 
-
-def _done(b: Bucket, last: bool) -> bool:
-    """Whether bucket ``b``'s grads of the current micro-batch are all folded."""
-    return not b.final if last else len(b.fresh) == len(b.params)
