@@ -43,7 +43,9 @@ setup(
                 "megatron-core>=0.16",
                 # tools/plan.py --emit accelerate is checked with Accelerate's own parser (DeepSpeed ships
                 # only a source build, which run_scripts/test.sh makes against the installed torch)
-                "accelerate>=0.30"],
+                "accelerate>=0.30",
+                # the real wandb package, tested offline (WANDB_MODE=offline: no network, no account)
+                "wandb>=0.16"],
     },
     entry_points={"console_scripts": [
         "megapretrain-train=megapretrain.train:main",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from collections.abc import Callable
 
@@ -34,20 +35,45 @@ def user_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] 
     return run
 
 
-def _number(kind, low: float, inclusive: bool, what: str):
+def number(kind, low: float | None = None, *, above: bool = False, high: float | None = None,
+           what: str | None = None):
+    """An argparse ``type`` for a number of ``kind`` (int or float), finite — never NaN or
+    infinite — and at least ``low`` (``above``: greater than it) and at most ``high``. Every
+    numeric flag of every tool goes through this, so a bad number is refused by argparse, before
+    any work, with one line naming the flag."""
+    if what is None:
+        noun = "integer" if kind is int else "number"
+        what = (f"a positive {noun}" if low == 0 and above else f"a non-negative {noun}" if low == 0
+                else f"a finite {noun}")
+        if high is not None:
+            what += f" at most {high:g}"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value < low or (value == low and not inclusive):
+        if not math.isfinite(value) or (low is not None and (value < low or (above and value == low))) \
+                or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return value
     parse.__name__ = what  # argparse names the type in its messages
     return parse
 
 
-positive_int = _number(int, 1, True, "a positive integer")
-non_negative_int = _number(int, 0, True, "a non-negative integer")
-positive_float = _number(float, 0.0, False, "a positive number")
-non_negative_float = _number(float, 0.0, True, "a non-negative number")
+positive_int = number(int, 0, above=True)
+non_negative_int = number(int, 0)
+positive_float = number(float, 0.0, above=True)
+non_negative_float = number(float, 0.0)
+finite_float = number(float)
+fraction = number(float, 0.0, above=True, high=1.0, what="a fraction in (0, 1]")
+
+
+def progress_bar(total: float | None, desc: str, unit: str = "B", enabled: bool | None = None):
+    """A progress bar on stderr for a tool's long work (tqdm): bytes shown in KiB/MiB/GiB, other
+    units as counts. ``enabled`` None shows it only on a terminal, so logs and pipes stay clean; it
+    disappears when done, leaving the tool's closing line alone."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B" else 1000,
+                file=sys.stderr, disable=None if enabled is None else not enabled, dynamic_ncols=True, leave=False)

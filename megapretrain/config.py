@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,14 +26,19 @@ from typing import Any, Optional
 import yaml
 
 from .errors import ConfigError
+from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text, yaml_problem
 
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None, min: float | None = None,
-       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = ()):
+       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = (),
+       output_dir: bool = False):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
     declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
-    most) or ``below``; a string its ``choices``. Null passes (it means the default)."""
+    most) or ``below``; a string its ``choices``, or ``output_dir`` for a directory the run writes
+    into (:func:`check_output_dirs`). Null passes (it means the default)."""
     meta = {"help": help}
+    if output_dir:
+        meta["output_dir"] = True
     for key, value in (("name", name), ("min", min), ("max", max), ("below", below)):
         if value is not None:
             meta[key] = value
@@ -47,7 +53,8 @@ def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
 
 @dataclass
 class RunConfig:
-    dir: str = _f("runs/default", "Directory for everything the run writes; rerunning with it resumes.")
+    dir: str = _f("runs/default", "Directory for everything the run writes; rerunning with it resumes.",
+                  output_dir=True)
     name: str = _f("", "Free-form run name shown in logs (defaults to the directory name).")
 
 
@@ -145,7 +152,7 @@ class DataConfig:
                      factory=lambda: [98.0, 2.0, 0.0])
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
                                     factory=TokenizerConfig)
-    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).")
+    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).", output_dir=True)
     reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
                                     "document inside a packed sample (Megatron's --reset-attention-mask); "
                                     "the kernel: model.attention.")
@@ -158,9 +165,10 @@ class TrainConfig:
     seq_length: int = _f(256, "Tokens per sample.", min=1)
     micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", min=1)
     global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).", min=1)
-    iters: int = _f(100, "Optimizer steps to train for (derived instead when train.train_tokens is set).", min=1)
+    iters: Optional[int] = _f(100, "Optimizer steps to train for (null: derived from train.train_tokens).", min=1)
     train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set one of the "
-                                     "two; the steps are derived, batch-size ramp-up included).", min=1)
+                                     "two; the steps are derived, batch-size ramp-up included; over a config "
+                                     "that sets train.iters: --train.iters null).", min=1)
     rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, ramp_samples]: the global "
                                            "batch grows from start by increment until ramp_samples samples are "
                                            "consumed (Megatron's --rampup-batch-size).")
@@ -199,9 +207,13 @@ class OptimConfig:
 class ScheduleConfig:
     warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
     decay: str = _f("cosine", "cosine | linear | wsd | constant.", choices=("cosine", "linear", "wsd", "constant"))
-    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters).", min=1)
+    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters; a "
+                                    "resumed run keeps its checkpoint's).", min=1)
     wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.",
                                    positive=True, max=1)
+    rewarm_iters: int = _f(0, "A resumed run extended past the end of its checkpoint's schedule: warm from the rate "
+                           "reached there back to optim.lr over this many steps, then decay to optim.min_lr at the "
+                           "new train.iters (0: continue at optim.min_lr).", min=0)
 
 
 @dataclass
@@ -232,10 +244,13 @@ class LoggingConfig:
 class RecoveryConfig:
     action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
                      "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
-    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds the mean of the previous "
-                             "recovery.window losses by this many standard deviations.", positive=True)
-    window: int = _f(50, "Steps of loss history the spike test compares with (no test until it is full).", min=2)
-    min_std_fraction: float = _f(0.01, "Floor of that standard deviation, as a fraction of the mean loss.", min=0)
+    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds what a line fitted to the previous "
+                             "recovery.window losses expects by this many standard deviations of their "
+                             "residuals.", positive=True)
+    window: int = _f(50, "Steps of loss history the spike test compares with (it judges from 8 of them on).",
+                     min=2)
+    min_std_fraction: float = _f(0.02, "Floor of that standard deviation, as a fraction of the mean loss (so a "
+                                 "spike is at least spike_zscore × this above the trend: 12% by default).", min=0)
     max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
                             "that trigger the action.", min=1)
     skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.", min=0)
@@ -260,8 +275,11 @@ class AlertsConfig:
     throughput_drop: float = _f(0.2, "Alert when tokens/s falls this fraction below its rolling median.",
                                 positive=True)
     data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).", positive=True)
-    straggler_ratio: float = _f(1.2, "Name a rank whose step time exceeds the median rank's by this factor "
+    straggler_ratio: float = _f(1.2, "Name a rank whose own step time (the median of its last "
+                                "alerts.straggler_steps) is at least this many times the median rank's "
                                 "(checked every logging interval).", positive=True)
+    straggler_steps: int = _f(20, "Steps a rank must be slow for (the window of that median) to be named a "
+                              "straggler.", min=1)
 
 
 @dataclass
@@ -287,6 +305,8 @@ class FaultsConfig:
     slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is faults.slow_data_s.",
                                      min=1)
     slow_data_s: float = _f(2.0, "Fault drill: the length of that data wait (seconds).", min=0)
+    slow_data_steps: int = _f(1, "Fault drill: the steps from faults.slow_data_at that wait so (a rank slow for "
+                              "alerts.straggler_steps or more is a straggler).", min=1)
     oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.", min=1)
     rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
 
@@ -305,7 +325,8 @@ class Config:
     recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
     alerts: AlertsConfig = _f(None, "Thresholds of the run's alerts.", factory=AlertsConfig)
     watchdog: WatchdogConfig = _f(None, "Hang detection.", factory=WatchdogConfig)
-    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default).", factory=FaultsConfig)
+    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default; each fires once "
+                              "per run directory).", factory=FaultsConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,7 +457,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         else:
             raise ConfigError(f"option '{arg}' needs a value, e.g. {arg} 10")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
+        except DuplicateKey as exc:
+            raise ConfigError(f"option '--{name}': {exc.problem}") from None
         except yaml.YAMLError:
             value = raw
         pairs.append((name, value))
@@ -448,17 +471,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     tree: dict = {}
     if path is not None:
         try:
-            with open(path) as fh:
-                tree = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file '{path}' not found (see configs/ for examples)") from None
-        except OSError as exc:  # a directory, no permission, ...
-            raise ConfigError(f"config file '{path}' cannot be read ({exc.strerror}); --config takes a YAML file "
-                              "(see configs/)") from None
+            tree = yaml.load(read_text(path), Loader=StrictLoader) or {}
         except yaml.YAMLError as exc:
-            line = getattr(getattr(exc, "problem_mark", None), "line", None)
-            at = f" at line {line + 1}" if line is not None else ""
-            raise ConfigError(f"config file '{path}' is not valid YAML{at}: {exc.problem}") from None
+            raise ConfigError(f"config file '{path}' is not valid YAML {yaml_problem(exc)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, ...)")
     for name, value in parse_overrides(overrides or []):
@@ -494,9 +509,14 @@ def _help_lines(cls, where: str) -> list[str]:
 # Each field against what it declares
 
 
+_INT_LIMIT = 2 ** 63  # every count ends up in an int64 (numpy indices, torch tensors)
+
+
 def check_fields(node, where: str = "") -> None:
     """Every field of ``node`` (a config or a section of one) against the range or choices its
-    declaration names (``_f(min=..., max=..., below=..., positive=..., choices=...)``)."""
+    declaration names (``_f(min=..., max=..., below=..., positive=..., choices=...)``); every
+    number, also inside a list or a mapping, must be finite (NaN passes no range check: ``nan < 0``
+    is false) and an integer must fit in 64 bits."""
     hints = typing.get_type_hints(type(node))
     for f in dataclasses.fields(node):
         value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
@@ -506,20 +526,61 @@ def check_fields(node, where: str = "") -> None:
         meta = f.metadata
         if meta.get("choices") and value not in meta["choices"]:
             raise ConfigError(f"{path}={value!r} is not one of: {', '.join(map(str, meta['choices']))}")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        bad = _unrepresentable(value)
+        if bad is not None:
+            shown = f"{path}={value!r}" if isinstance(value, (list, dict)) else f"{path}={value}"
+            raise ConfigError(f"{shown}: {bad}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
+            _check_range(path, value, meta, null)
+
+
+def _unrepresentable(value) -> str | None:
+    """What makes a number in ``value`` (or in its items) unusable, or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "every number must be finite (not NaN or infinite)"
+    if isinstance(value, int) and abs(value) >= _INT_LIMIT:
+        return f"{value} is out of range (an integer must be below 2**63)"
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((found for item in items if (found := _unrepresentable(item)) is not None), None)
+
+
+def _check_range(path: str, value: float, meta, null: str) -> None:
+    """``value`` against the range its field declares (min, max, below, positive)."""
+    low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
+    positive = meta.get("positive", False)
+    if high is not None or below is not None:  # a bounded interval: say both ends
+        ok = ((value > 0) if positive else (low is None or value >= low)) and \
+             (value <= high if high is not None else value < below)
+        opening = "(0" if positive else f"[{low:g}" if low is not None else "(-inf"
+        closing = f"{high:g}]" if high is not None else f"{below:g})"
+        if not ok:
+            raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
+        return
+    if low is not None and value < low:
+        raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
+    if positive and value <= 0:
+        raise ConfigError(f"{path}={value} must be positive{null}")
+
+
+def check_output_dirs(cfg: Config) -> None:
+    """Every directory field the run writes into (``_f(output_dir=True)``: ``run.dir``,
+    ``data.cache_dir``) is a directory that exists or can be made, and can be written to: checked
+    before any work, so a run never fails after building indices or a model."""
+    for path, value in _output_dirs(cfg):
+        if value is None:
             continue
-        null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
-        low, high, below = meta.get("min"), meta.get("max"), meta.get("below")
-        positive = meta.get("positive", False)
-        if high is not None or below is not None:  # a bounded interval: say both ends
-            ok = ((value > 0) if positive else (low is None or value >= low)) and \
-                 (value <= high if high is not None else value < below)
-            opening = "(0" if positive else f"[{low:g}" if low is not None else "(-inf"
-            closing = f"{high:g}]" if high is not None else f"{below:g})"
-            if not ok:
-                raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
-            continue
-        if low is not None and value < low:
-            raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
-        if positive and value <= 0:
-            raise ConfigError(f"{path}={value} must be positive{null}")
+        problem = not_writable_dir(value)
+        if problem:
+            raise ConfigError(f"{path}={value!r}: {problem}")
+
+
+def _output_dirs(node, where: str = ""):
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
+        if dataclasses.is_dataclass(value):
+            yield from _output_dirs(value, path)
+        elif f.metadata.get("output_dir"):
+            yield path, value

@@ -12,7 +12,11 @@ bad input.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import shutil
 
 
 class UserError(ValueError):
@@ -43,6 +47,13 @@ class PipelineError(UserError):
     """An impossible pipeline layout or schedule."""
 
 
+class DiskFullError(UserError):
+    """No space left (or a quota reached) where something is being written."""
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a write that found no room
+
+
 def require(ok: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` unless ``ok``: a config rule, stated where it lives."""
     if not ok:
@@ -64,3 +75,54 @@ def read_json_file(path: str, error: type[UserError], fix: str, missing: str = "
         raise error(f"{path} {missing}; {fix}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{path} cannot be read as JSON ({exc}); {fix}") from None
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes for a person: ``512 B``, ``3.2 MiB``, ``1.50 TiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes free to an ordinary user on the file system ``path`` is (or would be) on; None when
+    nothing of it exists or the platform cannot say."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+    try:
+        return shutil.disk_usage(here).free
+    except OSError:
+        return None
+
+
+def disk_full(path: str, needed: int | None = None, fix: str = "free space or write elsewhere") -> DiskFullError:
+    """The one line for a write that found no room: the path, the bytes needed and free, the fix."""
+    free = free_bytes(path)
+    sizes = ", ".join(([f"needs about {size_text(needed)}"] if needed else [])
+                      + ([f"{size_text(free)} free"] if free is not None else []))
+    return DiskFullError(f"no space left writing {path}" + (f" ({sizes})" if sizes else "") + f"; {fix}")
+
+
+def check_free_space(path: str, needed: int, fix: str = "free space or write elsewhere") -> None:
+    """Refuse, before any work, a write of ``needed`` bytes under ``path`` that cannot fit."""
+    free = free_bytes(path)
+    if free is not None and needed > free:
+        raise disk_full(path, needed, fix)
+
+
+@contextlib.contextmanager
+def full_disk_guard(path: str, needed: int | None = None, fix: str = "free space or write elsewhere"):
+    """Inside the block, a write that finds no room (ENOSPC, EDQUOT) raises :func:`disk_full`'s
+    one line instead of a traceback; the caller's own cleanup (``finally``, ``except``) still runs."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in FULL_DISK:
+            raise disk_full(exc.filename or path, needed, fix) from None
+        raise

@@ -9,12 +9,19 @@ watchdog exit, the out-of-memory guidance — can be rehearsed on purpose:
                   belongs to that data position, so a rollback that skips it trains clean data
     exit_at       the rank exits at once (status 1), as a crashed node
     hang_at       the rank blocks forever, as one stuck in a collective
-    slow_data_at  the step waits faults.slow_data_s for its data
+    slow_data_at  the step waits faults.slow_data_s for its data (and the faults.slow_data_steps - 1 after it)
     oom_at        an out-of-memory error at the step
+
+A drill fires once per run directory: as it fires, the rank records it in
+``RUN_DIR/faults/NAME.rankR.json``, and a later process on the same run directory — a restart by
+the launcher after the drill's exit or hang, a resume — does not inject it again (it says so). So a
+restarted run goes on past its drill, as it would past a real fault. Inside one process a drill
+stays what it is (a rollback that trains the spiked batch again sees it spiked).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -24,14 +31,38 @@ import torch
 
 
 class Faults:
-    def __init__(self, cfg, rank: int):
-        """``cfg``: the ``faults`` config section; ``rank``: this process's global rank."""
-        self.cfg = cfg
+    NAMES = ("nan_at", "spike_at", "exit_at", "hang_at", "slow_data_at", "oom_at")
+
+    def __init__(self, cfg, rank: int, run_dir: str):
+        """``cfg``: the ``faults`` config section; ``rank``: this process's global rank; ``run_dir``:
+        where the drills that fired are recorded."""
+        self.cfg, self.rank = cfg, rank
         self.mine = cfg.rank in (-1, rank)
         self.corrupt_sample: int | None = None  # where the corrupt batch starts in the data
+        self.dir = os.path.join(run_dir, "faults")
+        self.fired = {name for name in self.NAMES
+                      if getattr(cfg, name) is not None and os.path.exists(self._record(name))}
+        self.now: set[str] = set()  # the drills this process fired (they stay in force for it)
 
-    def _at(self, name: str, iteration: int) -> bool:
-        return self.mine and getattr(self.cfg, name) == iteration
+    def already_fired(self) -> list[str]:
+        """The drills asked for that fired in an earlier process on this run directory: not again."""
+        return [f"faults.{name}={getattr(self.cfg, name)}" for name in sorted(self.fired)]
+
+    def _record(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.rank{self.rank}.json")
+
+    def _at(self, name: str, iteration: int, steps: int = 1) -> bool:
+        at = getattr(self.cfg, name)
+        if not self.mine or name in self.fired or at is None or not at <= iteration < at + steps:
+            return False
+        if name not in self.now:  # recorded before it strikes: an exit or a hang leaves no later chance
+            os.makedirs(self.dir, exist_ok=True)
+            with open(self._record(name), "w") as fh:
+                json.dump({"fault": name, "iter": iteration, "rank": self.rank, "time": time.time()}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.now.add(name)
+        return True
 
     def before_step(self, iteration: int) -> None:
         """Faults that strike as step ``iteration`` starts: exit, hang, out-of-memory."""
@@ -46,7 +77,7 @@ class Faults:
 
     def data_delay(self, iteration: int) -> None:
         """The injected data wait of step ``iteration`` (counted as the step's data time)."""
-        if self._at("slow_data_at", iteration):
+        if self._at("slow_data_at", iteration, self.cfg.slow_data_steps):
             time.sleep(self.cfg.slow_data_s)
 
     def corrupt(self, iteration: int, consumed_samples: int, batches: list, vocab_size: int) -> list:

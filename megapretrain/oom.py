@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from .errors import UserError
+from .errors import ConfigError, UserError, size_text
+from .host_memory import available_bytes
 from .model.args import model_args
 from .model.attention import dense_document_mask
 from .monitor.flops import DEVICES, find_device
@@ -98,3 +99,36 @@ def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: in
              f"in {path}. Try, in this order:"]
     lines += [f"  {i}. {r}" for i, r in enumerate(remedies(cfg, layout, device), start=1)]
     return "\n".join(lines)
+
+
+def device_capacity(device: torch.device) -> tuple[int | None, str]:
+    """(bytes one rank may fill, what they are): the GPU's memory, or the host's available memory."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the {props.name}'s memory"
+    return available_bytes(), "the host memory available"
+
+
+def min_micro_batch_bytes(cfg, layout: Layout) -> int:
+    """A floor on what one micro-batch holds on its busiest stage: its token ids and targets, and
+    the one activation per layer that backward needs whatever ``parallel.recompute`` is (a layer's
+    input, of micro_batch × seq_length/cp × hidden values, cut by tp under sequence parallelism).
+    Python integers: no overflow however large the sizes."""
+    m, t = cfg.model, cfg.train
+    seq = t.seq_length // layout.cp // (layout.tp if layout.sp else 1)
+    element = 4 if t.precision == "fp32" else 2
+    layers = max(1, m.num_layers // layout.pp)  # the busiest stage holds at least the average
+    return 2 * 8 * t.micro_batch_size * t.seq_length + layers * t.micro_batch_size * seq * m.hidden_size * element
+
+
+def check_micro_batch_fits(cfg, layout: Layout, device: torch.device) -> None:
+    """Refuse, before building anything, a micro-batch whose activations alone exceed the device
+    (``train.seq_length`` 1e9, ``train.micro_batch_size`` 1e8): one line naming what it needs."""
+    needed = min_micro_batch_bytes(cfg, layout)
+    capacity, what = device_capacity(device)
+    if capacity is not None and needed > capacity:
+        t = cfg.train
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} × train.seq_length={t.seq_length:,}: one "
+                          f"micro-batch needs at least {size_text(needed)} (its tokens, and one activation of "
+                          f"{cfg.model.hidden_size} values per token in each of the stage's layers), {what} is "
+                          f"{size_text(capacity)}; lower them (tools/plan.py estimates the whole memory of a layout)")

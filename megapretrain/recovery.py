@@ -3,10 +3,12 @@
 Every rank sees the same loss (it is all-reduced), so every rank reaches the same verdict without
 talking to the others. A step is:
 
-- a **loss spike** when its loss exceeds the mean of the previous ``window`` healthy losses by
-  ``spike_zscore`` standard deviations (the deviation floored at ``min_std_fraction`` of the mean,
-  so a flat curve is not infinitely sensitive), or exceeds ``spike_ratio`` × that mean; either
-  test triggers. Spikes do not enter the history.
+- a **loss spike** when its loss exceeds what the previous ``window`` healthy losses expect — a line
+  fitted to them, since early in a run the loss falls fast — by ``spike_zscore`` standard
+  deviations of their residuals (floored at ``min_std_fraction`` of their mean, so a flat curve is
+  not infinitely sensitive), or exceeds ``spike_ratio`` × their mean; either test triggers, from
+  :data:`JUDGE_FROM` healthy steps on (a spike early in a run is caught too). Spikes do not enter
+  the history.
 - a **gradient explosion** when its grad norm (before clipping) exceeds ``grad_norm_rollback`` for
   ``max_bad_steps`` steps in a row: treated like a spike that began at the first of them.
 - **non-finite** when its loss is NaN/Inf, or its grad norm was and the step skipped — except
@@ -31,6 +33,7 @@ from collections import deque
 from .errors import ConfigError
 
 ACTIONS = ("rollback", "alert", "none")
+JUDGE_FROM = 8  # healthy steps of history the spike test needs (or recovery.window, when smaller)
 
 
 def check_recovery(action: str) -> None:
@@ -45,7 +48,7 @@ class RecoveryError(RuntimeError):
 
 
 class Detector:
-    def __init__(self, spike_zscore: float = 6.0, window: int = 50, min_std_fraction: float = 0.01,
+    def __init__(self, spike_zscore: float = 6.0, window: int = 50, min_std_fraction: float = 0.02,
                  max_bad_steps: int = 3, fp16: bool = False, spike_ratio: float = float("inf"),
                  grad_norm_rollback: float = float("inf")):
         self.zscore, self.window, self.min_std_fraction = spike_zscore, window, min_std_fraction
@@ -61,14 +64,23 @@ class Detector:
         return cls(r.spike_zscore, r.window, r.min_std_fraction, r.max_bad_steps, fp16=precision == "fp16",
                    spike_ratio=r.spike_ratio, grad_norm_rollback=r.grad_norm_rollback)
 
-    def baseline(self) -> tuple[float, float] | None:
-        """Mean and (floored) standard deviation of the history, once it is full."""
-        if len(self.history) < self.window:
+    def baseline(self, iteration: int | None = None) -> tuple[float, float] | None:
+        """The loss the history expects at ``iteration`` and its (floored) standard deviation, once
+        the history holds enough steps: a straight line fitted to it (early in a run the loss falls
+        fast, and its mean lags far above the step at hand), its residuals' deviation; without an
+        iteration, the history's mean and deviation."""
+        if len(self.history) < min(self.window, JUDGE_FROM):
             return None
-        losses = [loss for _, loss in self.history]
-        mean = sum(losses) / len(losses)
-        std = math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
-        return mean, max(std, self.min_std_fraction * abs(mean))
+        its, losses = [float(i) for i, _ in self.history], [loss for _, loss in self.history]
+        n, mean = len(losses), sum(losses) / len(losses)
+        mean_it = sum(its) / n
+        spread = sum((x - mean_it) ** 2 for x in its)
+        slope = sum((x - mean_it) * (y - mean) for x, y in zip(its, losses)) / spread if iteration and spread else 0.0
+        fitted = [mean + slope * (x - mean_it) for x in its]
+        dof = n - (2 if slope else 1)
+        std = math.sqrt(sum((y - f) ** 2 for y, f in zip(losses, fitted)) / max(1, dof))
+        expected = mean + slope * (iteration - mean_it) if slope else mean
+        return expected, max(std, self.min_std_fraction * abs(mean))
 
     def observe(self, iteration: int, loss: float, skipped: bool, grad_norm: float = 0.0) -> dict | None:
         """Take one step's outcome; returns an alert (a dict) when it completes a verdict."""
@@ -86,12 +98,13 @@ class Detector:
                         "grad_norm": grad_norm, "threshold": self.grad_norm_rollback, "steps": len(self.exploding)}
         else:
             self.exploding = []
-        base = self.baseline()
-        if base is not None and (loss > base[0] + self.zscore * base[1] or loss > self.spike_ratio * base[0]):
-            mean, std = base
+        base, flat = self.baseline(iteration), self.baseline()
+        if base is not None and (loss > base[0] + self.zscore * base[1] or loss > self.spike_ratio * flat[0]):
+            expected, std = base
             return {"kind": "loss_spike", "since": iteration, "iter": iteration, "loss": loss,
-                    "baseline": round(mean, 6), "std": round(std, 6), "zscore": round((loss - mean) / std, 2),
-                    "ratio": round(loss / mean, 3) if mean else None}
+                    "baseline": round(expected, 6), "std": round(std, 6),
+                    "zscore": round((loss - expected) / std, 2),
+                    "ratio": round(loss / flat[0], 3) if flat[0] else None}
         if not self.exploding:
             self.history.append((iteration, loss))
         return None
@@ -106,14 +119,34 @@ class Detector:
 def describe(alert: dict) -> str:
     """One console line for an alert."""
     if alert["kind"] == "loss_spike":
-        return (f"loss spike at iteration {alert['iter']}: {alert['loss']:.4f} against {alert['baseline']:.4f} "
-                f"± {alert['std']:.4f} over the last steps ({alert['zscore']} standard deviations, "
+        return (f"loss spike at iteration {alert['iter']}: {alert['loss']:.4f} against the {alert['baseline']:.4f} "
+                f"± {alert['std']:.4f} the last steps' trend expects ({alert['zscore']} standard deviations, "
                 f"{alert['ratio']}× the mean)")
     if alert["kind"] == "grad_explosion":
         return (f"gradient explosion: grad norm above {alert['threshold']:g} for {alert['steps']} steps "
                 f"(iterations {alert['since']}–{alert['iter']}, last {alert['grad_norm']:.3g})")
     return (f"{alert['steps']} non-finite steps in a row (iterations {alert['since']}–{alert['iter']}, "
             f"loss {alert['loss']})")
+
+
+def check_spike_drill(cfg, iteration: int) -> str | None:
+    """``faults.spike_at`` rehearses detection (and a rollback) in a run starting at ``iteration``:
+    refuse one the detector cannot catch (too little history by then); return a warning when the
+    rollback it rehearses would find no checkpoint from before it (the spike is still caught)."""
+    spike, r, c = cfg.faults.spike_at, cfg.recovery, cfg.checkpoint
+    if spike is None or r.action == "none" or spike <= iteration:
+        return None
+    judged = iteration + min(r.window, JUDGE_FROM) + 1  # the first iteration the spike test can judge
+    if spike < judged:
+        raise ConfigError(f"faults.spike_at={spike} comes before the spike detector judges (from iteration "
+                          f"{judged}: it needs {judged - iteration - 1} healthy steps first): use "
+                          f"--faults.spike_at {judged} or later")
+    first_save = (iteration // c.interval + 1) * c.interval if c.interval else None
+    if r.action == "rollback" and iteration == 0 and (first_save is None or first_save >= spike):
+        return (f"faults.spike_at={spike} rehearses a rollback (recovery.action=rollback) but no checkpoint is "
+                f"saved before it (checkpoint.interval={c.interval}): the spike is caught, the rollback finds "
+                f"nothing to go back to; use --checkpoint.interval {max(1, (spike - 1) // 2)} to rehearse it")
+    return None
 
 
 def run_alert_command(command: str | None, alert: dict) -> None:

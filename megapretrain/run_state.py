@@ -6,6 +6,7 @@ position, the learning-rate factor of rollbacks)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -17,6 +18,8 @@ from .checkpoint.format import check_shapes, rank_state, read_metadata
 from .checkpoint.manager import optimizer_views
 from .checkpoint.reshard import SavedShards, resharded_state, saved_padded_vocab
 from .config import save_config, to_dict
+from .errors import ConfigError
+from .optim.lr_schedule import LRSchedule, resumed_schedule
 from .recovery import RecoveryError, describe, run_alert_command
 
 # what the saved data position depends on: changing one on resume deserves a warning
@@ -70,8 +73,10 @@ class RunState:
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
         state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
                            optimizer_step=self.optimizer.step_count, moments=moments,
-                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale)
+                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
+                           schedule=self.lr_schedule.to_dict())
         self.checkpoints.save(self.iteration, state)
+        self.saved.append(self.iteration)
         self.metrics.event("checkpoint_saved", self.iteration,
                            path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),
                            checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
@@ -94,7 +99,38 @@ class RunState:
         self._apply(state, optimizer=c.load_optimizer and not fresh, rng=c.load_rng and not fresh, position=not fresh)
         if not fresh:  # the learning-rate factor of earlier rollbacks goes on (a rollback keeps its own)
             self.lr_scale = float(state.get("lr_scale", 1.0))
+            self._check_work_left(path)
+            self._resume_schedule(state.get("schedule"))
         return path
+
+    def _check_work_left(self, path: str) -> None:
+        """A resumed run with no step left to train is refused: it would exit having done nothing."""
+        iters, at = self.sizes.iters, self.iteration
+        if at < iters:
+            return
+        length = "train.iters" if self.cfg.train.train_tokens is None else "the steps of train.train_tokens"
+        where = f"the run in {self.cfg.run.dir} ({path})"
+        state = f"{where} has finished its {length}={iters}" if at == iters else \
+            f"{length}={iters} is below iteration {at}, which {where} has reached"
+        raise ConfigError(f"nothing to do: {state}; raise --train.iters above {at} to train further, or choose "
+                          "another --run.dir to start afresh")
+
+    def _resume_schedule(self, saved: dict | None) -> None:
+        """Keep the learning-rate schedule the checkpoint was trained with (``resumed_schedule``),
+        saying what it does when the run is extended, and warning in one line when the rate of
+        the next step is not the one that schedule gives."""
+        kept = LRSchedule.from_dict(saved) if isinstance(saved, dict) else None
+        self.lr_schedule, note = resumed_schedule(self.cfg, kept, self.iteration, self.sizes.iters)
+        if note:
+            self.log(note)
+        it = self.iteration + 1
+        if kept is None or math.isclose(kept(it), self.lr_schedule(it), rel_tol=1e-9, abs_tol=1e-15):
+            return
+        if self.is_logger:
+            print(f"warning: the learning rate changes at the resume: iteration {it} trains at "
+                  f"{self.lr_schedule(it) * self.lr_scale:.4g} instead of {kept(it) * self.lr_scale:.4g}, the "
+                  f"rate of the schedule the checkpoint was trained with ({kept.describe()}; now "
+                  f"{self.lr_schedule.describe()})", file=sys.stderr, flush=True)
 
     def _sharding(self) -> dict:
         """What this rank's ZeRO ranges depend on beyond the layout (recorded in checkpoints)."""
@@ -144,7 +180,7 @@ class RunState:
         self.log(f"alert: {describe(alert)}")
         self.metrics.event("alert", self.iteration, **{k: v for k, v in alert.items() if k != "iter"})
         if self.is_logger:
-            run_alert_command(self.cfg.recovery.alert_command, alert)
+            run_alert_command(self.cfg.recovery.alert_command, self.alert_payload(alert))
         return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"])
 
     def _rollback(self, since: int) -> bool:

@@ -13,19 +13,26 @@ import sys
 
 import torch
 
+from .checkpoint.directories import latest_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
-from .config import Config, help_text, load_config
-from .data.checks import check_data_matches_model, resolve_vocab
+from .config import Config, check_output_dirs, help_text, load_config
+from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
+from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
+from .oom import check_micro_batch_fits
 from .resolve import resolve
 from .run_lock import RunLock
+from .runtime import bind_device
 
-USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]
+USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
 
 Every config field can be overridden by its dotted name; values are read as YAML
 (--train.iters 50, --data.paths '[prefixA, prefixB]', --parallel.sequence_parallel true).
 Rerunning with the same run.dir resumes from its latest checkpoint.
+--check validates the config, its data paths and its tokenizer at $WORLD_SIZE ranks (default 1)
+and exits (0: ready; 2: the line that says what is not), building and writing nothing but the data
+checks' cache.
 Options (default, meaning):"""
 
 
@@ -52,31 +59,56 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def checked(argv: list[str], verify: bool = True):
+    """The config of ``argv``, resolved at $WORLD_SIZE ranks, with its data and tokenizer checked
+    against the model: everything a launch needs that can be checked without building it. Returns
+    the config, the resolved run and the data files' facts. ``verify=False`` (the other ranks of a
+    node) reads the data files' summaries and headers only, not the files through."""
+    config_path, overrides = split_args(argv)
+    cfg = load_config(config_path, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer_vocab = resolve_vocab(cfg)
+    run = resolve(cfg, world_size)  # before any process group exists
+    device = resolve_device(cfg)
+    bind_device(device)  # before any CUDA query, tensor, Triton launch or process group
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
+    if not cfg.data.paths:
+        raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
+                          "e.g. --data.paths '[data/corpus_text_document]'")
+    check_micro_batch_fits(cfg, run.layout, device)  # before any index is read or written
+    data_files = check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab,
+                                          cfg.model.vocab_size,
+                                          cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"), verify)
+    return cfg, run, data_files
+
+
+def rebuilt_data_warnings(run_dir: str, data_files: dict) -> list[str]:
+    """Record the data files this start trained on; when the run resumes, name the datasets that
+    were rebuilt since it started (its data position then no longer continues its order)."""
+    changed = changed_datasets(os.path.join(run_dir, "data_files.json"), data_files)
+    if not changed or latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:
+        return []
+    return [f"data.paths {line}: resuming, the saved data position no longer continues the run's data order "
+            "(the sample indices are rebuilt from the new files)" for line in changed]
+
+
 def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
     from .model.decoder import num_parameters
     from .parallel.state import ParallelState, init_distributed
-    from .runtime import bind_device, pinned_host_warning, set_numerics
+    from .runtime import pinned_host_warning, set_numerics
     from .trainer import Trainer
 
-    config_path, overrides = split_args(argv)
-    cfg = load_config(config_path, overrides)
+    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one rank per node reads the data files through
+    cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tokenizer_vocab = resolve_vocab(cfg)
-    run = resolve(cfg, world_size)  # before any process group exists
     warnings = list(run.warnings)
-    bind_device(device)  # before any CUDA tensor, Triton launch or process group
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
     pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
                                  num_parameters(run.model) // (run.layout.tp * run.layout.pp))
     warnings += [pinned] if pinned else []
-    if not cfg.data.paths:
-        raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
-                          "e.g. --data.paths '[data/corpus_text_document]'")
-    check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab, cfg.model.vocab_size,
-                             cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
     if device.type == "cpu":
         # Ranks sharing a CPU must not oversubscribe it: OpenMP spin-waits make that ~100× slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -89,6 +121,8 @@ def setup(argv: list[str]):
     if lock is not None:
         lock.acquire()  # before anything is written: one training per run directory
     try:
+        if lock is not None:
+            warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
         init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
         ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats)
         if ps.rank == 0:
@@ -110,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .recovery import RecoveryError
 
+    if "--check" in argv:
+        try:
+            cfg, run, _ = checked([a for a in argv if a != "--check"])
+        except UserError as exc:
+            print_error(exc)
+            return USER_ERROR_EXIT
+        for warning in run.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        print(f"check: the config, its data ({', '.join(prefix for _, prefix in parse_data_paths(cfg.data.paths))}) "
+              f"and its tokenizer ({cfg.data.tokenizer.type}) are ready at {run.layout.describe()}")
+        return 0
     try:
         trainer = setup(argv)
     except UserError as exc:
@@ -120,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecoveryError as exc:
         print_error(exc)
         return 3
+    except UserError as exc:  # found while training: a full disk at a save, say
+        print_error(exc)
+        return USER_ERROR_EXIT
     except KeyboardInterrupt:
         print(f"interrupted at iteration {trainer.iteration} (a second Ctrl-C); nothing saved since the last "
               "checkpoint", file=sys.stderr)

@@ -4,7 +4,8 @@ Read top to bottom: ``Trainer.__init__`` builds this rank's model chunks, the op
 writers and resumes from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one
 optimizer step over the global batch — its micro-batches run through the pipeline schedule (with
 pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
-Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base.
+Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base; the
+alerts and the closing summary in :class:`megapretrain.run_watch.RunWatch`, its other base.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
 per-token losses and divides by the global token count, and the sums are added over dp and cp
@@ -17,10 +18,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,21 +35,32 @@ from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
-from .monitor.alerts import AlertMonitor, describe_alert, gather_stragglers
+from .monitor.alerts import AlertMonitor, Stragglers
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
+from .monitor.progress import Progress, describe_summary
 from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
 from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
 from .parallel.context import split_to_cp
-from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
+from .parallel.pipeline import (
+    P2P,
+    PipelineExecutor,
+    forward_only_order,
+    peak_in_flight,
+    placement,
+    schedule_order,
+    splits_backward,
+)
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
-from .recovery import Detector, run_alert_command
+from .parallel.tensor import DeferredGrads, defer_weight_grads
+from .recovery import Detector, check_spike_drill
 from .resolve import RunSizes
 from .run_lock import RunLock
 from .run_state import RunState
+from .run_watch import RunWatch
 
 IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
 
@@ -69,7 +81,7 @@ def memory_mb(device: torch.device) -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-class Trainer(RunState):
+class Trainer(RunState, RunWatch):
     def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
         """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
@@ -94,13 +106,19 @@ class Trainer(RunState):
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
         self.pipeline_schedule = sizes.schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
-        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] * ps.pp.size
+        place = placement(self.pipeline_schedule, ps.pp.size, cfg.parallel.vpp)
+        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro,
+                                               place.v_shape)] * ps.pp.size
         act_seq = t.seq_length // ps.cp.size  # a stage hands on its cp share of each sample
         act_seq //= ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else 1
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
-        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
-                                         self.optimizer.grad_sync, record=cfg.parallel.pp_trace)
+        # zero-bubble schedules: each backward's linear weight gradients wait for the schedule's W op
+        deferred = DeferredGrads(weakref.ref(self.optimizer.buffers)) if splits_backward(self.pipeline_schedule) \
+            else None
+        defer_weight_grads(self.model_chunks, deferred)
+        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p, self.optimizer.grad_sync,
+                                         record=cfg.parallel.pp_trace, v_shape=place.v_shape, deferred=deferred)
         self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
@@ -132,10 +150,19 @@ class Trainer(RunState):
         self._stall_s = 0.0  # seconds saves blocked training since the last logged step
         self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
         self.alerts = AlertMonitor(cfg.alerts)
-        self.faults = Faults(cfg.faults, ps.rank)
+        self.stragglers = Stragglers(cfg.alerts.straggler_ratio, cfg.alerts.straggler_steps)
+        self.faults = Faults(cfg.faults, ps.rank, cfg.run.dir)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
+        self.progress = Progress(sizes.iters)
+        self.saved: list[int] = []  # the iterations this launch saved checkpoints at
         resumed_from = self._maybe_resume()
+        drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired else None
+        if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)
+            print(f"warning: {drill}", file=sys.stderr, flush=True)
+        for drill in self.faults.already_fired():  # (said by the rank it was for)
+            print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not injected again",
+                  flush=True)
         if self.is_logger:
             self._write_config()
         self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
@@ -186,12 +213,17 @@ class Trainer(RunState):
     def _loop(self) -> None:
         t, c, iters = self.cfg.train, self.cfg.checkpoint, self.sizes.iters
         last_save = time.monotonic()
+        first_iter, first_samples = self.iteration, self.consumed_samples
+        self.progress.start(self.iteration)
+        saved = False  # whether the pass that ended last saved its iteration
         while self.iteration < iters:
+            saved = False
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
             self.checkpoints.step_boundary()  # an async save every rank has written is published now
             self.iteration += 1
+            self.progress.step(self.iteration)
             if self.lock is not None:
                 self.lock.heartbeat()
             if self.pipeline.record:
@@ -215,7 +247,7 @@ class Trainer(RunState):
                 self.watchdog.beat("save", self.iteration)
                 self.save()
                 self.alerts.settle()
-                last_save = time.monotonic()
+                last_save, saved = time.monotonic(), True
             if stop:
                 self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "
                          f"{self.iteration}, exiting")
@@ -223,15 +255,15 @@ class Trainer(RunState):
         else:
             if t.eval_interval and self.iteration % t.eval_interval:
                 self._log_eval(self.evaluate())
-            if not (c.interval and self.iteration % c.interval == 0):
+            if not saved:  # (by the interval, or by the clock)
                 self.save()
         self.checkpoints.finalize()
+        summary = self._summary(first_iter, first_samples)
+        self.metrics.event("summary", self.iteration, **summary)
         self.metrics.close()
         for loader in self.loaders.values():
             loader.close()
-        ckpt = os.path.join(self.cfg.run.dir, "checkpoints")
-        self.log(f"done: metrics {os.path.join(self.cfg.run.dir, 'metrics.jsonl')}  "
-                 f"tensorboard {os.path.join(self.cfg.run.dir, 'tensorboard')}  checkpoints {ckpt}")
+        self.log(describe_summary({**summary, "iter": self.iteration}))
 
     def _guarded_step(self) -> dict:
         """``train_step``, with the injected faults of this iteration, and out-of-memory turned
@@ -403,7 +435,10 @@ class Trainer(RunState):
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],
                   **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self._stall_s, "tflops": tflops,
-                  "memory_mb": memory_mb(self.device)}
+                  "memory_mb": memory_mb(self.device), "elapsed_s": round(self.progress.elapsed_s, 3)}
+        eta = self.progress.eta_s
+        if eta is not None:
+            record["eta_s"] = round(eta, 1)
         self._stall_s = 0.0
         if self.lr_scale != 1.0:
             record["lr_scale"] = self.lr_scale
@@ -419,8 +454,8 @@ class Trainer(RunState):
                                grad_norm=s["grad_norm"])
         self.log(f"iter {self.iteration:>6}/{self.sizes.iters} | loss {s['loss']:.4f} | "
                  f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
-                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB"
-                 + (" | skipped" if s["skipped"] else ""))
+                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB | "
+                 f"{self.progress.describe()}" + (" | skipped" if s["skipped"] else ""))
 
     def _log_memory(self) -> None:
         """Bytes per rank (this rank's) for parameters, grads and optimizer state, from the tensors."""
@@ -449,33 +484,6 @@ class Trainer(RunState):
             return
         self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
         self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
-
-    def _report_alerts(self, stats: dict, stragglers: bool) -> None:
-        """This step's alerts (start and clear), and every logging interval the stragglers."""
-        tokens_per_sec = stats["global_batch_size"] * self.cfg.train.seq_length / stats["step_time"]
-        for alert in self.alerts.observe(self.iteration, stats["loss"], stats["grad_norm"], tokens_per_sec,
-                                         stats["data_time"]):
-            self._announce(alert, describe_alert(alert))
-        if stragglers and self.ps.world_size > 1:
-            if self.hosts is None:
-                self.hosts = [None] * self.ps.world_size
-                dist.all_gather_object(self.hosts, socket.gethostname())
-            own = stats["step_time"] - stats["grad_sync_time"]  # waiting for the others is not slowness
-            for alert in gather_stragglers(self.ps, self.hosts, own, stats["data_time"], self.iteration,
-                                           self.cfg.alerts.straggler_ratio):
-                self._announce(alert, f"straggler: rank {alert['rank']} on {alert['host']} took "
-                                      f"{alert['step_time']:.3f} s per step, {alert['ratio']:.2f}× the median "
-                                      f"{alert['median_step_time']:.3f} s (data wait {alert['data_time']:.3f} s)")
-
-    def _announce(self, alert: dict, line: str) -> None:
-        """One alert: a console warning, an ``alert`` event in metrics.jsonl (a TensorBoard text
-        entry too), and recovery.alert_command."""
-        self.log(f"warning: {line}")
-        self.metrics.event("straggler" if alert["kind"] == "straggler" else "alert", self.iteration,
-                           **{k: v for k, v in alert.items() if k != "iter"})
-        if self.is_logger:
-            self.metrics.text("alerts", line, self.iteration)
-            run_alert_command(self.cfg.recovery.alert_command, alert)
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:

@@ -9,6 +9,9 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
+#SBATCH --requeue
+# 5 min before the time limit: save, stop and requeue (run_scripts/launch.sh)
+#SBATCH --signal=B:USR1@300
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # sbatch runs a spooled copy of this script: then the repository is where the job was submitted

@@ -8,7 +8,6 @@ is byte for byte the same afterwards (and no partial output is left behind).
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import socket
@@ -18,22 +17,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import write_corpus
+from conftest import assert_one_line, snapshot, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--train.iters", "2",
         "--train.seq_length", "32", "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
         "--logging.tensorboard", "false"]
-
-
-def snapshot(folder) -> dict:
-    out = {}
-    for base, _, files in os.walk(folder):
-        for f in files:
-            path = os.path.join(base, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def run(args: list[str], cwd) -> subprocess.CompletedProcess:
@@ -186,3 +175,232 @@ def test_a_stale_lock_is_taken_over(tmp_path, corpus, capsys):
     assert main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TINY]) == 0
     assert "taking over the stale lock" in capsys.readouterr().err
     assert not (run_dir / ".lock").exists()
+
+
+# -- in-process cases: one line, no traceback, every file as it was ------------------------------
+
+
+def _train_main(*args) -> int:
+    from megapretrain.train import main
+
+    return main([*TINY, "--data.paths", "[c_text_document]", *args])
+
+
+CONFIG_FILES = {  # name: (bytes of the config file, words the line must hold)
+    "UTF-16": ("train:\n  iters: 5\n".encode("utf-16"), ["cfg.yaml", "UTF-16", "UTF-8"]),
+    "UTF-32": ("train:\n  iters: 5\n".encode("utf-32"), ["cfg.yaml", "UTF-32"]),
+    "binary": (bytes(range(256)), ["cfg.yaml", "not a text file"]),
+    "Latin-1": ("run:\n  name: café\n".encode("latin-1"), ["cfg.yaml", "not UTF-8", "line 2"]),
+    "a section twice": (b"train:\n  iters: 5\nmodel:\n  num_layers: 3\ntrain:\n  seed: 3\n",
+                        ["cfg.yaml", "line 5", "'train' appears twice", "line 1"]),
+    "a key twice": (b"train:\n  iters: 5\n  iters: 6\n", ["cfg.yaml", "'iters' appears twice"]),
+    "a control character": (b"train:\n  iters: \x07\n", ["cfg.yaml", "not valid YAML"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_FILES))
+def test_a_config_file_that_is_not_utf8_yaml_is_one_line(name, tmp_path, unchanged, capsys):
+    data, words = CONFIG_FILES[name]
+    (tmp_path / "cfg.yaml").write_bytes(data)
+    _corpus(str(tmp_path))
+    unchanged()
+    assert_one_line(capsys, _train_main("--config", "cfg.yaml"), 2, *words)
+
+
+def test_a_utf8_config_with_a_byte_order_mark_and_yaml_merges_loads(tmp_path):
+    from megapretrain.config import load_config
+
+    (tmp_path / "bom.yaml").write_bytes("\ufefftrain:\n  iters: 7\n".encode("utf-8"))
+    assert load_config(str(tmp_path / "bom.yaml")).train.iters == 7
+    (tmp_path / "merge.yaml").write_text("train: &t {iters: 7, seed: 1}\noptim: {lr: 0.01}\n")
+    assert load_config(str(tmp_path / "merge.yaml")).train.seed == 1
+
+
+def test_a_key_twice_in_an_override_is_one_line():
+    from megapretrain.config import load_config
+    from megapretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--model.rope_scaling.*'factor' appears twice"):
+        load_config(None, ["--model.rope_scaling", "{factor: 8, factor: 4}"])
+
+
+NUMBERS = {  # override: words
+    ("--optim.lr", "nan"): ["optim.lr=nan", "finite"],
+    ("--optim.min_lr", ".nan"): ["optim.min_lr=nan", "finite"],  # a field with no declared range
+    ("--alerts.grad_norm_max", "1e999"): ["alerts.grad_norm_max=inf", "finite"],
+    ("--optim.betas", "[.nan, 0.95]"): ["optim.betas", "finite"],
+    ("--model.rope_scaling", "{rope_type: llama3, factor: .inf}"): ["model.rope_scaling", "finite"],
+    ("--train.iters", str(2 ** 63)): ["train.iters", "2**63"],
+    ("--watchdog.timeout_s", "-.inf"): ["watchdog.timeout_s", "finite"],
+}
+
+
+@pytest.mark.parametrize("override", list(NUMBERS), ids=[" ".join(k) for k in NUMBERS])
+def test_every_number_is_finite_and_in_range(override, tmp_path, unchanged, capsys):
+    _corpus(str(tmp_path))
+    unchanged()
+    assert_one_line(capsys, _train_main(*override), 2, *NUMBERS[override])
+
+
+def test_nan_fails_every_declared_range():
+    """The general rule: ``nan < low`` is false, so every range check refuses NaN explicitly."""
+    import dataclasses
+    import typing
+
+    from megapretrain.config import Config, check_fields
+    from megapretrain.errors import ConfigError
+
+    checked = 0
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        for f in dataclasses.fields(cls):
+            if typing.get_type_hints(cls)[f.name] not in (float, typing.Optional[float]):
+                continue
+            cfg = Config()
+            setattr(getattr(cfg, section.name), f.name, float("nan"))
+            with pytest.raises(ConfigError, match="finite"):
+                check_fields(cfg)
+            checked += 1
+    assert checked > 20
+
+
+def _read_only(tmp_path):
+    """A directory that cannot be written: a read-only tmpfs where mounting one is allowed, else
+    one whose writes the test makes fail with EROFS at the lowest level (os.mkdir, mkstemp)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(target)],
+                             capture_output=True).returncode == 0
+    return target, mounted
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("--run.dir", "", ["run.dir=''", "empty path"]),
+    ("--run.dir", "afile", ["run.dir='afile'", "is a file"]),
+    ("--run.dir", "afile/run", ["run.dir='afile/run'", "afile is a file"]),
+    ("--data.cache_dir", "afile", ["data.cache_dir='afile'", "is a file"]),
+])
+def test_an_output_directory_that_cannot_be_one_is_one_line(field, value, words, tmp_path, unchanged, capsys):
+    _corpus(str(tmp_path))
+    (tmp_path / "afile").write_text("mine")
+    unchanged()
+    assert_one_line(capsys, _train_main("--run.dir", "run", field, value), 2, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, unchanged, capsys, monkeypatch):
+    import errno
+
+    _corpus(str(tmp_path))
+    target, mounted = _read_only(tmp_path)
+    try:
+        if not mounted:
+            import tempfile
+
+            def refuse(*args, **kwargs):
+                raise OSError(errno.EROFS, "Read-only file system")
+            monkeypatch.setattr(os, "mkdir", refuse)
+            monkeypatch.setattr(tempfile, "mkstemp", refuse)
+        unchanged()
+        assert_one_line(capsys, _train_main("--run.dir", str(target / "run")), 2, "run.dir=", "Read-only file system")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(target)], check=True)  # lazily: a failed run may hold files
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--train.seq_length", "1000000000"], ["train.seq_length=1,000,000,000", "needs at least", "GiB"]),
+    (["--train.micro_batch_size", "100000000", "--train.global_batch_size", "100000000"],
+     ["train.micro_batch_size=100000000", "needs at least", "TiB"]),
+])
+def test_a_micro_batch_beyond_memory_is_refused_naming_what_it_needs(flags, words, tmp_path, unchanged, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setattr("megapretrain.oom.available_bytes", lambda: 64 << 30)  # a 64 GiB machine, whatever runs it
+    _corpus(str(tmp_path))
+    unchanged()
+    assert_one_line(capsys, _train_main("--run.dir", "run", *flags), 2, *words)
+    assert not (tmp_path / "run" / "data_cache").exists()  # refused before any index was built
+
+
+def test_indices_beyond_host_memory_are_refused_before_they_are_built(tmp_path, unchanged, capsys, monkeypatch):
+    monkeypatch.setattr("megapretrain.data.gpt_dataset.available_bytes", lambda: 64 << 30)
+    _corpus(str(tmp_path))
+    unchanged()
+    assert_one_line(capsys, _train_main("--run.dir", "run", "--train.iters", "100000000000"), 2,
+                    "GPTDataset 'train'", "sample indices", "need about", "TiB of host memory", "64.0 GiB")
+    cache = tmp_path / "run" / "data_cache"
+    assert not [f for f in os.listdir(cache) if f.endswith(".npy")]
+
+
+def test_the_index_estimate_follows_what_building_takes():
+    """index_bytes is within a factor 2.5 of the peak numpy allocates building the indices, from one
+    epoch of long documents to many epochs of a few (the shapes a refusal is about)."""
+    import tracemalloc
+
+    from megapretrain.data.gpt_dataset import build_gpt_indices, epochs_for, index_bytes
+
+    for docs, seq, samples in ((200_000, 2048, 400_000), (20, 100_000, 50), (100_000, 256, 3_000_000)):
+        lengths = np.random.default_rng(0).integers(1, 2000, size=docs)
+        epochs = epochs_for(samples, int(lengths.sum()), seq)
+        tracemalloc.start()
+        build_gpt_indices(lengths, np.arange(docs), seq, epochs, 0)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak / 2.5 < index_bytes(docs, seq, samples, epochs) < 2.5 * peak, (docs, seq, samples)
+
+
+def test_every_numeric_flag_of_every_tool_goes_through_the_shared_parser():
+    """No tool declares a number flag with a bare int/float (which take nan, inf and negatives)."""
+    import re
+
+    commands = os.path.join(ROOT, "megapretrain", "commands")
+    bare = [f"{name}:{i}" for name in os.listdir(commands) if name.endswith(".py")
+            for i, line in enumerate(open(os.path.join(commands, name)), 1)
+            if re.search(r"type=(int|float)\b", line)]
+    assert not bare
+
+
+@pytest.mark.parametrize("tool_argv,words", [
+    (("preflight", "--config", "x.yaml", "--max-memory-gb", "nan"), ["--max-memory-gb", "nan"]),
+    (("preflight", "--config", "x.yaml", "--min-tokens-per-sec", "inf"), ["--min-tokens-per-sec"]),
+    (("preflight", "--config", "x.yaml", "--resume-tolerance", "nan"), ["--resume-tolerance"]),
+    (("smoke_test", "--rtol", "nan"), ["--rtol"]),
+    (("convert_checkpoint", "to-hf", "--checkpoint", "c", "--output", "o", "--tolerance", "-1"), ["--tolerance"]),
+    (("convert_checkpoint", "to-hf", "--checkpoint", "c", "--output", "o", "--tolerance", "nan"), ["--tolerance"]),
+    (("convert_checkpoint", "to-hf", "--checkpoint", "c", "--output", "o", "--max-shard-gb", "-1"),
+     ["--max-shard-gb"]),
+    (("convert_checkpoint", "from-hf", "--hf", "h", "--output", "o", "--world-size", "0"), ["--world-size"]),
+    (("reshard_checkpoint", "--checkpoint", "c", "--output", "o", "--world-size", "0"), ["--world-size"]),
+    (("inspect_checkpoint", "c", "--diff", "d", "--rtol", "nan"), ["--rtol"]),
+    (("build_demo_corpus", "--output", "o", "--max-mb", "-inf"), ["--max-mb"]),
+])
+def test_a_bad_number_is_refused_by_the_flag_parser_before_any_work(tool_argv, words, tmp_path, unchanged,
+                                                                     capsys):
+    import importlib
+
+    unchanged()
+    main = importlib.import_module(f"megapretrain.commands.{tool_argv[0]}").main
+    with pytest.raises(SystemExit) as exit_:
+        main(list(tool_argv[1:]))
+    assert_one_line(capsys, exit_.value.code, 2, *words)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--model.num_heads", "0"], ["model.num_heads=0"]),
+    (["--model.hidden_size", "0"], ["model.hidden_size=0"]),
+    (["--train.global_batch_size", "0"], ["train.global_batch_size=0"]),
+    (["--model.num_heads", "3"], ["model.num_heads=3", "must divide"]),
+    (["--optim.lr", "nan"], ["optim.lr=nan"]),
+])
+def test_plan_checks_the_config_before_searching(flags, words, capsys):
+    from megapretrain.commands import plan
+
+    config = os.path.join(ROOT, "configs", "llama3_8b.yaml")
+    assert_one_line(capsys, plan.main(["--config", config, "--gpus", "8", *flags]), 2, *words)
+
+
+def test_a_smoke_test_with_no_layout_to_compare_says_so(tmp_path, capsys):
+    from megapretrain.commands import smoke_test
+
+    assert_one_line(capsys, smoke_test.main(["--workdir", str(tmp_path / "w")]), 2, "no layout to check")
+    assert not (tmp_path / "w").exists()

@@ -208,7 +208,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start(straight, corpus, t
     (ck / ".iter_0000008").mkdir()
     (ck / ".iter_0000008" / "rank_00000.safetensors.part").write_bytes(b"half")
     (ck / ".latest.part").write_text("iter_0000008")
-    trainer = setup(_argv(run, corpus, 6))
+    trainer = setup(_argv(run, corpus, 8))  # (a resume with steps left: one with none is refused)
     trainer.lock.release()
     assert not (ck / ".iter_0000008").exists() and not (ck / ".latest.part").exists()
     assert (ck / "iter_0000006" / "metadata.json").exists()

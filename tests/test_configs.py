@@ -15,6 +15,7 @@ from megapretrain.model.build import model_args, rank_param_specs
 from megapretrain.model.decoder import num_parameters
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.planner import Layout, estimate
+from megapretrain.planner.emit import layout_line
 from megapretrain.resolve import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,3 +105,18 @@ def test_the_layout_is_for_nodes_of_8_h100s_and_fits(name):
     script = open(os.path.join(ROOT, "run_scripts", f"pretrain_{name}.sh")).read()
     assert f"#SBATCH --nodes={gpus // 8}" in script and f"DEFAULT_NNODES={gpus // 8} " in script
     assert shlex.quote(f"configs/{name}.yaml") in script
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_header_states_the_layout_the_config_has(name):
+    """The first line's layout is the one planner/emit.py's layout_line writes for the config's own
+    fields; no header states a planner figure or ranking (they change with the planner's model):
+    the plan.py command it names, at the config's GPU count, gives them."""
+    with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as fh:
+        header = [line for line in fh if line.startswith("#")]
+    expected = layout_line(_config(name), gpus_of(name))
+    assert f" — {expected};" in header[0], f"configs/{name}.yaml's first line should say: {expected}"
+    text = "".join(header)
+    assert "fastest fit" not in text and not re.search(r"\d% MFU", text), text
+    for gpus in re.findall(rf"tools/plan\.py --config configs/{name}\.yaml --gpus (\d+)", text):
+        assert int(gpus) == gpus_of(name)

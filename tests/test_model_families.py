@@ -252,7 +252,7 @@ def test_triton_kernels_name_the_layers_that_have_none_once(monkeypatch, capsys)
     for flags, said in ((NEOX, ["model.kernels=triton: LayerNorm and GELU of model.family=gpt_neox have no Triton "
                                 "kernel and run torch's ops"]), (QWEN, [])):
         build.build_model_chunks(_config(*flags, "--train.device", "cpu"), ParallelState())
-        assert capsys.readouterr().out.splitlines() == said
+        assert [line for line in capsys.readouterr().out.splitlines() if "model.kernels" in line] == said
 
 
 def test_the_family_is_read_off_model_type_or_architectures():

@@ -32,7 +32,7 @@ def _grid(rank, world, combos):
             chunks.append(model)
         p2p = P2P(ps.pp, (MBS, SEQ, args.hidden_size), torch.float32, torch.device("cpu"))
         executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p,
-                                    lambda last, weights_pending=False: torch.enable_grad())
+                                    lambda last, split=None: torch.enable_grad())
         losses, outputs = [], []
 
         def forward(chunk, micro, hidden, chunks=chunks, losses=losses, outputs=outputs):

@@ -3,6 +3,7 @@ tools/plan.py on the shipped configs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -304,7 +305,7 @@ def test_the_plan_in_words(capsys):
     assert plan_tool.main(["--config", config, "--gpus", "64", "--check", "--train-tokens", "300B"]) == 0
     out = capsys.readouterr().out
     for words in ("64 × H100 SXM 80GB (8 nodes)", "memory/GPU", "weights", "grads+optimizer", "activations",
-                  "tokens/s/GPU", "MFU", "HFU", "300,0", "days wall-clock", "GPU-hours"):
+                  "tokens/s/GPU", "MFU", "HFU", "300,0", " wall-clock, ", "GPU-hours"):
         assert words in out
 
 
@@ -339,8 +340,9 @@ def test_the_plan_writes_a_config_and_a_launch_script_it_will_not_overwrite(tmp_
     assert subprocess.run(["bash", "-n", out_sh]).returncode == 0
     dry = subprocess.run(["bash", out_sh, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES"))})
-    assert dry.returncode == 0, dry.stderr
-    assert "on 32 node(s) × 8 processes = 256" in dry.stdout and "node 31: " in dry.stdout
+    # the layout is read off the written config; its data and tokenizer (data/...) are not on this machine
+    assert "on 32 node(s) × 8 processes = 256" in dry.stdout
+    assert dry.returncode == 2 and "data/tokenizer does not exist" in dry.stderr, dry.stderr
     before = open(out_cfg).read()
     capsys.readouterr()
     assert plan_tool.main(argv) == 2
@@ -353,12 +355,49 @@ def test_the_plan_writes_a_config_and_a_launch_script_it_will_not_overwrite(tmp_
 
 
 def _emit(tmp_path, capsys, *extra):
+    """The 70B config's recipe without its batch ramp-up (which neither format can hold)."""
     config = os.path.join(ROOT, "configs", "llama3_70b.yaml")
     ds, acc = str(tmp_path / "ds.json"), str(tmp_path / "acc.yaml")
     assert plan_tool.main(["--config", config, "--gpus", "512", "--check", "--emit", "deepspeed", ds,
-                           "--emit", "accelerate", acc, *extra]) == 0
+                           "--emit", "accelerate", acc, "--train.rampup_batch_size", "null", *extra]) == 0
     capsys.readouterr()
     return load_config(config), ds, acc
+
+
+def test_a_batch_ramp_up_is_refused_where_the_batch_is_fixed_and_named_where_the_script_sets_it(tmp_path, capsys):
+    """DeepSpeed's JSON and Accelerate's DeepSpeed plugin fix the batch: the 70B config's ramp-up is
+    refused in one line and nothing is written; Accelerate's FSDP config holds no batch, and its note
+    tells the training script to ramp up."""
+    config = os.path.join(ROOT, "configs", "llama3_70b.yaml")
+    ramp = str(load_config(config).train.rampup_batch_size)
+    written = str(tmp_path / "written.yaml")  # refused before any file is written, this one included
+    for fmt in ("deepspeed", "accelerate"):
+        out = str(tmp_path / f"{fmt}.out")
+        assert plan_tool.main(["--config", config, "--gpus", "512", "--check", "--write-config", written,
+                               "--emit", fmt, out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"train.rampup_batch_size={ramp}" in err and "no batch-size ramp-up" in err
+        assert "--train.rampup_batch_size null" in err and not os.path.exists(out) and not os.path.exists(written)
+    out = str(tmp_path / "fsdp.yaml")
+    assert plan_tool.main(["--config", config, "--gpus", "512", "--check", "--emit", "accelerate", out,
+                           "--accelerate-plugin", "fsdp"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"ramped up as train.rampup_batch_size={ramp}" in stdout and "AdamW lr 0.00015" in stdout
+    assert "warmup 2000 steps then cosine to 1.5e-05" in stdout and "clip the grad norm to 1" in stdout
+
+
+def test_accelerate_builds_a_zero3_model_sharded(tmp_path, capsys):
+    """zero3_init_flag: with ZeRO-3 each process builds only its shard (a 70B model whole on every
+    process would not fit); below stage 3 it stays off."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    z3 = ["--parallel.zero", "3", "--parallel.pp", "1", "--parallel.vpp", "1", "--parallel.pipeline_layers", "null"]
+    _, _, acc = _emit(tmp_path, capsys, *z3)
+    parsed = config_args.load_config_from_file(acc)
+    assert parsed.deepspeed_config["zero_stage"] == 3 and parsed.deepspeed_config["zero3_init_flag"] is True
+    (tmp_path / "acc.yaml").unlink()
+    (tmp_path / "ds.json").unlink()
+    _, _, acc = _emit(tmp_path, capsys)
+    assert config_args.load_config_from_file(acc).deepspeed_config["zero3_init_flag"] is False
 
 
 def test_deepspeed_reads_the_emitted_config(tmp_path, capsys, monkeypatch):
@@ -408,7 +447,7 @@ def test_zero3_and_hybrid_sharding_are_exported(tmp_path, capsys, monkeypatch):
     assert json.load(open(ds))["zero_optimization"]["stage"] == 3
     assert config_args.load_config_from_file(acc).fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD"
     config = os.path.join(ROOT, "configs", "llama3_70b.yaml")
-    hybrid = [*z3, "--parallel.zero_shard_size", "32"]
+    hybrid = [*z3, "--parallel.zero_shard_size", "32", "--train.rampup_batch_size", "null"]
     out = str(tmp_path / "hybrid.yaml")
     assert plan_tool.main(["--config", config, "--gpus", "512", "--check", *hybrid, "--emit", "accelerate", out,
                            "--accelerate-plugin", "fsdp"]) == 0
@@ -442,3 +481,19 @@ def test_deepspeed_reads_fp16_and_a_constant_schedule_and_a_wsd_one_is_refused(t
     assert plan_tool.main(common + ["--schedule.decay", "wsd", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no DeepSpeed scheduler" in err
+
+
+def test_tp_comm_overlap_is_modelled_and_ranked():
+    """Overlapping the sequence-parallel collectives with their GEMMs leaves less tensor-parallel
+    time exposed (never more), the same compute; the search weighs layouts with it."""
+    m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
+    for tp, mb in ((2, 1), (8, 1), (8, 4)):
+        base = Layout(tp=tp, pp=1, dp=64 // tp, micro_batch=mb, zero=1)
+        on = dataclasses.replace(base, tp_comm_overlap=True)
+        sync, overlap = (estimate(m, seq, L, 128, h100) for L in (base, on))
+        assert overlap.time["tensor"] < sync.time["tensor"]
+        assert overlap.time["compute"] == pytest.approx(sync.time["compute"])
+        assert overlap.time["total"] < sync.time["total"]
+    found = search(m, seq, 64, 128, h100)
+    assert any(e.layout.tp_comm_overlap for e in found if e.layout.tp > 1)
+    assert not any(e.layout.tp_comm_overlap for e in found if e.layout.tp == 1)

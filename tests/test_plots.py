@@ -58,8 +58,8 @@ def test_plot_run_draws_every_logged_panel_with_events(tmp_path, capsys):
     assert [label for label, _, _ in plots._panels(train, records)[0][1]] == ["loss", "valid_loss"]
     assert plots.time_fields(train) == ["step_time", "data_time", "breakdown.forward_backward_s",
                                         "breakdown.optimizer_s", "checkpoint_stall_s"]
-    marked = {name for _, name in plots.events(records)}
-    assert marked == {"checkpoint_saved", "alert", "rollback", "resumed"}  # the start-up memory line is not
+    marked = {mark.name for mark in plots.events(records)}
+    assert marked == {"checkpoint_saved", "alert start", "rollback", "resumed"}  # the start-up memory line is not
 
 
 def test_plot_run_draws_a_minimal_run(tmp_path):
@@ -89,6 +89,95 @@ def test_plot_run_bad_input_is_one_line(tmp_path, capsys):
     write_metrics(tmp_path / "run")
     assert plot_run.main([str(tmp_path / "run"), "--output", str(tmp_path / "x.jpg")]) == 2
     assert ".png" in capsys.readouterr().err
+
+
+def rolled_back_records() -> list[dict]:
+    """A run that trained 1-12, rolled back to the checkpoint at 10 and went on to 20, with an alert
+    that started at 12 and one that started at 4 and cleared at 6."""
+    records = [{"iter": it, "loss": 5.0 - 0.1 * it + (2.0 if it == 12 else 0.0), "lr": 1e-3, "memory_mb": 1000.0}
+               for it in range(1, 13)]
+    records += [{"iter": 4, "event": "alert", "kind": "data_wait", "state": "start"},
+                {"iter": 6, "event": "alert", "kind": "data_wait", "state": "clear", "since": 4},
+                {"iter": 12, "event": "alert", "kind": "loss_spike"},
+                {"iter": 10, "event": "rollback", "from_iter": 12, "lr_scale": 0.5}]
+    records += [{"iter": it, "loss": 5.0 - 0.1 * it, "lr": 5e-4, "memory_mb": 985.0} for it in range(11, 21)]
+    return records
+
+
+def test_a_rollback_is_drawn_as_a_branch_not_a_line_running_back():
+    records = rolled_back_records()
+    (xs, ys), dropped = plots.trajectory(*plots.series(records, "loss"))
+    assert xs == list(range(1, 21)) and ys[11] == pytest.approx(3.8)  # iteration 12 as trained again
+    assert dropped == [([10, 11, 12], [pytest.approx(4.0), pytest.approx(3.9), pytest.approx(5.8)])]
+    fig = plots.dashboard_figure(records, "run")
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            x = list(line.get_xdata())
+            if len(x) > 1 and len(set(x)) > 1:  # a data line, not an event's vertical mark
+                assert x == sorted(set(x)), (ax.get_title(), line.get_label(), x)
+    marks = plots.events(records)
+    assert plots.Mark(10, "rollback", (10, 12)) in marks and plots.Mark(6, "alert clear", (4, 6)) in marks
+    assert plots.Mark(12, "alert start") in marks and plots.Mark(4, "alert start") in marks
+    plots.pyplot().close(fig)
+
+
+def test_event_marks_never_take_a_data_colour_and_alerts_start_and_clear_differ():
+    from matplotlib.colors import to_rgb
+
+    data = {to_rgb(c) for c in plots.DATA_COLOURS}
+    assert not data & {to_rgb(colour) for colour, _, _ in [*plots.EVENT_STYLES.values(), plots.OTHER_EVENT]}
+    assert plots.EVENT_STYLES["alert start"] != plots.EVENT_STYLES["alert clear"]
+    fig = plots.dashboard_figure(rolled_back_records(), "run")
+    loss = fig.axes[0]
+    colours = [to_rgb(line.get_color()) for line in loss.get_lines() if line.get_label() in ("loss",)]
+    assert colours and all(c in data for c in colours)
+    plots.pyplot().close(fig)
+
+
+def test_memory_starts_at_zero_and_states_its_range():
+    """A 1.5% dip in memory is drawn as one: the axis starts at zero and the title gives the range."""
+    fig = plots.dashboard_figure(rolled_back_records(), "run")
+    (memory,) = [ax for ax in fig.axes if ax.get_title().startswith("memory")]
+    assert memory.get_ylim()[0] == 0 and memory.get_ylim()[1] >= 1000
+    assert memory.get_title() == "memory (MB): 985–1,000, spread 1.5% of the peak"
+    plots.pyplot().close(fig)
+
+
+def _inside(fig) -> None:
+    """Every title, axis label and legend of the figure lies within the canvas: nothing is cut off."""
+    fig.canvas.draw()
+    canvas = fig.bbox
+    texts = [fig._suptitle] if fig._suptitle else []
+    for ax in fig.axes:
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label]
+    for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]:
+        texts += legend.get_texts() + [legend.get_title()] if legend else []
+    for text in (t for t in texts if t.get_visible() and t.get_text()):
+        box = text.get_window_extent()
+        assert canvas.x0 - 1 <= box.x0 and box.x1 <= canvas.x1 + 1 and canvas.y0 - 1 <= box.y0 and \
+            box.y1 <= canvas.y1 + 1, (text.get_text(), box, canvas)
+
+
+def test_no_title_is_cut_off():
+    title = ("configs/llama3_405b.yaml: cosine schedule, lr 8e-05 → 8e-06, decay_iters 484000, 484000 iterations, "
+             "with a long run directory name as well")
+    iters = list(range(1, 1001))
+    fig = plots.schedule_figure(title, iters, [1e-4 * (1 - i / 1000) for i in iters], [4] * 100 + [16] * 900, 10, 1e-5)
+    _inside(fig)
+    plots.pyplot().close(fig)
+    fig = plots.dashboard_figure(rolled_back_records(), "/a/rather/long/run/directory/" * 3)
+    _inside(fig)
+    plots.pyplot().close(fig)
+
+
+def test_preflight_draws_the_full_run_under_the_resumed_one(tmp_path):
+    """The resumed run's losses equal the full run's: the full run is the wide pale line underneath."""
+    out = tmp_path / "loss.png"
+    xs = list(range(1, 11))
+    plots.plot_lines(str(out), "loss", [("full run", xs, [5 - 0.1 * x for x in xs], plots.UNDER),
+                                        ("resumed", xs[5:], [5 - 0.1 * x for x in xs[5:]], plots.OVER)])
+    assert_png(out)
+    assert plots.UNDER["linewidth"] > 2 * plots.OVER["linewidth"] and plots.UNDER["alpha"] < 1
 
 
 def schedule_facts(capsys, tmp_path, *overrides) -> list[str]:

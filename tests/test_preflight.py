@@ -55,7 +55,10 @@ def test_passes_on_a_tiny_config(tmp_path, corpus, capsys):
         assert f"]({name})" in report  # shown in the report
     assert (out / "full" / "checkpoints" / "iter_0000008").is_dir()
     assert not (tmp_path / "run" / "checkpoints").exists()  # RUN_DIR itself is left alone
-    assert capsys.readouterr().err == ""
+    captured = capsys.readouterr()
+    assert captured.err == ""  # no progress bar off a terminal
+    closing = captured.out.strip().splitlines()[-1]  # one closing line: what was done, and where the report is
+    assert re.fullmatch(r"preflight: PASSED 7 of 7 checks \(1 not checked\) in \d+ s; report: .*report\.md", closing)
 
 
 def test_an_impossible_throughput_fails_and_is_named(tmp_path, corpus, capsys):

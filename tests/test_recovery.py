@@ -37,7 +37,7 @@ def test_a_spike_is_reported_and_kept_out_of_the_history():
     detector = Detector(spike_zscore=6.0, window=20)
     for i in range(1, 21):
         assert detector.observe(i, 3.0 + 0.01 * (-1) ** i, False) is None
-    assert detector.observe(21, 3.02, False) is None  # within the floor of 1% of the mean
+    assert detector.observe(21, 3.02, False) is None  # within the floor of 2% of the mean
     alert = detector.observe(22, 4.0, False)
     assert alert["kind"] == "loss_spike" and alert["since"] == 22 and alert["zscore"] > 6
     assert all(loss < 3.1 for _, loss in detector.history)

@@ -9,4 +9,5 @@ except ModuleNotFoundError as exc:  # a checkout that is not installed
         raise
     print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
     sys.exit(2)
-raise SystemExit(main())
+if __name__ == "__main__":  # its ranks are spawned processes, which import this file again
+    raise SystemExit(main())

@@ -61,13 +61,25 @@ def fsync_dir(path: str) -> None:
 
 def write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through ``path.part``: flushed and fsynced, then renamed, then
-    the directory fsynced, so the file is either the old one or the whole new one."""
-    with open(path + ".part", "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(path + ".part", path)
+    the directory fsynced, so the file is either the old one or the whole new one (a failed write,
+    a full disk say, leaves no ``.part`` behind)."""
+    try:
+        with open(path + ".part", "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(path + ".part", path)
+    except BaseException:
+        _remove(path + ".part")
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 # -- a rank's state --------------------------------------------------------------------------------
@@ -78,16 +90,20 @@ def rank_file(directory: str, rank: int, version: int = FORMAT_VERSION) -> str:
 
 
 def rank_state(*, iteration: int, consumed_samples: int, model: dict, optimizer_step: int, moments: dict,
-               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0) -> dict:
+               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0,
+               schedule: dict | None = None) -> dict:
     """One rank's checkpoint state. ``model`` and ``moments`` map parameter names to entries (see
     the module docstring; moments carry ``exp_avg`` and ``exp_avg_sq``); ``scaler`` is the loss
     scaler's state (None: a fresh one); ``rng`` the rank's random states (None: not carried);
-    ``lr_scale`` the learning-rate factor rollbacks have applied so far."""
+    ``lr_scale`` the learning-rate factor rollbacks have applied so far; ``schedule`` the learning-rate
+    schedule trained with (``LRSchedule.to_dict``; None: not recorded)."""
     state = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "model": model,
              "optimizer": {"step": int(optimizer_step), "params": moments, "scaler": scaler},
              "lr_scale": float(lr_scale)}
     if rng is not None:
         state["rng"] = rng
+    if schedule is not None:
+        state["schedule"] = schedule
     return state
 
 
@@ -121,9 +137,20 @@ def write_rank_state(path: str, state: dict) -> tuple[int, int]:
     order = sorted(tensors, key=lambda k: -tensors[k].dtype.itemsize)
     entries = [(k, t.dtype, tuple(t.shape), t.read if isinstance(t, LazyTensor) else t)
                for k, t in ((k, tensors[k]) for k in order)]
-    size, crc = tensorfile.write(path + ".part", entries, {STATE_KEY: json.dumps(skeleton)})
-    os.replace(path + ".part", path)
+    try:
+        size, crc = tensorfile.write(path + ".part", entries, {STATE_KEY: json.dumps(skeleton)})
+        os.replace(path + ".part", path)
+    except BaseException:  # a full disk, say: no partial file stays behind
+        _remove(path + ".part")
+        raise
     return size, crc
+
+
+def planned_size(state: dict) -> int:
+    """The bytes of ``state``'s tensors (what :func:`write_rank_state` writes, less its header)."""
+    tensors: dict = {}
+    _split(state, "", tensors)
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
 
 
 class RankFile:
@@ -139,8 +166,14 @@ class RankFile:
             try:
                 self.skeleton = json.loads(self._file.metadata[STATE_KEY])
             except (KeyError, json.JSONDecodeError) as exc:
+                self._file.close()
                 raise CheckpointError(f"{self.path} holds no readable megapretrain state ({exc}); it is "
                                       "damaged: load another checkpoint with --checkpoint.load") from None
+            problem = _skeleton_problem(self.skeleton, set(self._file.keys()))
+            if problem:
+                self._file.close()
+                raise CheckpointError(f"{self.path}: {problem}; the file is damaged (or was written by another "
+                                      "program): load another checkpoint with --checkpoint.load")
 
     def _tensor(self, ref) -> torch.Tensor:
         return ref if torch.is_tensor(ref) else self._file.get(ref[_TENSOR])
@@ -208,6 +241,55 @@ class RankFile:
             self._file.close()
 
 
+def _skeleton_problem(skeleton, stored: set[str]) -> str | None:
+    """What is wrong with a rank file's state skeleton, or None: the small fields of their types,
+    the entries of the forms the module docstring lists, every tensor it names stored in the file."""
+    if not isinstance(skeleton, dict):
+        return f"its state is {type(skeleton).__name__}, not an object"
+    optimizer = skeleton.get("optimizer")
+    wrong = [k for k in ("iteration", "consumed_samples") if not _is_int(skeleton.get(k))]
+    wrong += [] if isinstance(skeleton.get("model"), dict) else ["model"]
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict)
+            and _is_int(optimizer.get("step"))):
+        wrong.append("optimizer")
+    if wrong:
+        return f"its state's {', '.join(wrong)} missing or of the wrong type"
+    for section in (skeleton["model"], optimizer["params"]):
+        for name, entry in section.items():
+            if not _entry_ok(entry):
+                return f"the entry of '{name}' is {entry!r}, not a tensor or a range of one"
+    missing = sorted(ref for ref in _refs(skeleton) if ref not in stored)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"its state names tensor '{missing[0]}'{more}, which the file does not hold"
+    return None
+
+
+def _entry_ok(entry) -> bool:
+    """A weight or moment entry of one of the forms the module docstring lists."""
+    if _is_ref(entry):
+        return True
+    if not isinstance(entry, dict):
+        return False
+    return not ("start" in entry or "end" in entry) or (_is_int(entry.get("start")) and _is_int(entry.get("end")))
+
+
+def _refs(node):
+    """Every tensor key a state skeleton refers to."""
+    if _is_ref(node):
+        yield node[_TENSOR]
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_ref(node) -> bool:
     return isinstance(node, dict) and set(node) == {_TENSOR}
 
@@ -272,24 +354,46 @@ def read_metadata(directory: str) -> dict:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; it was not written by "
                               "megapretrain (or by an incompatible version)")
     version = meta.get("format_version", 1)  # checkpoints before the version field are version 1
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if _is_int(version) and version > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {version!r} is newer than this megapretrain reads "
                               f"({FORMAT_VERSION}); upgrade megapretrain to load it")
-    layout = meta.get("layout")
-    problems = [k for k in ("iteration", "world_size") if not isinstance(meta.get(k), int)]
-    if not isinstance(layout, dict) or not all(isinstance(layout.get(k), int) and layout[k] >= 1
-                                               for k in _LAYOUT_KEYS):
-        problems.append("layout")
-    elif not (isinstance(layout.setdefault("cp", 1), int) and layout["cp"] >= 1):  # saved before cp existed: 1
-        problems.append("layout")
-    if version >= 2 and not (isinstance(meta.get("files"), dict) and all(
-            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), int)
-            for v in meta["files"].values())):
-        problems.append("files")
+    problems = _metadata_problems(meta, version)
     if problems:
         raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the file is "
                               "damaged: load another checkpoint with --checkpoint.load")
+    meta["layout"].setdefault("cp", 1)  # saved before cp existed: 1
     return meta
+
+
+def _metadata_problems(meta: dict, version) -> list[str]:
+    """The fields of a checkpoint's metadata that are missing or of the wrong type (or range)."""
+    def counts(value, low: int) -> bool:
+        return _is_int(value) and value >= low
+
+    problems = [] if _is_int(version) and version >= 1 else ["format_version"]
+    problems += [k for k, low in (("iteration", 0), ("world_size", 1)) if not counts(meta.get(k), low)]
+    layout = meta.get("layout")
+    if not (isinstance(layout, dict) and all(counts(layout.get(k), 1) for k in _LAYOUT_KEYS)
+            and counts(layout.get("cp", 1), 1)):
+        problems.append("layout")
+    elif counts(meta.get("world_size"), 1) and math.prod(layout.get(k, 1) for k in (*_LAYOUT_KEYS, "cp")) \
+            != meta["world_size"]:
+        problems.append("layout (its sizes do not multiply out to world_size)")
+    files = meta.get("files")
+    if (_is_int(version) and version >= 2 or files is not None) and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and counts(v.get("bytes"), 0) and counts(v.get("crc32"), 0) for v in files.values())):
+        problems.append("files")
+    if meta.get("vocab_size") is not None and not counts(meta["vocab_size"], 1):
+        problems.append("vocab_size")
+    if "padded_vocab" in meta and not counts(meta["padded_vocab"], 1):
+        problems.append("padded_vocab")
+    tensors = meta.get("tensors")
+    if tensors is not None and not (isinstance(tensors, dict) and all(
+            isinstance(v, list) and all(counts(d, 0) for d in v) for v in tensors.values())):
+        problems.append("tensors")
+    if "sharding" in meta and not isinstance(meta["sharding"], dict):
+        problems.append("sharding")
+    return problems
 
 
 # -- integrity -------------------------------------------------------------------------------------

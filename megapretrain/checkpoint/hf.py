@@ -80,7 +80,11 @@ class HFWeights:
         self.dir = hf_dir
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         if os.path.exists(index):
-            weight_map = read_json_file(index, ConvertError, "re-save the model with save_pretrained")["weight_map"]
+            found = read_json_file(index, ConvertError, "re-save the model with save_pretrained")
+            weight_map = found.get("weight_map") if isinstance(found, dict) else None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise ConvertError(f"{index}: no 'weight_map' of tensor names to file names; the index is damaged: "
+                                   "re-save the model with save_pretrained")
         elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
             weight_map = None
         else:

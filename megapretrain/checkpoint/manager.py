@@ -19,8 +19,10 @@ step boundary the ranks agree (one small all-reduce, only while a save is in fli
 rank's writer is done, and then finish the save together (errors raised on every rank); at most
 one save is in flight (the next one waits for it). A crash at any point leaves either the
 previous checkpoint or the new one, never a half-written one under a final name; an existing
-directory of the same name is moved aside, not overwritten. Leftovers of an interrupted save are
-removed when the next run starts.
+directory of the same name is moved aside, not overwritten. A save that fails on any rank (a full
+disk, say) removes its temporary directory and raises on every rank — a full disk as one line
+naming the directory, the bytes needed and free. Leftovers of an interrupted save are removed when
+the next run starts.
 
 Loading: :meth:`CheckpointManager.choose` checks candidates newest first (metadata, every rank's
 file present at its recorded size, the checksums — each rank checks a share of the files) and falls
@@ -30,23 +32,23 @@ written and read, is ``checkpoint/format.py``'s.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import os
 import shutil
-import sys
-import tempfile
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import FULL_DISK, CheckpointError, DiskFullError, disk_full
+from .directories import candidates, iter_dir_name, iteration_of, latest_checkpoint
 from .format import (
     METADATA,
     fsync_dir,
     metadata,
+    planned_size,
     problem,
     rank_file,
     read_metadata,
@@ -57,6 +59,7 @@ from .format import (
 )
 
 _DONE = ".done.json"
+_FAILED = ".failed"  # beside a rank file whose done record could not be written
 
 
 def _barrier() -> None:
@@ -103,14 +106,6 @@ def optimizer_views(optimizer) -> tuple[dict, dict]:
         moments[name] = {"start": f.start, "end": f.end, "exp_avg": f.of(s.exp_avg),
                          "exp_avg_sq": f.of(s.exp_avg_sq)}
     return weights, moments
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def _iteration_of(name: str) -> int | None:
-    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
 
 
 def retained(iterations: list[int], keep_last: int, keep_every: int = 0, milestones: list[float] = ()) -> set[int]:
@@ -251,32 +246,53 @@ class CheckpointManager:
             size, crc = write_rank_state(path, state)
             record = {"file": os.path.basename(path), "bytes": size, "crc32": crc}
         except Exception as exc:  # reported by finalize() on the training thread
-            errors.append(exc)
-            record = {"error": f"{type(exc).__name__}: {exc}"}
+            errors.append(_as_full_disk(exc, iteration, self.root, planned_size(state) * self.world_size))
+            record = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)}
         finally:
-            write_text(path[:-len(".safetensors")] + _DONE, json.dumps(record))
+            self._write_done(path, record, errors, iteration)
         if self.rank == 0:
             try:
-                self._publish(iteration, tmp)
+                self._publish(iteration, tmp, own_failed=bool(errors))
             except Exception as exc:
-                errors.append(exc)
+                errors.append(_as_full_disk(exc, iteration, self.root))
 
-    def _publish(self, iteration: int, tmp: str) -> None:
+    def _write_done(self, path: str, record: dict, errors: list, iteration: int) -> None:
+        """This rank's ``done`` record; where even that cannot be written (a full disk), an empty
+        ``.failed`` marker (it needs no data block), so that rank 0 never waits for it in vain."""
+        stem = path[:-len(".safetensors")]
+        try:
+            write_text(stem + _DONE, json.dumps(record))
+        except OSError as exc:
+            if not errors:
+                errors.append(_as_full_disk(exc, iteration, self.root))
+            try:
+                os.close(os.open(stem + _FAILED, os.O_CREAT | os.O_WRONLY, 0o644))
+            except OSError:
+                pass
+
+    def _publish(self, iteration: int, tmp: str, own_failed: bool = False) -> None:
         """Rank 0: wait for every rank's ``done`` record, then write the metadata, rename the
-        directory into place, move ``latest`` and apply retention — each step durable first."""
+        directory into place, move ``latest`` and apply retention — each step durable first.
+        ``own_failed``: rank 0's file failed, nothing will be published (finalize() cleans up)."""
+        if own_failed:
+            return
         records, delay = {}, 0.002
         while len(records) < self.world_size:
             for r in range(self.world_size):
-                done = rank_file(tmp, r)[:-len(".safetensors")] + _DONE
-                if r not in records and os.path.exists(done):
-                    with open(done) as fh:
+                stem = rank_file(tmp, r)[:-len(".safetensors")]
+                if r not in records and os.path.exists(stem + _DONE):
+                    with open(stem + _DONE) as fh:
                         records[r] = json.load(fh)
+                elif r not in records and os.path.exists(stem + _FAILED):
+                    records[r] = {"error": "its record could not be written", "errno": errno.ENOSPC}
             if len(records) < self.world_size:
                 time.sleep(delay)
                 delay = min(2 * delay, 0.1)
-        failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
+        failed = {r: rec for r, rec in records.items() if "error" in rec}
         if failed:
-            raise RuntimeError(f"rank(s) {sorted(failed)} failed to write: {next(iter(failed.values()))}")
+            first = next(iter(failed.values()))
+            message = f"rank(s) {sorted(failed)} failed to write: {first['error']}"
+            raise OSError(first["errno"], message) if first.get("errno") else RuntimeError(message)
         files = {rec["file"]: (rec["bytes"], rec["crc32"]) for rec in records.values()}
         write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
                                      vocab_size=self.vocab_size, padded_vocab=self.padded_vocab, files=files,
@@ -313,10 +329,19 @@ class CheckpointManager:
         self._pending = None
         if thread is not None:
             thread.join()
-        failed = torch.tensor([1.0 if errors else 0.0], device=self.device)
+        # 0: saved; 1: a rank failed; 2: a rank found no space (every rank then says so in one line)
+        kind = 2 if any(isinstance(e, DiskFullError) for e in errors) else 1 if errors else 0
+        failed = torch.tensor([float(kind)], device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(failed)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() > 0:
+            _barrier()  # every rank's writer is done with the temporary directory
+            if self.rank == 0:
+                shutil.rmtree(os.path.join(self.root, "." + iter_dir_name(iteration)), ignore_errors=True)
+            _barrier()
+            if failed.item() == 2:
+                raise next((e for e in errors if isinstance(e, DiskFullError)), None) or \
+                    _as_full_disk(OSError(errno.ENOSPC, "on another rank"), iteration, self.root)
             reason = errors[0] if errors else "another rank failed"
             raise RuntimeError(f"checkpoint {iteration} was not saved: {reason}")
         _barrier()
@@ -324,7 +349,7 @@ class CheckpointManager:
 
     def complete(self) -> list[int]:
         """Iterations of the complete checkpoints of this run, oldest first."""
-        return sorted(i for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None
+        return sorted(i for d in os.listdir(self.root) if (i := iteration_of(d)) is not None
                       and os.path.exists(os.path.join(self.root, d, METADATA)))
 
     def _apply_retention(self) -> None:
@@ -355,7 +380,7 @@ class CheckpointManager:
         ``NAME.rolled-back-TIME`` (kept until retention drops them: the newest ``keep_last``) and
         point ``latest`` at ``keep`` (collective). Returns the names set aside."""
         self.finalize()
-        moved = sorted(d for d in os.listdir(self.root) if (i := _iteration_of(d)) is not None and i >= iteration)
+        moved = sorted(d for d in os.listdir(self.root) if (i := iteration_of(d)) is not None and i >= iteration)
         _barrier()  # every rank has read what it needs before anything moves
         if self.rank == 0:
             stamp = int(time.time())
@@ -381,9 +406,13 @@ class CheckpointManager:
         """The checkpoint to resume from, and warnings about unusable ones passed over (collective):
         this run's newest usable checkpoint (``latest`` first), else ``explicit`` (an ``iter_*``
         directory, or a run directory: its newest usable). Raises when checkpoints exist but none
-        can be used."""
+        can be used. An ``explicit`` one passed over for the run's own is named in a warning."""
         warnings: list[str] = []
         path = self._first_usable(self.root, warnings)
+        own = {os.path.realpath(p) for p in (self.root, os.path.dirname(self.root), path or self.root)}
+        if path is not None and explicit and os.path.realpath(explicit) not in own:
+            warnings.append(f"resuming from {path}, this run's own newest checkpoint: checkpoint.load={explicit} is "
+                            "read only while run.dir has none (to start from it instead, use a new run.dir)")
         if path is None and explicit:
             if os.path.exists(os.path.join(explicit, METADATA)):
                 found = self.usable(explicit)
@@ -425,6 +454,16 @@ class CheckpointManager:
         return read_rank_state(path, self.rank, meta.get("format_version", 1))
 
 
+def _as_full_disk(exc: BaseException, iteration: int, root: str, needed: int | None = None) -> BaseException:
+    """``exc`` as the one line of a save that found no room (a DiskFullError naming the directory,
+    this rank's bytes and the bytes free), or ``exc`` itself when it is another failure."""
+    if not (isinstance(exc, OSError) and exc.errno in FULL_DISK):
+        return exc
+    return disk_full(root, needed, f"checkpoint {iteration} was not saved (its partial files were removed; the "
+                     "newest complete checkpoint is kept): free space there, lower checkpoint.keep_last, or move "
+                     "run.dir")
+
+
 def _first_problem(found: str | None, rank: int, world_size: int, device) -> str | None:
     """The problem of the lowest rank that found one (every rank returns the same), or None."""
     if not dist.is_initialized() or world_size == 1:
@@ -440,88 +479,3 @@ def _first_problem(found: str | None, rank: int, world_size: int, device) -> str
         text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     dist.broadcast(text, src)
     return bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-def candidates(root: str) -> tuple[list[str], str | None]:
-    """This run's checkpoints to try, newest first (``latest``'s, then every complete ``iter_*``
-    directory), and a note when ``latest`` could not be followed."""
-    out, note = [], None
-    pointer = os.path.join(root, "latest")
-    if os.path.exists(pointer):
-        try:
-            with open(pointer) as fh:
-                name = fh.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            name, note = "", f"{pointer} cannot be read ({exc})"
-        if name and os.path.exists(os.path.join(root, name, METADATA)):
-            out.append(os.path.join(root, name))
-        elif note is None:
-            note = f"{pointer} names '{name}', which is missing or incomplete"
-    done = sorted((i, d) for d in os.listdir(root) if (i := _iteration_of(d)) is not None
-                  and os.path.exists(os.path.join(root, d, METADATA)))
-    out += [p for p in (os.path.join(root, d) for _, d in reversed(done)) if p not in out]
-    return out, note
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The checkpoint ``root/latest`` names, or (when it is missing or names an incomplete one)
-    the newest complete ``iter_*`` directory; None when there is none. Unchecked beyond that."""
-    found = candidates(root)[0] if os.path.isdir(root) else []
-    return found[0] if found else None
-
-
-def resolve_checkpoint(path: str, *, check: bool = True) -> str:
-    """A complete checkpoint directory from ``path``: itself, or the newest usable one under a run
-    directory or its ``checkpoints/`` folder (passing over unusable ones with a warning on stderr).
-    ``check``: verify sizes and checksums."""
-    if os.path.exists(os.path.join(path, METADATA)):
-        found = problem(path) if check else None
-        if found:
-            raise CheckpointError(f"{path} cannot be used: {found}")
-        return path
-    notes = []
-    for root in (os.path.join(path, "checkpoints"), path):
-        if not os.path.isdir(root):
-            continue
-        found_paths, note = candidates(root)
-        notes += [note] if note else []
-        for candidate in found_paths:
-            found = problem(candidate) if check else None
-            if found is None:
-                for n in notes:
-                    print(f"warning: {n}; using {candidate}", file=sys.stderr)
-                return candidate
-            notes.append(f"skipped {candidate}: {found}")
-    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run directory with a "
-                          "usable one; pass an iter_* directory" + (f" ({'; '.join(notes)})" if notes else ""))
-
-
-@contextlib.contextmanager
-def new_directory(path: str):
-    """Write the new directory ``path`` through a temporary one beside it: yields the temporary
-    path, which takes the final name (with the usual permissions, its files fsynced) when the block
-    ends and is removed if it fails. ``path`` must not exist, or be empty: nothing is ever overwritten."""
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"--output {path} exists and is not empty; choose a new directory "
-                              "(nothing is ever overwritten)")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    for name in os.listdir(tmp):
-        file = os.path.join(tmp, name)
-        os.chmod(file, 0o666 & ~umask)
-        with open(file, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    if os.path.isdir(path):
-        os.rmdir(path)  # empty, checked above
-    os.rename(tmp, path)
-    fsync_dir(parent)

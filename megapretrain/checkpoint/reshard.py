@@ -17,6 +17,7 @@ continue exactly.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -28,7 +29,7 @@ from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
 from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
-from .format import RankFile, rank_file, rank_state, read_metadata, write_rank_state
+from .format import LazyTensor, RankFile, rank_file, rank_state, read_metadata, write_rank_state
 
 
 class SavedShards:
@@ -132,20 +133,37 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
 
 
 def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: int, tp: int,
-                    saved_padded: int, *, moments: bool = True) -> dict:
+                    saved_padded: int, *, moments: bool = True, lazy: bool = False) -> dict:
     """The state of a rank of another layout that holds the parameters ``specs`` (its table) at
     ``tp_rank`` of ``tp``: whole tp slices of the masters and moments (any ZeRO stage takes its
-    ranges from them); iteration, data position, Adam step and loss scale from the checkpoint.
-    Random streams are per rank: not carried. ``moments=False``: the weights only (no moments read)."""
+    ranges from them); iteration, data position, Adam step, loss scale and LR schedule from the checkpoint.
+    Random streams are per rank: not carried. ``moments=False``: the weights only (no moments read).
+    ``lazy``: :class:`LazyTensor` entries, each read when it is written (one tensor in memory)."""
+    def cut(spec: ParamSpec, key: str):
+        if not lazy:
+            return tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
+        return LazyTensor(torch.float32, tuple(spec.local_shape),
+                          lambda: tp_slice(saved, spec, key, tp_rank, tp, saved_padded))
+
     model, saved_moments = {}, {}
     for name, spec in specs.items():
-        model[name] = tp_slice(saved, spec, "master", tp_rank, tp, saved_padded)
-        saved_moments[name] = {key: tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
-                               for key in ("exp_avg", "exp_avg_sq")} if moments else {}
+        model[name] = cut(spec, "master")
+        saved_moments[name] = {key: cut(spec, key) for key in ("exp_avg", "exp_avg_sq")} if moments else {}
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
                       optimizer_step=first["optimizer"]["step"], moments=saved_moments,
-                      scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0))
+                      scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0),
+                      schedule=first.get("schedule"))
+
+
+def layout_bytes(cfg, layout: Layout, moments: bool) -> int:
+    """The bytes of the distinct rank files a checkpoint of ``layout`` holds (data-parallel replicas
+    are hard links): each pipeline and tensor place's fp32 weights, and their two Adam moments."""
+    total = 0
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            total += sum(math.prod(s.local_shape) for s in rank_param_specs(cfg, pp_rank, tp_rank).values())
+    return total * 4 * (3 if moments else 1)
 
 
 def global_shapes(cfg) -> dict[str, tuple[int, ...]]:

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megapretrain.cli import user_errors
+from megapretrain.cli import number, user_errors
 from megapretrain.errors import UserError
 
 KINDS = ("sdpa", "blockwise", "flex", "causal")
@@ -43,26 +43,23 @@ class BenchArgumentError(UserError):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="sequence lengths")
+    count = number(int, 1, what="an integer of at least 1")
+    ap.add_argument("--seqs", type=number(int, 2, what="a sequence length of at least 2 tokens"), nargs="+",
+                    default=[1024, 2048, 4096, 8192], help="sequence lengths")
     ap.add_argument("--docs", nargs="+", choices=DOCS, default=list(DOCS), help="document layouts of a sample")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="kernels to measure")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8, help="query heads")
-    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=count, default=1)
+    ap.add_argument("--heads", type=count, default=8, help="query heads")
+    ap.add_argument("--kv-heads", type=count, default=2, help="key/value heads (grouped-query attention)")
+    ap.add_argument("--head-dim", type=count, default=64)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--iters", type=int, default=2, help="timed runs per case (after one warm-up)")
+    ap.add_argument("--iters", type=count, default=2, help="timed runs per case (after one warm-up)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
+    ap.add_argument("--threads", type=count, default=None, help="CPU threads (default: torch's, one per core)")
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
     a = ap.parse_args(argv)
-    for name in ("batch", "heads", "kv_heads", "head_dim", "iters", "threads"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            raise BenchArgumentError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
     if a.heads % a.kv_heads:
         raise BenchArgumentError(f"--kv-heads {a.kv_heads} must divide --heads {a.heads}")
-    if min(a.seqs) < 2:
-        raise BenchArgumentError(f"--seqs {min(a.seqs)}: sequences of at least 2 tokens")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError("--device cuda: no CUDA device is visible (use --device cpu)")
     return a

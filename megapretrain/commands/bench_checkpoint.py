@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from megapretrain.cli import user_errors
+from megapretrain.cli import positive_int, user_errors
 
 MEASURE = """
 import json, sys, time
@@ -42,11 +42,11 @@ print(json.dumps({"rc": rc, "seconds": seconds, "peak_extra_mib": extra}))
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3, help="saves of each kind (the median is reported)")
+    ap.add_argument("--hidden", type=positive_int, default=768)
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--vocab", type=positive_int, default=32000)
+    ap.add_argument("--heads", type=positive_int, default=12)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="saves of each kind (the median is reported)")
     ap.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap.parse_args(argv)

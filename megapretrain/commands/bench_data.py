@@ -6,6 +6,7 @@
     python tools/bench_data.py memory --big-gb 2 [tokenizer flags]     # peak memory on a generated input
     python tools/bench_data.py index [--megatron]                       # 1M x 2048 and a 10B-token description
     python tools/bench_data.py reads [--samples 200000]                 # random 2049-token samples/s, one core
+    python tools/bench_data.py verify [--tokens 500000000]              # the trainer's check of a dataset
 
 Each section prints one line per measurement with the machine load (1-minute load average and core
 count), because these machines are shared: compare numbers taken under similar load. Every file a
@@ -240,6 +241,36 @@ def bench_reads(args) -> None:
               f"samples: best {max(rates):,.0f} / median {np.median(rates):,.0f} samples/s on one core ({load()})")
 
 
+# -- the trainer's verification of a dataset -----------------------------------------------------------
+
+def bench_verify(args) -> None:
+    """Seconds the trainer's start-up check of a dataset takes (data/checks.py: the index checked,
+    one pass over the .bin with its sha256), the first time and from its cache."""
+    from megapretrain.data.checks import check_data_matches_model
+
+    with tempfile.TemporaryDirectory(prefix="bench_data_verify_") as tmp:
+        prefix = os.path.join(tmp, "shard")
+        lengths = synthetic_lengths(args.tokens, seed=2)
+        builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+        rng = np.random.default_rng(2)
+        for i in range(0, lengths.size, 4096):
+            part = lengths[i: i + 4096]
+            builder.add_documents(rng.integers(0, 50257, int(part.sum()), dtype=np.uint16), part)
+        builder.finalize(prefix + ".idx")
+        with open(prefix + ".summary.json", "w") as fh:
+            json.dump({"documents": builder.document_count, "tokens": builder.token_count,
+                       "checksum": {"algorithm": "sha256", "bin": builder.checksum}}, fh)
+        size = os.path.getsize(prefix + ".bin")
+        times = []
+        for cache in ("cache", "cache"):  # the second start finds the first one's pass
+            start = time.perf_counter()
+            check_data_matches_model([prefix], "ByteTokenizer", 50257, 50257, os.path.join(tmp, cache))
+            times.append(time.perf_counter() - start)
+        print(f"dataset check at start-up: {int(lengths.sum()):,} tokens, {lengths.size:,} documents, "
+              f"{size / 2**20:,.0f} MiB .bin (page cache warm): first {times[0]:.2f} s "
+              f"({size / 2**20 / times[0]:,.0f} MiB/s), cached {times[1] * 1e3:.1f} ms ({load()})")
+
+
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -268,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     reads.add_argument("--tokens", type=positive_int, default=50_000_000, help="size of the synthetic shard")
     reads.add_argument("--samples", type=positive_int, default=200_000)
     reads.add_argument("--repeats", type=positive_int, default=3)
+    verify = sections.add_parser("verify")
+    verify.add_argument("--tokens", type=positive_int, default=500_000_000, help="size of the synthetic shard")
     args = p.parse_args(argv)
-    {"preprocess": bench_preprocess, "memory": bench_memory, "index": bench_index, "reads": bench_reads}[
-        args.section](args)
+    {"preprocess": bench_preprocess, "memory": bench_memory, "index": bench_index, "reads": bench_reads,
+     "verify": bench_verify}[args.section](args)
     return 0
 
 

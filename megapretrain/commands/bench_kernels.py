@@ -35,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megapretrain.cli import user_errors
+from megapretrain.cli import positive_int, user_errors
 from megapretrain.kernels import adamw, cross_entropy, linear_cross_entropy, rmsnorm, rope, swiglu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,11 +44,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    ap.add_argument("--tokens", type=int, default=None, help="rows per case (default: 2048 CPU, 16384 GPU)")
-    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default: 512 CPU, 4096 GPU)")
-    ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128000], help="vocabularies for the memory table")
-    ap.add_argument("--cross-entropy-vocab", type=int, default=None, help="vocab of the timed cross entropy")
-    ap.add_argument("--iters", type=int, default=None, help="timed repetitions (default: 5 CPU, 50 GPU)")
+    ap.add_argument("--tokens", type=positive_int, default=None, help="rows per case (default: 2048 CPU, 16384 GPU)")
+    ap.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default: 512 CPU, 4096 GPU)")
+    ap.add_argument("--vocab", type=positive_int, nargs="+", default=[32000, 128000],
+                    help="vocabularies for the memory table")
+    ap.add_argument("--cross-entropy-vocab", type=positive_int, default=None, help="vocab of the timed cross entropy")
+    ap.add_argument("--iters", type=positive_int, default=None, help="timed repetitions (default: 5 CPU, 50 GPU)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     ap.add_argument("--no-memory", action="store_true", help="skip the loss memory table")
     ap.add_argument("--no-timing", action="store_true", help="skip the kernel timings (the memory table only)")

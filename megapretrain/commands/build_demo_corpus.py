@@ -18,7 +18,7 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
-from megapretrain.cli import print_error, user_errors
+from megapretrain.cli import positive_float, user_errors
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -66,11 +66,8 @@ def build_corpus(output: str, max_bytes: int, root: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="the .jsonl file to write")
-    p.add_argument("--max-mb", type=float, default=40.0, help="stop before the text exceeds this many MB")
+    p.add_argument("--max-mb", type=positive_float, default=40.0, help="stop before the text exceeds this many MB")
     args = p.parse_args(argv)
-    if args.max_mb <= 0:
-        print_error(f"--max-mb={args.max_mb} must be positive")
-        return 1
     root = sysconfig.get_paths()["stdlib"]
     documents, total = build_corpus(args.output, int(args.max_mb * 1e6), root)
     print(f"wrote {args.output}: {documents} documents, {total / 1e6:.1f} MB of text from {root}")

@@ -41,6 +41,7 @@ import sys
 import torch
 
 from megapretrain.checkpoint import tensorfile
+from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
     LazyTensor,
     check_shapes,
@@ -63,9 +64,14 @@ from megapretrain.checkpoint.hf import (
     our_model,
     read_hf_config,
 )
-from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
-from megapretrain.checkpoint.reshard import GlobalWeights, global_shapes, saved_config_path, write_layout
-from megapretrain.cli import user_errors
+from megapretrain.checkpoint.reshard import (
+    GlobalWeights,
+    global_shapes,
+    layout_bytes,
+    saved_config_path,
+    write_layout,
+)
+from megapretrain.cli import non_negative_float, positive_float, positive_int, progress_bar, user_errors
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
@@ -85,16 +91,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     to.add_argument("--output", required=True, help="new Hugging Face model directory")
     to.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
     to.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's train.precision)")
-    to.add_argument("--max-shard-gb", type=float, default=5.0, help="split safetensors files at this size")
+    to.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="split safetensors files at this size")
     frm = sub.add_parser("from-hf", help="Hugging Face directory (Llama, Qwen2/3, GPT-NeoX) -> megapretrain checkpoint",
                          epilog="Other --section.key VALUE arguments set the target layout (--parallel.tp ...).")
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
     frm.add_argument("--config", help="YAML config of the run that will train from it (its layout)")
-    frm.add_argument("--world-size", type=int, help="ranks of the target run (default: tp × cp × pp)")
+    frm.add_argument("--world-size", type=positive_int, help="ranks of the target run (default: tp × cp × pp)")
     for p in (to, frm):
         p.add_argument("--verify", action="store_true", help="compare our logits with transformers' (fp32)")
-        p.add_argument("--tolerance", type=float, default=1e-4, help="largest logit difference --verify accepts")
+        p.add_argument("--tolerance", type=non_negative_float, default=1e-4,
+                       help="largest logit difference --verify accepts")
     args, rest = ap.parse_known_args(argv)
     if rest and args.command == "to-hf":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -144,17 +151,17 @@ def to_hf(args: argparse.Namespace) -> str:
     specs = weights.specs
     bos, eos = _tokenizer_ids(cfg)
     plan = _plan_shards(specs, dtype, args.max_shard_gb * 2**30)
-    with new_directory(args.output) as tmp:
+    size = sum(specs[n].numel for n in specs) * dtype.itemsize
+    with new_directory(args.output, needed=size) as tmp, progress_bar(size, "to-hf") as bar:
         names = ["model.safetensors"] if len(plan) == 1 else [
             f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
         total = 0
         for file, members in zip(names, plan):
             entries = [(hf_name(n, m.family), dtype, specs[n].shape,
-                        lambda n=n: weights.get(n).to(dtype).contiguous()) for n in members]
+                        lambda n=n: _counted(_exported(n, weights.get(n), dtype), bar)) for n in members]
             total += tensorfile.write(os.path.join(tmp, file), entries, {"format": "pt"})[0]
         if len(plan) > 1:
             weight_map = {hf_name(n, m.family): file for file, members in zip(names, plan) for n in members}
-            size = sum(specs[n].numel for n in specs) * dtype.itemsize
             _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": size}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, bos, eos))
@@ -166,6 +173,26 @@ def to_hf(args: argparse.Namespace) -> str:
         f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} has none to copy)"
     return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} MiB of "
             f"{HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
+
+
+def _exported(name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in the export's ``dtype``; NaN or infinite values, or values the dtype cannot
+    hold (they would become infinite), are refused naming the tensor."""
+    if not torch.isfinite(weight).all():
+        raise ConvertError(f"'{name}' holds NaN or infinite values: the run diverged before this checkpoint; "
+                           "convert an earlier one (nothing written)")
+    out = weight.to(dtype).contiguous()
+    if not torch.isfinite(out).all():
+        raise ConvertError(f"'{name}' holds values up to {weight.abs().max().item():.3g}, more than "
+                           f"{HF_DTYPE_NAMES[dtype]} can hold (they would become infinite): export with --dtype bf16 "
+                           "or fp32 (nothing written)")
+    return out
+
+
+def _counted(tensor: torch.Tensor, bar) -> torch.Tensor:
+    """``tensor``, its bytes added to the progress bar (it is written next)."""
+    bar.update(tensor.numel() * tensor.element_size())
+    return tensor
 
 
 def _write_json(path: str, obj) -> None:
@@ -204,7 +231,7 @@ def _verify(args, cfg, weight, hf_dir: str, dtype: torch.dtype) -> str:
     seq = min(cfg.train.seq_length, 64)
     tokens = torch.randint(0, cfg.model.vocab_size, (3, seq), generator=torch.Generator().manual_seed(0))
     diff = (our_logits(ours, tokens) - hf_logits(theirs, tokens)).abs().max().item()
-    if diff > args.tolerance:
+    if not diff <= args.tolerance:  # NaN logits fail too
         raise ConvertError(f"--verify: the largest logit difference between megapretrain's model and transformers' "
                            f"is {diff:.3e} > --tolerance {args.tolerance:g}; the conversion is wrong (nothing written)")
     return f"; --verify: max logit difference {diff:.2e} (≤ {args.tolerance:g})"
@@ -229,7 +256,8 @@ def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool,
     ours = {hf_name(n, family): s for n, s in shapes.items()}
     for name in weights.names():
         if name == hf_name("lm_head.weight", family) and tied:
-            continue  # a tied model's head is the embedding; some exports write it anyway
+            _check_tied_head(hf_dir, weights, family)  # some exports write the embedding again
+            continue
         if name not in ours:
             raise ConvertError(f"{hf_dir}: tensor '{name}' {weights.shape(name)} has no place in the model "
                                "(config.json and the weights disagree)")
@@ -241,22 +269,45 @@ def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool,
         raise ConvertError(f"{hf_dir}: the weights lack {missing[:3]}{' ...' if len(missing) > 3 else ''}")
 
 
-def _slice(weights: HFWeights, spec, tp_rank: int, family: str):
+def _check_tied_head(hf_dir: str, weights: HFWeights, family: str, rows: int = 4096) -> None:
+    """A tied model's stored output layer must be its embedding: a distinct one would be dropped,
+    and the converted model would compute another function. Compared ``rows`` rows at a time."""
+    head, embed = hf_name("lm_head.weight", family), hf_name("embed_tokens.weight", family)
+    fix = ("convert with --model.tie_embeddings false to keep both (and set tie_word_embeddings: false in its "
+           "config.json, so that transformers keeps both too)")
+    if embed not in weights.file_of or weights.shape(head) != weights.shape(embed):
+        raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings: true, but '{head}' "
+                           f"{weights.shape(head)} is not the embedding's shape; {fix}")
+    for start in range(0, weights.shape(head)[0], rows):
+        length = min(rows, weights.shape(head)[0] - start)
+        a, b = weights.narrow(head, 0, start, length), weights.narrow(embed, 0, start, length)
+        if not torch.equal(a, b):  # NaN differs too
+            worst = (a.float() - b.float()).abs().max().item()
+            raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings: true, but '{head}' differs from "
+                               f"'{embed}' (max |diff| {worst:.3g} in rows {start}-{start + length - 1}): one of "
+                               f"them would be dropped; {fix}")
+
+
+def _slice(weights: HFWeights, spec, tp_rank: int, family: str, bar=None):
     """Rank ``tp_rank``'s fp32 slice of ``spec``'s HF tensor (of ``spec.local_shape``), padded."""
     name, dim, local = hf_name(spec.name, family), spec.tp_dim, spec.local_shape
 
     def read() -> torch.Tensor:
         if dim is None:
-            return weights.narrow(name, None, 0, 0).float()
-        lo = tp_rank * local[dim]
-        hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zero padding
-        part = weights.narrow(name, dim, lo, max(0, hi - lo)).float()
-        if part.shape[dim] == local[dim]:
+            part = weights.narrow(name, None, 0, 0).float()
+        else:
+            lo = tp_rank * local[dim]
+            hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zero padding
+            part = weights.narrow(name, dim, lo, max(0, hi - lo)).float()
+        if not torch.isfinite(part).all():
+            raise ConvertError(f"{weights.dir}: '{name}' holds NaN or infinite values; these weights cannot be trained "
+                               "from (nothing written)")
+        if dim is None or part.shape[dim] == local[dim]:
             return part.contiguous()
         pad = list(local)
         pad[dim] -= part.shape[dim]
         return torch.cat([part, torch.zeros(pad)], dim)
-    return LazyTensor(torch.float32, tuple(local), read)
+    return LazyTensor(torch.float32, tuple(local), read if bar is None else lambda: _counted(read(), bar))
 
 
 def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -269,11 +320,12 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
                            f"says vocab_size={hf['vocab_size']}")
     layout = sizes.layout.meta()
-    with new_directory(args.output) as tmp:
+    size = layout_bytes(cfg, sizes.layout, moments=False)
+    with new_directory(args.output, needed=size) as tmp, progress_bar(size, "from-hf") as bar:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             specs = rank_param_specs(cfg, pp_rank, tp_rank)
             return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model={n: _slice(weights, s, tp_rank, cfg.model.family) for n, s in specs.items()},
+                              model={n: _slice(weights, s, tp_rank, cfg.model.family, bar) for n, s in specs.items()},
                               moments={n: {} for n in specs})
 
         files, _ = write_layout(tmp, sizes.layout, state_at)

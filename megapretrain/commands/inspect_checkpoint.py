@@ -2,14 +2,19 @@
 
     python tools/inspect_checkpoint.py runs/tiny                       # its latest checkpoint
     python tools/inspect_checkpoint.py runs/tiny/checkpoints/iter_0000100 [--no-checksum]
-    python tools/inspect_checkpoint.py CKPT_A --diff CKPT_B [--config CONFIG]
+    python tools/inspect_checkpoint.py CKPT_A --diff CKPT_B [--config CONFIG] [--rtol 1e-4 --atol 1e-6 | --exact]
 
 Prints the iteration, the data position (samples, and tokens when the run's config is found), the
 layout it was saved under, the model's shape, every tensor's global shape and saved dtype, and the
 sizes on disk. The integrity check is the one training runs before loading (metadata, every rank's
 file present at its recorded size, CRC-32s): a problem exits 2 with one line naming it.
 ``--diff`` puts every weight of both checkpoints together (whatever their layouts) one tensor at
-a time and prints those that differ with their largest absolute difference; exit 1 when any does.
+a time and compares them: a tensor matches when its largest absolute difference is at most
+``--atol + --rtol × max|B|`` (the noise of fp32 arithmetic in another order passes; ``--exact``
+asks for equal bits). It names both iterations, counts identical, matching and differing tensors,
+prints each differing one, and exits 1 when any differs (a NaN never matches).
+The config (the run's ``config.yaml``, or ``--config``) must describe the checkpoint's model: its
+shapes are checked against the saved ones before anything is described.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import argparse
 import os
 import sys
 
-from megapretrain.checkpoint.format import METADATA, problem, read_metadata
-from megapretrain.checkpoint.manager import resolve_checkpoint
-from megapretrain.checkpoint.reshard import GlobalWeights, SavedShards, saved_config_path
-from megapretrain.cli import user_errors
-from megapretrain.config import load_config
+import torch
+
+from megapretrain.checkpoint.directories import resolve_checkpoint
+from megapretrain.checkpoint.format import METADATA, check_shapes, problem, read_metadata
+from megapretrain.checkpoint.reshard import GlobalWeights, SavedShards, global_shapes, saved_config_path
+from megapretrain.cli import non_negative_float, user_errors
+from megapretrain.config import check_fields, load_config
 from megapretrain.errors import CheckpointError, UserError
 from megapretrain.model.args import ffn_hidden_size, kv_heads
 
@@ -34,14 +41,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--diff", metavar="OTHER", help="compare every tensor with this checkpoint")
     ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
     ap.add_argument("--no-checksum", action="store_true", help="check sizes only (skip reading every file)")
-    return ap.parse_args(argv)
+    ap.add_argument("--rtol", type=non_negative_float, default=1e-4,
+                    help="--diff: relative tolerance, times the largest |value| of the tensor (default 1e-4)")
+    ap.add_argument("--atol", type=non_negative_float, default=1e-6, help="--diff: absolute tolerance (default 1e-6)")
+    ap.add_argument("--exact", action="store_true", help="--diff: every bit equal (--rtol 0 --atol 0)")
+    args = ap.parse_args(argv)
+    if args.exact:
+        args.rtol = args.atol = 0.0
+    return args
 
 
 def _config(path: str, explicit: str | None):
+    """The config describing checkpoint ``path``'s model: ``explicit`` (its problems are the user's
+    to hear), else the saved run's, if readable (None when not). Its shapes must be the saved ones."""
     try:
-        return load_config(saved_config_path(path, explicit), [])
+        source = saved_config_path(path, explicit)
+        cfg = load_config(source, [])
     except UserError:
+        if explicit:
+            raise
         return None
+    meta = read_metadata(path)
+    cfg.model.vocab_size = cfg.model.vocab_size or meta.get("vocab_size")
+    try:
+        check_fields(cfg)
+        check_shapes(path, meta, global_shapes(cfg))
+    except UserError as exc:
+        raise CheckpointError(f"{source} does not describe the model of {path}: {exc}") from None
+    return cfg
 
 
 def _size(n: float) -> str:
@@ -103,12 +130,14 @@ def _numel(shape) -> int:
     return out
 
 
-def diff(a: str, b: str, cfg_a, cfg_b) -> tuple[str, bool]:
-    """Every weight of ``a`` against ``b``'s: those that differ (one line each), and whether any does."""
+def diff(a: str, b: str, cfg_a, cfg_b, atol: float = 0.0, rtol: float = 0.0) -> tuple[str, bool]:
+    """Every weight of ``a`` against ``b``'s: a summary line naming both iterations, one line per
+    tensor that differs beyond ``atol + rtol × max|b|``, and whether any does."""
     if cfg_a is None or cfg_b is None:
         raise CheckpointError("--diff needs the runs' config.yaml (to put the tp shards together): pass --config")
+    iterations = read_metadata(a)["iteration"], read_metadata(b)["iteration"]
     wa, wb = GlobalWeights(a, cfg_a), GlobalWeights(b, cfg_b)
-    lines = []
+    lines, same, close = [], 0, []
     try:
         for name, spec in wa.specs.items():
             if name not in wb.specs:
@@ -117,14 +146,25 @@ def diff(a: str, b: str, cfg_a, cfg_b) -> tuple[str, bool]:
                 lines.append(f"  {name}: shape {spec.shape} vs {wb.specs[name].shape}")
             else:
                 x, y = wa.get(name), wb.get(name)
-                delta = (x - y).abs().max().item() if x.numel() else 0.0
-                if delta > 0:
-                    lines.append(f"  {name}: max |diff| {delta:.3e} (max |a| {x.abs().max().item():.3e})")
+                if torch.equal(x, y):
+                    same += 1
+                    continue
+                delta = (x - y).abs().max().item()
+                scale = y.abs().max().item()
+                limit = atol + rtol * scale
+                if delta <= limit:  # NaN is never within
+                    close.append((delta / max(scale, 1e-30), name))
+                else:
+                    lines.append(f"  {name}: max |diff| {delta:.3e} > {limit:.1e} (max |b| {scale:.3e})")
         lines += [f"  {name}: only in {b}" for name in wb.specs if name not in wa.specs]
     finally:
         wa.close()
         wb.close()
-    head = f"{a} vs {b}: " + (f"{len(lines)} tensor(s) differ" if lines else "every tensor is identical")
+    total = len(set(wa.specs) | set(wb.specs))
+    head = (f"{a} (iteration {iterations[0]}) vs {b} (iteration {iterations[1]}): {len(lines)} of {total} tensors "
+            f"differ beyond |a-b| <= {atol:g} + {rtol:g}·max|b|, {len(close)} within it"
+            + (f" (largest relative difference {max(close)[0]:.1e}, {max(close)[1]})" if close else "")
+            + f", {same} identical")
     return "\n".join([head, *lines]), bool(lines)
 
 
@@ -138,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _config(path, args.config)
     if args.diff:
         other = resolve_checkpoint(args.diff, check=False)
-        text, differ = diff(path, other, cfg, _config(other, args.config))
+        text, differ = diff(path, other, cfg, _config(other, args.config), args.atol, args.rtol)
         print(text)
         return 1 if differ else 0
     print(describe(path, cfg))

@@ -18,7 +18,6 @@ how many ``seq_length + 1`` token samples cross a document boundary.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
@@ -27,7 +26,16 @@ import sys
 import numpy as np
 
 from megapretrain.cli import positive_int, user_errors
-from megapretrain.data.indexed_dataset import _HEADER, _read_header, data_file_path, index_file_path
+from megapretrain.data.checks import read_summary
+from megapretrain.data.indexed_dataset import (
+    _HEADER,
+    _read_header,
+    data_file_path,
+    index_file_path,
+    index_problems,
+    scan_tokens,
+)
+from megapretrain.errors import DataError
 
 BLOCK = 1 << 24  # items per streamed block: memory stays flat for any dataset size
 PERCENTILES = (0, 1, 5, 25, 50, 75, 95, 99, 100)
@@ -96,70 +104,29 @@ def inspect(prefix: str, vocab_size: int | None, seq_length: int | None, png: st
 
 
 def _summary(prefix: str, report: Report) -> dict | None:
-    path = prefix + ".summary.json"
-    if not os.path.exists(path):
-        report.say(f"no {os.path.basename(path)}: counts and checksum not compared")
+    if not os.path.exists(prefix + ".summary.json"):
+        report.say(f"no {os.path.basename(prefix)}.summary.json: counts and checksum not compared")
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        report.fail("summary", f"{path} unreadable: {e}")
+        return read_summary(prefix)
+    except DataError as e:  # unreadable, or a field of the wrong type
+        report.fail("summary", str(e))
         return None
 
 
 def _check_layout(bin_path, dtype, lengths, pointers, documents, report: Report) -> bool:
     """Lengths, pointers and document indices consistent with each other and with the .bin size."""
-    ok = True
-    count = lengths.size
-    if count and lengths.min() < 0:
-        report.fail("lengths", f"negative sequence length {int(lengths.min())}")
-        ok = False
-    expected, previous_end = 0, 0
-    for i in range(0, count, BLOCK):
-        block = lengths[i: i + BLOCK].astype(np.int64) * dtype.itemsize
-        starts = previous_end + np.concatenate([[0], np.cumsum(block[:-1])])
-        bad = np.flatnonzero(pointers[i: i + BLOCK] != starts)
-        if bad.size:
-            j = i + int(bad[0])
-            report.fail("pointers", f"sequence {j} starts at byte {int(pointers[j])}, expected {int(starts[bad[0]])} "
-                        "(pointers must start at 0 and follow the lengths)")
-            ok = False
-            break
-        previous_end = int(starts[-1] + block[-1])
-    expected = previous_end
-    size = os.path.getsize(bin_path)
-    if size != expected:
-        report.fail("bin size", f"{bin_path} has {size:,} bytes, the index describes {expected:,} "
-                    f"({'truncated' if size < expected else 'trailing bytes'})")
-        ok = False
-    if documents.size == 0 or documents[0] != 0 or documents[-1] != count:
-        ends = (int(documents[0]), int(documents[-1])) if documents.size else "none"
-        report.fail("document indices", f"must run from 0 to {count}, got ends {ends}")
-        ok = False
-    elif documents.size > 1 and (np.diff(documents) < 0).any():
-        j = int(np.flatnonzero(np.diff(documents) < 0)[0])
-        report.fail("document indices", f"entry {j + 1} ({int(documents[j + 1])}) is below entry {j} "
-                    f"({int(documents[j])})")
-        ok = False
-    return ok
+    found = index_problems(os.path.getsize(bin_path), dtype, lengths, pointers, documents, BLOCK)
+    for check, message in found:
+        report.fail(check, message.replace("the .bin", bin_path))
+    return not found
 
 
 def _scan_tokens(bin_path, dtype, vocab_size, eod, summary, report: Report) -> None:
     """One streamed pass over the .bin: id range, eod count, and the checksum."""
-    digest = hashlib.sha256()
-    low, high, eods, total = None, None, 0, 0
-    with open(bin_path, "rb") as f:
-        while block := f.read(BLOCK * dtype.itemsize):
-            if summary is not None:
-                digest.update(block)
-            ids = np.frombuffer(block, dtype=dtype)
-            if ids.size:
-                low = int(ids.min()) if low is None else min(low, int(ids.min()))
-                high = int(ids.max()) if high is None else max(high, int(ids.max()))
-                if eod is not None:
-                    eods += int(np.count_nonzero(ids == eod))
-            total += ids.size
+    recorded = (summary or {}).get("checksum", {}).get("bin")
+    scan = scan_tokens(bin_path, dtype, digest=recorded is not None, eod=eod, block=BLOCK)
+    low, high = scan["min_token_id"], scan["max_token_id"]
     if low is not None and low < 0:
         report.fail("token ids", f"negative token id {low}")
     if vocab_size and high is not None and high >= vocab_size:
@@ -168,13 +135,13 @@ def _scan_tokens(bin_path, dtype, vocab_size, eod, summary, report: Report) -> N
                                                   " (no vocab size: pass --vocab-size to check the range)"))
     report.facts.update(min_id=low, max_id=high)
     if eod is not None:
-        report.facts["eod_count"] = eods
-        report.say(f"eod ({eod}): {eods:,} tokens, {eods / max(total, 1):.4%} of all, "
-                   f"{eods / max(report.facts['documents'], 1):.3f} per document")
-    if summary is not None and "checksum" in summary:
-        recorded = summary["checksum"].get("bin")
-        if recorded != digest.hexdigest():
-            report.fail("checksum", f"sha256 of {bin_path} is {digest.hexdigest()[:16]}..., the summary records "
+        total = max(report.facts["tokens"], 1)
+        report.facts["eod_count"] = scan["eod_count"]
+        report.say(f"eod ({eod}): {scan['eod_count']:,} tokens, {scan['eod_count'] / total:.4%} of all, "
+                   f"{scan['eod_count'] / max(report.facts['documents'], 1):.3f} per document")
+    if recorded is not None:
+        if recorded != scan["sha256"]:
+            report.fail("checksum", f"sha256 of {bin_path} is {scan['sha256'][:16]}..., the summary records "
                         f"{str(recorded)[:16]}... (the .bin changed after preprocessing)")
         else:
             report.say("checksum: sha256 matches the summary")

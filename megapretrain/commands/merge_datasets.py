@@ -19,11 +19,15 @@ import datetime
 import json
 import os
 import sys
+import time
 
-from megapretrain.cli import print_error, user_errors
+from megapretrain.cli import print_error, progress_bar, user_errors
+from megapretrain.data.checks import read_summary
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, dataset_exists
+from megapretrain.errors import DataError, MissingFileError, check_free_space, full_disk_guard, size_text
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
+_FIX_SPACE = "free space or choose another --output-prefix (nothing was written)"
 
 
 def input_prefixes(inputs: list[str]) -> list[str]:
@@ -34,67 +38,100 @@ def input_prefixes(inputs: list[str]) -> list[str]:
             found = sorted(os.path.join(item, name[:-4]) for name in os.listdir(item) if name.endswith(".idx"))
             found = [p for p in found if dataset_exists(p)]
             if not found:
-                raise FileNotFoundError(f"--input {item}: the directory holds no .bin/.idx pair")
+                raise MissingFileError(f"--input {item}: the directory holds no .bin/.idx pair")
             prefixes += found
         elif dataset_exists(item):
             prefixes.append(item)
         else:
-            raise FileNotFoundError(f"--input {item}: {item}.bin/.idx not found (give a prefix or a directory)")
+            raise MissingFileError(f"--input {item}: {item}.bin/.idx not found (give a prefix or a directory)")
     return prefixes
 
 
-def _tokenizer_of(prefixes: list[str]) -> dict | None:
-    """The tokenizer the inputs' summaries name; inputs tokenized differently are refused."""
-    named = {}
+def check_no_duplicates(prefixes: list[str], summaries: dict[str, dict | None]) -> None:
+    """Refuse inputs that would put a document in the output twice: a prefix given twice (or the
+    same files under two names), an earlier merge beside the shards it was made of, or two inputs
+    whose recorded checksums are equal."""
+    seen: dict[tuple, str] = {}
     for prefix in prefixes:
-        tok = (_read_summary(prefix) or {}).get("tokenizer")
-        if isinstance(tok, dict):
-            named[prefix] = tok
+        stat = os.stat(prefix + ".bin")
+        if (stat.st_dev, stat.st_ino) in seen:
+            first = seen[(stat.st_dev, stat.st_ino)]
+            same = "is given twice" if first == prefix else f"and {first} are the same files"
+            raise DataError(f"--input: {prefix} {same}; every document would be merged twice: give each dataset "
+                            "once")
+        seen[(stat.st_dev, stat.st_ino)] = prefix
+    by_path = {_real(p): p for p in prefixes}
+    for prefix in prefixes:
+        summary = summaries[prefix] or {}
+        parts = summary.get("inputs") if isinstance(summary.get("inputs"), list) else []
+        base = os.path.dirname(os.path.abspath(prefix))
+        inside = [by_path[r] for part in parts if isinstance(part, str)
+                  for r in {_real(part), _real(os.path.join(base, part))} if r in by_path and by_path[r] != prefix]
+        if inside:
+            raise DataError(f"--input: {prefix} is a merge of {', '.join(sorted(set(inside)))}, which are inputs too; "
+                            f"every document of them would be merged twice: leave out {prefix} or them")
+    digests: dict[str, str] = {}
+    for prefix in prefixes:
+        digest = ((summaries[prefix] or {}).get("checksum") or {}).get("bin")
+        if digest and digests.setdefault(digest, prefix) != prefix:
+            raise DataError(f"--input: {prefix} and {digests[digest]} hold the same tokens (equal sha256 in their "
+                            "summaries); every document would be merged twice: give each dataset once")
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def _tokenizer_of(prefixes: list[str], summaries: dict[str, dict | None]) -> dict | None:
+    """The tokenizer every input's summary names; inputs tokenized differently are refused, and an
+    output made partly of inputs that record none records none either (with a warning)."""
+    named = {p: s["tokenizer"] for p, s in summaries.items() if s and "tokenizer" in s}
     kinds = {(t.get("type"), t.get("vocab_size"), t.get("eod")) for t in named.values()}
     if len(kinds) > 1:
         described = "; ".join(f"{p}: {t.get('type')} ({t.get('vocab_size')} tokens)" for p, t in named.items())
-        raise ValueError(f"the inputs were tokenized differently ({described}); merge only datasets made "
-                         "with the same tokenizer")
+        raise DataError(f"the inputs were tokenized differently ({described}); merge only datasets made "
+                        "with the same tokenizer")
     if named and len(named) < len(prefixes):
         unknown = [p for p in prefixes if p not in named]
-        print(f"warning: no tokenizer recorded for {', '.join(unknown)} (no .summary.json); the output "
-              f"records {next(iter(named.values())).get('type')} from the others", file=sys.stderr)
+        print(f"warning: no tokenizer recorded for {', '.join(unknown)} (no .summary.json, or none in it); the "
+              f"others were tokenized with {next(iter(named.values())).get('type')}, but nothing says these were: "
+              "the output records no tokenizer, so training cannot check it", file=sys.stderr)
+        return None
     return next(iter(named.values())) if named else None
 
 
 def merge(prefixes: list[str], output_prefix: str) -> dict:
     """Write ``output_prefix`` from ``prefixes`` in order; returns its summary."""
-    tokenizer = _tokenizer_of(prefixes)
+    summaries = {p: read_summary(p) for p in prefixes}  # a damaged one is refused, naming it
+    check_no_duplicates(prefixes, summaries)
+    tokenizer = _tokenizer_of(prefixes, summaries)
     datasets = [IndexedDataset(p) for p in prefixes]
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
-        raise ValueError(f"inputs have different token dtypes ({', '.join(sorted(map(str, dtypes)))}); "
-                         "merge only datasets made with the same tokenizer")
+        raise DataError(f"inputs have different token dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+                        "merge only datasets made with the same tokenizer")
+    if sum(ds.num_documents for ds in datasets) == 0:
+        raise DataError(f"the {len(prefixes)} inputs hold no documents; nothing to merge (nothing was written)")
+    sizes = [os.path.getsize(p + ".bin") + os.path.getsize(p + ".idx") for p in prefixes]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    check_free_space(output_prefix + ".bin", sum(sizes), _FIX_SPACE)
     builder = IndexedDatasetBuilder(output_prefix + ".bin.tmp", datasets[0].dtype)
     try:
-        for prefix in prefixes:
-            builder.add_index(prefix)
-        builder.finalize(output_prefix + ".idx.tmp")
+        with full_disk_guard(output_prefix + ".bin", sum(sizes), _FIX_SPACE), \
+                progress_bar(sum(os.path.getsize(p + ".bin") for p in prefixes), "merging") as bar:
+            for prefix in prefixes:
+                builder.add_index(prefix, progress=bar.update)
+            builder.finalize(output_prefix + ".idx.tmp")
+            summary = _summary(prefixes, summaries, tokenizer, builder, datasets[0].dtype.name)
+            with open(output_prefix + ".summary.json.tmp", "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1)
+                f.write("\n")
     except BaseException:
         builder.close()
-        for suffix in (".bin.tmp", ".idx.tmp"):
+        for suffix in (".bin.tmp", ".idx.tmp", ".summary.json.tmp"):
             if os.path.exists(output_prefix + suffix):
                 os.remove(output_prefix + suffix)
         raise
-    summary = {"format": SUMMARY_FORMAT, "dtype": datasets[0].dtype.name, "inputs": prefixes,
-               "documents": builder.document_count, "sequences": builder.sequence_count,
-               "tokens": builder.token_count, "max_token_id": builder.max_token,
-               "checksum": {"algorithm": "sha256", "bin": builder.checksum},
-               "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-    sources = [_read_summary(p) for p in prefixes]
-    if tokenizer is not None:
-        summary["tokenizer"] = tokenizer
-    if all(sources):
-        summary["append_eod"] = all(s.get("append_eod") for s in sources)
-    with open(output_prefix + ".summary.json.tmp", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
-        f.write("\n")
     if os.path.exists(output_prefix + ".idx"):
         os.remove(output_prefix + ".idx")  # --overwrite: the old pair stops looking complete first
     os.replace(output_prefix + ".bin.tmp", output_prefix + ".bin")
@@ -103,12 +140,20 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
     return summary
 
 
-def _read_summary(prefix: str) -> dict | None:
-    try:
-        with open(prefix + ".summary.json", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+def _summary(prefixes, summaries, tokenizer, builder: IndexedDatasetBuilder, dtype: str) -> dict:
+    """The output's summary: counts, its checksum, and where it came from (absolute paths and
+    checksums: a later merge given this output and its inputs together finds them)."""
+    summary = {"format": SUMMARY_FORMAT, "dtype": dtype, "inputs": [os.path.abspath(p) for p in prefixes],
+               "input_checksums": [((summaries[p] or {}).get("checksum") or {}).get("bin") for p in prefixes],
+               "documents": builder.document_count, "sequences": builder.sequence_count,
+               "tokens": builder.token_count, "max_token_id": builder.max_token,
+               "checksum": {"algorithm": "sha256", "bin": builder.checksum},
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    if tokenizer is not None:
+        summary["tokenizer"] = tokenizer
+    if all(summaries.values()):
+        summary["append_eod"] = all(s.get("append_eod") for s in summaries.values())
+    return summary
 
 
 @user_errors
@@ -118,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx/.summary.json")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dataset")
     args = p.parse_args(argv)
+    start = time.perf_counter()
     try:
         prefixes = input_prefixes(args.input)
         out = os.path.abspath(args.output_prefix)
         if out in {os.path.abspath(x) for x in prefixes}:
-            raise ValueError(f"--output-prefix {args.output_prefix} is also an input")
+            raise DataError(f"--output-prefix {args.output_prefix} is also an input")
         existing = [out + s for s in (".bin", ".idx", ".summary.json") if os.path.exists(out + s)]
         if not args.overwrite and existing:
             raise FileExistsError(f"{existing[0]} already exists; pass --overwrite to replace it")
@@ -130,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print_error(e)
         return 1
-    print(f"{args.output_prefix}: {len(prefixes)} inputs, {summary['documents']} documents, "
-          f"{summary['tokens']} tokens")
+    print(f"{args.output_prefix}: merged {len(prefixes)} inputs, {summary['documents']:,} documents, "
+          f"{summary['tokens']:,} tokens, {size_text(os.path.getsize(args.output_prefix + '.bin'))} in "
+          f"{time.perf_counter() - start:.1f}s")
     return 0
 
 

@@ -4,19 +4,24 @@
     python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --device a100 --top 5
     python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --check --json   # the config's own layout
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --write-config runs/70b.yaml \\
-        --write-launch runs/70b.sh --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml
+        --write-launch runs/70b.sh
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train.rampup_batch_size null \\
+        --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml    # neither holds a ramp-up
     python tools/plan.py --published                                  # the model against published runs
 
 Every layout of ``--gpus`` devices (tp within a node, cp for long sequences, pp dividing the layers,
-virtual chunks, micro batches 1-4, ZeRO 0-2, recompute none/selective/full, sequence parallelism
-with tp; ranks tp × cp × pp × dp) is estimated
+virtual chunks, micro batches 1-4, ZeRO 0-3 with hybrid sharding inside a node, recompute
+none/selective/full, sequence parallelism with tp; ranks tp × cp × pp × dp) is estimated
 with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
-wall-clock days and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
+wall-clock time and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
 prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
 as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
-JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``). Device figures can be
+JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``; what a format cannot
+hold — a batch-size ramp-up where the batch is fixed, hybrid sharding in DeepSpeed, cp — is refused
+in one line before anything is written, and what an Accelerate YAML leaves to the training script
+is printed). Device figures can be
 overridden (``--peak-tflops``, ``--memory-gb``, ``--hbm-gbs``, ``--intra-gbs``, ``--inter-gbs``,
 ``--efficiency``). Any other ``--section.key VALUE`` overrides the config.
 """
@@ -26,41 +31,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
 
-from megapretrain.cli import print_error, user_errors
+from megapretrain.cli import fraction, positive_float, positive_int, print_error, user_errors
 from megapretrain.monitor.flops import DEVICES
+from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
-from megapretrain.planner.emit import OutputExistsError, emit, write_config, write_launch
+from megapretrain.planner.emit import OutputExistsError, render, write_config, write_launch, write_text
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
 from megapretrain.planner.published import published_table
 
 # ----------------------------------------------------------------------------------------------
 # Arguments
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
-def fraction(text: str) -> float:
-    value = _positive(float)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
-    return value
-
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,19 +55,19 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config (model, batch, sequence, iterations)")
-    ap.add_argument("--gpus", type=_positive(int), help="number of GPUs")
+    ap.add_argument("--gpus", type=positive_int, help="number of GPUs")
     ap.add_argument("--device", default="h100", choices=sorted(DEVICES), help="GPU type (default h100)")
-    ap.add_argument("--top", type=_positive(int), default=8, help="layouts to show")
+    ap.add_argument("--top", type=positive_int, default=8, help="layouts to show")
     ap.add_argument("--check", action="store_true", help="plan only the config's own layout")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also --train.train_tokens")
     ap.add_argument("--attention", default="flash", choices=ATTENTION, help="attention kernels (default flash)")
     ap.add_argument("--published", action="store_true", help="compare the model with published runs and exit")
-    for name, kind, help_ in (("peak-tflops", _positive(float), "dense bf16 peak per GPU"),
-                              ("memory-gb", _positive(float), "memory per GPU"),
-                              ("hbm-gbs", _positive(float), "memory bandwidth per GPU, GB/s"),
-                              ("intra-gbs", _positive(float), "bus bandwidth within a node, GB/s"),
-                              ("inter-gbs", _positive(float), "bandwidth per GPU between nodes, GB/s"),
+    for name, kind, help_ in (("peak-tflops", positive_float, "dense bf16 peak per GPU"),
+                              ("memory-gb", positive_float, "memory per GPU"),
+                              ("hbm-gbs", positive_float, "memory bandwidth per GPU, GB/s"),
+                              ("intra-gbs", positive_float, "bus bandwidth within a node, GB/s"),
+                              ("inter-gbs", positive_float, "bandwidth per GPU between nodes, GB/s"),
                               ("efficiency", fraction, "fraction of peak large matmuls reach")):
         ap.add_argument(f"--{name}", type=kind, help=help_)
     ap.add_argument("--write-config", metavar="PATH", help="write the config with the plan's layout")
@@ -107,7 +91,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "step s",
-          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "days"]
+          "compute/memory/tp/cp/bubble/p2p/dp s", "MFU", "tok/s/GPU", "wall-clock"]
 
 
 def describe(e, steps: float) -> list[str]:
@@ -116,7 +100,7 @@ def describe(e, steps: float) -> list[str]:
     zero = f"{L.zero}/{L.shard}" if L.shard else str(L.zero)  # zero/shard group: hybrid sharding
     return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero, L.recompute,
             f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
-            f"{steps * t['total'] / 86400:.1f}"]
+            human_duration(steps * t['total'])]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -147,7 +131,7 @@ def report(s: dict, checked: bool) -> str:
         f"({s['hw_tflops_per_gpu']:.0f} with recompute)",
         f"  budget      {s['train_tokens']:,} tokens in {s['steps']:,} steps of up to {s['tokens_per_step']:,} tokens "
         f"({s['train_tokens'] / s['params']:.0f} tokens/parameter, {s['params'] / 1e9:.2f}B parameters)",
-        f"  time        {s['days']:.1f} days wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
+        f"  time        {human_duration(s['days'] * 86400)} wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
         "  estimates: check them with tools/bench_train.py on the real machines before the run"])
 
 
@@ -204,6 +188,7 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
         raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has parallel.cp={s['layout']['cp']}, "
                                 "which DeepSpeed and Accelerate configs do not express (their sequence parallelism "
                                 "is another scheme); plan without it: --check --parallel.cp 1")
+    emitted = [(path, *render(fmt, path, plan, s, args)) for fmt, path in args.emit]  # refusals before any write
     done = sys.stderr if args.json else sys.stdout  # --json keeps stdout one object
     # the launch script runs the written config, or the given one with the layout and overrides
     config_path, flags = args.config, " ".join([best.layout.flags(), shlex.join(plan["overrides"])]).strip()
@@ -214,8 +199,8 @@ def write_outputs(args, plan: dict, s: dict, best) -> None:
     if args.write_launch:
         write_launch(args.write_launch, s, config_path, flags, args.overwrite)
         print(f"wrote {args.write_launch}", file=done)
-    for fmt, path in args.emit:
-        note = emit(fmt, path, plan, s, args)
+    for path, text, note in emitted:
+        write_text(path, text, args.overwrite)
         print(f"wrote {path}" + (f"\n{note}" if note else ""), file=done)
 
 

@@ -5,8 +5,11 @@
 
 Panels (those the run logged): loss and validation loss, grad norm (before clipping), learning
 rate, tokens/s, MFU, memory, loss scale (fp16) and the time breakdown (data_time, step_time and
-any other ``*_s`` / ``*_time`` field); events — checkpoint_saved, resumed, alert, rollback,
-skipped_step, ... — are dotted vertical lines on every panel. Works on a run still in progress.
+any other ``*_s`` / ``*_time`` field). Events — checkpoint_saved, resumed, alert start and clear,
+rollback, skipped_step, ... — are vertical lines on every panel, in colours no data line uses; a
+rollback shades the steps it trained again, and the steps a rollback or resume superseded are drawn
+dashed beside the line the run kept. Memory, throughput, MFU and times are drawn from zero, their
+range in the panel's title. Works on a run still in progress.
 """
 
 from __future__ import annotations

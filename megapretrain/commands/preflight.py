@@ -32,6 +32,8 @@ is 0 when every check passes, 1 when one fails (stderr names each), 2 on bad inp
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shlex
 import shutil
@@ -42,8 +44,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from megapretrain.cli import non_negative_float, positive_float, positive_int, user_errors
-from megapretrain.config import Config, ConfigError, load_config
+from megapretrain.cli import non_negative_float, positive_float, positive_int, progress_bar, user_errors
+from megapretrain.config import Config, ConfigError, check_output_dirs, load_config
 from megapretrain.errors import UserError
 from megapretrain.monitor.metrics import read_metrics, training_records
 from megapretrain.optim.lr_schedule import LRSchedule
@@ -130,6 +132,7 @@ def load(args: argparse.Namespace, overrides: list[str]) -> tuple[Config, int, i
     cfg = load_config(args.config, overrides)
     tokenizer_vocab = resolve_vocab(cfg)
     sizes = resolve(cfg, args.nproc_per_node).sizes
+    check_output_dirs(cfg)
     if not cfg.data.paths:
         raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py")
     return cfg, sizes.decay_iters, tokenizer_vocab
@@ -181,7 +184,9 @@ def train_command(args, overrides: list[str], cfg: Config, decay_iters: int, run
     return [*launcher, "--config", args.config, *overrides, *ours, *extra]
 
 
-def run_training(run: Run, timeout_s: float | None) -> Run:
+def run_training(run: Run, timeout_s: float | None, iters: int | None = None) -> Run:
+    """Run ``run.command`` (its output to ``run.log``), showing its logged iterations out of
+    ``iters`` on a terminal; stopped after ``timeout_s``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -191,7 +196,7 @@ def run_training(run: Run, timeout_s: float | None) -> Run:
         # its own process group, so a timeout stops torchrun's workers too
         proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            run.returncode = proc.wait(timeout=timeout_s)
+            run.returncode = _wait(proc, run, timeout_s, iters)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -203,6 +208,26 @@ def run_training(run: Run, timeout_s: float | None) -> Run:
     if os.path.exists(os.path.join(run.directory, "metrics.jsonl")):
         run.records = read_metrics(run.directory)
     return run
+
+
+def _wait(proc: subprocess.Popen, run: Run, timeout_s: float | None, iters: int | None) -> int:
+    """``proc``'s exit status; meanwhile a progress bar follows the iterations its metrics.jsonl logs."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    metrics, seen = os.path.join(run.directory, "metrics.jsonl"), 0
+    with progress_bar(iters, f"preflight {run.name}", unit="it") as bar:
+        while (status := proc.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(run.command, timeout_s)
+            if iters and os.path.exists(metrics):
+                with open(metrics, "rb") as fh:
+                    fh.seek(seen)
+                    new = fh.read()
+                complete = new[:new.rfind(b"\n") + 1]  # a line still being written waits for the next look
+                seen += len(complete)
+                logged = [r.get("iter", 0) for r in map(json.loads, complete.splitlines()) if "loss" in r]
+                bar.update(max([bar.n, *logged]) - bar.n)
+            time.sleep(0.5)
+    return status
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +248,7 @@ def check_ran(run: Run, iters: int) -> Check:
 def check_loss(run: Run) -> Check:
     trained = training_records(run.records)  # in the order trained, steps redone after a rollback included
     losses = [r["loss"] for r in trained]
-    finite_steps = [r for r in trained if isinstance(r["loss"], (int, float))]
+    finite_steps = [r for r in trained if isinstance(r["loss"], (int, float)) and math.isfinite(r["loss"])]
     finite = [r["loss"] for r in finite_steps]
     required = (f"drop > {NOISE_SIGMAS:g}σ of the noise, no step above {SPIKE_RATIO:g}× the mean of the "
                 "10 before it, no rollback")
@@ -286,7 +311,8 @@ def check_lr(runs: list[Run], schedule: LRSchedule) -> Check:
         for it, r in sorted(run.steps().items()):
             expected = schedule(it)
             compared += 1
-            if not isinstance(r.get("lr"), (int, float)) or abs(r["lr"] - expected) > LR_RTOL * max(expected, 1e-12):
+            lr = r.get("lr")
+            if not isinstance(lr, (int, float)) or not abs(lr - expected) <= LR_RTOL * max(expected, 1e-12):
                 wrong.append(f"{run.name} iter {it}: {r.get('lr')} ≠ {expected:.6g}")
     measured = (f"{compared - len(wrong)} of {compared} steps match ({' + '.join(counts)})"
                 + (f"; {'; '.join(wrong[:3])}" if wrong else ""))
@@ -343,9 +369,11 @@ def check_resume(full: Run, resumed: Run, mid: int, iters: int, tol: float) -> C
 
 
 def _diff(x, y) -> float:
+    """|x - y|; infinite when either is missing, or NaN (which would pass no comparison, nor fail one)."""
     if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
         return 0.0 if x == y else float("inf")
-    return abs(x - y)
+    d = abs(x - y)
+    return d if math.isfinite(d) or (x == y) else float("inf")
 
 
 def _evals(run: Run, after: int) -> list[dict]:
@@ -402,8 +430,6 @@ def check_memory(runs: list[Run], cfg: Config, args) -> Check:
 
 def check_layouts(args, cfg: Config, out: str) -> Check:
     """tools/smoke_test.py on ``--nproc-per-node`` ranks: each layout's losses against one process."""
-    import json
-
     workdir = os.path.join(out, "layouts")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(args.nproc_per_node), "-m", "megapretrain.commands.smoke_test", "--workdir", workdir,
@@ -431,18 +457,19 @@ def check_layouts(args, cfg: Config, out: str) -> Check:
 
 def write_plots(out: str, full: Run, resumed: Run, schedule: LRSchedule, minimum: float | None) -> list[str]:
     """loss.png, grad_norm.png, lr.png and throughput.png in ``out``; returns their file names."""
-    from megapretrain.monitor.plots import events, plot_lines, series
+    from megapretrain.monitor.plots import OVER, UNDER, events, plot_lines, series
 
     a, b = training_records(full.records), training_records(resumed.records)
-    marks = events(full.records)
+    # the resumed run's losses equal the full run's: the full run is drawn wide and pale under them
+    marks = events(full.records) + [m for m in events(resumed.records) if m.name == "resumed"]
     its = sorted(full.steps())
     plots = {
-        "loss.png": ("loss", [("full run", *series(a, "loss")), ("resumed at the midpoint", *series(b, "loss"))],
-                     {"ylabel": "loss"}),
+        "loss.png": ("loss", [("full run", *series(a, "loss"), UNDER),
+                              ("resumed at the midpoint", *series(b, "loss"), OVER)], {"ylabel": "loss"}),
         "grad_norm.png": ("grad norm (before clipping)", [("grad norm", *series(a, "grad_norm"))],
                           {"log": True, "band": GRAD_NORM_RANGE}),
-        "lr.png": ("learning rate", [("logged", *series(a, "lr")),
-                                     ("expected (LRSchedule)", its, [schedule(it) for it in its])], {}),
+        "lr.png": ("learning rate", [("expected (LRSchedule)", its, [schedule(it) for it in its], UNDER),
+                                     ("logged", *series(a, "lr"), OVER)], {}),
         "throughput.png": ("throughput", [("tokens/s", *series(a, "tokens_per_sec"))],
                            {"ylabel": "tokens/s", "hline": minimum}),
     }
@@ -516,7 +543,8 @@ def run_checks(args, overrides: list[str], cfg: Config, decay_iters: int, out: s
     schedule = LRSchedule.from_config(cfg, decay_iters)
     full_dir, resume_dir = os.path.join(out, "full"), os.path.join(out, "resume")
     full = run_training(Run("full", full_dir, train_command(args, overrides, cfg, decay_iters, full_dir,
-                                                            ["--checkpoint.interval", str(mid)])), args.timeout_s)
+                                                            ["--checkpoint.interval", str(mid)])), args.timeout_s,
+                        args.iters)
     checks = [check_ran(full, args.iters)]
     runs = [full]
     if not full.steps():
@@ -531,7 +559,7 @@ def run_checks(args, overrides: list[str], cfg: Config, decay_iters: int, out: s
                                         ["--checkpoint.load", ckpt, "--checkpoint.finetune", "false",
                                          "--checkpoint.load_optimizer", "true", "--checkpoint.load_rng", "true",
                                          "--checkpoint.interval", "0"])
-        run_training(resumed, args.timeout_s)
+        run_training(resumed, args.timeout_s, args.iters)
         runs.append(resumed)
     checks += [check_lr(runs, schedule), ckpt_check]
     checks.append(check_resume(full, resumed, mid, args.iters, args.resume_tolerance) if ckpt_check.ok
@@ -544,6 +572,7 @@ def run_checks(args, overrides: list[str], cfg: Config, decay_iters: int, out: s
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     if args.layouts and args.nproc_per_node < 2:
         raise UserError("--layouts compares parallel layouts with one process: it needs --nproc-per-node ≥ 2")
@@ -560,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [c for c in checks if c.ok is False]
     for c in failed:
         print(f"preflight: FAILED {c.name}: {c.measured} (required: {c.required})", file=sys.stderr)
-    print(f"report: {report}")
+    checked = [c for c in checks if c.ok is not None]
+    print(f"preflight: {'FAILED' if failed else 'PASSED'} {len(checked) - len(failed)} of {len(checked)} checks "
+          f"({len(checks) - len(checked)} not checked) in {time.monotonic() - started:.0f} s; report: {report}")
     return 1 if failed else 0
 
 

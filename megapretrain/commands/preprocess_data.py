@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import errno
 import importlib.util
 import json
 import multiprocessing
@@ -42,6 +41,7 @@ from megapretrain.data import readers
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megapretrain.data.readers import Bad, Chunk
 from megapretrain.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megapretrain.errors import FULL_DISK, UserError, free_bytes, size_text
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 
@@ -260,6 +260,10 @@ class Outputs:
             os.replace(prefix + ".summary.json.tmp", prefix + ".summary.json")
             os.replace(prefix + ".idx.tmp", prefix + ".idx")
 
+    def bytes_written(self) -> int:
+        """Token bytes written so far, over every key's dataset."""
+        return sum(b.token_count * b.dtype.itemsize for b in self.builders)
+
     def discard(self) -> None:
         """Close and delete the temporary files of an unfinished run."""
         for prefix, builder in zip(self.prefixes, self.builders):
@@ -320,6 +324,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "give exactly one of --input (files) and --hf-dataset"
     if min(args.workers, args.partitions, args.chunk_size, args.log_interval, args.tokenizer_threads) < 1:
         return "--workers, --partitions, --tokenizer-threads, --chunk-size and --log-interval must be >= 1"
+    repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
+    if repeated:
+        return (f"--json-keys names {', '.join(map(repr, repeated))} more than once: each key writes one dataset "
+                "(OUT_{key}_document); give each key once")
     if args.hf_dataset is not None and args.partitions > 1:
         return "--partitions applies to --input files; a --hf-dataset is read by one pipeline"
     needs = {".zst": "zstandard", ".parquet": "pyarrow"}
@@ -336,13 +344,29 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _describe(e: BaseException, output_prefix: str) -> str:
-    """One line for a failure; a full disk names the directory and the file being written."""
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+def _describe(e: BaseException, output_prefix: str, outputs: Outputs | None = None) -> str:
+    """One line for a failure; a full disk names the directory, the file being written, how much
+    was written and how much is free."""
+    if isinstance(e, OSError) and e.errno in FULL_DISK:
         where = os.path.dirname(os.path.abspath(output_prefix))
-        return (f"no space left on {where} while writing {e.filename or output_prefix + '*'}; free space or "
-                "choose another --output-prefix (the partial files were removed, existing ones kept)")
+        written = f"{size_text(outputs.bytes_written())} written, " if outputs is not None else ""
+        return (f"no space left on {where} while writing {e.filename or output_prefix + '*'} ({written}"
+                f"{size_text(free_bytes(where) or 0)} free); free space or choose another --output-prefix (the "
+                "partial files were removed, existing ones kept)")
+    if isinstance(e, UserError):
+        return str(e)
     return f"{type(e).__name__}: {e}"
+
+
+def _nothing_to_write(stats: Stats, keys: list[str], outputs: Outputs) -> str | None:
+    """Why a conversion that found no document for a key writes no dataset at all, or None."""
+    empty = [key for key, documents in zip(keys, outputs.documents) if documents == 0]
+    if not empty:
+        return None
+    skipped = f"{stats.empty} empty and {stats.bad} bad records were skipped" if stats.empty or stats.bad \
+        else "the input holds no records"
+    return (f"no documents to write for --json-keys {' '.join(empty)}: {skipped}; nothing was written (check "
+            "--input, --json-keys and --input-format)")
 
 
 @user_errors
@@ -378,10 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                 stats, problem = convert(_chunks(args, sources), encoder, encoder_args, args.workers, outputs,
                                          args.skip_bad_records, progress)
         if problem is None:
+            problem = _nothing_to_write(stats, args.json_keys, outputs)
+        if problem is None:
             outputs.commit([_summary(args, tokenizer, dtype, key, stats, time.perf_counter() - start)
                             for key in args.json_keys])
     except (OSError, EOFError, ValueError, ImportError) as e:  # unreadable input, full disk, missing column
-        problem = _describe(e, args.output_prefix)
+        problem = _describe(e, args.output_prefix, outputs)
     except BaseException:  # a bug or Ctrl-C: leave no partial output either
         if outputs is not None:
             outputs.discard()

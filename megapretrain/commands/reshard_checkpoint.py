@@ -18,24 +18,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
+from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
+    LazyTensor,
     check_shapes,
     metadata,
     read_metadata,
     write_metadata,
 )
-from megapretrain.checkpoint.manager import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.reshard import (
     SavedShards,
     global_shapes,
+    layout_bytes,
     resharded_state,
     saved_config_path,
     saved_padded_vocab,
     write_layout,
 )
-from megapretrain.cli import user_errors
+from megapretrain.cli import positive_int, progress_bar, user_errors
 from megapretrain.config import load_config
+from megapretrain.errors import size_text
 from megapretrain.model.build import rank_param_specs
 from megapretrain.resolve import resolve
 
@@ -46,12 +50,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                  epilog="Other --section.key VALUE arguments set the target layout.")
     ap.add_argument("--checkpoint", required=True, help="iter_* directory, or a run directory (its latest)")
     ap.add_argument("--output", required=True, help="new checkpoint directory")
-    ap.add_argument("--world-size", type=int, required=True, help="ranks of the target run")
+    ap.add_argument("--world-size", type=positive_int, required=True, help="ranks of the target run")
     ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
-    args, rest = ap.parse_known_args(argv)
-    if args.world_size < 1:
-        ap.error(f"--world-size {args.world_size} must be at least 1")
-    return args, rest
+    return ap.parse_known_args(argv)
 
 
 def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -65,9 +66,13 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     saved = SavedShards(path, meta)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
     layout = sizes.layout.meta()
-    with new_directory(args.output) as tmp:
+    size = layout_bytes(cfg, sizes.layout, moments=True)
+    start = time.perf_counter()
+    with new_directory(args.output, needed=size) as tmp, progress_bar(size, "resharding") as bar:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
-            return resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded)
+            state = resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded,
+                                    lazy=True)
+            return _counted(state, bar)
 
         files, distinct = write_layout(tmp, sizes.layout, state_at)
         iteration = saved.state(0)["iteration"]
@@ -77,7 +82,21 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
                                      files=files, tensors=shapes,
                                      resharded_from={"path": os.path.abspath(path), "layout": meta["layout"]}))
     return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
-            f"({args.world_size} ranks, {distinct} distinct files); train with --checkpoint.load {args.output}")
+            f"({args.world_size} ranks, {distinct} distinct files, {size_text(size)} in "
+            f"{time.perf_counter() - start:.1f}s); train with --checkpoint.load {args.output}")
+
+
+def _counted(node, bar):
+    """A state whose lazy tensors add their bytes to the progress bar as they are read."""
+    if isinstance(node, LazyTensor):
+        def read(t=node):
+            tensor = t.read()
+            bar.update(tensor.numel() * tensor.element_size())
+            return tensor
+        return LazyTensor(node.dtype, node.shape, read)
+    if isinstance(node, dict):
+        return {k: _counted(v, bar) for k, v in node.items()}
+    return node
 
 
 @user_errors

@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     layouts = parse_layouts(args.layouts, world)
+    if not layouts:  # before any work: with nothing to compare, the test would prove nothing
+        if rank == 0:
+            print_error(f"--layouts {args.layouts!r}: no layout to check on {world} rank(s) (the one-process "
+                        "reference is not compared with itself); run under torchrun with more ranks")
+        return 2
     kv_heads = max([4] + [layout["tp"] for layout in layouts])
     rtol = args.rtol or (1e-4 if args.precision == "fp32" else 2e-2)
 
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             if error is None:
                 losses = losses_of(run_dir)
-                worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+                diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+                worst = max(diffs) if all(d == d for d in diffs) else float("nan")  # max() would skip a NaN
                 ok = len(losses) == len(reference) and worst <= rtol
                 failed += not ok
                 rows.append((name, "ok" if ok else "MISMATCH", f"{worst:.1e}", f"{step_s * 1e3:.0f} ms",
@@ -206,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(workdir, "smoke_test.json"), "w") as fh:
             json.dump({"world": world, "device": device, "precision": args.precision, "reference": reference,
                        "rows": rows}, fh, indent=1)
-        print(f"{'all layouts match' if not failed else f'{failed} layout(s) differ'}; details in {workdir}")
+        checked = sum(r[1] != "skipped" for r in rows)
+        if not checked:  # nothing compared is not a success
+            failed = 1
+            print(f"no layout was checked ({len(rows)} skipped; on {world} rank(s) every tp × pp × cp is the "
+                  f"one-process reference or does not divide it): run on more ranks or give --layouts; details in "
+                  f"{workdir}")
+        else:
+            print(f"{'all layouts match' if not failed else f'{failed} layout(s) differ'}; details in {workdir}")
     result = [failed]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)

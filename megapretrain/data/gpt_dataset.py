@@ -37,7 +37,8 @@ import numpy as np
 from megapretrain.data.index_cache import cached_or_built
 from megapretrain.data.indexed_dataset import IndexedDataset, data_file_path, dataset_exists, index_file_path
 
-from ..errors import DataError, MissingFileError
+from ..errors import DataError, MissingFileError, size_text
+from ..host_memory import available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,7 @@ class GPTDataset:
         start = time.perf_counter()
         indices, built = cached_or_built(
             cache_dir, self._cache_stem(), self.cache_key, ("doc_index", "sample_index", "shuffle_index"),
-            lambda: build_gpt_indices(indexed.sequence_lengths, self.document_ids, self.seq_length,
-                                      self.num_epochs, self.seed),
+            self._build,
             build_indices, cache_wait_s)
         logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built else "loaded",
                     name, indexed.prefix, num_samples, self.num_epochs, time.perf_counter() - start)
@@ -107,6 +107,15 @@ class GPTDataset:
         if self.tokens_per_epoch == 0:
             raise DataError(f"{where}: the {self.document_ids.size} documents hold zero tokens")
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch, self.seq_length))
+
+    def _build(self) -> dict[str, np.ndarray]:
+        """The index arrays, after checking that building them fits in host memory."""
+        _fits_in_host_memory(index_bytes(self.document_ids.size, self.seq_length, self.num_samples, self.num_epochs),
+                             f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
+                             f"({self.num_samples:,} samples of train.seq_length={self.seq_length:,}, "
+                             f"{self.num_epochs:,} epochs of {self.document_ids.size:,} documents)")
+        return build_gpt_indices(self.indexed.sequence_lengths, self.document_ids, self.seq_length,
+                                 self.num_epochs, self.seed)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -166,6 +175,18 @@ def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
     """The fewest whole epochs whose samples number at least ``num_samples``."""
     # Epochs 0..E-1 own the samples k with k * seq_length < E * tokens_per_epoch; sample n-1 must be one.
     return (num_samples - 1) * seq_length // tokens_per_epoch + 1 if num_samples > 0 else 0
+
+
+def index_bytes(num_documents: int, seq_length: int, num_samples: int, num_epochs: int) -> int:
+    """About the peak host memory :func:`build_gpt_indices` takes (Python integers: no overflow,
+    whatever the sizes): each epoch's document stream with room for its wrap, the sample rows and
+    the order served, copied once more when several epochs are joined, plus one epoch's int64
+    temporaries (token offsets, their gathers)."""
+    stream = num_documents + seq_length + 2  # one epoch's doc_index, allocated with the wrap's room
+    rows = num_samples + num_epochs
+    item = 4 if max(num_epochs * stream, rows) < np.iinfo(np.int32).max else 8
+    kept = item * (num_epochs * stream + 2 * rows + rows)
+    return kept * (2 if num_epochs > 1 else 1) + 3 * 8 * (stream + 1) + 4 * 8 * (rows // max(num_epochs, 1) + 1)
 
 
 def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
@@ -289,11 +310,16 @@ class BlendedDataset:
         stem = f"blend_{key[:24]}" if all(keys) else None
         indices, _ = cached_or_built(
             cache_dir, stem, key, ("dataset_index", "dataset_sample_index"),
-            lambda: dict(zip(("dataset_index", "dataset_sample_index"),
-                             blending_indices(self.weights, self.num_samples))),
+            self._build,
             build_indices, cache_wait_s)
         self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices["dataset_sample_index"]
         self._check_component_sizes()
+
+    def _build(self) -> dict[str, np.ndarray]:
+        # an int16 and an int64 per sample, and as much again in temporaries (argsort, counts)
+        _fits_in_host_memory(4 * 10 * self.num_samples, f"the blend of {len(self.datasets)} datasets "
+                             f"({self.num_samples:,} samples)")
+        return dict(zip(("dataset_index", "dataset_sample_index"), blending_indices(self.weights, self.num_samples)))
 
     def _check_component_sizes(self) -> None:
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
@@ -467,6 +493,14 @@ def format_description(rows: list[dict]) -> str:
     """``describe_datasets`` rows as aligned text lines, one per split and prefix."""
     return "\n".join(f"data {r['split']:<5} {r['prefix']}: {r['documents']:,} docs, {r['tokens']:,} tokens, "
                      f"weight {r['weight']:.4f}, {r['samples']:,} samples ({r['epochs']:.3f} epochs)" for r in rows)
+
+
+def _fits_in_host_memory(needed: int, what: str) -> None:
+    """Refuse, before allocating anything, index arrays larger than the host memory available."""
+    free = available_bytes()
+    if free is not None and needed > free:
+        raise DataError(f"{what} need about {size_text(needed)} of host memory to build, {size_text(free)} is "
+                        "available; lower train.seq_length, train.iters or train.global_batch_size, or add data")
 
 
 def _normalize_weights(weights: Sequence[float], what: str) -> np.ndarray:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..errors import full_disk_guard
+
 POLL_S = 0.05
 
 
@@ -52,11 +54,14 @@ def save_indices(cache_dir: str | None, stem: str | None, key: str, arrays: dict
         return
     os.makedirs(cache_dir, exist_ok=True)
     described = {}
-    for name, arr in arrays.items():
-        _atomic_write(os.path.join(cache_dir, f"{stem}_{name}.npy"), lambda f, a=arr: np.save(f, a, allow_pickle=False))
-        described[name] = {"shape": list(arr.shape), "dtype": arr.dtype.str}
-    blob = json.dumps({"key": key, "arrays": described}, indent=1).encode()
-    _atomic_write(os.path.join(cache_dir, f"{stem}.json"), lambda f: f.write(blob))
+    needed = sum(arr.nbytes for arr in arrays.values())
+    with full_disk_guard(cache_dir, needed, "free space there, or set data.cache_dir to a disk with room"):
+        for name, arr in arrays.items():
+            _atomic_write(os.path.join(cache_dir, f"{stem}_{name}.npy"),
+                          lambda f, a=arr: np.save(f, a, allow_pickle=False))
+            described[name] = {"shape": list(arr.shape), "dtype": arr.dtype.str}
+        blob = json.dumps({"key": key, "arrays": described}, indent=1).encode()
+        _atomic_write(os.path.join(cache_dir, f"{stem}.json"), lambda f: f.write(blob))
 
 
 def cached_or_built(cache_dir: str | None, stem: str | None, key: str, names: Sequence[str],
@@ -101,7 +106,13 @@ def _read_entry(cache_dir: str, stem: str, key: str, names: Sequence[str]) -> di
 
 
 def _atomic_write(path: str, write: Callable) -> None:
+    """``write(file)`` into a temporary name, renamed to ``path`` when whole; removed if it fails."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

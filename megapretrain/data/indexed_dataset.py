@@ -117,8 +117,9 @@ class IndexedDatasetBuilder:
         self._docs_file.write(ends.tobytes())
         self.document_count += lengths.size
 
-    def add_index(self, prefix: str, chunk: int = 1 << 22) -> None:
-        """Append a whole dataset (its documents, in order) by streaming its files: no full load."""
+    def add_index(self, prefix: str, chunk: int = 1 << 22, progress=None) -> None:
+        """Append a whole dataset (its documents, in order) by streaming its files: no full load.
+        ``progress(nbytes)`` is called as its .bin's bytes are copied."""
         source = IndexedDataset(prefix)
         if source.dtype != self.dtype:
             raise DataError(f"{prefix}: token dtype {source.dtype} differs from the output's {self.dtype}; "
@@ -137,6 +138,8 @@ class IndexedDatasetBuilder:
                 self._hash.update(block)
                 if block:
                     self.max_token = max(self.max_token, int(np.frombuffer(block, dtype=self.dtype).max()))
+                if progress is not None:
+                    progress(len(block))
         self.token_count += source.num_tokens
 
     @property
@@ -321,6 +324,66 @@ def _read_header(idx_path: str, buf) -> tuple[np.dtype, int, int]:
         raise DataError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, {documents} "
                          f"documents) needs {expected}; the file is truncated or corrupt; {_FIX}")
     return DTYPE_CODES[code], count, documents
+
+
+def index_problems(bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray,
+                   documents: np.ndarray, block: int = 1 << 24) -> list[tuple[str, str]]:
+    """What is inconsistent in an index, as (check, what) pairs: negative lengths, pointers that do
+    not start at 0 and follow the lengths, a .bin of another size than they describe, document
+    indices that do not run from 0 to the sequence count or go back. One streamed pass over the
+    index (``block`` entries at a time): memory stays flat, and no byte of the .bin is read."""
+    found = []
+    count = lengths.size
+    if count and lengths.min() < 0:
+        found.append(("lengths", f"negative sequence length {int(lengths.min())}"))
+    end = 0  # byte where the next sequence must start
+    for i in range(0, count, block):
+        sizes = lengths[i: i + block].astype(np.int64) * dtype.itemsize
+        starts = end + np.concatenate([[0], np.cumsum(sizes[:-1])])
+        bad = np.flatnonzero(pointers[i: i + block] != starts)
+        if bad.size:
+            j = i + int(bad[0])
+            found.append(("pointers", f"sequence {j} starts at byte {int(pointers[j])}, expected "
+                          f"{int(starts[bad[0]])} (pointers must start at 0 and follow the lengths)"))
+            break
+        end = int(starts[-1] + sizes[-1])
+    else:
+        if bin_size != end:
+            found.append(("bin size", f"the .bin has {bin_size:,} bytes, the index describes {end:,} "
+                          f"({'truncated' if bin_size < end else 'trailing bytes'})"))
+    if documents.size == 0 or documents[0] != 0 or documents[-1] != count:
+        ends = (int(documents[0]), int(documents[-1])) if documents.size else "none"
+        found.append(("document indices", f"must run from 0 to {count}, got ends {ends}"))
+    elif documents.size > 1:
+        for i in range(0, documents.size - 1, block):
+            back = np.flatnonzero(np.diff(documents[i: i + block + 1]) < 0)
+            if back.size:
+                j = i + int(back[0])
+                found.append(("document indices", f"entry {j + 1} ({int(documents[j + 1])}) is below entry {j} "
+                              f"({int(documents[j])})"))
+                break
+    return found
+
+
+def scan_tokens(bin_path: str, dtype: np.dtype, digest: bool, eod: int | None = None,
+                block: int = 1 << 24) -> dict:
+    """One streamed pass over a .bin: its smallest and largest id (None when empty), the count of
+    ``eod`` ids, and (``digest``) the sha256 of its bytes."""
+    sha = hashlib.sha256() if digest else None
+    low = high = None
+    eods = 0
+    with open(bin_path, "rb") as f:
+        while chunk := f.read(block * dtype.itemsize):
+            if sha is not None:
+                sha.update(chunk)
+            ids = np.frombuffer(chunk, dtype=dtype)
+            if ids.size:
+                low = int(ids.min()) if low is None else min(low, int(ids.min()))
+                high = int(ids.max()) if high is None else max(high, int(ids.max()))
+                if eod is not None:
+                    eods += int(np.count_nonzero(ids == eod))
+    return {"min_token_id": low, "max_token_id": high, "eod_count": eods,
+            "sha256": sha.hexdigest() if sha is not None else None}
 
 
 def _check_documents(idx_path: str, document_indices: np.ndarray, count: int) -> None:

@@ -16,6 +16,8 @@ import glob
 import gzip
 import io
 import os
+import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +67,7 @@ def detect_format(path: str) -> str:
 
 def discover(inputs: Sequence[str], input_format: str = "auto") -> list[Source]:
     """Expand files, directories (recursively, sorted, hidden entries skipped) and glob patterns."""
-    sources = []
+    sources, seen = [], {}
     for item in inputs:
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         if not matches:
@@ -79,6 +81,12 @@ def discover(inputs: Sequence[str], input_format: str = "auto") -> list[Source]:
                 paths = [path]
             else:
                 raise MissingFileError(f"--input {path}: no such file or directory")
+            for p in paths:
+                first = seen.setdefault(os.path.realpath(p), p)
+                if first != p or any(s.path == p for s in sources):
+                    also = f" (also as {first})" if first != p else ""
+                    raise DataError(f"--input: {p} is given twice{also}; every document in it would be tokenized "
+                                    "twice: name each file once")
             sources += [Source(p, detect_format(p) if input_format == "auto" else input_format) for p in paths]
     return sources
 
@@ -149,7 +157,33 @@ def open_binary(path: str) -> io.BufferedIOBase:
 
 def read_chunks(source: Source, keys: Sequence[str], chunk_size: int, text_mode: str = "file",
                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
-    """The records of one source, ``chunk_size`` at most (and about ``chunk_bytes``) per chunk."""
+    """The records of one source, ``chunk_size`` at most (and about ``chunk_bytes``) per chunk. A
+    file that cannot be read through (a truncated or fake .gz/.zst, a damaged parquet file) is one
+    DataError naming it and how far it was read."""
+    last, unit = 0, "line"
+    try:
+        for chunk in _read_chunks(source, keys, chunk_size, text_mode, chunk_bytes):
+            last, unit = (chunk.numbers[-1] if len(chunk.numbers) else last), chunk.unit
+            yield chunk
+    except _read_errors() as exc:
+        where = f"after {unit} {last}" if last else "at its start"
+        raise DataError(f"{source.path}: cannot be read {where} ({type(exc).__name__}: {exc}); the file is truncated, "
+                        "damaged or not what its name says: re-download or re-create it") from None
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged file raises: the standard library's, and the optional readers' when loaded."""
+    errors: list = [EOFError, OSError, zlib.error]
+    zstd, arrow = sys.modules.get("zstandard"), sys.modules.get("pyarrow")
+    if zstd is not None:
+        errors.append(zstd.ZstdError)
+    if arrow is not None:
+        errors.append(arrow.ArrowException)
+    return tuple(errors)
+
+
+def _read_chunks(source: Source, keys: Sequence[str], chunk_size: int, text_mode: str,
+                 chunk_bytes: int) -> Iterator[Chunk]:
     if source.format == "jsonl":
         yield from _batched(source, _json_lines(source), chunk_size, chunk_bytes)
     elif source.format == "parquet":

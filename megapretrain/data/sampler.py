@@ -144,6 +144,7 @@ def batch_size_at(consumed_samples: int, global_batch: int, rampup: list | None)
 
 def run_length(t: TrainConfig) -> tuple[int, int]:
     """(steps, samples) of the run: train.iters steps, or as many as train.train_tokens take."""
+    _check_length(t)
     if t.rampup_batch_size is None and t.train_tokens is None:
         return t.iters, t.iters * t.global_batch_size
     steps = samples = 0
@@ -151,6 +152,17 @@ def run_length(t: TrainConfig) -> tuple[int, int]:
         samples += batch_size_at(samples, t.global_batch_size, t.rampup_batch_size)
         steps += 1
     return steps, samples
+
+
+def _check_length(t: TrainConfig) -> None:
+    """The run's length is set once: train.iters, or train.train_tokens (train.iters null, or left at
+    its default where no config sets it)."""
+    require(t.iters is not None or t.train_tokens is not None,
+            "train.iters and train.train_tokens are both null: set one (e.g. --train.iters 1000 or "
+            "--train.train_tokens 2_000_000_000)")
+    require(t.train_tokens is None or t.iters is None or t.iters == type(t).iters,
+            f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived "
+            f"(over a config that sets train.iters: --train.iters null --train.train_tokens {t.train_tokens})")
 
 
 def check_batches(t: TrainConfig, dp: int) -> list[int]:
@@ -162,8 +174,7 @@ def check_batches(t: TrainConfig, dp: int) -> list[int]:
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size={t.micro_batch_size} × dp={dp} = {per_step} "
             f"(e.g. {per_step * max(1, round(t.global_batch_size / per_step))})")
-    require(t.train_tokens is None or t.iters == type(t).iters,
-            f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived")
+    _check_length(t)
     r = t.rampup_batch_size
     if r is None:
         return [t.global_batch_size]

@@ -329,7 +329,17 @@ TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
 def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: str | None = None,
                     merge_file: str | None = None) -> Tokenizer:
     """Build a tokenizer by its Megatron-LM type name; ``model`` is its file or directory (see the
-    README, "Tokenizer types")."""
+    README, "Tokenizer types"). A file the chosen type would not read is refused, never ignored."""
+    if tokenizer_type == "ByteTokenizer" and (model or vocab_file or merge_file):
+        given = ", ".join(str(p) for p in (model, vocab_file, merge_file) if p)
+        raise DataError(f"ByteTokenizer reads no tokenizer file, but {given} was given; drop --tokenizer-model / "
+                        "data.tokenizer.model (set it to null), or choose the tokenizer type that file is for")
+    if tokenizer_type not in ("ByteTokenizer", "GPT2BPETokenizer") and (vocab_file or merge_file):
+        raise DataError(f"--vocab-file / --merge-file are GPT2BPETokenizer's; {tokenizer_type} reads only "
+                        "--tokenizer-model: drop them")
+    if tokenizer_type == "GPT2BPETokenizer" and model and (vocab_file or merge_file):
+        raise DataError(f"GPT2BPETokenizer: give either --tokenizer-model {model} (a directory with vocab.json and "
+                        "merges.txt) or --vocab-file and --merge-file, not both")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     make = {"HuggingFaceTokenizer": lambda: HuggingFaceTokenizer(model),

@@ -23,6 +23,7 @@ from ..parallel.pipeline import V_SHAPED, Placement
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
+from ..parallel.tensor import overlap_tp_comm
 from .args import ModelArgs, model_args
 from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
@@ -136,6 +137,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
                      z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm, dtype=DTYPES[cfg.train.precision],
                      device="meta" if deferred else ps.device)
+    overlap_tp_comm(chunks, cfg.parallel.tp_comm_overlap)  # parallel/tp_overlap.py (sequence parallelism)
     for chunk in chunks:
         if deferred:
             _placeholders(chunk, ps.device)

@@ -33,6 +33,10 @@ def family_of_hf(hf: dict, where: str) -> Family:
     """The family whose adapter reads a Hugging Face ``config.json``: by its ``model_type``, or
     without one by its ``architectures``."""
     archs = hf.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)) or \
+            not isinstance(hf.get("model_type", ""), (str, type(None))):
+        raise ConvertError(f"{where}: model_type={hf.get('model_type')!r}, architectures={archs!r}: expected a "
+                           "string and a list of strings; the file is damaged or hand-edited")
     for fam in FAMILIES.values():
         if hf.get("model_type") in fam.HF.model_types or (not hf.get("model_type") and archs
                                                           and archs[0] in fam.HF.architectures):

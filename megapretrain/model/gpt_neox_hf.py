@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .args import model_args
-from .hf_adapter import ConvertError, refuse, rope_config, rope_from_hf
+from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -57,6 +57,10 @@ class GPTNeoXAdapter:
                 "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name, "dtype": dtype_name}
 
     def check(self, hf: dict, where: str) -> None:
+        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads"), (),
+                            ("layer_norm_eps", "rotary_pct", "rotary_emb_base"),
+                            ("tie_word_embeddings", "use_parallel_residual", "attention_bias"))
         unsupported = {k: hf[k] for k in ("hidden_act",) if hf.get(k, "gelu") != "gelu"}  # exact GELU only
         if hf.get("attention_bias") is False:
             unsupported["attention_bias"] = False

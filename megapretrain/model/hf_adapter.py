@@ -9,6 +9,7 @@ tensors, checks the logits and picks the adapter (``model/families.py``).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError, UserError
@@ -74,6 +75,32 @@ def rope_config(cfg: Config) -> tuple[dict | None, int]:
         return None, max_positions
     scaling = {"rope_type": "llama3", **{k: rs[k] for k in ROPE_LLAMA3_KEYS}}
     return scaling, max(max_positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+
+
+def check_config_fields(hf: dict, where: str, counts: tuple[str, ...], optional_counts: tuple[str, ...] = (),
+                        numbers: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> None:
+    """Refuse a ``config.json`` lacking one of ``counts`` (positive integers), or holding one of
+    those, ``optional_counts`` (positive integers or null), ``numbers`` (finite, positive) or
+    ``flags`` (true/false) of another type: ``hidden_size: "64"`` is named as a string, not
+    diagnosed later as a shape that does not match."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    missing = [k for k in counts if k not in hf]
+    if missing:
+        raise ConvertError(f"{where}: {', '.join(missing)} missing; the config.json of a "
+                           f"{hf.get('model_type') or 'model'} needs {', '.join(counts)} (re-save the model with "
+                           "save_pretrained)")
+    wrong = [k for k in counts if not count(hf[k])]
+    wrong += [k for k in optional_counts if hf.get(k) is not None and not count(hf[k])]
+    wrong += [k for k in numbers if hf.get(k) is not None and not (isinstance(hf[k], (int, float))
+                                                                     and not isinstance(hf[k], bool)
+                                                                     and math.isfinite(hf[k]) and hf[k] > 0)]
+    wrong += [k for k in flags if hf.get(k) is not None and not isinstance(hf[k], bool)]
+    if wrong:
+        shown = ", ".join(f"{k}={hf[k]!r}" for k in wrong)
+        raise ConvertError(f"{where}: {shown}: of the wrong type or range (counts are positive integers, "
+                           "flags true/false); the file is damaged or hand-edited")
 
 
 def refuse(unsupported: dict, where: str, family: str) -> None:

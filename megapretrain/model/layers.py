@@ -39,9 +39,11 @@ from ..parallel.tensor import (
     SavedShards,
     VocabParallelEmbedding,
     enter_tp_region,
+    linear,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
+from ..parallel.tp_overlap import gather_column_linears, row_linear_reduce_scatter
 from .args import ModelArgs
 from .attention import PreparedMask
 
@@ -79,7 +81,7 @@ class ColumnLinear(ColumnParallelLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        return linear(x, self.weight, self.bias, self.deferred)  # (b, s, out/tp)
 
 
 class RowLinear(RowParallelLinear):
@@ -100,8 +102,11 @@ class RowLinear(RowParallelLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
-        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        if self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
+            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.deferred)  # (b, s/tp, out)
+        else:
+            y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -110,6 +115,17 @@ class Embedding(VocabParallelEmbedding):
 
     def param_shardings(self) -> dict[str, Sharding]:
         return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab, init=Init.normal(self.init_std))}
+
+
+def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Group, sequence_parallel: bool,
+                   saved: SavedShards | None) -> list[torch.Tensor]:
+    """The outputs (b, s, outᵢ/tp) of the column-parallel ``linears`` sharing the block's input
+    ``x``: entering the tp region once (the sequence-parallel all-gather) and then each GEMM, or
+    under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs (parallel/tp_overlap.py)."""
+    if sequence_parallel and tp.size > 1 and linears[0].comm_overlap:
+        return gather_column_linears(x, linears, tp, linears[0].deferred)
+    x = enter_tp_region(x, tp, sequence_parallel, saved)  # (b, s, h): the full sequence
+    return [m(x) for m in linears]
 
 
 # -- norms ------------------------------------------------------------------------------------------
@@ -315,13 +331,18 @@ class Attention(nn.Module):
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 
     def _project(self, x: torch.Tensor):
-        """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the full-sequence input x (b, s, h)."""
-        b, s, _ = x.shape
+        """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the block's input x (b, s, h), or its
+        sequence shard (b, s/tp, h) under sequence parallelism (gathered here)."""
         if not self.fused:
-            return (self.q_proj(x).view(b, s, self.n_local, self.d), self.k_proj(x).view(b, s, self.k_local, self.d),
-                    self.v_proj(x).view(b, s, self.k_local, self.d))
+            q, k, v = column_outputs(x, [self.q_proj, self.k_proj, self.v_proj], self.tp, self.sequence_parallel,
+                                     self.saved)  # (b, s, n/tp·d), (b, s, k/tp·d) × 2
+            b, s, _ = q.shape
+            return (q.view(b, s, self.n_local, self.d), k.view(b, s, self.k_local, self.d),
+                    v.view(b, s, self.k_local, self.d))
+        (qkv,) = column_outputs(x, [self.qkv_proj], self.tp, self.sequence_parallel, self.saved)
+        b, s, _ = qkv.shape
         group = self.n_local // self.k_local
-        qkv = self.qkv_proj(x).view(b, s, self.k_local, (group + 2) * self.d)  # (b, s, k/tp, (n/k + 2)·d)
+        qkv = qkv.view(b, s, self.k_local, (group + 2) * self.d)  # (b, s, k/tp, (n/k + 2)·d)
         q, k, v = qkv.split([group * self.d, self.d, self.d], dim=-1)
         return q.reshape(b, s, self.n_local, self.d), k, v
 
@@ -329,9 +350,8 @@ class Attention(nn.Module):
                 mask: PreparedMask | None = None) -> torch.Tensor:
         """``mask``: the micro-batch's document mask, prepared for the model's attention kernel
         (``DocumentMask.prepare``), or None for plain causal."""
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
-        b, s, _ = x.shape
-        q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2
+        q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2: the full sequence
+        b, s = q.shape[:2]
         if self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, n/tp, s, d), (b, k/tp, s, d)
@@ -378,8 +398,8 @@ class SwiGLU(nn.Module):
         self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
-        gate, up = self.gate_proj(x), self.up_proj(x)  # (b, s, f/tp)
+        gate, up = column_outputs(x, [self.gate_proj, self.up_proj], self.tp, self.sequence_parallel,
+                                  self.saved)  # (b, s, f/tp) each
         act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up  # kernels/swiglu.py
         return self.down_proj(act)  # (b, s, h)
 
@@ -399,8 +419,8 @@ class GeluMLP(nn.Module):
         self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
-        return self.down_proj(F.gelu(self.up_proj(x)))  # (b, s, f/tp) -> (b, s, h)
+        (up,) = column_outputs(x, [self.up_proj], self.tp, self.sequence_parallel, self.saved)  # (b, s, f/tp)
+        return self.down_proj(F.gelu(up))  # (b, s, h)
 
 
 # -- the decoder block -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .args import model_args
-from .hf_adapter import ConvertError, refuse, rope_config, rope_from_hf
+from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -71,6 +71,9 @@ class LlamaAdapter:
         return hf.get("model_type") or self.model_types[self.architectures.index(hf["architectures"][0])]
 
     def check(self, hf: dict, where: str) -> None:
+        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads"), ("num_key_value_heads", "head_dim"),
+                            ("rms_norm_eps", "rope_theta"), ("tie_word_embeddings", "attention_bias", "mlp_bias"))
         model_type = self.model_type(hf)
         unsupported = {}
         if hf.get("hidden_act", "silu") != "silu":

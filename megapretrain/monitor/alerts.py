@@ -5,7 +5,8 @@ A condition raises an alert when it starts and another when it clears — never 
 it lasts — so a long stall or a bad stretch is two lines, not thousands:
 
     non_finite    loss or grad norm NaN/Inf
-    grad_norm     grad norm above alerts.grad_norm_max
+    grad_norm     grad norm above alerts.grad_norm_max (not judged at iteration 1: the gradient of the
+                  random initialization, before any update, is large by nature)
     loss_ratio    loss above alerts.loss_ratio × its rolling average (alerts.window healthy steps)
     throughput    tokens/s (the median of the last few steps, so one slow step is not a drop) more
                   than alerts.throughput_drop below the rolling median of the steps before them
@@ -14,6 +15,12 @@ it lasts — so a long stall or a bad stretch is two lines, not thousands:
 The rolling baselines take only healthy steps, and need a few before they judge (the first steps
 of a run — compilation, cold caches — are not a throughput drop, nor are the steps right after an
 evaluation or a checkpoint save, whose writer may still be busy: see :meth:`AlertMonitor.settle`).
+
+A **straggler** (:class:`Stragglers`) is a rank whose own step time (without the wait for the
+gradient reduction), as the median of its last ``alerts.straggler_steps`` steps, is at least
+``alerts.straggler_ratio`` × the median over ranks of the same: a median, so one slow step (a
+garbage collection, a busy core) is not a straggler, and over many steps, so a rank must stay slow.
+It too is announced when it starts and when it clears.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ class AlertMonitor:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite:
             found["non_finite"] = {"loss": loss, "grad_norm": grad_norm}
-        elif grad_norm > c.grad_norm_max:
+        elif iteration > 1 and grad_norm > c.grad_norm_max:
             found["grad_norm"] = {"grad_norm": grad_norm, "threshold": c.grad_norm_max}
         if finite and len(self.losses) >= MIN_HISTORY:
             mean = sum(self.losses) / len(self.losses)
@@ -103,16 +110,53 @@ def describe_alert(alert: dict) -> str:
     return f"alert at iteration {it}: {kind}: {detail}"
 
 
-def gather_stragglers(ps, hosts: list[str], step_time: float, data_time: float, iteration: int,
-                      ratio: float) -> list[dict]:
-    """Every rank's ``step_time`` (its own work: without waiting for the gradient reduction) and
-    ``data_time``, all-gathered; the ranks slower than ``ratio`` × the median (the same verdict on
-    every rank: all see the same times). ``hosts``: every rank's host name."""
-    mine = torch.tensor([step_time, data_time], dtype=torch.float64, device=ps.device)
-    times = [torch.zeros_like(mine) for _ in range(ps.world_size)]
-    dist.all_gather(times, mine)
-    steps = [float(t[0]) for t in times]
-    median = statistics.median(steps)
-    return [{"kind": "straggler", "iter": iteration, "rank": rank, "host": hosts[rank], "step_time": steps[rank],
-             "data_time": float(times[rank][1]), "median_step_time": median, "ratio": steps[rank] / median}
-            for rank in range(ps.world_size) if median > 0 and steps[rank] > ratio * median]
+class Stragglers:
+    """Each rank's recent own step and data times; at each check (a collective: every rank calls
+    it), the ranks that have been slow, as start and clear transitions."""
+
+    def __init__(self, ratio: float, steps: int):
+        self.ratio = ratio
+        self.own: deque[float] = deque(maxlen=steps)   # this rank's step time without the gradient wait
+        self.data: deque[float] = deque(maxlen=steps)  # and its data wait
+        self.active: dict[int, dict] = {}  # rank -> the alert that started it
+
+    def observe(self, own_step_time: float, data_time: float) -> None:
+        self.own.append(own_step_time)
+        self.data.append(data_time)
+
+    def check(self, ps, hosts: list[str], iteration: int) -> list[dict]:
+        """All-gather every rank's median times over the window (once it is full on every rank:
+        all ranks step together) and return the stragglers that started or cleared."""
+        if len(self.own) < self.own.maxlen:
+            return []
+        mine = torch.tensor([statistics.median(self.own), statistics.median(self.data)], dtype=torch.float64,
+                            device=ps.device)
+        times = [torch.zeros_like(mine) for _ in range(ps.world_size)]
+        dist.all_gather(times, mine)
+        steps = [float(t[0]) for t in times]
+        median = statistics.median(steps)
+        slow = {rank for rank in range(ps.world_size) if median > 0 and steps[rank] >= self.ratio * median}
+        out = []
+        for rank in sorted(slow - set(self.active)):
+            self.active[rank] = {"kind": "straggler", "state": "start", "iter": iteration, "rank": rank,
+                                 "host": hosts[rank], "step_time": steps[rank], "data_time": float(times[rank][1]),
+                                 "median_step_time": median, "ratio": steps[rank] / median,
+                                 "steps": self.own.maxlen}
+            out.append(self.active[rank])
+        for rank in sorted(set(self.active) - slow):
+            started = self.active.pop(rank)
+            out.append({"kind": "straggler", "state": "clear", "iter": iteration, "rank": rank,
+                        "host": hosts[rank], "since": started["iter"], "step_time": steps[rank],
+                        "median_step_time": median, "ratio": steps[rank] / median if median > 0 else None})
+        return out
+
+
+def describe_straggler(alert: dict) -> str:
+    """One console line for a straggler's start or clear."""
+    who = f"rank {alert['rank']} on {alert['host']}"
+    if alert["state"] == "clear":
+        return (f"straggler cleared at iteration {alert['iter']}: {who} (since iteration {alert['since']}) is back "
+                f"to {alert['step_time']:.3f} s per step")
+    return (f"straggler: {who} took {alert['step_time']:.3f} s per step (the median of its last {alert['steps']}), "
+            f"{alert['ratio']:.2f}× the median rank's {alert['median_step_time']:.3f} s "
+            f"(data wait {alert['data_time']:.3f} s)")

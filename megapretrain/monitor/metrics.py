@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 
-from ..errors import DataError, MissingFileError
+from ..errors import DataError, MissingFileError, MissingPackageError
 
 # TensorBoard's custom-scalars page: the dashboard's panels, each a list of tag regexes
 TENSORBOARD_LAYOUT = {
@@ -28,7 +29,8 @@ TENSORBOARD_LAYOUT = {
         "tokens/s": ["Multiline", [r"^tokens_per_sec$"]],
         "MFU": ["Multiline", [r"^mfu$"]],
         "memory (MB)": ["Multiline", [r"^memory_mb$"]],
-        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^[a-z_.]*_s$"]],
+        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^(?!elapsed_s$|eta_s$)[a-z_.]*_s$"]],
+        "elapsed and left (s)": ["Multiline", [r"^elapsed_s$", r"^eta_s$"]],
     },
 }
 
@@ -36,7 +38,7 @@ TENSORBOARD_LAYOUT = {
 class MetricsLogger:
     def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool, wandb: bool = False,
                  config: dict | None = None, run_name: str = ""):
-        self.enabled = enabled
+        self.enabled, self.run_name = enabled, run_name
         self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
@@ -92,13 +94,13 @@ def _init_wandb(run_dir: str, run_name: str, config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise RuntimeError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
+        raise MissingPackageError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
     id_path = os.path.join(run_dir, "wandb_id")
     if os.path.exists(id_path):
         with open(id_path) as fh:
             run_id = fh.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(4)  # any letters and digits do (wandb's own helper moved between releases)
         with open(id_path, "w") as fh:
             fh.write(run_id + "\n")
     return wandb.init(project="megapretrain", name=run_name or None, config=config, dir=run_dir,

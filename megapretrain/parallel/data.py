@@ -154,6 +154,7 @@ class DataParallelBuffers:
         # zero=3: one bucket per unit, whatever its size (a unit is gathered whole anyway)
         bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
         self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
+        self._split_folds: dict = {}  # a split backward's key -> what its B folded, per bucket (grad_sync)
         layout = [p for _, p in reversed(named_params)]
         for dtype in dict.fromkeys(p.dtype for p in layout):
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
@@ -210,6 +211,7 @@ class DataParallelBuffers:
     # -- gradients --------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        self._split_folds.clear()
         for b in self.buckets:
             if b.work is not None:  # never free or zero what a collective still writes
                 b.work.wait()
@@ -222,21 +224,27 @@ class DataParallelBuffers:
             buf.zero_()
 
     @contextlib.contextmanager
-    def grad_sync(self, last: bool, weights_pending: bool = False):
-        """Context for one micro-batch's backward (per model chunk), or for the weight gradients a
-        zero-bubble schedule's W runs later; inside ``last=True`` buckets are reduced as they become
-        ready (a bucket of linears whose W has not run is not). Under zero=2 every micro-batch is
-        reduced as the context ends — after its W when ``weights_pending`` (a B whose linears'
-        weight gradients are deferred)."""
+    def grad_sync(self, last: bool, split: tuple | None = None):
+        """Context for one micro-batch's backward (per model chunk); inside ``last=True`` buckets
+        are reduced as they become ready. Under zero=2 each micro-batch is reduced as it ends.
+
+        A zero-bubble schedule splits a backward in two: ``split=("B", key)`` for the input-gradient
+        part, whose linears' weight gradients wait for ``("W", key)``, the part that computes them.
+        A bucket is ready only once its W ran: the counts of what the B folded are kept for the W
+        (``key`` names the micro-batch and chunk), and zero=2 reduces after the W."""
+        part, key = split if split is not None else (None, None)
         self.wait_params()  # normally a no-op: the forward has waited for what it used
         self._context = "last" if last else "accumulate"
+        folded_in_b = self._split_folds.pop(key, {}) if part == "W" else {}
         for b in self.buckets:
-            b.fresh = {}
+            b.fresh = folded_in_b.get(b.index, {})
         try:
             yield
         finally:
             self._context = None
-        if self.zero >= 2 and not last and not weights_pending:
+        if part == "B":
+            self._split_folds[key] = {b.index: b.fresh for b in self.buckets if b.fresh}
+        elif self.zero >= 2 and not last:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 
     def _on_grad(self, p: nn.Parameter) -> None:

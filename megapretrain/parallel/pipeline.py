@@ -100,6 +100,14 @@ SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
 V_SHAPED = ("zbv",)  # schedules whose chunks sit in a V (Placement.v_shape)
 
 
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
+
+
+def splits_backward(kind: str) -> bool:
+    """Whether schedule ``kind`` runs each backward as a B and a later W op."""
+    return kind in SPLIT_BACKWARD
+
+
 def placement(kind: str, pp: int, vpp: int) -> Placement:
     """Where schedule ``kind``'s chunks sit."""
     return Placement(pp, vpp, kind in V_SHAPED)
@@ -433,8 +441,9 @@ class PipelineExecutor:
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
-    embedding. ``grad_sync(last)`` wraps every backward and weight-gradient op (the data-parallel
-    overlap hook); ``last`` is true for each chunk's ops of the final micro-batch. Orders with W ops
+    embedding. ``grad_sync(last, split)`` wraps every backward and weight-gradient op (the data-parallel
+    overlap hook); ``last`` is true for each chunk's ops of the final micro-batch, ``split`` is
+    ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. Orders with W ops
     need ``deferred`` (``parallel/tensor.py``'s :class:`DeferredGrads` of this stage's chunks): a B
     runs inside ``deferred.capture((micro, chunk))``, which keeps its linears' weight gradients
     back, and the W runs them, ``deferred.flush((micro, chunk))``. With ``record`` set, ``trace``
@@ -495,13 +504,13 @@ class PipelineExecutor:
             elif op.kind == "B":
                 inp, out = saved.pop(key)
                 grad = inbox.pop(source) if source is not None else None
-                with self.grad_sync(last, weights_pending=split), \
+                with self.grad_sync(last, ("B", key) if split else None), \
                         (self.deferred.capture(key) if split else contextlib.nullcontext()):
                     _backward(out, grad)
                 if sink is not None:
                     box[sink] = inp.grad
             else:
-                with self.grad_sync(last):
+                with self.grad_sync(last, ("W", key)):
                     self.deferred.flush(key)
         assert not (inbox or outbox or saved), "pipeline step ended with transfers or activations left over"
 

@@ -391,4 +391,19 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu", timeout_s:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-    dist.init_process_group(backend=backend, **kwargs)
+    dist.init_process_group(backend=backend, **kwargs, **_restart_store())
+
+
+def _restart_store() -> dict:
+    """Under torchrun, the store of this attempt: torchrun keeps one store for the whole job and
+    restarts the processes in it, so a restarted rank would read the keys of the attempt before
+    (the dead ranks' addresses, the barrier counts) as its own — gloo connects to a process that
+    is gone, or waits forever. A prefix per attempt keeps the attempts apart. Elsewhere: none
+    (init_process_group's own env:// rendezvous)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"megapretrain/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world_size}

@@ -13,6 +13,7 @@ import yaml
 
 from ..config import TrainConfig, to_dict
 from ..errors import ConfigError, UserError
+from ..monitor.progress import human_duration
 
 # the repository root (the directory holding the megapretrain package): launch scripts run its
 # run_scripts/launch.sh
@@ -35,13 +36,27 @@ def layout_config(plan: dict, s: dict) -> dict:
     tree, L = to_dict(plan["cfg"]), s["layout"]
     tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
                             sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"],
-                            zero_shard_size=L["zero_shard_size"], cp_comm=L["cp_comm"])
+                            zero_shard_size=L["zero_shard_size"], cp_comm=L["cp_comm"],
+                            tp_comm_overlap=L["tp_comm_overlap"], pp_schedule=L["pp_schedule"])
     tree["train"]["micro_batch_size"] = L["micro_batch_size"]
     if plan["budget"] and "train_tokens" in tree["train"]:  # the budget, the steps derived from it
         tree["train"].update(train_tokens=plan["budget"], iters=TrainConfig.iters)
     elif plan["budget"]:
         tree["train"]["iters"] = plan["steps"]
     return tree
+
+
+def layout_line(cfg, gpus: int, gpus_per_node: int = 8, device: str = "H100") -> str:
+    """The layout of ``cfg`` on ``gpus`` GPUs in words, as the shipped configs' first line states it:
+    ``layout for 512 GPUs (64 nodes × 8 H100): tp 4 (sp) × pp 4 (vpp 5) × dp 32, zero 2, ...``."""
+    p, t = cfg.parallel, cfg.train
+    dp = gpus // (p.tp * p.cp * p.pp)
+    nodes = math.ceil(gpus / gpus_per_node)
+    parts = [f"tp {p.tp}" + (" (sp)" if p.sequence_parallel else "")]
+    parts += [f"cp {p.cp}"] if p.cp > 1 else []
+    parts += [f"pp {p.pp}" + (f" (vpp {p.vpp})" if p.vpp > 1 else ""), f"dp {dp}"]
+    return (f"layout for {gpus} GPUs ({nodes} node{'s' * (nodes > 1)} × {gpus_per_node} {device}): "
+            f"{' × '.join(parts)}, zero {p.zero}, recompute {p.recompute}, micro-batch {t.micro_batch_size}")
 
 
 def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
@@ -51,7 +66,7 @@ def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
         fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} nodes), "
                  f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); "
                  f"estimated {s['step_s']:.2f} s/step, "
-                 f"MFU {s['mfu']:.1%}, {s['days']:.1f} days\n")
+                 f"MFU {s['mfu']:.1%}, {human_duration(s['days'] * 86400)}\n")
         yaml.safe_dump(tree, fh, sort_keys=False)
 
 
@@ -88,10 +103,19 @@ def _no_hybrid(L: dict, target: str) -> None:
                           "--accelerate-plugin fsdp (HYBRID_SHARD)")
 
 
+def _no_rampup(t, target: str) -> None:
+    """A batch-size ramp-up has no equivalent where the batch (or the accumulation) is fixed."""
+    if t.rampup_batch_size:
+        raise ConfigError(f"train.rampup_batch_size={t.rampup_batch_size}: {target} has no batch-size ramp-up (its "
+                          f"batch is fixed from the first step); emit with --train.rampup_batch_size null to train at "
+                          f"the full {t.global_batch_size} samples from step 1, or ramp up in the training script")
+
+
 def deepspeed_config(plan: dict, s: dict) -> dict:
     """The recipe as a DeepSpeed config: the same batch, precision, ZeRO stage, optimizer, schedule."""
     cfg, L = plan["cfg"], s["layout"]
     o, sch, t = cfg.optim, cfg.schedule, cfg.train
+    _no_rampup(t, "DeepSpeed's config")
     accum = t.global_batch_size // (L["micro_batch_size"] * L["dp"])
     ds = {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": L["micro_batch_size"],
           "gradient_accumulation_steps": accum, "gradient_clipping": o.clip_grad,
@@ -146,12 +170,14 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
            "same_network": True, "main_training_function": "main", "use_cpu": False, "downcast_bf16": False}
     if plugin == "deepspeed":
         _no_hybrid(L, "Accelerate's DeepSpeed plugin")
+        _no_rampup(cfg.train, "Accelerate's DeepSpeed plugin (a fixed gradient_accumulation_steps)")
         acc["distributed_type"] = "DEEPSPEED"
         accum = cfg.train.global_batch_size // (L["micro_batch_size"] * L["dp"])
+        # zero 3: each process builds only its shard (deepspeed.zero.Init), never the whole model
         acc["deepspeed_config"] = {"zero_stage": L["zero"], "gradient_accumulation_steps": accum,
                                    "gradient_clipping": cfg.optim.clip_grad,
                                    "offload_optimizer_device": "cpu" if cfg.optim.offload else "none",
-                                   "offload_param_device": "none", "zero3_init_flag": False}
+                                   "offload_param_device": "none", "zero3_init_flag": L["zero"] == 3}
     else:  # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less), 3 to FULL_SHARD
         acc["distributed_type"] = "FSDP"
         hybrid = "HYBRID_SHARD" if L["zero"] == 3 else "HYBRID_SHARD_ZERO2"  # shard inside a node
@@ -166,17 +192,33 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
     return acc
 
 
-def emit(fmt: str, path: str, plan: dict, s: dict, args) -> str:
+def render(fmt: str, path: str, plan: dict, s: dict, args) -> tuple[str, str]:
+    """(the file's text, a note for the user) of ``--emit fmt path``; a recipe the format cannot hold
+    is refused here, before any file is written."""
     if fmt == "deepspeed":
-        ds = deepspeed_config(plan, s)  # before the file is opened: a refusal leaves nothing behind
-        with _open_new(path, args.overwrite) as fh:
-            json.dump(ds, fh, indent=2)
-            fh.write("\n")
-    else:
-        acc = accelerate_config(plan, s, args.accelerate_plugin)
-        with _open_new(path, args.overwrite) as fh:
-            yaml.safe_dump(acc, fh, sort_keys=False)
-    if s["layout"]["tp"] * s["layout"]["pp"] > 1 and fmt == "accelerate":
-        return (f"note: {path}: Accelerate's {args.accelerate_plugin} plugin has no tensor or pipeline parallelism; "
-                f"set them up in the model code (tp {s['layout']['tp']}, pp {s['layout']['pp']})")
-    return ""
+        return json.dumps(deepspeed_config(plan, s), indent=2) + "\n", ""
+    acc = accelerate_config(plan, s, args.accelerate_plugin)
+    return yaml.safe_dump(acc, sort_keys=False), accelerate_note(path, plan, s, args.accelerate_plugin)
+
+
+def write_text(path: str, text: str, overwrite: bool) -> None:
+    with _open_new(path, overwrite) as fh:
+        fh.write(text)
+
+
+def accelerate_note(path: str, plan: dict, s: dict, plugin: str) -> str:
+    """What an Accelerate config does not hold, and the training script must: the optimizer, the LR
+    schedule, the batch (and its ramp-up), and tensor or pipeline parallelism."""
+    cfg, L = plan["cfg"], s["layout"]
+    o, sch, t = cfg.optim, cfg.schedule, cfg.train
+    batch = f"micro-batch {L['micro_batch_size']} per GPU, global batch {t.global_batch_size} samples"
+    if t.rampup_batch_size:
+        batch += f" ramped up as train.rampup_batch_size={t.rampup_batch_size}"
+    lines = [f"note: {path} holds the launch, precision and sharding; set in the training script: AdamW lr {o.lr:g} "
+             f"betas {list(o.betas)} eps {o.eps:g} weight decay {o.weight_decay:g}; warmup {sch.warmup_iters} steps "
+             f"then {sch.decay} to {o.min_lr:g} at step {sch.decay_iters or plan['steps']}; {batch}"
+             + (f"; clip the grad norm to {o.clip_grad:g}" if plugin == "fsdp" else "")]
+    if L["tp"] * L["pp"] > 1:
+        lines.append(f"note: Accelerate's {plugin} plugin has no tensor or pipeline parallelism; set them up in "
+                     f"the model code (tp {L['tp']}, pp {L['pp']})")
+    return "\n".join(lines)

@@ -35,8 +35,9 @@ Time is built from the kernels of one layer, not from one efficiency figure:
 - memory-bound kernels (norms, residual adds, dropout, activation function, RoPE, the loss) as bytes
   moved over 80% of the HBM bandwidth; the backward moves twice the forward's;
 - recomputation re-runs the forward (full) or the attention core (selective) before the backward;
-- tensor-parallel collectives on the critical path (the trainer does not overlap them), ring
-  passes of the ``(b, s, h)`` activation at the NCCL bus bandwidth plus a latency each;
+- tensor-parallel collectives on the critical path, ring passes of the ``(b, s, h)`` activation at
+  the NCCL bus bandwidth plus a latency each; with ``tp_comm_overlap`` only what a ring step takes
+  beyond the GEMM chunk it runs under (``_overlapped``);
 - context parallelism: a rank's matmuls, memory-bound kernels and loss run on its s/cp tokens, its
   causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
   reaches the other ranks' keys as ``parallel.cp_comm`` says (``planner/comm.py``): all-gathers K
@@ -314,6 +315,12 @@ def context_gather_bytes(model: ModelArgs, layout: Layout, seq: int) -> float:
     return 0.0 if layout.cp == 1 else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
 
 
+def _overlapped(comm: float, gemm: float, tp: int) -> float:
+    """The exposed part of a sequence-parallel collective of ``comm`` seconds run as tp − 1 ring
+    steps, each under one of the tp chunks of a ``gemm``-second GEMM (``parallel/tp_overlap.py``)."""
+    return (tp - 1) * max(0.0, comm / (tp - 1) - gemm / tp)
+
+
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
@@ -334,6 +341,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
+    if L.tp_comm_overlap:  # each collective in tp − 1 ring steps, each under 1/tp of its GEMMs
+        tp_f, tp_b = 4 * _overlapped(ring, lt.matmul_f / 4, tp), 6 * _overlapped(ring, lt.matmul_b / 6, tp)
     # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or all-to-all
     cp_f, cp_b = context_comm_s(model, L, seq, lt.attn_f, lt.attn_b, _bandwidth(device, cp, tp))
     # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
@@ -483,11 +492,11 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
             if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                 continue
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                for recompute, shard, cp_comm, schedule in itertools.product(
+                for recompute, shard, cp_comm, schedule, overlap in itertools.product(
                         ("none", "selective", "full"), _shard_sizes(zero, tp, dp * cp, gpus_per_node),
-                        context_modes(model, tp, cp), schedules(pp, vpp)):
+                        context_modes(model, tp, cp), schedules(pp, vpp), (False, True) if tp > 1 else (False,)):
                     out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard,
-                                      cp_comm=cp_comm, pp_schedule=schedule))
+                                      cp_comm=cp_comm, pp_schedule=schedule, tp_comm_overlap=overlap))
     return out
 
 

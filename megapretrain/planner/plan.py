@@ -13,9 +13,10 @@ import dataclasses
 import math
 import re
 
-from ..config import TrainConfig, load_config
+from ..config import TrainConfig, check_fields, load_config
 from ..data.sampler import run_length
 from ..errors import ConfigError, UserError
+from ..model.args import check_model
 from ..model.build import model_args
 from ..model.decoder import num_parameters
 from ..monitor.flops import DEVICES, with_device
@@ -71,6 +72,8 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     m, t = cfg.model, cfg.train
     if m.vocab_size is None:
         raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
+    check_fields(cfg)  # every size positive and finite before the search divides by any of them
+    check_model(m, 1)  # the model's own shape; each layout's tp is checked by the search
     device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                          hbm_gbs=args.hbm_gbs, intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs,
                          efficiency=args.efficiency)
@@ -97,6 +100,7 @@ def summary(plan: dict, e, args) -> dict:
         "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
                    "zero": L.zero, "zero_shard_size": L.shard, "recompute": L.recompute,
                    "sequence_parallel": L.sequence_parallel, "cp_comm": L.cp_comm,
+                   "tp_comm_overlap": L.tp_comm_overlap, "pp_schedule": L.pp_schedule,
                    "pipeline_layers": list(L.pipeline_layers) if L.pipeline_layers else None,
                    "flags": L.flags()},
         "fits": e.fits,

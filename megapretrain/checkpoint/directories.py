@@ -1,0 +1,122 @@
+"""Where checkpoints are and where new ones go: a run's checkpoints newest first, a path a user
+names resolved to a complete checkpoint (an ``iter_*`` directory, or a run directory's newest
+usable one), and the new directory a tool writes (through a temporary one renamed when whole,
+never over anything, refused at once when the disk has not the room).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+
+from ..errors import CheckpointError, check_free_space, full_disk_guard
+from .format import METADATA, fsync_dir, problem
+
+
+def iter_dir_name(iteration: int) -> str:
+    """The name of the checkpoint directory of ``iteration``: ``iter_0000100``."""
+    return f"iter_{iteration:07d}"
+
+
+def iteration_of(name: str) -> int | None:
+    """The iteration of a checkpoint directory's name, or None for any other name."""
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def candidates(root: str) -> tuple[list[str], str | None]:
+    """This run's checkpoints to try, newest first (``latest``'s, then every complete ``iter_*``
+    directory), and a note when ``latest`` could not be followed."""
+    out, note = [], None
+    pointer = os.path.join(root, "latest")
+    if os.path.exists(pointer):
+        try:
+            with open(pointer) as fh:
+                name = fh.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            name, note = "", f"{pointer} cannot be read ({exc})"
+        if name and os.path.exists(os.path.join(root, name, METADATA)):
+            out.append(os.path.join(root, name))
+        elif note is None:
+            note = f"{pointer} names '{name}', which is missing or incomplete"
+    done = sorted((i, d) for d in os.listdir(root) if (i := iteration_of(d)) is not None
+                  and os.path.exists(os.path.join(root, d, METADATA)))
+    out += [p for p in (os.path.join(root, d) for _, d in reversed(done)) if p not in out]
+    return out, note
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint ``root/latest`` names, or (when it is missing or names an incomplete one)
+    the newest complete ``iter_*`` directory; None when there is none. Unchecked beyond that."""
+    found = candidates(root)[0] if os.path.isdir(root) else []
+    return found[0] if found else None
+
+
+def resolve_checkpoint(path: str, *, check: bool = True) -> str:
+    """A complete checkpoint directory from ``path``: itself, or the newest usable one under a run
+    directory or its ``checkpoints/`` folder (passing over unusable ones with a warning on stderr).
+    ``check``: verify sizes and checksums."""
+    if os.path.exists(os.path.join(path, METADATA)):
+        found = problem(path) if check else None
+        if found:
+            raise CheckpointError(f"{path} cannot be used: {found}")
+        return path
+    notes = []
+    for root in (os.path.join(path, "checkpoints"), path):
+        if not os.path.isdir(root):
+            continue
+        found_paths, note = candidates(root)
+        notes += [note] if note else []
+        for candidate in found_paths:
+            found = problem(candidate) if check else None
+            if found is None:
+                for n in notes:
+                    print(f"warning: {n}; using {candidate}", file=sys.stderr)
+                return candidate
+            notes.append(f"skipped {candidate}: {found}")
+    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run directory with a "
+                          "usable one; pass an iter_* directory" + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+@contextlib.contextmanager
+def new_directory(path: str, needed: int | None = None):
+    """Write the new directory ``path`` through a temporary one beside it: yields the temporary
+    path, which takes the final name (with the usual permissions, its files fsynced) when the block
+    ends and is removed if it fails. ``path`` must not exist, or be empty: nothing is ever
+    overwritten. ``needed``: the bytes it will hold, refused at once when the disk has less free; a
+    disk that fills up anyway is one line naming ``path``, the bytes needed and free."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise CheckpointError(f"--output {path} exists and is not empty; choose a new directory "
+                              "(nothing is ever overwritten)")
+    parent = os.path.dirname(os.path.abspath(path))
+    fix = "free space or choose another --output (nothing was written)"
+    if needed is not None:
+        check_free_space(path, needed, fix)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
+    try:
+        with full_disk_guard(path, needed, fix):
+            yield tmp
+            _publish_directory(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+
+
+def _publish_directory(tmp: str, path: str) -> None:
+    """Give ``tmp``'s files the usual permissions, make them durable, and rename it to ``path``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for name in os.listdir(tmp):
+        file = os.path.join(tmp, name)
+        os.chmod(file, 0o666 & ~umask)
+        with open(file, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty, checked above
+    os.rename(tmp, path)

@@ -1,0 +1,12 @@
+"""Write docs/configuration.md from the config schema: megapretrain.commands.gen_config_reference."""
+
+import sys
+
+try:
+    from megapretrain.commands.gen_config_reference import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())
