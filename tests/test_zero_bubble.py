@@ -115,3 +115,14 @@ def test_checkpoints_move_between_zero_bubble_and_other_layouts(saved, resumed, 
     assert [r["iter"] for r in record["resumed"]] == [SPLIT]
     for it in range(1, ITERS + 1):
         assert record["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "3", "--layers", "8"], "model.num_layers=8"),
+    (["--pp", "4", "--schedules", "zbv", "--layers", "4"], "model.num_layers=4"),
+])
+def test_pipeline_bench_refuses_a_layout_in_one_line(flags, message, capsys):
+    from megapretrain.commands import bench_pipeline
+    assert bench_pipeline.main(flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
