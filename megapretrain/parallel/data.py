@@ -155,6 +155,7 @@ class DataParallelBuffers:
         bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
         self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
         self._split_folds: dict = {}  # a split backward's key -> what its B folded, per bucket (grad_sync)
+        self.after_split_backward = None  # zero=3: called as a split backward's B ends (its W needs no params)
         layout = [p for _, p in reversed(named_params)]
         for dtype in dict.fromkeys(p.dtype for p in layout):
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
@@ -244,6 +245,11 @@ class DataParallelBuffers:
             self._context = None
         if part == "B":
             self._split_folds[key] = {b.index: b.fresh for b in self.buckets if b.fresh}
+            for b in self.buckets:  # zero ≥ 2: a bucket the B completed (no linears) is reduced now
+                if b.launched and not last and self.zero >= 2:
+                    self._complete(b)
+            if self.after_split_backward is not None:
+                self.after_split_backward()
         elif self.zero >= 2 and not last:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 

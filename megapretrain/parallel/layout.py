@@ -175,8 +175,18 @@ class Layout:
 
     def meta(self) -> dict:
         """The layout as checkpoint metadata records it: what decides which tensors a rank file
-        holds (tp, pp, dp, cp; ZeRO ranges are recorded beside it)."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
+        holds (tp, pp, dp, cp; ZeRO ranges are recorded beside it). Under pp, which layers a
+        stage holds also depends on its chunks (vpp, their placement: interleaved, or ZB-V's V)
+        and an uneven split: recorded where they differ from one even chunk per stage, so that a
+        run placing its layers otherwise reshards instead of reading another stage's layers."""
+        meta = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
+        if self.pp > 1 and self.vpp > 1:
+            meta["vpp"] = self.vpp
+            if self.pp_schedule == "zbv":
+                meta["placement"] = "v"
+        if self.pp > 1 and self.pipeline_layers:
+            meta["pipeline_layers"] = list(self.pipeline_layers)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> Layout:

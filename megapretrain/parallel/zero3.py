@@ -64,6 +64,7 @@ class ShardedUnits:
         for c, chunk in enumerate(chunks):
             self._hook_chunk(c, chunk)
         buffers.after_grads = self._after_grads
+        buffers.after_split_backward = self._after_split_backward
 
     def _buckets(self, params) -> list[Bucket]:
         return list(dict.fromkeys(self.buffers._bucket_of[id(p)] for p in params if id(p) in self.buffers._bucket_of))
@@ -170,6 +171,17 @@ class ShardedUnits:
         self._record("backward", unit)
         if self.prefetch:
             self._start(unit.prev)
+
+    def _after_split_backward(self) -> None:
+        """A zero-bubble schedule's B is over: its layers' weight gradients, deferred to the W,
+        need no parameters (``parallel/tensor.py``: DeferredGrads), so every layer whose input
+        gradients are done is released now rather than after its W; its grads are still
+        reduce-scattered when the W has folded them (``_after_grads``)."""
+        for unit in self.units:
+            if unit.backward and not unit.root:
+                unit.backward = False
+                if not self.keep:
+                    self._free(unit)
 
     def _after_grads(self, bucket: Bucket, last: bool) -> None:
         """``buffers``: every grad of ``bucket`` in this micro-batch is folded (and its reduction
