@@ -64,5 +64,7 @@ setup(
         "megapretrain-pipeline-schedule=megapretrain.commands.pipeline_schedule:main",
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
+        "megapretrain-simulate=megapretrain.commands.simulate:main",
+        "megapretrain-check-planner=megapretrain.commands.check_planner:main",
     ]},
 )

@@ -120,7 +120,8 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> str:
             resolve_schedule(p.pp_schedule, p.pp, p.vpp, batch // per_step)
         except PipelineError as exc:
             raise ConfigError(f"train.rampup_batch_size={cfg.train.rampup_batch_size}, at batch {batch}: "
-                              f"{exc}") from None
+                              f"{exc}; or start the ramp-up at a batch that gives such a count, or set "
+                              f"train.rampup_batch_size null") from None
     return schedule
 
 

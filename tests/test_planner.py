@@ -112,9 +112,8 @@ def test_estimates_move_the_way_the_layout_says():
 
 
 def test_the_zero_bubble_schedules_are_modelled_and_ranked():
-    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2) at 1F1B's
-    peak of activations (its first stage's: what waits for a W is kept as shards, a fraction of a
-    layer's activations, so no stage's peak passes it), and the search weighs them against 1F1B
+    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2), ZB-H1 at
+    1F1B's peak of activations, ZB-V below interleaved's, and the search weighs them against 1F1B
     and interleaved layouts: every layout it returns is one the trainer accepts."""
     m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
     at = {kind: estimate(m, seq, Layout(tp=2, pp=8, dp=4, vpp=vpp, zero=1, pp_schedule=kind), 128, h100)
@@ -123,7 +122,7 @@ def test_the_zero_bubble_schedules_are_modelled_and_ranked():
     assert bubble["zbv"] < bubble["interleaved"] < bubble["1f1b"] and bubble["zb_h1"] < bubble["1f1b"]
     assert at["zb_h1"].time["total"] < at["1f1b"].time["total"]
     acts = {kind: e.memory["activations"] for kind, e in at.items()}
-    assert acts["zb_h1"] == acts["zbv"] == acts["1f1b"] < acts["interleaved"]
+    assert acts["zb_h1"] == acts["1f1b"] < acts["interleaved"] and acts["zbv"] < acts["interleaved"]
     assert at["zb_h1"].time["compute"] == pytest.approx(at["1f1b"].time["compute"])  # the same work, reordered
     found = search(m, seq, 64, 128, h100)
     kinds = {e.layout.pp_schedule for e in found}
@@ -237,11 +236,12 @@ def test_gelu_layers_are_gpt3_s_and_recomputation_counts_in_hfu_only():
     sel = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0, recompute="selective"), 512, DEVICES["a100"],
                    attention="unfused")
     assert 1 < sel.hfu / sel.mfu < 1.05
-    # unfused attention keeps its s × s softmax unless recomputed selectively; flash never does
+    # unfused attention keeps its s × s softmax unless recomputed selectively; flash never does, only
+    # its fp32 log-sum-exp per head and token
     none = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512, DEVICES["a100"], attention="unfused")
     assert none.memory["activations"] > 1.5 * sel.memory["activations"]
-    assert sel.memory["activations"] == estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512,
-                                                 DEVICES["a100"]).memory["activations"]
+    flash = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512, DEVICES["a100"])
+    assert flash.memory["activations"] - sel.memory["activations"] == 24 * 2048 * 4 * gelu.num_heads
 
 
 def test_small_matmuls_fall_below_the_device_s_efficiency():

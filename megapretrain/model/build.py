@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
-from ..parallel.layout import chunk_layers
+from ..parallel.layout import Layout, chunk_layers
 from ..parallel.pipeline import V_SHAPED, Placement
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
@@ -58,9 +58,10 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
 def resolve_kernels(choice: str, device: torch.device) -> str:
     """``model.kernels`` on ``device``: "triton" (kernels/) or "torch". auto: Triton on CUDA, and on
     CPU only under Triton's interpreter (``TRITON_INTERPRET=1``); torch otherwise."""
-    runs = kernels.use_triton(device.type)
+    kind = kernels.device_type(device)
+    runs = kernels.use_triton(kind)
     if choice == "triton" and not runs:
-        raise ConfigError(f"model.kernels=triton cannot run on {device.type}: it needs triton and CUDA, or "
+        raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
     return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
 
@@ -191,3 +192,20 @@ def one_layer_specs(args: ModelArgs) -> dict[str, ParamSpec]:
     with torch.device("meta"):
         model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
     return model.param_specs()
+
+
+def stage_parameters(args: ModelArgs, layout: Layout, pp_rank: int,
+                     dtype: torch.dtype = torch.bfloat16) -> list[list[tuple[torch.nn.Parameter, ParamSpec]]]:
+    """A rank of stage ``pp_rank`` of ``layout``: each of its chunks' parameters (on the meta
+    device: shapes only) with their specs, in ``named_parameters`` order — the trainer's order,
+    which its data-parallel buffers are cut into buckets from (``parallel/data.py``)."""
+    tp = Group("tp", list(range(layout.tp)), None, 0)  # no communication on meta
+    layer_chunks = layout.chunk_layers(args.num_layers, pp_rank)
+    with torch.device("meta"):
+        chunks = [DecoderModel(args, tp, layer_ids=ids, pre_process=pp_rank == 0 and v == 0,
+                               post_process=pp_rank == layout.pp - 1 and v == layout.vpp - 1,
+                               sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                               rng=RNGTracker(0, 0, "cpu"), dtype=dtype, device="meta")
+                  for v, ids in enumerate(layer_chunks)]
+    specs = table_of(chunks)
+    return [[(p, specs[name]) for name, p in chunk.named_parameters()] for chunk in chunks]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels import device_type
 from ..parallel.context import local_positions
 from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from ..parallel.random import RNGTracker
@@ -312,7 +313,7 @@ class DecoderModel(nn.Module):
         vocab_start = self.tp.rank * weight.shape[0]
         # chunks of tokens, no (b, s, v/tp) logits at all: the kernels' path, and on CPU the torch
         # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
-        if self.kernels == "triton" or self.z_loss or x.device.type == "cpu":
+        if self.kernels == "triton" or self.z_loss or device_type(x.device) == "cpu":
             return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
                                                   z_loss=self.z_loss, reference=self.kernels == "torch",
                                                   grad_sink=self._grad_sink(weight),

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.rmsnorm import rms_norm
@@ -268,6 +269,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 # -- attention -------------------------------------------------------------------------------------
 
 
+def _lower_right(queries: int, keys: int) -> CausalBias:
+    """``causal_lower_right(queries, keys)``, made outside any dispatch mode: torch builds that
+    tensor subclass with a legacy constructor, which fails under one (fake tensors, FLOP and
+    memory counters)."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
@@ -326,7 +335,7 @@ class Attention(nn.Module):
         if self.cp.size == 1 or self.cp_comm == "a2a":  # the whole sequence, in order
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
-                                              attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
+                                              attn_mask=_lower_right(rows.stop - rows.start, keys), **kw)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 

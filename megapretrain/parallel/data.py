@@ -19,7 +19,9 @@ backward), a bucket's collective is launched asynchronously the moment its last 
 - ``zero=0`` all-reduce of the whole bucket (every rank steps every parameter);
 - ``zero=1`` reduce-scatter: only this rank's shard of the sum is needed (distributed optimizer);
 - ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
-  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight;
+  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight:
+  when a bucket's reduction starts, the one launched before it is waited for and freed, so at
+  most two buckets' full gradients (and the one filling) exist at once;
 - ``zero=3`` as 2, and the parameters too are kept only as this rank's shard: a bucket is one
   *unit* (a decoder layer, or a chunk's other parameters), whose full param buffer is all-gathered
   just before it is used and freed after (``parallel/zero3.py`` decides when).
@@ -148,6 +150,7 @@ class DataParallelBuffers:
         self._bucket_of: dict[int, Bucket] = {}
         self._context: str | None = None  # None, "last" or "accumulate" inside grad_sync
         self._gathers: collections.deque = collections.deque()  # buckets with a pending all-gather
+        self._reducing: collections.deque = collections.deque()  # zero >= 2: launched, not completed yet
         self._learning: dict[int, set] = {}  # model -> modules called in its first forward so far
         self._early_of: dict[int, list[Bucket]] = {}  # model -> buckets used without a module call
         self._early: set[Bucket] = set()  # gathered first
@@ -306,6 +309,12 @@ class DataParallelBuffers:
         return not b.final if last else all(b.fresh.get(id(p), 0) >= self.spec_of[id(p)].uses for p in b.params)
 
     def _launch(self, b: Bucket) -> None:
+        if self.zero >= 2:  # free the full gradients of all but the latest reduction in flight
+            while self._reducing:
+                done = self._reducing.popleft()
+                if done.launched:
+                    self._complete(done)
+            self._reducing.append(b)
         b.launched = True
         b.launch_time = time.perf_counter()
         for p in b.params:  # sequence-parallel norm weights: each tp rank saw part of the sequence

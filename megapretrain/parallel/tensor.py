@@ -182,6 +182,12 @@ class _Regather:
         return view
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage while it lives: its address, not its data pointer (which is
+    0 for every tensor without data: the fake tensors of a simulation would all look alike)."""
+    return t.untyped_storage()._cdata
+
+
 class SavedShards:
     """Saves the column-parallel linears' gathered input as the 1/tp shard it came from
     (Megatron's memory layout for sequence parallelism).
@@ -191,19 +197,19 @@ class SavedShards:
     tensor viewing a registered storage as (shard, view geometry) instead."""
 
     def __init__(self):
-        self._live: dict[int, _Regather] = {}  # storage pointer of a live gathered input -> its shard
+        self._live: dict[int, _Regather] = {}  # storage of a live gathered input -> its shard
 
     def register(self, shard: torch.Tensor, group: Group, full: torch.Tensor) -> None:
-        ptr = full.untyped_storage().data_ptr()
-        self._live[ptr] = _Regather(shard, group, full)
-        weakref.finalize(full, self._live.pop, ptr, None)
+        key = _storage_key(full)
+        self._live[key] = _Regather(shard, group, full)
+        weakref.finalize(full, self._live.pop, key, None)
 
     def hooks(self):
         """Context for the model's forward: autograd's saved-tensor hooks that swap in the shards."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        regather = self._live.get(t.untyped_storage().data_ptr())
+        regather = self._live.get(_storage_key(t))
         if regather is None or regather.full() is None:
             return t
         regather.pending += 1

@@ -4,24 +4,13 @@ The model behind ``tools/plan.py``. For one layout it estimates, per GPU of the 
 stage, the bytes of weights, gradients, optimizer state and activations, and the time of one
 optimizer step; :func:`search` ranks every layout of a config on a GPU count.
 
-Memory follows the implementation, not a rule of thumb:
-
-- weights, gradients and optimizer state: the bytes per parameter of the ZeRO stage
-  (``parallel/data.py``): bf16 weights 2, fp32 gradients 4, fp32 master 4, Adam moments 8, the last
-  two (under zero 2 also the gradients, under zero 3 everything) divided by the ranks they are
-  sharded over (dp × cp, or the hybrid shard group); zero 3 adds the layers gathered at once
-  (three, ``parallel/zero3.py``) and the embedding and head, in full, plus one layer's fp32
-  gradients in flight;
-- activations per token and layer: ``12·h + 4·kv·d + 8·f`` bytes in bf16 (``tests`` measure it from
-  what autograd saves), divided by tp with sequence parallelism; without it the two norm inputs and
-  the two column-parallel inputs stay whole. Context parallelism leaves each rank s/cp tokens of a
-  sample, but attention keeps the all-gathered keys and values of all s: ``4·kv·d·cp`` bytes per
-  local token instead of ``4·kv·d``. Full recompute keeps only the layer input (``2·h``);
-  unfused attention also keeps its softmax (and dropout mask) unless recomputed selectively. A
-  stage holds them for its peak number of in-flight micro-batch chunks, read off the real schedule
-  (``parallel/pipeline.py``);
-- a fixed allowance for the CUDA context, NCCL buffers and allocator slack; a layout fits
-  when that total leaves 5% of the device's memory free.
+Memory follows the implementation, not a rule of thumb: ``planner/memory.py`` estimates every
+stage's peak by part — weights, gradients and optimizer state of the ZeRO stage, what autograd
+keeps of the micro-batch chunk computing and of those the real schedule holds in flight, ZeRO-3's
+gathered layers, the peak moment's buffers — and is held to the trainer's own program simulated on
+fake tensors (``tools/check_planner.py``: within 5% on a sweep of 8B, 70B and 405B layouts). The
+busiest stage, plus a fixed allowance for the CUDA context, NCCL buffers and allocator slack, is
+the layout's figure; a layout fits when that leaves 5% of the device's memory free.
 
 Time is built from the kernels of one layer, not from one efficiency figure:
 
@@ -72,6 +61,7 @@ from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
+from .memory import stage_memory, stage_params
 from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
 if TYPE_CHECKING:
@@ -258,42 +248,23 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
     return passes * ((size - 1) / size * nbytes / bw + latency)
 
 
-def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: float,
-            layers: int, per_chunk: int, attention: str, head_first: bool = False) -> tuple[dict, float]:
-    """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters;
-    ``in_flight``: chunks' worth of activations held at once, ``head_first``: the first stage also
-    holds the head (V placement)."""
-    tp, L = layout.tp, layout  # ZeRO shards over dp × cp, or the hybrid group
-    split, replicated, head = layer_params(model)
-    vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
-    first = layers * (split / tp + replicated) + vocab_rows * hidden
-    last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not model.tie_embeddings or L.pp > 1
-                                                         else 0)
-    together = first + head + (0 if model.tie_embeddings else vocab_rows * hidden)  # embedding and head on one stage
-    params = max(first, last) if L.pp > 1 and not head_first else max(together, layers * (split / tp + replicated))
-    state = params * state_bytes_per_param(precision, L.zero, L.shard_ranks)
-    scale = 1.0 if precision in ("bf16", "fp16") else 2.0
-    gathered = 0.0
-    if L.zero == 3:  # gathered in full: three layers, the embedding and head; one layer's grads in flight
-        layer = split / tp + replicated
-        gathered = (min(3, layers) * layer + params - layers * layer) * (2 if scale == 1 else 4)
-        state += gathered + layer * 4
-    tokens = L.micro_batch * seq // L.cp  # this rank's share of each micro-batch
-    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention,
-                                           kv_copies(L)) * scale
-    acts = in_flight * per_chunk * tokens * per_layer
-    if L.recompute == "full":  # one layer's full activations while it is recomputed
-        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention,
-                                                    kv_copies(L)) * scale
-    logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
-    weights = params * (2 if scale == 1 else 4) / (L.shard_ranks if L.zero == 3 else 1)
-    if L.zero == 3:
-        weights += gathered
-    memory = {"params": weights, "state": state, "activations": acts + logits,
-              "overhead": device.overhead_gb * GIB}
-    memory["total"] = state + acts + logits + memory["overhead"]
+def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, micro_batches: int,
+            schedule: str, attention: str) -> tuple[dict, float]:
+    """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
+    measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
+    stage's parameters."""
+    layer = layer_params(model)
+    stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision, schedule=schedule,
+                           attention=attention) for r in range(layout.pp)]
+    busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
+    parts = stages[busiest]
+    weights = parts["parameters"] + parts["zero3_gathered"]
+    memory = {"params": weights, "state": weights + parts["gradients"] + parts["optimizer"],
+              "activations": sum(parts[k] for k in ("activations", "pipeline_in_flight", "comm_buffers", "temporary")),
+              "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts}
+    memory["total"] = parts["total"] + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
-    return memory, params
+    return memory, stage_params(model, layout, busiest, layer)
 
 
 def _check(seq: int, L: Layout, global_batch: int, attention: str) -> None:
@@ -371,8 +342,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, in_flight, max(layers_on), per_chunk, attention,
-                          head_first=last == 0 and pp > 1)
+    mem, params = _memory(model, seq, L, device, precision, m, kind, attention)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
