@@ -505,7 +505,7 @@ class PipelineExecutor:
             elif op.kind == "B":
                 inp, out = saved.pop(key)
                 grad = inbox.pop(source) if source is not None else None
-                with self.grad_sync(last, ("B", key) if split else None), \
+                with (self.grad_sync(last, ("B", key)) if split else self.grad_sync(last)), \
                         (self.deferred.capture(key) if split else contextlib.nullcontext()):
                     _backward(out, grad)
                 if sink is not None:
