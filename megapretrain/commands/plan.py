@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         m, t = cfg.model, cfg.train
         print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {t.global_batch_size} × "
               f"{t.seq_length} = {t.global_batch_size * t.seq_length:,} tokens per step, {plan['steps']:,} steps, "
-              f"{t.precision}; {args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
+              f"{t.precision}{'' if m.fp8 == 'none' else f' + fp8 {m.fp8} linears ({device.fp8_tflops:g} TFLOP/s)'}; "
+              f"{args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
               f"{device.efficiency:.0%}, {device.memory_gb:g} GB)")
         if best is None:
             print(f"nothing fits in {device.memory_gb:g} GB; the leanest layouts need:")

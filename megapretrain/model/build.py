@@ -18,6 +18,7 @@ import torch
 from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
+from ..parallel.fp8 import WeightCasts
 from ..parallel.layout import Layout, chunk_layers
 from ..parallel.pipeline import V_SHAPED, Placement
 from ..parallel.random import RNGTracker
@@ -28,6 +29,7 @@ from .args import ModelArgs, model_args
 from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
 from .families import family, torch_only_layers
+from .fp8 import check_fp8_device, convert_to_fp8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +41,8 @@ def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
 
 def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
-    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head."""
+    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
+    turned on (``model.fp8``)."""
     args, p = model_args(cfg), cfg.parallel
     place = Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED)
     layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers, place.v_shape)
@@ -52,6 +55,11 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
         chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre, post_process=post,
                                    sequence_parallel=p.sequence_parallel, recompute=p.recompute,
                                    head_on_stage=head_on_stage and pre, stage_embedding=shared, **kw))
+    if cfg.model.fp8 != "none":
+        weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
+        for chunk in chunks:
+            convert_to_fp8(chunk, cfg.model.fp8, cfg.model.fp8_skip, allgather=p.fp8_allgather, zero=p.zero,
+                           weights=weights)
     return chunks
 
 
@@ -126,6 +134,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
     deferred = cfg.parallel.zero == 3
     kernels = resolve_kernels(cfg.model.kernels, ps.device)
+    if cfg.model.fp8 != "none":
+        check_fp8_device(ps.device)
     torch_only = torch_only_layers(family(cfg.model.family).layer_spec(model_args(cfg)))
     if kernels == "triton" and torch_only and ps.rank == 0:
         print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "

@@ -40,6 +40,7 @@ from ..parallel.tensor import (
     SavedShards,
     VocabParallelEmbedding,
     enter_tp_region,
+    fp8_gathered,
     linear,
     reduce_from_tp,
     reduce_scatter_to_sp,
@@ -76,13 +77,17 @@ class ColumnLinear(ColumnParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std))}
+        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std),
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.deferred)  # (b, s, out/tp)
+        if self.fp8 is None:
+            return linear(x, self.weight, self.bias, self.deferred)  # (b, s, out/tp)
+        y = self.matmul(x)  # (b, s, out/tp)
+        return y if self.bias is None else y + self.bias
 
 
 class RowLinear(RowParallelLinear):
@@ -97,13 +102,17 @@ class RowLinear(RowParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std))}  # input columns split over tp
+        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std),  # input columns split over tp
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
+        if self.fp8 is not None:  # FP8 GEMMs: the collective after the whole GEMM
+            y = self.matmul(x)  # (b, s, out) partial sums
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        elif self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
             y = row_linear_reduce_scatter(x, self.weight, self.tp, self.deferred)  # (b, s/tp, out)
         else:
             y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
@@ -123,7 +132,7 @@ def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Gro
     """The outputs (b, s, outᵢ/tp) of the column-parallel ``linears`` sharing the block's input
     ``x``: entering the tp region once (the sequence-parallel all-gather) and then each GEMM, or
     under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs (parallel/tp_overlap.py)."""
-    if sequence_parallel and tp.size > 1 and linears[0].comm_overlap:
+    if sequence_parallel and tp.size > 1 and linears[0].comm_overlap and linears[0].fp8 is None:
         return gather_column_linears(x, linears, tp, linears[0].deferred)
     x = enter_tp_region(x, tp, sequence_parallel, saved)  # (b, s, h): the full sequence
     return [m(x) for m in linears]

@@ -289,6 +289,10 @@ class MixedPrecisionAdamW:
         output layer's loss adds the weight's gradient itself (``model/fused_loss.py``)."""
         for chunk in chunks:
             chunk.grad_sink = weakref.ref(self.buffers)
+        casts = {id(c.fp8_weights): c.fp8_weights for c in chunks if c.fp8_weights is not None}
+        if len(casts) > 1:
+            raise ValueError("the model chunks of a rank must share one fp8_weights (model/build.py makes one)")
+        self.buffers.fp8_weights = next(iter(casts.values()), None)  # zero=3: FP8-gathered weights go there
         if self.zero == 3:  # one chunk and no pipeline: its backward follows its forward (keep the last layer)
             self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
                                       keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)
@@ -466,7 +470,7 @@ class MixedPrecisionAdamW:
         """zero=3: the most bytes of full parameters gathered at once, by design: every chunk's
         root plus ``LAYER_UNITS_ALIVE`` of the largest decoder layers (parallel/zero3.py)."""
         def full(unit):
-            return sum(b.numel * b.param_shard.element_size() for b in unit.buckets)
+            return sum(b.numel * self.buffers.gathered_element_size(b) for b in unit.buckets)
         roots = sum(full(u) for u in self.units.units if u.root)
         layers = sorted((full(u) for u in self.units.units if not u.root), reverse=True)
         return roots + sum(layers[:LAYER_UNITS_ALIVE])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch import nn
 
 from .specs import ParamSpec, Sharding
 from .state import Group
+
+if TYPE_CHECKING:
+    from .fp8 import FP8Linear, GatheredInputs
 
 SEQ_DIM = 1
 
@@ -153,9 +157,12 @@ def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool,
 
     With ``saved`` (the model's :class:`SavedShards`, whose hooks are active during its forward),
     what backward keeps of the gathered input is the local shard: the all-gather runs again when
-    the weight gradients need the full sequence."""
+    the weight gradients need the full sequence. A block whose linears all run in FP8 is given a
+    ``saved`` with FP8 gathers (:meth:`SavedShards.with_fp8`): the shards are sent as FP8."""
     if not sequence_parallel:
         return copy_to_tp(x, tp)
+    if saved is not None and saved.fp8 is not None and tp.size > 1:
+        return saved.fp8.gather(x, tp, saved)  # parallel/fp8.py: half the bytes
     full = gather_from_sp(x, tp)
     if saved is not None and tp.size > 1 and torch.is_grad_enabled():
         saved.register(x.detach(), tp, full)
@@ -198,6 +205,14 @@ class SavedShards:
 
     def __init__(self):
         self._live: dict[int, _Regather] = {}  # storage of a live gathered input -> its shard
+        self.fp8: GatheredInputs | None = None  # a block's FP8 all-gather (see with_fp8)
+
+    def with_fp8(self, gathered: GatheredInputs) -> SavedShards:
+        """The same saved shards (one registry), for a block whose column-parallel linears all
+        run in FP8: :func:`enter_tp_region` then all-gathers its input as FP8 (``gathered``)."""
+        view = SavedShards()
+        view._live, view.fp8 = self._live, gathered
+        return view
 
     def register(self, shard: torch.Tensor, group: Group, full: torch.Tensor) -> None:
         key = _storage_key(full)
@@ -332,6 +347,12 @@ def defer_weight_grads(chunks: list[nn.Module], deferred: DeferredGrads | None) 
     return n
 
 
+def fp8_gathered(linear: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether ZeRO-3 may all-gather ``linear``'s weight in FP8: its GEMMs are FP8 with one scale
+    per weight tensor (the spec's ``fp8_gather``)."""
+    return linear.fp8 is not None and linear.fp8.weights is not None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Aᵀ with A's output rows split across tp; the output stays split (no gather).
 
@@ -348,12 +369,19 @@ class ColumnParallelLinear(nn.Module):
         self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
         self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
         self.bias: nn.Parameter | None = None
+        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
         """Output rows split over tp; an output layer's rows are the (padded) vocabulary."""
-        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows)}
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, fp8_gather=fp8_gathered(self))}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
+        return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.matmul(x)  # (b, s, out/tp)
         return linear(x, self.weight, None, self.deferred)  # (b, s, out/tp)
 
 
@@ -372,12 +400,17 @@ class RowParallelLinear(nn.Module):
         self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
         self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
         self.bias: nn.Parameter | None = None
+        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(tp_dim=1)}  # input columns split over tp
+        return {"weight": Sharding(tp_dim=1, fp8_gather=fp8_gathered(self))}  # input columns split over tp
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
+        return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
+        y = self.matmul(x) if self.fp8 is not None else linear(x, self.weight, None, self.deferred)  # (b, s, out)
         return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
 
 

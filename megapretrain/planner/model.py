@@ -33,6 +33,9 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   and V (``2·b·s·kv·d/tp`` values) and reduce-scatters their gradients, exposed; passes them
   around a ring under each block's attention, exposed only beyond it; or two all-to-alls each
   way, exposed (full recompute repeats the forward's);
+- FP8 linears (``model.fp8``): their GEMMs at the device's FP8 peak, their casts as memory-bound
+  kernels, FP8 input all-gathers, FP8 copies in memory (``planner/fp8.py``, applied by
+  :func:`estimate`);
 - the pipeline bubble from replaying the real schedule with the busiest stage's forward and
   backward times, the point-to-point transfers, the exposed part of the data-parallel
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, UserError
@@ -61,6 +64,7 @@ from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
+from .fp8 import fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
 from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
@@ -293,9 +297,10 @@ def _overlapped(comm: float, gemm: float, tp: int) -> float:
 
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
-             precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
+             precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
+             fp8: str = "none") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
-    a UserError if it cannot run."""
+    a UserError if it cannot run. ``fp8``: ``model.fp8``'s recipe (planner/fp8.py)."""
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
@@ -307,6 +312,10 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
     lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb, seq // cp, tp)
+    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s, memory_s)
+    if delta is not None:  # the linears' GEMMs in FP8, their casts memory-bound
+        lt = replace(lt, matmul_f=delta.matmul_f, matmul_b=delta.matmul_b, memory_f=lt.memory_f + delta.cast_f,
+                     memory_b=lt.memory_b + delta.cast_b)
     act_bytes = mb * seq // cp * hidden * 2.0  # this rank's (b, s/cp, h)
     ring = _ring_s(device, tp, 1, act_bytes)  # one all-gather or reduce-scatter of (b, s, h)
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
@@ -314,6 +323,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
     if L.tp_comm_overlap:  # each collective in tp − 1 ring steps, each under 1/tp of its GEMMs
         tp_f, tp_b = 4 * _overlapped(ring, lt.matmul_f / 4, tp), 6 * _overlapped(ring, lt.matmul_b / 6, tp)
+    if delta is not None:  # the input all-gathers send FP8
+        tp_f, tp_b = tp_f * delta.tp_fraction_f, tp_b * delta.tp_fraction_b
     # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or all-to-all
     cp_f, cp_b = context_comm_s(model, L, seq, lt.attn_f, lt.attn_b, _bandwidth(device, cp, tp))
     # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
@@ -343,6 +354,10 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     bubble = busy * (stretch - 1.0)
 
     mem, params = _memory(model, seq, L, device, precision, m, kind, attention)
+    if delta is not None:
+        split, replicated, _ = layer_params(model)
+        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight, per_chunk=per_chunk, zero=L.zero,
+                         gathered_bytes=min(3, max(layers_on)) * (split / tp + replicated) * 2)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
@@ -368,7 +383,7 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     if dense_document_mask(cfg):
         attention = "unfused"
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
-                    cfg.parallel.pp_schedule, attention)
+                    cfg.parallel.pp_schedule, attention, cfg.model.fp8)
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
@@ -471,12 +486,12 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
-           precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
+           precision: str = "bf16", attention: str = "flash", fp8: str = "none") -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first."""
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
-            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention))
+            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention, fp8=fp8))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))
