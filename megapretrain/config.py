@@ -110,13 +110,21 @@ class ParallelConfig:
     vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).", min=1)
     cp: int = _f(1, "Context-parallel size: ranks that split each sequence (attention all-gathers K/V over them).",
                  min=1)
-    pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved "
-                          "(auto: 1f1b, interleaved when vpp > 1).")
+    pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved | zb_h1 | zbv "
+                          "(auto: 1f1b, interleaved when vpp > 1; zb_h1 and zbv defer weight gradients into "
+                          "the bubble, zbv runs two chunks per stage in a V: vpp 2).")
     pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
                                          "null: even split).")
     pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
                         "(RUN_DIR/pipeline_trace_rankN.jsonl).")
+    cp_comm: str = _f("allgather", "How attention reaches the other cp ranks' keys: allgather (K/V gathered "
+                      "before attention) | ring (K/V passed around the cp ranks under each block's attention) | "
+                      "a2a (all-to-all of heads and sequence, Ulysses; heads and kv heads must divide by tp × cp).",
+                      choices=("allgather", "ring", "a2a"))
     sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
+    tp_comm_overlap: bool = _f(False, "Split each sequence-parallel all-gather + column GEMM and row GEMM + "
+                               "reduce-scatter into chunks, each chunk's communication under the previous "
+                               "chunk's GEMM (needs sequence_parallel).")
     zero: int = _f(0, "Sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients, 3 also parameters "
                    "(gathered one decoder layer at a time).")
     zero3_keep_gathered: bool = _f(False, "zero 3: keep each layer gathered from its first use to the step's last "

@@ -24,6 +24,7 @@ from .model.attention import check_attention
 from .model.fp8 import check_fp8, fp8_summary
 from .optim.lr_schedule import resolve_decay_iters
 from .optim.optimizer import check_optim
+from .parallel.context import check_cp_comm
 from .parallel.layout import Layout
 from .parallel.pipeline import resolve_schedule
 from .recovery import check_recovery
@@ -137,6 +138,8 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_optim(cfg.optim)
     layout = Layout.from_config(cfg, world_size)
     check_model(m, layout.tp)
+    shape = model_args(cfg)
+    check_cp_comm(layout.cp_comm, layout.cp, layout.tp, shape.num_heads, shape.num_kv_heads, m.attention_dropout)
     check_fp8(cfg, layout)
     attention_warnings = check_attention(cfg, layout)
     batches = check_batches(t, layout.dp)
@@ -146,7 +149,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     decay_iters, warnings = resolve_decay_iters(cfg, iters)
     check_recovery(cfg.recovery.action)
 
-    model = model_args(cfg)
+    model = shape
     sizes = RunSizes(layout=layout, grad_accum=t.global_batch_size // (t.micro_batch_size * layout.dp),
                      tokens_per_batch=t.global_batch_size * t.seq_length,
                      total_tokens=train_samples * t.seq_length, num_kv_heads=model.num_kv_heads,

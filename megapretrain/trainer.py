@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,18 @@ from .oom import OOM_EXIT, report_oom
 from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
 from .parallel.context import split_to_cp
-from .parallel.pipeline import P2P, PipelineExecutor, forward_only_order, peak_in_flight, schedule_order
+from .parallel.pipeline import (
+    P2P,
+    PipelineExecutor,
+    forward_only_order,
+    peak_in_flight,
+    placement,
+    schedule_order,
+    splits_backward,
+)
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
+from .parallel.tensor import DeferredGrads, defer_weight_grads
 from .recovery import Detector, check_spike_drill
 from .resolve import RunSizes
 from .run_lock import RunLock
@@ -106,13 +116,19 @@ class Trainer(RunState, RunWatch):
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
         self.pipeline_schedule = sizes.schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
-        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] * ps.pp.size
+        place = placement(self.pipeline_schedule, ps.pp.size, cfg.parallel.vpp)
+        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro,
+                                               place.v_shape)] * ps.pp.size
         act_seq = t.seq_length // ps.cp.size  # a stage hands on its cp share of each sample
         act_seq //= ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else 1
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
-        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
-                                         self.optimizer.grad_sync, record=cfg.parallel.pp_trace)
+        # zero-bubble schedules: each backward's linear weight gradients wait for the schedule's W op
+        deferred = DeferredGrads(weakref.ref(self.optimizer.buffers)) if splits_backward(self.pipeline_schedule) \
+            else None
+        defer_weight_grads(self.model_chunks, deferred)
+        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p, self.optimizer.grad_sync,
+                                         record=cfg.parallel.pp_trace, v_shape=place.v_shape, deferred=deferred)
         self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)

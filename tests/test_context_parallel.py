@@ -148,6 +148,84 @@ def test_attention_under_document_masking_equals_each_document_alone():
         start += len(doc)
 
 
+def _model_under_cp(rank, world, tokens, comms):
+    """Per-token losses and the cp-summed gradients of one forward + backward of a tiny model (8
+    query heads, 4 kv heads) under each ``parallel.cp_comm`` of ``comms``, with and without
+    document masking; and the bytes each exchanged over cp."""
+    ps = ParallelState(cp=world, comm_stats=True)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    out = {"positions": local_positions(inputs.shape[1], ps.cp)}
+    for comm in comms:
+        for masked in (False, True):
+            model = DecoderModel(tiny_args(), ps.tp, cp=ps.cp, cp_comm=comm, attention="blockwise")
+            model.init_weights(7)
+            docs = documents(inputs, EOD, True, True, ps.cp) if masked else None
+            ps.stats.reset()
+            losses = model(split_to_cp(inputs, ps.cp), split_to_cp(targets, ps.cp), docs)  # (b, s/cp)
+            losses.sum().backward()
+            grads = {name: ps.cp.all_reduce(p.grad.clone()) for name, p in model.named_parameters()}
+            out[comm, masked] = {"losses": losses.detach(), "grads": grads,
+                                 "sent": {k: v["bytes"] for k, v in ps.stats.summary().items()}}
+    return out
+
+
+def _packed_batch() -> torch.Tensor:
+    """(2, 33) ids: documents of 5-26 tokens packed, crossing the cp ranks' chunks."""
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(10, 290, (2, 33), generator=g)
+    tokens[0, [5, 11, 30]] = EOD
+    tokens[1, [20]] = EOD
+    return tokens
+
+
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ring_and_all_to_all_attention_equal_one_process(cp):
+    """Ring attention and all-to-all (Ulysses) attention under cp 2 and 4, causal and document-
+    masked: every token's loss and every gradient (summed over cp) of one forward and backward are
+    those of one process, and the ring moves exactly its K/V blocks (forward: cp − 1 of them per
+    layer; backward: cp − 1 more, and cp fp32 gradient blocks)."""
+    tokens = _packed_batch()
+    comms = ("ring", "a2a")
+    single = _model_under_cp(0, 1, tokens, ["allgather"])
+    results = run_distributed(_model_under_cp, cp, tokens, comms, timeout=300)
+    args = tiny_args()
+    b, s, kv, d = tokens.shape[0], tokens.shape[1] - 1, args.num_kv_heads, args.head_dim
+    for comm in comms:
+        for masked in (False, True):
+            reference = single["allgather", masked]
+            together = torch.zeros_like(reference["losses"])
+            for r in results:
+                together[:, r["positions"]] = r[comm, masked]["losses"]
+            torch.testing.assert_close(together, reference["losses"], rtol=1e-5, atol=1e-6)
+            for name, grad in reference["grads"].items():
+                torch.testing.assert_close(results[0][comm, masked]["grads"][name], grad, rtol=1e-5, atol=1e-6,
+                                           msg=f"{comm} {masked} {name}")
+            sent = results[0][comm, masked]["sent"]
+            if comm == "ring":
+                block = 2 * b * (s // cp) * kv * d * 4  # K and V of one rank's tokens, fp32
+                assert sent["cp.send"] == args.num_layers * ((cp - 1) * block + (cp - 1) * block + cp * block)
+                assert "cp.all_gather" not in sent and "cp.all_to_all" not in sent
+            else:  # one all-to-all of q, k, v and one of the output, each way
+                assert "cp.all_gather" not in sent and "cp.send" not in sent
+                qkv, o = b * (s // cp) * (args.num_heads + 2 * kv) * d * 4, b * (s // cp) * args.num_heads * d * 4
+                assert sent["cp.all_to_all"] == args.num_layers * 2 * (qkv + o)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.cp_comm", "a2a", "--model.num_kv_heads", "2", "--parallel.cp", "4"],
+     r"parallel.cp_comm=a2a splits the heads over tp × cp = 1 × 4 = 4, which must divide model.num_kv_heads=2"),
+    (["--parallel.cp_comm", "ring", "--parallel.cp", "2", "--model.attention_dropout", "0.1"],
+     r"parallel.cp_comm=ring has no attention dropout"),
+    (["--parallel.cp_comm", "gather"], r"parallel.cp_comm='gather' is not one of: allgather, ring, a2a"),
+])
+def test_cp_comm_that_cannot_work_is_a_one_line_error(flags, message):
+    cfg = load_config(None, ["--model.vocab_size", "300", "--model.num_heads", "8", "--train.global_batch_size", "16",
+                             *flags])
+    with pytest.raises(ConfigError, match=message) as info:
+        resolve(cfg, 4)
+    assert "\n" not in str(info.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # The trainer under cp layouts against one process
 
@@ -166,7 +244,13 @@ LAYOUTS = {
     "tp2_cp2_sp": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *CP2], ()),
     "cp2_pp2": (4, ["--parallel.pp", "2", *CP2], ()),
     "cp2_dp2_zero1": (4, ["--parallel.zero", "1", *CP2], ()),
+    # the other two ways to reach the other rank's keys (parallel.cp_comm)
+    "cp2_ring_documents": (2, [*CP2, "--parallel.cp_comm", "ring"], tuple(DOCS)),
+    "cp2_a2a_selective_recompute": (2, [*CP2, "--parallel.cp_comm", "a2a", "--parallel.recompute", "selective"], ()),
+    "tp2_cp2_sp_ring": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *CP2,
+                            "--parallel.cp_comm", "ring"], ()),
 }
+SLOW_CP = {"tp2_cp2_sp_ring"}
 
 
 def _train_seeded(rank, world, run_dir, corpus, flags):
@@ -175,7 +259,7 @@ def _train_seeded(rank, world, run_dir, corpus, flags):
     return {**out, "default_seed": torch.initial_seed()}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CP else n for n in LAYOUTS])
 def test_cp_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
     world, layout, model_flags = LAYOUTS[name]
     reference = reference_for(model_flags, corpus, tmp_path_factory)

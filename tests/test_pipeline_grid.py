@@ -31,7 +31,8 @@ def _grid(rank, world, combos):
             model.post_process = ps.is_last_stage and v == vpp - 1
             chunks.append(model)
         p2p = P2P(ps.pp, (MBS, SEQ, args.hidden_size), torch.float32, torch.device("cpu"))
-        executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p, lambda last: torch.enable_grad())
+        executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p,
+                                    lambda last, split=None: torch.enable_grad())
         losses, outputs = [], []
 
         def forward(chunk, micro, hidden, chunks=chunks, losses=losses, outputs=outputs):

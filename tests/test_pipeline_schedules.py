@@ -12,10 +12,12 @@ from megapretrain.parallel.layout import chunk_layers
 from megapretrain.parallel.pipeline import (
     Op,
     Step,
+    bubble_theory,
     forward_only_order,
     input_transfer,
     output_transfer,
     peak_in_flight,
+    placement,
     resolve_schedule,
     schedule_order,
     simulate,
@@ -126,6 +128,40 @@ def _blocking_replay(plans):
     assert all(pos[r] == len(plans[r]) for r in range(len(plans))), f"p2p deadlock at steps {pos}"
 
 
+def _check_rounds(kind, pp, vpp, m, orders, v):
+    """The rounds of ``orders``: each op's input arrives before it, its output leaves after it
+    (or, V placement's turn on one stage, is handed over without a transfer), a round's sends
+    meet its receives one tensor each way, and they run to the end as NCCL would."""
+    plans = transfer_rounds(orders, pp, vpp, v)
+    rounds = {}
+    for r, steps in enumerate(plans):
+        assert [s.op for s in steps if s.op is not None] == orders[r]
+        have, last_round = set(), -1
+        done = set()
+        for s in steps:
+            assert s.round > last_round
+            last_round = s.round
+            have.update(s.recvs)
+            sends, recvs = rounds.setdefault(s.round, ([], []))
+            sends += s.sends
+            recvs += s.recvs
+            if s.op is not None:  # the input is here, and goes out after the op
+                src = input_transfer(s.op, r, pp, vpp, v)
+                local = src is not None and src.src == r
+                assert src is None or src in have or (local and src in done), (kind, pp, vpp, m, r, s)
+                out = output_transfer(s.op, r, pp, vpp, v)
+                if out is not None and out.dst == r:
+                    done.add(out)
+                else:
+                    assert out is None or any(out in x.sends for x in steps if x.round > s.round)
+    for sends, recvs in rounds.values():  # a round's sends meet its receives
+        assert sorted(map(repr, sends)) == sorted(map(repr, recvs))
+        pairs = [(x.src, x.dst) for x in sends]
+        assert len(pairs) == len(set(pairs))  # one tensor each way per round
+        assert all(x.src != x.dst for x in sends)
+    _blocking_replay(plans)
+
+
 def test_communication_rounds_pair_every_send_and_deliver_in_time():
     for pp in (1, 2, 3, 4, 5):
         for vpp in (1, 2, 3):
@@ -138,28 +174,76 @@ def test_communication_rounds_pair_every_send_and_deliver_in_time():
                         continue
                     for orders in ([schedule_order(kind, r, pp, vpp, m) for r in range(pp)],
                                    [forward_only_order(pp, vpp, m)] * pp):
-                        plans = transfer_rounds(orders, pp, vpp)
-                        rounds = {}
-                        for r, steps in enumerate(plans):
-                            assert [s.op for s in steps if s.op is not None] == orders[r]
-                            have, last_round = set(), -1
-                            for s in steps:
-                                assert s.round > last_round
-                                last_round = s.round
-                                have.update(s.recvs)
-                                sends, recvs = rounds.setdefault(s.round, ([], []))
-                                sends += s.sends
-                                recvs += s.recvs
-                                if s.op is not None:  # the input is here, and goes out after the op
-                                    src = input_transfer(s.op, r, pp, vpp)
-                                    assert src is None or src in have, (kind, pp, vpp, m, r, s)
-                                    out = output_transfer(s.op, r, pp, vpp)
-                                    assert out is None or any(out in x.sends for x in steps if x.round > s.round)
-                        for sends, recvs in rounds.values():  # a round's sends meet its receives
-                            assert sorted(map(repr, sends)) == sorted(map(repr, recvs))
-                            pairs = [(x.src, x.dst) for x in sends]
-                            assert len(pairs) == len(set(pairs))  # one tensor each way per round
-                        _blocking_replay(plans)
+                        _check_rounds(kind, pp, vpp, m, orders, False)
+
+
+@pytest.mark.parametrize("kind, vpp", [("zb_h1", 1), ("zbv", 2), ("1f1b", 1)])
+def test_every_op_of_the_zero_bubble_schedules_runs_without_deadlock(kind, vpp):
+    """pp 2-8 and 1-16 micro-batches: every F, B and W of every micro-batch and chunk exactly once,
+    a W after its B, the replay and the rounds (as NCCL would run them) never stuck."""
+    for pp in range(2, 9):
+        for m in range(1, 17):
+            assert resolve_schedule(kind, pp, vpp, m) == kind
+            orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
+            v = placement(kind, pp, vpp).v_shape
+            kinds = "FBW" if kind != "1f1b" else "FB"
+            for order in orders:
+                assert sorted(order, key=repr) == sorted(
+                    [Op(k, i, c) for k in kinds for i in range(m) for c in range(vpp)], key=repr)
+                position = {op: i for i, op in enumerate(order)}
+                assert all(position[Op("W", i, c)] > position[Op("B", i, c)] for i in range(m) for c in range(vpp)
+                           if kind != "1f1b")
+            simulate(orders, pp, vpp, 1.0, 2.0, 1.0, v_shape=v)  # raises on deadlock
+            _check_rounds(kind, pp, vpp, m, orders, v)
+            _check_rounds(kind, pp, vpp, m, [forward_only_order(pp, vpp, m, v)] * pp, v)
+
+
+def test_zb_h1_matches_the_published_order():
+    # Qi et al. 2024 (zero bubble), ZB-H1 with 4 stages and 8 micro-batches: 1F1B's F and B, each W
+    # deferred by the stage's index, the last stage's last three W filling its cooldown
+    def text_w(order):
+        return " ".join(f"{op.kind}{op.micro}" for op in order)
+    assert text_w(schedule_order("zb_h1", 0, 4, 1, 8)) == \
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert text_w(schedule_order("zb_h1", 3, 4, 1, 8)) == \
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb_h1", "zbv"])
+def test_measured_bubble_equals_theory(kind):
+    """The replay of the real orders idles each stage exactly as long as the schedule's formula
+    says, for pp 2-8 and 1-16 micro-batches (interleaved: multiples of pp; chunk costs: a
+    forward, an input gradient and a weight gradient each 1, ZB-H1 also at 1 : 1.5 : 0.5)."""
+    vpp = {"interleaved": 2, "zbv": 2}.get(kind, 1)
+    costs = [(1.0, 2.0, 1.0)] + ([(1.0, 2.0, 0.5)] if kind == "zb_h1" else [])
+    for pp in range(2, 9):
+        for m in range(1, 17):
+            if kind == "interleaved" and m % pp:
+                continue
+            orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
+            for f, b, w in costs:
+                sim = simulate(orders, pp, vpp, f, b, w, v_shape=placement(kind, pp, vpp).v_shape)
+                busy = m * vpp * (f + b)  # every stage runs every chunk's forward and whole backward
+                assert sim["makespan"] - busy == pytest.approx(bubble_theory(kind, pp, vpp, m, f, b, w)), (pp, m)
+                for idle in sim["idle_fraction"]:
+                    assert idle * sim["makespan"] == pytest.approx(sim["makespan"] - busy)
+
+
+def test_zero_bubble_schedules_cut_the_bubble_at_1f1b_memory():
+    """At pp 4, 16 micro-batches and equal forward, input- and weight-gradient times: ZB-H1 idles a
+    third of 1F1B, ZB-V a sixth; no stage of either holds more micro-batches' activations than
+    1F1B's first stage (pp of them; ZB-V's chunks are half a stage each)."""
+    pp, m = 4, 16
+    one = simulate([schedule_order("1f1b", r, pp, 1, m) for r in range(pp)], pp, 1, 1.0, 2.0)
+    h1_orders = [schedule_order("zb_h1", r, pp, 1, m) for r in range(pp)]
+    h1 = simulate(h1_orders, pp, 1, 1.0, 2.0, 1.0)
+    v_orders = [schedule_order("zbv", r, pp, 2, m) for r in range(pp)]
+    v = simulate(v_orders, pp, 2, 0.5, 1.0, 0.5, v_shape=True)  # a chunk is half a stage
+    busy = 3 * m
+    assert h1["makespan"] - busy == pytest.approx((one["makespan"] - busy) / 3)
+    assert v["makespan"] - busy == pytest.approx((one["makespan"] - busy) / 6)
+    assert max(peak_in_flight(o) for o in h1_orders) == pp
+    assert max(peak_in_flight(o) for o in v_orders) == 2 * pp
 
 
 def test_blocking_replay_catches_sends_posted_before_receives():
@@ -186,6 +270,9 @@ def test_a_bad_order_is_caught_as_deadlock():
     ("interleaved", 1, 2, 4, "needs parallel.pp > 1"),
     ("interleaved", 1, 1, 4, "interleaved needs parallel.pp > 1"),
     ("none", 2, 1, 4, "runs one stage"),
+    ("zbv", 4, 1, 8, "zbv runs two chunks per stage in a V: it needs parallel.vpp=2"),
+    ("zb_h1", 4, 2, 8, "needs parallel.pp_schedule=interleaved"),
+    ("zb_h1", 1, 1, 8, "zb_h1 needs parallel.pp > 1"),
     ("zigzag", 2, 1, 4, "is not one of"),
 ])
 def test_invalid_combinations_fail_with_one_line(kind, pp, vpp, m, message):
@@ -228,3 +315,19 @@ def test_schedule_tool_reads_a_config_at_its_gpu_count(capsys):
     assert "must divide the world size 1000" in capsys.readouterr().err
     assert tool.main(["--pp", "4", "--vpp", "2", "--micro-batches", "6"]) == 2
     assert "multiple of parallel.pp=4" in capsys.readouterr().err
+
+
+def test_schedule_tool_draws_the_zero_bubble_schedules_with_their_weight_ops(capsys):
+    from megapretrain.commands import pipeline_schedule as tool
+    assert tool.main(["--pp", "4", "--micro-batches", "8", "--schedule", "zb_h1", "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule zb_h1" in out and "efficiency 88.9%" in out  # 24 / 27: a third of 1F1B's bubble
+    assert "theory: idle 3 forward-units per stage (11.1% of the step)" in out
+    rows = [line for line in out.splitlines() if line.startswith("stage ") and "|" in line]
+    cells = rows[3].split("| ")[1].split()
+    assert cells[:6] == ["..", "..", "..", "F0", "b0", "F1"] and cells[-4:] == ["w4", "w5", "w6", "w7"]
+    assert tool.main(["--pp", "4", "--vpp", "2", "--micro-batches", "8", "--schedule", "zbv"]) == 0
+    out = capsys.readouterr().out
+    assert "efficiency 94.1%" in out and "theory: idle 1.5 forward-units" in out
+    assert tool.main(["--pp", "4", "--micro-batches", "8", "--schedule", "zbv"]) == 2
+    assert "needs parallel.vpp=2" in capsys.readouterr().err

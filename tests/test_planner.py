@@ -3,6 +3,7 @@ tools/plan.py on the shipped configs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -108,6 +109,31 @@ def test_estimates_move_the_way_the_layout_says():
     assert estimate(m, seq, Layout(tp=1, pp=1, dp=1, zero=0), 512, h100).time["compute"] == pytest.approx(
         one_gpu_time, rel=0.03)
     assert 0 < base.mfu < h100.efficiency
+
+
+def test_the_zero_bubble_schedules_are_modelled_and_ranked():
+    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2), ZB-H1 at
+    1F1B's peak of activations, ZB-V below interleaved's, and the search weighs them against 1F1B
+    and interleaved layouts: every layout it returns is one the trainer accepts."""
+    m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
+    at = {kind: estimate(m, seq, Layout(tp=2, pp=8, dp=4, vpp=vpp, zero=1, pp_schedule=kind), 128, h100)
+          for kind, vpp in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2), ("zbv", 2))}
+    bubble = {kind: e.time["bubble"] for kind, e in at.items()}
+    assert bubble["zbv"] < bubble["interleaved"] < bubble["1f1b"] and bubble["zb_h1"] < bubble["1f1b"]
+    assert at["zb_h1"].time["total"] < at["1f1b"].time["total"]
+    acts = {kind: e.memory["activations"] for kind, e in at.items()}
+    assert acts["zb_h1"] == acts["1f1b"] < acts["interleaved"] and acts["zbv"] < acts["interleaved"]
+    assert at["zb_h1"].time["compute"] == pytest.approx(at["1f1b"].time["compute"])  # the same work, reordered
+    found = search(m, seq, 64, 128, h100)
+    kinds = {e.layout.pp_schedule for e in found}
+    assert {"1f1b", "zb_h1", "interleaved", "zbv"} <= kinds
+    piped = [e for e in found if e.fits and e.layout.pp > 1]
+    for e in piped[:3] + [e for e in piped if e.layout.pp_schedule == "zbv"][:2]:
+        cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"),
+                          [*shlex.split(e.layout.flags()), "--train.global_batch_size", "128",
+                           "--train.rampup_batch_size", "null"])
+        sizes = resolve(cfg, 64).sizes
+        assert sizes.schedule == e.layout.pp_schedule and sizes.pp == e.layout.pp
 
 
 def test_every_layout_found_for_a_config_is_one_the_trainer_accepts():
@@ -455,3 +481,19 @@ def test_deepspeed_reads_fp16_and_a_constant_schedule_and_a_wsd_one_is_refused(t
     assert plan_tool.main(common + ["--schedule.decay", "wsd", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no DeepSpeed scheduler" in err
+
+
+def test_tp_comm_overlap_is_modelled_and_ranked():
+    """Overlapping the sequence-parallel collectives with their GEMMs leaves less tensor-parallel
+    time exposed (never more), the same compute; the search weighs layouts with it."""
+    m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
+    for tp, mb in ((2, 1), (8, 1), (8, 4)):
+        base = Layout(tp=tp, pp=1, dp=64 // tp, micro_batch=mb, zero=1)
+        on = dataclasses.replace(base, tp_comm_overlap=True)
+        sync, overlap = (estimate(m, seq, L, 128, h100) for L in (base, on))
+        assert overlap.time["tensor"] < sync.time["tensor"]
+        assert overlap.time["compute"] == pytest.approx(sync.time["compute"])
+        assert overlap.time["total"] < sync.time["total"]
+    found = search(m, seq, 64, 128, h100)
+    assert any(e.layout.tp_comm_overlap for e in found if e.layout.tp > 1)
+    assert not any(e.layout.tp_comm_overlap for e in found if e.layout.tp == 1)

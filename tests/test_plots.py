@@ -224,3 +224,23 @@ def test_plot_schedule_bad_input_is_one_line(tmp_path, capsys):
     assert "optim.min_lr=1.0 must be between 0 and optim.lr" in capsys.readouterr().err
     assert plot_schedule.main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_plot_schedule_draws_pipeline_schedules_side_by_side(tmp_path, capsys):
+    """--pipeline: one panel per schedule on one time axis, each one's idle share printed (at pp 4, 8
+    micro-batches and a backward of 2 with a weight gradient of 1: 1F1B 9/33, ZB-H1 3/27, ZB-V
+    1.5/25.5 — the formulas of parallel/pipeline.py's bubble_theory)."""
+    out = tmp_path / "pipeline.png"
+    assert plot_schedule.main(["--pipeline", "--pp", "4", "--micro-batches", "8", "--output", str(out)]) == 0
+    assert_png(out)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["        1f1b: step 33 forward-units, idle 27.3% of it on every stage",
+                         "       zb_h1: step 27 forward-units, idle 11.1% of it on every stage",
+                         "         zbv: step 25.5 forward-units, idle 5.9% of it on every stage"]
+    with pytest.raises(SystemExit):
+        plot_schedule.main(["--pipeline", "--pp", "4", "--micro-batches", "8", "--schedules", "zbv",
+                            "--output", str(out), "--weight-cost", "2"])
+    assert "--weight-cost=2 must be less than --backward-cost=2" in capsys.readouterr().err
+    assert plot_schedule.main(["--pipeline", "--pp", "1", "--micro-batches", "8", "--schedules", "zb_h1",
+                               "--output", str(out)]) == 2
+    assert "zb_h1 needs parallel.pp > 1" in capsys.readouterr().err

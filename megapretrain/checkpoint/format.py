@@ -47,6 +47,8 @@ FORMAT_VERSION = 2
 METADATA = "metadata.json"
 STATE_KEY = "megapretrain.state"
 _LAYOUT_KEYS = ("tp", "pp", "dp")  # required; "cp" is written too, and read as 1 where absent (older ones)
+# where a pipeline stage's layers sit, recorded only when not one even chunk per stage (Layout.meta)
+_PLACEMENT_KEYS = ("vpp", "placement", "pipeline_layers")
 _TENSOR = "__tensor__"
 
 
@@ -333,13 +335,15 @@ def read_rank_state(directory: str, rank: int, version: int | None = None) -> di
 
 def metadata(*, iteration: int, world_size: int, layout: dict, vocab_size: int | None, padded_vocab: int,
              files: dict | None = None, tensors: dict | None = None, **extra) -> dict:
-    """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp[, cp]}) at ``world_size``;
+    """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp[, cp, vpp, placement,
+    pipeline_layers]}: ``Layout.meta``) at ``world_size``;
     ``files`` maps each rank file's name to ``{"bytes", "crc32"}``, ``tensors`` each parameter's
     global name to its global shape (vocabulary unpadded); ``extra`` adds facts (where it was
     converted or resharded from, the time)."""
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": int(iteration),
             "world_size": int(world_size),
-            "layout": {**{k: int(layout[k]) for k in _LAYOUT_KEYS}, "cp": int(layout.get("cp", 1))},
+            "layout": {**{k: int(layout[k]) for k in _LAYOUT_KEYS}, "cp": int(layout.get("cp", 1)),
+                       **{k: layout[k] for k in _PLACEMENT_KEYS if k in layout}},
             "vocab_size": vocab_size, "padded_vocab": int(padded_vocab)}
     if files is not None:
         meta["files"] = {k: {"bytes": int(v[0]), "crc32": int(v[1])} if isinstance(v, tuple) else v

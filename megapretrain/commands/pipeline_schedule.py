@@ -3,12 +3,16 @@ of micro-batches whose activations it holds, the point-to-point traffic, and a t
 
     python tools/pipeline_schedule.py --pp 4 --micro-batches 8 --timeline
     python tools/pipeline_schedule.py --pp 4 --vpp 2 --micro-batches 8 --timeline
+    python tools/pipeline_schedule.py --pp 4 --micro-batches 8 --schedule zb_h1 --timeline
+    python tools/pipeline_schedule.py --pp 4 --vpp 2 --micro-batches 8 --schedule zbv --timeline
     python tools/pipeline_schedule.py --config configs/llama3_405b.yaml            # at its GPU count
     python tools/pipeline_schedule.py --config configs/llama3_70b.yaml --world-size 1024 --parallel.vpp 2
 
 The orders are the ones the trainer runs (``megapretrain.parallel.pipeline``), replayed with a
 forward costing 1 and a backward costing ``--backward-cost`` (about 2; about 3 with full
-recompute), each op starting once its stage is free and its input exists. With ``--config`` the
+recompute), each op starting once its stage is free and its input exists. The zero-bubble
+schedules (zb_h1, zbv) run the ``--weight-cost`` part of each backward (about half of it) as a
+separate W op, where the bubble was. With ``--config`` the
 stages, chunks and micro-batches per step come from the config at ``--world-size`` GPUs (default:
 the count its first line names), and any ``--section.key VALUE`` overrides it; the title then shows
 where the stages sit in the 4D rank grid, and a transfer's size is a stage's share of each sample
@@ -25,7 +29,10 @@ from megapretrain.cli import positive_float, positive_int, print_error, user_err
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError
 from megapretrain.parallel.pipeline import (
+    bubble_theory,
+    op_costs,
     peak_in_flight,
+    placement,
     replay,
     resolve_schedule,
     schedule_order,
@@ -47,8 +54,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--pp", type=positive_int, help="pipeline stages (without --config)")
     ap.add_argument("--vpp", type=positive_int, default=1, help="virtual chunks per stage (without --config)")
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step and dp rank (without --config)")
-    ap.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b or interleaved (without --config)")
+    ap.add_argument("--schedule", default="auto",
+                    help="auto, gpipe, 1f1b, interleaved, zb_h1 or zbv (without --config)")
     ap.add_argument("--backward-cost", type=positive_float, default=2.0, help="a backward's cost, a forward's being 1")
+    ap.add_argument("--weight-cost", type=positive_float, default=None,
+                    help="the weight-gradient part of the backward, run as W by zb_h1 and zbv (default: half)")
     ap.add_argument("--timeline", action="store_true", help="draw each stage's ops over time")
     args, rest = ap.parse_known_args(argv)
     if args.config is None and rest:
@@ -57,6 +67,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error("give --config, or --pp and --micro-batches")
     if args.backward_cost <= 0:
         ap.error(f"--backward-cost={args.backward_cost} must be positive")
+    if args.weight_cost is None:
+        args.weight_cost = args.backward_cost / 2
+    if args.weight_cost >= args.backward_cost:
+        ap.error(f"--weight-cost={args.weight_cost:g} must be less than --backward-cost={args.backward_cost:g} "
+                 "(it is a part of the backward)")
     return args, rest
 
 
@@ -84,22 +99,40 @@ def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict
             "grid": grid}
 
 
-def timeline(orders: list, pp: int, vpp: int, b_cost: float) -> list[str]:
-    """One text row per stage; a column is one forward's time, ``F3`` / ``b3`` mark forward and
-    backward of micro-batch 3 (``F3.1``: its chunk 1 when vpp > 1), ``.`` an idle column."""
-    starts = replay(orders, pp, vpp, 1.0, b_cost)
-    end = max(s + (1.0 if op.kind == "F" else b_cost) for r in range(pp) for s, op in zip(starts[r], orders[r]))
-    label = (lambda op: f"{'F' if op.kind == 'F' else 'b'}{op.micro}" + (f".{op.chunk}" if vpp > 1 else ""))
+def spans(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float, v_shape: bool,
+          f_cost: float = 1.0) -> list[list[tuple]]:
+    """Each stage's ops as (start, end, op), replayed at these costs of one chunk (what the
+    timeline and tools/plot_schedule.py's picture draw)."""
+    starts = replay(orders, pp, vpp, f_cost, b_cost, w_cost, v_shape)
+    cost = op_costs(orders, f_cost, b_cost, w_cost)
+    return [[(s, s + cost[op.kind], op) for s, op in zip(starts[r], orders[r])] for r in range(pp)]
+
+
+def timeline(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float = 0.0, v_shape: bool = False) -> list[str]:
+    """One text row per stage; a column is one chunk's forward time, ``F3`` / ``b3`` / ``w3`` mark
+    forward, backward and weight gradient of micro-batch 3 (``F3.1``: its chunk 1 when vpp > 1),
+    ``.`` an idle column (costs rounded to whole columns)."""
+    stages = spans(orders, pp, vpp, b_cost, w_cost, v_shape)
+    end = max(e for stage in stages for _, e, _ in stage)
+    label = (lambda op: f"{ {'F': 'F', 'B': 'b', 'W': 'w'}[op.kind]}{op.micro}" + (f".{op.chunk}" if vpp > 1 else ""))
     width = max(len(label(op)) for order in orders for op in order) + 1
     rows = []
-    for r in range(pp):
+    for r, stage in enumerate(stages):
         cells = ["." * (width - 1)] * int(round(end))
-        for s, op in zip(starts[r], orders[r]):
-            cost = 1.0 if op.kind == "F" else b_cost
-            for c in range(int(round(s)), int(round(s + cost))):
+        for s, e, op in stage:
+            for c in range(int(round(s)), int(round(e))):
                 cells[c] = label(op).ljust(width - 1)
         rows.append(f"stage {r:<3}| " + " ".join(cells))
     return rows
+
+
+def theory_line(kind: str, pp: int, vpp: int, m: int, b_cost: float, w_cost: float, busy: float) -> str:
+    """The schedule's bubble formula at these costs, where it has one (parallel/pipeline.py)."""
+    try:
+        idle = bubble_theory(kind, pp, vpp, m, 1.0 / vpp, b_cost / vpp, w_cost / vpp)
+    except ValueError as why:
+        return f"theory: {why}"
+    return f"theory: idle {idle:g} forward-units per stage ({idle / (busy + idle):.1%} of the step)"
 
 
 @user_errors
@@ -120,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         print_error(err)
         return 2
     orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
-    sim = simulate(orders, pp, vpp, 1.0, args.backward_cost)
-    plans = transfer_rounds(orders, pp, vpp)
-    ideal = m * vpp * (1.0 + args.backward_cost)  # one stage's busy time
+    v = placement(kind, pp, vpp).v_shape
+    b_cost, w_cost = args.backward_cost, args.weight_cost
+    # costs of one chunk: a chunk holds 1/vpp of a stage's layers, so that a step's busy time is
+    # the same under every schedule
+    sim = simulate(orders, pp, vpp, 1.0 / vpp, b_cost / vpp, w_cost / vpp, v_shape=v)
+    plans = transfer_rounds(orders, pp, vpp, v)
+    ideal = m * (1.0 + b_cost)  # one stage's busy time
+    split = any(op.kind == "W" for op in orders[0])
     print(f"{setup['title']} | schedule {kind} | {m} micro-batches per step | backward = "
-          f"{args.backward_cost:g} × forward")
+          f"{b_cost:g} × forward" + (f", its weight gradient {w_cost:g} of it run as W ops" if split else ""))
     if setup["grid"]:
         print(setup["grid"])
     print(f"{'stage':>5} {'ops':>6} {'idle':>7} {'peak in-flight':>15} {'sends':>6} {'receives':>9}")
@@ -136,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time {sim['makespan']:g} forward-units; without a bubble {ideal:g} "
           f"(efficiency {ideal / sim['makespan']:.1%}); 1F1B's bubble (pp-1)/(m+pp-1) = "
           f"{(pp - 1) / (m + pp - 1):.1%}")
-    print("peak in-flight: micro-batches whose forward ran and backward has not on one chunk (activation memory)"
+    print(theory_line(kind, pp, vpp, m, b_cost, w_cost, ideal))
+    print("peak in-flight: micro-batches whose forward ran and " + ("W" if split else "backward")
+          + " has not on one chunk (activation memory)"
           + (f"; a chunk holds 1/{vpp} of the stage's layers" if vpp > 1 else ""))
     if setup["message_bytes"] is not None and pp > 1:
         most = max(sum(len(s.sends) for s in steps) for steps in plans)
@@ -144,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{most * setup['message_bytes'] / 2**30:.2f} GiB sent per stage and step")
     if args.timeline:
         print()
-        print("\n".join(timeline(orders, pp, vpp, args.backward_cost)))
+        print("\n".join(timeline(orders, pp, vpp, b_cost, w_cost, v)))
     return 0
 
 

@@ -128,7 +128,8 @@ def report(s: dict, checked: bool) -> str:
         f"\n{'layout' if checked else 'plan'}: {s['gpus']:,} × {s['device']} "
         f"({s['nodes']} node{'s' * (s['nodes'] > 1)}), "
         f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}, "
-        f"micro-batch {L['micro_batch_size']}, "
+        + (f"cp_comm {L['cp_comm']}: {s['cp_traffic_mib_per_step']:,.0f} MiB/step over cp, " if L['cp'] > 1 else "")
+        + f"micro-batch {L['micro_batch_size']}, "
         f"zero {L['zero']}, recompute {L['recompute']})",
         f"{'layout' if checked else 'fastest'}: {L['flags']}",
         f"  memory/GPU  {mem['total']:.1f} of {mem['capacity']:.1f} usable GB{'' if s['fits'] else ' (DOES NOT FIT)'}: "

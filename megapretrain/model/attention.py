@@ -61,13 +61,34 @@ class DocumentMask:
     of them without context parallelism); keys are all of a sample's positions in global order."""
     q_doc: torch.Tensor  # (b, s_q) int32: each query's document (EODs before it in its sample)
     k_doc: torch.Tensor  # (b, s_k) int32: each key's document
-    q_pos: torch.Tensor  # (s_q,) int64: each query's global position (a key's is its index)
+    q_pos: torch.Tensor  # (s_q,) int64: each query's global position
+    # (s_k,) int64: each key's global position; None: keys in global order (a key's is its index).
+    # Ring attention's blocks hold another cp rank's keys (model/context_attention.py)
+    k_pos: torch.Tensor | None = None
     _prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def key_positions(self) -> torch.Tensor:
+        """(s_k,) int64: each key's global position."""
+        if self.k_pos is not None:
+            return self.k_pos
+        return torch.arange(self.k_doc.shape[1], device=self.k_doc.device)
 
     def dense(self) -> torch.Tensor:
         """(b, 1, s_q, s_k) bool: the mask itself (sdpa's input, and the tests' reference)."""
-        keys = torch.arange(self.k_doc.shape[1], device=self.k_doc.device)
-        return causal_mask(self.q_pos, keys, self.q_doc, self.k_doc)
+        return causal_mask(self.q_pos, self.key_positions(), self.q_doc, self.k_doc)
+
+    def whole(self) -> DocumentMask:
+        """The mask of every query of the sample, keys in global order (all-to-all context
+        parallelism: each rank attends over the whole sequence for its share of the heads);
+        made once."""
+        return self.cached("whole", lambda: DocumentMask(self.k_doc, self.k_doc, self.key_positions()))
+
+    def cached(self, key, build):
+        """``build()``, made once per micro-batch for ``key`` and kept (one kind per model: the
+        latest only); every layer and every recomputation of the micro-batch shares it."""
+        if key not in self._prepared:
+            self._prepared = {key: build()}
+        return self._prepared[key]
 
     def blocks(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, s_q/rows, s_k/cols) bool each, blocks of ``rows`` queries × ``cols`` keys: those with
@@ -77,8 +98,7 @@ class DocumentMask:
         q_lo, q_hi = _bounds(self.q_pos, rows)  # (nq,)
         qd_lo, qd_hi = _bounds(self.q_doc, rows)  # (b, nq)
         kd_lo, kd_hi = _bounds(self.k_doc, cols)  # (b, nk)
-        k_first = torch.arange(0, self.k_doc.shape[1], cols, device=self.q_pos.device)  # (nk,)
-        k_last = (k_first + cols - 1).clamp(max=self.k_doc.shape[1] - 1)
+        k_first, k_last = _bounds(self.key_positions(), cols)  # (nk,): each block's lowest and highest position
         overlap = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (qd_lo[:, :, None] <= kd_hi[:, None, :])  # (b, nq, nk)
         some = overlap & (k_first[None, :] <= q_hi[:, None])
         one_doc = (qd_lo == qd_hi)[:, :, None] & (kd_lo == kd_hi)[:, None, :] & (qd_lo[:, :, None] == kd_lo[:, None, :])
@@ -87,22 +107,19 @@ class DocumentMask:
     def prepare(self, kind: str, tile: int = TILE):
         """What the ``kind`` kernel reads (see the module docstring), built once per micro-batch and
         kind: every layer, every chunk of the stage and every recomputation gets the same object."""
-        key = (kind, tile)
-        if key not in self._prepared:
-            builders = {"sdpa": lambda: DenseMask(self.dense()), "flex": lambda: FlexMask(self._block_mask()),
-                        "blockwise": lambda: TileMask(self._tile_plan(tile))}
-            if kind not in builders:
-                raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION}")
-            self._prepared = {key: builders[kind]()}  # one kind per model: keep the latest only
-        return self._prepared[key]
+        builders = {"sdpa": lambda: DenseMask(self.dense()), "flex": lambda: FlexMask(self._block_mask()),
+                    "blockwise": lambda: TileMask(self.tile_plan(tile))}
+        if kind not in builders:
+            raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION}")
+        return self.cached((kind, tile), builders[kind])
 
     def _allowed(self, rows: slice, cols: slice) -> torch.Tensor:
         """(b, rows, cols) bool: the mask on one block, from the O(s) data."""
-        keys = torch.arange(cols.start, cols.stop, device=self.q_pos.device)
+        keys = self.key_positions()[cols]
         causal = keys[None, :] <= self.q_pos[rows, None]  # (rows, cols)
         return causal[None] & (self.q_doc[:, rows, None] == self.k_doc[:, None, cols])
 
-    def _tile_plan(self, tile: int) -> TilePlan:
+    def tile_plan(self, tile: int = TILE) -> TilePlan:
         """Blockwise's plan: per query tile, the key tiles some sample needs, a tile mask unless every
         sample's pairs are all allowed (the samples of a micro-batch share one plan)."""
         some, full = self.blocks(tile, tile)  # (b, nq, nk)
@@ -125,10 +142,11 @@ class DocumentMask:
 
         some, full = self.blocks(FLEX_BLOCK, FLEX_BLOCK)  # (b, nq, nk)
         partial = some & ~full
-        q_doc, k_doc, q_pos = self.q_doc, self.k_doc, self.q_pos
+        q_doc, k_doc, q_pos, k_pos = self.q_doc, self.k_doc, self.q_pos, self.k_pos
 
-        def mask_mod(b, h, q_idx, kv_idx):  # keys in global order: a key's index is its position
-            return (q_doc[b, q_idx] == k_doc[b, kv_idx]) & (kv_idx <= q_pos[q_idx])
+        def mask_mod(b, h, q_idx, kv_idx):  # keys in global order unless k_pos says otherwise
+            position = kv_idx if k_pos is None else k_pos[kv_idx]
+            return (q_doc[b, q_idx] == k_doc[b, kv_idx]) & (position <= q_pos[q_idx])
 
         def indexed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts (b, 1, nq), indices first
             order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)  # (b, nq, nk): listed ones first
@@ -281,12 +299,20 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
             f"train.seq_length={cfg.train.seq_length}; {fix}"]
 
 
-def describe_attention(kind: str, documents: bool, context_parallel: bool) -> str:
+def describe_attention(kind: str, documents: bool, context_parallel: bool, cp_comm: str = "allgather") -> str:
     """The start-up line saying which kernel attention runs."""
+    if context_parallel and cp_comm == "ring":
+        return ("attention: ring over the cp ranks (parallel.cp_comm=ring: K/V blocks passed on under each block's "
+                "attention, blockwise tiles merged by log-sum-exp" + (", document-masked" if documents else "") + ")")
+    if context_parallel and cp_comm == "a2a":
+        context_parallel = False  # whole sequences after the all-to-all
+        prefix = "attention: all-to-all over the cp ranks (parallel.cp_comm=a2a), then "
+    else:
+        prefix = "attention: "
     causal = "SDPA causal" + (" (lower-right chunks under cp)" if context_parallel else "")
     if not documents:
-        return f"attention: {causal}"
+        return f"{prefix}{causal}"
     how = {"flex": "FlexAttention, compiled; a block mask per micro-batch from the document ids",
            "blockwise": "tiles with an online softmax; a tile plan per micro-batch from the document ids",
            "sdpa": "SDPA with a dense (b, 1, s, s) mask per micro-batch"}[kind]
-    return f"attention: model.attention={kind} under document masking ({how})"
+    return f"{prefix}model.attention={kind} under document masking ({how})"

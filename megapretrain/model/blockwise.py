@@ -61,34 +61,87 @@ def _scores(qt: torch.Tensor, k: torch.Tensor, k0: int, k1: int, blocked, scale:
     return s
 
 
+def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ / √d, masked by ``plan``) v of (b, n, s_q, d) queries against (b, k, s_k, d) keys
+    and values, tile by tile: the output (b, n, s_q, d) and the log-sum-exp of each query's
+    scores (b, n, s_q), both fp32. A query none of whose keys is allowed gets 0 and -inf: the
+    neutral element of :func:`merge_partial`, which combines attention over several key blocks."""
+    b, n, s_q, d = q.shape
+    heads, g, scale = k.shape[1], n // k.shape[1], 1.0 / math.sqrt(d)
+    out = torch.zeros(b, heads, g, s_q, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, heads, g, s_q), -math.inf, dtype=torch.float32, device=q.device)
+    for q0, q1, keys in plan.rows:
+        if not keys:
+            continue
+        qt = _grouped(q, heads, slice(q0, q1))  # (b, k, g·t, d)
+        run_max = torch.full((*qt.shape[:3], 1), -math.inf, device=q.device)  # (b, k, g·t, 1)
+        run_sum = torch.zeros_like(run_max)
+        acc = torch.zeros_like(qt)  # (b, k, g·t, d)
+        for k0, k1, blocked in keys:
+            s = _scores(qt, k, k0, k1, blocked, scale, g)  # (b, k, g·t, t_k)
+            new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
+            # a row none of whose keys so far is allowed keeps max -inf: subtract 0 there, not inf - inf
+            shift = new_max.masked_fill(new_max == -math.inf, 0.0)
+            p = s.sub_(shift).exp_()  # (b, k, g·t, t_k) unnormalized probabilities
+            rescale = (run_max - shift).exp_()
+            run_sum = run_sum.mul_(rescale).add_(p.sum(-1, keepdim=True))
+            acc = acc.mul_(rescale).add_(torch.matmul(p, v[:, :, k0:k1].float()))
+            run_max = new_max
+        t = q1 - q0
+        out[:, :, :, q0:q1] = acc.div_(run_sum.clamp_min(torch.finfo(torch.float32).tiny)).view(b, heads, g, t, d)
+        lse[:, :, :, q0:q1] = run_max.add_(run_sum.log_()).view(b, heads, g, t)  # -inf where nothing is allowed
+    return out.view(b, n, s_q, d), lse.view(b, n, s_q)
+
+
+def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+                  delta: torch.Tensor, plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (fp32) of q (b, n, s_q, d), k and v (b, k, s_k, d) for the keys ``plan`` lists,
+    given ``grad_out`` (b, n, s_q, d) and the log-sum-exp ``lse`` (b, n, s_q) and ``delta`` =
+    rowsum(dO · O) (b, n, s_q, 1) of the *whole* attention the output came from: the key blocks
+    of a merged attention (:func:`merge_partial`) each give their share of the gradients this way
+    (FlashAttention-2's backward)."""
+    b, n, s_q, d = q.shape
+    heads, g, scale = k.shape[1], n // k.shape[1], 1.0 / math.sqrt(d)
+    lse = lse.view(b, n, s_q, 1)
+    grad_q = torch.zeros(b, heads, g, s_q, d, dtype=torch.float32, device=q.device)
+    grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # (b, k, s_k, d)
+    grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for q0, q1, keys in plan.rows:
+        if not keys:
+            continue
+        rows = slice(q0, q1)
+        qt, dot = _grouped(q, heads, rows), _grouped(grad_out, heads, rows)  # (b, k, g·t, d)
+        lse_t, delta_t = _grouped(lse, heads, rows), _grouped(delta, heads, rows)  # (b, k, g·t, 1)
+        dq = torch.zeros_like(qt)
+        for k0, k1, blocked in keys:
+            p = _scores(qt, k, k0, k1, blocked, scale, g).sub_(lse_t).exp_()  # (b, k, g·t, t_k) probabilities
+            grad_v[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)  # (b, k, t_k, d): summed over g·t
+            dp = torch.matmul(dot, v[:, :, k0:k1].float().transpose(-1, -2))  # (b, k, g·t, t_k)
+            ds = p.mul_(dp.sub_(delta_t)).mul_(scale)  # d loss / d scores
+            dq += torch.matmul(ds, k[:, :, k0:k1].float())
+            grad_k[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
+        grad_q[:, :, :, rows] = dq.view(b, heads, g, q1 - q0, d)
+    return grad_q.view(b, n, s_q, d), grad_k, grad_v
+
+
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold the attention ``part`` (b, n, s_q, d) over another block of keys, with its log-sum-exp
+    ``part_lse`` (b, n, s_q), into ``out`` and ``lse`` in place (fp32): the online softmax across
+    blocks. -inf log-sum-exps (no key allowed yet) weigh nothing."""
+    merged = torch.logaddexp(lse, part_lse)  # (b, n, s_q)
+    base = merged.masked_fill(merged == -math.inf, 0.0)
+    out.mul_((lse - base).exp_().unsqueeze(-1)).add_(part * (part_lse - base).exp_().unsqueeze(-1))
+    lse.copy_(merged)
+
+
 class BlockwiseAttention(torch.autograd.Function):
     """softmax(q kᵀ / √d, masked by ``plan``) v, tile by tile (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: TilePlan):
-        b, n, s_q, d = q.shape
-        heads, g, scale = k.shape[1], n // k.shape[1], 1.0 / math.sqrt(d)
-        out = torch.empty(b, heads, g, s_q, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, heads, g, s_q, dtype=torch.float32, device=q.device)
-        for q0, q1, keys in plan.rows:
-            qt = _grouped(q, heads, slice(q0, q1))  # (b, k, g·t, d)
-            run_max = torch.full((*qt.shape[:3], 1), -math.inf, device=q.device)  # (b, k, g·t, 1)
-            run_sum = torch.zeros_like(run_max)
-            acc = torch.zeros_like(qt)  # (b, k, g·t, d)
-            for k0, k1, blocked in keys:
-                s = _scores(qt, k, k0, k1, blocked, scale, g)  # (b, k, g·t, t_k)
-                new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
-                # a row none of whose keys so far is allowed keeps max -inf: subtract 0 there, not inf - inf
-                shift = new_max.masked_fill(new_max == -math.inf, 0.0)
-                p = s.sub_(shift).exp_()  # (b, k, g·t, t_k) unnormalized probabilities
-                rescale = (run_max - shift).exp_()
-                run_sum = run_sum.mul_(rescale).add_(p.sum(-1, keepdim=True))
-                acc = acc.mul_(rescale).add_(torch.matmul(p, v[:, :, k0:k1].float()))
-                run_max = new_max
-            t = q1 - q0
-            out[:, :, :, q0:q1] = acc.div_(run_sum).view(b, heads, g, t, d)
-            lse[:, :, :, q0:q1] = run_max.add_(run_sum.log_()).view(b, heads, g, t)
-        out = out.view(b, n, s_q, d).to(q.dtype)  # (b, n, s_q, d)
+        out, lse = tile_forward(q, k, v, plan)
+        out = out.to(q.dtype)  # (b, n, s_q, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -96,27 +149,9 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        b, n, s_q, d = q.shape
-        heads, g, scale = k.shape[1], n // k.shape[1], 1.0 / math.sqrt(d)
-        lse = lse.view(b, n, s_q, 1)
         delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # (b, n, s_q, 1): rowsum(dO · O)
-        grad_q = torch.empty(b, heads, g, s_q, d, dtype=torch.float32, device=q.device)
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # (b, k, s_k, d)
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for q0, q1, keys in ctx.plan.rows:
-            rows = slice(q0, q1)
-            qt, dot = _grouped(q, heads, rows), _grouped(grad_out, heads, rows)  # (b, k, g·t, d)
-            lse_t, delta_t = _grouped(lse, heads, rows), _grouped(delta, heads, rows)  # (b, k, g·t, 1)
-            dq = torch.zeros_like(qt)
-            for k0, k1, blocked in keys:
-                p = _scores(qt, k, k0, k1, blocked, scale, g).sub_(lse_t).exp_()  # (b, k, g·t, t_k) probabilities
-                grad_v[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)  # (b, k, t_k, d): summed over g·t
-                dp = torch.matmul(dot, v[:, :, k0:k1].float().transpose(-1, -2))  # (b, k, g·t, t_k)
-                ds = p.mul_(dp.sub_(delta_t)).mul_(scale)  # d loss / d scores
-                dq += torch.matmul(ds, k[:, :, k0:k1].float())
-                grad_k[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
-            grad_q[:, :, :, rows] = dq.view(b, heads, g, q1 - q0, d)
-        return grad_q.view(b, n, s_q, d).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+        grad_q, grad_k, grad_v = tile_backward(q, k, v, grad_out, lse, delta, ctx.plan)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TilePlan) -> torch.Tensor:

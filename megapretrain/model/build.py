@@ -20,9 +20,11 @@ from ..config import Config
 from ..errors import ConfigError
 from ..parallel.fp8 import WeightCasts
 from ..parallel.layout import Layout, chunk_layers
+from ..parallel.pipeline import V_SHAPED, Placement
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
+from ..parallel.tensor import overlap_tp_comm
 from .args import ModelArgs, model_args
 from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
@@ -38,13 +40,21 @@ def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
 
 
 def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
-    """The chunks of the rank at (``pp_rank``, tp), their FP8 linears turned on (``model.fp8``)."""
+    """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
+    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
+    turned on (``model.fp8``)."""
     args, p = model_args(cfg), cfg.parallel
-    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
-    chunks = [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
-                           post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
-                           sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
-              for v, layer_ids in enumerate(layer_chunks)]
+    place = Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED)
+    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers, place.v_shape)
+    head_on_stage = place.stage_of(place.chunks - 1) == pp_rank and place.stage_of(0) == pp_rank
+    chunks: list[ModelChunk] = []
+    for v, layer_ids in enumerate(layer_chunks):
+        g = place.global_chunk(pp_rank, v)
+        pre, post = g == 0, g == place.chunks - 1
+        shared = chunks[0].embed_tokens if post and not pre and head_on_stage and args.tie_embeddings else None
+        chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre, post_process=post,
+                                   sequence_parallel=p.sequence_parallel, recompute=p.recompute,
+                                   head_on_stage=head_on_stage and pre, stage_embedding=shared, **kw))
     if cfg.model.fp8 != "none":
         weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
         for chunk in chunks:
@@ -134,10 +144,11 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     attention = resolve_attention(cfg.model.attention, ps.device, dropout=cfg.model.attention_dropout,
                                   documents=documents)
     if ps.rank == 0:
-        print(describe_attention(attention, documents, ps.cp.size > 1), flush=True)
+        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm), flush=True)
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
-                     z_loss=cfg.model.z_loss, cp=ps.cp, dtype=DTYPES[cfg.train.precision],
+                     z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm, dtype=DTYPES[cfg.train.precision],
                      device="meta" if deferred else ps.device)
+    overlap_tp_comm(chunks, cfg.parallel.tp_comm_overlap)  # parallel/tp_overlap.py (sequence parallelism)
     for chunk in chunks:
         if deferred:
             _placeholders(chunk, ps.device)

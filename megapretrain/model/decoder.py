@@ -20,6 +20,7 @@ document ids (:class:`~.attention.DocumentMask`), never by an s × s mask, unles
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,7 @@ from ..parallel.state import Group
 from ..parallel.tensor import SavedShards, enter_tp_region, init_shard_
 from .args import ModelArgs
 from .attention import ATTENTION, DocumentMask
+from .context_attention import ring_mask
 from .families import family
 from .fused_loss import linear_cross_entropy_per_token
 from .layers import KERNELS, ColumnLinear, DecoderLayer, Embedding, rope_tables
@@ -129,7 +131,8 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
-                 z_loss: float = 0.0, cp: Group | None = None, attention: str = "sdpa", dtype=torch.float32,
+                 z_loss: float = 0.0, cp: Group | None = None, cp_comm: str = "allgather", attention: str = "sdpa",
+                 head_on_stage: bool = False, stage_embedding: Embedding | None = None, dtype=torch.float32,
                  device=None):
         super().__init__()
         if kernels not in KERNELS:
@@ -139,6 +142,7 @@ class DecoderModel(nn.Module):
         self.attention = attention  # the kernel of document-masked attention (model/attention.py)
         self.args, self.tp = args, tp
         self.cp = cp if cp is not None else Group("cp", [0])
+        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # parallel/context.py: how attention meets cp
         self.kernels, self.z_loss = kernels, z_loss
         self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
         self.fp8_weights: WeightCasts | None = None  # ZeRO-3's FP8-gathered weights (model/fp8.py)
@@ -153,13 +157,19 @@ class DecoderModel(nn.Module):
         layer_ids = list(range(args.num_layers)) if layer_ids is None else layer_ids
         kw = dict(dtype=dtype, device=device)
         padded_vocab = args.padded_vocab(tp.size)
-        if pre_process or (post_process and args.tie_embeddings):
+        # V placement puts the head on the embedding's stage: a tied head then uses that chunk's
+        # embedding (``stage_embedding``, not this chunk's parameter), and the embedding's chunk
+        # knows its weight has a second use there (``head_on_stage``)
+        self.head_on_stage = head_on_stage or (pre_process and post_process)
+        self._stage_embedding = weakref.ref(stage_embedding) if stage_embedding is not None else None
+        if pre_process or (post_process and args.tie_embeddings and stage_embedding is None):
             self.embed_tokens = Embedding(padded_vocab, args.hidden_size, tp,
                                        init_std=args.init_std, real_vocab=args.vocab_size,
                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp, **kw)
+                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp,
+                                 cp_comm=self.cp_comm, **kw)
             for i in layer_ids})
         if post_process:
             self.norm = self.spec.norm(args.hidden_size, args.norm_eps, partial_grad=self.sequence_parallel,
@@ -169,22 +179,25 @@ class DecoderModel(nn.Module):
                                             vocab_rows=args.vocab_size, **kw)
         self._rope_cache: dict = {}
         self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
+        self._ring_cache: dict = {}  # ring attention without documents: its plans, per sequence length
 
     # -- layout and initialization -----------------------------------------------------------------
 
     def param_specs(self) -> dict[str, ParamSpec]:
         """Every parameter's spec, in ``named_parameters`` order. A tied embedding held by two
         chunks (first and last pipeline stage) is marked ``tied``; the last stage's copy is the
-        ``duplicate``."""
+        ``duplicate``. One that the stage's head uses from another chunk (V placement) gets its
+        gradient from two backwards per micro-batch (``uses``)."""
         specs, tp = {}, self.tp.size
         for name, module in self.named_children():
             if name == "layers":
                 for i, layer in self.layers.items():
                     specs.update(collect_specs(layer, tp, prefix=f"layers.{i}", layer=int(i)))
             elif name == "embed_tokens":
-                tied = self.args.tie_embeddings and not (self.pre_process and self.post_process)
+                tied = self.args.tie_embeddings and not self.head_on_stage
+                shared = self.args.tie_embeddings and self.head_on_stage and not self.post_process
                 specs.update(collect_specs(module, tp, prefix=name, tied=tied,
-                                           duplicate=tied and not self.pre_process))
+                                           duplicate=tied and not self.pre_process, uses=2 if shared else 1))
             else:
                 specs.update(collect_specs(module, tp, prefix=name))
         return specs
@@ -241,8 +254,22 @@ class DecoderModel(nn.Module):
             cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
         elif self.cp.size > 1:
             cos, sin = self._context_tables(seq, x)  # (s, d)
-        mask = docs.mask.prepare(self.attention) if docs is not None and docs.mask is not None else None
-        return cos, sin, mask
+        return cos, sin, self._mask(seq, x.device, docs.mask if docs is not None else None)
+
+    def _mask(self, seq: int, device, documents: DocumentMask | None):
+        """What attention reads of the micro-batch's mask: the document mask prepared for the model's
+        kernel (all-to-all cp: for every query of the sample), or under ring attention the ring's
+        plans (with or without documents), or None (causal by global position)."""
+        if self.cp_comm == "ring":
+            if documents is not None:
+                return documents.cached("ring", lambda: ring_mask(self.cp, seq, device, documents))
+            key = (seq, device)
+            if key not in self._ring_cache:
+                self._ring_cache = {key: ring_mask(self.cp, seq, device)}
+            return self._ring_cache[key]
+        if documents is None:
+            return None
+        return (documents.whole() if self.cp_comm == "a2a" else documents).prepare(self.attention)
 
     def _layer(self, layer: nn.Module, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:
@@ -250,7 +277,9 @@ class DecoderModel(nn.Module):
         return layer(x, cos, sin, mask)
 
     def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
+        if not self.args.tie_embeddings:
+            return self.lm_head.weight
+        return (self._stage_embedding() if self._stage_embedding is not None else self.embed_tokens).weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 docs: Documents | None = None, *, loss_grad_scale: float | None = None) -> torch.Tensor:
@@ -266,9 +295,10 @@ class DecoderModel(nn.Module):
 
     def _grad_sink(self, weight: torch.Tensor):
         """The buffers that hold ``weight``'s fp32 main grad, for the loss to add its gradient into,
-        or None: none, or the weight (tied) also gets a gradient from this chunk's embedding."""
+        or None: none, or the weight (tied) also gets a gradient from an embedding on this stage."""
         sink = self.grad_sink() if self.grad_sink is not None else None
-        if sink is None or not sink.holds(weight) or (self.pre_process and self.args.tie_embeddings):
+        embedded_here = self.pre_process or self._stage_embedding is not None
+        if sink is None or not sink.holds(weight) or (embedded_here and self.args.tie_embeddings):
             return None
         return sink
 

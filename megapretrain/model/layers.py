@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.rmsnorm import rms_norm
 from ..kernels.rope import rope
 from ..kernels.swiglu import swiglu
-from ..parallel.context import gather_kv_from_cp, query_chunks
+from ..parallel.context import gather_kv_from_cp, heads_from_cp, heads_to_cp, query_chunks
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ONES, ZEROS, Init, Sharding
 from ..parallel.state import Group
@@ -40,9 +40,11 @@ from ..parallel.tensor import (
     VocabParallelEmbedding,
     enter_tp_region,
     fp8_gathered,
+    linear,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
+from ..parallel.tp_overlap import gather_column_linears, row_linear_reduce_scatter
 from .args import ModelArgs
 from .attention import PreparedMask
 
@@ -82,7 +84,7 @@ class ColumnLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is None:
-            return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+            return linear(x, self.weight, self.bias, self.deferred)  # (b, s, out/tp)
         y = self.matmul(x)  # (b, s, out/tp)
         return y if self.bias is None else y + self.bias
 
@@ -106,8 +108,14 @@ class RowLinear(RowParallelLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)  # (b, s, out) partial sums
-        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        if self.fp8 is not None:  # FP8 GEMMs: the collective after the whole GEMM
+            y = self.matmul(x)  # (b, s, out) partial sums
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        elif self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
+            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.deferred)  # (b, s/tp, out)
+        else:
+            y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -116,6 +124,17 @@ class Embedding(VocabParallelEmbedding):
 
     def param_shardings(self) -> dict[str, Sharding]:
         return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab, init=Init.normal(self.init_std))}
+
+
+def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Group, sequence_parallel: bool,
+                   saved: SavedShards | None) -> list[torch.Tensor]:
+    """The outputs (b, s, outᵢ/tp) of the column-parallel ``linears`` sharing the block's input
+    ``x``: entering the tp region once (the sequence-parallel all-gather) and then each GEMM, or
+    under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs (parallel/tp_overlap.py)."""
+    if sequence_parallel and tp.size > 1 and linears[0].comm_overlap and linears[0].fp8 is None:
+        return gather_column_linears(x, linears, tp, linears[0].deferred)
+    x = enter_tp_region(x, tp, sequence_parallel, saved)  # (b, s, h): the full sequence
+    return [m(x) for m in linears]
 
 
 # -- norms ------------------------------------------------------------------------------------------
@@ -272,17 +291,20 @@ def _lower_right(queries: int, keys: int):
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
-    context parallelism the keys and values are all-gathered over cp (``parallel/context.py``).
-    Causal attention runs ``scaled_dot_product_attention``; under document masking the kernel the
-    micro-batch's prepared mask stands for (``model/attention.py``: flex, blockwise or sdpa), with
-    the kv heads unexpanded either way."""
+    context parallelism (``parallel/context.py``, ``cp_comm``) the keys and values are all-gathered
+    over cp, or passed around the cp ranks (ring: the micro-batch's prepared mask is a
+    ``RingMask``, ``model/context_attention.py``), or heads and sequence are swapped by
+    all-to-alls (a2a). Causal attention runs ``scaled_dot_product_attention``; under document
+    masking the kernel the micro-batch's prepared mask stands for (``model/attention.py``: flex,
+    blockwise or sdpa), with the kv heads unexpanded either way."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
-                 cp: Group | None = None, dtype, device):
+                 cp: Group | None = None, cp_comm: str = "allgather", dtype, device):
         super().__init__()
         self.rng, self.saved, self.kernels = rng, saved, kernels
         self.cp = cp if cp is not None else Group("cp", [0])
+        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # one rank: nothing to exchange
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
@@ -321,7 +343,7 @@ class Attention(nn.Module):
         if mask is not None:
             return mask.attend(q, k, v, dropout)  # (b, n/tp, s, d)
         kw = dict(enable_gqa=True, dropout_p=dropout)
-        if self.cp.size == 1:
+        if self.cp.size == 1 or self.cp_comm == "a2a":  # the whole sequence, in order
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
                                               attn_mask=_lower_right(rows.stop - rows.start, keys), **kw)
@@ -329,13 +351,18 @@ class Attention(nn.Module):
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 
     def _project(self, x: torch.Tensor):
-        """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the full-sequence input x (b, s, h)."""
-        b, s, _ = x.shape
+        """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the block's input x (b, s, h), or its
+        sequence shard (b, s/tp, h) under sequence parallelism (gathered here)."""
         if not self.fused:
-            return (self.q_proj(x).view(b, s, self.n_local, self.d), self.k_proj(x).view(b, s, self.k_local, self.d),
-                    self.v_proj(x).view(b, s, self.k_local, self.d))
+            q, k, v = column_outputs(x, [self.q_proj, self.k_proj, self.v_proj], self.tp, self.sequence_parallel,
+                                     self.saved)  # (b, s, n/tp·d), (b, s, k/tp·d) × 2
+            b, s, _ = q.shape
+            return (q.view(b, s, self.n_local, self.d), k.view(b, s, self.k_local, self.d),
+                    v.view(b, s, self.k_local, self.d))
+        (qkv,) = column_outputs(x, [self.qkv_proj], self.tp, self.sequence_parallel, self.saved)
+        b, s, _ = qkv.shape
         group = self.n_local // self.k_local
-        qkv = self.qkv_proj(x).view(b, s, self.k_local, (group + 2) * self.d)  # (b, s, k/tp, (n/k + 2)·d)
+        qkv = qkv.view(b, s, self.k_local, (group + 2) * self.d)  # (b, s, k/tp, (n/k + 2)·d)
         q, k, v = qkv.split([group * self.d, self.d, self.d], dim=-1)
         return q.reshape(b, s, self.n_local, self.d), k, v
 
@@ -343,23 +370,34 @@ class Attention(nn.Module):
                 mask: PreparedMask | None = None) -> torch.Tensor:
         """``mask``: the micro-batch's document mask, prepared for the model's attention kernel
         (``DocumentMask.prepare``), or None for plain causal."""
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h): full sequence
-        b, s, _ = x.shape
-        q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2
+        q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2: the full sequence
+        b, s = q.shape[:2]
         if self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, n/tp, s, d), (b, k/tp, s, d)
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
-        k, v = gather_kv_from_cp(k, v, self.cp)  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
+        if self.cp_comm == "ring":
+            # the ring's own function saves only q, k, v, the output and the log-sum-exp, which is
+            # what selective recomputation would keep: nothing to recompute
+            y = mask.attend(q, k, v, 0.0)  # (b, n/tp, s, d): mask is the micro-batch's RingMask
+        else:
+            if self.cp_comm == "a2a":  # (b, n/(tp·cp), s·cp, d), (b, k/(tp·cp), s·cp, d): the whole sequence
+                q, k, v = heads_from_cp(q, k, v, self.cp)
+            else:  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
+                k, v = gather_kv_from_cp(k, v, self.cp)
+            y = self._attention(q, k, v, mask)
+            y = heads_to_cp(y, self.cp) if self.cp_comm == "a2a" else y  # (b, n/tp, s, d)
+        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
+        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+
+    def _attention(self, q, k, v, mask):
+        """The attention core, checkpointed under selective recomputation."""
         if self.selective_recompute and self.training:
             # no dropout: no random stream to restore, and no context_fn argument at all (torch.compile
             # traces a checkpoint only without one, even the no-op)
             context = dict(context_fn=self.rng.checkpoint_context) if self.dropout else {}
-            y = checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
-        else:
-            y = self._core(q, k, v, mask)  # (b, n/tp, s, d)
-        y = y.transpose(1, 2).reshape(b, s, self.n_local * self.d)  # (b, s, n·d/tp)
-        return self.o_proj(y)  # (b, s, h), or (b, s/tp, h) with SP
+            return checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
+        return self._core(q, k, v, mask)  # (b, n/tp, s, d)
 
 
 # -- MLPs ------------------------------------------------------------------------------------------
@@ -380,8 +418,8 @@ class SwiGLU(nn.Module):
         self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
-        gate, up = self.gate_proj(x), self.up_proj(x)  # (b, s, f/tp)
+        gate, up = column_outputs(x, [self.gate_proj, self.up_proj], self.tp, self.sequence_parallel,
+                                  self.saved)  # (b, s, f/tp) each
         act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up  # kernels/swiglu.py
         return self.down_proj(act)  # (b, s, h)
 
@@ -401,8 +439,8 @@ class GeluMLP(nn.Module):
         self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, self.sequence_parallel, self.saved)  # (b, s, h)
-        return self.down_proj(F.gelu(self.up_proj(x)))  # (b, s, f/tp) -> (b, s, h)
+        (up,) = column_outputs(x, [self.up_proj], self.tp, self.sequence_parallel, self.saved)  # (b, s, f/tp)
+        return self.down_proj(F.gelu(up))  # (b, s, h)
 
 
 # -- the decoder block -------------------------------------------------------------------------------
@@ -414,7 +452,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool, recompute: str,
                  rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
-                 dtype, device):
+                 cp_comm: str = "allgather", dtype, device):
         super().__init__()
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
@@ -422,7 +460,8 @@ class DecoderLayer(nn.Module):
         norm = dict(partial_grad=sequence_parallel, **kw)
         self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, spec, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp, **kw)
+                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp,
+                                   cp_comm=cp_comm, **kw)
         self.post_attention_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel, saved=saved, **kw)
         self.dropout = args.hidden_dropout

@@ -1,5 +1,6 @@
 """Pictures of a run, drawn from metrics.jsonl records: the dashboard of ``tools/plot_run.py``, the
-single panels beside the pre-flight report and the schedule curves of ``tools/plot_schedule.py``.
+single panels beside the pre-flight report, the schedule curves and the pipeline timelines of
+``tools/plot_schedule.py``.
 
 Three rules keep the pictures honest:
 
@@ -325,6 +326,37 @@ def schedule_figure(title: str, iters: list[int], lrs: list[float], batch: list[
         bx.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+OP_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+
+
+def plot_pipeline(path: str, title: str, panels: list[tuple[str, list[list[tuple]]]]) -> str:
+    """Pipeline timelines, one panel per schedule: each stage a row of its ops as bars, (start,
+    end, kind, label) each — forwards, backwards and weight gradients in their own colours, the
+    gaps between them the bubble; into ``path`` (PNG)."""
+    plt = pyplot()
+    end = max((e for _, stages in panels for stage in stages for _, e, _, _ in stage), default=1.0)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(min(24.0, 4 + end / 2.5), 0.4 + 1.1 * sum(
+        len(stages) * 0.45 + 0.6 for _, stages in panels)), squeeze=False)
+    for ax, (name, stages) in zip(axes[:, 0], panels):
+        for r, stage in enumerate(stages):
+            for s, e, kind, label in stage:
+                ax.barh(r, e - s, left=s, height=0.8, color=OP_COLOURS[kind], edgecolor="white", linewidth=0.5)
+                if e - s >= 0.6:
+                    ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks(range(len(stages)), [f"stage {r}" for r in range(len(stages))], fontsize=8)
+        ax.set_ylim(len(stages) - 0.5, -0.5)
+        ax.set_xlim(0, end)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in OP_COLOURS.values()]
+    fig.legend(handles, ["forward", "backward (input gradient, or whole)", "weight gradient"], fontsize=7,
+               loc="upper right", ncol=3)
+    axes[-1, 0].set_xlabel("time (one stage's forward = 1)")
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return _save(fig, path)
 
 
 def _save(fig, path: str) -> str:

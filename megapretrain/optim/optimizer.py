@@ -271,10 +271,11 @@ class MixedPrecisionAdamW:
     def zero_grad(self) -> None:
         self.buffers.zero_grad()
 
-    def grad_sync(self, last: bool):
-        """Context for one micro-batch's backward; inside ``last=True`` each bucket's dp reduction
+    def grad_sync(self, last: bool, split: tuple | None = None):
+        """Context for one micro-batch's backward, or one part of a split backward (a zero-bubble
+        schedule's B or W, ``split=(part, key)``); inside ``last=True`` each bucket's dp reduction
         starts as soon as its grads are complete (see :mod:`megapretrain.parallel.data`)."""
-        return self.buffers.grad_sync(last)
+        return self.buffers.grad_sync(last, split)
 
     def reduce_grads(self) -> None:
         """Wait for (and launch any remaining) dp reductions; sequence-parallel norm weights are

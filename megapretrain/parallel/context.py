@@ -14,6 +14,18 @@ embeddings rotate each token by its global position, so the function is exactly 
     gather_kv_from_cp   forward: all-gather K and V along seq,   backward: put the grads back in rank
                         then put them in global order            order, reduce-scatter them
 
+``parallel.cp_comm`` chooses how the queries meet the other ranks' keys:
+
+- ``allgather`` (above): K and V all-gathered before attention, kept whole for the backward.
+- ``ring``: K and V travel around the cp ranks, one rank's block per step, while the previous
+  block's attention computes; the blocks' partial results merge by their log-sum-exp (an online
+  softmax across blocks). Only one other rank's K/V is held at a time, none is kept for the
+  backward, which passes them around again with their gradients (``model/context_attention.py``).
+- ``a2a`` (Ulysses): one all-to-all turns (its tokens, all heads) into (all tokens, 1/cp of the
+  heads) for q, k and v together, attention runs over the whole sequence, and a second all-to-all
+  turns the output back (:func:`heads_from_cp`, :func:`heads_to_cp`); heads and kv heads must
+  divide by tp × cp.
+
 With plain causal masking no mask is built: each of the rank's two query chunks attends to the
 keys before its end, its own chunk under a lower-right causal mask (:func:`query_chunks`), which
 the fused attention kernels run without materializing it. With document masking the rank's
@@ -27,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from .state import Group
 
 SEQ_DIM = 1   # of (b, s, ...) token ids, targets and hidden states
@@ -104,9 +117,7 @@ class _GatherKVFromCP(torch.autograd.Function):
         ctx.group, ctx.k_heads = group, k.shape[1]
         kv = torch.cat([k, v], dim=1)  # (b, 2·k, s/cp, d)
         gathered = group.all_gather(kv, HEAD_SEQ_DIM)  # (b, 2·k, s, d), in rank order
-        ctx.ranked = gathered_positions(gathered.shape[HEAD_SEQ_DIM], group, kv.device)  # rank order -> global
-        in_order = torch.empty_like(ctx.ranked)
-        in_order[ctx.ranked] = torch.arange(len(ctx.ranked), device=kv.device)  # global -> rank order
+        ctx.ranked, in_order = _rank_order(gathered.shape[HEAD_SEQ_DIM], group, kv.device)
         full = gathered.index_select(HEAD_SEQ_DIM, in_order)  # (b, 2·k, s, d), in global order
         return full[:, :ctx.k_heads], full[:, ctx.k_heads:]  # (b, k, s, d) each
 
@@ -123,3 +134,98 @@ def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torc
     if cp.size == 1:
         return k, v
     return _GatherKVFromCP.apply(k, v, cp)
+
+
+CP_COMM = ("allgather", "ring", "a2a")
+
+
+def check_cp_comm(cp_comm: str, cp: int, tp: int, num_heads: int, num_kv_heads: int, attention_dropout: float) -> None:
+    """``parallel.cp_comm`` against the model: all-to-all gives each cp rank whole heads (of those
+    its tp rank holds), ring attention computes its blocks without dropout. ConfigError otherwise."""
+    if cp == 1 or cp_comm == "allgather":
+        return
+    if cp_comm == "a2a":
+        for field, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if heads % (tp * cp):
+                raise ConfigError(f"parallel.cp_comm=a2a splits the heads over tp × cp = {tp} × {cp} = {tp * cp}, "
+                                  f"which must divide model.{field}={heads}; use parallel.cp_comm ring or allgather, "
+                                  f"or a cp dividing {heads // tp if heads % tp == 0 else heads} / tp")
+    elif attention_dropout:
+        raise ConfigError(f"parallel.cp_comm=ring has no attention dropout (model.attention_dropout="
+                          f"{attention_dropout}): set model.attention_dropout 0, or parallel.cp_comm allgather or a2a")
+
+
+def _rank_order(seq: int, cp: Group, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global position of each slot of a rank-order sequence, rank-order slot of each global position)."""
+    ranked = gathered_positions(seq, cp, device)  # rank order -> global
+    in_order = torch.empty_like(ranked)
+    in_order[ranked] = torch.arange(len(ranked), device=device)  # global -> rank order
+    return ranked, in_order
+
+
+def _seq_to_heads(x: torch.Tensor, cp: Group) -> torch.Tensor:
+    """(b, H, s/cp, d) of this rank's tokens -> (b, H/cp, s, d): head group ``cp.rank`` of every
+    token, in global order."""
+    b, heads, local, d = x.shape
+    parts = x.view(b, cp.size, heads // cp.size, local, d).transpose(0, 1)  # (cp, b, H/cp, s/cp, d): to rank j
+    got = cp.all_to_all(parts)  # (cp, b, H/cp, s/cp, d): [j] = rank j's tokens
+    ranked = got.permute(1, 2, 0, 3, 4).reshape(b, heads // cp.size, cp.size * local, d)  # (b, H/cp, s, d)
+    return ranked.index_select(HEAD_SEQ_DIM, _rank_order(cp.size * local, cp, x.device)[1])  # global order
+
+
+def _heads_to_seq(y: torch.Tensor, cp: Group) -> torch.Tensor:
+    """(b, H/cp, s, d) of every token in global order -> (b, H, s/cp, d): every head of this rank's tokens."""
+    b, heads, seq, d = y.shape
+    ranked = y.index_select(HEAD_SEQ_DIM, _rank_order(seq, cp, y.device)[0])  # (b, H/cp, s, d), rank order
+    parts = ranked.view(b, heads, cp.size, seq // cp.size, d).permute(2, 0, 1, 3, 4)  # (cp, b, H/cp, s/cp, d)
+    got = cp.all_to_all(parts)  # [j] = this rank's tokens of rank j's heads
+    return got.transpose(0, 1).reshape(b, heads * cp.size, seq // cp.size, d)  # (b, H, s/cp, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """Forward: all-to-all from sequence shards to head shards. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """Forward: all-to-all from head shards back to sequence shards. Backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def heads_from_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group):
+    """All-to-all attention's first exchange, one all-to-all for q, k and v together: (b, n, s/cp, d)
+    queries and (b, k, s/cp, d) keys and values of this rank's tokens -> (b, n/cp, s, d) and
+    (b, k/cp, s, d) of the whole sequence in global order, for head group ``cp.rank`` (query head
+    group g pairs with kv head group g, as grouped-query attention pairs them)."""
+    if cp.size == 1:
+        return q, k, v
+    b, n, local, d = q.shape
+    kv = k.shape[1]
+    grouped = [t.reshape(b, cp.size, t.shape[1] // cp.size, local, d) for t in (q, k, v)]
+    qkv = torch.cat(grouped, dim=2).view(b, -1, local, d)  # (b, n + 2k, s/cp, d): per group [q, k, v]
+    full = _SeqToHeads.apply(qkv, cp)  # (b, (n + 2k)/cp, s, d)
+    return full.split([n // cp.size, kv // cp.size, kv // cp.size], dim=1)
+
+
+def heads_to_cp(y: torch.Tensor, cp: Group) -> torch.Tensor:
+    """All-to-all attention's second exchange: (b, n/cp, s, d) over the whole sequence -> (b, n, s/cp, d)
+    of every head for this rank's tokens."""
+    if cp.size == 1:
+        return y
+    return _HeadsToSeq.apply(y, cp)

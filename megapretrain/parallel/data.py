@@ -81,8 +81,10 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None  # (shard,) fp32: what the optimizer steps on
         self.launched = False       # the reduction of the current grads has started
         self.work = None            # its handle while in flight
-        self.final: set[int] = set()  # ids of params not yet folded in a last micro-batch
-        self.fresh: set[int] = set()  # ids of params folded in the current micro-batch (zero=2)
+        # param id -> folds still to come in a last micro-batch (a param may get its gradient from
+        # two backwards: ParamSpec.uses), and -> folds in the current micro-batch (zero=2)
+        self.final: dict[int, int] = {}
+        self.fresh: dict[int, int] = {}
         self.param_work = None      # pending all-gather of the param buffer
         self.launch_time: float | None = None  # time.perf_counter() of the latest reduction launch
 
@@ -179,6 +181,8 @@ class DataParallelBuffers:
         # (model/fused_loss.py): each backward's check that it did lands here, a device flag, for the
         # caller to read with the step's other values instead of waiting for the device there and then
         self.grad_scale_checks: list[torch.Tensor] | None = None
+        self._split_folds: dict = {}  # a split backward's key -> what its B folded, per bucket (grad_sync)
+        self.after_split_backward = None  # zero=3: called as a split backward's B ends (its W needs no params)
         self.fp8_weights: WeightCasts | None = None  # zero=3: where FP8-gathered weights go (hook_models)
         layout = [p for _, p in reversed(named_params)]
         if zero == 3:
@@ -239,11 +243,12 @@ class DataParallelBuffers:
     # -- gradients --------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        self._split_folds.clear()
         for b in self.buckets:
             if b.work is not None:  # never free or zero what a collective still writes
                 b.work.wait()
             b.launched, b.work = False, None
-            b.final = {id(p) for p in b.params}
+            b.final = {id(p): self.spec_of[id(p)].uses for p in b.params}
             if self.zero >= 2 and b.grad_data is not None:
                 b.grad_data = None
                 b.set_main_grads()
@@ -251,18 +256,32 @@ class DataParallelBuffers:
             buf.zero_()
 
     @contextlib.contextmanager
-    def grad_sync(self, last: bool):
+    def grad_sync(self, last: bool, split: tuple | None = None):
         """Context for one micro-batch's backward (per model chunk); inside ``last=True`` buckets
-        are reduced as they become ready. Under zero=2 every micro-batch is reduced."""
+        are reduced as they become ready. Under zero=2 each micro-batch is reduced as it ends.
+
+        A zero-bubble schedule splits a backward in two: ``split=("B", key)`` for the input-gradient
+        part, whose linears' weight gradients wait for ``("W", key)``, the part that computes them.
+        A bucket is ready only once its W ran: the counts of what the B folded are kept for the W
+        (``key`` names the micro-batch and chunk), and zero=2 reduces after the W."""
+        part, key = split if split is not None else (None, None)
         self.wait_params()  # normally a no-op: the forward has waited for what it used
         self._context = "last" if last else "accumulate"
+        folded_in_b = self._split_folds.pop(key, {}) if part == "W" else {}
         for b in self.buckets:
-            b.fresh = set()
+            b.fresh = folded_in_b.get(b.index, {})
         try:
             yield
         finally:
             self._context = None
-        if self.zero >= 2 and not last:
+        if part == "B":
+            self._split_folds[key] = {b.index: b.fresh for b in self.buckets if b.fresh}
+            for b in self.buckets:  # zero ≥ 2: a bucket the B completed (no linears) is reduced now
+                if b.launched and not last and self.zero >= 2:
+                    self._complete(b)
+            if self.after_split_backward is not None:
+                self.after_split_backward()
+        elif self.zero >= 2 and not last:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -298,16 +317,24 @@ class DataParallelBuffers:
         b = self._bucket_of[id(p)]
         if self._context is None:
             return
+        key = id(p)
         if self._context == "last":
-            b.final.discard(id(p))
+            b.final[key] = b.final.get(key, 1) - 1
+            if b.final[key] <= 0:
+                del b.final[key]
             ready = not b.final
         else:
-            b.fresh.add(id(p))
-            ready = self.zero >= 2 and len(b.fresh) == len(b.params)
+            b.fresh[key] = b.fresh.get(key, 0) + 1
+            ready = self.zero >= 2 and self.folded(b, last=False)
         if ready and self.overlap:
             self._launch(b)
         if ready and self.after_grads is not None:
             self.after_grads(b, self._context == "last")
+
+    def folded(self, b: Bucket, last: bool) -> bool:
+        """Whether bucket ``b``'s grads of the current micro-batch are all folded (``last``: of the
+        step's last micro-batch)."""
+        return not b.final if last else all(b.fresh.get(id(p), 0) >= self.spec_of[id(p)].uses for p in b.params)
 
     def _launch(self, b: Bucket) -> None:
         if self.zero >= 2:  # free the full gradients of all but the latest reduction in flight

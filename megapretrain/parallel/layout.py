@@ -55,6 +55,9 @@ class Layout:
     sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
     cp: int = 1  # context parallel: ranks that split each sequence
     shard: int | None = None  # hybrid sharding: ZeRO over groups of this many of the dp × cp ranks
+    cp_comm: str = "allgather"  # how attention meets the other cp ranks' keys: allgather | ring | a2a
+    tp_comm_overlap: bool = False  # sequence-parallel collectives chunked under their GEMMs
+    pp_schedule: str = "auto"  # the pipeline schedule asked for (parallel/pipeline.py resolves auto)
 
     # -- built from a config ----------------------------------------------------------------------
 
@@ -80,7 +83,12 @@ class Layout:
         shard = p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None
         layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
                      recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                     sp=p.sequence_parallel, cp=p.cp, shard=shard)
+                     sp=p.sequence_parallel, cp=p.cp, shard=shard, cp_comm=p.cp_comm,
+                     tp_comm_overlap=p.tp_comm_overlap, pp_schedule=p.pp_schedule)
+        require(not p.tp_comm_overlap or layout.sequence_parallel,
+                f"parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters with "
+                f"their GEMMs: it needs parallel.tp > 1 (is {p.tp}) and parallel.sequence_parallel true (is "
+                f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap false")
         layout.check_pipeline_split(m.num_layers)
         layout.check_sequence(t.seq_length)
         return layout
@@ -158,16 +166,27 @@ class Layout:
 
     def chunk_layers(self, num_layers: int, pp_rank: int) -> list[list[int]]:
         """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks (chunk ``v`` of stage
-        ``i`` is global chunk ``v·pp + i``)."""
+        ``i`` is global chunk ``v·pp + i``; under ZB-V ``i`` and ``2·pp − 1 − i``)."""
         return chunk_layers(num_layers, self.pp, self.vpp, pp_rank,
-                            list(self.pipeline_layers) if self.pipeline_layers else None)
+                            list(self.pipeline_layers) if self.pipeline_layers else None,
+                            v_shape=self.pp_schedule == "zbv")
 
     # -- as a checkpoint records it -----------------------------------------------------------------
 
     def meta(self) -> dict:
         """The layout as checkpoint metadata records it: what decides which tensors a rank file
-        holds (tp, pp, dp, cp; ZeRO ranges are recorded beside it)."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
+        holds (tp, pp, dp, cp; ZeRO ranges are recorded beside it). Under pp, which layers a
+        stage holds also depends on its chunks (vpp, their placement: interleaved, or ZB-V's V)
+        and an uneven split: recorded where they differ from one even chunk per stage, so that a
+        run placing its layers otherwise reshards instead of reading another stage's layers."""
+        meta = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
+        if self.pp > 1 and self.vpp > 1:
+            meta["vpp"] = self.vpp
+            if self.pp_schedule == "zbv":
+                meta["placement"] = "v"
+        if self.pp > 1 and self.pipeline_layers:
+            meta["pipeline_layers"] = list(self.pipeline_layers)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> Layout:
@@ -185,16 +204,20 @@ class Layout:
                 f"--parallel.vpp {self.vpp}{uneven} "
                 f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
                 + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
+                + (f"--parallel.cp_comm {self.cp_comm} " if self.cp > 1 else "")
+                + ("--parallel.tp_comm_overlap true " if self.tp_comm_overlap else "")
+                + (f"--parallel.pp_schedule {self.pp_schedule} " if self.pp_schedule != "auto" else "")
                 + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
 
     def describe(self) -> str:
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp = f" cp={self.cp}" + (f":{self.cp_comm}" if self.cp_comm != "allgather" else "") if self.cp > 1 else ""
         return f"world={self.world_size} (tp={self.tp}{cp} pp={self.pp} dp={self.dp})"
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
-                 layers_per_chunk: list[int] | None = None) -> list[list[int]]:
-    """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks.
+                 layers_per_chunk: list[int] | None = None, v_shape: bool = False) -> list[list[int]]:
+    """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks: global chunks ``v·pp +
+    pp_rank``, or with ``v_shape`` (ZB-V's placement, vpp 2) ``pp_rank`` and ``2·pp − 1 − pp_rank``.
 
     Even split by default; ``layers_per_chunk`` (length pp·vpp, in global chunk order) lets the
     first and last chunks hold fewer layers to balance the embedding and output layer.
@@ -209,8 +232,8 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
         raise PipelineError(f"parallel.pipeline_layers={layers_per_chunk} must list {n_chunks} positive "
                             f"layer counts (pp × vpp) summing to model.num_layers={num_layers}")
     starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
-    return [list(range(starts[c], starts[c] + layers_per_chunk[c]))
-            for c in (v * pp + pp_rank for v in range(vpp))]
+    mine = (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else (v * pp + pp_rank for v in range(vpp))
+    return [list(range(starts[c], starts[c] + layers_per_chunk[c])) for c in mine]
 
 
 def split_layers(layers: int, chunks: int) -> tuple | None:

@@ -1,8 +1,12 @@
 """Pipeline parallelism: stage partitioning, point-to-point transfers, and the schedules.
 
-A schedule is only an *order*: the list of ``Op("F" | "B", micro, chunk)`` one stage runs in one
-step. :func:`schedule_order` builds it (no pipelining, GPipe, 1F1B, interleaved 1F1B), and
-:class:`PipelineExecutor` runs any valid set of orders.
+A schedule is only an *order*: the list of ``Op("F" | "B" | "W", micro, chunk)`` one stage runs
+in one step. :func:`schedule_order` builds it (no pipelining, GPipe, 1F1B, interleaved 1F1B, and
+the zero-bubble schedules ZB-H1 and ZB-V), and :class:`PipelineExecutor` runs any valid set of
+orders. "B" is a chunk's whole backward, or — where the order also holds "W" ops, as the
+zero-bubble schedules' do — only its input gradient: the weight gradients of its linears are
+deferred, and the chunk's "W" of that micro-batch computes them later, in what would otherwise be
+bubble (``parallel/tensor.py``'s :class:`DeferredGrads`).
 
 Transfers go in *rounds* (:func:`transfer_rounds`). Replaying every stage's order with unit
 costs puts each op in a time slot; everything produced in slot t changes hands in round t + 1, in
@@ -13,12 +17,16 @@ two stages at most one tensor goes each way per round, so they match in order ev
 backend ignores tags. :func:`simulate` replays orders to check them and to measure the bubble.
 
 Chunks: with ``pp`` stages and ``vpp`` virtual chunks per stage the layers form ``pp·vpp`` model
-chunks; stage ``p`` holds chunks ``p, p + pp, p + 2·pp, ...`` (Megatron's interleaving), so
-activations travel 0 → 1 → ... → pp-1 → 0 (next chunk) → ... and gradients the reverse way.
+chunks. Interleaved placement (Megatron's): stage ``p`` holds chunks ``p, p + pp, p + 2·pp, ...``,
+so activations travel 0 → 1 → ... → pp-1 → 0 (next chunk) → ... and gradients the reverse way.
+V placement (ZB-V, vpp 2): stage ``p`` holds chunks ``p`` and ``2·pp − 1 − p``, so activations go
+down the stages and back up: the last stage hands its first chunk's output to its second chunk
+itself (no transfer), and the first stage holds both the embedding and the head.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +42,7 @@ _TAGS = {"act": 1, "grad": 2}
 
 @dataclass(frozen=True)
 class Op:
-    kind: str    # "F" forward or "B" backward
+    kind: str    # "F" forward, "B" backward (input gradient only when the order has W ops), "W" weight gradient
     micro: int   # micro-batch index
     chunk: int   # virtual chunk index on this stage (0..vpp-1)
 
@@ -42,7 +50,8 @@ class Op:
 @dataclass(frozen=True)
 class Transfer:
     """One tensor between neighbouring stages: the activation ("act") or input gradient ("grad")
-    of micro-batch ``micro`` that global chunk ``chunk`` consumes, from stage ``src`` to ``dst``."""
+    of micro-batch ``micro`` that global chunk ``chunk`` consumes, from stage ``src`` to ``dst``
+    (the same stage under V placement, where the last stage feeds its own second chunk)."""
     kind: str
     micro: int
     chunk: int
@@ -59,11 +68,49 @@ class Step:
     op: Op | None
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which stage holds which of the ``pp·vpp`` global model chunks: interleaved, or V (ZB-V)."""
+    pp: int
+    vpp: int
+    v_shape: bool = False
+
+    @property
+    def chunks(self) -> int:
+        return self.pp * self.vpp
+
+    def global_chunk(self, stage: int, chunk: int) -> int:
+        """The global index of virtual chunk ``chunk`` of ``stage``."""
+        if self.v_shape:
+            return stage if chunk == 0 else 2 * self.pp - 1 - stage
+        return chunk * self.pp + stage
+
+    def stage_of(self, g: int) -> int:
+        """The stage that holds global chunk ``g``."""
+        if self.v_shape:
+            return g if g < self.pp else 2 * self.pp - 1 - g
+        return g % self.pp
+
+
 # ----------------------------------------------------------------------------------------------
 # Schedules (orders)
 
 
-SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
+V_SHAPED = ("zbv",)  # schedules whose chunks sit in a V (Placement.v_shape)
+
+
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
+
+
+def splits_backward(kind: str) -> bool:
+    """Whether schedule ``kind`` runs each backward as a B and a later W op."""
+    return kind in SPLIT_BACKWARD
+
+
+def placement(kind: str, pp: int, vpp: int) -> Placement:
+    """Where schedule ``kind``'s chunks sit."""
+    return Placement(pp, vpp, kind in V_SHAPED)
 
 
 def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
@@ -75,8 +122,14 @@ def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
         raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave stages)")
     if kind == "auto":
         kind = "none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")
-    if vpp > 1 and kind != "interleaved":
-        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto), not {kind!r}")
+    if kind in ("zb_h1", "zbv") and pp == 1:
+        raise PipelineError(f"parallel.pp_schedule={kind} needs parallel.pp > 1 (it fills a pipeline's bubble)")
+    if kind == "zbv" and vpp != 2:
+        raise PipelineError(f"parallel.pp_schedule=zbv runs two chunks per stage in a V: it needs parallel.vpp=2 "
+                            f"(is {vpp})")
+    if vpp > 1 and kind not in ("interleaved", "zbv"):
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto, or zbv with vpp 2), "
+                            f"not {kind!r}")
     if kind == "interleaved":
         if pp == 1:
             raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
@@ -90,7 +143,7 @@ def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
 
 
 def schedule_order(kind: str, pp_rank: int, pp: int, vpp: int, num_micro: int) -> list[Op]:
-    """The ordered forward/backward ops of stage ``pp_rank`` for one step."""
+    """The ordered forward/backward(/weight-gradient) ops of stage ``pp_rank`` for one step."""
     m = num_micro
     if kind == "none":
         return [op for i in range(m) for op in (Op("F", i, 0), Op("B", i, 0))]
@@ -105,6 +158,10 @@ def schedule_order(kind: str, pp_rank: int, pp: int, vpp: int, num_micro: int) -
         return order
     if kind == "interleaved":
         return _interleaved(pp_rank, pp, vpp, m)
+    if kind == "zb_h1":
+        return _zb_h1(pp_rank, pp, m)
+    if kind == "zbv":
+        return _zbv(pp_rank, pp, m)
     raise PipelineError(f"unknown schedule {kind!r}")
 
 
@@ -126,44 +183,124 @@ def _interleaved(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
     return order
 
 
-def forward_only_order(pp: int, vpp: int, num_micro: int) -> list[Op]:
-    """Evaluation: every forward, in the interleaved (or plain) order, no backward."""
+def _zb_h1(pp_rank: int, pp: int, m: int) -> list[Op]:
+    """ZB-H1 (Qi et al., 2024): 1F1B's forwards and input-gradient backwards, each weight gradient
+    deferred by ``pp_rank`` micro-batches: a stage's last ``pp_rank`` W ops fill the cooldown that
+    1F1B leaves idle there, where the gradient has yet to travel back to the earlier stages. Every
+    stage holds at most ``pp`` micro-batches whose W has not run: 1F1B's peak (its first stage's)."""
+    warmup, lag = min(pp - pp_rank - 1, m), min(pp_rank, m)
+    order = [Op("F", i, 0) for i in range(warmup)]                            # warmup: forwards only
+    deferred = 0  # W ops issued so far, in micro-batch order
+    for i in range(m - warmup):                                               # steady: F, B, then a W
+        order += [Op("F", warmup + i, 0), Op("B", i, 0)]
+        if i >= lag:
+            order.append(Op("W", deferred, 0))
+            deferred += 1
+    for i in range(m - warmup, m):                                            # cooldown: B, then a W
+        order.append(Op("B", i, 0))
+        if i >= lag:
+            order.append(Op("W", deferred, 0))
+            deferred += 1
+    return order + [Op("W", i, 0) for i in range(deferred, m)]                # the deferred W ops fill the tail
+
+
+def _zbv(pp_rank: int, pp: int, m: int) -> list[Op]:
+    """ZB-V (Qi et al., 2024): two chunks per stage in a V (chunk 0 going down the stages, chunk 1
+    coming back up, the head on stage 0), each backward split into B and W. Built for at least
+    2·pp − 1 micro-batches and cut down to ``m`` (the ops of micro-batches past ``m`` dropped:
+    the order stays valid, with a longer bubble). Every stage holds at most 2·pp chunks'
+    activations without their W: the layers of pp micro-batches, 1F1B's peak."""
+    n, r = max(m, 2 * pp - 1), pp_rank
+    order: list[Op] = []
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+
+    def run(*ops: tuple[str, int]) -> None:
+        for kind, c in ops:
+            order.append(Op(kind, count[kind, c], c))
+            count[kind, c] += 1
+
+    for _ in range(2 * (pp - r) - 1):                                         # warmup: chunk 0 fills the V
+        run(("F", 0))
+    for _ in range(r):                                                        # chunk 1's first forwards join
+        run(("F", 1), ("F", 0))
+    for _ in range(pp - r):                                                   # chunk 1 turns around
+        run(("F", 1), ("B", 1), ("W", 1))
+    while count["F", 1] < count["F", 0] or count["F", 0] < n:                # steady: both chunks, F B W
+        if count["F", 0] < n:
+            run(("F", 0))
+        run(("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    for _ in range(r):                                                        # cooldown: backwards first,
+        run(("B", 0), ("B", 1))
+    for _ in range(pp - r):                                                   # their W ops in the gaps
+        run(("B", 0), ("W", 0))
+    run(*[("W", 1)] * (count["B", 1] - count["W", 1]), *[("W", 0)] * (count["B", 0] - count["W", 0]))
+    return [op for op in order if op.micro < m]
+
+
+def forward_only_order(pp: int, vpp: int, num_micro: int, v_shape: bool = False) -> list[Op]:
+    """Evaluation: every forward, in the interleaved (or plain) order, no backward; under V
+    placement every micro-batch through the first chunk, then through the second."""
     if vpp == 1:
         return [Op("F", i, 0) for i in range(num_micro)]
+    if v_shape:
+        return [Op("F", i, c) for c in range(vpp) for i in range(num_micro)]
     return [_interleaved_op("F", k, pp, vpp) for k in range(num_micro * vpp)]
 
 
+def has_weight_ops(orders: list[list[Op]]) -> bool:
+    """Whether ``orders`` split each backward into B and W."""
+    return any(op.kind == "W" for order in orders for op in order)
+
+
 def peak_in_flight(order: list[Op]) -> int:
-    """Most micro-batch chunks whose forward ran but backward did not yet (activation memory)."""
+    """Most micro-batch chunks whose forward ran but backward did not yet finish — its W, where
+    the order has them (activation memory)."""
+    split = any(op.kind == "W" for op in order)
     live = peak = 0
     for op in order:
-        live += 1 if op.kind == "F" else -1
+        live += 1 if op.kind == "F" else -1 if op.kind == ("W" if split else "B") else 0
         peak = max(peak, live)
     return peak
 
 
-def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float) -> list[list[float]]:
+def op_costs(orders: list[list[Op]], f_cost: float, b_cost: float, w_cost: float = 0.0) -> dict[str, float]:
+    """Seconds (or units) of each op kind: ``b_cost`` is a chunk's whole backward and ``w_cost``
+    the weight-gradient part of it, which a W op runs where the orders have them (their B the rest)."""
+    if has_weight_ops(orders):
+        return {"F": f_cost, "B": b_cost - w_cost, "W": w_cost}
+    return {"F": f_cost, "B": b_cost, "W": 0.0}
+
+
+def _dependency(op: Op, g: int, chunks: int) -> tuple | None:
+    """The (kind, micro, global chunk) an op waits for: the previous chunk's forward, the next
+    chunk's backward (the loss's own forward at the head), its own backward for a W."""
+    if op.kind == "F":
+        return ("F", op.micro, g - 1) if g > 0 else None
+    if op.kind == "B":
+        return ("B", op.micro, g + 1) if g < chunks - 1 else ("F", op.micro, g)
+    return ("B", op.micro, g)
+
+
+def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float, w_cost: float = 0.0,
+           v_shape: bool = False) -> list[list[float]]:
     """Start time of every op of every stage, each starting once its stage is free and its input
     exists; raises PipelineError if the orders deadlock."""
+    place, cost = Placement(pp, vpp, v_shape), op_costs(orders, f_cost, b_cost, w_cost)
     done: dict[tuple, float] = {}
     clock = [0.0] * pp
     starts: list[list[float]] = [[] for _ in range(pp)]
-    last_chunk = pp * vpp - 1
     progressed = True
     while progressed:
         progressed = False
         for r in range(pp):
             while len(starts[r]) < len(orders[r]):
                 op = orders[r][len(starts[r])]
-                g = op.chunk * pp + r  # global chunk index
-                if op.kind == "F":
-                    dep = ("F", op.micro, g - 1) if g > 0 else None
-                else:
-                    dep = ("B", op.micro, g + 1) if g < last_chunk else ("F", op.micro, g)
+                g = place.global_chunk(r, op.chunk)
+                dep = _dependency(op, g, place.chunks)
                 if dep is not None and dep not in done:
                     break
                 starts[r].append(max(clock[r], done[dep] if dep is not None else 0.0))
-                clock[r] = starts[r][-1] + (f_cost if op.kind == "F" else b_cost)
+                clock[r] = starts[r][-1] + cost[op.kind]
                 done[(op.kind, op.micro, g)] = clock[r]
                 progressed = True
     if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
@@ -172,54 +309,94 @@ def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: flo
     return starts
 
 
-def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_cost: float = 1.0) -> dict:
-    """Replay every stage's order with the given costs and true data dependencies.
+def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_cost: float = 1.0,
+             w_cost: float = 0.0, v_shape: bool = False) -> dict:
+    """Replay every stage's order with the given costs (``b_cost`` a whole backward, ``w_cost`` the
+    weight-gradient part of it) and true data dependencies.
 
     Returns the makespan and each stage's idle fraction; raises PipelineError on deadlock."""
-    starts = replay(orders, pp, vpp, f_cost, b_cost)
-    cost = [[f_cost if op.kind == "F" else b_cost for op in order] for order in orders]
-    makespan = max(s + c for r in range(pp) for s, c in zip(starts[r], cost[r]))
-    return {"makespan": makespan, "idle_fraction": [1 - sum(cost[r]) / makespan for r in range(pp)]}
+    starts = replay(orders, pp, vpp, f_cost, b_cost, w_cost, v_shape)
+    kinds = op_costs(orders, f_cost, b_cost, w_cost)
+    cost = [[kinds[op.kind] for op in order] for order in orders]
+    makespan = max((s + c for r in range(pp) for s, c in zip(starts[r], cost[r])), default=0.0)
+    return {"makespan": makespan, "idle_fraction": [1 - sum(cost[r]) / makespan if makespan else 0.0
+                                                    for r in range(pp)]}
 
 
-def input_transfer(op: Op, stage: int, pp: int, vpp: int) -> Transfer | None:
+def bubble_theory(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: float = 0.0) -> float:
+    """Each stage's idle time in one step of ``m`` micro-batches, by formula, for chunk costs ``f``
+    (forward), ``b`` (whole backward) and ``w`` (its weight-gradient part):
+
+    - GPipe and 1F1B: (pp − 1)(f + b); interleaved (m a multiple of pp): the same over the vpp
+      chunks' shorter ops, (pp − 1)(f + b) with chunk costs;
+    - ZB-H1: (pp − 1)(f + b − w) − (min(m, pp) − 1)·w, i.e. (pp − 1)(f + b − 2w) from pp
+      micro-batches on: a third of 1F1B's bubble when f = b − w = w (for w ≤ f and w ≤ b − w);
+    - ZB-V, for f = b − w = w (= c): max(pp − 1, 2(2·pp − 1 − m))·c: pp − 1 chunk forwards
+      from ⌊3·pp/2⌋ micro-batches on, a sixth of 1F1B's (pp − 1)·6c.
+
+    :func:`simulate` measures the same on the real orders (the tests check they agree)."""
+    if kind in ("gpipe", "1f1b", "interleaved"):
+        return (pp - 1) * (f + b)
+    if kind == "zb_h1":
+        if w > min(f, b - w):
+            raise ValueError("the ZB-H1 formula holds for a weight gradient no longer than the forward or the "
+                             "input gradient")
+        return (pp - 1) * (f + b - w) - (min(m, pp) - 1) * w
+    if kind == "zbv":
+        if not f == b - w == w:
+            raise ValueError("the ZB-V formula holds for equal forward, input-gradient and weight-gradient times")
+        return max(pp - 1, 2 * (2 * pp - 1 - m)) * f
+    raise ValueError(f"no bubble formula for schedule {kind!r}")
+
+
+def input_transfer(op: Op, stage: int, pp: int, vpp: int, v_shape: bool = False) -> Transfer | None:
     """What ``op`` on ``stage`` receives: the previous chunk's activation for a forward, the next
-    chunk's gradient for a backward; None for the first chunk's forward and the last one's backward."""
-    g = op.chunk * pp + stage
+    chunk's gradient for a backward; None for the first chunk's forward, the last one's backward
+    and every W."""
+    place = Placement(pp, vpp, v_shape)
+    g = place.global_chunk(stage, op.chunk)
     if op.kind == "F":
-        return Transfer("act", op.micro, g, (g - 1) % pp, stage) if g > 0 else None
-    return Transfer("grad", op.micro, g, (g + 1) % pp, stage) if g < pp * vpp - 1 else None
+        return Transfer("act", op.micro, g, place.stage_of(g - 1), stage) if g > 0 else None
+    if op.kind == "B":
+        return Transfer("grad", op.micro, g, place.stage_of(g + 1), stage) if g < place.chunks - 1 else None
+    return None
 
 
-def output_transfer(op: Op, stage: int, pp: int, vpp: int) -> Transfer | None:
+def output_transfer(op: Op, stage: int, pp: int, vpp: int, v_shape: bool = False) -> Transfer | None:
     """What ``op`` on ``stage`` sends: a forward's output to the next chunk (none from the head),
-    a backward's input gradient to the previous chunk (none from the embedding's chunk)."""
-    g = op.chunk * pp + stage
+    a backward's input gradient to the previous chunk (none from the embedding's chunk), nothing
+    from a W."""
+    place = Placement(pp, vpp, v_shape)
+    g = place.global_chunk(stage, op.chunk)
     if op.kind == "F":
-        return Transfer("act", op.micro, g + 1, stage, (g + 1) % pp) if g < pp * vpp - 1 else None
-    return Transfer("grad", op.micro, g - 1, stage, (g - 1) % pp) if g > 0 else None
+        return Transfer("act", op.micro, g + 1, stage, place.stage_of(g + 1)) if g < place.chunks - 1 else None
+    if op.kind == "B":
+        return Transfer("grad", op.micro, g - 1, stage, place.stage_of(g - 1)) if g > 0 else None
+    return None
 
 
-def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int) -> list[list[Step]]:
+def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int, v_shape: bool = False) -> list[list[Step]]:
     """Every stage's steps: the round's batched sends and receives, then the op to compute.
 
     With unit costs each stage runs one op per slot, so a stage sends at most one tensor and
     receives at most one from each neighbour per round; a stage joins only the rounds it has a
-    part in. Each op's input arrives in a round no later than its slot (asserted by the tests)."""
-    starts = replay(orders, pp, vpp, 1.0, 1.0)
+    part in. Each op's input arrives in a round no later than its slot (asserted by the tests).
+    A transfer from a stage to itself (V placement's turn) is no communication: it is left out."""
+    starts = replay(orders, pp, vpp, 1.0, 1.0 + has_weight_ops(orders), 1.0, v_shape)  # every op one slot
     slots = [{int(t): op for t, op in zip(starts[r], orders[r])} for r in range(pp)]
     rounds = 1 + max((max(s, default=-1) for s in slots), default=-1)
 
     def produced(stage: int, t: int) -> Transfer | None:
         op = slots[stage].get(t)
-        return output_transfer(op, stage, pp, vpp) if op is not None else None
+        out = output_transfer(op, stage, pp, vpp, v_shape) if op is not None else None
+        return out if out is not None and out.dst != out.src else None
 
     per_stage: list[list[Step]] = []
     for r in range(pp):
         steps = []
         for t in range(rounds + 1):
             send = produced(r, t - 1)
-            recvs = tuple(x for x in (produced(src, t - 1) for src in sorted({(r - 1) % pp, (r + 1) % pp}))
+            recvs = tuple(x for x in (produced(src, t - 1) for src in sorted({(r - 1) % pp, (r + 1) % pp} - {r}))
                           if x is not None and x.dst == r)
             op = slots[r].get(t)
             if send is not None or recvs or op is not None:
@@ -265,8 +442,12 @@ class PipelineExecutor:
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
-    embedding. ``grad_sync(last)`` wraps every backward (the data-parallel overlap hook); ``last``
-    is true for each chunk's backward of the final micro-batch. With ``record`` set, ``trace``
+    embedding. ``grad_sync(last, split)`` wraps every backward and weight-gradient op (the data-parallel
+    overlap hook); ``last`` is true for each chunk's ops of the final micro-batch, ``split`` is
+    ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. Orders with W ops
+    need ``deferred`` (``parallel/tensor.py``'s :class:`DeferredGrads` of this stage's chunks): a B
+    runs inside ``deferred.capture((micro, chunk))``, which keeps its linears' weight gradients
+    back, and the W runs them, ``deferred.flush((micro, chunk))``. With ``record`` set, ``trace``
     keeps the ops of the latest run.
     """
     pp_rank: int
@@ -275,6 +456,8 @@ class PipelineExecutor:
     p2p: P2P | None
     grad_sync: Callable
     record: bool = False
+    v_shape: bool = False  # chunks in a V (ZB-V): see Placement
+    deferred: object | None = None
     trace: list = field(default_factory=list)
     _rounds: dict = field(default_factory=dict, repr=False)
 
@@ -282,14 +465,17 @@ class PipelineExecutor:
         """This stage's steps for ``orders`` (one per stage), computed once per distinct schedule."""
         key = tuple(map(tuple, orders))
         if key not in self._rounds:
-            self._rounds[key] = transfer_rounds(orders, self.pp, self.vpp)[self.pp_rank]
+            self._rounds[key] = transfer_rounds(orders, self.pp, self.vpp, self.v_shape)[self.pp_rank]
         return self._rounds[key]
 
     def run(self, orders: list[list[Op]], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
-        stage, pp, vpp = self.pp_rank, self.pp, self.vpp
+        stage = self.pp_rank
         saved: dict[tuple, tuple] = {}      # (micro, chunk) -> (input, output) kept for the backward
         inbox: dict[Transfer, torch.Tensor] = {}
         outbox: dict[Transfer, torch.Tensor] = {}
+        split = has_weight_ops(orders)
+        if split and self.deferred is None:
+            raise ValueError("orders with W ops need the executor's deferred weight gradients")
         self.trace = list(orders[stage]) if self.record else []
         for step in self.steps_for(orders):
             if step.sends or step.recvs:
@@ -302,23 +488,31 @@ class PipelineExecutor:
             op = step.op
             if op is None:
                 continue
-            key, source, sink = (op.micro, op.chunk), input_transfer(op, stage, pp, vpp), output_transfer(op, stage,
-                                                                                                          pp, vpp)
+            key = (op.micro, op.chunk)
+            source = input_transfer(op, stage, self.pp, self.vpp, self.v_shape)
+            sink = output_transfer(op, stage, self.pp, self.vpp, self.v_shape)
+            # V placement's turn stays on this stage: the output is the next chunk's input at once
+            box = inbox if sink is not None and sink.dst == stage else outbox
+            last = op.micro == num_micro - 1
             if op.kind == "F":
                 inp = inbox.pop(source).requires_grad_(backward) if source is not None else None
                 with torch.set_grad_enabled(backward):
                     out = forward_fn(op.chunk, op.micro, inp)
                 if sink is not None:
-                    outbox[sink] = out
+                    box[sink] = out.detach() if box is inbox else out
                 if backward:
                     saved[key] = (inp, out)
-            else:
+            elif op.kind == "B":
                 inp, out = saved.pop(key)
                 grad = inbox.pop(source) if source is not None else None
-                with self.grad_sync(op.micro == num_micro - 1):
+                with (self.grad_sync(last, ("B", key)) if split else self.grad_sync(last)), \
+                        (self.deferred.capture(key) if split else contextlib.nullcontext()):
                     _backward(out, grad)
                 if sink is not None:
-                    outbox[sink] = inp.grad
+                    box[sink] = inp.grad
+            else:
+                with self.grad_sync(last, ("W", key)):
+                    self.deferred.flush(key)
         assert not (inbox or outbox or saved), "pipeline step ended with transfers or activations left over"
 
 

@@ -70,6 +70,8 @@ class ParamSpec:
     #                                  the last pipeline stage: grads summed over the embedding group
     duplicate: bool = False          # this rank's copy of a tied embedding is the last stage's second
     #                                  copy: not counted in the grad norm
+    uses: int = 1                    # backward passes adding to its gradient per micro-batch: 2 for an
+    #                                  embedding its stage's head (another chunk: V placement) shares
     init: Init | None = None         # how the parameter starts (its layer's declaration)
     fp8_gather: bool = False         # ZeRO-3 all-gathers it as FP8 and a scale (parallel/fp8.py)
 
@@ -88,9 +90,9 @@ class ParamSpec:
 
 
 def collect_specs(module: nn.Module, tp_size: int, *, prefix: str = "", layer: int | None = None,
-                  tied: bool = False, duplicate: bool = False) -> dict[str, ParamSpec]:
+                  tied: bool = False, duplicate: bool = False, uses: int = 1) -> dict[str, ParamSpec]:
     """Specs of every parameter under ``module`` from the shardings its layers declare
-    (``param_shardings()``); ``tied`` / ``duplicate`` apply to all of them."""
+    (``param_shardings()``); ``tied`` / ``duplicate`` / ``uses`` apply to all of them."""
     specs = {}
     for mod_name, mod in module.named_modules(prefix=prefix):
         own = dict(mod.named_parameters(recurse=False))
@@ -106,7 +108,7 @@ def collect_specs(module: nn.Module, tp_size: int, *, prefix: str = "", layer: i
         for pname, param in own.items():
             name = f"{mod_name}.{pname}" if mod_name else pname
             specs[name] = make_spec(name, param, shardings[pname], tp_size, layer=layer, tied=tied,
-                                    duplicate=duplicate)
+                                    duplicate=duplicate, uses=uses)
     return specs
 
 

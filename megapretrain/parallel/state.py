@@ -15,8 +15,10 @@ single process without ``torch.distributed`` runs the same code path.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,22 +48,54 @@ class _CopyAfter:
             self.dst.copy_(self.src)
 
 
+class _AllOf:
+    """Several pending operations waited for as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 @dataclass
 class CommStats:
-    """Per-collective call and byte counts (bytes = the tensor each rank contributes)."""
+    """Per-collective call and byte counts (bytes = the tensor each rank contributes), and the
+    seconds this rank was blocked on them (``exposed_s``): the whole of a synchronous collective,
+    only the ``wait()`` of an asynchronous one — what overlapping communication with compute
+    hides does not count."""
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    exposed: dict = field(default_factory=lambda: defaultdict(float))
 
     def record(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
 
+    def blocked(self, kind: str, seconds: float) -> None:
+        self.exposed[kind] += seconds
+
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.exposed.clear()
 
     def summary(self) -> dict:
-        return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "exposed_s": self.exposed[k]}
+                for k in sorted(self.calls)}
+
+
+class _Timed:
+    """An asynchronous collective's handle whose ``wait()`` counts as exposed time of ``kind``."""
+
+    def __init__(self, work, stats: CommStats, kind: str):
+        self.work, self.stats, self.kind = work, stats, kind
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.work.wait()
+        self.stats.blocked(self.kind, time.perf_counter() - start)
 
 
 class CommActivity:
@@ -106,12 +140,29 @@ class Group:
         if self.activity is not None:
             self.activity.enter(self.name, kind, tensor, self.ranks)
 
+    @contextlib.contextmanager
+    def _blocking(self, kind: str):
+        """Around a synchronous collective: its whole time is exposed (CommStats.exposed)."""
+        if self.stats is None or torch.compiler.is_compiling():
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        self.stats.blocked(f"{self.name}.{kind}", time.perf_counter() - start)
+
+    def _timed(self, work, kind: str):
+        """An asynchronous collective's handle, its ``wait()`` counted as exposed time."""
+        if work is None or self.stats is None or torch.compiler.is_compiling():
+            return work
+        return _Timed(work, self.stats, f"{self.name}.{kind}")
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce; returns ``tensor``."""
         if self.size == 1:
             return tensor
         self._record("all_reduce", tensor)
-        dist.all_reduce(tensor, op=op, group=self.pg)
+        with self._blocking("all_reduce"):
+            dist.all_reduce(tensor, op=op, group=self.pg)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -122,8 +173,37 @@ class Group:
         tensor = tensor.contiguous()
         wire = tensor.view(torch.uint8) if tensor.dtype in FLOAT8 else tensor  # gloo has no float8: send bytes
         parts = [torch.empty_like(wire) for _ in range(self.size)]
-        dist.all_gather(parts, wire, group=self.pg)
+        with self._blocking("all_gather"):
+            dist.all_gather(parts, wire, group=self.pg)
         return torch.cat(parts, dim=dim).view(tensor.dtype)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Slice ``i`` of ``tensor`` along dim 0 goes to rank ``i``; returns what every rank sent
+        here, slice ``j`` from rank ``j`` (dim 0 must divide by the group's size)."""
+        if self.size == 1:
+            return tensor
+        self._record("all_to_all", tensor)
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        with self._blocking("all_to_all"):
+            dist.all_to_all_single(out, tensor, group=self.pg)
+        return out
+
+    def shift_async(self, sends: list[torch.Tensor], tag: int = 0):
+        """Start sending each of ``sends`` to the next rank of the group (rank + 1, around) and
+        receiving tensors of the same shapes from the previous one: one step of a ring. Returns
+        (the receive buffers, a handle whose ``wait()`` completes the step); the sends may not be
+        modified until then. Both sides post their sends and receives in one batch, so two ranks
+        that are each other's neighbours (a ring of 2) cannot deadlock."""
+        nxt, prev = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        received = [torch.empty_like(t) for t in sends]
+        ops = []
+        for i, (t, r) in enumerate(zip(sends, received)):
+            self._record("send", t)
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), nxt, self.pg, tag + i))
+            ops.append(dist.P2POp(dist.irecv, r, prev, self.pg, tag + i))
+        works = dist.batch_isend_irecv(ops)
+        return received, self._timed(_AllOf(works), "send")
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
@@ -136,7 +216,7 @@ class Group:
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         work = self.reduce_scatter_async(out.view(-1), flat)
         if work is not None:
-            work.wait()
+            work.wait()  # counted as exposed: the handle is timed
         return out
 
     # -- asynchronous flat collectives (data-parallel buckets); each returns a handle with
@@ -147,7 +227,7 @@ class Group:
         if self.size == 1:
             return None
         self._record("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=self.pg, async_op=True)
+        return self._timed(dist.all_reduce(tensor, op=op, group=self.pg, async_op=True), "all_reduce")
 
     def reduce_scatter_async(self, output: torch.Tensor, tensor: torch.Tensor):
         """Start summing flat ``tensor`` over ranks into ``output``, this rank's 1/size slice of it
@@ -161,7 +241,7 @@ class Group:
             try:
                 work = _reduce_scatter_single(output, tensor, group=self.pg, async_op=True)
                 self._native_reduce_scatter = True
-                return work
+                return self._timed(work, "reduce_scatter")
             except (RuntimeError, NotImplementedError):
                 # only gloo (older releases) lacks it; on NCCL a failure is real, and a rank that
                 # switched to all-reduce alone would wait forever for ranks that did not
@@ -169,7 +249,7 @@ class Group:
                     raise
                 self._native_reduce_scatter = False  # older gloo: all-reduce, keep our slice
         work = dist.all_reduce(tensor, group=self.pg, async_op=True)
-        return _CopyAfter(work, tensor.chunk(self.size)[self.rank], output)
+        return self._timed(_CopyAfter(work, tensor.chunk(self.size)[self.rank], output), "reduce_scatter")
 
     def all_gather_async(self, output: torch.Tensor, shard: torch.Tensor):
         """Start gathering every rank's flat ``shard`` into ``output`` (rank order); ``shard`` may
@@ -181,7 +261,7 @@ class Group:
         self._record("all_gather", shard)
         if shard.dtype in FLOAT8:  # gloo has no float8 types: the same bytes as uint8
             output, shard = output.view(torch.uint8), shard.view(torch.uint8)
-        return _all_gather_single(output, shard, group=self.pg, async_op=True)
+        return self._timed(_all_gather_single(output, shard, group=self.pg, async_op=True), "all_gather")
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's 1/size slice of ``tensor`` along ``dim`` (no communication)."""

@@ -17,6 +17,7 @@ declaration through the model's parameter-spec table.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 from typing import TYPE_CHECKING
@@ -234,6 +235,118 @@ class SavedShards:
         return saved if isinstance(saved, torch.Tensor) else saved[0].unpack(*saved[1:])
 
 
+# ----------------------------------------------------------------------------------------------
+# Split backward: weight gradients deferred to a zero-bubble schedule's W op
+
+
+class DeferredGrads:
+    """The weight gradients of a model's linears, kept back from a backward and computed later.
+
+    A zero-bubble pipeline schedule splits each chunk's backward into B (input gradients: what
+    the previous stage waits for) and W (weight gradients: what only the optimizer waits for), and
+    runs W in what would be bubble (``parallel/pipeline.py``). Inside :meth:`capture` the linears
+    of :func:`defer_weight_grads` queue their weight gradient's operands — the saved input and the
+    output gradient — under the micro-batch's key instead of computing it; :meth:`flush` computes
+    them, frees the operands and adds each gradient where the whole backward would have put it:
+    into the parameter's fp32 main grad through ``sink`` (the data-parallel buffers, which count
+    it towards its bucket's readiness), or into ``.grad`` where no buffers hold the parameter."""
+
+    def __init__(self, sink=None):
+        self.sink = sink
+        self._key: tuple | None = None
+        self._queued: dict[tuple, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+
+    @contextlib.contextmanager
+    def capture(self, key: tuple):
+        """Context for the input-gradient backward of micro-batch (and chunk) ``key``."""
+        if key in self._queued:
+            raise RuntimeError(f"weight gradients of {key} are already waiting for their W")
+        self._key, self._queued[key] = key, []
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def defer(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
+        """Queue d loss / d ``weight`` = ``grad_out``ᵀ ``x`` if a capture is open; False otherwise."""
+        if self._key is None:
+            return False
+        self._queued[self._key].append((weight, x, grad_out))
+        return True
+
+    def capturing(self) -> bool:
+        """Whether a B is running whose weight gradients wait for a W."""
+        return self._key is not None
+
+    def pending(self) -> int:
+        """Micro-batches whose weight gradients wait for their W."""
+        return len(self._queued)
+
+    @torch.no_grad()
+    def flush(self, key: tuple) -> None:
+        """The W of ``key``: compute its queued weight gradients, in the order their B made them."""
+        for weight, x, grad_out in self._queued.pop(key):
+            grad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
+            del x, grad_out  # the last references: freed as each gradient is made
+            sink = self.sink() if isinstance(self.sink, weakref.ref) else self.sink
+            if sink is not None and sink.holds(weight):
+                sink.main_grad_for(weight).add_(grad)
+                sink.grad_added(weight)
+            elif weight.grad is None:
+                weight.grad = grad.to(weight.dtype)
+            else:
+                weight.grad.add_(grad)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """y = x Wᵀ (+ b) whose backward hands W's gradient to ``deferred`` when it is capturing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred):
+        ctx.save_for_backward(x, weight)
+        ctx.deferred, ctx.param, ctx.has_bias = deferred, weight, bias is not None
+        return F.linear(x, weight, bias)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., in)
+        grad_w = None
+        if ctx.needs_input_grad[1] and not ctx.deferred.defer(ctx.param, x, grad):
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           deferred: DeferredGrads | None = None) -> torch.Tensor:
+    """``F.linear``, whose weight gradient ``deferred`` may keep back for a W op."""
+    if deferred is None:
+        return F.linear(x, weight, bias)  # (..., out)
+    return _DeferrableLinear.apply(x, weight, bias, deferred)  # (..., out)
+
+
+def overlap_tp_comm(chunks: list[nn.Module], on: bool) -> None:
+    """``parallel.tp_comm_overlap``: every column- and row-parallel linear of ``chunks`` runs its
+    sequence-parallel all-gather or reduce-scatter in chunks under its GEMM (parallel/tp_overlap.py)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.comm_overlap = on
+
+
+def defer_weight_grads(chunks: list[nn.Module], deferred: DeferredGrads | None) -> int:
+    """Route the weight gradients of every column- and row-parallel linear of ``chunks`` through
+    ``deferred`` (None: back to the whole backward); returns how many linears."""
+    n = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.deferred = deferred
+                n += 1
+    return n
+
+
 def fp8_gathered(linear: ColumnParallelLinear | RowParallelLinear) -> bool:
     """Whether ZeRO-3 may all-gather ``linear``'s weight in FP8: its GEMMs are FP8 with one scale
     per weight tensor (the spec's ``fp8_gather``)."""
@@ -253,6 +366,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.init_std, self.vocab_rows = tp, init_std, vocab_rows
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
                                                device=device))
+        self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
+        self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
+        self.bias: nn.Parameter | None = None
         self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
@@ -264,7 +380,9 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)  # (b, s, out/tp)
+        if self.fp8 is not None:
+            return self.matmul(x)  # (b, s, out/tp)
+        return linear(x, self.weight, None, self.deferred)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -279,6 +397,9 @@ class RowParallelLinear(nn.Module):
         self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
                                                device=device))
+        self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
+        self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
+        self.bias: nn.Parameter | None = None
         self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
@@ -289,7 +410,7 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)  # (b, s, out) partial sums
+        y = self.matmul(x) if self.fp8 is not None else linear(x, self.weight, None, self.deferred)  # (b, s, out)
         return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
 
 

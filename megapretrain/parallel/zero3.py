@@ -64,6 +64,7 @@ class ShardedUnits:
         for c, chunk in enumerate(chunks):
             self._hook_chunk(c, chunk)
         buffers.after_grads = self._after_grads
+        buffers.after_split_backward = self._after_split_backward
 
     def _buckets(self, params) -> list[Bucket]:
         return list(dict.fromkeys(self.buffers._bucket_of[id(p)] for p in params if id(p) in self.buffers._bucket_of))
@@ -173,18 +174,25 @@ class ShardedUnits:
         if self.prefetch:
             self._start(unit.prev)
 
+    def _after_split_backward(self) -> None:
+        """A zero-bubble schedule's B is over: its layers' weight gradients, deferred to the W,
+        need no parameters (``parallel/tensor.py``: DeferredGrads), so every layer whose input
+        gradients are done is released now rather than after its W; its grads are still
+        reduce-scattered when the W has folded them (``_after_grads``)."""
+        for unit in self.units:
+            if unit.backward and not unit.root:
+                unit.backward = False
+                if not self.keep:
+                    self._free(unit)
+
     def _after_grads(self, bucket: Bucket, last: bool) -> None:
         """``buffers``: every grad of ``bucket`` in this micro-batch is folded (and its reduction
         launched); ``last``: in the step's last micro-batch."""
         unit = self._unit_of.get(bucket.index)
-        if unit is None or not all(_done(b, last) for b in unit.buckets):
+        if unit is None or not all(self.buffers.folded(b, last) for b in unit.buckets):
             return
         self._record("reduce", unit)
         unit.backward = False
         if last or not (unit.root or self.keep):
             self._free(unit)
 
-
-def _done(b: Bucket, last: bool) -> bool:
-    """Whether bucket ``b``'s grads of the current micro-batch are all folded."""
-    return not b.final if last else len(b.fresh) == len(b.params)

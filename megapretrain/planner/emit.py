@@ -36,7 +36,8 @@ def layout_config(plan: dict, s: dict) -> dict:
     tree, L = to_dict(plan["cfg"]), s["layout"]
     tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
                             sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"],
-                            zero_shard_size=L["zero_shard_size"])
+                            zero_shard_size=L["zero_shard_size"], cp_comm=L["cp_comm"],
+                            tp_comm_overlap=L["tp_comm_overlap"], pp_schedule=L["pp_schedule"])
     tree["train"]["micro_batch_size"] = L["micro_batch_size"]
     if plan["budget"] and "train_tokens" in tree["train"]:  # the budget, the steps derived from it
         tree["train"].update(train_tokens=plan["budget"], iters=TrainConfig.iters)

@@ -112,6 +112,8 @@ def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: i
         if op.kind == "F":
             held[key] = chunks[op.chunk]
             continue
+        if op.kind == "W":  # a zero-bubble schedule's weight gradients: after their B, which counted them
+            continue
         others = sum(held.values()) - held[key]
         if held[key] + others > best[0] + best[1]:
             best = (held[key], others, op.chunk == vpp - 1)

@@ -24,12 +24,15 @@ Time is built from the kernels of one layer, not from one efficiency figure:
 - memory-bound kernels (norms, residual adds, dropout, activation function, RoPE, the loss) as bytes
   moved over 80% of the HBM bandwidth; the backward moves twice the forward's;
 - recomputation re-runs the forward (full) or the attention core (selective) before the backward;
-- tensor-parallel collectives on the critical path (the trainer does not overlap them), ring
-  passes of the ``(b, s, h)`` activation at the NCCL bus bandwidth plus a latency each;
+- tensor-parallel collectives on the critical path, ring passes of the ``(b, s, h)`` activation at
+  the NCCL bus bandwidth plus a latency each; with ``tp_comm_overlap`` only what a ring step takes
+  beyond the GEMM chunk it runs under (``_overlapped``);
 - context parallelism: a rank's matmuls, memory-bound kernels and loss run on its s/cp tokens, its
   causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
-  all-gathers K and V over the cp ranks forward (``2·b·s·kv·d/tp`` values) and reduce-scatters their
-  gradients backward (full recompute gathers again), exposed: the trainer does not overlap them;
+  reaches the other ranks' keys as ``parallel.cp_comm`` says (``planner/comm.py``): all-gathers K
+  and V (``2·b·s·kv·d/tp`` values) and reduce-scatters their gradients, exposed; passes them
+  around a ring under each block's attention, exposed only beyond it; or two all-to-alls each
+  way, exposed (full recompute repeats the forward's);
 - FP8 linears (``model.fp8``): their GEMMs at the device's FP8 peak, their casts as memory-bound
   kernels, FP8 input all-gathers, FP8 copies in memory (``planner/fp8.py``, applied by
   :func:`estimate`);
@@ -48,19 +51,22 @@ on H100s); they are estimates to choose a layout with, to be checked with ``tool
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, PipelineError, UserError
+from ..errors import ConfigError, UserError
 from ..model.args import ModelArgs, model_args
 from ..model.attention import dense_document_mask
 from ..model.build import one_layer_specs
 from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
-from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
+from ..parallel.pipeline import resolve_schedule
+from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import fp8_delta, fp8_memory
-from .memory import in_flight, stage_memory, stage_params
+from .memory import stage_memory, stage_params
+from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -146,6 +152,7 @@ class LayerTime:
     memory_b: float
     attn_f: float = 0.0  # the attention core, recomputed under selective recompute
     attn_b: float = 0.0
+    weight_b: float = 0.0  # the weight-gradient matmuls (part of matmul_b): a zero-bubble schedule's W
 
     @property
     def forward(self) -> float:
@@ -167,6 +174,7 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, s
     shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]  # (out, in) on this rank
     mm = [gemm_fwd_bwd_s(device, tokens, out, inp) for out, inp in shapes]
     matmul_f, matmul_b = sum(a for a, _ in mm), sum(b for _, b in mm)
+    weight_b = sum(gemm_s(device, inp, out, tokens) for out, inp in shapes)  # (in × tokens)·(tokens × out)
 
     # memory-bound kernels: norms and residual adds (+ dropout) run on s/tp tokens under SP, on
     # all of them otherwise; activation function, q/k/v layout copies and RoPE on h/tp features
@@ -186,14 +194,15 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, s
         scores = micro * n * queries * seq
         attn_f = qk[0] + pv[0] + memory_s(device, scores * (4 + 5 * dropout), 1 + dropout)
         attn_b = qk[1] + pv[1] + memory_s(device, scores * (6 + 5 * dropout), 1 + dropout)
-    return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b)
+    return LayerTime(matmul_f, matmul_b, memory_f, memory_b, attn_f, attn_b, weight_b)
 
 
 def head_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int) -> LayerTime:
     """The output layer and the vocab-parallel loss (fp32 logits written, read, their gradient)."""
     tokens, rows = micro * seq, args.padded_vocab(tp) // tp
     f, b = gemm_fwd_bwd_s(device, tokens, rows, args.hidden_size)
-    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2))
+    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2),
+                     weight_b=gemm_s(device, args.hidden_size, rows, tokens))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,16 +252,6 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
     return passes * ((size - 1) / size * nbytes / bw + latency)
 
 
-def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
-    """Layers on each stage (its chunks together) and the most in one chunk."""
-    pp, vpp, n = layout.pp, layout.vpp, model.num_layers
-    chunks = layout.pipeline_layers or [n // (pp * vpp)] * (pp * vpp)
-    if len(chunks) != pp * vpp or sum(chunks) != n or min(chunks) < 1 or (
-            layout.pipeline_layers is None and n % (pp * vpp)):
-        raise PipelineError(f"{n} layers do not split into pp {pp} × vpp {vpp} chunks (give pipeline_layers)")
-    return [sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp)], max(chunks)
-
-
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, micro_batches: int,
             schedule: str, attention: str) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
@@ -291,10 +290,10 @@ def context_gather_bytes(model: ModelArgs, layout: Layout, seq: int) -> float:
     return 0.0 if layout.cp == 1 else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
 
 
-def context_gather_s(model: ModelArgs, device: Device, layout: Layout, seq: int) -> float:
-    """One layer's K/V all-gather over cp (its backward's reduce-scatter takes as long): a ring over
-    the cp ranks, tp apart in the rank grid, on the critical path."""
-    return _ring_s(device, layout.cp, layout.tp, context_gather_bytes(model, layout, seq))
+def _overlapped(comm: float, gemm: float, tp: int) -> float:
+    """The exposed part of a sequence-parallel collective of ``comm`` seconds run as tp − 1 ring
+    steps, each under one of the tp chunks of a ``gemm``-second GEMM (``parallel/tp_overlap.py``)."""
+    return (tp - 1) * max(0.0, comm / (tp - 1) - gemm / tp)
 
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
@@ -305,8 +304,9 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
-    kind = resolve_schedule(schedule, pp, vpp, m)
-    stage_layers, _ = _stage_layers(model, L)
+    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, pp, vpp, m)
+    layers_on, per_chunk = stage_layers(model, L, kind)
+    last = head_stage(L, kind)
     sp, hidden, world = L.sequence_parallel, model.hidden_size, L.world_size
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
@@ -321,23 +321,31 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
+    if L.tp_comm_overlap:  # each collective in tp − 1 ring steps, each under 1/tp of its GEMMs
+        tp_f, tp_b = 4 * _overlapped(ring, lt.matmul_f / 4, tp), 6 * _overlapped(ring, lt.matmul_b / 6, tp)
     if delta is not None:  # the input all-gathers send FP8
         tp_f, tp_b = tp_f * delta.tp_fraction_f, tp_b * delta.tp_fraction_b
-    cp_f = cp_b = context_gather_s(model, device, L, seq)  # K/V all-gather forward, grads reduce-scattered back
+    # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or all-to-all
+    cp_f, cp_b = context_comm_s(model, L, seq, lt.attn_f, lt.attn_b, _bandwidth(device, cp, tp))
     # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
     redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
             "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
     def stage(r: int) -> tuple[float, float]:
-        head = r == pp - 1
-        f = stage_layers[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
-        b = stage_layers[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
+        head = r == last
+        f = layers_on[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
+        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
         return f * slow, b * slow
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
     f, b = stage(busiest)
-    stretch, _ = _pipeline(kind, pp, vpp, m, round(4 * b / f) / 4)  # backward/forward to 1/4: cached
-    n, head = stage_layers[busiest], busiest == pp - 1
+    n, head = layers_on[busiest], busiest == last
+    w = (n * lt.weight_b + head * ht.weight_b) * slow  # what a zero-bubble schedule's W ops run
+    per_token = activation_bytes_per_token(model, tp, sp, L.recompute, seq, attention, kv_copies(L))
+    deferred = deferred_bytes_per_token(model, tp, sp) / per_token  # what waits for a W, in activations
+    # ratios to 1/4 (deferred to 1/8): the replay is cached
+    stretch, in_flight = pipeline_model(kind, pp, vpp, m, round(4 * b / f) / 4, round(4 * w / f) / 4,
+                                        round(8 * deferred) / 8)
     compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
     tensor = n * (tp_f + tp_b + redo[2]) + head * 4 * ring
@@ -345,12 +353,11 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, m, schedule, attention)
+    mem, params = _memory(model, seq, L, device, precision, m, kind, attention)
     if delta is not None:
         split, replicated, _ = layer_params(model)
-        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight(L, mem["stage"], m, schedule),
-                         per_chunk=_stage_layers(model, L)[1], zero=L.zero,
-                         gathered_bytes=min(3, max(stage_layers)) * (split / tp + replicated) * 2)
+        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight, per_chunk=per_chunk, zero=L.zero,
+                         gathered_bytes=min(3, max(layers_on)) * (split / tp + replicated) * 2)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
@@ -418,17 +425,6 @@ def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> floa
     return 2.0 * matmul / args.num_layers + attention
 
 
-@functools.cache
-def _pipeline(kind: str, pp: int, vpp: int, m: int, b_cost: float) -> tuple[float, int]:
-    """(step time over busy time, peak in-flight micro-batch chunks on stage 0) of a schedule,
-    replayed with a forward costing 1 and a backward ``b_cost``. Past 2·pp micro-batches the idle
-    time and the peak no longer grow (steady state), so at most that many are replayed."""
-    ms = min(m, 2 * pp)
-    sim = simulate([schedule_order(kind, r, pp, vpp, ms) for r in range(pp)], pp, vpp, 1.0, b_cost)
-    idle = sim["makespan"] - ms * vpp * (1.0 + b_cost)
-    return 1.0 + max(0.0, idle) / (m * vpp * (1.0 + b_cost)), peak_in_flight(schedule_order(kind, 0, pp, vpp, ms))
-
-
 MIN_CP_TOKENS = 8192  # cp > 1 only while each rank keeps this many tokens of a sample
 
 
@@ -481,9 +477,11 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
             if global_batch % (mb * dp) or (vpp > 1 and (global_batch // (mb * dp)) % pp):
                 continue
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                for recompute in ("none", "selective", "full"):
-                    for shard in _shard_sizes(zero, tp, dp * cp, gpus_per_node):
-                        out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard))
+                for recompute, shard, cp_comm, schedule, overlap in itertools.product(
+                        ("none", "selective", "full"), _shard_sizes(zero, tp, dp * cp, gpus_per_node),
+                        context_modes(model, tp, cp), schedules(pp, vpp), (False, True) if tp > 1 else (False,)):
+                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard,
+                                      cp_comm=cp_comm, pp_schedule=schedule, tp_comm_overlap=overlap))
     return out
 
 

@@ -21,6 +21,7 @@ from ..model.build import model_args
 from ..model.decoder import num_parameters
 from ..monitor.flops import DEVICES, with_device
 from ..resolve import resolve
+from .comm import context_step_bytes
 from .model import GIB, context_gather_bytes, estimate_run, search
 
 
@@ -99,7 +100,8 @@ def summary(plan: dict, e, args) -> dict:
         "params": num_parameters(plan["model"]),
         "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
                    "zero": L.zero, "zero_shard_size": L.shard, "recompute": L.recompute,
-                   "sequence_parallel": L.sequence_parallel,
+                   "sequence_parallel": L.sequence_parallel, "cp_comm": L.cp_comm,
+                   "tp_comm_overlap": L.tp_comm_overlap, "pp_schedule": L.pp_schedule,
                    "pipeline_layers": list(L.pipeline_layers) if L.pipeline_layers else None,
                    "flags": L.flags()},
         "fits": e.fits,
@@ -108,6 +110,8 @@ def summary(plan: dict, e, args) -> dict:
                       "total": mem["total"] / GIB, "capacity": mem["capacity"] / GIB},
         "time_s": dict(t),
         "cp_kv_gather_mib_per_layer": context_gather_bytes(plan["model"], L, cfg.train.seq_length) / 2**20,
+        "cp_traffic_mib_per_step": context_step_bytes(plan["model"], L, cfg.train.seq_length,
+                                                      cfg.train.global_batch_size) / 2**20,
         "step_s": t["total"], "mfu": e.mfu, "hfu": e.hfu, "tflops_per_gpu": e.tflops_per_gpu,
         "hw_tflops_per_gpu": e.hw_tflops_per_gpu, "tokens_per_s_per_gpu": e.tokens_per_gpu_s,
         "tokens_per_s": e.tokens_per_gpu_s * args.gpus,

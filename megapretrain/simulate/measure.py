@@ -272,11 +272,12 @@ class Measurement:
 
     def _backward_op(self, grad_sync):
         @contextlib.contextmanager
-        def measured(last: bool):
-            micro, chunk = self._next_op("B")
+        def measured(last: bool, split: tuple | None = None):
+            # a zero-bubble schedule's W op (split ("W", key)) is a backward region of its own
+            micro, chunk = self._next_op(split[0] if split is not None else "B")
             region = self._enter("backward", micro=micro, chunk=chunk)
             try:
-                with grad_sync(last):
+                with grad_sync(last, split):
                     yield
             finally:
                 while self.region is not region:

@@ -1,0 +1,159 @@
+"""Split backward and the zero-bubble schedules under the real trainer.
+
+A zero-bubble schedule runs each chunk's backward as B (input gradients) and a later W (the
+linears' weight gradients, kept back by ``parallel/tensor.py``'s DeferredGrads). The tests check
+that the split changes nothing but the order: B then W gives a whole backward's gradients, and the
+trainer under zb_h1 and zbv (with dp buckets, ZeRO 1 and 2, sequence parallelism, recompute, tied
+embeddings) reproduces the single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megapretrain.model.decoder import DecoderModel
+from megapretrain.parallel.random import RNGTracker
+from megapretrain.parallel.state import Group
+from megapretrain.parallel.tensor import ColumnParallelLinear, DeferredGrads, RowParallelLinear, defer_weight_grads
+from megapretrain.train import setup
+
+from distributed import run_distributed
+from helpers import tiny_args
+from test_parallel_equivalence import BASE, _train, check, reference_for
+from test_reshard import ITERS, SPLIT, _launch
+
+
+def _grads(model: DecoderModel) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_input_then_weight_gradients_equal_one_backward(recompute):
+    """Two micro-batches' B ops, then their W ops (in the order ZB-H1's last stage runs them):
+    the same gradients as two whole backwards; during the Bs every linear's weight has none."""
+    args = tiny_args()
+    tokens = torch.randint(0, args.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(3))
+    tp = Group("tp", [0], None, 0)
+
+    def model():
+        m = DecoderModel(args, tp, recompute=recompute, rng=RNGTracker(0, 0, "cpu"))
+        m.init_weights(5)
+        return m
+
+    whole, split = model(), model()
+    for micro in tokens:
+        whole(micro[:, :-1], micro[:, 1:]).sum().backward()
+    deferred = DeferredGrads()
+    defer_weight_grads([split], deferred)
+    for i, micro in enumerate(tokens):
+        with deferred.capture((i, 0)):
+            split(micro[:, :-1], micro[:, 1:]).sum().backward()
+    linears = {f"{name}.weight" for name, m in split.layers.named_modules(prefix="layers")
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    assert len(linears) >= args.num_layers * 4
+    assert {name for name, p in split.named_parameters() if p.grad is None} == linears
+    assert deferred.pending() == 2
+    for i in range(2):
+        deferred.flush((i, 0))
+    assert deferred.pending() == 0
+    reference, got = _grads(whole), _grads(split)
+    assert set(got) == set(reference)
+    for name, grad in reference.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_micro_batch_cannot_be_captured_twice():
+    deferred = DeferredGrads()
+    with deferred.capture((0, 0)):
+        pass
+    with pytest.raises(RuntimeError, match=r"already waiting for their W"), deferred.capture((0, 0)):
+        pass
+
+
+ZB = {
+    "pp2_zb_h1": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1"], ()),
+    "pp2_zbv_tied": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv"],
+                     ("--model.tie_embeddings", "true")),
+    "pp2_dp2_zb_h1_zero2": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1", "--parallel.zero", "2"], ()),
+    "pp2_dp2_zbv_zero1_recompute": (4, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv",
+                                        "--parallel.zero", "1", "--parallel.recompute", "full"], ()),
+    "tp2_sp_pp2_zb_h1_selective": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                       "--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1",
+                                       "--parallel.recompute", "selective"], ()),
+    "pp2_dp2_zb_h1_zero3": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1", "--parallel.zero", "3"], ()),
+    "pp4_zb_h1": (4, ["--parallel.pp", "4", "--parallel.pp_schedule", "zb_h1"], ()),
+    "pp4_zbv": (4, ["--parallel.pp", "4", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv"],
+                ("--model.num_layers", "8")),
+}
+SLOW_ZB = {"pp2_dp2_zb_h1_zero3", "pp2_dp2_zbv_zero1_recompute", "tp2_sp_pp2_zb_h1_selective", "pp4_zb_h1", "pp4_zbv"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_ZB else n for n in ZB])
+def test_zero_bubble_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
+    """Per-step losses and grad norms (1e-5 relative) and the final parameters equal one process."""
+    world, layout, model_flags = ZB[name]
+    reference = reference_for(model_flags, corpus, tmp_path_factory)
+    results = run_distributed(_train, world, str(tmp_path), corpus, [*model_flags, *layout], timeout=300)
+    check(reference, results)
+
+
+
+RESHARD = {"zbv": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv"]),
+           "1f1b": (2, ["--parallel.pp", "2"]),
+           "interleaved": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [("zbv", "1f1b"), ("interleaved", "zbv")])
+def test_checkpoints_move_between_zero_bubble_and_other_layouts(saved, resumed, corpus, tmp_path):
+    """A zbv checkpoint (stage p holds chunks p and 2·pp − 1 − p) resumes under 1F1B, an interleaved
+    one (chunks p and p + pp) under zbv: the run continues with the single process's losses."""
+    straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, [])[0]
+    run = str(tmp_path / "run")
+    _launch(RESHARD[saved][0], run, corpus, SPLIT, RESHARD[saved][1])
+    record = _launch(RESHARD[resumed][0], run, corpus, ITERS, RESHARD[resumed][1])[0]
+    assert [r["iter"] for r in record["resumed"]] == [SPLIT]
+    for it in range(1, ITERS + 1):
+        assert record["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "3", "--layers", "8"], "model.num_layers=8"),
+    (["--pp", "4", "--schedules", "zbv", "--layers", "4"], "model.num_layers=4"),
+])
+def test_pipeline_bench_refuses_a_layout_in_one_line(flags, message, capsys):
+    from megapretrain.commands import bench_pipeline
+    assert bench_pipeline.main(flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def _fit(rank, world, run_dir, corpus, iters, layout):
+    setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
+           "--schedule.decay_iters", "6", "--model.hidden_dropout", "0.1", "--model.attention_dropout", "0.1"]).fit()
+
+
+def _rows(run_dir: str) -> tuple[list, list]:
+    """(iter, loss, grad norm) of every step metrics.jsonl records, and the iterations resumed from."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
+        [r["iter"] for r in rows if r.get("event") == "resumed"]
+
+
+@pytest.mark.slow
+def test_resume_under_zbv_is_bitwise_exact(corpus, tmp_path):
+    """pp 2 with ZB-V and dropout: 3 iterations, stop, relaunch to 6 gives bit for bit the losses
+    and grad norms of 6 straight (the deferred weight gradients leave nothing behind a step)."""
+    layout = RESHARD["zbv"][1]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    run_distributed(_fit, 2, straight, corpus, 6, layout, timeout=300)
+    run_distributed(_fit, 2, split, corpus, 3, layout, timeout=300)
+    run_distributed(_fit, 2, split, corpus, 6, layout, timeout=300)
+    (rows_a, _), (rows_b, resumed) = _rows(straight), _rows(split)
+    assert resumed == [3] and [r[0] for r in rows_b] == list(range(1, 7))
+    assert rows_a == rows_b
