@@ -187,7 +187,7 @@ def shrink(text: str) -> str:
     """The command at tiny size (see the module docstring)."""
     for pattern, replacement, _ in REWRITES:
         text = re.sub(pattern, replacement, text)
-    if TRAINS.search(text) and "--help" not in text and " --check" not in text:  # --check trains nothing
+    if TRAINS.search(text) and "--help" not in text and not re.search(r"\s--check(\s|$)", text):  # trains nothing
         iters = re.search(r"--train\.iters (\d+)", text)
         if iters:
             text = text.replace(iters[0], f"--train.iters {max(2, math.ceil(int(iters[1]) / 10))}")
@@ -419,6 +419,8 @@ def test_commands_are_found_and_shrunk():
     assert "--train.train_tokens 1536 " in budget and budget.endswith(TINY)
     check = "python -m megapretrain.train --config c.yaml --check"
     assert shrink(check) == check
+    saves = shrink("python -m megapretrain.train --checkpoint.interval 5")  # --check... is not --check
+    assert saves.endswith(f"{TINY} --train.iters {DEFAULT_ITERS}")
 
 
 def test_every_fence_has_a_language_and_no_prompt():
