@@ -45,7 +45,10 @@ setup(
                 # only a source build, which run_scripts/test.sh makes against the installed torch)
                 "accelerate>=0.30",
                 # the real wandb package, tested offline (WANDB_MODE=offline: no network, no account)
-                "wandb>=0.16"],
+                "wandb>=0.16",
+                # model.fp8's reference: tests compare the FP8 linears with torchao.float8's recipes
+                # (0.15-0.18 run on torch 2.13 CPU; float8 training is plain Python there)
+                "torchao>=0.15"],
     },
     entry_points={"console_scripts": [
         "megapretrain-train=megapretrain.train:main",
@@ -64,5 +67,7 @@ setup(
         "megapretrain-pipeline-schedule=megapretrain.commands.pipeline_schedule:main",
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
+        "megapretrain-simulate=megapretrain.commands.simulate:main",
+        "megapretrain-check-planner=megapretrain.commands.check_planner:main",
     ]},
 )

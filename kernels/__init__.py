@@ -16,12 +16,40 @@ Each op is a ``torch.library.custom_op`` with a fake implementation (and an auto
 it has a gradient), so ``torch.compile`` traces it. Dispatch: the Triton kernel on CUDA, the
 reference on CPU, and Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported)
 to run the real kernels on CPU in tests.
+
+Where the program's choices depend on the device — which kernels, the output layer's loss path,
+chunk sizes — it asks :func:`device_type`: the tensors' own device type, or inside
+:func:`simulated_device` the one a simulation stands in for (``megapretrain.simulate`` runs a
+GPU rank's program on fake CPU tensors: torch builds without CUDA cannot differentiate fake CUDA
+tensors, so the tensors stay on the CPU and the choices are the GPU's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import os
+
+import torch
+
+_SIMULATED: contextvars.ContextVar[str | None] = contextvars.ContextVar("megapretrain_simulated_device",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def simulated_device(device_type: str):
+    """Inside: :func:`device_type` answers ``device_type`` (e.g. "cuda") for every device."""
+    token = _SIMULATED.set(device_type)
+    try:
+        yield
+    finally:
+        _SIMULATED.reset(token)
+
+
+def device_type(device: torch.device | str) -> str:
+    """The device type the program makes its choices for: ``device``'s, or the simulated one."""
+    return _SIMULATED.get() or torch.device(device).type
 
 
 def triton_available() -> bool:
@@ -29,8 +57,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(device_type: str) -> bool:
-    """Run Triton kernels on CUDA, or on CPU under the interpreter; else use the torch reference."""
+def use_triton(kind: str) -> bool:
+    """Run Triton kernels on CUDA, or on CPU under the interpreter; else use the torch reference.
+    ``kind``: a device type, as :func:`device_type` gives it."""
     if not triton_available():
         return False
-    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return kind == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

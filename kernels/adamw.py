@@ -6,8 +6,9 @@ masters into the bf16/fp16 model parameters in one more. :func:`fused_adamw_` re
 exp_avg and exp_avg_sq once and writes master, moments and (optionally) the low-precision parameter
 copy in the same pass: 16 bytes read and 12 + 2 written per element, the minimum for AdamW. Inside
 it apply the grad scale factor (grad-clip coefficient × 1 / loss scale, a device tensor, so no host
-sync), decoupled weight decay per element through a bit mask (:func:`decay_mask`; 1-D parameters
-such as norm weights get none) and bias correction. :func:`grad_sq_sum` is the companion for the
+sync), the skip of a step whose gradients were not finite (``found_inf``, a device flag),
+decoupled weight decay per element through a bit mask (:func:`decay_mask`; 1-D parameters such as
+norm weights get none) and bias correction. :func:`grad_sq_sum` is the companion for the
 grad norm: each grad read once, partial sums per block in fp32 (scaled by the block's largest
 grad, so that no square overflows), summed in fp64.
 
@@ -29,11 +30,13 @@ SQ_BLOCK = 4096
 
 
 @jit
-def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, mask_ptr, scale_ptr, n,
+def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, mask_ptr, scale_ptr, skip_ptr, n,
                   beta1, beta2, eps, lr_wd, step_size, bc2_sqrt, HAS_OUT: tl.constexpr,
-                  HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
+    if HAS_SKIP:  # a skipped step writes nothing
+        live = live & (offs * 0 + tl.load(skip_ptr) == 0)  # the flag broadcast over the block
     g = tl.load(grad_ptr + offs, mask=live, other=0.0).to(tl.float32) * tl.load(scale_ptr)
     p = tl.load(master_ptr + offs, mask=live, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=live, other=0.0)
@@ -98,7 +101,7 @@ def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: i
     return lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
 
 
-def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps,
+def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
                    weight_decay, step) -> None:
     lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
     n = master.numel()
@@ -106,13 +109,16 @@ def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr
         return
     _adamw_kernel[(cdiv(n, BLOCK),)](grad, master, exp_avg, exp_avg_sq,
                                      param_out if param_out is not None else master,
-                                     mask if mask is not None else master, scale, n, beta1, beta2, eps,
+                                     mask if mask is not None else master, scale,
+                                     skip if skip is not None else scale, n, beta1, beta2, eps,
                                      lr_wd, step_size, bc2_sqrt, HAS_OUT=param_out is not None,
-                                     HAS_MASK=mask is not None, BLOCK=BLOCK)
+                                     HAS_MASK=mask is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK)
 
 
-def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps,
+def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
                   weight_decay, step) -> None:
+    if skip is not None and bool(skip.reshape(-1)[0]):  # the reference reads the flag on the host
+        return
     lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
     g = grad.float() * scale  # (n,) fp32
     if weight_decay:
@@ -129,16 +135,21 @@ def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr,
                          mutates_args=("master", "exp_avg", "exp_avg_sq", "param_out"))
 def _fused_adamw_op(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, param_out: torch.Tensor | None, mask: torch.Tensor | None,
-                    scale: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, step: int) -> None:
+                    scale: torch.Tensor, skip: torch.Tensor | None, lr: float, beta1: float, beta2: float,
+                    eps: float, weight_decay: float, step: int) -> None:
     _check(grad, master, exp_avg, exp_avg_sq, param_out, mask)
     impl = _triton_adamw_ if use_triton(grad, master) else _torch_adamw_
-    impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps, weight_decay, step)
+    impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps, weight_decay,
+         step)
 
 
 @_fused_adamw_op.register_fake
-def _(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, lr, beta1, beta2, eps, weight_decay, step):
+def _(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps, weight_decay, step):
     return None
+
+
+def _skip_tensor(found_inf, like: torch.Tensor) -> torch.Tensor | None:
+    return None if found_inf is None else found_inf.reshape(1).to(device=like.device, dtype=torch.int32)
 
 
 def _scale_tensor(scale, like: torch.Tensor) -> torch.Tensor:
@@ -150,25 +161,27 @@ def _scale_tensor(scale, like: torch.Tensor) -> torch.Tensor:
 def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                  param_out: torch.Tensor | None = None, decay: torch.Tensor | None = None,
-                 grad_scale: float | torch.Tensor = 1.0) -> None:
+                 grad_scale: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over flat (n,) shards: ``master``, ``exp_avg``, ``exp_avg_sq``
     (fp32) from ``grad`` (fp32 or low precision) times ``grad_scale``; ``step`` counts from 1.
 
     ``decay`` is a :func:`decay_mask` (None: every element decays); ``param_out`` (n,) bf16/fp16,
-    if given, receives the new master rounded to its dtype.
+    if given, receives the new master rounded to its dtype. ``found_inf``: a one-element device
+    flag; when it is nonzero nothing is written (the step is skipped without a host sync).
     """
     _fused_adamw_op(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
-                    lr, beta1, beta2, eps, weight_decay, step)
+                    _skip_tensor(found_inf, master), lr, beta1, beta2, eps, weight_decay, step)
 
 
 def fused_adamw_reference(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                           exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                           weight_decay: float, step: int, param_out: torch.Tensor | None = None,
-                          decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0) -> None:
+                          decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
+                          found_inf: torch.Tensor | None = None) -> None:
     """:func:`fused_adamw_` in plain torch ops, on any device."""
     _check(grad, master, exp_avg, exp_avg_sq, param_out, decay)
     _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
-                  lr, beta1, beta2, eps, weight_decay, step)
+                  _skip_tensor(found_inf, master), lr, beta1, beta2, eps, weight_decay, step)
 
 
 @torch.library.custom_op("megapretrain::grad_sq_sum", mutates_args=())

@@ -121,7 +121,8 @@ def _torch_grad_(logits, targets, lse, scale, z_loss: float, vocab_start: int, v
     for i, j, w in _row_blocks(logits, valid):
         w.sub_(lse[i:j, None]).exp_().mul_(coef[i:j, None])  # softmax, scaled for the z-loss
         hit = (local[i:j] >= 0) & (local[i:j] < valid)
-        w[hit.nonzero().squeeze(-1), local[i:j][hit]] -= 1.0
+        # minus one at the target of each row that has it here (others add -0: no data-dependent shapes)
+        w.scatter_add_(1, local[i:j].masked_fill(~hit, 0)[:, None], -hit.to(w.dtype)[:, None])
         logits[i:j, :valid] = w.mul_(scale[i:j, None])
     logits[:, valid:] = 0.0  # padding columns: no gradient
 
@@ -146,8 +147,8 @@ def torch_loss_grad_(logits, targets, scale, z_loss: float, vocab_start: int, va
         log_sum[i:j] = sum_exp.log()
         coef = 1.0 + 2.0 * z_loss * (row_max[i:j] + log_sum[i:j])  # the z-loss scales the softmax term
         w.mul_((scale[i:j] * coef / sum_exp)[:, None])  # scale · softmax · coef
-        hit = mine[i:j].nonzero().squeeze(-1)
-        w[hit, local[i:j][hit]] -= scale[i:j][hit]
+        # minus the scale at each row's target (rows without one here add -0: no data-dependent shapes)
+        w.scatter_add_(1, local[i:j, None], -scale[i:j].masked_fill(~mine[i:j], 0.0).to(w.dtype)[:, None])
         logits[i:j, :valid] = w
     logits[:, valid:] = 0.0  # padding columns: no gradient
     lse = row_max + log_sum

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import device_type
 from ._triton import cdiv
 from .cross_entropy import _phases, _valid, combine_stats, torch_loss_grad_
 
@@ -52,7 +53,7 @@ ACCUM_TILE_ROWS = 2048  # vocabulary rows per product folded into a wider weight
 def default_chunk_rows(tokens: int, vocab_local: int, dtype: torch.dtype, device: torch.device) -> int:
     """Tokens per chunk for ``tokens`` tokens: the chunk's logits fill about CHUNK_BYTES (but hold
     at least MIN_ROWS tokens), and the chunks are of equal size."""
-    kind = device.type if device.type in CHUNK_BYTES else "default"
+    kind = device_type(device) if device_type(device) in CHUNK_BYTES else "default"
     row_bytes = max(vocab_local, 1) * torch.finfo(dtype).bits // 8
     rows = max(1, MIN_ROWS[kind], CHUNK_BYTES[kind] // row_bytes)
     return cdiv(tokens, cdiv(tokens, rows)) if tokens else 1

@@ -97,6 +97,12 @@ class ModelConfig:
                            "rotary_pct; Pythia: 0.25).", positive=True, max=1)
     parallel_residual: Optional[bool] = _f(None, "x + attn(ln1(x)) + mlp(ln2(x)) instead of one after the other "
                                            "(GPT-NeoX's use_parallel_residual; null: the family's default).")
+    fp8: str = _f("none", "FP8 GEMMs in every decoder linear (q/k/v, o, gate/up, down), on top of train.precision: "
+                  "none | tensorwise (one scale per tensor, e5m2 gradients) | rowwise (per-row power-of-two "
+                  "scales, e4m3 gradients); torchao.float8's recipes.", choices=("none", "tensorwise", "rowwise"))
+    fp8_skip: list = _f(None, "With model.fp8: linears kept in train.precision, as glob patterns of their names "
+                        "(e.g. ['layers.0.*', '*.down_proj']); the embedding and output layer never run in FP8.",
+                        factory=list)
 
 
 @dataclass
@@ -129,6 +135,8 @@ class ParallelConfig:
     backend: str = _f("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.",
                       choices=("auto", "nccl", "gloo"))
     comm_stats: bool = _f(False, "Count bytes and calls per collective each step (debugging).")
+    fp8_allgather: bool = _f(True, "With model.fp8: sequence parallelism's input all-gather, and ZeRO-3's weight "
+                             "all-gather (tensorwise), send FP8 and scales: half of bf16's bytes.")
 
 
 @dataclass

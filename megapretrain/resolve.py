@@ -21,6 +21,7 @@ from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
 from .model.args import ModelArgs, check_model, model_args
 from .model.attention import check_attention
+from .model.fp8 import check_fp8, fp8_summary
 from .optim.lr_schedule import resolve_decay_iters
 from .optim.optimizer import check_optim
 from .parallel.layout import Layout
@@ -43,6 +44,7 @@ class RunSizes:
     train_samples: int       # samples those steps consume (batch-size ramp-up included)
     schedule: str = "none"   # the pipeline schedule, resolved (parallel.pp_schedule)
     rampup: tuple | None = None  # train.rampup_batch_size
+    fp8: str = ""            # what runs in FP8 (model/fp8.py's summary); "" with model.fp8 none
 
     @property
     def world_size(self) -> int:
@@ -80,6 +82,8 @@ class RunSizes:
                          f"{20 * num_params:,} tokens)")
         if flops_per_token is not None:
             parts.append(f"flops/token={flops_per_token:.3g}")
+        if self.fp8:
+            parts.append(self.fp8)
         return "plan: " + "  ".join(parts)
 
 
@@ -119,7 +123,8 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> str:
             resolve_schedule(p.pp_schedule, p.pp, p.vpp, batch // per_step)
         except PipelineError as exc:
             raise ConfigError(f"train.rampup_batch_size={cfg.train.rampup_batch_size}, at batch {batch}: "
-                              f"{exc}") from None
+                              f"{exc}; or start the ramp-up at a batch that gives such a count, or set "
+                              f"train.rampup_batch_size null") from None
     return schedule
 
 
@@ -132,6 +137,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_optim(cfg.optim)
     layout = Layout.from_config(cfg, world_size)
     check_model(m, layout.tp)
+    check_fp8(cfg, layout)
     attention_warnings = check_attention(cfg, layout)
     batches = check_batches(t, layout.dp)
     schedule = _schedule(cfg, layout, batches)
@@ -146,6 +152,6 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
                      total_tokens=train_samples * t.seq_length, num_kv_heads=model.num_kv_heads,
                      ffn_hidden_size=model.ffn_hidden_size, padded_vocab=model.padded_vocab(layout.tp),
                      decay_iters=decay_iters, iters=iters, train_samples=train_samples, schedule=schedule,
-                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None)
+                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None, fp8=fp8_summary(cfg))
     return Resolved(cfg=cfg, layout=layout, model=model, sizes=sizes, warnings=(*warnings, *attention_warnings))
 

@@ -65,17 +65,21 @@ class RunState:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def checkpoint_state(self) -> dict:
+        """This rank's state as its checkpoint file holds it; the weights and moments are views of
+        the live optimizer state (no copies: the manager makes at most one)."""
+        weights, moments = optimizer_views(self.optimizer)
+        rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        return rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
+                          optimizer_step=self.optimizer.step_count, moments=moments,
+                          scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
+                          schedule=self.lr_schedule.to_dict())
+
     def save(self) -> None:
         """Save a checkpoint (async: in the background) and log how long training was blocked."""
         start = time.perf_counter()
-        weights, moments = optimizer_views(self.optimizer)  # no copies: the manager makes at most one
-        rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        state = rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
-                           optimizer_step=self.optimizer.step_count, moments=moments,
-                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
-                           schedule=self.lr_schedule.to_dict())
-        self.checkpoints.save(self.iteration, state)
+        self.checkpoints.save(self.iteration, self.checkpoint_state())
         self.saved.append(self.iteration)
         self.metrics.event("checkpoint_saved", self.iteration,
                            path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),

@@ -72,8 +72,12 @@ def memory_mb(device: torch.device) -> float:
 
 
 class Trainer(RunState, RunWatch):
-    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None):
-        """``lock``: rank 0's hold on the run directory, touched every step and released by fit()."""
+    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None, *,
+                 datasets: dict | None = None, eod: int | None = None):
+        """``lock``: rank 0's hold on the run directory, touched every step and released by fit().
+        ``datasets``: the train (and valid) datasets to read batches from, in place of those of
+        ``data.paths`` (a simulation's samples of the right shape), with ``eod`` their
+        end-of-document id (else the tokenizer's)."""
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
         self.lock = lock
         t = cfg.train
@@ -107,11 +111,12 @@ class Trainer(RunState, RunWatch):
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
 
-        self.datasets = self._build_datasets()
+        self.datasets = self._build_datasets() if datasets is None else datasets
         d = cfg.data
         self.documents = d.reset_attention_mask or d.reset_position_ids  # every stage needs the token ids
-        self.eod = build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod \
-            if self.documents or d.eod_mask_loss else None
+        self.eod = None
+        if self.documents or d.eod_mask_loss:
+            self.eod = eod if datasets is not None else build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod
         needs_data = self.documents or any(c.pre_process or c.post_process for c in self.model_chunks)
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
@@ -254,7 +259,7 @@ class Trainer(RunState, RunWatch):
         into guidance (the memory summary and the remedies with the planner's estimates)."""
         try:
             self.faults.before_step(self.iteration + 1)
-            return self.train_step()
+            return self._read_step(self.train_step())
         except (torch.OutOfMemoryError, MemoryError) as exc:
             message = report_oom(exc, self.cfg, self.sizes.layout, self.ps.rank, self.iteration + 1, self.device)
             print(message, file=sys.stderr, flush=True)
@@ -263,8 +268,10 @@ class Trainer(RunState, RunWatch):
             sys.exit(OOM_EXIT)
 
     def train_step(self) -> dict:
-        """One optimizer step over the global batch; returns the step's metrics, with where its
-        time went (data wait, forward/backward, waiting for the gradient reduction, the optimizer)."""
+        """One optimizer step over the global batch, which reads nothing back from the device;
+        returns the step's metrics as it left them — the loss sum, the grad norm and the skip flag
+        still device tensors (:meth:`_read_step` reads them) — with where its time went (data wait,
+        forward/backward, waiting for the gradient reduction, the optimizer)."""
         ps, it = self.ps, self.iteration + 1
         start = time.perf_counter()
         if ps.stats is not None:
@@ -288,13 +295,26 @@ class Trainer(RunState, RunWatch):
         reduced = time.perf_counter()
         lr = self.lr_schedule(it) * self.lr_scale
         self._stall_s += self.checkpoints.wait_snapshot()  # an async save still copying what the step changes
-        grad_norm, skipped = self.optimizer.step(lr)
-        elapsed = time.perf_counter() - start
-        self.last_loss = loss_sum.item() / tokens
-        return {"loss": self.last_loss, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
-                "global_batch_size": batch, "step_time": elapsed, "data_time": data_time,
+        grad_norm, skipped = self.optimizer.step_on_device(lr)
+        return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
+                "global_batch_size": batch, "started": start, "data_time": data_time,
                 "forward_backward_time": backward_done - computed, "grad_sync_time": reduced - backward_done,
-                "optimizer_time": time.perf_counter() - reduced}
+                "optimizer_started": reduced}
+
+    def _read_step(self, stats: dict) -> dict:
+        """``train_step``'s metrics read on the host, which waits for the step to finish: the loss
+        (the mean over the step's tokens), the grad norm and whether the optimizer skipped the
+        step (then settled: its step count and fp16 loss scale), and the step's and the
+        optimizer's times up to now."""
+        stats = dict(stats)
+        loss = stats.pop("loss_sum").item() / stats.pop("tokens")
+        skipped = bool(stats["skipped"])
+        self.optimizer.settle(skipped)
+        now = time.perf_counter()
+        self.last_loss = loss
+        stats.update(loss=loss, grad_norm=float(stats["grad_norm"]), skipped=skipped,
+                     step_time=now - stats.pop("started"), optimizer_time=now - stats.pop("optimizer_started"))
+        return stats
 
     def _orders(self, batch: int) -> tuple[list, int]:
         """Every stage's schedule order for a global batch of ``batch`` samples, and its micro-batches."""

@@ -19,7 +19,9 @@ def test_the_dry_run_walks_every_phase_and_resolves_the_training_configs(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr
     for phase in gpu_check.phases(str(tmp_path), sys.executable):
         assert f"\n{phase.name} " in "\n" + done.stdout
-    assert done.stdout.count("config: world=1") == 2  # the resume run and the 8B-shaped run resolve
+    # the resume run, the 8B-shaped run and the FP8 phase's 8B-shaped run (its linears FP8) resolve
+    assert done.stdout.count("config: world=1") == 3
+    assert "fp8=tensorwise: 14/14 linears" in done.stdout
     assert sum(p.limit_s for p in gpu_check.phases(str(tmp_path), sys.executable)) <= 480
     assert not os.path.exists(tmp_path / "gpu_check.jsonl")  # a dry run writes nothing
 

@@ -493,11 +493,32 @@ def test_fused_adamw_grad_scale_is_applied_as_the_grad_is_read(fn):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fn", [adamw.fused_adamw_, adamw.fused_adamw_reference])
+def test_fused_adamw_found_inf_skips_the_step_on_the_device(fn):
+    """A set found_inf flag writes nothing (master, moments, parameter copy); an unset one is the
+    step without a flag, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    n = 777
+    grad = torch.randn(n, generator=g).to(DEVICE)
+    start = [torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE),
+             torch.rand(n, generator=g).to(DEVICE), torch.zeros(n, dtype=torch.bfloat16, device=DEVICE)]
+    runs = {}
+    for flag in (None, False, True):
+        state = [t.clone() for t in start]
+        found_inf = None if flag is None else torch.tensor(flag, device=DEVICE)
+        fn(grad, *state[:3], step=3, param_out=state[3], found_inf=found_inf, **ADAM)
+        runs[flag] = state
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[None]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], start))
+    assert not torch.equal(runs[None][0], start[0])
+
+
 def test_fused_adamw_op_registration():
     n = 70
-    args = (torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE), torch.zeros(n, device=DEVICE),
-            torch.zeros(n, device=DEVICE), torch.empty(n, dtype=torch.bfloat16, device=DEVICE),
-            adamw.decay_mask(n, [(0, 40, True)], DEVICE), torch.ones(1, device=DEVICE),
-            1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
-    torch.library.opcheck(torch.ops.megapretrain.fused_adamw_.default, args)
+    for skip in (None, torch.zeros(1, dtype=torch.int32, device=DEVICE)):
+        args = (torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE), torch.zeros(n, device=DEVICE),
+                torch.zeros(n, device=DEVICE), torch.empty(n, dtype=torch.bfloat16, device=DEVICE),
+                adamw.decay_mask(n, [(0, 40, True)], DEVICE), torch.ones(1, device=DEVICE), skip,
+                1e-3, 0.9, 0.95, 1e-8, 0.1, 1)
+        torch.library.opcheck(torch.ops.megapretrain.fused_adamw_.default, args)
     torch.library.opcheck(torch.ops.megapretrain.grad_sq_sum.default, (torch.randn(n, device=DEVICE),))

@@ -21,7 +21,7 @@ LEVELS = {
     "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "run_watch": 5,
     "resolve": 5, "runtime": 5,
     "trainer": 6,
-    "train": 7,
+    "train": 7, "simulate": 7,  # simulate: runs the trainer's steps on fake tensors
     "commands": 8,  # the tools' code: may drive the trainer; nothing below imports it
 }
 DRIVERS = {"smoke_test", "bench_checkpoint"}  # commands whose job is to run the real trainer in-process

@@ -210,11 +210,12 @@ def test_gelu_layers_are_gpt3_s_and_recomputation_counts_in_hfu_only():
     sel = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0, recompute="selective"), 512, DEVICES["a100"],
                    attention="unfused")
     assert 1 < sel.hfu / sel.mfu < 1.05
-    # unfused attention keeps its s × s softmax unless recomputed selectively; flash never does
+    # unfused attention keeps its s × s softmax unless recomputed selectively; flash never does, only
+    # its fp32 log-sum-exp per head and token
     none = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512, DEVICES["a100"], attention="unfused")
     assert none.memory["activations"] > 1.5 * sel.memory["activations"]
-    assert sel.memory["activations"] == estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512,
-                                                 DEVICES["a100"]).memory["activations"]
+    flash = estimate(gelu, 2048, Layout(tp=1, pp=1, dp=32, zero=0), 512, DEVICES["a100"])
+    assert flash.memory["activations"] - sel.memory["activations"] == 24 * 2048 * 4 * gelu.num_heads
 
 
 def test_small_matmuls_fall_below_the_device_s_efficiency():

@@ -173,3 +173,27 @@ def test_throughput_and_memory_checks():
     assert not check.ok and "peak 2.00 GB" in check.measured
     Args.max_memory_gb = 4.0
     assert preflight.check_memory([run], Config(), Args).ok
+
+
+def test_production_layout_check_simulates_every_role(tmp_path):
+    """--world-size: the config's layout on that many GPUs, one rank per role simulated; fails when a
+    peak plus the allowance exceeds the memory, or when the layout cannot run at that size."""
+    import argparse
+
+    overrides = TINY + ["--parallel.pp", "2", "--parallel.zero", "1", "--model.vocab_size", "300",
+                        "--train.micro_batch_size", "1"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
+    args = argparse.Namespace(config=os.path.join(ROOT, "configs", "tiny.yaml"), world_size=8, gpu="h100",
+                              max_memory_gb=None)
+    check = preflight.check_production(args, overrides, cfg, str(tmp_path))
+    assert check.ok and "8 GPUs, 2 roles" in check.measured, check
+    assert (tmp_path / "simulate" / "report.md").read_text().startswith("# Simulated ranks")
+    args.max_memory_gb = 1.0  # below the 4 GB allowance alone
+    assert not preflight.check_production(args, overrides, cfg, str(tmp_path)).ok
+    args.world_size = 6  # tp 4 × pp 2 does not divide it
+    bad = preflight.check_production(args, overrides + ["--parallel.tp", "4"], cfg, str(tmp_path))
+    assert bad.ok is False and "must divide the world size 6" in bad.measured
+    args.world_size, args.max_memory_gb = 8, None  # dp 4: the ramp-up's first batch, 2, is under one sample a rank
+    ramp = preflight.check_production(args, overrides + ["--train.rampup_batch_size", "[2, 2, 100]"], cfg,
+                                      str(tmp_path))
+    assert ramp.ok is False and "the ramp's batch 2 is not a multiple" in ramp.measured, ramp

@@ -128,22 +128,34 @@ def _split(tree, path: str, tensors: dict):
     return tree
 
 
-def write_rank_state(path: str, state: dict) -> tuple[int, int]:
-    """Write ``state`` (its tensors may be :class:`LazyTensor`) to ``path`` through ``path.part``
-    (fsynced before the rename). Returns the file's size and CRC-32 (for the metadata)."""
+def _file_entries(state: dict) -> tuple[list, dict[str, str]]:
+    """A rank state's tensors as the file's entries, in the order written, and its header metadata."""
     tensors: dict = {}
     skeleton = _split(state, "", tensors)
     # larger elements first: every tensor's bytes start aligned to its element size
     order = sorted(tensors, key=lambda k: -tensors[k].dtype.itemsize)
     entries = [(k, t.dtype, tuple(t.shape), t.read if isinstance(t, LazyTensor) else t)
                for k, t in ((k, tensors[k]) for k in order)]
+    return entries, {STATE_KEY: json.dumps(skeleton)}
+
+
+def write_rank_state(path: str, state: dict) -> tuple[int, int]:
+    """Write ``state`` (its tensors may be :class:`LazyTensor`) to ``path`` through ``path.part``
+    (fsynced before the rename). Returns the file's size and CRC-32 (for the metadata)."""
+    entries, meta = _file_entries(state)
     try:
-        size, crc = tensorfile.write(path + ".part", entries, {STATE_KEY: json.dumps(skeleton)})
+        size, crc = tensorfile.write(path + ".part", entries, meta)
         os.replace(path + ".part", path)
     except BaseException:  # a full disk, say: no partial file stays behind
         _remove(path + ".part")
         raise
     return size, crc
+
+
+def rank_state_size(state: dict) -> int:
+    """The size of the file :func:`write_rank_state` would write for ``state``, reading no tensor
+    (a simulation's save: its tensors have no data)."""
+    return tensorfile.file_size(*_file_entries(state))
 
 
 def planned_size(state: dict) -> int:

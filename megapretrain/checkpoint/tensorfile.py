@@ -47,15 +47,11 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def write(path: str, entries: Iterable[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor] | torch.Tensor]],
-          metadata: dict[str, str] | None = None) -> tuple[int, int]:
-    """Write a safetensors file at ``path`` from ``entries``: (name, dtype, shape, tensor or a
-    function returning it), produced and written one at a time in the given order. The file is
-    flushed and fsynced before this returns. Returns (size in bytes, CRC-32 of the whole file)."""
-    entries = list(entries)
+def _head(entries: list, metadata: dict[str, str] | None) -> tuple[bytes, int]:
+    """The file's first bytes (length and JSON header) for ``entries``, and their data's bytes."""
     header, offset = {}, 0
     for name, dtype, shape, _ in entries:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": NAMES[dtype], "shape": [int(s) for s in shape],
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -63,7 +59,22 @@ def write(path: str, entries: Iterable[tuple[str, torch.dtype, tuple, Callable[[
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # data 8-byte aligned
-    head = struct.pack("<Q", len(raw)) + raw
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def file_size(entries: Iterable[tuple[str, torch.dtype, tuple, object]], metadata: dict[str, str] | None = None) -> int:
+    """The bytes :func:`write` would write for ``entries`` and ``metadata``, reading no tensor."""
+    head, data = _head(list(entries), metadata)
+    return len(head) + data
+
+
+def write(path: str, entries: Iterable[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor] | torch.Tensor]],
+          metadata: dict[str, str] | None = None) -> tuple[int, int]:
+    """Write a safetensors file at ``path`` from ``entries``: (name, dtype, shape, tensor or a
+    function returning it), produced and written one at a time in the given order. The file is
+    flushed and fsynced before this returns. Returns (size in bytes, CRC-32 of the whole file)."""
+    entries = list(entries)
+    head, _ = _head(entries, metadata)
     crc, size = zlib.crc32(head), len(head)
     with open(path, "wb") as fh:
         fh.write(head)

@@ -135,7 +135,8 @@ def run_ops(shape: Shape, dtype: torch.dtype) -> None:
         out = torch.empty(n, **meta) if dtype != torch.float32 else None
         for mask in (None, decay):
             adamw.fused_adamw_(grad, master, m, v, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                               step=1, param_out=out, decay=mask, grad_scale=torch.ones((), device="meta"))
+                               step=1, param_out=out, decay=mask, grad_scale=torch.ones((), device="meta"),
+                               found_inf=torch.zeros((), device="meta", dtype=torch.bool))  # as the optimizer
 
 
 @dataclass(frozen=True)

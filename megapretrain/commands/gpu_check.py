@@ -20,6 +20,10 @@ moment it is known, so a run cut short keeps everything before the cut:
                     uninterrupted run: the same losses, bit for bit
  9. ``throughput``  2 layers of Llama-3-8B at seq 8192, bf16, the Triton kernels: tokens/s, MFU
                     against the datasheet peak and against the measured GEMM rate
+10. ``fp8``         FP8 training (``model.fp8``): every linear of Llama-3 8B and 70B forward + backward
+                    in bf16 and each recipe (tools/bench_fp8.py's cases), then 2 layers of Llama-3-8B
+                    at seq 4096 trained a few steps in bf16 and in each recipe: tokens/s, the speed-up
+                    and the loss
 
 The run ends with ``PASS n / FAIL m`` and exits non-zero when anything failed. One GPU cannot test
 multi-rank NCCL (tensor, pipeline and data parallelism across devices): ``tools/smoke_test.py``
@@ -118,6 +122,14 @@ THROUGHPUT = ["--config", os.path.join(ROOT, "configs", "llama3_8b.yaml"), "--mo
               "false", "--model.kernels", "triton", "--optim.impl", "triton", "--train.precision", "bf16"]
 
 
+FP8_RUN = ["--config", os.path.join(ROOT, "configs", "llama3_8b.yaml"), "--model.num_layers", "2",
+           "--train.seq_length", "4096", "--train.micro_batch_size", "1", "--train.global_batch_size", "2",
+           "--train.rampup_batch_size", "null", "--train.train_tokens", "null", "--train.iters", "10",
+           "--schedule.warmup_iters", "0", "--parallel.tp", "1", "--parallel.pp", "1", "--parallel.zero", "0",
+           "--parallel.sequence_parallel", "false", "--model.kernels", "triton", "--optim.impl", "triton",
+           "--train.precision", "bf16", "--model.fp8", "tensorwise"]  # the probe runs none, tensorwise, rowwise
+
+
 def resume_argv(corpus: str) -> list[str]:
     """The resume phase's training flags (``--run.dir`` added per run)."""
     return ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--data.paths", f"[{corpus}_text_document]",
@@ -133,30 +145,33 @@ def phases(out_dir: str, python: str) -> list[Phase]:
     return [
         Phase("env", 10, "torch, CUDA, device, triton and the optional packages", me + ["--probe", "env"],
               _probe_figures),
-        Phase("aot", 60, "every Triton kernel compiled ahead of time for this device's sm_90: registers, spills, "
+        Phase("aot", 55, "every Triton kernel compiled ahead of time for this device's sm_90: registers, spills, "
               "shared memory (CI checks sm_80/90/100)",
               [python, os.path.join(ROOT, "tools", "check_kernels.py"), "--targets", "90",
                "--configs", os.path.join(ROOT, "configs")]),
-        Phase("kernel_tests", 90, "the kernel tests on CUDA, compiled (no interpreter)",
+        Phase("kernel_tests", 80, "the kernel tests on CUDA, compiled (no interpreter)",
               [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                *(os.path.join(ROOT, "tests", f"test_kernels{s}.py") for s in ("", "_loss", "_model"))],
               _pytest_figures),
-        Phase("gemm", 15, "measured bf16 GEMM rate, 8192³", me + ["--probe", "gemm"], _probe_figures),
-        Phase("bench_kernels", 60, "per-kernel GB/s against the copy bandwidth (one JSON line per case)",
+        Phase("gemm", 10, "measured bf16 GEMM rate, 8192³", me + ["--probe", "gemm"], _probe_figures),
+        Phase("bench_kernels", 50, "per-kernel GB/s against the copy bandwidth (one JSON line per case)",
               [python, os.path.join(ROOT, "tools", "bench_kernels.py"), "--iters", "20",
                "--jsonl", os.path.join(out_dir, "bench_kernels.jsonl")]),
-        Phase("attention", 40, "seq 8192, GQA 32/8 heads: SDPA causal; document-masked as the trainer runs it "
+        Phase("attention", 35, "seq 8192, GQA 32/8 heads: SDPA causal; document-masked as the trainer runs it "
               "(model.attention auto, compiled on first use), and with sdpa's dense mask",
               me + ["--probe", "attention"], _probe_figures),
-        Phase("nccl", 25, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
+        Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
               [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
                "megapretrain.commands.gpu_check", "--probe", "nccl"], _probe_figures),
-        Phase("resume", 90, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
+        Phase("resume", 80, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
               "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
               config=resume_argv(os.path.join(tiny, "corpus"))),
-        Phase("throughput", 85, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
+        Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
               [python, os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2", *THROUGHPUT],
               _bench_train_figures, config=THROUGHPUT),
+        Phase("fp8", 60, "FP8 linears of Llama-3 8B/70B against bf16, then 2 layers of Llama-3-8B at seq 4096 in "
+              "bf16, tensorwise and rowwise: tokens/s, speed-up, loss", me + ["--probe", "fp8"], _probe_figures,
+              config=FP8_RUN),
     ]
 
 
@@ -302,7 +317,38 @@ def _probe_resume(out_dir: str) -> dict:
             "seconds": time.perf_counter() - start, "differ_at": [i for i in sorted(a) if a.get(i) != b.get(i)][:5]}
 
 
-PROBES = {"env": _probe_env, "gemm": _probe_gemm, "attention": _probe_attention, "nccl": _probe_nccl}
+def _probe_fp8() -> dict:
+    """tools/bench_fp8.py's linears (8B and 70B shapes, a few runs each), then the FP8_RUN model
+    built and trained 1 + 3 steps in bf16 and in each recipe, from the same seed and batch. The
+    figures so far are printed after each part, so a timeout keeps them."""
+    import argparse
+
+    import torch
+
+    from megapretrain.commands import bench_fp8
+    from megapretrain.commands.bench_train import load, megapretrain_step, time_steps
+    from megapretrain.parallel.fp8 import RECIPES
+    device = torch.device("cuda")
+    linears = bench_fp8.bench(argparse.Namespace(models=list(bench_fp8.MODELS), tokens=8192, tp=1, iters=5,
+                                                 compile=False, jsonl=None), device)
+    figures = {"layer": bench_fp8.layer_totals(linears)}
+    print(f"FIGURES {json.dumps(figures)}", flush=True)
+    at = FP8_RUN.index("--config")
+    for recipe in ("none", *RECIPES):
+        cfg, plan = load(FP8_RUN[at + 1], FP8_RUN[:at] + FP8_RUN[at + 2:] + ["--model.fp8", recipe])
+        step, _ = megapretrain_step(cfg, plan, device)
+        times, loss = time_steps(step, 1, 3, device)
+        figures[recipe] = {"tokens_per_s": plan.tokens_per_batch / sorted(times)[1], "loss": loss}
+        if recipe != "none":
+            figures[recipe]["speedup"] = figures[recipe]["tokens_per_s"] / figures["none"]["tokens_per_s"]
+        print(f"FIGURES {json.dumps(figures)}", flush=True)
+        del step
+        torch.cuda.empty_cache()
+    return figures
+
+
+PROBES = {"env": _probe_env, "gemm": _probe_gemm, "attention": _probe_attention, "nccl": _probe_nccl,
+          "fp8": _probe_fp8}
 
 
 def run_probe(name: str, output: str | None) -> int:
@@ -365,7 +411,7 @@ def check_config(argv: list[str]) -> str:
     except UserError as exc:
         raise UserError(f"gpu_check: a phase's config does not resolve: {exc}") from None
     return (f"{run.layout.describe()}, {run.sizes.tokens_per_batch:,} tokens/step, {run.sizes.iters} steps, "
-            f"{cfg.train.precision}")
+            f"{cfg.train.precision}" + (f"; {run.sizes.fp8}" if run.sizes.fp8 else ""))
 
 
 def derived(figures: dict) -> dict:

@@ -2,7 +2,8 @@
 
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train-tokens 2T
     python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --device a100 --top 5
-    python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --check --json   # the config's own layout
+    python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --layout config --json   # its own layout
+    python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --simulate 3        # top 3 checked by simulation
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --write-config runs/70b.yaml \\
         --write-launch runs/70b.sh
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train.rampup_batch_size null \\
@@ -15,7 +16,10 @@ none/selective/full, sequence parallelism with tp; ranks tp × cp × pp × dp) i
 with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
-wall-clock time and GPU-hours. ``--check`` plans the layout the config already has. ``--json``
+wall-clock time and GPU-hours. ``--layout config`` (or ``--check``) plans the layout the config
+already has. ``--simulate K`` then simulates the busiest pipeline stage of the top K layouts with
+the trainer's own program (``tools/simulate.py``) and prints the planner's figures beside the
+simulated ones: peak memory, and whether every group's traffic is equal. ``--json``
 prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
 as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
 JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``; what a format cannot
@@ -36,12 +40,14 @@ import shlex
 import sys
 
 from megapretrain.cli import fraction, positive_float, positive_int, print_error, user_errors
+from megapretrain.config import load_config
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
 from megapretrain.planner.emit import OutputExistsError, render, write_config, write_launch, write_text
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
 from megapretrain.planner.published import published_table
+from megapretrain.simulate.run import check_layout
 
 # ----------------------------------------------------------------------------------------------
 # Arguments
@@ -58,7 +64,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--gpus", type=positive_int, help="number of GPUs")
     ap.add_argument("--device", default="h100", choices=sorted(DEVICES), help="GPU type (default h100)")
     ap.add_argument("--top", type=positive_int, default=8, help="layouts to show")
-    ap.add_argument("--check", action="store_true", help="plan only the config's own layout")
+    ap.add_argument("--check", action="store_true", help="plan only the config's own layout (= --layout config)")
+    ap.add_argument("--layout", choices=("search", "config"), default="search",
+                    help="search every layout (default) or plan the config's own")
+    ap.add_argument("--simulate", type=positive_int, metavar="K",
+                    help="simulate the busiest stage of the top K layouts and compare (see tools/simulate.py)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also --train.train_tokens")
     ap.add_argument("--attention", default="flash", choices=ATTENTION, help="attention kernels (default flash)")
@@ -78,6 +88,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="the Accelerate YAML's plugin (default deepspeed)")
     ap.add_argument("--overwrite", action="store_true", help="replace files that exist")
     args, rest = ap.parse_known_args(argv)
+    args.check = args.check or args.layout == "config"
     for fmt, _ in args.emit:
         if fmt not in ("deepspeed", "accelerate"):
             raise PlanArgumentError(f"--emit {fmt}: the formats are deepspeed and accelerate")
@@ -150,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         print_error("no layout of these GPUs divides the model and batch; change --gpus or train.global_batch_size")
         return 1
     best = fitting[0] if fitting else (found[0] if args.check else None)
+    checked = simulate_top(args, overrides, (fitting or found)[:args.simulate]) if args.simulate else None
     if args.json:
-        print(json.dumps(summary(plan, best or min(found, key=lambda e: e.memory["total"]), args)))
+        out = summary(plan, best or min(found, key=lambda e: e.memory["total"]), args)
+        print(json.dumps(out if checked is None else {**out, "simulated": checked}))
     else:
         m, t = cfg.model, cfg.train
         print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {t.global_batch_size} × "
               f"{t.seq_length} = {t.global_batch_size * t.seq_length:,} tokens per step, {plan['steps']:,} steps, "
-              f"{t.precision}; {args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
+              f"{t.precision}{'' if m.fp8 == 'none' else f' + fp8 {m.fp8} linears ({device.fp8_tflops:g} TFLOP/s)'}; "
+              f"{args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
               f"{device.efficiency:.0%}, {device.memory_gb:g} GB)")
         if best is None:
             print(f"nothing fits in {device.memory_gb:g} GB; the leanest layouts need:")
@@ -165,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(table([describe(e, plan["full_steps"]) for e in (fitting or found)[:args.top]]))
         print(report(summary(plan, best, args), args.check))
+        if checked is not None:
+            print(simulated_table(checked))
     if best is None or not best.fits:
         if not args.json and best is not None:
             print(f"nothing fits in {device.memory_gb:g} GB: this layout needs {best.memory['total'] / GIB:.1f} GB")
@@ -175,6 +191,27 @@ def main(argv: list[str] | None = None) -> int:
         print_error(err)
         return 2
     return 0
+
+
+def simulate_top(args, overrides: list[str], estimates: list) -> list[dict]:
+    """Each layout's busiest stage simulated (tools/simulate.py) beside the planner's figures."""
+    rows = []
+    for e in estimates:
+        if not args.json:
+            print(f"simulating the busiest stage of {e.layout.flags()} ...", file=sys.stderr, flush=True)
+        cfg = load_config(args.config, overrides + shlex.split(e.layout.flags()))
+        rows.append({"flags": e.layout.flags(), **check_layout(cfg, args.gpus)})
+    return rows
+
+
+def simulated_table(rows: list[dict]) -> str:
+    lines = ["\nchecked by simulation (the busiest stage's first rank; memory in tensors, without the allowance):"]
+    for r in rows:
+        lines.append(f"  {r['flags']}\n    rank {r['rank']} (stage {r['pp_rank']}): simulated "
+                     f"{r['peak_bytes'] / GIB:.1f} GB, planned {r['planned_peak_bytes'] / GIB:.1f} GB "
+                     f"({r['memory_error']:+.1%}); traffic per group "
+                     f"{'equal' if r['traffic_equal'] else 'NOT equal'}; {r['seconds']:.0f} s")
+    return "\n".join(lines)
 
 
 def write_outputs(args, plan: dict, s: dict, best) -> None:

@@ -4,6 +4,7 @@
     python tools/preflight.py --config configs/llama3_8b.yaml --nproc-per-node 8 --iters 50 \\
         --min-tokens-per-sec 60000 --max-memory-gb 75 --layouts
     python tools/preflight.py --config configs/tiny.yaml --train.precision bf16   # any config override
+    python tools/preflight.py --config configs/llama3_8b.yaml --nproc-per-node 8 --world-size 64  # + 64 simulated
 
 It trains the config (with its overrides) for ``--iters`` steps through the real entry point
 (``python -m megapretrain.train``, or torchrun with ``--nproc-per-node`` > 1) in
@@ -22,6 +23,9 @@ these are the first steps of the real run. Then it checks:
     memory             peak memory ≤ the device's (or --max-memory-gb)
     layouts            (--layouts) tools/smoke_test.py: every parallel layout (cp ones included)
                        matches one process
+    production layout  (--world-size N) the config's layout on N GPUs, one rank of every role simulated
+                       with the trainer's own program (tools/simulate.py): each peak plus the planner's
+                       allowance fits the GPU (--gpu, or --max-memory-gb); the planner within 5%
 
 and writes ``RUN_DIR/preflight/report.md`` — the checks with measured values, pass/fail and what to
 do on failure — with loss.png, grad_norm.png, lr.png and throughput.png beside it. The exit status
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 from megapretrain.cli import non_negative_float, positive_float, positive_int, progress_bar, user_errors
 from megapretrain.config import Config, ConfigError, check_output_dirs, load_config
 from megapretrain.errors import UserError
+from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.metrics import read_metrics, training_records
 from megapretrain.optim.lr_schedule import LRSchedule
 from megapretrain.resolve import resolve
@@ -118,6 +123,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--resume-tolerance", type=non_negative_float, default=1e-6, help="largest |Δloss| after resuming")
     ap.add_argument("--timeout-s", type=positive_float, help="stop a training run that takes longer")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing RUN_DIR/preflight")
+    ap.add_argument("--world-size", type=positive_int, metavar="N",
+                    help="also simulate the layout on N GPUs, as the run will be launched (tools/simulate.py)")
+    ap.add_argument("--gpu", default="h100", choices=sorted(DEVICES), help="the GPUs of --world-size (default h100)")
     args, overrides = ap.parse_known_args(argv)
     if args.iters < 4:
         raise UserError(f"--iters {args.iters}: a pre-flight needs at least 4 iterations (default 100)")
@@ -451,6 +459,48 @@ def check_layouts(args, cfg: Config, out: str) -> Check:
                  "layouts.log and layouts/smoke_test.json name the layout; rerun tools/smoke_test.py on it")
 
 
+def check_production(args, overrides: list[str], cfg: Config, out: str) -> Check:
+    """One rank of every role of the layout on ``--world-size`` GPUs, simulated on this machine
+    (report in ``out/simulate``): each peak plus the planner's allowance within the GPU's memory."""
+    import json
+
+    from megapretrain.simulate.report import markdown
+
+    from .simulate import simulate
+
+    gpu = DEVICES[args.gpu]
+    limit = args.max_memory_gb or gpu.memory_gb * (1 - gpu.spare)
+    sim_args = argparse.Namespace(config=args.config, world_size=args.world_size, roles=True, rank=None, steps=1,
+                                  device="cuda")
+    vocab = ["--model.vocab_size", str(cfg.model.vocab_size)]  # as the tokenizer gave it
+    start = time.perf_counter()
+    try:
+        doc = simulate(sim_args, overrides + vocab)
+    except UserError as exc:
+        return Check("production layout", False, f"{args.world_size} GPUs: {exc}", "the layout resolves",
+                     "fix the config for that world size (tools/plan.py --layout config shows the layout)")
+    if doc["warnings"]:  # the launch itself would be refused (a ramp-up's batch at this size)
+        return Check("production layout", False, f"{args.world_size} GPUs: {doc['warnings'][0]}",
+                     "the layout resolves", "fix the config for that world size (tools/plan.py --layout config "
+                     "shows the layout)")
+    os.makedirs(os.path.join(out, "simulate"), exist_ok=True)
+    with open(os.path.join(out, "simulate", "report.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.join(out, "simulate", "report.md"), "w") as fh:
+        fh.write(markdown(doc))
+    worst = max(doc["ranks"], key=lambda r: r["peak_bytes"])
+    need = worst["peak_bytes"] / 2**30 + gpu.overhead_gb
+    off = [r["rank"] for r in doc["ranks"]
+           if abs(r["planned_peak_bytes"] - r["peak_bytes"]) > 0.05 * r["peak_bytes"]]
+    measured = (f"{args.world_size} GPUs, {len(doc['ranks'])} roles in {time.perf_counter() - start:.0f} s: "
+                f"peak {worst['peak_bytes'] / 2**30:.1f} GiB on rank {worst['rank']} ({worst['role']}) + "
+                f"{gpu.overhead_gb:g} GiB allowance" + (f"; planner off by > 5% on ranks {off}" if off else ""))
+    return Check("production layout", need <= limit and not off, measured,
+                 f"≤ {limit:.1f} GB ({'--max-memory-gb' if args.max_memory_gb else gpu.name})",
+                 "simulate/report.md breaks each peak down; tools/plan.py --layout config --simulate 1 compares "
+                 "with the planner; lower the peak as for the memory check")
+
+
 # ----------------------------------------------------------------------------------------------
 # Report
 
@@ -567,6 +617,8 @@ def run_checks(args, overrides: list[str], cfg: Config, decay_iters: int, out: s
     checks += [check_throughput(full, args.min_tokens_per_sec, args.iters), check_memory(runs, cfg, args)]
     if args.layouts:
         checks.append(check_layouts(args, cfg, out))
+    if args.world_size:
+        checks.append(check_production(args, overrides, cfg, out))
     return checks, runs
 
 

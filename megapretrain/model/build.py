@@ -18,7 +18,8 @@ import torch
 from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
-from ..parallel.layout import chunk_layers
+from ..parallel.fp8 import WeightCasts
+from ..parallel.layout import Layout, chunk_layers
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
@@ -26,6 +27,7 @@ from .args import ModelArgs, model_args
 from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
 from .families import family, torch_only_layers
+from .fp8 import check_fp8_device, convert_to_fp8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,20 +38,28 @@ def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
 
 
 def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
+    """The chunks of the rank at (``pp_rank``, tp), their FP8 linears turned on (``model.fp8``)."""
     args, p = model_args(cfg), cfg.parallel
     layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers)
-    return [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
-                       post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
-                       sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
-            for v, layer_ids in enumerate(layer_chunks)]
+    chunks = [DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pp_rank == 0 and v == 0,
+                           post_process=pp_rank == p.pp - 1 and v == p.vpp - 1,
+                           sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
+              for v, layer_ids in enumerate(layer_chunks)]
+    if cfg.model.fp8 != "none":
+        weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
+        for chunk in chunks:
+            convert_to_fp8(chunk, cfg.model.fp8, cfg.model.fp8_skip, allgather=p.fp8_allgather, zero=p.zero,
+                           weights=weights)
+    return chunks
 
 
 def resolve_kernels(choice: str, device: torch.device) -> str:
     """``model.kernels`` on ``device``: "triton" (kernels/) or "torch". auto: Triton on CUDA, and on
     CPU only under Triton's interpreter (``TRITON_INTERPRET=1``); torch otherwise."""
-    runs = kernels.use_triton(device.type)
+    kind = kernels.device_type(device)
+    runs = kernels.use_triton(kind)
     if choice == "triton" and not runs:
-        raise ConfigError(f"model.kernels=triton cannot run on {device.type}: it needs triton and CUDA, or "
+        raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
     return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
 
@@ -114,6 +124,8 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
     deferred = cfg.parallel.zero == 3
     kernels = resolve_kernels(cfg.model.kernels, ps.device)
+    if cfg.model.fp8 != "none":
+        check_fp8_device(ps.device)
     torch_only = torch_only_layers(family(cfg.model.family).layer_spec(model_args(cfg)))
     if kernels == "triton" and torch_only and ps.rank == 0:
         print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "
@@ -179,3 +191,20 @@ def one_layer_specs(args: ModelArgs) -> dict[str, ParamSpec]:
     with torch.device("meta"):
         model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
     return model.param_specs()
+
+
+def stage_parameters(args: ModelArgs, layout: Layout, pp_rank: int,
+                     dtype: torch.dtype = torch.bfloat16) -> list[list[tuple[torch.nn.Parameter, ParamSpec]]]:
+    """A rank of stage ``pp_rank`` of ``layout``: each of its chunks' parameters (on the meta
+    device: shapes only) with their specs, in ``named_parameters`` order — the trainer's order,
+    which its data-parallel buffers are cut into buckets from (``parallel/data.py``)."""
+    tp = Group("tp", list(range(layout.tp)), None, 0)  # no communication on meta
+    layer_chunks = layout.chunk_layers(args.num_layers, pp_rank)
+    with torch.device("meta"):
+        chunks = [DecoderModel(args, tp, layer_ids=ids, pre_process=pp_rank == 0 and v == 0,
+                               post_process=pp_rank == layout.pp - 1 and v == layout.vpp - 1,
+                               sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                               rng=RNGTracker(0, 0, "cpu"), dtype=dtype, device="meta")
+                  for v, ids in enumerate(layer_chunks)]
+    specs = table_of(chunks)
+    return [[(p, specs[name]) for name, p in chunk.named_parameters()] for chunk in chunks]

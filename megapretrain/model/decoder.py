@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels import device_type
 from ..parallel.context import local_positions
 from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+from ..parallel.fp8 import WeightCasts
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec, collect_specs
 from ..parallel.state import Group
@@ -57,13 +59,16 @@ class ModelChunk(Protocol):
     - ``output_weight()``: the head's (v/tp, h) weight (the embedding's when tied).
     - ``args`` (the :class:`ModelArgs`), ``pre_process`` / ``post_process`` (embeds / holds the
       head), ``layers`` (``ModuleDict`` by global index: regional compile, ZeRO-3 units),
-      ``grad_sink`` (set by the optimizer: a weakref to the buffers of the fp32 main grads).
+      ``grad_sink`` (set by the optimizer: a weakref to the buffers of the fp32 main grads),
+      ``fp8_weights`` (ZeRO-3's weights gathered as FP8, which the data-parallel buffers fill and
+      the FP8 linears read, or None: ``model/fp8.py``).
     """
     args: ModelArgs
     pre_process: bool
     post_process: bool
     layers: nn.ModuleDict
     grad_sink: object
+    fp8_weights: WeightCasts | None
 
     def __call__(self, x: torch.Tensor, targets: torch.Tensor | None = None, docs: Documents | None = None, *,
                  loss_grad_scale: float | None = None) -> torch.Tensor: ...
@@ -136,6 +141,7 @@ class DecoderModel(nn.Module):
         self.cp = cp if cp is not None else Group("cp", [0])
         self.kernels, self.z_loss = kernels, z_loss
         self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
+        self.fp8_weights: WeightCasts | None = None  # ZeRO-3's FP8-gathered weights (model/fp8.py)
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
         self.sequence_parallel = sequence_parallel and tp.size > 1
@@ -282,7 +288,7 @@ class DecoderModel(nn.Module):
         vocab_start = self.tp.rank * weight.shape[0]
         # chunks of tokens, no (b, s, v/tp) logits at all: the kernels' path, and on CPU the torch
         # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
-        if self.kernels == "triton" or self.z_loss or x.device.type == "cpu":
+        if self.kernels == "triton" or self.z_loss or device_type(x.device) == "cpu":
             return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
                                                   z_loss=self.z_loss, reference=self.kernels == "torch",
                                                   grad_sink=self._grad_sink(weight),

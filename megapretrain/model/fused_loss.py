@@ -37,17 +37,22 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import device_type
 from ..kernels.linear_cross_entropy import chunked_loss_and_grads, default_chunk_rows
 from ..parallel.state import Group
 
 
-def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> float | None:
-    """The incoming gradient shared by every kept token, or None if they differ (0 if none is kept)."""
-    kept = scale[keep]
-    if kept.numel() == 0:
-        return 0.0
-    first = kept[0]
-    return float(first) if bool((kept == first).all()) else None
+def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """The incoming gradient shared by every kept token, as a 0-d tensor (0 if none is kept), or
+    None if they differ. One host read — whether they agree — and no shape that depends on the
+    values (so it also runs on the fake tensors of a simulation)."""
+    first = torch.where(keep.any(), scale[keep.to(torch.int8).argmax()], 0.0)  # the first kept token's
+    return first if bool(((scale == first) | ~keep).all()) else None
+
+
+def _matches(scale: torch.Tensor, keep: torch.Tensor, made: float) -> bool:
+    """Whether every kept token's incoming gradient is ``made`` (one host read)."""
+    return bool(((scale == made) | ~keep).all())
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -84,8 +89,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w, reference,
                                                           lse=lse, grad_w_out=main)
         elif fused:  # the forward added made · G to the main grad: add (incoming - made) · G
-            shared = _uniform(scale, t1d != ignore_index)
-            if shared != ctx.made:
+            if not _matches(scale, t1d != ignore_index, ctx.made):
                 main = ctx.sink.main_grad_for(ctx.param)
                 _, _, fix_x, _ = chunked_loss_and_grads(x2d, weight, t1d, scale - ctx.made, *args, need_x, True,
                                                         reference, lse=lse, grad_w_out=main)
@@ -98,8 +102,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w,
                                                               reference, lse=lse)
             else:
-                grad_x = grad_x.mul_(shared / ctx.made) if need_x else None
-                grad_w = grad_w.mul_(shared / ctx.made) if need_w else None
+                factor = shared.double() / ctx.made  # on the device: no read of the value
+                grad_x = grad_x.mul_(factor) if need_x else None
+                grad_w = grad_w.mul_(factor) if need_w else None
         if fused:
             ctx.sink.grad_added(ctx.param)
             grad_w = None
@@ -131,7 +136,7 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
     """
     rows = chunk_rows or default_chunk_rows(targets.numel(), weight.shape[0], x.dtype, x.device)
     if grads_in_forward is None:
-        grads_in_forward = x.device.type == "cpu"
+        grads_in_forward = device_type(x.device) == "cpu"
     grads_in_forward = grads_in_forward and torch.is_grad_enabled()
     if grads_in_forward and grad_scale is None:
         grad_sink = None

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.rmsnorm import rms_norm
@@ -39,6 +40,7 @@ from ..parallel.tensor import (
     SavedShards,
     VocabParallelEmbedding,
     enter_tp_region,
+    fp8_gathered,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -73,13 +75,17 @@ class ColumnLinear(ColumnParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std))}
+        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std),
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if self.fp8 is None:
+            return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        y = self.matmul(x)  # (b, s, out/tp)
+        return y if self.bias is None else y + self.bias
 
 
 class RowLinear(RowParallelLinear):
@@ -94,13 +100,14 @@ class RowLinear(RowParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std))}  # input columns split over tp
+        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std),  # input columns split over tp
+                                  fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel, init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = self.matmul(x)  # (b, s, out) partial sums
         y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
@@ -252,6 +259,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 # -- attention -------------------------------------------------------------------------------------
 
 
+def _lower_right(queries: int, keys: int) -> CausalBias:
+    """``causal_lower_right(queries, keys)``, made outside any dispatch mode: torch builds that
+    tensor subclass with a legacy constructor, which fails under one (fake tensors, FLOP and
+    memory counters)."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
@@ -307,7 +322,7 @@ class Attention(nn.Module):
         if self.cp.size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
-                                              attn_mask=causal_lower_right(rows.stop - rows.start, keys), **kw)
+                                              attn_mask=_lower_right(rows.stop - rows.start, keys), **kw)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 

@@ -2,7 +2,11 @@
 
 Peaks are dense bf16/fp16 tensor-core figures from the vendors' datasheets (no sparsity); fp32
 training runs on tf32 units at half of that (``train.tf32``, on by default), or at the plain fp32
-figure (``fp32_tflops``) with TF32 off. Memory bandwidths are the datasheets' HBM figures.
+figure (``fp32_tflops``) with TF32 off. ``fp8_tflops`` is the dense FP8 figure (twice bf16's on
+Ada, Hopper and Blackwell; 0: no FP8 tensor cores that ``model.fp8``'s e4m3fn/e5m2 run on — MI300
+has them for its fnuz formats only): the planner runs ``model.fp8``'s GEMMs
+at it, while a run's logged MFU stays a fraction of the bf16 peak, as NVIDIA and torchtitan report
+FP8 runs (so FP8 and bf16 runs compare on one scale). Memory bandwidths are the datasheets' HBM figures.
 Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within a
 node) and of its usual fabric per GPU (between nodes: 200 Gb/s HDR InfiniBand per A100, 400 Gb/s
 NDR per H100), for estimates.
@@ -35,30 +39,37 @@ class Device:
     overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack (planner)
     spare: float = 0.05  # fraction of memory a layout must leave free (planner)
     fp32_tflops: float = 0.0  # plain fp32 (no tensor cores: train.tf32 false); 0: unknown
+    fp8_tflops: float = 0.0   # dense FP8 (e4m3/e5m2) tensor cores; 0: none that model.fp8 runs on
 
 
 # key: the lower-case short name (``tools/plan.py --device``), matched against CUDA's device name
 # (longest key first, so "a100-40gb" is tried before "a100")
 _HOPPER = dict(efficiency=0.66, attention_efficiency=0.35)
 DEVICES = {
-    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER, fp32_tflops=67.0),
-    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER, fp32_tflops=67.0),
-    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER, fp32_tflops=51.0),
-    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER, fp32_tflops=67.0),
+    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER, fp32_tflops=67.0,
+                   fp8_tflops=1979.0),
+    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER, fp32_tflops=67.0,
+                   fp8_tflops=1979.0),
+    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER, fp32_tflops=51.0,
+                        fp8_tflops=1513.0),
+    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER, fp32_tflops=67.0,
+                    fp8_tflops=1979.0),
     "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=2039.0,
                    attention_efficiency=0.45, fp32_tflops=19.5),
     "a100-40gb": Device("A100 SXM 40GB", 312.0, 40.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=1555.0,
                         attention_efficiency=0.45, fp32_tflops=19.5),
     "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0, efficiency=0.6, hbm_gbs=8000.0,
-                   attention_efficiency=0.35, fp32_tflops=80.0),
+                   attention_efficiency=0.35, fp32_tflops=80.0, fp8_tflops=4500.0),
     "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0, efficiency=0.5, hbm_gbs=5300.0,
-                     attention_efficiency=0.3, fp32_tflops=163.4),
+                     attention_efficiency=0.3, fp32_tflops=163.4),  # FP8 2615 dense, in fnuz formats only
     "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0, efficiency=0.6, hbm_gbs=3277.0,
                      attention_efficiency=0.35, fp32_tflops=47.9),
-    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0, fp32_tflops=91.6),
+    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0, fp32_tflops=91.6,
+                   fp8_tflops=733.0),
     "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7, hbm_gbs=600.0,
                    fp32_tflops=31.2),
-    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0, fp32_tflops=30.3),
+    "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0, fp32_tflops=30.3,
+                 fp8_tflops=242.5),
 }
 
 

@@ -107,14 +107,15 @@ class Fragment:
 def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
     """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
     CUDA (unless offloaded: the host steps), torch elsewhere."""
-    runs = kernels.use_triton(device.type) and not offload
+    kind = kernels.device_type(device)
+    runs = kernels.use_triton(kind) and not offload
     if choice == "triton" and not runs:
-        raise ConfigError(f"optim.impl=triton cannot run on {device.type}: it needs triton and CUDA, or "
+        raise ConfigError(f"optim.impl=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set optim.impl=auto)")
-    if choice == "apex" and device.type != "cuda":
-        raise ConfigError(f"optim.impl=apex runs on CUDA only, not {device.type} (set optim.impl=auto)")
+    if choice == "apex" and kind != "cuda":
+        raise ConfigError(f"optim.impl=apex runs on CUDA only, not {kind} (set optim.impl=auto)")
     if choice == "auto":
-        return "triton" if runs and device.type == "cuda" else "torch"
+        return "triton" if runs and kind == "cuda" else "torch"
     return choice
 
 
@@ -287,6 +288,10 @@ class MixedPrecisionAdamW:
         output layer's loss adds the weight's gradient itself (``model/fused_loss.py``)."""
         for chunk in chunks:
             chunk.grad_sink = weakref.ref(self.buffers)
+        casts = {id(c.fp8_weights): c.fp8_weights for c in chunks if c.fp8_weights is not None}
+        if len(casts) > 1:
+            raise ValueError("the model chunks of a rank must share one fp8_weights (model/build.py makes one)")
+        self.buffers.fp8_weights = next(iter(casts.values()), None)  # zero=3: FP8-gathered weights go there
         if self.zero == 3:  # one chunk and no pipeline: its backward follows its forward (keep the last layer)
             self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
                                       keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)
@@ -323,7 +328,11 @@ class MixedPrecisionAdamW:
 
     def grad_norm(self, scale: float = 1.0) -> float:
         """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once, divided
-        by ``scale`` (grads still multiplied by the fp16 loss scale)."""
+        by ``scale`` (grads still multiplied by the fp16 loss scale); inf when not finite."""
+        return float(self._norm(scale))
+
+    def _norm(self, scale: float = 1.0) -> torch.Tensor:
+        """:meth:`grad_norm` as a 0-d float64 device tensor (no host sync)."""
         views = [v for s in self.shards for v in s.norm_views]
         device = self.shards[0].bucket.grad_shard.device if self.shards else self.ps.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -336,55 +345,78 @@ class MixedPrecisionAdamW:
         if self.zero >= 1:
             self.ps.dp_shard.all_reduce(sq)  # shards are disjoint: their squares add up (replicas hold copies)
         self.ps.mp.all_reduce(sq)
-        return math.sqrt(sq.item()) / scale if torch.isfinite(sq) else float("inf")
+        sq = sq.double()
+        return torch.where(torch.isfinite(sq), sq.sqrt() / scale, math.inf)
 
     # -- the step ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
-        """Unscale, clip and apply one AdamW step; returns (grad norm, whether the step was skipped).
+        """Unscale, clip and apply one AdamW step; returns (grad norm, whether the step was skipped),
+        read on the host (this waits for the device): :meth:`step_on_device` and :meth:`settle`."""
+        norm, found_inf = self.step_on_device(lr)
+        skipped = bool(found_inf)
+        self.settle(skipped)
+        return float(norm), skipped
 
-        A non-finite grad norm (NaN/Inf in the reduced grads) skips the step, leaving the parameters
-        unchanged, and lowers the fp16 loss scale."""
+    @torch.no_grad()
+    def step_on_device(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip and apply one AdamW step without waiting for the device: returns the grad
+        norm (0-d float64, inf when not finite) and whether the step is skipped (0-d bool), both
+        device tensors. A non-finite grad norm (NaN/Inf in the reduced grads) skips the update on
+        the device, leaving masters, moments and parameters unchanged; the caller then reads the
+        flag and calls :meth:`settle` before the next step (the step count and the fp16 loss
+        scale depend on it)."""
         self.buffers.wait_params()
         grads = [s.bucket.grad_shard for s in self.shards]
         fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
         scale = self.scaler.scale
         if scale != 1.0 and not fused:
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = self.grad_norm(scale if fused else 1.0)
-        found_inf = not math.isfinite(norm)
-        self.scaler.update(found_inf)
-        if found_inf:
-            return norm, True
-        clip = self.cfg.clip_grad / (norm + 1e-6) if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad else 1.0
-        if clip != 1.0 and not fused:
-            torch._foreach_mul_(grads, clip)
+        norm = self._norm(scale if fused else 1.0)
+        found_inf = ~torch.isfinite(norm)
+        clip_grad = self.cfg.clip_grad
+        # clip_grad / (norm + 1e-6) where the norm exceeds clip_grad, else 1 (a multiply by 1 is exact)
+        clip = torch.where(norm > clip_grad, clip_grad / (norm + 1e-6), 1.0) if clip_grad > 0 else None
+        if clip is not None and not fused:
+            torch._foreach_mul_(grads, clip.float())
         staged = [s for s in self.shards if s.grad_staging is not None]
         for s in staged:
             s.grad_staging.copy_(s.bucket.grad_shard, non_blocking=True)
         if staged:
             torch.cuda.current_stream(staged[0].bucket.grad_shard.device).synchronize()
-        self._adamw(lr, grad_scale=clip / scale if fused else 1.0)
+        grad_scale = (clip if clip is not None else 1.0) / scale if fused else 1.0
+        self._adamw(lr, found_inf, grad_scale=grad_scale)
         for s in self.shards:
             s.write_back()
         self._refresh_params(async_op=self._async_param_gather)  # zero 3: a unit still gathered would go stale
-        return norm, False
+        return norm, found_inf
 
-    def _adamw(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One decoupled-weight-decay Adam step over every shard. ``optim.impl`` torch: torch's fused
+    def settle(self, skipped: bool) -> None:
+        """What a step's outcome changes on the host, once read: a skipped step is not counted
+        (Adam's bias correction) and, with fp16, lowers the loss scale (a clean one counts)."""
+        self.scaler.update(skipped)
+        if skipped:
+            self.step_count -= 1
+
+    def _adamw(self, lr: float, found_inf: torch.Tensor, grad_scale: float | torch.Tensor = 1.0) -> None:
+        """One decoupled-weight-decay Adam step over every shard, skipped where ``found_inf`` is
+        set (on the device). ``optim.impl`` torch: torch's fused
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
         ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
         that also writes the bf16/fp16 parameters and multiplies each grad as it reads it by
-        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's multi-tensor Adam."""
+        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's multi-tensor
+        Adam (which reads the skip flag on the host)."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
             for s in self.shards:
                 fused_adamw_(s.grad, s.master, s.exp_avg, s.exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                              weight_decay=self.cfg.weight_decay, step=self.step_count, param_out=s.param_out,
-                             decay=s.decay_mask, grad_scale=grad_scale)
+                             decay=s.decay_mask, grad_scale=grad_scale, found_inf=found_inf)
                 s.params_current = s.param_out is not None
+            return
+        if self.impl == "apex" and bool(found_inf):
             return
         for decay in (True, False):
             params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
@@ -398,7 +430,7 @@ class MixedPrecisionAdamW:
             step = torch.full((), float(self.step_count), device=params[0].device)
             torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step] * len(params), lr=lr,
                                 beta1=beta1, beta2=beta2, weight_decay=self.cfg.weight_decay if decay else 0.0,
-                                eps=eps, amsgrad=False, maximize=False)
+                                eps=eps, amsgrad=False, maximize=False, found_inf=found_inf.float())
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -408,11 +440,11 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
 
         def storage_bytes(tensors, exclude=frozenset()) -> dict:
-            out = {}
+            out = {}  # by storage (its address: tensors without data, fake ones, all have data pointer 0)
             for t in tensors:
                 st = t.untyped_storage()
-                if st.data_ptr() not in exclude:
-                    out[st.data_ptr()] = st.nbytes()
+                if st._cdata not in exclude:
+                    out[st._cdata] = st.nbytes()
             return out
 
         params = storage_bytes(self.buffers.param_buffers)
@@ -437,7 +469,7 @@ class MixedPrecisionAdamW:
         """zero=3: the most bytes of full parameters gathered at once, by design: every chunk's
         root plus ``LAYER_UNITS_ALIVE`` of the largest decoder layers (parallel/zero3.py)."""
         def full(unit):
-            return sum(b.numel * b.param_shard.element_size() for b in unit.buckets)
+            return sum(b.numel * self.buffers.gathered_element_size(b) for b in unit.buckets)
         roots = sum(full(u) for u in self.units.units if u.root)
         layers = sorted((full(u) for u in self.units.units if not u.root), reverse=True)
         return roots + sum(layers[:LAYER_UNITS_ALIVE])

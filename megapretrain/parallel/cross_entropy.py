@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels import device_type
 from .state import Group
 
 # fp32 bytes per chunk by device type. CPU: fits the L3 cache, and large enough that per-op
@@ -31,7 +32,7 @@ CHUNK_BYTES = {"cpu": 8 << 20, "default": 512 << 20}
 
 
 def _chunk_rows(cols: int, device: torch.device) -> int:
-    size = CHUNK_BYTES.get(device.type, CHUNK_BYTES["default"])
+    size = CHUNK_BYTES.get(device_type(device), CHUNK_BYTES["default"])
     return max(1, size // (4 * max(cols, 1)))
 
 

@@ -19,10 +19,15 @@ backward), a bucket's collective is launched asynchronously the moment its last 
 - ``zero=0`` all-reduce of the whole bucket (every rank steps every parameter);
 - ``zero=1`` reduce-scatter: only this rank's shard of the sum is needed (distributed optimizer);
 - ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
-  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight;
+  accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight:
+  when a bucket's reduction starts, the one launched before it is waited for and freed, so at
+  most two buckets' full gradients (and the one filling) exist at once;
 - ``zero=3`` as 2, and the parameters too are kept only as this rank's shard: a bucket is one
   *unit* (a decoder layer, or a chunk's other parameters), whose full param buffer is all-gathered
-  just before it is used and freed after (``parallel/zero3.py`` decides when).
+  just before it is used and freed after (``parallel/zero3.py`` decides when). The weights of FP8
+  linears with one scale per tensor (spec ``fp8_gather``) get a bucket of their own in each unit,
+  gathered as FP8 and the scales (half the bytes) into ``fp8_weights``, where the linears read
+  them (``parallel/fp8.py``); their bf16 values are gathered only to read the whole model.
 
 What is special about a parameter comes from its spec (``parallel/specs.py``): a sequence-parallel
 norm's grads are first summed over tp, and a tied embedding held by two pipeline stages gets a
@@ -43,6 +48,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from .fp8 import E4M3, Cast, WeightCasts, amax_to_scale, cast_fragments, fragment_amaxes
 from .specs import ParamSpec
 from .state import Group
 
@@ -60,8 +66,10 @@ class Bucket:
     """
 
     def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], numel: int,
-                 shard_start: int, shard_end: int):
+                 shard_start: int, shard_end: int, fp8_gather: bool = False):
         self.index, self.params, self.offsets, self.numel = index, params, offsets, numel
+        self.fp8_gather = fp8_gather  # zero=3: FP8 linears' weights, gathered as FP8 (spec fp8_gather)
+        self.fp8_data: torch.Tensor | None = None  # (numel,) e4m3 while gathered as FP8
         self.shapes = [p.shape for p in params]  # fixed here: a zero=3 param's storage may be freed
         self.shard_start, self.shard_end = shard_start, shard_end
         self.param_data: torch.Tensor | None = None  # (numel,) model dtype; params' .data are views
@@ -102,17 +110,18 @@ def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: flo
     """Split ``params`` (in layout order) into buckets of about ``bucket_numel`` elements:
     (params, offsets, padded size) each. A tied embedding gets a bucket of its own. ``by_unit``
     (zero=3): a bucket also ends wherever the next parameter belongs to another decoder layer (or
-    to none), so that each bucket is gathered and freed as one unit."""
+    to none), so that each bucket is gathered and freed as one unit, or is gathered otherwise
+    (``fp8_gather``)."""
     splits, current, offsets, size = [], [], [], 0
     unit = None
     for p, spec in params:
         if spec.tied:
             splits.append(([p], [0], round_up(round_up(p.numel(), ALIGN), ALIGN * dp)))
             continue
-        if by_unit and current and spec.layer != unit:
+        if by_unit and current and (spec.layer, spec.fp8_gather) != unit:
             splits.append((current, offsets, round_up(size, ALIGN * dp)))
             current, offsets, size = [], [], 0
-        unit = spec.layer
+        unit = spec.layer, spec.fp8_gather
         current.append(p)
         offsets.append(size)
         size = round_up(size + p.numel(), ALIGN)
@@ -122,6 +131,19 @@ def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: flo
     if current:
         splits.append((current, offsets, round_up(size, ALIGN * dp)))
     return splits
+
+
+def fp8_first(params: list[nn.Parameter], spec_of: dict[int, ParamSpec]) -> list[nn.Parameter]:
+    """``params`` with, inside each decoder layer (a run of the same ``spec.layer``), the weights
+    gathered as FP8 first: one FP8 bucket and one other per unit, not alternating runs."""
+    out, run = [], []
+    for p in params + [None]:
+        if run and (p is None or spec_of[id(p)].layer != spec_of[id(run[0])].layer):
+            out += sorted(run, key=lambda q: not spec_of[id(q)].fp8_gather)  # stable
+            run = []
+        if p is not None:
+            run.append(p)
+    return out
 
 
 class DataParallelBuffers:
@@ -146,13 +168,17 @@ class DataParallelBuffers:
         self._bucket_of: dict[int, Bucket] = {}
         self._context: str | None = None  # None, "last" or "accumulate" inside grad_sync
         self._gathers: collections.deque = collections.deque()  # buckets with a pending all-gather
+        self._reducing: collections.deque = collections.deque()  # zero >= 2: launched, not completed yet
         self._learning: dict[int, set] = {}  # model -> modules called in its first forward so far
         self._early_of: dict[int, list[Bucket]] = {}  # model -> buckets used without a module call
         self._early: set[Bucket] = set()  # gathered first
         # zero=3: one bucket per unit, whatever its size (a unit is gathered whole anyway)
         bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
         self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
+        self.fp8_weights: WeightCasts | None = None  # zero=3: where FP8-gathered weights go (hook_models)
         layout = [p for _, p in reversed(named_params)]
+        if zero == 3:
+            layout = fp8_first(layout, self.spec_of)
         for dtype in dict.fromkeys(p.dtype for p in layout):
             self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
         for _, p in named_params:
@@ -173,7 +199,8 @@ class DataParallelBuffers:
         for bucket_params, offsets, numel in splits:
             shard = numel // self.shard.size if self.zero >= 1 else numel
             lo = self.shard.rank * shard if self.zero >= 1 else 0
-            b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard)
+            b = Bucket(len(self.buckets), bucket_params, offsets, numel, lo, lo + shard,
+                       fp8_gather=self.zero == 3 and self.spec_of[id(bucket_params[0])].fp8_gather)
             b.param_data = (param_buffer[start:start + numel] if param_buffer is not None
                             else torch.zeros(numel, dtype=dtype, device=device))
             for p, off in zip(bucket_params, offsets):
@@ -279,6 +306,12 @@ class DataParallelBuffers:
             self.after_grads(b, self._context == "last")
 
     def _launch(self, b: Bucket) -> None:
+        if self.zero >= 2:  # free the full gradients of all but the latest reduction in flight
+            while self._reducing:
+                done = self._reducing.popleft()
+                if done.launched:
+                    self._complete(done)
+            self._reducing.append(b)
         b.launched = True
         b.launch_time = time.perf_counter()
         for p in b.params:  # sequence-parallel norm weights: each tp rank saw part of the sequence
@@ -393,14 +426,42 @@ class DataParallelBuffers:
 
     # -- zero=3: a bucket's full parameters exist only between gather() and free() ----------------
 
-    def gather(self, b: Bucket) -> None:
+    def gather(self, b: Bucket, full_precision: bool = False) -> None:
         """Start all-gathering bucket ``b``'s parameters from the shards into its full buffer
-        (re-allocated); ``wait(b)`` before reading them. A no-op when gathered or in flight."""
-        if b.gathered:
+        (re-allocated); ``wait(b)`` before reading them. A no-op when gathered or in flight. An
+        FP8 bucket is gathered as FP8 for the FP8 linears, unless ``full_precision`` (to read the
+        parameters themselves)."""
+        if b.fp8_gather and not full_precision:
+            if b.fp8_data is None:
+                self._gather_fp8(b)
+            b.gathered = True
             return
+        if b.param_data.untyped_storage().nbytes() or not b.numel:
+            b.gathered = True
+            return
+        self.wait(b)  # an FP8 gather of the same bucket may still be writing
         b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
         b.gathered = True
         b.param_work = self.shard.all_gather_async(b.param_data, b.param_shard)
+
+    def _gather_fp8(self, b: Bucket) -> None:
+        """Start gathering FP8 bucket ``b`` as e4m3 with one scale per weight: the amaxes of the
+        shards' pieces of each weight are all-reduced (max) over the shard group and then over tp
+        (one scale for the whole weight, as one process casts it), each rank casts its shard, the
+        bytes are all-gathered, and each weight's cast is published in ``fp8_weights``."""
+        if self.fp8_weights is None:
+            raise RuntimeError("an FP8 bucket was gathered before hook_models() gave the buffers the model's "
+                               "fp8_weights")
+        index = {id(p): i for i, p in enumerate(b.params)}
+        pieces = [(index[id(p)], off, end - start) for p, start, end, off in b.fragments()]
+        amaxes = fragment_amaxes(b.param_shard, pieces, len(b.params))
+        self.shard.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
+        self.tp.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)  # the weights are split over tp
+        b.fp8_data = torch.empty(b.numel, dtype=E4M3, device=b.param_shard.device)
+        b.param_work = self.shard.all_gather_async(b.fp8_data, cast_fragments(b.param_shard, pieces, amaxes))
+        scales = amax_to_scale(amaxes, E4M3, pow2=False)
+        for i, (p, shape, off) in enumerate(zip(b.params, b.shapes, b.offsets)):
+            self.fp8_weights.put(p, Cast(b.fp8_data[off:off + shape.numel()].view(shape), scales[i]))
 
     def wait(self, b: Bucket) -> None:
         if b.param_work is not None:
@@ -409,14 +470,25 @@ class DataParallelBuffers:
 
     def free(self, b: Bucket) -> None:
         """Release bucket ``b``'s full parameters (its params keep their shapes, over no storage:
-        reading one before the next gather() fails loudly)."""
+        reading one before the next gather() fails loudly), and its FP8 copy."""
         self.wait(b)
         b.param_data.untyped_storage().resize_(0)
+        if b.fp8_data is not None:
+            for p in b.params:
+                self.fp8_weights.drop(p)
+            b.fp8_data = None
         b.gathered = False
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameter buffers alive now (zero=3)."""
-        return sum(b.param_data.untyped_storage().nbytes() for b in self.buckets if self.zero == 3)
+        """Bytes of full parameter buffers (and FP8 copies) alive now (zero=3)."""
+        if self.zero != 3:
+            return 0
+        return sum(b.param_data.untyped_storage().nbytes() + (b.numel if b.fp8_data is not None else 0)
+                   for b in self.buckets)
+
+    def gathered_element_size(self, b: Bucket) -> int:
+        """Bytes per element of bucket ``b`` while a forward uses it (zero=3): 1 for FP8 ones."""
+        return 1 if b.fp8_gather else b.param_shard.element_size()
 
     # -- accounting -------------------------------------------------------------------------------
 

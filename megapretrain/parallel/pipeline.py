@@ -251,6 +251,7 @@ class P2P:
             ops.append(dist.P2POp(dist.isend, tensor, self.pp.ranks[t.dst], self.pp.pg, _TAGS[t.kind]))
         for t in recvs:
             arrived[t] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.pp._record("recv", arrived[t])
             ops.append(dist.P2POp(dist.irecv, arrived[t], self.pp.ranks[t.src], self.pp.pg, _TAGS[t.kind]))
         for work in dist.batch_isend_irecv(ops):
             work.wait()

@@ -50,6 +50,8 @@ class Sharding:
     partial_grad_over_tp: bool = False  # replicated, but each tp rank's grad covers part of the
     #                                     sequence (sequence-parallel norms): grads are summed over tp
     init: Init | None = None         # how the parameter starts (None: a module outside the model's layers)
+    fp8_gather: bool = False         # an FP8 linear's weight with one scale per tensor: ZeRO-3 may
+    #                                  all-gather it as FP8 (parallel/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class ParamSpec:
     duplicate: bool = False          # this rank's copy of a tied embedding is the last stage's second
     #                                  copy: not counted in the grad norm
     init: Init | None = None         # how the parameter starts (its layer's declaration)
+    fp8_gather: bool = False         # ZeRO-3 all-gathers it as FP8 and a scale (parallel/fp8.py)
 
     @property
     def numel(self) -> int:
@@ -116,7 +119,8 @@ def make_spec(name: str, param: torch.Tensor, s: Sharding, tp_size: int, **model
         shape[0] = s.vocab_rows
     return ParamSpec(name=name, shape=tuple(shape), local_shape=tuple(param.shape), dtype=param.dtype,
                      tp_dim=s.tp_dim, vocab=s.vocab_rows is not None, weight_decay=s.weight_decay,
-                     partial_grad_over_tp=s.partial_grad_over_tp, init=s.init, **model_facts)
+                     partial_grad_over_tp=s.partial_grad_over_tp, init=s.init, fp8_gather=s.fp8_gather,
+                     **model_facts)
 
 
 def plain_specs(named_params) -> dict[str, ParamSpec]:

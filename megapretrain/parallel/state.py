@@ -31,6 +31,7 @@ from .layout import Layout
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # sent as their bytes (parallel/fp8.py)
 
 
 class _CopyAfter:
@@ -119,9 +120,10 @@ class Group:
             return tensor
         self._record("all_gather", tensor)
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor, group=self.pg)
-        return torch.cat(parts, dim=dim)
+        wire = tensor.view(torch.uint8) if tensor.dtype in FLOAT8 else tensor  # gloo has no float8: send bytes
+        parts = [torch.empty_like(wire) for _ in range(self.size)]
+        dist.all_gather(parts, wire, group=self.pg)
+        return torch.cat(parts, dim=dim).view(tensor.dtype)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
@@ -177,6 +179,8 @@ class Group:
                 output.copy_(shard)
             return None
         self._record("all_gather", shard)
+        if shard.dtype in FLOAT8:  # gloo has no float8 types: the same bytes as uint8
+            output, shard = output.view(torch.uint8), shard.view(torch.uint8)
         return _all_gather_single(output, shard, group=self.pg, async_op=True)
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:

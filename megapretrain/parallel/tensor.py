@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from torch import nn
 
 from .specs import ParamSpec, Sharding
 from .state import Group
+
+if TYPE_CHECKING:
+    from .fp8 import FP8Linear, GatheredInputs
 
 SEQ_DIM = 1
 
@@ -152,9 +156,12 @@ def enter_tp_region(x: torch.Tensor, tp: Group, sequence_parallel: bool,
 
     With ``saved`` (the model's :class:`SavedShards`, whose hooks are active during its forward),
     what backward keeps of the gathered input is the local shard: the all-gather runs again when
-    the weight gradients need the full sequence."""
+    the weight gradients need the full sequence. A block whose linears all run in FP8 is given a
+    ``saved`` with FP8 gathers (:meth:`SavedShards.with_fp8`): the shards are sent as FP8."""
     if not sequence_parallel:
         return copy_to_tp(x, tp)
+    if saved is not None and saved.fp8 is not None and tp.size > 1:
+        return saved.fp8.gather(x, tp, saved)  # parallel/fp8.py: half the bytes
     full = gather_from_sp(x, tp)
     if saved is not None and tp.size > 1 and torch.is_grad_enabled():
         saved.register(x.detach(), tp, full)
@@ -181,6 +188,12 @@ class _Regather:
         return view
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage while it lives: its address, not its data pointer (which is
+    0 for every tensor without data: the fake tensors of a simulation would all look alike)."""
+    return t.untyped_storage()._cdata
+
+
 class SavedShards:
     """Saves the column-parallel linears' gathered input as the 1/tp shard it came from
     (Megatron's memory layout for sequence parallelism).
@@ -190,19 +203,27 @@ class SavedShards:
     tensor viewing a registered storage as (shard, view geometry) instead."""
 
     def __init__(self):
-        self._live: dict[int, _Regather] = {}  # storage pointer of a live gathered input -> its shard
+        self._live: dict[int, _Regather] = {}  # storage of a live gathered input -> its shard
+        self.fp8: GatheredInputs | None = None  # a block's FP8 all-gather (see with_fp8)
+
+    def with_fp8(self, gathered: GatheredInputs) -> SavedShards:
+        """The same saved shards (one registry), for a block whose column-parallel linears all
+        run in FP8: :func:`enter_tp_region` then all-gathers its input as FP8 (``gathered``)."""
+        view = SavedShards()
+        view._live, view.fp8 = self._live, gathered
+        return view
 
     def register(self, shard: torch.Tensor, group: Group, full: torch.Tensor) -> None:
-        ptr = full.untyped_storage().data_ptr()
-        self._live[ptr] = _Regather(shard, group, full)
-        weakref.finalize(full, self._live.pop, ptr, None)
+        key = _storage_key(full)
+        self._live[key] = _Regather(shard, group, full)
+        weakref.finalize(full, self._live.pop, key, None)
 
     def hooks(self):
         """Context for the model's forward: autograd's saved-tensor hooks that swap in the shards."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        regather = self._live.get(t.untyped_storage().data_ptr())
+        regather = self._live.get(_storage_key(t))
         if regather is None or regather.full() is None:
             return t
         regather.pending += 1
@@ -211,6 +232,12 @@ class SavedShards:
     @staticmethod
     def _unpack(saved):
         return saved if isinstance(saved, torch.Tensor) else saved[0].unpack(*saved[1:])
+
+
+def fp8_gathered(linear: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether ZeRO-3 may all-gather ``linear``'s weight in FP8: its GEMMs are FP8 with one scale
+    per weight tensor (the spec's ``fp8_gather``)."""
+    return linear.fp8 is not None and linear.fp8.weights is not None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -226,13 +253,18 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.init_std, self.vocab_rows = tp, init_std, vocab_rows
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
                                                device=device))
+        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
         """Output rows split over tp; an output layer's rows are the (padded) vocabulary."""
-        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows)}
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, fp8_gather=fp8_gathered(self))}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
+        return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (b, s, out/tp)
+        return self.matmul(x)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -247,12 +279,17 @@ class RowParallelLinear(nn.Module):
         self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
                                                device=device))
+        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(tp_dim=1)}  # input columns split over tp
+        return {"weight": Sharding(tp_dim=1, fp8_gather=fp8_gathered(self))}  # input columns split over tp
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
+        return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = self.matmul(x)  # (b, s, out) partial sums
         return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
 
 

@@ -98,16 +98,17 @@ class ShardedUnits:
         if self.events is not None:
             self.events.append((time.perf_counter(), event, unit.name))
 
-    def _start(self, unit: Unit | None) -> None:
-        if unit is None or all(b.gathered for b in unit.buckets):
+    def _start(self, unit: Unit | None, full_precision: bool = False) -> None:
+        """Start gathering ``unit`` (FP8 buckets as FP8, unless ``full_precision``)."""
+        if unit is None or (all(b.gathered for b in unit.buckets) and not full_precision):
             return
         self._record("gather", unit)
         for b in unit.buckets:
-            self.buffers.gather(b)
+            self.buffers.gather(b, full_precision)
         self._count()
 
-    def _ready(self, unit: Unit) -> None:
-        self._start(unit)
+    def _ready(self, unit: Unit, full_precision: bool = False) -> None:
+        self._start(unit, full_precision)
         start = time.perf_counter()
         for b in unit.buckets:
             self.buffers.wait(b)
@@ -127,9 +128,10 @@ class ShardedUnits:
         self.max_gathered["bytes"] = max(self.max_gathered["bytes"], self.buffers.gathered_bytes())
 
     def gather_all(self) -> None:
-        """Gather every unit and wait for it (reading the whole model outside its forward)."""
+        """Gather every unit and wait for it (reading the whole model outside its forward: FP8
+        buckets in their own precision too)."""
         for unit in self.units:
-            self._ready(unit)
+            self._ready(unit, full_precision=True)
 
     def free_all(self) -> None:
         """Release every unit (after the optimizer step: the shards hold new values)."""

@@ -4,24 +4,13 @@ The model behind ``tools/plan.py``. For one layout it estimates, per GPU of the 
 stage, the bytes of weights, gradients, optimizer state and activations, and the time of one
 optimizer step; :func:`search` ranks every layout of a config on a GPU count.
 
-Memory follows the implementation, not a rule of thumb:
-
-- weights, gradients and optimizer state: the bytes per parameter of the ZeRO stage
-  (``parallel/data.py``): bf16 weights 2, fp32 gradients 4, fp32 master 4, Adam moments 8, the last
-  two (under zero 2 also the gradients, under zero 3 everything) divided by the ranks they are
-  sharded over (dp × cp, or the hybrid shard group); zero 3 adds the layers gathered at once
-  (three, ``parallel/zero3.py``) and the embedding and head, in full, plus one layer's fp32
-  gradients in flight;
-- activations per token and layer: ``12·h + 4·kv·d + 8·f`` bytes in bf16 (``tests`` measure it from
-  what autograd saves), divided by tp with sequence parallelism; without it the two norm inputs and
-  the two column-parallel inputs stay whole. Context parallelism leaves each rank s/cp tokens of a
-  sample, but attention keeps the all-gathered keys and values of all s: ``4·kv·d·cp`` bytes per
-  local token instead of ``4·kv·d``. Full recompute keeps only the layer input (``2·h``);
-  unfused attention also keeps its softmax (and dropout mask) unless recomputed selectively. A
-  stage holds them for its peak number of in-flight micro-batch chunks, read off the real schedule
-  (``parallel/pipeline.py``);
-- a fixed allowance for the CUDA context, NCCL buffers and allocator slack; a layout fits
-  when that total leaves 5% of the device's memory free.
+Memory follows the implementation, not a rule of thumb: ``planner/memory.py`` estimates every
+stage's peak by part — weights, gradients and optimizer state of the ZeRO stage, what autograd
+keeps of the micro-batch chunk computing and of those the real schedule holds in flight, ZeRO-3's
+gathered layers, the peak moment's buffers — and is held to the trainer's own program simulated on
+fake tensors (``tools/check_planner.py``: within 5% on a sweep of 8B, 70B and 405B layouts). The
+busiest stage, plus a fixed allowance for the CUDA context, NCCL buffers and allocator slack, is
+the layout's figure; a layout fits when that leaves 5% of the device's memory free.
 
 Time is built from the kernels of one layer, not from one efficiency figure:
 
@@ -41,6 +30,9 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   causal attention on 1/cp of the (query, key) pairs (the load-balanced split), and every layer
   all-gathers K and V over the cp ranks forward (``2·b·s·kv·d/tp`` values) and reduce-scatters their
   gradients backward (full recompute gathers again), exposed: the trainer does not overlap them;
+- FP8 linears (``model.fp8``): their GEMMs at the device's FP8 peak, their casts as memory-bound
+  kernels, FP8 input all-gathers, FP8 copies in memory (``planner/fp8.py``, applied by
+  :func:`estimate`);
 - the pipeline bubble from replaying the real schedule with the busiest stage's forward and
   backward times, the point-to-point transfers, the exposed part of the data-parallel
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
@@ -56,7 +48,7 @@ on H100s); they are estimates to choose a layout with, to be checked with ``tool
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, PipelineError, UserError
@@ -67,6 +59,8 @@ from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order, simulate
+from .fp8 import fp8_delta, fp8_memory
+from .memory import stage_memory, stage_params
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -259,39 +253,23 @@ def _stage_layers(model: ModelArgs, layout: Layout) -> tuple[list[int], int]:
     return [sum(chunks[v * pp + r] for v in range(vpp)) for r in range(pp)], max(chunks)
 
 
-def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, in_flight: int,
-            layers: int, per_chunk: int, attention: str) -> tuple[dict, float]:
-    """Bytes per GPU of the busiest stage by part (see the module docstring), and its parameters."""
-    tp, L = layout.tp, layout  # ZeRO shards over dp × cp, or the hybrid group
-    split, replicated, head = layer_params(model)
-    vocab_rows, hidden = model.padded_vocab(tp) // tp, model.hidden_size
-    first = layers * (split / tp + replicated) + vocab_rows * hidden
-    last = layers * (split / tp + replicated) + head + (vocab_rows * hidden if not model.tie_embeddings or L.pp > 1
-                                                         else 0)
-    params = max(first, last if L.pp > 1 else first + head + (0 if model.tie_embeddings else vocab_rows * hidden))
-    state = params * state_bytes_per_param(precision, L.zero, L.shard_ranks)
-    scale = 1.0 if precision in ("bf16", "fp16") else 2.0
-    gathered = 0.0
-    if L.zero == 3:  # gathered in full: three layers, the embedding and head; one layer's grads in flight
-        layer = split / tp + replicated
-        gathered = (min(3, layers) * layer + params - layers * layer) * (2 if scale == 1 else 4)
-        state += gathered + layer * 4
-    tokens = L.micro_batch * seq // L.cp  # this rank's share of each micro-batch
-    per_layer = activation_bytes_per_token(model, tp, L.sequence_parallel, L.recompute, seq, attention,
-                                           L.cp) * scale
-    acts = in_flight * per_chunk * tokens * per_layer
-    if L.recompute == "full":  # one layer's full activations while it is recomputed
-        acts += tokens * activation_bytes_per_token(model, tp, L.sequence_parallel, "none", seq, attention,
-                                                    L.cp) * scale
-    logits = 2 * min(tokens * vocab_rows * 4, 512 << 20)  # chunked cross entropy: a bounded fp32 block
-    weights = params * (2 if scale == 1 else 4) / (L.shard_ranks if L.zero == 3 else 1)
-    if L.zero == 3:
-        weights += gathered
-    memory = {"params": weights, "state": state, "activations": acts + logits,
-              "overhead": device.overhead_gb * GIB}
-    memory["total"] = state + acts + logits + memory["overhead"]
+def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, micro_batches: int,
+            schedule: str, attention: str) -> tuple[dict, float]:
+    """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
+    measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
+    stage's parameters."""
+    layer = layer_params(model)
+    stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision, schedule=schedule,
+                           attention=attention) for r in range(layout.pp)]
+    busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
+    parts = stages[busiest]
+    weights = parts["parameters"] + parts["zero3_gathered"]
+    memory = {"params": weights, "state": weights + parts["gradients"] + parts["optimizer"],
+              "activations": sum(parts[k] for k in ("activations", "pipeline_in_flight", "comm_buffers", "temporary")),
+              "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts}
+    memory["total"] = parts["total"] + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
-    return memory, params
+    return memory, stage_params(model, layout, busiest, layer)
 
 
 def _check(seq: int, L: Layout, global_batch: int, attention: str) -> None:
@@ -320,9 +298,10 @@ def context_gather_s(model: ModelArgs, device: Device, layout: Layout, seq: int)
 
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
-             precision: str = "bf16", schedule: str = "auto", attention: str = "flash") -> Estimate:
+             precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
+             fp8: str = "none") -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
-    a UserError if it cannot run."""
+    a UserError if it cannot run. ``fp8``: ``model.fp8``'s recipe (planner/fp8.py)."""
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
@@ -333,11 +312,17 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
     lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb, seq // cp, tp)
+    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s, memory_s)
+    if delta is not None:  # the linears' GEMMs in FP8, their casts memory-bound
+        lt = replace(lt, matmul_f=delta.matmul_f, matmul_b=delta.matmul_b, memory_f=lt.memory_f + delta.cast_f,
+                     memory_b=lt.memory_b + delta.cast_b)
     act_bytes = mb * seq // cp * hidden * 2.0  # this rank's (b, s/cp, h)
     ring = _ring_s(device, tp, 1, act_bytes)  # one all-gather or reduce-scatter of (b, s, h)
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
+    if delta is not None:  # the input all-gathers send FP8
+        tp_f, tp_b = tp_f * delta.tp_fraction_f, tp_b * delta.tp_fraction_b
     cp_f = cp_b = context_gather_s(model, device, L, seq)  # K/V all-gather forward, grads reduce-scattered back
     # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
     redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
@@ -360,7 +345,11 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, in_flight, max(stage_layers), per_chunk, attention)
+    mem, params = _memory(model, seq, L, device, precision, m, schedule, attention)
+    if delta is not None:
+        split, replicated, _ = layer_params(model)
+        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight, per_chunk=per_chunk, zero=L.zero,
+                         gathered_bytes=min(3, max(stage_layers)) * (split / tp + replicated) * 2)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
@@ -386,7 +375,7 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     if dense_document_mask(cfg):
         attention = "unfused"
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
-                    cfg.parallel.pp_schedule, attention)
+                    cfg.parallel.pp_schedule, attention, cfg.model.fp8)
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
@@ -498,12 +487,12 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
-           precision: str = "bf16", attention: str = "flash") -> list[Estimate]:
+           precision: str = "bf16", attention: str = "flash", fp8: str = "none") -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first."""
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
-            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention))
+            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention, fp8=fp8))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))

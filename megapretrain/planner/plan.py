@@ -80,7 +80,8 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     if args.check:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
-        found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision, args.attention)
+        found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision, args.attention,
+                       m.fp8)
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,

@@ -1,0 +1,190 @@
+"""Bytes a rank of one pipeline stage holds at its peak, by part: the planner's memory model.
+
+The parts are those ``tools/simulate.py`` measures on the trainer's own program
+(``megapretrain/simulate/measure.py``), so the two compare part by part; the figures follow the
+program's code, and ``tests/test_simulate_planner.py`` holds them to the simulation:
+
+- ``parameters``: the stage's parameters (its layers, the embedding on the first stage, the final
+  norm and output layer on the last) in the model's dtype; under ZeRO-3 the rank's shard;
+- ``gradients``: the fp32 gradient buffer (zero 0/1) or its shard (zero 2/3); zero 2 also keeps a
+  bucket's full gradients while its micro-batch's reduction is in flight, the output layer's
+  among them on the last stage;
+- ``optimizer``: fp32 masters (none for fp32 weights) and Adam's two moments, over the shard ranks;
+- ``activations`` / ``pipeline_in_flight``: what autograd keeps of the micro-batch chunk
+  computing, and of the others the schedule holds in flight (:func:`saved_bytes_per_token`);
+- ``zero3_gathered``: ZeRO-3's layers gathered in full at once (three) and every chunk's root;
+- ``comm_buffers`` and ``temporary``: what the peak moment is computing with (a layer's
+  backward, the output layer's chunk of logits).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..model.args import ModelArgs
+from ..parallel.layout import Layout
+from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
+         "comm_buffers", "temporary")
+HEAD_CHUNK_BYTES = 512 << 20  # kernels/linear_cross_entropy.py: one chunk of logits on a GPU
+
+
+def weight_bytes(precision: str) -> int:
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def stage_layers(model: ModelArgs, layout: Layout, pp_rank: int) -> list[int]:
+    """Layers of each of the stage's ``vpp`` chunks."""
+    return [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank)]
+
+
+def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[int, int, int]) -> int:
+    """Parameters a rank of stage ``pp_rank`` holds (its tp share); ``layer``: the (tp-split,
+    replicated) parameters of one decoder layer and the head's replicated ones (the final norm)."""
+    split, replicated, head = layer
+    tp = layout.tp
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    vocab = model.padded_vocab(tp) // tp * model.hidden_size
+    params = sum(stage_layers(model, layout, pp_rank)) * (split // tp + replicated)
+    if first:
+        params += vocab
+    if last:
+        params += head + (0 if model.tie_embeddings and first else vocab)
+    return params
+
+
+def in_flight(layout: Layout, pp_rank: int, micro_batches: int, schedule: str) -> int:
+    """The most micro-batch chunks stage ``pp_rank`` keeps activations of, read off its schedule
+    (1F1B and interleaved: past 2·pp micro-batches the warmup, and so the peak, no longer grows)."""
+    kind = resolve_schedule(schedule, layout.pp, layout.vpp, micro_batches)
+    steady = kind in ("1f1b", "interleaved")
+    return _peak(kind, pp_rank, layout.pp, layout.vpp, min(micro_batches, 2 * layout.pp) if steady else micro_batches)
+
+
+@functools.cache
+def _peak(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int) -> int:
+    return peak_in_flight(schedule_order(kind, pp_rank, pp, vpp, micro_batches))
+
+
+def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision: str, kernels: str,
+                          attention: str = "flash") -> float:
+    """Bytes autograd keeps of one decoder layer per token of a rank's share of a micro-batch.
+
+    Without recomputation (flash attention): the layer's input, its attention norm's output, the
+    residual after attention and the MLP norm's output (sequence-parallel: the rank's 1/tp of the
+    tokens; else whole on every tp rank); q and the attention output, k and v (heads split over
+    tp; under cp the keys and values of every cp rank, and the output twice); the MLP's inner activations (the Triton
+    SwiGLU keeps gate, up and their product; torch's also the SiLU; GELU its input and output);
+    fp32 norm statistics and attention log-sum-exp, dropout masks. Unfused attention (Megatron
+    before flash attention) also keeps its softmax, and its dropout mask, unless recomputed
+    selectively; selective recomputation drops the log-sum-exp; full recomputation keeps the
+    layer's input only."""
+    w, tp, cp = weight_bytes(precision), layout.tp, layout.cp
+    sp = tp if layout.sequence_parallel or tp == 1 else 1
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * d / tp, model.num_kv_heads * d / tp
+    if layout.recompute == "full":
+        return w * h / sp
+    stream = 3 if model.parallel_residual else 4
+    f = model.ffn_hidden_size / tp
+    mlp = 2 * f if model.mlp == "gelu" else (3 if kernels == "triton" else 4) * f
+    # under cp the two query chunks' outputs are kept by their attention and, concatenated, by the
+    # output projection: the attention output twice
+    kv_and_q = (2 if cp == 1 else 3) * q + 2 * kv * cp + (q + kv if model.qk_norm else 0)
+    stats = 4 * 2 * (2 if model.mlp == "gelu" else 1) / sp  # rstd per norm (LayerNorm: mean and rstd)
+    lse = 4 * model.num_heads / tp if attention == "flash" and layout.recompute != "selective" else 0
+    dropout = 2 * h / sp if model.hidden_dropout > 0 else 0  # a bool mask per residual branch
+    scores = 0.0
+    if attention == "unfused" and layout.recompute != "selective":  # softmax (+ dropout mask and output)
+        scores = (w + 3 * (model.attention_dropout > 0)) * model.num_heads / tp * seq
+    return w * (stream * h / sp + kv_and_q + mlp) + stats + lse + dropout + scores
+
+
+@functools.cache
+def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int,
+                    chunks: tuple[int, ...]) -> tuple[int, float, bool]:
+    """At the backward that starts with the most activations held: the layers of its own micro-batch
+    chunk, those of the others in flight, and whether it holds the head (the last chunk)."""
+    best, held = (0, 0.0, False), {}
+    for op in schedule_order(kind, pp_rank, pp, vpp, micro_batches):
+        key = (op.micro, op.chunk)
+        if op.kind == "F":
+            held[key] = chunks[op.chunk]
+            continue
+        others = sum(held.values()) - held[key]
+        if held[key] + others > best[0] + best[1]:
+            best = (held[key], others, op.chunk == vpp - 1)
+        del held[key]
+    return best
+
+
+def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: bool, precision: str,
+                      kernels: str, attention: str, chunk_bytes: int) -> tuple[float, float]:
+    """(activations made again, temporaries) of what a backward computes with, at the larger of two
+    moments: on the stage with the head, its backward (a chunk of logits and the gradient of its
+    input); then a layer's MLP backward — the gradients in and out of the layer and those of the
+    MLP's input, gate and up (recomputed fully: with the layer's activations made again, the MLP's
+    output already used)."""
+    w, sp = weight_bytes(precision), L.tp if L.sequence_parallel or L.tp == 1 else 1
+    h, f = model.hidden_size, model.ffn_hidden_size // L.tp
+    grads = 2 * h / sp * tokens * w
+    vocab_rows = model.padded_vocab(L.tp) // L.tp
+    head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
+    if L.recompute != "full":
+        return 0.0, max(grads + 3 * f * tokens * w, head_backward)
+    redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision, kernels, attention)
+    mlp_backward = grads + 2 * f * tokens * w
+    return (redo, mlp_backward) if redo + mlp_backward > head_backward else (0.0, head_backward)
+
+
+def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
+                 layer: tuple[int, int, int], precision: str = "bf16", schedule: str = "auto",
+                 kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
+                 fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict:
+    """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
+    ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
+    ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
+    ``chunk_bytes``: the output layer's chunk of logits.
+
+    The peak is taken at the backward that starts with the most activations held (the schedule's
+    own order decides which): everything kept for the backward of its micro-batch chunk and of the
+    others in flight, and what that backward computes with — the output layer's chunk of logits
+    and its gradients (on the stage holding it), a layer's recomputation (full) and its backward's
+    gradients, the fp32 gradients of the buckets being reduced (zero 2, 3)."""
+    L, w = layout, weight_bytes(precision)
+    n_shard = L.shard_ranks
+    params = stage_params(model, L, pp_rank, layer)
+    last = pp_rank == L.pp - 1
+    chunks = tuple(stage_layers(model, L, pp_rank))
+    tokens = L.micro_batch * seq // L.cp  # the rank's share of a micro-batch
+    h, f = model.hidden_size, model.ffn_hidden_size // L.tp
+    vocab_rows = model.padded_vocab(L.tp) // L.tp
+    layer_params = layer[0] // L.tp + layer[1]
+
+    out = dict.fromkeys(PARTS, 0.0)
+    out["parameters"] = params * w / (n_shard if L.zero == 3 else 1)
+    out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
+    out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0 + (1 / 8 if fused_adamw else 0.0)) \
+        / (n_shard if L.zero >= 1 else 1)
+    kind = resolve_schedule(schedule, L.pp, L.vpp, micro_batches)
+    steady = min(micro_batches, 2 * L.pp) if kind in ("1f1b", "interleaved") else micro_batches
+    own, others, head = _backward_start(kind, pp_rank, L.pp, L.vpp, steady, chunks)
+    head = head and last
+    per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
+    out["activations"] = own * per_layer
+    out["pipeline_in_flight"] = others * per_layer
+    if L.zero >= 2:  # the full fp32 gradients of the bucket filling and of the one reducing: a layer's
+        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)  # (zero 3) or a parameter's
+        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else bucket))  # (the output layer's own)
+    if L.zero == 3:  # every chunk's root, the layer computing and the next one, prefetched (the one
+        # that follows the chunk's second layer is its first: by its backward, the second has been freed)
+        roots = params - sum(chunks) * layer_params
+        out["zero3_gathered"] = (max(1, min(2, max(chunks) - 1)) * layer_params + roots) * w
+    if L.sequence_parallel:  # an input gathered (again) for the weight gradients, and its pieces
+        out["comm_buffers"] = 2.0 * tokens * h * w
+    redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels, attention,
+                                                 chunk_bytes)
+    out["activations"] += redone
+    out["total"] = sum(out[k] for k in PARTS)
+    return out

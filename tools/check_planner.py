@@ -1,0 +1,12 @@
+"""Hold the planner to the program on a sweep of layouts: megapretrain.commands.check_planner."""
+
+import sys
+
+try:
+    from megapretrain.commands.check_planner import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())

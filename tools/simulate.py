@@ -1,0 +1,12 @@
+"""Any rank of a run on this CPU, before launching it: megapretrain.commands.simulate."""
+
+import sys
+
+try:
+    from megapretrain.commands.simulate import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())
