@@ -108,6 +108,26 @@ SKIP = {
     "bash run_scripts/gpu_check.sh --output runs/gpu_check": ("needs a GPU: its plan is printed",
                                                               "bash run_scripts/gpu_check.sh --output runs/gpu_check "
                                                               "--dry-run"),
+    "python tools/simulate.py --config configs/llama3_8b.yaml --world-size 64 --rank 0": (
+        "minutes of CPU under load: tests/test_simulate.py simulates Llama 3 8B at its layout",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --check"),
+    "python tools/simulate.py --config configs/llama3_405b.yaml --world-size 16384 --roles --output runs/sim405b": (
+        "ten minutes of CPU: tests/test_simulate.py simulates every role at tiny size",
+        "python tools/plan.py --config configs/llama3_405b.yaml --gpus 16384 --check --train.rampup_batch_size null"),
+    "python tools/simulate.py --config configs/llama3_70b.yaml --world-size 512 --rank 0 --rank 511 --json": (
+        "minutes of CPU: tests/test_simulate.py checks the JSON of every role at tiny size",
+        "python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --check --json"),
+    "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --simulate 3": (
+        "three simulations of Llama 3 8B: tests/test_simulate_planner.py runs --simulate 1 at tiny size",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --top 3"),
+    "python tools/preflight.py --config configs/llama3_8b.yaml --nproc-per-node 8 --world-size 64": (
+        "pre-flight runs and a simulation per role: tests/test_preflight.py runs the production-layout check",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --check"),
+    "python tools/check_planner.py --output runs/planner_sweep.jsonl": (
+        "about an hour of CPU: tests/test_simulate_planner.py holds shortened layouts to the same bounds",
+        "python tools/check_planner.py --help"),
+    "python tools/check_planner.py --from runs/planner_sweep.jsonl": (
+        "reads the sweep the command above writes", "python tools/check_planner.py --help"),
     "python tools/check_kernels.py": (
         "2-4 minutes of ptxas: tests/test_kernels_compile.py runs it (bf16 and fp32, three targets)",
         "python tools/check_kernels.py --help"),
