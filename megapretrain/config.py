@@ -17,8 +17,10 @@ schema: it imports nothing else of the package but the error types.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -349,6 +351,19 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {_key(f): f for f in dataclasses.fields(cls)}
 
 
+def _exponent_integer(text: str) -> int | str:
+    """``3e9`` or ``1.5e12`` as the integer it writes, else ``text`` unchanged. YAML 1.1 reads
+    exponent notation as a number only with a dot and a signed exponent (``3.0e+9``), so ``3e9`` —
+    how a token budget is naturally written — arrives as a string. Decimal, not float:
+    ``12345678901234567e0`` stays exact."""
+    if not re.fullmatch(r"[+-]?[0-9][0-9_]*(\.[0-9_]*)?[eE][+-]?[0-9]+", text.strip()):
+        return text
+    number = decimal.Decimal(text.strip().replace("_", ""))
+    if number.adjusted() >= 64 or number != number.to_integral_value():  # far out of range, or a fraction
+        return text
+    return int(number)  # one over the int64 range is refused by check_fields, naming the limit
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert ``value`` to the annotated type ``tp`` or raise a ConfigError naming ``where``."""
     origin = typing.get_origin(tp)
@@ -368,6 +383,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value.lower() == "true"
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
+        if isinstance(value, str):
+            value = _exponent_integer(value)
         if isinstance(value, bool) or not (isinstance(value, int) or
                                            (isinstance(value, float) and value.is_integer())):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")

@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from megapretrain.config import Config, ConfigError, help_text, load_config, to_dict
+from megapretrain.config import Config, ConfigError, check_fields, help_text, load_config, to_dict
 from megapretrain.model.args import default_ffn_hidden_size, padded_vocab_size
 from megapretrain.resolve import resolve
 
@@ -42,6 +42,24 @@ def test_yaml_strings_are_coerced(tmp_path):
     path.write_text("optim:\n  lr: 3e-4\ntrain:\n  iters: 10.0\n")  # YAML 1.1 reads 3e-4 as a string
     cfg = load_config(str(path))
     assert cfg.optim.lr == pytest.approx(3e-4) and cfg.train.iters == 10
+
+
+def test_integers_in_exponent_notation(tmp_path):
+    """3e9 (a string to YAML 1.1) is an integer field's 3,000,000,000, on the command line and in a
+    file; exact beyond float's 53 bits; a fraction, NaN or a number past int64 is still refused."""
+    cfg = load_config(None, ["--train.iters", "null", "--train.train_tokens", "3e9", "--train.seq_length", "2.048E3"])
+    assert cfg.train.train_tokens == 3_000_000_000 and isinstance(cfg.train.train_tokens, int)
+    assert cfg.train.seq_length == 2048
+    assert load_config(None, ["--train.train_tokens", "3_000_000_000"]).train.train_tokens == 3_000_000_000
+    assert load_config(None, ["--train.train_tokens", "12345678901234567e0"]).train.train_tokens == 12345678901234567
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  iters: null\n  train_tokens: 1.5e12\n")
+    assert load_config(str(path)).train.train_tokens == 1_500_000_000_000
+    for raw in ("2.5e0", "1e-3", "nan", "3e9x", "1e99999"):
+        with pytest.raises(ConfigError, match="train.train_tokens: expected an integer"):
+            load_config(None, ["--train.train_tokens", raw])
+    with pytest.raises(ConfigError, match=r"train.train_tokens=10000000000000000000000000.*below 2\*\*63"):
+        check_fields(load_config(None, ["--train.train_tokens", "1e25"]))
 
 
 @pytest.mark.parametrize("args, message", [

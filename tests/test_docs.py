@@ -51,7 +51,8 @@ TINY = ("--model.num_layers 4 --model.hidden_size 64 --model.num_heads 4 --model
         "--train.micro_batch_size 1 --train.global_batch_size 8 --train.rampup_batch_size null "
         "--train.eval_interval 4 --train.eval_iters 1 --logging.interval 1 --logging.tensorboard false "
         "--checkpoint.interval 4 --schedule.warmup_iters 1")
-TRAINS = re.compile(r"megapretrain\.train|tools/preflight\.py|run_scripts/(quickstart|pretrain_\w+)\.sh(?!.*--dry-run)")
+TRAINS = re.compile(r"megapretrain\.train|tools/preflight\.py"
+                    r"|run_scripts/(quickstart|pretrain_\w+|launch)\.sh(?!.*--dry-run)")
 DEFAULT_ITERS = 6
 
 # (pattern, replacement, reason): commands rewritten to fit a 2-core CPU
@@ -81,7 +82,11 @@ REWRITES = [
     (r"bench_data\.py memory --big-gb 2", "bench_data.py memory --big-gb 0.01", "a 10 MB input"),
     (r"bench_data\.py index --megatron", "bench_data.py index --repeats 1", "one repeat"),
     (r"bench_data\.py reads$", "bench_data.py reads --tokens 200000 --samples 200 --repeats 1", "a small shard"),
+    (r"bench_data\.py verify --tokens \d+", "bench_data.py verify --tokens 200000", "a small shard"),
+    (r"bench_attention\.py (.*)", r"bench_attention.py \1 --seqs 256 512 --docs short --iters 1",
+     "two short sequences, one iteration"),
     (r"--seq-length 2048", "--seq-length 32", "tiny samples"),
+    (r"--schedule\.rewarm_iters \d+", "--schedule.rewarm_iters 1", "a re-warm inside the extension's scaled steps"),
 ]
 
 # command -> (why it is not run here, the check run instead: {TINY} and {ITERS} are expanded)
@@ -103,6 +108,26 @@ SKIP = {
     "bash run_scripts/gpu_check.sh --output runs/gpu_check": ("needs a GPU: its plan is printed",
                                                               "bash run_scripts/gpu_check.sh --output runs/gpu_check "
                                                               "--dry-run"),
+    "python tools/simulate.py --config configs/llama3_8b.yaml --world-size 64 --rank 0": (
+        "minutes of CPU under load: tests/test_simulate.py simulates Llama 3 8B at its layout",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --check"),
+    "python tools/simulate.py --config configs/llama3_405b.yaml --world-size 16384 --roles --output runs/sim405b": (
+        "ten minutes of CPU: tests/test_simulate.py simulates every role at tiny size",
+        "python tools/plan.py --config configs/llama3_405b.yaml --gpus 16384 --check --train.rampup_batch_size null"),
+    "python tools/simulate.py --config configs/llama3_70b.yaml --world-size 512 --rank 0 --rank 511 --json": (
+        "minutes of CPU: tests/test_simulate.py checks the JSON of every role at tiny size",
+        "python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --check --json"),
+    "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --simulate 3": (
+        "three simulations of Llama 3 8B: tests/test_simulate_planner.py runs --simulate 1 at tiny size",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --top 3"),
+    "python tools/preflight.py --config configs/llama3_8b.yaml --nproc-per-node 8 --world-size 64": (
+        "pre-flight runs and a simulation per role: tests/test_preflight.py runs the production-layout check",
+        "python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --check"),
+    "python tools/check_planner.py --output runs/planner_sweep.jsonl": (
+        "about an hour of CPU: tests/test_simulate_planner.py holds shortened layouts to the same bounds",
+        "python tools/check_planner.py --help"),
+    "python tools/check_planner.py --from runs/planner_sweep.jsonl": (
+        "reads the sweep the command above writes", "python tools/check_planner.py --help"),
     "python tools/check_kernels.py": (
         "2-4 minutes of ptxas: tests/test_kernels_compile.py runs it (bf16 and fp32, three targets)",
         "python tools/check_kernels.py --help"),
@@ -110,7 +135,8 @@ SKIP = {
 
 
 # tools that set process-wide state (torch's threads), spawn processes or need their own launcher: run as scripts
-OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "smoke_test", "check_kernels", "gpu_check"}
+OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "bench_attention", "smoke_test", "check_kernels",
+               "gpu_check"}
 
 
 @dataclass
@@ -181,11 +207,14 @@ def shrink(text: str) -> str:
     """The command at tiny size (see the module docstring)."""
     for pattern, replacement, _ in REWRITES:
         text = re.sub(pattern, replacement, text)
-    if TRAINS.search(text) and "--help" not in text:
+    if TRAINS.search(text) and "--help" not in text and not re.search(r"\s--check(\s|$)", text):  # trains nothing
         iters = re.search(r"--train\.iters (\d+)", text)
         if iters:
             text = text.replace(iters[0], f"--train.iters {max(2, math.ceil(int(iters[1]) / 10))}")
-        text += f" {TINY}" + ("" if iters or "preflight" in text else f" --train.iters {DEFAULT_ITERS}")
+        budget = re.search(r"--train\.train_tokens \S+", text)
+        if budget:  # a token budget: DEFAULT_ITERS steps of TINY's 8 × 32 tokens
+            text = text.replace(budget[0], f"--train.train_tokens {DEFAULT_ITERS * 8 * 32}")
+        text += f" {TINY}" + ("" if iters or budget or "preflight" in text else f" --train.iters {DEFAULT_ITERS}")
     return text
 
 
@@ -406,6 +435,12 @@ def test_commands_are_found_and_shrunk():
     assert quickstart.endswith(f"{TINY} --train.iters {DEFAULT_ITERS}")
     assert "--train.iters 4 " in shrink("torchrun -m megapretrain.train --train.iters 40 --parallel.zero 1")
     assert shrink("python tools/plan.py --config configs/llama3_8b.yaml --gpus 64").endswith("--gpus 64")
+    budget = shrink("python -m megapretrain.train --train.iters null --train.train_tokens 2e12")
+    assert "--train.train_tokens 1536 " in budget and budget.endswith(TINY)
+    check = "python -m megapretrain.train --config c.yaml --check"
+    assert shrink(check) == check
+    saves = shrink("python -m megapretrain.train --checkpoint.interval 5")  # --check... is not --check
+    assert saves.endswith(f"{TINY} --train.iters {DEFAULT_ITERS}")
 
 
 def test_every_fence_has_a_language_and_no_prompt():

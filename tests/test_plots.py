@@ -29,7 +29,8 @@ def write_metrics(run_dir, steps: int = 30) -> list[dict]:
         records.append({"iter": it, "loss": 5.5 - 0.1 * it, "grad_norm": 2.0 / it ** 0.5, "lr": 1e-3 * min(1, it / 3),
                         "tokens_per_sec": 1000.0 + it, "consumed_tokens": 512 * it, "step_time": 0.5,
                         "data_time": 0.01, "mfu": 0.4, "memory_mb": 250.0 + it,
-                        "breakdown": {"forward_backward_s": 0.3, "optimizer_s": 0.1}, "checkpoint_stall_s": 0.0})
+                        "breakdown": {"forward_backward_s": 0.3, "optimizer_s": 0.1}, "checkpoint_stall_s": 0.0,
+                        "elapsed_s": 0.5 * it, "eta_s": 0.5 * (steps - it)})
         if it % 10 == 0:
             records.append({"iter": it, "valid_loss": 5.4 - 0.1 * it})
             records.append({"iter": it, "event": "checkpoint_saved", "path": f"checkpoints/iter_{it:07d}"})

@@ -106,12 +106,16 @@ def flat_numbers(record: dict) -> dict:
     return out
 
 
+CLOCK_FIELDS = ("elapsed_s", "eta_s")  # the run's clock, not parts of a step: minutes beside milliseconds
+
+
 def time_fields(records: list[dict]) -> list[str]:
-    """Time-breakdown fields of the training lines: data_time, step_time and any ``*_s`` / ``*_time``."""
+    """Time-breakdown fields of the training lines: data_time, step_time and any ``*_s`` / ``*_time``
+    but the run's clock (TensorBoard's layout leaves it out of its breakdown too)."""
     seen: dict[str, None] = {}
     for r in records:
         for key in flat_numbers(r):
-            if key.endswith(("_s", "_time")):
+            if key.endswith(("_s", "_time")) and key not in CLOCK_FIELDS:
                 seen[key] = None
     return list(seen)
 
