@@ -191,8 +191,10 @@ class _Regather:
 
 def _storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage while it lives: its address, not its data pointer (which is
-    0 for every tensor without data: the fake tensors of a simulation would all look alike)."""
-    return t.untyped_storage()._cdata
+    0 for every tensor without data: the fake tensors of a simulation would all look alike). Under
+    torch.compile the data pointer, which Dynamo traces (the address would break the graph)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() if torch.compiler.is_compiling() else storage._cdata
 
 
 class SavedShards:
