@@ -85,6 +85,10 @@ REWRITES = [
     (r"bench_data\.py verify --tokens \d+", "bench_data.py verify --tokens 200000", "a small shard"),
     (r"bench_attention\.py (.*)", r"bench_attention.py \1 --seqs 256 512 --docs short --iters 1",
      "two short sequences, one iteration"),
+    (r"bench_pipeline\.py(.*)", r"bench_pipeline.py\1 --pp 2 --micro-batches 4 --layers 4 --hidden 32 --seq 16 "
+     r"--vocab 128 --steps 1 --warmup 0", "two tiny stages, one step per schedule"),
+    (r"bench_tp\.py(.*)", r"bench_tp.py\1 --layers 2 --hidden 64 --seq 32 --steps 1 --warmup 0",
+     "two tiny layers, one step each way"),
     (r"--seq-length 2048", "--seq-length 32", "tiny samples"),
     (r"--schedule\.rewarm_iters \d+", "--schedule.rewarm_iters 1", "a re-warm inside the extension's scaled steps"),
 ]
@@ -135,8 +139,8 @@ SKIP = {
 
 
 # tools that set process-wide state (torch's threads), spawn processes or need their own launcher: run as scripts
-OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "bench_attention", "smoke_test", "check_kernels",
-               "gpu_check"}
+OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "bench_attention", "bench_pipeline", "bench_tp",
+               "smoke_test", "check_kernels", "gpu_check"}
 
 
 @dataclass
