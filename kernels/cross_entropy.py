@@ -118,7 +118,7 @@ def _torch_stats(logits, targets, vocab_start: int, valid: int, ignore_index: in
 def _torch_grad_(logits, targets, lse, scale, z_loss: float, vocab_start: int, valid: int) -> None:
     local = targets - vocab_start
     coef = 1.0 + 2.0 * z_loss * lse  # (rows,)
-    for i, j, w in _row_blocks(logits, valid):
+    for i, j, w in _row_blocks(logits, valid) if valid else ():  # a rank of padding columns alone: none
         w.sub_(lse[i:j, None]).exp_().mul_(coef[i:j, None])  # softmax, scaled for the z-loss
         hit = (local[i:j] >= 0) & (local[i:j] < valid)
         # minus one at the target of each row that has it here (others add -0: no data-dependent shapes)

@@ -419,3 +419,13 @@ def test_per_token_bf16_matches_the_one_buffer_loss():
     torch.testing.assert_close(loss, want, **BF16_LOSS_TOL)
     torch.testing.assert_close(dx, xl.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(dw, wl.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_a_tp_rank_of_padding_columns_alone_gets_a_zero_gradient():
+    """A small vocabulary over many tp ranks leaves the last rank only padding columns (valid 0):
+    its logits' gradient is zero, and the rank runs like the others (no out-of-range target)."""
+    logits = torch.randn(6, 8)
+    targets = torch.tensor([0, 3, 5, 7, 2, 1])  # every target on other ranks (vocab_start 8)
+    lse = torch.logsumexp(torch.randn(6, 16), -1)
+    cross_entropy._torch_grad_(logits, targets, lse, torch.ones(6), 0.0, 8, 0)
+    assert torch.equal(logits, torch.zeros(6, 8))
