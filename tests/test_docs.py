@@ -409,6 +409,7 @@ def _page_sandbox(base: Sandbox, page: str) -> Sandbox:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every documented command runs in CI, so that none goes stale
 @pytest.mark.timeout(1800)  # the README's includes the quickstart: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("page", PAGES)
 def test_every_command_runs(base, page):
