@@ -60,7 +60,8 @@ def test_coords_invert_the_grid(shape):
 def test_meta_round_trip_and_checkpoints_saved_before_cp():
     layout = Layout(tp=2, pp=4, dp=8, cp=2, vpp=2, zero=3)
     meta = layout.meta()
-    assert meta == {"tp": 2, "pp": 4, "dp": 8, "cp": 2}
+    assert meta == {"tp": 2, "pp": 4, "dp": 8, "cp": 2, "vpp": 2}  # vpp: which layers each stage holds
+    assert Layout(tp=2, pp=4, dp=8, cp=2, vpp=2, pp_schedule="zbv").meta()["placement"] == "v"
     back = Layout.from_meta(json.loads(json.dumps(meta)))
     assert back.all_coords() == layout.all_coords()
     old = Layout.from_meta({"tp": 2, "pp": 1, "dp": 2})
