@@ -21,17 +21,15 @@ the analytic bytes per parameter of each stage (plus alignment padding).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megapretrain.cli import non_negative_float, non_negative_int, positive_int, print_error, user_errors
+from megapretrain.commands.ranks import run_ranks
 from megapretrain.config import OptimConfig
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
@@ -151,16 +149,7 @@ def main(argv=None) -> int:
     if a.shard_size and a.dp % a.shard_size:
         print_error(f"--shard-size {a.shard_size} must divide --dp {a.dp}")
         return 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, a.dp, os.path.join(tmp, "store"), a, queue))
-                 for r in range(a.dp)]
-        for p in procs:
-            p.start()
-        out = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+    out = run_ranks(worker, a.dp, a)
     args = model_args(a)
     n = sum(p.numel() for p in DecoderModel(args, ParallelState().tp, device="meta").parameters())
     print(f"dp={a.dp} gloo CPU, {a.precision}, {n / 1e6:.1f}M params, {a.accum} micro-batches of "

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
-import tempfile
 import time
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megapretrain.cli import non_negative_int, positive_int, print_error, user_errors
+from megapretrain.commands.ranks import run_ranks
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError
 from megapretrain.model.build import build_model_chunks
@@ -197,16 +195,7 @@ def main(argv=None) -> int:
     except (ConfigError, PipelineError) as exc:
         print_error(str(exc))
         return 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, a.pp, os.path.join(tmp, "store"), a, queue))
-                 for r in range(a.pp)]
-        for p in procs:
-            p.start()
-        stages = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+    stages = run_ranks(worker, a.pp, a)
     print(f"pp={a.pp} gloo CPU ({a.threads} thread(s) per rank), fp32, {a.layers} layers of hidden {a.hidden}, "
           f"{a.micro_batches} micro-batches of {a.micro_batch}×{a.seq} per step; medians of {a.steps} steps")
     print(f"{'schedule':>11} {'step ms':>8} {'pipeline ms':>12} {'predicted':>10} {'idle (per stage)':>26} "

@@ -16,17 +16,15 @@ sent; medians over ``--steps`` after ``--warmup``, the slowest rank's.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megapretrain.cli import non_negative_int, positive_int, print_error, user_errors
+from megapretrain.commands.ranks import run_ranks
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
 from megapretrain.parallel.state import ParallelState
@@ -107,16 +105,7 @@ def main(argv=None) -> int:
     if problem:
         print_error(problem)
         return 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, a.tp, os.path.join(tmp, "store"), a, queue))
-                 for r in range(a.tp)]
-        for p in procs:
-            p.start()
-        ranks = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+    ranks = run_ranks(worker, a.tp, a)
     print(f"tp={a.tp} with sequence parallelism, gloo CPU ({a.threads} thread(s) per rank), fp32, {a.layers} layers "
           f"of hidden {a.hidden}, {a.micro_batch}×{a.seq} tokens; forward + backward, medians of {a.steps} steps")
     print(f"{'tp_comm_overlap':>15} {'step ms':>8} {'exposed tp ms':>14} {'tp MiB sent':>12}  exposed by kind (ms)")
