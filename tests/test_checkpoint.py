@@ -264,10 +264,12 @@ def test_an_async_save_is_published_once_written_not_at_the_next_save(corpus, tm
 
     def watch(self):
         if self.iteration == 3:  # the save at 2 is in flight or done; the next is due at 4
-            deadline = time.monotonic() + 20
-            while not os.path.exists(os.path.join(_ckpt(run, 2), "metadata.json")) and time.monotonic() < deadline:
-                time.sleep(0.01)  # nothing on the training thread touches the manager meanwhile
-            seen["latest"] = (run / "checkpoints" / "latest").read_text().strip()
+            # the writer renames the directory into place, then moves ``latest``: wait for the
+            # pointer itself (nothing on the training thread touches the manager meanwhile)
+            pointer, deadline = run / "checkpoints" / "latest", time.monotonic() + 120
+            while not pointer.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["latest"] = pointer.read_text().strip() if pointer.exists() else None
         return step(self)
 
     monkeypatch.setattr(Trainer, "train_step", watch)
@@ -304,7 +306,7 @@ def _boundary_agreement(rank, world, run, corpus):
 
     def watch(self):
         if self.iteration == 4:  # the save at 3 is in flight: let every rank's writer finish
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 120
             while not self.checkpoints.poll() and time.monotonic() < deadline:
                 time.sleep(0.01)
         if self.iteration == 5:  # the boundary after step 5 agreed on it, and finished it
