@@ -131,7 +131,7 @@ def test_an_alert_tells_the_webhook_which_run_and_tensorboard_gets_its_line(tmp_
     assert _train(run, corpus, "--train.iters", "4", "--run.name", "exp-7", "--logging.tensorboard", "true",
                   "--faults.slow_data_at", "2", "--faults.slow_data_s", "1.2",
                   "--recovery.alert_command", f'echo "$MEGAPRETRAIN_ALERT" >> {sink}') == 0
-    deadline = time.monotonic() + 30  # the command runs in the background
+    deadline = time.monotonic() + 120  # the command runs in the background
     while time.monotonic() < deadline and len(sink.read_text().splitlines() if sink.exists() else []) < 2:
         time.sleep(0.2)
     sent = [json.loads(line) for line in sink.read_text().splitlines()]

@@ -47,7 +47,7 @@ def _collective(rank: int, port: int, timeout_s: float, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     init_distributed("gloo", "cpu", timeout_s=timeout_s)
     if rank == 1:
-        time.sleep(60)  # never joins the collective
+        time.sleep(600)  # never joins the collective (terminated by the test)
         return
     start = time.monotonic()
     try:
@@ -67,12 +67,12 @@ def test_a_collective_that_never_completes_fails_after_collective_timeout_s():
     for p in procs:
         p.start()
     try:
-        message, waited = results.get(timeout=50)
+        message, waited = results.get(timeout=300)  # spawn + import can be slow on a loaded machine
     finally:
         for p in procs:
             p.terminate()
     assert message != "completed" and ("timed out" in message.lower() or "timeout" in message.lower()), message
-    assert waited < 50  # failed instead of hanging: well before the other rank's 60 s
+    assert waited < 50  # failed instead of hanging: the other rank never joins
 
 
 def test_half_precision_on_a_cpu_without_it_is_warned(tmp_path, corpus, capsys, monkeypatch):
