@@ -371,3 +371,29 @@ def test_planner_models_fp8_gemms_and_copies():
     assert runs["tensorwise"].memory["params"] < runs["rowwise"].memory["params"] == runs["none"].memory["params"]
     with pytest.raises(ConfigError, match="A100 SXM 80GB has no FP8 tensor cores"):
         estimate(args, 8192, layout, 64, DEVICES["a100"], fp8="tensorwise")
+
+
+def test_planner_ranks_only_layouts_fp8_can_run(capsys):
+    """The planner's search under FP8 leaves out the layouts whose FP8 GEMMs the run would refuse
+    (an MLP shard of 88 at tp 4), keeps them when model.fp8_skip keeps that MLP out of FP8, ranks
+    the rest by their FP8 step time; tools/plan.py on a GPU without FP8 is one line, not 'no layout'."""
+    from megapretrain.commands import plan
+    from megapretrain.model.args import model_args
+    from megapretrain.monitor.flops import DEVICES
+    from megapretrain.planner.model import search
+
+    shape = ["--model.num_layers", "4", "--model.hidden_size", "128", "--model.num_heads", "8", "--model.num_kv_heads",
+             "8", "--model.ffn_hidden_size", "352", "--model.vocab_size", "512"]  # ffn 352 = 16 × 22: tp 4 gives 88
+    args = model_args(load_config(None, shape))
+    tps = {}
+    for fp8, skip in [("none", ()), ("tensorwise", ()), ("tensorwise", ("*.mlp.*",))]:
+        found = search(args, 256, 8, 32, DEVICES["h100"], fp8=fp8, fp8_skip=skip)
+        tps[fp8, skip] = {e.layout.tp for e in found}
+        times = [e.time["total"] for e in found if e.fits]
+        assert times == sorted(times)
+    assert tps["none", ()] == tps["tensorwise", ("*.mlp.*",)] == {1, 2, 4, 8}
+    assert tps["tensorwise", ()] == {1, 2}
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_8b.yaml")
+    assert plan.main(["--config", config, "--gpus", "8", "--device", "a100", "--model.fp8", "rowwise"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model.fp8=rowwise: the A100 SXM 80GB has no FP8 tensor cores "
+                                               "(set --model.fp8 none, or plan for H100/H200/B200/L40S/L4)")

@@ -12,6 +12,7 @@ import socket
 import time
 
 import pytest
+import torch
 
 from megapretrain.train import main
 
@@ -78,15 +79,22 @@ def test_a_collective_that_never_completes_fails_after_collective_timeout_s():
 def test_half_precision_on_a_cpu_without_it_is_warned(tmp_path, corpus, capsys, monkeypatch):
     from megapretrain.monitor import flops
 
-    speeds = {"torch.bfloat16": 1.5, "torch.float32": 30.0}
+    speeds = {"torch.bfloat16": 1.5, "torch.float16": 1.5, "torch.float32": 30.0}
     monkeypatch.setattr(flops, "cpu_matmul_gflops", lambda dtype, **_: speeds[str(dtype)])
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True}, raising=False)  # no bf16
     assert main(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]", *TINY, "--train.iters", "1",
                  "--train.precision", "bf16", "--train.device", "cpu"]) == 0
     warning, = [line for line in capsys.readouterr().err.splitlines() if "train.precision=bf16" in line]
     assert warning.startswith("warning: ") and "1.5 GFLOP/s against 30.0 in fp32 (20x slower" in warning
     assert "use --train.precision fp32" in warning
-    speeds["torch.bfloat16"] = 25.0  # a CPU with bf16 instructions: no warning
+    speeds["torch.bfloat16"] = 25.0  # bf16 emulated fast enough: no warning
     assert flops.slow_half_precision_warning("bf16") is None
+    # a CPU with bf16 instructions gets none whatever a timing under load says
+    speeds["torch.bfloat16"] = 1.5
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True, "avx512_bf16": True},
+                        raising=False)
+    assert flops.slow_half_precision_warning("bf16") is None
+    assert flops.slow_half_precision_warning("fp16") is not None  # AVX-512 BF16 is not FP16
 
 
 def test_the_recipes_batch_size_above_1b_parameters_is_warned():

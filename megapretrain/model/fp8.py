@@ -68,32 +68,48 @@ def skipped(name: str, skip: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 
 
-def check_fp8(cfg: Config, layout: Layout) -> None:
-    """``model.fp8``'s rules: the recipe, ``model.fp8_skip``'s patterns (each must name a linear),
-    and the shapes FP8 GEMMs take — every FP8 linear's dimensions on a tp rank, and a micro-batch's
-    tokens on a rank (the weight gradient's inner dimension), multiples of 16."""
+def unfit_linears(args: ModelArgs, tp: int, skip: list[str]) -> dict[str, tuple[int, int]]:
+    """The linears (by name inside a layer) whose weight on a tp rank, (out, in), FP8 GEMMs cannot
+    take: a dimension not a multiple of 16. One that ``skip`` keeps out of FP8 in every layer is fine."""
+    bad = {}
+    for name, kind, (out, inp) in _one_layer(args):
+        local = (out // tp, inp) if kind == "column" else (out, inp // tp)
+        if any(d % GEMM_MULTIPLE for d in local) and not all(
+                skipped(f"layers.{i}.{name}", skip) for i in range(args.num_layers)):
+            bad[name] = local
+    return bad
+
+
+def check_fp8_fields(cfg: Config) -> None:
+    """``model.fp8``'s recipe and ``model.fp8_skip``'s patterns (each must name a linear): the
+    rules of any layout (``tools/plan.py`` checks them before its search)."""
     m = cfg.model
     require(m.fp8 == "none" or m.fp8 in RECIPES, f"model.fp8={m.fp8!r} is not one of: none, {', '.join(RECIPES)}")
     require(isinstance(m.fp8_skip, list) and all(isinstance(p, str) for p in m.fp8_skip),
             f"model.fp8_skip={m.fp8_skip!r} must be a list of name patterns, e.g. ['layers.0.*', '*.down_proj']")
     if m.fp8 == "none":
         return
-    args = model_args(cfg)
-    names = linear_names(args)
+    names = linear_names(model_args(cfg))
     for pattern in m.fp8_skip:
         require(any(fnmatch.fnmatchcase(n, pattern) for n in names),
                 f"model.fp8_skip pattern {pattern!r} matches no decoder linear (names look like {names[0]}, "
                 f"{names[-1]}; the embedding and output layer never run in FP8)")
+
+
+def check_fp8(cfg: Config, layout: Layout) -> None:
+    """``model.fp8``'s rules: :func:`check_fp8_fields`, and the shapes FP8 GEMMs take — every FP8
+    linear's dimensions on a tp rank, and a micro-batch's tokens on a rank (the weight gradient's
+    inner dimension), multiples of 16."""
+    check_fp8_fields(cfg)
+    m = cfg.model
+    if m.fp8 == "none":
+        return
+    args = model_args(cfg)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_length // layout.cp
     require(tokens % GEMM_MULTIPLE == 0,
             f"model.fp8={m.fp8}: a micro-batch's tokens on a rank, train.micro_batch_size × train.seq_length / "
             f"parallel.cp = {tokens}, must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs' rule)")
-    bad = {}  # every linear FP8 cannot take, named in one line
-    for name, kind, (out, inp) in _one_layer(args):
-        local = (out // layout.tp, inp) if kind == "column" else (out, inp // layout.tp)
-        if any(d % GEMM_MULTIPLE for d in local) and not all(
-                skipped(f"layers.{i}.{name}", m.fp8_skip) for i in range(args.num_layers)):
-            bad[name] = local
+    bad = unfit_linears(args, layout.tp, m.fp8_skip)  # every linear FP8 cannot take, named in one line
     if bad:
         sizes = ", ".join(f"{name} is {out}×{inp}" for name, (out, inp) in bad.items())
         skip = ", ".join(f"'*.{name}'" for name in bad)

@@ -113,9 +113,28 @@ def cpu_matmul_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> flo
     return 2 * n**3 / max(best, 1e-9) / 1e9
 
 
+# CPU features (``torch.cpu.get_capabilities``' names) whose instructions run a precision's matmuls
+NATIVE_HALF = {"bf16": ("avx512_bf16", "amx_bf16", "bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+
+
+def native_half_precision(precision: str) -> bool:
+    """Whether this CPU has instructions for ``precision`` (bf16/fp16) matmuls: AVX-512 BF16/FP16,
+    AMX, Arm's BF16. Read off the CPU's feature flags, so the answer is the same under any load
+    (a timing on a busy machine is not). False where this torch cannot tell (no
+    ``torch.cpu.get_capabilities``, older releases): the timing decides there."""
+    if not hasattr(torch.cpu, "get_capabilities"):
+        return False
+    found = torch.cpu.get_capabilities()
+    return any(found.get(feature, False) for feature in NATIVE_HALF[precision])
+
+
 def slow_half_precision_warning(precision: str) -> str | None:
     """A warning when ``precision`` (bf16/fp16) matmuls run far slower than fp32 on this CPU (no
-    AVX-512 BF16 / AMX: the half-precision path is emulated), with the measured figures and the fix."""
+    AVX-512 BF16 / AMX: the half-precision path is emulated), with the measured figures and the fix.
+    A CPU with the instructions gets none without timing: under load a few-millisecond timing of
+    each precision can land on either side of a busy moment and warn wrongly."""
+    if native_half_precision(precision):
+        return None
     half = cpu_matmul_gflops(torch.bfloat16 if precision == "bf16" else torch.float16)
     full = cpu_matmul_gflops(torch.float32)
     if half >= full / 4:

@@ -15,6 +15,9 @@
   shards (1 byte instead of 2); ZeRO-3 gathers tensorwise weights as FP8 (1 byte instead of 2).
 
 Casts of a torch.compile'd layer fuse their reads: these are the eager figures, an upper bound.
+A layout whose FP8 GEMMs the run would refuse (``model/fp8.py``: a linear's shard on a tp rank, or
+a micro-batch's tokens on a rank, not a multiple of 16) is not a layout of the search; the linears
+``model.fp8_skip`` names pass that rule, but the time and memory here count every linear in FP8.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..model.args import ModelArgs
+from ..model.fp8 import GEMM_MULTIPLE, unfit_linears
 from ..monitor.flops import Device
 
 CAST_BYTES = 5.0       # per element cast: amax read (2) + cast read (2) + FP8 write (1)
@@ -53,13 +57,25 @@ def _linears(args: ModelArgs, tp: int) -> list[tuple[int, int, int]]:
     return [((n + 2 * kv) * d, h, 1 if fused else 3), (h, n * d, 1), (mlp_in * f // tp, h, mlp_in), (h, f // tp, 1)]
 
 
-def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int, tp: int, cp: int,
-              sequence_parallel: bool, gemm_s, memory_s) -> FP8Delta:
-    """``recipe``'s effect on one layer (see the module docstring); ``gemm_s(device, m, n, k)``
-    and ``memory_s(device, bytes, kernels)`` are the planner's kernel models (bf16 GEMMs)."""
-    if device.fp8_tflops <= 0:
+def check_fp8_device(device: Device, recipe: str) -> None:
+    """A device of the table without FP8 tensor cores cannot plan ``recipe``: one line."""
+    if recipe != "none" and device.fp8_tflops <= 0:
         raise ConfigError(f"model.fp8={recipe}: the {device.name} has no FP8 tensor cores (set --model.fp8 none, "
                           "or plan for H100/H200/B200/L40S/L4)")
+
+
+def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int, tp: int, cp: int,
+              sequence_parallel: bool, gemm_s, memory_s, skip: tuple[str, ...] = ()) -> FP8Delta:
+    """``recipe``'s effect on one layer (see the module docstring); ``gemm_s(device, m, n, k)``
+    and ``memory_s(device, bytes, kernels)`` are the planner's kernel models (bf16 GEMMs);
+    ``skip``: ``model.fp8_skip``. A ConfigError where the run would refuse the layout's shapes."""
+    check_fp8_device(device, recipe)
+    unfit = unfit_linears(args, tp, list(skip))
+    if unfit or micro * seq // cp % GEMM_MULTIPLE:
+        sizes = ", ".join(f"{name} {out}×{inp}" for name, (out, inp) in unfit.items()) or \
+            f"{micro * seq // cp} tokens a micro-batch"
+        raise ConfigError(f"model.fp8={recipe} at tp {tp}, cp {cp}: {sizes} on a rank, not multiples of "
+                          f"{GEMM_MULTIPLE} (FP8 GEMMs' rule)")
     # gemm_s counts 2 bytes an operand element: twice the bandwidth stands for FP8's 1
     fp8_device = replace(device, peak_tflops=device.fp8_tflops, hbm_gbs=device.hbm_gbs * 2)
     tokens = micro * seq // cp

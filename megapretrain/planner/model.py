@@ -64,7 +64,7 @@ from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
-from .fp8 import fp8_delta, fp8_memory
+from .fp8 import check_fp8_device, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
 from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
@@ -298,9 +298,10 @@ def _overlapped(comm: float, gemm: float, tp: int) -> float:
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
-             fp8: str = "none") -> Estimate:
+             fp8: str = "none", fp8_skip: tuple[str, ...] = ()) -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
-    a UserError if it cannot run. ``fp8``: ``model.fp8``'s recipe (planner/fp8.py)."""
+    a UserError if it cannot run. ``fp8``, ``fp8_skip``: ``model.fp8``'s recipe and the linears
+    it leaves out (planner/fp8.py)."""
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
@@ -312,7 +313,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
     lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb, seq // cp, tp)
-    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s, memory_s)
+    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s, memory_s,
+                                                  tuple(fp8_skip))
     if delta is not None:  # the linears' GEMMs in FP8, their casts memory-bound
         lt = replace(lt, matmul_f=delta.matmul_f, matmul_b=delta.matmul_b, memory_f=lt.memory_f + delta.cast_f,
                      memory_b=lt.memory_b + delta.cast_b)
@@ -383,7 +385,7 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     if dense_document_mask(cfg):
         attention = "unfused"
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
-                    cfg.parallel.pp_schedule, attention, cfg.model.fp8)
+                    cfg.parallel.pp_schedule, attention, cfg.model.fp8, tuple(cfg.model.fp8_skip))
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
@@ -486,12 +488,16 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
-           precision: str = "bf16", attention: str = "flash", fp8: str = "none") -> list[Estimate]:
-    """Every layout's estimate, those that fit first, fastest first."""
+           precision: str = "bf16", attention: str = "flash", fp8: str = "none",
+           fp8_skip: tuple[str, ...] = ()) -> list[Estimate]:
+    """Every layout's estimate, those that fit first, fastest first (under ``fp8``: those whose
+    FP8 GEMMs the run takes)."""
+    check_fp8_device(device, fp8)  # before the search, which drops the layouts that raise
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
-            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention, fp8=fp8))
+            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention, fp8=fp8,
+                                  fp8_skip=fp8_skip))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))

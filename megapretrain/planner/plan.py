@@ -19,6 +19,7 @@ from ..errors import ConfigError, UserError
 from ..model.args import check_model
 from ..model.build import model_args
 from ..model.decoder import num_parameters
+from ..model.fp8 import check_fp8_fields
 from ..monitor.flops import DEVICES, with_device
 from ..resolve import resolve
 from .comm import context_step_bytes
@@ -74,6 +75,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
     check_fields(cfg)  # every size positive and finite before the search divides by any of them
     check_model(m, 1)  # the model's own shape; each layout's tp is checked by the search
+    check_fp8_fields(cfg)  # the recipe and fp8_skip's patterns; each layout's FP8 shapes by the search
     device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                          hbm_gbs=args.hbm_gbs, intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs,
                          efficiency=args.efficiency)
@@ -82,7 +84,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
         found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision, args.attention,
-                       m.fp8)
+                       m.fp8, tuple(m.fp8_skip))
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,
