@@ -57,7 +57,7 @@ def _linears(args: ModelArgs, tp: int) -> list[tuple[int, int, int]]:
     return [((n + 2 * kv) * d, h, 1 if fused else 3), (h, n * d, 1), (mlp_in * f // tp, h, mlp_in), (h, f // tp, 1)]
 
 
-def check_fp8_device(device: Device, recipe: str) -> None:
+def check_fp8_peak(device: Device, recipe: str) -> None:
     """A device of the table without FP8 tensor cores cannot plan ``recipe``: one line."""
     if recipe != "none" and device.fp8_tflops <= 0:
         raise ConfigError(f"model.fp8={recipe}: the {device.name} has no FP8 tensor cores (set --model.fp8 none, "
@@ -69,7 +69,7 @@ def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int
     """``recipe``'s effect on one layer (see the module docstring); ``gemm_s(device, m, n, k)``
     and ``memory_s(device, bytes, kernels)`` are the planner's kernel models (bf16 GEMMs);
     ``skip``: ``model.fp8_skip``. A ConfigError where the run would refuse the layout's shapes."""
-    check_fp8_device(device, recipe)
+    check_fp8_peak(device, recipe)
     unfit = unfit_linears(args, tp, list(skip))
     if unfit or micro * seq // cp % GEMM_MULTIPLE:
         sizes = ", ".join(f"{name} {out}×{inp}" for name, (out, inp) in unfit.items()) or \

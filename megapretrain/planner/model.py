@@ -64,7 +64,7 @@ from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
 from ..parallel.pipeline import resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
-from .fp8 import check_fp8_device, fp8_delta, fp8_memory
+from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
 from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
 
@@ -492,7 +492,7 @@ def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: De
            fp8_skip: tuple[str, ...] = ()) -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first (under ``fp8``: those whose
     FP8 GEMMs the run takes)."""
-    check_fp8_device(device, fp8)  # before the search, which drops the layouts that raise
+    check_fp8_peak(device, fp8)  # before the search, which drops the layouts that raise
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
