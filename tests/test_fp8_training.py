@@ -199,6 +199,7 @@ def _deviation(curve: dict[int, float], reference: dict[int, float]) -> float:
 
 
 @pytest.mark.slow  # with the broken run: 51 s of CPU, 55-95 s on 2 busy cores
+@pytest.mark.ci  # the FP8 recipes' loss curves are checked on every change
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fp8_tracks_the_bf16_loss_for_200_steps(recipe, stdlib_corpus, bf16_curve, tmp_path, capsys):
     """Each recipe's loss is within 1% of bf16's at every logged step of 200 (measured: 0.51%
@@ -213,6 +214,7 @@ def test_fp8_tracks_the_bf16_loss_for_200_steps(recipe, stdlib_corpus, bf16_curv
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_the_curve_check_fails_when_the_scaling_is_broken(stdlib_corpus, bf16_curve, tmp_path, monkeypatch):
     """The same check on a run whose casts ignore their amax (every scale 1: small weights and
     gradients flush to zero in FP8) falls well outside 1% within its first 100 steps: measured
