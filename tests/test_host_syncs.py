@@ -60,7 +60,7 @@ LAYOUTS = {"one process": (1, []), "tp2": (2, ["--parallel.tp", "2"]), "pp2": (2
            # the count of the tokens kept stays on the device, summed over dp and pp there
            "eod_mask_loss_dp2": (2, ["--data.eod_mask_loss", "true"]),
            "eod_mask_loss_pp2": (2, ["--data.eod_mask_loss", "true", "--parallel.pp", "2"]),
-           # document masking with a dense mask or FlexAttention's block mask reads nothing
+           # document masking with a dense mask (sdpa) reads nothing
            "documents_sdpa": (1, [*DOCUMENTS, "--data.eod_mask_loss", "true", "--model.attention", "sdpa"])}
 MICRO_BATCHES = 2  # global batch 4 of micro-batches of 2, one process
 

@@ -60,14 +60,18 @@ class DispatchCounter(TorchDispatchMode):
 
     def __enter__(self):
         self._thread = threading.get_ident()
-        self._unwrapped = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-        for name, method in self._unwrapped.items():
-            setattr(torch.Tensor, name, self._counting(method))
+        # each method as torch.Tensor's own dict holds it (None: inherited from its C base)
+        self._unwrapped = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self._unwrapped.items():
-            setattr(torch.Tensor, name, method)
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)
 
     def _counting(self, method):
