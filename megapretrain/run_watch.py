@@ -56,7 +56,9 @@ class RunWatch:
         detector. Returns True when a verdict rolled training back (the steps after it dropped)."""
         steps, self._unread = self._unread, []
         checks, self.optimizer.buffers.grad_scale_checks = self.optimizer.buffers.grad_scale_checks, []
-        values = [v.double() for s in steps for v in (s["loss_sum"], s["grad_norm"], s["skipped"])]
+        # the mean loss divided on the device: the token count is a device value under data.eod_mask_loss
+        values = [v.double() for s in steps
+                  for v in (s["loss_sum"].double() / s["tokens"], s["grad_norm"], s["skipped"])]
         flag = torch.stack(checks).any().double() if checks else torch.zeros((), dtype=torch.float64,
                                                                                    device=self.device)
         *read, differs = torch.stack(values + [flag.to(self.device)]).tolist()  # the one host read
@@ -65,9 +67,9 @@ class RunWatch:
                                "was told (loss_grad_scale): the trainer's forward and backward disagree")
         now = time.perf_counter()
         for i, s in enumerate(steps):
-            loss_sum, norm, skipped = read[3 * i:3 * i + 3]
+            loss, norm, skipped = read[3 * i:3 * i + 3]
             self.optimizer.settle(bool(skipped))
-            s.update(loss=loss_sum / s["tokens"], grad_norm=norm, skipped=bool(skipped))
+            s.update(loss=loss, grad_norm=norm, skipped=bool(skipped))
         last = steps[-1]  # its times run to now: on a GPU the read waited for every step queued
         last.update(step_time=now - last["started"], optimizer_time=now - last["optimizer_started"])
         self.last_loss = last["loss"]

@@ -311,9 +311,14 @@ class Trainer(RunState, RunWatch):
         batch = self._batch_size(self.consumed_samples)
         batches, data_time = self._load("train", self.consumed_samples)
         batches = self.faults.corrupt(it, self.consumed_samples, batches, self.args.vocab_size)
-        tokens = self._counted_tokens(batches, batch)
+        # the backward runs with the scale of every token; with data.eod_mask_loss the count of the
+        # tokens kept is a device value, and the optimizer multiplies the reduced grads by
+        # every / kept before it clips them (reading the count here would wait for the device)
+        every = batch * self.cfg.train.seq_length
+        counted = self._counted_tokens(batches)
+        tokens = every if counted is None else counted
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        scale = self.optimizer.scaler.scale / tokens * self.faults.grad_factor(it)
+        scale = self.optimizer.scaler.scale / every * self.faults.grad_factor(it)
         computed = time.perf_counter()
         orders, num_micro = self._orders(batch)
         self.pipeline.run(orders, num_micro, self._forward_fn(batches, loss_sum, scale))  # dp reduction overlaps
@@ -324,7 +329,7 @@ class Trainer(RunState, RunWatch):
         reduced = time.perf_counter()
         lr = self.lr_schedule(it) * self.lr_scale
         self._stall_s += self.checkpoints.wait_snapshot()  # an async save still copying what the step changes
-        grad_norm, skipped = self.optimizer.step_on_device(lr)
+        grad_norm, skipped = self.optimizer.step_on_device(lr, None if counted is None else every / counted)
         now = time.perf_counter()
         return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
                 "global_batch_size": batch, "started": start, "step_time": now - start, "data_time": data_time,
@@ -364,14 +369,14 @@ class Trainer(RunState, RunWatch):
             return out.sum() * scale
         return forward
 
-    def _counted_tokens(self, batches: list, batch: int) -> int:
-        """The tokens the step's loss is the mean over: every one of the global batch, or with
-        ``data.eod_mask_loss`` those whose target is not an end of document (counted on the stage
-        with the head, then summed over dp and pp so that every rank knows it). Each cp rank
-        holds its dp rank's whole micro-batches, so their count covers every cp share: not
-        summed over cp."""
+    def _counted_tokens(self, batches: list) -> torch.Tensor | None:
+        """The tokens the step's loss is the mean over: None for every one of the global batch, or
+        with ``data.eod_mask_loss`` those whose target is not an end of document, a 0-d float64
+        device tensor (at least 1), counted on the stage with the head and summed over dp and pp so
+        that every rank holds it — never read here. Each cp rank holds its dp rank's whole
+        micro-batches, so their count covers every cp share: not summed over cp."""
         if not self.cfg.data.eod_mask_loss:
-            return batch * self.cfg.train.seq_length
+            return None
         head = any(c.post_process for c in self.model_chunks)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         for _, targets in batches:
@@ -379,7 +384,7 @@ class Trainer(RunState, RunWatch):
                 count += (targets != IGNORE).sum()
         self.ps.dp.all_reduce(count)
         self.ps.pp.all_reduce(count)
-        return max(1, int(count.item()))
+        return count.clamp_(min=1)
 
     def _batch_size(self, consumed_samples: int) -> int:
         """The global batch of the training step after ``consumed_samples`` (batch-size ramp-up)."""
@@ -428,15 +433,16 @@ class Trainer(RunState, RunWatch):
         for chunk in self.model_chunks:
             chunk.eval()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        counted = 0
+        counted = torch.zeros((), dtype=torch.float64, device=self.device)
         for step in range(t.eval_iters):
             batches, _ = self._load("valid", step * t.global_batch_size)
-            counted += self._counted_tokens(batches, t.global_batch_size)
+            kept = self._counted_tokens(batches)
+            counted += t.global_batch_size * t.seq_length if kept is None else kept
             self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0),
                               backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp_cp.all_reduce(loss_sum)
-        return loss_sum.item() / counted
+        return (loss_sum.double() / counted).item()
 
     # -- logging ----------------------------------------------------------------------------------
 

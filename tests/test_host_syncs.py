@@ -1,9 +1,11 @@
 """No host sync in a training step: the trainer's loop, from the first step to the read point of
 the first logging step, reads no tensor's value on the host (``aten._local_scalar_dense``: every
 ``.item()``, ``float(t)``, ``bool(t)``) and copies nothing from a device to the host — under one
-process and tp 2, pp 2 and dp 2 with ZeRO 3 on gloo. The read point itself then brings back every
-step's loss and grad norm, and the run behaves as it did reading each step: the same losses and
-grad norms as a run logging every step."""
+process and tp 2, pp 2 and dp 2 with ZeRO 3 on gloo, and with ``data.eod_mask_loss`` and document
+masking (a dense mask). The read point itself then brings back every step's loss and grad norm,
+and the run behaves as it did reading each step: the same losses and grad norms as a run logging
+every step. Blockwise attention, document masking's kernel off CUDA, reads its tile plan on the
+host once per micro-batch (which tiles to run is a Python loop's decision): counted exactly."""
 
 from __future__ import annotations
 
@@ -52,8 +54,15 @@ def _count(rank, world, run_dir, corpus, layout, interval):
             "rows": [(r["iter"], r["loss"], r["grad_norm"]) for r in rows]}
 
 
+DOCUMENTS = ["--data.reset_attention_mask", "true", "--data.reset_position_ids", "true"]
 LAYOUTS = {"one process": (1, []), "tp2": (2, ["--parallel.tp", "2"]), "pp2": (2, ["--parallel.pp", "2"]),
-           "dp2_zero3": (2, ["--parallel.zero", "3"])}
+           "dp2_zero3": (2, ["--parallel.zero", "3"]),
+           # the count of the tokens kept stays on the device, summed over dp and pp there
+           "eod_mask_loss_dp2": (2, ["--data.eod_mask_loss", "true"]),
+           "eod_mask_loss_pp2": (2, ["--data.eod_mask_loss", "true", "--parallel.pp", "2"]),
+           # document masking with a dense mask (sdpa) reads nothing
+           "documents_sdpa": (1, [*DOCUMENTS, "--data.eod_mask_loss", "true", "--model.attention", "sdpa"])}
+MICRO_BATCHES = 2  # global batch 4 of micro-batches of 2, one process
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -66,9 +75,22 @@ def test_no_host_sync_outside_logging_steps(name, corpus, tmp_path):
     assert [it for it, _, _ in results[0]["rows"]] == [STEPS]
 
 
-def test_reading_late_logs_what_reading_each_step_logs(corpus, tmp_path):
-    """The values read at a logging step are those a run logging (reading) every step logs."""
-    late = run_distributed(_count, 1, str(tmp_path / "late"), corpus, [], STEPS, timeout=300)
-    every = run_distributed(_count, 1, str(tmp_path / "every"), corpus, [], 1, timeout=300)
+def test_blockwise_attention_reads_its_tile_plan_once_per_micro_batch(corpus, tmp_path):
+    """Blockwise attention (document masking off CUDA) decides on the host which tiles to run: one
+    read of the micro-batch's tile maps, shared by every layer, and nothing else."""
+    results = run_distributed(_count, 1, str(tmp_path / "run"), corpus, [*DOCUMENTS, "--model.attention", "blockwise"],
+                              STEPS, timeout=300)
+    r = results[0]
+    assert r["syncs"] == STEPS * MICRO_BATCHES, r["sites"]
+    assert all(site.startswith("attention.py") and "tolist" in site for site in r["sites"]), r["sites"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--data.eod_mask_loss", "true"]], ids=["every_token", "eod_mask_loss"])
+def test_reading_late_logs_what_reading_each_step_logs(flags, corpus, tmp_path):
+    """The values read at a logging step are those a run logging (reading) every step logs; with
+    end-of-document targets left out of the loss too (the count of the tokens kept, a device
+    value, scales the reduced grads before their clipping)."""
+    late = run_distributed(_count, 1, str(tmp_path / "late"), corpus, flags, STEPS, timeout=300)
+    every = run_distributed(_count, 1, str(tmp_path / "every"), corpus, flags, 1, timeout=300)
     assert len(every[0]["rows"]) == STEPS
     assert late[0]["rows"][-1] == pytest.approx(every[0]["rows"][-1], rel=1e-12)

@@ -250,3 +250,38 @@ def test_checkpoint_from_zero0_loads_into_a_sharded_optimizer():
     assert all(set(v) == {"start", "end", "master"} for v in fragments.values())
     with pytest.raises(ValueError, match="has shape"):
         opt_b.load_master_state_dict({**opt_a.master_state_dict(), "norm.weight": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["no_clip", "clipped"])
+def test_a_device_grad_factor_scales_the_grads_before_the_norm_and_clipping(clip):
+    """``step_on_device(lr, grad_factor)`` (the trainer's every / kept tokens under
+    data.eod_mask_loss) steps as if the backward had brought the grads times the factor: the same
+    norm, the same grads once scaled and clipped, and so the same weights, to fp32 rounding."""
+    ps, tokens = ParallelState(), make_tokens(batch=4, seq=16)
+    # eps 1e-6: with |grad| ~ eps Adam's update hinges on the grad's last bits (test_data_parallel.py)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip, eps=1e-6)
+    every, kept = 64, 37.0  # tokens of the batch, and those a mask would keep
+    runs = []
+    for factor in (torch.tensor(every / kept, dtype=torch.float64), None):
+        model = build(ps, tiny_args())
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg, "fp32", ps,
+                                  bucket_size_mb=0.01)
+        with opt.grad_sync(last=True):
+            (model(tokens[:, :-1], tokens[:, 1:]).sum() / (every if factor is not None else kept)).backward()
+        opt.reduce_grads()
+        norm, skipped = opt.step_on_device(1e-2, factor)
+        assert not bool(skipped)
+        runs.append((float(norm), {n: (p.main_grad.clone(), p.detach().clone()) for n, p in model.named_parameters()}))
+    (norm, params), (ref_norm, ref_params) = runs
+    assert norm == pytest.approx(ref_norm, rel=1e-6)
+    if clip:
+        assert ref_norm > clip  # the clipping was in play
+    for n, (grad, param) in params.items():
+        ref_grad, ref_param = ref_params[n]  # the main grads after step_on_device: scaled and clipped
+        # the backward ran at another scale: each tensor's grads agree to fp32 rounding as a whole
+        # (single elements summed with cancellation differ more, relatively)
+        assert (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm(), n
+        # the weights AdamW made of them (its first update, lr·g/(|g|+eps), turns on each grad's
+        # sign, so where a grad is near 0 another rounding flips it: compared where it is not)
+        clear = ref_grad.abs() > 1e-3 * ref_grad.abs().max()
+        torch.testing.assert_close(param[clear], ref_param[clear], rtol=1e-5, atol=1e-6)

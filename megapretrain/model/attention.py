@@ -123,7 +123,9 @@ class DocumentMask:
         """Blockwise's plan: per query tile, the key tiles some sample needs, a tile mask unless every
         sample's pairs are all allowed (the samples of a micro-batch share one plan)."""
         some, full = self.blocks(tile, tile)  # (b, nq, nk)
-        some, full = some.any(0).tolist(), full.all(0).tolist()
+        # which tiles to run is a decision of the Python loop over them: the one host read (a sync
+        # on a GPU, where flex needs none) of a blockwise micro-batch, both maps in one copy
+        some, full = torch.stack([some.any(0), full.all(0)]).tolist()  # (nq, nk) each
         s_q, s_k = self.q_doc.shape[1], self.k_doc.shape[1]
         rows = []
         for i, (needed, whole) in enumerate(zip(some, full)):

@@ -1,9 +1,12 @@
 """What a step costs the host, counted at the dispatcher: every op dispatched, the new tensors
 ops return (allocations), and the host syncs — reads of a tensor's value on the host.
 
-Every ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()`` reaches the dispatcher as
-``aten._local_scalar_dense``; ``.cpu()`` / ``.to("cpu")`` / ``copy_`` from an accelerator into
-host memory as a copy whose source is not on the CPU. On a GPU each of those waits for every kernel
+Every ``.item()``, ``float(t)``, ``bool(t)`` reaches the dispatcher as ``aten._local_scalar_dense``;
+``.cpu()`` / ``.to("cpu")`` / ``copy_`` from an accelerator into host memory (``.tolist()`` and
+``.numpy()`` of a GPU tensor among them) as a copy whose source is not on the CPU. ``.tolist()`` and
+``.numpy()`` of a CPU tensor read its memory with no op at all, so the counter also wraps those two
+methods while it is active (on the thread that entered it) and counts each such call as a scalar
+read: the read a GPU run makes there. On a GPU each of those waits for every kernel
 queued before it; on CPU they are cheap, but they are the same calls in the same code, so a CPU
 run counts the syncs a GPU run would make. :class:`DispatchCounter` is a ``TorchDispatchMode``:
 it sees the ops of autograd's backward too, and the collectives (``c10d.*``) of the process groups.
@@ -15,7 +18,9 @@ it sees the ops of autograd's backward too, and the collectives (``c10d.*``) of 
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 import traceback
 from collections import Counter
@@ -25,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.to.dtype_layout)
+HOST_READS = ("tolist", "numpy")  # Tensor methods reading a CPU tensor's values without dispatching an op
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -51,6 +57,34 @@ class DispatchCounter(TorchDispatchMode):
         super().__init__()
         self.where = where
         self.reset()
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        # each method as torch.Tensor's own dict holds it (None: inherited from its C base)
+        self._unwrapped = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._unwrapped.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def _counting(self, method):
+        """``method`` (``Tensor.tolist`` or ``Tensor.numpy``), counting a call on a CPU tensor from
+        the counting thread as a scalar read (a GPU tensor's dispatches its device-to-host copy)."""
+        @functools.wraps(method)
+        def read(tensor, *args, **kwargs):
+            if threading.get_ident() == self._thread and tensor.device.type == "cpu":
+                self.scalar_reads += 1
+                if self.where:
+                    self.sync_sites[_caller()] += 1
+            return method(tensor, *args, **kwargs)
+        return read
 
     def reset(self) -> None:
         self.ops = self.allocations = self.scalar_reads = self.host_copies = 0

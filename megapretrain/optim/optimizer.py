@@ -178,14 +178,21 @@ def _sum_of_squares(flat: torch.Tensor, row: int = 1 << 14) -> torch.Tensor:
     return total
 
 
-def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay) -> None:
-    """apex's multi-tensor AdamW (``apex.optimizers.FusedAdam``'s kernel, adam_w_mode, bias correction)."""
+def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay, skip) -> None:
+    """apex's multi-tensor AdamW, its capturable kernel (``apex.optimizers.FusedAdam(capturable=True)``'s:
+    adam_w_mode, bias correction) whose step count, learning rate and skip flag are device tensors:
+    a step skipped for a non-finite grad norm is skipped by the kernel, with nothing read on the
+    host. ``step``: the 0-d step count as the torch path counts it, ``skip``: the 0-d skip flag."""
     import amp_C
     from apex.multi_tensor_apply import multi_tensor_applier
 
-    overflow = torch.zeros(1, dtype=torch.int32, device=params[0].device)
-    multi_tensor_applier(amp_C.multi_tensor_adam, overflow, [grads, params, exp_avg, exp_avg_sq], lr, beta1, beta2,
-                         eps, step, 1, 1, weight_decay)
+    device = params[0].device
+    noop = skip.to(device=device, dtype=torch.int32).reshape(1)  # the kernel returns at once where it is 1
+    lr_t = torch.full((1,), lr, dtype=torch.float32, device=device)
+    one = torch.ones((1,), dtype=torch.float32, device=device)  # the grads' inverse scale: unscaled already
+    multi_tensor_applier(amp_C.multi_tensor_adam_capturable, noop, [grads, params, exp_avg, exp_avg_sq], lr_t,
+                         beta1, beta2, eps, step.to(device=device, dtype=torch.int32).reshape(1), 1, 1,
+                         weight_decay, one)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -363,7 +370,7 @@ class MixedPrecisionAdamW:
         return float(norm), skipped
 
     @torch.no_grad()
-    def step_on_device(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_on_device(self, lr: float, grad_factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, clip and apply one AdamW step without waiting for the device: returns the grad
         norm (0-d float64, inf when not finite) and whether the step is skipped (0-d bool), both
         device tensors. A non-finite grad norm (NaN/Inf in the reduced grads) skips the update on
@@ -371,12 +378,20 @@ class MixedPrecisionAdamW:
         later (several steps' at once) and calls :meth:`settle` with each, in order, before
         saving; until then the steps skipped are counted on the device, so Adam's step count (its
         bias correction) is exact meanwhile. The fp16 loss scale needs each step's flag before
-        the next step's backward: with fp16, read and settle every step."""
+        the next step's backward: with fp16, read and settle every step.
+
+        ``grad_factor``: a 0-d device tensor every reduced grad is multiplied by before the norm and
+        the clipping (the trainer's under ``data.eod_mask_loss``: its backward ran with the scale of
+        every token, and the count of the tokens kept is known on the device only)."""
         self.buffers.wait_params()
         grads = [s.bucket.grad_shard for s in self.shards]
         fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
         scale = self.scaler.scale
-        if scale != 1.0 and not fused:
+        if fused and grad_factor is not None:
+            scale = scale / grad_factor.float()  # (,) on the device: the kernel multiplies by its inverse
+        elif grad_factor is not None and grads:
+            torch._foreach_mul_(grads, grad_factor.float() / scale)
+        elif scale != 1.0 and not fused:
             torch._foreach_mul_(grads, 1.0 / scale)
         norm = self._norm(scale if fused else 1.0)
         found_inf = ~torch.isfinite(norm)
@@ -412,8 +427,8 @@ class MixedPrecisionAdamW:
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
         ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
         that also writes the bf16/fp16 parameters and multiplies each grad as it reads it by
-        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's multi-tensor
-        Adam (which reads the skip flag on the host)."""
+        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's capturable
+        multi-tensor Adam (the skip flag and step count read on the device too)."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
@@ -422,8 +437,6 @@ class MixedPrecisionAdamW:
                              weight_decay=self.cfg.weight_decay, step=self.step_count, param_out=s.param_out,
                              decay=s.decay_mask, grad_scale=grad_scale, found_inf=found_inf)
                 s.params_current = s.param_out is not None
-            return
-        if self.impl == "apex" and bool(found_inf):
             return
         # the step as counted once every skipped one is settled: skips not read yet counted here
         self._unsettled_skips += found_inf
@@ -434,8 +447,8 @@ class MixedPrecisionAdamW:
             if not params:
                 continue
             if self.impl == "apex":
-                _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, self.step_count,
-                            self.cfg.weight_decay if decay else 0.0)
+                _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
+                            self.cfg.weight_decay if decay else 0.0, found_inf)
                 continue
             where = params[0].device  # the host, with optim.offload: the flags follow (a copy that waits)
             torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step.to(where)] * len(params), lr=lr,
