@@ -221,8 +221,9 @@ def test_a_straggler_with_slow_data_is_named(tmp_path, corpus):
     done = _torchrun(run, corpus, "--train.iters", "12", "--faults.slow_data_at", "3", "--faults.slow_data_s", "0.5",
                      "--faults.slow_data_steps", "5", "--faults.rank", "1", "--alerts.straggler_steps", "4")
     assert done.returncode == 0, done.stderr[-3000:]
-    stragglers = [r for r in records(run) if r.get("event") == "straggler"]
-    assert [(s["state"], s["rank"]) for s in stragglers] == [("start", 1), ("clear", 1)]  # once, not every step
+    # rank 1's events only: on a loaded shared machine rank 0 can be slow for real for a few steps
+    stragglers = [r for r in records(run) if r.get("event") == "straggler" and r["rank"] == 1]
+    assert [s["state"] for s in stragglers] == ["start", "clear"]  # once, not every step
     start, clear = stragglers
     # slow at steps 3-7: named once the median of its last 4 steps is slow, cleared once it is not
     assert 4 <= start["iter"] <= 7 and start["host"] and start["ratio"] >= 1.2
