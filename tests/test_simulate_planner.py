@@ -33,6 +33,10 @@ TRAFFIC = {  # world size, layout
                             "--parallel.zero", "1"]),
     "gpipe fp32 zero2 hybrid": (8, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.zero", "2",
                                     "--parallel.zero_shard_size", "2", "--train.precision", "fp32"]),
+    "tp2 sp zbv tied zero1 (embedding and head on stage 0)": (
+        8, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv",
+            "--parallel.sequence_parallel", "true", "--model.tie_embeddings", "true", "--parallel.zero", "1"]),
+    "zb_h1 zero2": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1", "--parallel.zero", "2"]),
 }
 
 
