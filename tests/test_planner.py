@@ -112,9 +112,10 @@ def test_estimates_move_the_way_the_layout_says():
 
 
 def test_the_zero_bubble_schedules_are_modelled_and_ranked():
-    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2), ZB-H1 at
-    1F1B's peak of activations, ZB-V below interleaved's, and the search weighs them against 1F1B
-    and interleaved layouts: every layout it returns is one the trainer accepts."""
+    """ZB-H1 and ZB-V cut the estimated bubble (ZB-V below interleaved at the same vpp 2), both hold
+    fewer activations than interleaved (ZB-H1 at least 1F1B's: its last stage, which holds the head,
+    also keeps what pp − 1 micro-batches' W ops read), and the search weighs them against 1F1B and
+    interleaved layouts: every layout it returns is one the trainer accepts."""
     m, seq, h100 = ModelArgs(32, 4096, 32, 8, 14336, 128256), 4096, DEVICES["h100"]
     at = {kind: estimate(m, seq, Layout(tp=2, pp=8, dp=4, vpp=vpp, zero=1, pp_schedule=kind), 128, h100)
           for kind, vpp in (("1f1b", 1), ("zb_h1", 1), ("interleaved", 2), ("zbv", 2))}
@@ -122,8 +123,9 @@ def test_the_zero_bubble_schedules_are_modelled_and_ranked():
     assert bubble["zbv"] < bubble["interleaved"] < bubble["1f1b"] and bubble["zb_h1"] < bubble["1f1b"]
     assert at["zb_h1"].time["total"] < at["1f1b"].time["total"]
     acts = {kind: e.memory["activations"] for kind, e in at.items()}
-    assert acts["zb_h1"] == acts["1f1b"] < acts["interleaved"] and acts["zbv"] < acts["interleaved"]
-    assert at["zb_h1"].time["compute"] == pytest.approx(at["1f1b"].time["compute"])  # the same work, reordered
+    assert acts["1f1b"] <= acts["zb_h1"] < acts["interleaved"] and acts["zbv"] < acts["interleaved"]
+    # the same work reordered, but on the head's stage (the busiest here) the W makes the logits again
+    assert at["1f1b"].time["compute"] <= at["zb_h1"].time["compute"] < 1.2 * at["1f1b"].time["compute"]
     found = search(m, seq, 64, 128, h100)
     kinds = {e.layout.pp_schedule for e in found}
     assert {"1f1b", "zb_h1", "interleaved", "zbv"} <= kinds
@@ -134,6 +136,36 @@ def test_the_zero_bubble_schedules_are_modelled_and_ranked():
                            "--train.rampup_batch_size", "null"])
         sizes = resolve(cfg, 64).sizes
         assert sizes.schedule == e.layout.pp_schedule and sizes.pp == e.layout.pp
+
+
+def test_zbv_stage_holds_the_embedding_and_the_head_and_zero_bubble_keeps_what_w_reads():
+    """ZB-V's V puts chunks 0 and 2·pp − 1 on the first stage: its parameters, the head's backward
+    and zero 2's output-layer gradient are there, not on the last. A zero-bubble schedule's stages
+    also hold what each chunk whose B ran keeps for its W: ZB-H1's last stage more than 1F1B's,
+    its first stage (whose W follows each B at once) exactly 1F1B's."""
+    from megapretrain.planner.memory import head_chunk, stage_memory, stage_params
+
+    m = ModelArgs(8, 512, 8, 8, 1024, 32000)
+    layer = layer_params(m)
+    per_layer, vocab = layer[0] + layer[1], m.padded_vocab(1) * m.hidden_size
+    zbv = Layout(tp=1, pp=4, dp=2, vpp=2, zero=2, pp_schedule="zbv")
+    interleaved = dataclasses.replace(zbv, pp_schedule="interleaved")
+    assert stage_params(m, zbv, 0, layer) == 2 * per_layer + 2 * vocab + layer[2]
+    assert stage_params(m, zbv, 3, layer) == 2 * per_layer
+    assert stage_params(m, interleaved, 0, layer) == 2 * per_layer + vocab
+    assert stage_params(m, interleaved, 3, layer) == 2 * per_layer + vocab + layer[2]
+    assert [head_chunk(zbv, r) for r in range(4)] == [1, None, None, None]
+    assert [head_chunk(interleaved, r) for r in range(4)] == [None, None, None, 1]
+    kw = dict(layer=layer, precision="bf16", kernels="triton")
+    v = [stage_memory(m, 1024, zbv, r, 8, **kw) for r in range(4)]
+    assert v[0]["temporary"] > v[3]["temporary"] and v[0]["gradients"] > v[3]["gradients"]
+    assert v[0]["parameters"] == stage_params(m, zbv, 0, layer) * 2
+    flat = Layout(tp=1, pp=4, dp=2, zero=1)
+    one, zb = ({r: stage_memory(m, 1024, dataclasses.replace(flat, pp_schedule=kind), r, 8, **kw)
+                for r in (0, 3)} for kind in ("1f1b", "zb_h1"))
+    assert zb[0] == one[0]
+    assert zb[3]["pipeline_in_flight"] > one[3]["pipeline_in_flight"]
+    assert zb[3]["activations"] == one[3]["activations"]
 
 
 def test_every_layout_found_for_a_config_is_one_the_trainer_accepts():

@@ -33,6 +33,10 @@ TRAFFIC = {  # world size, layout
                             "--parallel.zero", "1"]),
     "gpipe fp32 zero2 hybrid": (8, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.zero", "2",
                                     "--parallel.zero_shard_size", "2", "--train.precision", "fp32"]),
+    "tp2 sp zbv tied zero1 (embedding and head on stage 0)": (
+        8, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv",
+            "--parallel.sequence_parallel", "true", "--model.tie_embeddings", "true", "--parallel.zero", "1"]),
+    "zb_h1 zero2": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1", "--parallel.zero", "2"]),
 }
 
 
@@ -56,8 +60,9 @@ def _short(case: Case, layers: int) -> Case:
 
 
 AT_SCALE = {c.name: c for c in SWEEP}
-SHORT = [  # ten of the sweep's layouts with fewer layers: two to ten per pipeline chunk
+SHORT = [  # twelve of the sweep's layouts with fewer layers: two to ten per pipeline chunk
     _short(AT_SCALE["8b-config"], 4), _short(AT_SCALE["8b-z3-full-mb2"], 4), _short(AT_SCALE["8b-tp2-sp"], 4),
+    _short(AT_SCALE["8b-pp4-zb_h1"], 8), _short(AT_SCALE["8b-pp4-zbv"], 16),
     _short(AT_SCALE["8b-cp2"], 4), _short(AT_SCALE["8b-tp2-pp2-vpp2-sel"], 8),
     _short(AT_SCALE["70b-config"], 40), _short(AT_SCALE["70b-tp8-pp2-z3-full"], 4),
     _short(AT_SCALE["70b-hybrid8-vpp2"], 16),
@@ -69,7 +74,7 @@ SHORT = [  # ten of the sweep's layouts with fewer layers: two to ten per pipeli
 ]
 
 
-@pytest.mark.slow  # ten ranks at Llama 3 widths and 8,192 tokens: about 3 minutes of CPU
+@pytest.mark.slow  # twelve layouts (sixteen ranks) at Llama 3 widths and 8,192 tokens: about 4 minutes of CPU
 @pytest.mark.parametrize("case", SHORT, ids=lambda c: c.name)
 def test_planned_peak_within_5_percent_at_llama3_widths(case):
     cfg = load_config(case.config, list(case.overrides))

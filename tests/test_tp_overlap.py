@@ -10,6 +10,7 @@ from megapretrain.config import load_config
 from megapretrain.errors import ConfigError
 from megapretrain.parallel.state import ParallelState
 from megapretrain.parallel.tensor import DeferredGrads, defer_weight_grads, overlap_tp_comm
+from megapretrain.parallel.tp_overlap import RingStream
 from megapretrain.resolve import resolve
 
 from distributed import run_distributed
@@ -64,6 +65,31 @@ def test_overlapped_tp_comm_equals_the_collectives(tp, recompute):
         assert sync_comm["tp.all_gather"]["calls"] - overlap_comm.get("tp.all_gather", {"calls": 0})["calls"] \
             >= 2 * layers * (2 if recompute == "none" else 1)
         assert overlap_comm["tp.reduce_scatter"]["calls"] < sync_comm["tp.reduce_scatter"]["calls"]
+
+
+def _ring_step(rank, world):
+    ps = ParallelState(tp=world)
+    stream, issued_on = RingStream(), []
+    shift = ps.tp.shift_async
+
+    def spy(*args, **kwargs):
+        issued_on.append(torch.get_device_module("cpu").current_stream())
+        return shift(*args, **kwargs)
+    ps.tp.shift_async = spy
+    (got,), step = stream.shift(ps.tp, [torch.full((2, 3), float(rank))])
+    kept = step.keep is not None
+    step.wait()
+    current = torch.get_device_module("cpu").current_stream()
+    return got, kept, step.keep is None, issued_on[0] is stream._side and issued_on[0] is not current
+
+
+def test_ring_steps_run_on_the_side_stream():
+    """A ring step is issued on the rank's side stream (on CPU ``torch.cpu.Stream``: the CUDA
+    code path, whose waits return at once), keeps what it sends and receives until it is waited
+    for, and delivers the previous rank's tensor."""
+    for rank, (got, kept, released, on_side) in enumerate(run_distributed(_ring_step, 2, timeout=120)):
+        assert torch.equal(got, torch.full((2, 3), float((rank - 1) % 2)))
+        assert kept and released and on_side
 
 
 def test_overlap_without_sequence_parallelism_is_refused_in_one_line():

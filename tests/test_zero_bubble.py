@@ -2,13 +2,15 @@
 
 A zero-bubble schedule runs each chunk's backward as B (input gradients) and a later W (the
 linears' weight gradients, kept back by ``parallel/tensor.py``'s DeferredGrads). The tests check
-that the split changes nothing but the order: B then W gives a whole backward's gradients, and the
-trainer under zb_h1 and zbv (with dp buckets, ZeRO 1 and 2, sequence parallelism, recompute, tied
-embeddings) reproduces the single-process run.
+that the split changes nothing but the order: B then W gives a whole backward's gradients (the
+output layer's included: its W makes them from the saved input), and the trainer under zb_h1 and
+zbv (with dp buckets, ZeRO 1 and 2, sequence parallelism, recompute, tied embeddings) reproduces
+the single-process run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -16,7 +18,11 @@ import pytest
 import torch
 
 from megapretrain.model.decoder import DecoderModel
+from megapretrain.model.fused_loss import linear_cross_entropy_per_token
+from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+from megapretrain.parallel.data import DataParallelBuffers
 from megapretrain.parallel.random import RNGTracker
+from megapretrain.parallel.specs import plain_specs
 from megapretrain.parallel.state import Group
 from megapretrain.parallel.tensor import ColumnParallelLinear, DeferredGrads, RowParallelLinear, defer_weight_grads
 from megapretrain.train import setup
@@ -52,9 +58,9 @@ def test_input_then_weight_gradients_equal_one_backward(recompute):
     for i, micro in enumerate(tokens):
         with deferred.capture((i, 0)):
             split(micro[:, :-1], micro[:, 1:]).sum().backward()
-    linears = {f"{name}.weight" for name, m in split.layers.named_modules(prefix="layers")
+    linears = {f"{name}.weight" for name, m in split.named_modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    assert len(linears) >= args.num_layers * 4
+    assert len(linears) >= args.num_layers * 4 and "lm_head.weight" in linears  # the output layer's too
     assert {name for name, p in split.named_parameters() if p.grad is None} == linears
     assert deferred.pending() == 2
     for i in range(2):
@@ -64,6 +70,51 @@ def test_input_then_weight_gradients_equal_one_backward(recompute):
     assert set(got) == set(reference)
     for name, grad in reference.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("loss", ["chunked, grads in forward", "chunked", "one buffer"])
+def test_output_layer_weight_gradient_waits_for_the_w(loss):
+    """The output layer's B leaves its weight's fp32 main grad untouched and its bucket waiting;
+    the W adds d loss / d weight there (for the gradient the B brought, here one per token) and
+    completes the bucket: the same gradients as one whole backward."""
+    vocab, hidden, one = 45, 16, Group("tp", [0])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 11, hidden, generator=g)
+    targets = torch.randint(0, vocab, (2, 11), generator=g)
+    targets[0, 3] = -100
+    dy = torch.rand(2, 11, generator=g)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g) * 0.3)
+    named = [("weight", weight)]
+    buffers = DataParallelBuffers(named, plain_specs(named), Group("dp", [0]), one)
+    deferred = DeferredGrads(buffers)
+
+    def run(defer: bool, capture: bool):
+        xl = x.clone().requires_grad_(True)
+        key, split = (0, 0), deferred if defer else None
+        with buffers.grad_sync(True, ("B", key) if capture else None), \
+                (deferred.capture(key) if capture else contextlib.nullcontext()):
+            if loss == "one buffer":
+                out = vocab_parallel_linear_cross_entropy(xl, weight, targets, one, 0, vocab, deferred=split)
+            else:
+                out = linear_cross_entropy_per_token(xl, weight, targets, one, 0, vocab, reference=True, chunk_rows=5,
+                                                     grads_in_forward=loss == "chunked, grads in forward",
+                                                     grad_sink=buffers, grad_scale=0.5, deferred=split)
+            out.backward(dy)
+        return xl.grad
+
+    whole_dx = run(defer=False, capture=False)
+    whole = weight.main_grad.clone()
+    assert whole.abs().sum() > 0 and weight.grad is None and buffers.buckets[0].launched
+    for capture in (False, True):  # no W waiting (made in the backward itself), then a B and its W
+        buffers.zero_grad()
+        dx = run(defer=True, capture=capture)
+        if capture:
+            assert weight.main_grad.abs().sum() == 0 and not buffers.buckets[0].launched and deferred.pending() == 1
+            with buffers.grad_sync(True, ("W", (0, 0))):
+                deferred.flush((0, 0))
+        assert buffers.buckets[0].launched and weight.grad is None and deferred.pending() == 0
+        torch.testing.assert_close(dx, whole_dx, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(weight.main_grad, whole, rtol=1e-6, atol=1e-7)
 
 
 def test_a_micro_batch_cannot_be_captured_twice():
@@ -78,6 +129,8 @@ ZB = {
     "pp2_zb_h1": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1"], ()),
     "pp2_zbv_tied": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv"],
                      ("--model.tie_embeddings", "true")),
+    "pp2_zb_h1_tied": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1"],
+                       ("--model.tie_embeddings", "true")),
     "pp2_dp2_zb_h1_zero2": (4, ["--parallel.pp", "2", "--parallel.pp_schedule", "zb_h1", "--parallel.zero", "2"], ()),
     "pp2_dp2_zbv_zero1_recompute": (4, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.pp_schedule", "zbv",
                                         "--parallel.zero", "1", "--parallel.recompute", "full"], ()),

@@ -39,13 +39,12 @@ def table_of(chunks: list[ModelChunk]) -> dict[str, ParamSpec]:
     return {name: spec for chunk in chunks for name, spec in chunk.param_specs().items()}
 
 
-def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
-    """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
-    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
-    turned on (``model.fp8``)."""
-    args, p = model_args(cfg), cfg.parallel
-    place = Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED)
-    layer_chunks = chunk_layers(args.num_layers, p.pp, p.vpp, pp_rank, p.pipeline_layers, place.v_shape)
+def _placed_chunks(args: ModelArgs, tp: Group, place: Placement, pp_rank: int, pipeline_layers,
+                   **kw) -> list[ModelChunk]:
+    """Stage ``pp_rank``'s chunks under ``place``: the first global chunk embeds, the last holds the
+    head (with tied embeddings on the embedding's stage, V placement: through that chunk's
+    embedding); ``kw``: the rest of each :class:`DecoderModel`'s arguments."""
+    layer_chunks = chunk_layers(args.num_layers, place.pp, place.vpp, pp_rank, pipeline_layers, place.v_shape)
     head_on_stage = place.stage_of(place.chunks - 1) == pp_rank and place.stage_of(0) == pp_rank
     chunks: list[ModelChunk] = []
     for v, layer_ids in enumerate(layer_chunks):
@@ -53,8 +52,17 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
         pre, post = g == 0, g == place.chunks - 1
         shared = chunks[0].embed_tokens if post and not pre and head_on_stage and args.tie_embeddings else None
         chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre, post_process=post,
-                                   sequence_parallel=p.sequence_parallel, recompute=p.recompute,
                                    head_on_stage=head_on_stage and pre, stage_embedding=shared, **kw))
+    return chunks
+
+
+def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
+    """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
+    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
+    turned on (``model.fp8``)."""
+    args, p = model_args(cfg), cfg.parallel
+    chunks = _placed_chunks(args, tp, Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED), pp_rank, p.pipeline_layers,
+                            sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
     if cfg.model.fp8 != "none":
         weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
         for chunk in chunks:
@@ -210,12 +218,10 @@ def stage_parameters(args: ModelArgs, layout: Layout, pp_rank: int,
     device: shapes only) with their specs, in ``named_parameters`` order — the trainer's order,
     which its data-parallel buffers are cut into buckets from (``parallel/data.py``)."""
     tp = Group("tp", list(range(layout.tp)), None, 0)  # no communication on meta
-    layer_chunks = layout.chunk_layers(args.num_layers, pp_rank)
+    place = Placement(layout.pp, layout.vpp, layout.pp_schedule in V_SHAPED)
     with torch.device("meta"):
-        chunks = [DecoderModel(args, tp, layer_ids=ids, pre_process=pp_rank == 0 and v == 0,
-                               post_process=pp_rank == layout.pp - 1 and v == layout.vpp - 1,
-                               sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                               rng=RNGTracker(0, 0, "cpu"), dtype=dtype, device="meta")
-                  for v, ids in enumerate(layer_chunks)]
+        chunks = _placed_chunks(args, tp, place, pp_rank, list(layout.pipeline_layers) if layout.pipeline_layers
+                                else None, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                                rng=RNGTracker(0, 0, "cpu"), dtype=dtype, device="meta")
     specs = table_of(chunks)
     return [[(p, specs[name]) for name, p in chunk.named_parameters()] for chunk in chunks]

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -36,7 +35,7 @@ from ..parallel.fp8 import WeightCasts
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec, collect_specs
 from ..parallel.state import Group
-from ..parallel.tensor import SavedShards, enter_tp_region, init_shard_
+from ..parallel.tensor import DeferredGrads, SavedShards, enter_tp_region, init_shard_, linear
 from .args import ModelArgs
 from .attention import ATTENTION, DocumentMask
 from .context_attention import ring_mask
@@ -63,7 +62,9 @@ class ModelChunk(Protocol):
       head), ``layers`` (``ModuleDict`` by global index: regional compile, ZeRO-3 units),
       ``grad_sink`` (set by the optimizer: a weakref to the buffers of the fp32 main grads),
       ``fp8_weights`` (ZeRO-3's weights gathered as FP8, which the data-parallel buffers fill and
-      the FP8 linears read, or None: ``model/fp8.py``).
+      the FP8 linears read, or None: ``model/fp8.py``), ``deferred`` (a zero-bubble schedule's
+      :class:`~megapretrain.parallel.tensor.DeferredGrads`, which the output layer's loss leaves
+      its weight gradient to, as the linears do: ``defer_weight_grads``, or None).
     """
     args: ModelArgs
     pre_process: bool
@@ -71,6 +72,7 @@ class ModelChunk(Protocol):
     layers: nn.ModuleDict
     grad_sink: object
     fp8_weights: WeightCasts | None
+    deferred: DeferredGrads | None
 
     def __call__(self, x: torch.Tensor, targets: torch.Tensor | None = None, docs: Documents | None = None, *,
                  loss_grad_scale: float | None = None) -> torch.Tensor: ...
@@ -145,6 +147,7 @@ class DecoderModel(nn.Module):
         self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # parallel/context.py: how attention meets cp
         self.kernels, self.z_loss = kernels, z_loss
         self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
+        self.deferred = None  # a zero-bubble schedule's W makes the output layer's weight gradient (defer_weight_grads)
         self.fp8_weights: WeightCasts | None = None  # ZeRO-3's FP8-gathered weights (model/fp8.py)
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
@@ -313,8 +316,11 @@ class DecoderModel(nn.Module):
             return x
         x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel, self.saved_shards)  # (b, s, h)
         weight = self.output_weight()  # (v/tp, h)
+        # a tied weight embedded by this same chunk gets both gradients in one backward: autograd's
+        # (one fold into the main grad, as its spec counts), so the output layer's part is not deferred
+        deferred = None if self.pre_process and self.args.tie_embeddings else self.deferred
         if targets is None:
-            return F.linear(x, weight)  # (b, s, v/tp) logits
+            return linear(x, weight, None, deferred)  # (b, s, v/tp) logits
         vocab_start = self.tp.rank * weight.shape[0]
         # chunks of tokens, no (b, s, v/tp) logits at all: the kernels' path, and on CPU the torch
         # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
@@ -322,11 +328,11 @@ class DecoderModel(nn.Module):
             return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
                                                   z_loss=self.z_loss, reference=self.kernels == "torch",
                                                   grad_sink=self._grad_sink(weight),
-                                                  grad_scale=loss_grad_scale)  # (b, s)
+                                                  grad_scale=loss_grad_scale, deferred=deferred)  # (b, s)
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
         return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,
-                                                   self.args.vocab_size)  # (b, s)
+                                                   self.args.vocab_size, deferred=deferred)  # (b, s)
 
 
 @functools.lru_cache(maxsize=256)

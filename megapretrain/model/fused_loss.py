@@ -39,6 +39,7 @@ for ``F.linear`` on a vocab shard).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -67,9 +68,11 @@ def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference,
-                grads_in_forward, sink, grad_scale):
+                grads_in_forward, sink, grad_scale, deferred):
         x2d, t1d = x.reshape(-1, x.shape[-1]), targets.reshape(-1)  # (b·s, h), (b·s,)
-        need_x, need_w = grads_in_forward and ctx.needs_input_grad[0], grads_in_forward and ctx.needs_input_grad[1]
+        need_x = grads_in_forward and ctx.needs_input_grad[0]
+        # with ``deferred`` (a zero-bubble schedule) the weight gradient is made on its own, after the backward
+        need_w = grads_in_forward and ctx.needs_input_grad[1] and deferred is None
         # the gradient made here: for the incoming one announced, or else for a unit one
         scale = x2d.new_full(t1d.shape, 1.0 if grad_scale is None else grad_scale, dtype=torch.float32)
         main = sink.main_grad_for(weight) if need_w and sink is not None else None
@@ -80,8 +83,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.grads = grad_x, grad_w  # not saved tensors: the backward drops them before it returns
         ctx.args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x.shape)
         ctx.made = (1.0 if grad_scale is None else grad_scale) if grads_in_forward else None  # its scale
-        ctx.sink = sink
-        ctx.param = weight if sink is not None else None  # the parameter itself: saved tensors come back as others
+        ctx.sink, ctx.deferred = sink, deferred
+        # the parameter itself: saved tensors come back as other tensors
+        ctx.param = weight if sink is not None or deferred is not None else None
         return loss.view(targets.shape)
 
     @staticmethod
@@ -90,6 +94,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         (grad_x, grad_w), ctx.grads = ctx.grads, None  # the only references left are these
         group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x_shape = ctx.args
         need_x, need_w = ctx.needs_input_grad[:2]
+        later = need_w and ctx.deferred is not None  # d/dweight made on its own, below (a W op, or now)
+        need_w = need_w and not later
         fused = need_w and ctx.sink is not None  # d/dweight goes into the main grad, not through autograd
         scale = grad_loss.reshape(-1).float()  # (b·s,)
         args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows)
@@ -121,15 +127,37 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if fused:
             ctx.sink.grad_added(ctx.param)
             grad_w = None
+        if later:
+            make = functools.partial(_weight_grad, x2d, weight, t1d, lse, scale, args, reference)
+            grad_w = None if ctx.deferred.defer_call(ctx.param, make) else _weight_grad_now(ctx.sink, ctx.param, make)
         grad_x = grad_x.view(x_shape) if need_x else None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _weight_grad(x2d, weight, t1d, lse, scale, args, reference, main):
+    """d loss / d weight (v/tp, h) for the incoming gradient ``scale``, from the chunks of logits made
+    again (the log-sum-exp kept: one matmul more than making it with d/dx) — a zero-bubble
+    schedule's W op for the output layer, which keeps only the layer's input (b·s, h) from its B.
+    Added into ``main`` (its fp32 main grad) chunk by chunk, or returned when that is None."""
+    return chunked_loss_and_grads(x2d, weight, t1d, scale, *args, False, True, reference, lse=lse,
+                                  grad_w_out=main)[3]
+
+
+def _weight_grad_now(sink, param, make):
+    """A deferrable weight gradient when no W waits for it (no capture open): into the main grad
+    of ``sink`` (the sink told), or returned to autograd."""
+    if sink is None:
+        return make(None)
+    make(sink.main_grad_for(param))
+    sink.grad_added(param)
+    return None
 
 
 def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group,
                                    vocab_start: int, real_vocab: int, *, ignore_index: int = -100,
                                    z_loss: float = 0.0, reference: bool = False, chunk_rows: int | None = None,
                                    grads_in_forward: bool | None = None, grad_sink=None,
-                                   grad_scale: float | None = None) -> torch.Tensor:
+                                   grad_scale: float | None = None, deferred=None) -> torch.Tensor:
     """Per-token loss (b, s) fp32 of ``F.linear(x, weight)`` against global ``targets`` (b, s).
 
     ``x`` (b, s, h) is replicated over tp, ``weight`` (v/tp, h) this rank's output rows starting at
@@ -146,6 +174,10 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
     that brings another is still exact (it adds the difference), but a forward that records
     gradients must then be followed by its backward. Without ``grad_scale`` the forward keeps a
     weight-sized gradient, as without a sink.
+
+    ``deferred`` (a zero-bubble schedule's :class:`~megapretrain.parallel.tensor.DeferredGrads`):
+    a backward run while it captures leaves d loss / d weight to its W op, which makes it from the
+    saved input and log-sum-exp; the forward then never makes it.
     """
     rows = chunk_rows or default_chunk_rows(targets.numel(), weight.shape[0], x.dtype, x.device)
     if grads_in_forward is None:
@@ -156,4 +188,4 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
     if grad_scale is not None:  # as the incoming gradient will hold it (rounded on the host: no op)
         grad_scale = float(np.float32(grad_scale))
     return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, rows, reference, grads_in_forward, grad_sink, grad_scale)
+                                            z_loss, rows, reference, grads_in_forward, grad_sink, grad_scale, deferred)

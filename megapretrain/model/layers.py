@@ -112,7 +112,7 @@ class RowLinear(RowParallelLinear):
             y = self.matmul(x)  # (b, s, out) partial sums
             y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         elif self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
-            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.deferred)  # (b, s/tp, out)
+            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.comm_overlap, self.deferred)  # (b, s/tp, out)
         else:
             y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
             y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
@@ -132,7 +132,7 @@ def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Gro
     ``x``: entering the tp region once (the sequence-parallel all-gather) and then each GEMM, or
     under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs (parallel/tp_overlap.py)."""
     if sequence_parallel and tp.size > 1 and linears[0].comm_overlap and linears[0].fp8 is None:
-        return gather_column_linears(x, linears, tp, linears[0].deferred)
+        return gather_column_linears(x, linears, tp, linears[0].comm_overlap, linears[0].deferred)
     x = enter_tp_region(x, tp, sequence_parallel, saved)  # (b, s, h): the full sequence
     return [m(x) for m in linears]
 

@@ -131,7 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, group: Group, vocab_start: int, real_vocab: int,
-                ignore_index: int, pool: BufferPool | None):
+                ignore_index: int, pool: BufferPool | None, deferred):
         x2d = x.reshape(-1, x.shape[-1])  # (b·s, h)
         shape = (x2d.shape[0], weight.shape[0])
         logits = pool.take(shape, x.dtype, x.device) if pool else x.new_empty(shape)
@@ -141,6 +141,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x2d, weight)
             ctx.exps, ctx.pool, ctx.stats, ctx.x_shape = logits, pool, stats, x.shape
+            ctx.deferred, ctx.param = deferred, weight  # the parameter itself, for a W op
         elif pool:
             pool.give(logits)
         return loss.view(targets.shape)
@@ -151,10 +152,14 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad_logits = _softmax_backward(ctx.exps, grad_loss.reshape(-1), ctx.stats)  # in place
         del ctx.exps
         grad_x = grad_logits.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = grad_logits.t().mm(x2d) if ctx.needs_input_grad[1] else None
-        if ctx.pool:
+        grad_w = None
+        # a zero-bubble schedule's W makes d/dweight later: it keeps the gradient of the logits until then
+        later = ctx.needs_input_grad[1] and ctx.deferred is not None and ctx.deferred.defer(ctx.param, x2d, grad_logits)
+        if ctx.needs_input_grad[1] and not later:
+            grad_w = grad_logits.t().mm(x2d)  # (v/tp, h)
+        if ctx.pool and not later:
             ctx.pool.give(grad_logits)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
@@ -171,15 +176,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                         group: Group, vocab_start: int = 0, real_vocab: int | None = None,
-                                        ignore_index: int = -100,
-                                        pool: BufferPool | None = None) -> torch.Tensor:
+                                        ignore_index: int = -100, pool: BufferPool | None = None,
+                                        deferred=None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(x, weight), ...)`` with the logits kept private.
 
     ``x`` (b, s, h) is the replicated input, ``weight`` (v/tp, h) this rank's rows of the output
     layer. Same result, one logits-sized buffer instead of two; taken from ``pool`` if given, and
-    returned to it after the backward (or at once when no gradient is needed).
+    returned to it after the backward (or at once when no gradient is needed). ``deferred`` (a
+    zero-bubble schedule's ``DeferredGrads``): a backward run while it captures queues d loss /
+    d weight, and the gradient of the logits it is made from, for the W op.
     """
     if real_vocab is None:
         real_vocab = weight.shape[0] * group.size
     return _VocabParallelLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab,
-                                                  ignore_index, pool)
+                                                  ignore_index, pool, deferred)

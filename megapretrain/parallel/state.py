@@ -189,14 +189,15 @@ class Group:
             dist.all_to_all_single(out, tensor, group=self.pg)
         return out
 
-    def shift_async(self, sends: list[torch.Tensor], tag: int = 0):
+    def shift_async(self, sends: list[torch.Tensor], tag: int = 0, into: list[torch.Tensor] | None = None):
         """Start sending each of ``sends`` to the next rank of the group (rank + 1, around) and
-        receiving tensors of the same shapes from the previous one: one step of a ring. Returns
-        (the receive buffers, a handle whose ``wait()`` completes the step); the sends may not be
-        modified until then. Both sides post their sends and receives in one batch, so two ranks
-        that are each other's neighbours (a ring of 2) cannot deadlock."""
+        receiving tensors of the same shapes from the previous one (into ``into``, or new
+        buffers): one step of a ring. Returns (the receive buffers, a handle whose ``wait()``
+        completes the step); the sends may not be modified until then. Both sides post their sends
+        and receives in one batch, so two ranks that are each other's neighbours (a ring of 2)
+        cannot deadlock."""
         nxt, prev = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
-        received = [torch.empty_like(t) for t in sends]
+        received = into if into is not None else [torch.empty_like(t) for t in sends]
         ops = []
         for i, (t, r) in enumerate(zip(sends, received)):
             self._record("send", t)

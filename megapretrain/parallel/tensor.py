@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 
 from .specs import ParamSpec, Sharding
 from .state import Group
+from .tp_overlap import RingStream
 
 if TYPE_CHECKING:
     from .fp8 import FP8Linear, GatheredInputs
@@ -248,15 +251,17 @@ class DeferredGrads:
     the previous stage waits for) and W (weight gradients: what only the optimizer waits for), and
     runs W in what would be bubble (``parallel/pipeline.py``). Inside :meth:`capture` the linears
     of :func:`defer_weight_grads` queue their weight gradient's operands — the saved input and the
-    output gradient — under the micro-batch's key instead of computing it; :meth:`flush` computes
-    them, frees the operands and adds each gradient where the whole backward would have put it:
-    into the parameter's fp32 main grad through ``sink`` (the data-parallel buffers, which count
-    it towards its bucket's readiness), or into ``.grad`` where no buffers hold the parameter."""
+    output gradient — under the micro-batch's key instead of computing it, and the output layer
+    its own recipe (``model/fused_loss.py``: the chunks of logits made again from the saved
+    input); :meth:`flush` computes them, frees the operands and adds each gradient where the whole
+    backward would have put it: into the parameter's fp32 main grad through ``sink`` (the
+    data-parallel buffers, which count it towards its bucket's readiness), or into ``.grad``
+    where no buffers hold the parameter."""
 
     def __init__(self, sink=None):
         self.sink = sink
         self._key: tuple | None = None
-        self._queued: dict[tuple, list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        self._queued: dict[tuple, list[tuple[nn.Parameter, Callable]]] = {}
 
     @contextlib.contextmanager
     def capture(self, key: tuple):
@@ -271,9 +276,15 @@ class DeferredGrads:
 
     def defer(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
         """Queue d loss / d ``weight`` = ``grad_out``ᵀ ``x`` if a capture is open; False otherwise."""
+        return self.defer_call(weight, partial(_weight_grad, x, grad_out))
+
+    def defer_call(self, weight: nn.Parameter, make: Callable) -> bool:
+        """Queue ``weight``'s gradient as ``make(main)``, if a capture is open (False otherwise):
+        ``make`` adds the gradient into ``main`` (the fp32 main grad) and returns None, or, given
+        None, returns the gradient."""
         if self._key is None:
             return False
-        self._queued[self._key].append((weight, x, grad_out))
+        self._queued[self._key].append((weight, make))
         return True
 
     def capturing(self) -> bool:
@@ -287,17 +298,30 @@ class DeferredGrads:
     @torch.no_grad()
     def flush(self, key: tuple) -> None:
         """The W of ``key``: compute its queued weight gradients, in the order their B made them."""
-        for weight, x, grad_out in self._queued.pop(key):
-            grad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
-            del x, grad_out  # the last references: freed as each gradient is made
-            sink = self.sink() if isinstance(self.sink, weakref.ref) else self.sink
+        queue = self._queued.pop(key)
+        sink = self.sink() if isinstance(self.sink, weakref.ref) else self.sink
+        while queue:
+            weight, make = queue.pop(0)  # the last reference to its operands: freed once it has run
             if sink is not None and sink.holds(weight):
-                sink.main_grad_for(weight).add_(grad)
+                main = sink.main_grad_for(weight)
+                grad = make(main)
+                if grad is not None:
+                    main.add_(grad)
+                del make, grad
                 sink.grad_added(weight)
-            elif weight.grad is None:
+                continue
+            grad = make(None)
+            del make
+            if weight.grad is None:
                 weight.grad = grad.to(weight.dtype)
             else:
                 weight.grad.add_(grad)
+
+
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, main: torch.Tensor | None) -> torch.Tensor:
+    """A linear's weight gradient ``grad_out``ᵀ ``x`` in the operands' dtype, as autograd makes it
+    (a wider ``main`` then adds it)."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -330,18 +354,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def overlap_tp_comm(chunks: list[nn.Module], on: bool) -> None:
     """``parallel.tp_comm_overlap``: every column- and row-parallel linear of ``chunks`` runs its
-    sequence-parallel all-gather or reduce-scatter in chunks under its GEMM (parallel/tp_overlap.py)."""
+    sequence-parallel all-gather or reduce-scatter in chunks under its GEMM, the transfers on one
+    side stream that they share (parallel/tp_overlap.py)."""
+    stream = RingStream() if on else None
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.comm_overlap = on
+                module.comm_overlap = stream
 
 
 def defer_weight_grads(chunks: list[nn.Module], deferred: DeferredGrads | None) -> int:
-    """Route the weight gradients of every column- and row-parallel linear of ``chunks`` through
+    """Route the weight gradients of every column- and row-parallel linear of ``chunks``, and of
+    each chunk's output layer (the chunk's own ``deferred``, which its loss reads), through
     ``deferred`` (None: back to the whole backward); returns how many linears."""
     n = 0
     for chunk in chunks:
+        chunk.deferred = deferred
         for module in chunk.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.deferred = deferred
@@ -369,7 +397,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
                                                device=device))
         self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
-        self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
+        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
+        self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
         self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
@@ -400,7 +429,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
                                                device=device))
         self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
-        self.comm_overlap = False  # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks
+        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
+        self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
         self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 

@@ -5,13 +5,16 @@ The parts are those ``tools/simulate.py`` measures on the trainer's own program
 program's code, and ``tests/test_simulate_planner.py`` holds them to the simulation:
 
 - ``parameters``: the stage's parameters (its layers, the embedding on the first stage, the final
-  norm and output layer on the last) in the model's dtype; under ZeRO-3 the rank's shard;
+  norm and output layer on the last — under ZB-V's V placement both on the first) in the model's
+  dtype; under ZeRO-3 the rank's shard;
 - ``gradients``: the fp32 gradient buffer (zero 0/1) or its shard (zero 2/3); zero 2 also keeps a
   bucket's full gradients while its micro-batch's reduction is in flight, the output layer's
   among them on the last stage;
 - ``optimizer``: fp32 masters (none for fp32 weights) and Adam's two moments, over the shard ranks;
 - ``activations`` / ``pipeline_in_flight``: what autograd keeps of the micro-batch chunk
-  computing, and of the others the schedule holds in flight (:func:`saved_bytes_per_token`);
+  computing, and of the others the schedule holds in flight (:func:`saved_bytes_per_token`); under
+  a zero-bubble schedule also what each chunk whose B ran keeps for its W (the linears' inputs
+  and output gradients: :func:`~.pipeline.deferred_bytes_per_token`);
 - ``zero3_gathered``: ZeRO-3's layers gathered in full at once (three) and every chunk's root;
 - ``comm_buffers`` and ``temporary``: what the peak moment is computing with (a layer's
   backward, the output layer's chunk of logits).
@@ -22,8 +25,9 @@ from __future__ import annotations
 import functools
 
 from ..model.args import ModelArgs
-from ..parallel.layout import Layout
-from ..parallel.pipeline import peak_in_flight, resolve_schedule, schedule_order
+from ..parallel.layout import Layout, chunk_layers
+from ..parallel.pipeline import Placement, peak_in_flight, placement, resolve_schedule, schedule_order, splits_backward
+from .pipeline import deferred_bytes_per_token
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
          "comm_buffers", "temporary")
@@ -34,19 +38,38 @@ def weight_bytes(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
-def stage_layers(model: ModelArgs, layout: Layout, pp_rank: int) -> list[int]:
-    """Layers of each of the stage's ``vpp`` chunks."""
-    return [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank)]
+def chunk_placement(layout: Layout, schedule: str = "auto") -> Placement:
+    """Where ``schedule``'s chunks sit (``auto``: the layout's own schedule): interleaved, or in
+    ZB-V's V, whose first stage holds the first chunk and the last — the embedding and the head."""
+    return placement(layout.pp_schedule if schedule == "auto" else schedule, layout.pp, layout.vpp)
 
 
-def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[int, int, int]) -> int:
-    """Parameters a rank of stage ``pp_rank`` holds (its tp share); ``layer``: the (tp-split,
-    replicated) parameters of one decoder layer and the head's replicated ones (the final norm)."""
+def stage_layers(model: ModelArgs, layout: Layout, pp_rank: int, schedule: str = "auto") -> list[int]:
+    """Layers of each of the stage's ``vpp`` chunks under ``schedule``'s placement."""
+    v_shape = chunk_placement(layout, schedule).v_shape
+    return [len(ids) for ids in chunk_layers(model.num_layers, layout.pp, layout.vpp, pp_rank,
+                                             list(layout.pipeline_layers) if layout.pipeline_layers else None,
+                                             v_shape=v_shape)]
+
+
+def head_chunk(layout: Layout, pp_rank: int, schedule: str = "auto") -> int | None:
+    """Which of stage ``pp_rank``'s chunks holds the output layer (None: none of them)."""
+    place = chunk_placement(layout, schedule)
+    mine = [v for v in range(layout.vpp) if place.global_chunk(pp_rank, v) == place.chunks - 1]
+    return mine[0] if mine else None
+
+
+def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[int, int, int],
+                 schedule: str = "auto") -> int:
+    """Parameters a rank of stage ``pp_rank`` holds (its tp share) under ``schedule``'s placement;
+    ``layer``: the (tp-split, replicated) parameters of one decoder layer and the head's replicated
+    ones (the final norm)."""
     split, replicated, head = layer
     tp = layout.tp
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    place = chunk_placement(layout, schedule)
+    first, last = place.stage_of(0) == pp_rank, place.stage_of(place.chunks - 1) == pp_rank
     vocab = model.padded_vocab(tp) // tp * model.hidden_size
-    params = sum(stage_layers(model, layout, pp_rank)) * (split // tp + replicated)
+    params = sum(stage_layers(model, layout, pp_rank, schedule)) * (split // tp + replicated)
     if first:
         params += vocab
     if last:
@@ -102,21 +125,26 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
 
 
 @functools.cache
-def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int,
-                    chunks: tuple[int, ...]) -> tuple[int, float, bool]:
+def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int, chunks: tuple[int, ...],
+                    head: int | None, deferred: float) -> tuple[int, float, float, bool]:
     """At the backward that starts with the most activations held: the layers of its own micro-batch
-    chunk, those of the others in flight, and whether it holds the head (the last chunk)."""
-    best, held = (0, 0.0, False), {}
+    chunk, those of the others between their F and B, those between their B and W (a zero-bubble
+    schedule's: each keeps ``deferred`` of a layer's activations for its W), and whether it is the
+    head's chunk (``head``: this stage's chunk holding it, or None)."""
+    best, held, waiting = (0, 0.0, 0.0, False), {}, {}
     for op in schedule_order(kind, pp_rank, pp, vpp, micro_batches):
         key = (op.micro, op.chunk)
         if op.kind == "F":
             held[key] = chunks[op.chunk]
             continue
-        if op.kind == "W":  # a zero-bubble schedule's weight gradients: after their B, which counted them
+        if op.kind == "W":  # its weight gradients made: what the B left for it is freed
+            del waiting[key]
             continue
-        others = sum(held.values()) - held[key]
-        if held[key] + others > best[0] + best[1]:
-            best = (held[key], others, op.chunk == vpp - 1)
+        others, kept = sum(held.values()) - held[key], sum(waiting.values())
+        if held[key] + others + deferred * kept > best[0] + best[1] + deferred * best[2]:
+            best = (held[key], others, kept, op.chunk == head)
+        if splits_backward(kind):
+            waiting[key] = held[key]
         del held[key]
     return best
 
@@ -156,9 +184,9 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     gradients, the fp32 gradients of the buckets being reduced (zero 2, 3)."""
     L, w = layout, weight_bytes(precision)
     n_shard = L.shard_ranks
-    params = stage_params(model, L, pp_rank, layer)
-    last = pp_rank == L.pp - 1
-    chunks = tuple(stage_layers(model, L, pp_rank))
+    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, L.pp, L.vpp, micro_batches)
+    params = stage_params(model, L, pp_rank, layer, kind)
+    chunks = tuple(stage_layers(model, L, pp_rank, kind))
     tokens = L.micro_batch * seq // L.cp  # the rank's share of a micro-batch
     h, f = model.hidden_size, model.ffn_hidden_size // L.tp
     vocab_rows = model.padded_vocab(L.tp) // L.tp
@@ -169,13 +197,14 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
     out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0 + (1 / 8 if fused_adamw else 0.0)) \
         / (n_shard if L.zero >= 1 else 1)
-    kind = resolve_schedule(schedule, L.pp, L.vpp, micro_batches)
     steady = min(micro_batches, 2 * L.pp) if kind in ("1f1b", "interleaved") else micro_batches
-    own, others, head = _backward_start(kind, pp_rank, L.pp, L.vpp, steady, chunks)
-    head = head and last
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
+    # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left out)
+    deferred = tokens * deferred_bytes_per_token(model, L.tp, w)
+    own, others, waiting, head = _backward_start(kind, pp_rank, L.pp, L.vpp, steady, chunks,
+                                                 head_chunk(L, pp_rank, kind), round(64 * deferred / per_layer) / 64)
     out["activations"] = own * per_layer
-    out["pipeline_in_flight"] = others * per_layer
+    out["pipeline_in_flight"] = others * per_layer + waiting * deferred
     if L.zero >= 2:  # the full fp32 gradients of the bucket filling and of the one reducing: a layer's
         bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)  # (zero 3) or a parameter's
         out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else bucket))  # (the output layer's own)

@@ -62,7 +62,7 @@ from ..model.build import one_layer_specs
 from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
-from ..parallel.pipeline import resolve_schedule
+from ..parallel.pipeline import resolve_schedule, splits_backward
 from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
@@ -268,7 +268,7 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
               "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts}
     memory["total"] = parts["total"] + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
-    return memory, stage_params(model, layout, busiest, layer)
+    return memory, stage_params(model, layout, busiest, layer, schedule)
 
 
 def _check(seq: int, L: Layout, global_batch: int, attention: str) -> None:
@@ -333,22 +333,26 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
             "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
+    # a zero-bubble schedule's W makes the output layer's chunks of logits again (model/fused_loss.py)
+    head_redo = ht.matmul_f if splits_backward(kind) else 0.0
+
     def stage(r: int) -> tuple[float, float]:
         head = r == last
         f = layers_on[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
-        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + 2 * ring)
+        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + head_redo + 2 * ring)
         return f * slow, b * slow
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
     f, b = stage(busiest)
     n, head = layers_on[busiest], busiest == last
-    w = (n * lt.weight_b + head * ht.weight_b) * slow  # what a zero-bubble schedule's W ops run
+    w = (n * lt.weight_b + head * (ht.weight_b + head_redo)) * slow  # what a zero-bubble schedule's W ops run
     per_token = activation_bytes_per_token(model, tp, sp, L.recompute, seq, attention, kv_copies(L))
-    deferred = deferred_bytes_per_token(model, tp, sp) / per_token  # what waits for a W, in activations
+    deferred = deferred_bytes_per_token(model, tp) / per_token  # what waits for a W, in activations
     # ratios to 1/4 (deferred to 1/8): the replay is cached
     stretch, in_flight = pipeline_model(kind, pp, vpp, m, round(4 * b / f) / 4, round(4 * w / f) / 4,
                                         round(8 * deferred) / 8)
-    compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) + head * (ht.matmul_f + ht.matmul_b)
+    compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) \
+        + head * (ht.matmul_f + ht.matmul_b + head_redo)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
     tensor = n * (tp_f + tp_b + redo[2]) + head * 4 * ring
     context = n * (cp_f + cp_b + redo[3])

@@ -8,7 +8,7 @@ ops later, in what would be bubble. Between a chunk's B and its W a stage keeps 
 each linear's input and its output's gradient, a fraction of the layer's activations
 (:func:`deferred_bytes_per_token`). A stage's activation memory is therefore the peak, over its
 order, of ``(chunks between F and B) + (chunks between B and W) × that fraction``, in chunks'
-worth of activations.
+worth of activations (``planner/memory.py`` counts the same for a stage's peak).
 """
 
 from __future__ import annotations
@@ -41,17 +41,18 @@ def head_stage(layout: Layout, kind: str) -> int:
     return place.stage_of(place.chunks - 1)
 
 
-def deferred_bytes_per_token(model: ModelArgs, tp: int, sequence_parallel: bool) -> float:
-    """Bytes per token (bf16) one decoder layer keeps from its B to its W: every linear's input and
-    its output's gradient; sequence-parallel ones (the column-parallel linears' input, the
-    row-parallel linears' output gradient) as their 1/tp shard, gathered again for the W."""
+def deferred_bytes_per_token(model: ModelArgs, tp: int, bytes_per_value: float = BF16) -> float:
+    """Bytes per token one decoder layer keeps from its B to its W: every linear's input and its
+    output's gradient (``parallel/tensor.py``'s DeferredGrads). The (b, s, h) ones are whole under
+    sequence parallelism too: the B has gathered the column-parallel linears' saved input shard
+    (once for the linears sharing it) and the row-parallel linear's output gradient, and the W
+    reads them so."""
     h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
     n, kv = model.num_heads / tp, model.num_kv_heads / tp
     fc1 = f if model.mlp == "gelu" else 2 * f
-    gathered = h / tp if sequence_parallel else h  # (b, s, h) tensors that sequence parallelism shards
-    inputs = 2 * gathered + n * d + f / tp
-    grads = (n + 2 * kv) * d + gathered + fc1 / tp + gathered
-    return BF16 * (inputs + grads)
+    inputs = 2 * h + n * d + f / tp  # attention's and the MLP's (shared), the output projection's, down's
+    grads = (n + 2 * kv) * d + h + fc1 / tp + h  # q/k/v's, the output projection's, gate/up's, down's
+    return bytes_per_value * (inputs + grads)
 
 
 def weighted_peak(order: list[Op], deferred: float) -> float:

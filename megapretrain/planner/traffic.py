@@ -16,7 +16,9 @@ reduce-scatter its whole input, a receive the tensor it gets.
 - context parallelism: one all-gather of a layer's keys and values forward (again when fully
   recomputed), one reduce-scatter of their gradients backward (``parallel/context.py``);
 - pipeline parallelism: each micro-batch chunk's activation received and sent forward, its
-  gradient backward, unless the chunk embeds or holds the head; the loss summed over the stages;
+  gradient backward, unless the chunk embeds or holds the head or its neighbour chunk is on the
+  same stage (ZB-V's turn); a zero-bubble schedule's W ops move nothing; the loss summed over the
+  stages;
 - data parallelism (``parallel/data.py``): the gradient buckets, cut as the buffers cut them —
   all-reduced (zero 0), reduce-scattered once (zero 1) or after every micro-batch (zero 2, 3;
   a bucket spanning two model chunks once per chunk), the shards all-reduced over the replicas
@@ -37,7 +39,7 @@ from ..model.build import stage_parameters
 from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
 from ..parallel.pipeline import resolve_schedule, schedule_order
-from .memory import weight_bytes
+from .memory import chunk_placement, weight_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +74,7 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
     out = Traffic()
     by_chunk = stage_parameters(model, layout, pp_rank, DTYPES[precision])
     chunks = [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank)]
-    _tensor_parallel(out, model, seq, layout, pp_rank, chunks, micro_batches, precision, device)
+    _tensor_parallel(out, model, seq, layout, pp_rank, chunks, micro_batches, precision, device, schedule)
     _context_parallel(out, model, seq, layout, chunks, micro_batches, precision)
     _pipeline(out, model, seq, layout, pp_rank, micro_batches, precision, schedule)
     _data_parallel(out, layout, by_chunk, micro_batches, precision, bucket_mb, keep_gathered)
@@ -80,9 +82,10 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
 
 
 def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, chunks: list[int],
-                     micro: int, precision: str, device: str) -> None:
+                     micro: int, precision: str, device: str, schedule: str) -> None:
     if L.tp == 1:
         return
+    place = chunk_placement(L, schedule)
     w, h = weight_bytes(precision), model.hidden_size
     tokens = L.micro_batch * seq // L.cp
     full, shard = tokens * h * w, tokens * h * w // L.tp
@@ -97,13 +100,14 @@ def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_ran
         out.add("tp", "reduce_scatter", full, scatters * layers)
     else:
         out.add("tp", "all_reduce", full, (4 + (1 if full_recompute else 0)) * layers)
-    if pp_rank == 0:  # the embedding: partial rows summed forward (its backward is a gather under SP)
+    if place.stage_of(0) == pp_rank:  # the embedding: partial rows summed forward (its backward is a gather under SP)
         if L.sequence_parallel:
             out.add("tp", "reduce_scatter", full, micro)
             out.add("tp", "all_gather", shard, micro)
         else:
             out.add("tp", "all_reduce", full, micro)
-    if pp_rank == L.pp - 1:  # the output layer's input: gathered (and again for its backward), or its grad summed
+    if place.stage_of(place.chunks - 1) == pp_rank:  # the output layer's input: gathered (and again for its
+        # backward), or its grad summed
         if L.sequence_parallel:
             out.add("tp", "all_gather", shard, 2 * micro)
             out.add("tp", "reduce_scatter", full, micro)
@@ -131,11 +135,17 @@ def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int,
         return
     tokens = L.micro_batch * seq // L.cp // (L.tp if L.sequence_parallel else 1)
     act = tokens * model.hidden_size * weight_bytes(precision)
-    kind = resolve_schedule(schedule, L.pp, L.vpp, micro)
-    last = L.pp * L.vpp - 1
+    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, L.pp, L.vpp, micro)
+    place = chunk_placement(L, kind)
+    last = place.chunks - 1
+
+    def remote(g: int) -> bool:  # global chunk g exists and sits on another stage (V's turn stays here)
+        return 0 <= g <= last and place.stage_of(g) != pp_rank
     for op in schedule_order(kind, pp_rank, L.pp, L.vpp, micro):
-        g = op.chunk * L.pp + pp_rank
-        takes, gives = (g > 0, g < last) if op.kind == "F" else (g < last, g > 0)
+        if op.kind == "W":  # weight gradients: nothing moves
+            continue
+        g = place.global_chunk(pp_rank, op.chunk)
+        takes, gives = (remote(g - 1), remote(g + 1)) if op.kind == "F" else (remote(g + 1), remote(g - 1))
         out.add("pp", "recv", act, int(takes))
         out.add("pp", "send", act, int(gives))
     out.add("pp", "all_reduce", 4)  # the step's loss, held by the last stage

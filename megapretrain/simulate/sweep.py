@@ -2,9 +2,10 @@
 the planner's estimate of the same rank — peak memory within 5%, traffic per group equal.
 
 :data:`SWEEP` spans tp, pp, vpp, dp, ZeRO 0-3, hybrid sharding, recomputation none, selective and
-full, context parallelism and micro-batch sizes; each row names its config, world size, overrides
-and the ranks to compare (a stage's first rank). :func:`compare` turns one simulated rank and the
-planner's figures into a row of the table ``tools/check_planner.py`` prints.
+full, context parallelism, the zero-bubble schedules and micro-batch sizes; each row names its
+config, world size, overrides and the ranks to compare (a stage's first rank). :func:`compare`
+turns one simulated rank and the planner's figures into a row of the table
+``tools/check_planner.py`` prints.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ SWEEP = (
     Case("8b-tp4-pp2", B8, 64, small(64, parallel__tp=4, parallel__pp=2, parallel__sequence_parallel=True,
                                             parallel__zero=1), ("first", "last")),
     Case("8b-pp4-1f1b", B8, 64, small(64, parallel__pp=4, parallel__zero=1), ("first", "last")),
+    Case("8b-pp4-zb_h1", B8, 64, small(64, parallel__pp=4, parallel__pp_schedule="zb_h1", parallel__zero=1),
+         ("first", "last")),
+    Case("8b-pp4-zbv", B8, 64, small(64, parallel__pp=4, parallel__vpp=2, parallel__pp_schedule="zbv",
+                                     parallel__zero=1), ("first", "last")),
     Case("8b-tp2-pp2-vpp2-sel", B8, 64, small(64, parallel__tp=2, parallel__pp=2, parallel__vpp=2,
                                                      parallel__sequence_parallel=True, parallel__zero=1,
                                                      parallel__recompute="selective")),
