@@ -73,6 +73,8 @@ LAYOUTS = {
     "dp2_zero1": (2, ["--parallel.zero", "1"]),
     "pp2": (2, ["--parallel.pp", "2"]),
     "pp2_vpp2": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
+    # 3 micro-batches on 2 stages: the interleaved order's last group is one micro-batch
+    "pp2_vpp2_3_micro": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
     "pp2_gpipe_tied": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]),
     "tp2_dp2_zero1": (4, ["--parallel.tp", "2", "--parallel.zero", "1"]),
     "pp4": (4, ["--parallel.pp", "4"]),
@@ -87,7 +89,8 @@ LAYOUTS["tp2_pp2_dp2"] = (8, ["--parallel.tp", "2", "--parallel.pp", "2", "--par
                               "--parallel.zero", "1"])
 
 
-MODEL_FLAGS = {"pp2_gpipe_tied": ("--model.tie_embeddings", "true")}
+MODEL_FLAGS = {"pp2_gpipe_tied": ("--model.tie_embeddings", "true"),
+               "pp2_vpp2_3_micro": ("--train.global_batch_size", "6")}  # the reference at the same batch
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])

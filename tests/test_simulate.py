@@ -55,12 +55,11 @@ def test_json_contract_for_every_role(capsys, tmp_path):
     assert first["breakdown"]["pipeline_in_flight"] > last["breakdown"]["pipeline_in_flight"]  # 1F1B's warmup
 
 
-def test_a_stage_s_ranks_hold_and_move_the_same_whatever_their_tp_cp_dp_place():
+def test_a_stage_s_ranks_hold_and_move_the_same_whatever_their_tp_dp_place():
     """What --roles rests on: the ranks of a pipeline stage differ by their stage, not their tp or
     dp place — here with a vocabulary (301) that tp pads and ZeRO-3 shards of every parameter over
-    dp × cp — so one rank per stage tells them all (its checkpoint file to a few header bytes). (The
-    cp place is held at 0: on CPU tensors torch materializes the lower-right causal mask of each
-    context-parallel query chunk, whose keys differ by cp place; a GPU's flash kernel does not.)"""
+    dp × cp — so one rank per stage tells them all (its checkpoint file to a few header bytes). (cp
+    places: the next test.)"""
     cfg = load_config("configs/tiny.yaml", TINY + ["--model.vocab_size", "301", "--parallel.tp", "2", "--parallel.cp",
                                                    "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
                                                    "--parallel.zero", "3", "--train.micro_batch_size", "1",
@@ -76,6 +75,42 @@ def test_a_stage_s_ranks_hold_and_move_the_same_whatever_their_tp_cp_dp_place():
             assert r.flops == results[0].flops, (stage, r.coords)
             # the file's header names each parameter its ZeRO shard cuts: which ones, by its dp place
             assert abs(r.checkpoint_bytes - results[0].checkpoint_bytes) < 4096, (stage, r.coords)
+
+
+def test_cp_places_move_the_same_and_peak_highest_at_an_end():
+    """What --roles rests on for context parallelism: every cp place issues the same collectives,
+    and its attention reads key ranges affine in the place, so the peaks — which may differ — are
+    largest at place 0 or cp − 1 (simulate/report.py's docstring). Every place of cp 4, simulated."""
+    cfg = load_config("configs/tiny.yaml", TINY + ["--parallel.cp", "4", "--train.seq_length", "2048",
+                                                   "--parallel.zero", "1", "--train.micro_batch_size", "1",
+                                                   "--train.global_batch_size", "2"])
+    world = 8  # cp 4 × dp 2
+    grid = resolve(cfg, world).layout.grid()  # [pp, dp, cp, tp]
+    results = [simulate_rank(cfg, world, int(grid[0, 0, c, 0]), steps=1) for c in range(4)]
+    for r in results[1:]:
+        assert (r.comm_bytes, r.comm_calls) == (results[0].comm_bytes, results[0].comm_calls), r.coords
+        assert r.flops == results[0].flops, r.coords
+    peaks = [r.peak_bytes for r in results]
+    assert max(peaks) == max(peaks[0], peaks[-1]), peaks
+    assert [c for _, c in role_ranks(resolve(cfg, world).layout)] == ["the only stage, cp 0", "the only stage, cp 3"]
+
+
+def test_a_cp_rank_simulated_as_a_gpu_holds_no_attention_mask():
+    """A GPU runs each context-parallel query chunk's lower-right causal attention in its flash
+    kernel, with no mask; on CPU tensors torch materializes a (s/2cp, keys) mask per chunk and
+    keeps it for the backward. Simulated as a GPU, a cp 2 rank at 8,192 tokens holds nothing the
+    size of a chunk's mask at its peak, and its peak is under the CPU program's by masks it
+    never made."""
+    cfg = load_config("configs/tiny.yaml", TINY + ["--parallel.cp", "2", "--train.seq_length", "8192",
+                                                   "--train.micro_batch_size", "1", "--train.global_batch_size", "1"])
+    chunk = 8192 // 4
+    mask = chunk * 2 * chunk  # bytes of the smallest chunk mask as bools: 2,048 queries × 4,096 keys
+    gpu = simulate_rank(cfg, 2, 0, steps=1, device="cuda")
+    cpu = simulate_rank(cfg, 2, 0, steps=1, device="cpu")
+    assert max(a["bytes"] for a in gpu.peak_allocations) < mask, gpu.peak_allocations
+    assert max(a["bytes"] for a in cpu.peak_allocations) >= mask  # the CPU program's masks, kept for backward
+    assert gpu.peak_bytes < cpu.peak_bytes - mask
+    assert gpu.comm_bytes == cpu.comm_bytes
 
 
 def test_bad_flags_are_one_line(capsys, tmp_path):
@@ -95,19 +130,33 @@ def test_bad_flags_are_one_line(capsys, tmp_path):
 
 
 def test_a_rampup_the_world_size_refuses_is_a_warning_and_the_full_batch_is_simulated(capsys):
-    """Llama 3 405B's config on its 16,384-GPU layout: the ramp-up's first batch (512 samples, 4
-    micro-batches of dp 128) is refused by the interleaved schedule (16 stages), the full batch is
-    not. The tool simulates the full batch's steps and says, in a warning, what train.py refuses."""
-    ramp = ["--parallel.pp", "2", "--parallel.vpp", "2", "--train.micro_batch_size", "1", "--train.global_batch_size",
-            "8", "--train.rampup_batch_size", "[2, 2, 100]"]
-    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--json", *TINY, *ramp)
+    """A ramp-up whose first batch, 2 samples, is less than one a rank at dp 4: train.py refuses it
+    on 8 ranks, the full batch is not refused. The tool simulates the full batch's steps and says, in
+    a warning, what train.py refuses."""
+    ramp = ["--parallel.pp", "2", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
+            "--train.rampup_batch_size", "[2, 2, 100]"]
+    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "8", "--json", *TINY, *ramp)
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["layout"]["micro_batches"] == 4 and doc["ranks"][0]["peak_bytes"] > 0
+    assert doc["layout"]["micro_batches"] == 2 and doc["ranks"][0]["peak_bytes"] > 0
     [warning] = doc["warnings"]
-    assert "train.rampup_batch_size=[2, 2, 100], at batch 2" in warning and "train.py refuses" in warning
-    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "4", "--json", *TINY, *ramp[:-2])
+    assert "train.rampup_batch_size=[2, 2, 100]" in warning and "train.py refuses" in warning, warning
+    code, out, err = _cli(capsys, "--config", "configs/tiny.yaml", "--world-size", "8", "--json", *TINY, *ramp[:-2])
     assert code == 0 and json.loads(out)["warnings"] == []
+
+
+def test_llama3_405b_ramp_up_resolves_at_16384_gpus():
+    """The shipped 405B config at Llama 3's 16,384-GPU layout (tp 8 × pp 16 × dp 128): its
+    ramp-up's first batch, 512 samples, is 4 micro-batches a rank on 16 interleaved stages, which
+    the interleaved schedule runs (one group shorter than pp), so train.py takes it and the
+    simulation warns of nothing."""
+    from megapretrain.simulate.run import rampup_refusal
+
+    cfg = load_config("configs/llama3_405b.yaml", [])
+    assert cfg.train.rampup_batch_size[0] == 512
+    run = resolve(cfg, 16384)
+    assert (run.layout.tp, run.layout.pp, run.layout.dp, run.layout.vpp) == (8, 16, 128, 2)
+    assert run.sizes.schedule == "interleaved" and rampup_refusal(cfg, 16384) is None
 
 
 @pytest.mark.parametrize("layout", [
@@ -175,3 +224,30 @@ def test_zero2_frees_each_bucket_s_full_gradients_as_the_next_reduction_starts()
     largest = run.model.ffn_hidden_size * run.model.hidden_size  # the largest parameter of a layer
     assert r.breakdown["gradients"] <= 4 * (params / 64 + head + 2 * largest) * 1.001
     assert r.breakdown["gradients"] < 4 * params / 2  # the whole model's would be 4 × params
+
+
+@pytest.mark.parametrize("zero,bucket", [("1", ["--parallel.bucket_size_mb", "16384"]), ("3", [])],
+                         ids=["zero1-one-bucket", "zero3-one-unit"])
+def test_a_bucket_over_2_31_elements_is_built_reduced_and_stepped(zero, bucket):
+    """One Llama 3 405B layer at tp 1 holds 3.2 billion elements, over 2^31: as one ZeRO-1 bucket
+    (16 GiB of buckets) or one ZeRO-3 unit, it is laid out at offsets past 2^31, reduce-scattered,
+    gathered and stepped on fake tensors, and every size comes out whole — an int32 on the way
+    (an offset, a shard bound, a count of bytes) would wrap it."""
+    cfg = load_config("configs/llama3_405b.yaml", [
+        "--model.num_layers", "1", "--model.vocab_size", "256", "--parallel.tp", "1", "--parallel.pp", "1",
+        "--parallel.vpp", "1", "--parallel.pipeline_layers", "null", "--parallel.sequence_parallel", "false",
+        "--parallel.zero", zero, *bucket, "--train.seq_length", "64", "--train.micro_batch_size", "1",
+        "--train.global_batch_size", "2", "--train.rampup_batch_size", "null"])
+    world = 2
+    run = resolve(cfg, world)
+    params = num_parameters(run.model)
+    layer = params - 2 * 256 * run.model.hidden_size - run.model.hidden_size  # less embedding, head, final norm
+    assert layer > 2**31
+    r = simulate_rank(cfg, world, 1, steps=1)
+    assert params * 4 <= r.comm_bytes["dp"]["reduce_scatter"] <= params * 4 * 1.0001  # fp32 grads, once
+    assert params <= r.comm_bytes["dp"]["all_gather"]  # each bf16 half of the weights gathered (at least once)
+    adam = 4 + 8 + 1 / 8  # fp32 master, two moments, the Triton AdamW's weight-decay bit mask
+    assert params * adam / 2 <= r.breakdown["optimizer"] <= params * adam / 2 * 1.0001
+    plan = planned(cfg, run, 0)
+    assert (plan["planned_comm_bytes"], plan["planned_comm_calls"]) == (r.comm_bytes, r.comm_calls)
+    assert r.host_reads == [] and sum(r.breakdown.values()) == r.peak_bytes

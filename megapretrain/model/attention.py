@@ -17,8 +17,9 @@ and by the recomputation of any of them — into what the chosen kernel reads:
 
 ``model.attention: auto`` resolves (:func:`resolve_attention`, called where ``model.kernels`` is)
 to flex on CUDA, blockwise elsewhere, and sdpa when attention dropout is on (neither of the
-others has it). Without document masking every choice runs SDPA's causal kernels (the plain
-``is_causal`` path, and the lower-right chunks of context parallelism): nothing changes there.
+others has it). Without document masking every choice runs SDPA's causal kernels
+(:func:`causal_attention`: the plain ``is_causal`` path, and the lower-right chunks of context
+parallelism): nothing changes there.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Config
 from ..errors import ConfigError
+from ..kernels import device_type
 from ..parallel.context import causal_mask
 from ..parallel.layout import Layout
 from .blockwise import TilePlan, blockwise_attention
@@ -156,6 +159,51 @@ class DocumentMask:
 
         return BlockMask.from_kv_blocks(*indexed(partial), *indexed(full), BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
                                         mask_mod=mask_mod, seq_lengths=(q_doc.shape[1], k_doc.shape[1]))
+
+
+# -- causal attention, without document masking ---------------------------------------------------
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what a GPU's flash kernel computes in
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _lower_right(queries: int, keys: int):
+    """``causal_lower_right(queries, keys)`` (a ``CausalBias``), made outside any dispatch mode:
+    torch builds that tensor subclass with a legacy constructor, which fails under one (fake
+    tensors, FLOP and memory counters)."""
+    # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
+    from torch.nn.attention.bias import causal_lower_right
+
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
+def _simulated_gpu_flash(q: torch.Tensor) -> bool:
+    """Whether ``q`` stands for a GPU's queries that torch runs in its flash kernel: a simulated
+    CUDA rank (fake CPU tensors for which ``kernels.device_type`` answers cuda: ``simulate/``),
+    fp16 or bf16, a head dim that is a multiple of 8 up to 256 (torch's flash rules on sm80+)."""
+    return (q.device.type != "cuda" and device_type(q.device) == "cuda" and q.dtype in FLASH_DTYPES
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= FLASH_MAX_HEAD_DIM)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """Causal attention of (b, n, s_q, d) queries at the last s_q of the (b, k, s_k, d) keys'
+    positions -> (b, n, s_q, d), the kv heads unexpanded: query i sees keys up to s_k − s_q + i
+    (lower-right; with s_q = s_k the plain causal square, else a context-parallel query chunk).
+
+    torch's dispatch picks the kernel. On a GPU, in fp16 or bf16, both forms run its flash kernel
+    without a mask (``CausalBias`` calls the flash op itself for the lower-right one); on a CPU the lower-right
+    form materializes its (s_q, s_k) mask, which the CPU kernel saves for its backward. A
+    simulated GPU rank, whose fake tensors sit on the CPU, calls that flash op directly (its
+    fake implementation gives the output and log-sum-exp the GPU keeps): it holds what the GPU
+    holds, not the CPU's masks."""
+    if _simulated_gpu_flash(q):
+        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, is_causal=True)
+        return out  # (b, n, s_q, d)
+    kw = dict(enable_gqa=True, dropout_p=dropout)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(q.shape[2], k.shape[2]), **kw)
 
 
 # -- the prepared masks: each attends (b, n, s_q, d) queries to (b, k, s_k, d) keys and values ---------

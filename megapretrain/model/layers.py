@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.rmsnorm import rms_norm
@@ -46,7 +45,7 @@ from ..parallel.tensor import (
 )
 from ..parallel.tp_overlap import gather_column_linears, row_linear_reduce_scatter
 from .args import ModelArgs
-from .attention import PreparedMask
+from .attention import PreparedMask, causal_attention
 
 KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
 
@@ -277,24 +276,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
 # -- attention -------------------------------------------------------------------------------------
 
 
-def _lower_right(queries: int, keys: int):
-    """``causal_lower_right(queries, keys)`` (a ``CausalBias``), made outside any dispatch mode:
-    torch builds that tensor subclass with a legacy constructor, which fails under one (fake
-    tensors, FLOP and memory counters)."""
-    # imported here: torch.nn.attention.bias imports Dynamo, a second of every run's start-up
-    from torch.nn.attention.bias import causal_lower_right
-
-    with _disable_current_modes():
-        return causal_lower_right(queries, keys)
-
-
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v projections (or one fused projection), optional QK-norm,
     RoPE on the first r dims of each head, the output projection. Heads are split over tp; under
     context parallelism (``parallel/context.py``, ``cp_comm``) the keys and values are all-gathered
     over cp, or passed around the cp ranks (ring: the micro-batch's prepared mask is a
     ``RingMask``, ``model/context_attention.py``), or heads and sequence are swapped by
-    all-to-alls (a2a). Causal attention runs ``scaled_dot_product_attention``; under document
+    all-to-alls (a2a). Causal attention runs ``model/attention.py``'s :func:`causal_attention`; under document
     masking the kernel the micro-batch's prepared mask stands for (``model/attention.py``: flex,
     blockwise or sdpa), with the kv heads unexpanded either way."""
 
@@ -342,11 +330,9 @@ class Attention(nn.Module):
         keys up to its end (``parallel/context.py``)."""
         if mask is not None:
             return mask.attend(q, k, v, dropout)  # (b, n/tp, s, d)
-        kw = dict(enable_gqa=True, dropout_p=dropout)
         if self.cp.size == 1 or self.cp_comm == "a2a":  # the whole sequence, in order
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-        out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
-                                              attn_mask=_lower_right(rows.stop - rows.start, keys), **kw)
+            return causal_attention(q, k, v, dropout)
+        out = [causal_attention(q[:, :, rows], k[:, :, :keys], v[:, :, :keys], dropout)
                for rows, keys in query_chunks(q.shape[2], self.cp)]  # (b, n/tp, s/2, d) each
         return torch.cat(out, dim=2)  # (b, n/tp, s, d)
 

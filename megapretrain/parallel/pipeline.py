@@ -130,13 +130,8 @@ def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
     if vpp > 1 and kind not in ("interleaved", "zbv"):
         raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto, or zbv with vpp 2), "
                             f"not {kind!r}")
-    if kind == "interleaved":
-        if pp == 1:
-            raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
-        if num_micro % pp:
-            raise PipelineError(f"the interleaved schedule needs the micro-batches per step ({num_micro} = "
-                                f"global_batch_size / (micro_batch_size × dp)) to be a multiple of "
-                                f"parallel.pp={pp}; change train.global_batch_size or train.micro_batch_size")
+    if kind == "interleaved" and pp == 1:
+        raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
     if kind == "none" and pp > 1:
         raise PipelineError("parallel.pp_schedule=none runs one stage; use gpipe, 1f1b or auto with parallel.pp > 1")
     return kind
@@ -174,13 +169,19 @@ def _interleaved_op(kind: str, k: int, pp: int, vpp: int) -> Op:
 
 
 def _interleaved(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
-    total = m * vpp
+    """Stage ``pp_rank``'s interleaved order for ``m`` micro-batches. When pp does not divide m, it
+    is the order of the next multiple of pp with the missing micro-batches' ops left out (the last
+    group shorter, any m at all): leaving every op of some micro-batches out on every stage keeps
+    each stage's order and every dependency among the rest — a micro-batch depends on nothing of
+    another — so any wait of the shorter orders would be one of the full ones: no deadlock."""
+    full = -(-m // pp) * pp
+    total = full * vpp
     warmup = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp, total)
     order = [_interleaved_op("F", k, pp, vpp) for k in range(warmup)]        # warmup
     for k in range(total - warmup):                                          # steady 1F1B
         order += [_interleaved_op("F", warmup + k, pp, vpp), _interleaved_op("B", k, pp, vpp)]
     order += [_interleaved_op("B", k, pp, vpp) for k in range(total - warmup, total)]  # cooldown
-    return order
+    return [op for op in order if op.micro < m]
 
 
 def _zb_h1(pp_rank: int, pp: int, m: int) -> list[Op]:
@@ -244,7 +245,8 @@ def forward_only_order(pp: int, vpp: int, num_micro: int, v_shape: bool = False)
         return [Op("F", i, 0) for i in range(num_micro)]
     if v_shape:
         return [Op("F", i, c) for c in range(vpp) for i in range(num_micro)]
-    return [_interleaved_op("F", k, pp, vpp) for k in range(num_micro * vpp)]
+    full = -(-num_micro // pp) * pp  # as in the training order: the missing micro-batches left out
+    return [op for op in (_interleaved_op("F", k, pp, vpp) for k in range(full * vpp)) if op.micro < num_micro]
 
 
 def has_weight_ops(orders: list[list[Op]]) -> bool:
@@ -335,6 +337,9 @@ def bubble_theory(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: f
       from ⌊3·pp/2⌋ micro-batches on, a sixth of 1F1B's (pp − 1)·6c.
 
     :func:`simulate` measures the same on the real orders (the tests check they agree)."""
+    if kind == "interleaved" and m % pp:
+        raise ValueError("the interleaved formula holds for a multiple of pp micro-batches (a last, shorter "
+                         "group idles more)")
     if kind in ("gpipe", "1f1b", "interleaved"):
         return (pp - 1) * (f + b)
     if kind == "zb_h1":

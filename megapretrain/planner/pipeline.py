@@ -78,8 +78,9 @@ def pipeline_model(kind: str, pp: int, vpp: int, m: int, b_cost: float, w_cost: 
     """(step time over busy time, peak chunks' worth of activations on any stage) of schedule
     ``kind``, replayed with a chunk's forward costing 1, its backward ``b_cost`` of which the
     weight gradient is ``w_cost``. Past 2·pp micro-batches the idle time and the peak no longer
-    grow (steady state), so at most that many are replayed."""
-    ms = min(m, 2 * pp)
+    grow (steady state), so at most that many are replayed — unless an interleaved step ends in a
+    group shorter than pp (pp does not divide m), which is replayed whole."""
+    ms = m if kind == "interleaved" and m % pp else min(m, 2 * pp)
     orders = [schedule_order(kind, r, pp, vpp, ms) for r in range(pp)]
     sim = simulate(orders, pp, vpp, 1.0, b_cost, w_cost, v_shape=placement(kind, pp, vpp).v_shape)
     idle = sim["makespan"] - ms * vpp * (1.0 + b_cost)

@@ -2,10 +2,18 @@
 
 ``--roles`` simulates one rank of every distinct role. What a rank holds and moves depends on its
 pipeline stage — the first embeds, the last holds the head, and in 1F1B and its interleaved form
-stage ``s`` keeps ``pp - s`` micro-batches in flight — and not on its tensor-, context- or
-data-parallel position: those split every tensor into equal, equally padded shares (vocabulary
-rows, sequence chunks, ZeRO shards). So the roles are the first stage, the second (the most in
-flight after the first), the middle one and the last, each at tp = cp = dp = 0.
+stage ``s`` keeps ``pp - s`` micro-batches in flight — and not on its tensor- or data-parallel
+position: those split every tensor into equal, equally padded shares (vocabulary rows, sequence
+shards, ZeRO shards). So the roles are the first stage, the second (the most in flight after the
+first), the middle one and the last, at tp = dp = 0.
+
+Context-parallel positions move the same bytes but can hold different temporaries: cp rank ``r``
+holds sequence chunks ``r`` and ``2·cp − 1 − r`` (``parallel/context.py``), whose causal attention
+reads the first ``(r + 1)·c`` and ``(2·cp − r)·c`` keys (c = s / 2cp); the backward's key and value
+gradients of each query chunk have those lengths. Every position runs the same ops in the same
+order with sizes affine in ``r``, so at each moment the bytes alive are affine in ``r``, and the
+peak — their maximum over the step — is convex in ``r``: the largest is at position 0 or
+``cp − 1``. With cp > 1 each stage's role is simulated at both.
 """
 
 from __future__ import annotations
@@ -21,20 +29,25 @@ SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "ac
 
 
 def role_ranks(layout: Layout) -> list[tuple[int, str]]:
-    """(rank, role) of one rank per distinct role (see the module docstring), first stage first."""
+    """(rank, role) of one rank per distinct role (see the module docstring), first stage first,
+    each stage at cp positions 0 and cp − 1."""
     pp = layout.pp
     stages = {0: "first stage", min(1, pp - 1): "second stage", pp // 2: "middle stage", pp - 1: "last stage"}
     if pp == 1:
         stages = {0: "the only stage"}
-    grid = layout.grid()
-    return [(int(grid[s, 0, 0, 0]), name) for s, name in sorted(stages.items())]
+    grid = layout.grid()  # [pp, dp, cp, tp]
+    places = sorted({0, layout.cp - 1})
+    return [(int(grid[s, 0, c, 0]), name + (f", cp {c}" if layout.cp > 1 else ""))
+            for s, name in sorted(stages.items()) for c in places]
 
 
 def role_of(layout: Layout, rank: int) -> str:
-    stage = layout.coords(rank).pp
+    coords = layout.coords(rank)
     if layout.pp == 1:
-        return "the only stage"
-    return {0: "first stage", layout.pp - 1: "last stage"}.get(stage, f"stage {stage}")
+        stage = "the only stage"
+    else:
+        stage = {0: "first stage", layout.pp - 1: "last stage"}.get(coords.pp, f"stage {coords.pp}")
+    return stage + (f", cp {coords.cp}" if layout.cp > 1 else "")
 
 
 def layout_json(layout: Layout, run) -> dict:

@@ -7,8 +7,9 @@
 - ``FakeTensorMode``: every tensor has its shape, dtype and storage size but no data, so no byte
   of the model is allocated and no FLOP is computed;
 - for a GPU run, :func:`megapretrain.kernels.simulated_device`: the program chooses its kernels,
-  loss path and chunk sizes as on CUDA (the fake tensors themselves stay CPU tensors: torch
-  builds without CUDA cannot differentiate fake CUDA ones),
+  loss path and chunk sizes as on CUDA, and causal attention calls the flash op a GPU's dispatch
+  calls (``model/attention.py``: ``causal_attention``) — the fake tensors themselves stay CPU
+  tensors: torch builds without CUDA cannot differentiate fake CUDA ones,
 
 it builds the real :class:`~megapretrain.trainer.Trainer` — model chunks (initialized on fake
 tensors: nothing is drawn), process groups, the optimizer's buffers, the pipeline schedule — with
@@ -147,8 +148,8 @@ def resolve_for_simulation(cfg: Config, world_size: int) -> Resolved:
 
 def rampup_refusal(cfg: Config, world_size: int) -> str | None:
     """Why ``train.py`` would refuse ``cfg`` on ``world_size`` ranks when its full batch resolves
-    (:func:`resolve_for_simulation`) but a batch of its ramp-up does not — Llama 3 405B's ramp from
-    512 samples on 16,384 GPUs, say: 4 micro-batches where its interleaved schedule needs 16."""
+    (:func:`resolve_for_simulation`) but a batch of its ramp-up does not — one under a sample a
+    data-parallel rank, say."""
     if not cfg.train.rampup_batch_size:
         return None
     try:
