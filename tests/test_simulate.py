@@ -190,7 +190,8 @@ def test_saved_shards_tell_fake_storages_apart():
     assert [p[0].shard for p in packed] == shards
 
 
-@pytest.mark.slow  # the whole 8B model at 8,192 tokens: 40-80 s of CPU, the one full-size rank CI simulates
+@pytest.mark.slow  # the whole 8B model at 8,192 tokens: 40-80 s of CPU
+@pytest.mark.ci  # the one full-size rank CI simulates
 def test_llama3_8b_rank_at_its_layout():
     """Llama 3 8B at its config's layout (64 GPUs, dp 64, ZeRO-2): one rank's weights are the
     model's parameters in bf16, its optimizer state 1/64 of its fp32 bytes,
