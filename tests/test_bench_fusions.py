@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
 from megapretrain.commands import bench_fusions
@@ -15,16 +14,10 @@ TINY = ["--shapes", "tiny", "--repeats", "1", "--threads", "1"]
 ROW = re.compile(r"^(\w+) +b2 s16 h32 n4 k2 f64 +(fp32|bf16) +(\S+) +(.*)$", re.M)
 
 
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """main() sets torch's thread count (--threads); the tests after these keep theirs."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_fusion_matches_the_model_and_is_timed(capsys):
+    threads = torch.get_num_threads()
     assert bench_fusions.main([*TINY, "--dtype", "fp32", "bf16"]) == 0
+    assert torch.get_num_threads() == threads  # --threads 1 for the run only
     text = capsys.readouterr().out
     rows = {(m[1], m[2]): (m[3], m[4]) for m in ROW.finditer(text)}
     assert set(rows) == {(f, d) for f in bench_fusions.FUSIONS for d in ("fp32", "bf16")}, text

@@ -244,7 +244,17 @@ def _load() -> str:
 @user_errors
 def main(argv=None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
+    try:
+        measure(a)
+    finally:  # a caller in the same process (tests/test_docs.py) keeps its own thread count
+        torch.set_num_threads(threads)
+    return 0
+
+
+def measure(a) -> None:
+    """Check, time and print each fusion at each shape and dtype of the flags ``a``."""
     print(f"eager fusions, forward + backward on CPU, {a.threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}; "
           f"load average at start {_load()}")
     print("speed = current / candidate (above 1: the candidate is faster); ms per call, median of "
@@ -274,7 +284,6 @@ def main(argv=None) -> int:
                       f"{iqr:>11} {1e3 * cur['wall']:>8.3f} {1e3 * cand['wall']:>9.3f} "
                       f"{cur['wall'] / cand['wall']:>6.3f}", flush=True)
     print(f"load average at end {_load()}")
-    return 0
 
 
 if __name__ == "__main__":
