@@ -1,0 +1,12 @@
+"""Eager-mode fusions of the decoder layer timed against the model's forms: megapretrain.commands.bench_fusions."""
+
+import sys
+
+try:
+    from megapretrain.commands.bench_fusions import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())
