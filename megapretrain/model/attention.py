@@ -181,7 +181,11 @@ def _lower_right(queries: int, keys: int):
 def _simulated_gpu_flash(q: torch.Tensor) -> bool:
     """Whether ``q`` stands for a GPU's queries that torch runs in its flash kernel: a simulated
     CUDA rank (fake CPU tensors for which ``kernels.device_type`` answers cuda: ``simulate/``),
-    fp16 or bf16, a head dim that is a multiple of 8 up to 256 (torch's flash rules on sm80+)."""
+    fp16 or bf16, a head dim that is a multiple of 8 up to 256 (torch's flash rules on sm80+).
+    Never while torch.compile traces: a simulation runs eager, and reading the simulated device (a
+    context variable) would break the graph."""
+    if torch.compiler.is_compiling():
+        return False
     return (q.device.type != "cuda" and device_type(q.device) == "cuda" and q.dtype in FLASH_DTYPES
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= FLASH_MAX_HEAD_DIM)
 
