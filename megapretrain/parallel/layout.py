@@ -164,12 +164,13 @@ class Layout:
         """Every rank's coordinates, by rank."""
         return [self.coords(r) for r in range(self.world_size)]
 
-    def chunk_layers(self, num_layers: int, pp_rank: int) -> list[list[int]]:
+    def chunk_layers(self, num_layers: int, pp_rank: int, v_shape: bool | None = None) -> list[list[int]]:
         """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks (chunk ``v`` of stage
-        ``i`` is global chunk ``v·pp + i``; under ZB-V ``i`` and ``2·pp − 1 − i``)."""
+        ``i`` is global chunk ``v·pp + i``; under ZB-V ``i`` and ``2·pp − 1 − i``). ``v_shape``:
+        the placement of another schedule than the layout's own (None: its own)."""
         return chunk_layers(num_layers, self.pp, self.vpp, pp_rank,
                             list(self.pipeline_layers) if self.pipeline_layers else None,
-                            v_shape=self.pp_schedule == "zbv")
+                            v_shape=self.pp_schedule == "zbv" if v_shape is None else v_shape)
 
     # -- as a checkpoint records it -----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -298,10 +299,10 @@ class DeferredGrads:
     @torch.no_grad()
     def flush(self, key: tuple) -> None:
         """The W of ``key``: compute its queued weight gradients, in the order their B made them."""
-        queue = self._queued.pop(key)
+        queue = deque(self._queued.pop(key))
         sink = self.sink() if isinstance(self.sink, weakref.ref) else self.sink
         while queue:
-            weight, make = queue.pop(0)  # the last reference to its operands: freed once it has run
+            weight, make = queue.popleft()  # the last reference to its operands: freed once it has run
             if sink is not None and sink.holds(weight):
                 main = sink.main_grad_for(weight)
                 grad = make(main)
@@ -339,7 +340,7 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., in)
         grad_w = None
         if ctx.needs_input_grad[1] and not ctx.deferred.defer(ctx.param, x, grad):
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
+            grad_w = _weight_grad(x, grad, None)  # (out, in)
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 

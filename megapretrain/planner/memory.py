@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 
 from ..model.args import ModelArgs
-from ..parallel.layout import Layout, chunk_layers
+from ..parallel.layout import Layout
 from ..parallel.pipeline import Placement, peak_in_flight, placement, resolve_schedule, schedule_order, splits_backward
 from .pipeline import deferred_bytes_per_token
 
@@ -47,9 +47,7 @@ def chunk_placement(layout: Layout, schedule: str = "auto") -> Placement:
 def stage_layers(model: ModelArgs, layout: Layout, pp_rank: int, schedule: str = "auto") -> list[int]:
     """Layers of each of the stage's ``vpp`` chunks under ``schedule``'s placement."""
     v_shape = chunk_placement(layout, schedule).v_shape
-    return [len(ids) for ids in chunk_layers(model.num_layers, layout.pp, layout.vpp, pp_rank,
-                                             list(layout.pipeline_layers) if layout.pipeline_layers else None,
-                                             v_shape=v_shape)]
+    return [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank, v_shape)]
 
 
 def head_chunk(layout: Layout, pp_rank: int, schedule: str = "auto") -> int | None:

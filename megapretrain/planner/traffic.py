@@ -39,7 +39,7 @@ from ..model.build import stage_parameters
 from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
 from ..parallel.pipeline import resolve_schedule, schedule_order
-from .memory import chunk_placement, weight_bytes
+from .memory import chunk_placement, stage_layers, weight_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,7 +73,7 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
     (its loss chunks)."""
     out = Traffic()
     by_chunk = stage_parameters(model, layout, pp_rank, DTYPES[precision])
-    chunks = [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank)]
+    chunks = stage_layers(model, layout, pp_rank, schedule)
     _tensor_parallel(out, model, seq, layout, pp_rank, chunks, micro_batches, precision, device, schedule)
     _context_parallel(out, model, seq, layout, chunks, micro_batches, precision)
     _pipeline(out, model, seq, layout, pp_rank, micro_batches, precision, schedule)
