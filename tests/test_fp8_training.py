@@ -5,9 +5,10 @@ Equivalence under parallel layouts runs in fp32 and over two optimizer steps. FP
 operand to 3 mantissa bits, so the ~1e-7 differences of fp32 summation order that tensor
 parallelism makes in the gradients turn, once an update has moved the weights by them, into whole
 FP8 steps of a few elements: measured on this model, tp 2 + sp equals one process at step 1 (bit
-for bit here) and within 4e-6 at step 2, but drifts to 2e-5 at step 3 and 5e-5 at step 5 (a
-relative perturbation of 1e-7 of the weights moves a tensorwise FP8 loss by 2e-6; without FP8 the
-same layouts stay within 1e-7).
+for bit with AVX-512; a grad norm 9e-6 apart on an AVX2-only CPU, whose GEMMs sum in another
+order) and within 4e-6 at step 2 (2.7e-5 on AVX2), but drifts to 2e-5 at step 3 and 5e-5 at step 5
+(a relative perturbation of 1e-7 of the weights moves a tensorwise FP8 loss by 2e-6; without FP8
+the same layouts stay within 1e-7).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ _SINGLE: dict = {}
 def test_fp8_layout_matches_single_process(layout, recipe, corpus, tmp_path, tmp_path_factory):
     """The trainer with FP8 under tp 2 + sp (FP8 input gathers), pp 2, pp 2 × vpp 2, dp 2 ZeRO-3
     (FP8 weight gathers), dp 2 ZeRO-2 and cp 2 (amaxes over the tokens all-reduced) gives one FP8
-    process's losses within 1e-5 (two steps: see the module docstring), with the FP8 gathers on."""
+    process's first loss within 1e-6 and the rest within 1e-4 (two steps: see the module
+    docstring), with the FP8 gathers on."""
     # the first two steps of a 5-step schedule; eps 1e-4: an element whose gradient is ~0 gets no
     # update that hinges on its sign; one thread everywhere: the same fp32 sums in the reference
     flags = ["--model.fp8", recipe, "--train.iters", "2", "--schedule.decay_iters", "5", "--optim.eps", "1e-4",
@@ -75,11 +77,17 @@ def test_fp8_layout_matches_single_process(layout, recipe, corpus, tmp_path, tmp
     inputs = 4 * 5 if layout == "tp2_sp" else 0  # q, k, v, gate, up: the column-parallel linears
     weights = 4 * 7 if layout == "dp2_zero3" else 0  # tensorwise: every linear's weight
     assert single["fp8_gathered"] == (0, 0) and [r["fp8_gathered"] for r in ranks] == [(inputs, weights)] * 2
-    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
-    # the first gradients come from the same weights; the second from weights one fp32-rounded
-    # update apart, which the FP8 casts of the backward amplify most (measured: 1e-5 under tp 2)
-    assert ranks[0]["grad_norms"][0] == pytest.approx(single["grad_norms"][0], rel=1e-5)
-    assert ranks[0]["grad_norms"][1] == pytest.approx(single["grad_norms"][1], rel=1e-4)
+    # step 1's forward runs on the same weights: only the fp32 summation order differs, and the
+    # forward's FP8 casts see values that agree to 1e-6 on every CPU kind
+    assert ranks[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
+    # the backward casts gradients that differ by that summation order, and step 2 runs on weights
+    # one fp32-rounded update apart: FP8 turns a few elements of either into whole FP8 steps, as
+    # many as the CPU's GEMM blocking puts near a rounding edge (measured under tp 2 + sp
+    # tensorwise: step-1 grad norm 9e-6 and step-2 loss 2.7e-5 on an AVX2-only CPU, both below
+    # 5e-6 with AVX-512). An operand scaled by the wrong amax or an FP8 weight left stale by the
+    # update moves these by ~1e-2 (step 2's loss is 6% below step 1's), far past 1e-4
+    assert ranks[0]["losses"][1] == pytest.approx(single["losses"][1], rel=1e-4)
+    assert ranks[0]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
 
 
 def _losses(run_dir: str) -> dict[int, float]:
