@@ -69,6 +69,9 @@ def check(reference, results):
 
 LAYOUTS = {
     "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    # the sequence-parallel collectives as ring steps under their GEMMs (parallel.tp_comm_overlap)
+    "tp2_sp_overlap": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                           "--parallel.tp_comm_overlap", "true"]),
     "dp2": (2, []),
     "dp2_zero1": (2, ["--parallel.zero", "1"]),
     "pp2": (2, ["--parallel.pp", "2"]),
