@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,27 @@ from .specs import ParamSpec, Sharding
 from .state import Group
 from .tp_overlap import RingStream
 
-if TYPE_CHECKING:
-    from .fp8 import FP8Linear, GatheredInputs
-
 SEQ_DIM = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The seams a linear's GEMMs and a block's input gather plug into (parallel/fp8.py's FP8Linear and
+# GatheredInputs): the linears here own them, so nothing here imports what plugs in
+
+
+class LinearGEMMs(Protocol):
+    """A linear's three GEMMs in another precision, called as the layer's ``x Wᵀ``."""
+
+    weights: object | None  # ZeRO-3's weight gather in that precision, whose casts the GEMMs read
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+class InputGather(Protocol):
+    """A block's sequence-parallel all-gather of its column-parallel linears' input, sent in
+    another precision: (b, s/tp, h) -> (b, s, h)."""
+
+    def gather(self, x: torch.Tensor, tp: Group, saved: SavedShards | None) -> torch.Tensor: ...
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -211,9 +228,9 @@ class SavedShards:
 
     def __init__(self):
         self._live: dict[int, _Regather] = {}  # storage of a live gathered input -> its shard
-        self.fp8: GatheredInputs | None = None  # a block's FP8 all-gather (see with_fp8)
+        self.fp8: InputGather | None = None  # a block's FP8 all-gather (see with_fp8)
 
-    def with_fp8(self, gathered: GatheredInputs) -> SavedShards:
+    def with_fp8(self, gathered: InputGather) -> SavedShards:
         """The same saved shards (one registry), for a block whose column-parallel linears all
         run in FP8: :func:`enter_tp_region` then all-gathers its input as FP8 (``gathered``)."""
         view = SavedShards()
@@ -401,7 +418,7 @@ class ColumnParallelLinear(nn.Module):
         # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
         self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
-        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        self.fp8: LinearGEMMs | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
         """Output rows split over tp; an output layer's rows are the (padded) vocabulary."""
@@ -433,7 +450,7 @@ class RowParallelLinear(nn.Module):
         # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
         self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
-        self.fp8: FP8Linear | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        self.fp8: LinearGEMMs | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
 
     def param_shardings(self) -> dict[str, Sharding]:
         return {"weight": Sharding(tp_dim=1, fp8_gather=fp8_gathered(self))}  # input columns split over tp
