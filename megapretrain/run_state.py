@@ -1,8 +1,9 @@
 """What a run saves and restores: its resolved config, its checkpoints (whatever layout saved
-them), and the rollback to one of them when the run goes bad. A part of
-:class:`megapretrain.trainer.Trainer`, kept apart so that the training loop reads on its own; it
-works on the trainer's own fields (the optimizer, the checkpoint manager, the iteration and data
-position, the learning-rate factor of rollbacks)."""
+them), the learning rate it trains at, and the rollback to a checkpoint when the run goes bad.
+:class:`RunState` is the trainer's collaborator for all of it and owns its state: the checkpoint
+manager, the learning-rate schedule and the factor rollbacks put on it, the rollbacks so far, the
+checkpoints this launch saved. Where the run is (:class:`Position`) is shared with the trainer,
+whose steps move it and whose resumes and rollbacks set it."""
 
 from __future__ import annotations
 
@@ -10,26 +11,70 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import yaml
 
 from .checkpoint.format import check_shapes, rank_state, read_metadata
-from .checkpoint.manager import optimizer_views
-from .checkpoint.reshard import SavedShards, resharded_state, saved_padded_vocab
-from .config import save_config, to_dict
+from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views
+from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
+from .config import Config, save_config, to_dict
 from .errors import ConfigError
 from .optim.lr_schedule import LRSchedule, resumed_schedule
-from .recovery import RecoveryError, describe, run_alert_command
+from .recovery import RecoveryError
 
 # what the saved data position depends on: changing one on resume deserves a warning
 RESUME_SENSITIVE = ("train.seq_length", "train.global_batch_size", "data.split", "data.paths", "train.seed")
 
 
-class RunState:
-    """The trainer's saving, resuming and rolling back (a base class of ``Trainer``)."""
+@dataclass
+class Position:
+    """Where a run is: optimizer steps completed, and samples of the train split consumed."""
 
-    def _write_config(self) -> None:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class RunState:
+    """A run's saving, resuming and rolling back. ``position``: the trainer's; ``optimizer``,
+    ``model_chunks`` and ``specs``: what a checkpoint holds the state of; ``log``: the trainer's
+    console line (rank 0's)."""
+
+    def __init__(self, cfg: Config, sizes, ps, position: Position, optimizer, model_chunks: list, specs: dict,
+                 log: Callable[[str], None]):
+        self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
+        self.position, self.optimizer, self.model_chunks, self.specs = position, optimizer, model_chunks, specs
+        self.log, self.is_logger = log, ps.rank == 0
+        self.args = model_chunks[0].args
+        self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
+        c = cfg.checkpoint
+        self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
+                                             layout=ps.layout.meta(), vocab_size=self.args.vocab_size,
+                                             padded_vocab=sizes.padded_vocab, keep_last=c.keep_last,
+                                             keep_every=c.keep_every,
+                                             milestones=milestone_iterations(c.milestone_fraction, sizes.iters),
+                                             async_save=c.async_save, tensors=self.model_shapes, device=self.device,
+                                             prune_rolled_back=cfg.recovery.prune_rolled_back,
+                                             sharding=self._sharding())
+        self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
+        self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
+        self.rollbacks = 0
+        self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
+        self.saved: list[int] = []  # the iterations this launch saved checkpoints at
+        self.stall_s = 0.0  # seconds saves blocked training since the trainer last took them (take_stall)
+
+    def lr(self, iteration: int) -> float:
+        """The learning rate of step ``iteration``: the schedule's, times the rollbacks' factor."""
+        return self.lr_schedule(iteration) * self.lr_scale
+
+    def take_stall(self) -> float:
+        """The seconds saves (and waits for an async save's copy) blocked training since the last call."""
+        stall, self.stall_s = self.stall_s, 0.0
+        return stall
+
+    def write_config(self) -> None:
         """Write the resolved config; a different earlier one is kept under a new name, and a
         resumed run that changed what the data order and the sample count depend on says so."""
         path = os.path.join(self.cfg.run.dir, "config.yaml")
@@ -39,7 +84,7 @@ class RunState:
             with open(path) as a, open(new) as b:
                 same = a.read() == b.read()
             if not same:
-                kept = os.path.join(self.cfg.run.dir, f"config.before-iter{self.iteration}.yaml")
+                kept = os.path.join(self.cfg.run.dir, f"config.before-iter{self.position.iteration}.yaml")
                 os.replace(path, kept)
                 self._warn_changed(kept)
             os.replace(new, path)
@@ -49,7 +94,8 @@ class RunState:
 
     def _warn_changed(self, old_path: str) -> None:
         """On resume: warn, loudly, about changed fields that the saved data position depends on."""
-        if not self.iteration:
+        at = self.position
+        if not at.iteration:
             return
         with open(old_path) as fh:
             old = yaml.safe_load(fh) or {}
@@ -58,8 +104,8 @@ class RunState:
             section, key = dotted.split(".")
             before, now = (old.get(section) or {}).get(key), new[section][key]
             if before != now:
-                print(f"warning: resuming at iteration {self.iteration} with {dotted} changed from {before} to "
-                      f"{now}: the saved data position ({self.consumed_samples:,} samples) was counted in the "
+                print(f"warning: resuming at iteration {at.iteration} with {dotted} changed from {before} to "
+                      f"{now}: the saved data position ({at.consumed_samples:,} samples) was counted in the "
                       f"old one, so the data order no longer continues the run's; the old config is {old_path}",
                       file=sys.stderr, flush=True)
 
@@ -71,22 +117,27 @@ class RunState:
         weights, moments = optimizer_views(self.optimizer)
         rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        return rank_state(iteration=self.iteration, consumed_samples=self.consumed_samples, model=weights,
+        return rank_state(iteration=self.position.iteration, consumed_samples=self.position.consumed_samples,
+                          model=weights,
                           optimizer_step=self.optimizer.step_count, moments=moments,
                           scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
                           schedule=self.lr_schedule.to_dict())
 
-    def save(self) -> None:
-        """Save a checkpoint (async: in the background) and log how long training was blocked."""
-        start = time.perf_counter()
-        self.checkpoints.save(self.iteration, self.checkpoint_state())
-        self.saved.append(self.iteration)
-        self.metrics.event("checkpoint_saved", self.iteration,
-                           path=os.path.join("checkpoints", f"iter_{self.iteration:07d}"),
-                           checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
-        self._stall_s += time.perf_counter() - start  # shown on the next logged step
+    def save(self, metrics) -> None:
+        """Save a checkpoint (async: in the background) and log to ``metrics`` how long training
+        was blocked."""
+        start, it = time.perf_counter(), self.position.iteration
+        self.checkpoints.save(it, self.checkpoint_state())
+        self.saved.append(it)
+        metrics.event("checkpoint_saved", it, path=os.path.join("checkpoints", f"iter_{it:07d}"),
+                      checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
+        self.stall_s += time.perf_counter() - start  # shown on the next logged step
 
-    def _maybe_resume(self) -> str | None:
+    def wait_snapshot(self) -> None:
+        """Before the optimizer changes the weights: wait for an async save still copying them."""
+        self.stall_s += self.checkpoints.wait_snapshot()
+
+    def resume(self) -> str | None:
         """Resume from this run's newest usable checkpoint (passing over damaged ones with a
         warning), else start from ``checkpoint.load``: all of it, or — ``checkpoint.finetune`` —
         its weights only, with a fresh optimizer, schedule and data position."""
@@ -109,7 +160,7 @@ class RunState:
 
     def _check_work_left(self, path: str) -> None:
         """A resumed run with no step left to train is refused: it would exit having done nothing."""
-        iters, at = self.sizes.iters, self.iteration
+        iters, at = self.sizes.iters, self.position.iteration
         if at < iters:
             return
         length = "train.iters" if self.cfg.train.train_tokens is None else "the steps of train.train_tokens"
@@ -124,10 +175,10 @@ class RunState:
         saying what it does when the run is extended, and warning in one line when the rate of
         the next step is not the one that schedule gives."""
         kept = LRSchedule.from_dict(saved) if isinstance(saved, dict) else None
-        self.lr_schedule, note = resumed_schedule(self.cfg, kept, self.iteration, self.sizes.iters)
+        self.lr_schedule, note = resumed_schedule(self.cfg, kept, self.position.iteration, self.sizes.iters)
         if note:
             self.log(note)
-        it = self.iteration + 1
+        it = self.position.iteration + 1
         if kept is None or math.isclose(kept(it), self.lr_schedule(it), rel_tol=1e-9, abs_tol=1e-15):
             return
         if self.is_logger:
@@ -168,7 +219,7 @@ class RunState:
         if optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
         if position:
-            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+            self.position.iteration, self.position.consumed_samples = state["iteration"], state["consumed_samples"]
         if not rng or "rng" not in state:
             return  # random streams are per rank: after a reshard they restart from the seed
         torch.set_rng_state(state["rng"]["cpu"])
@@ -179,21 +230,13 @@ class RunState:
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    def _on_alert(self, alert: dict, iteration: int, consumed_samples: int) -> bool:
-        """Report an alert of the step ``iteration`` (after which ``consumed_samples`` samples were
-        consumed) and act on it; returns True when training was rolled back."""
-        self.log(f"alert: {describe(alert)}")
-        self.metrics.event("alert", iteration, **{k: v for k, v in alert.items() if k != "iter"})
-        if self.is_logger:
-            run_alert_command(self.cfg.recovery.alert_command, self.alert_payload(alert))
-        return self.cfg.recovery.action == "rollback" and self._rollback(alert["since"], iteration, consumed_samples)
-
-    def _rollback(self, since: int, bad_iteration: int, consumed_samples: int) -> bool:
+    def rollback(self, since: int, bad_iteration: int, consumed_samples: int, train_samples: int, metrics) -> bool:
         """Reload the newest checkpoint from before iteration ``since``, set aside those saved since,
         and skip the global batches trained up to ``bad_iteration`` — the step whose outcome made
         the verdict, after which ``consumed_samples`` samples were consumed (steps trained after it
-        before it was read are dropped too) — plus ``recovery.skip_batches``."""
-        r, t = self.cfg.recovery, self.cfg.train
+        before it was read are dropped too) — plus ``recovery.skip_batches``, as far as the
+        ``train_samples`` indexed for the run allow. Returns whether it rolled back."""
+        r, t, at = self.cfg.recovery, self.cfg.train, self.position
         if self.rollbacks >= r.max_rollbacks:
             raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already (recovery.max_rollbacks) and the "
                                 f"run is still unhealthy at iteration {bad_iteration}; inspect metrics.jsonl, "
@@ -206,21 +249,20 @@ class RunState:
             return False
         state = self._read(path)
         needed = skip_to + (self.sizes.iters - state["iteration"]) * t.global_batch_size
-        if needed > len(self.datasets["train"]):
-            self.log(f"recovery: skipping to sample {skip_to:,} would run past the {len(self.datasets['train']):,} "
+        if needed > train_samples:
+            self.log(f"recovery: skipping to sample {skip_to:,} would run past the {train_samples:,} "
                      "samples indexed for this run; going on without a rollback")
             return False
         self._apply(state)
         moved = self.checkpoints.set_aside_from(since, keep=path)
-        skipped = skip_to - self.consumed_samples
-        self.consumed_samples = skip_to
-        self.detector.rewind(self.iteration)
+        skipped = skip_to - at.consumed_samples
+        at.consumed_samples = skip_to
         self.rollbacks += 1
         self.lr_scale *= r.lr_factor  # compounds over rollbacks, whatever the checkpoint held
-        self.log(f"recovery: rolled back from iteration {bad_iteration} to {self.iteration} ({path}), skipping "
+        self.log(f"recovery: rolled back from iteration {bad_iteration} to {at.iteration} ({path}), skipping "
                  f"{skipped:,} samples, learning rate × {self.lr_scale:g} from here; set aside "
                  f"{', '.join(moved) or 'no later checkpoints'}")
-        self.metrics.event("rollback", self.iteration, from_iter=bad_iteration, checkpoint=path,
-                           skipped_samples=skipped, consumed_samples=self.consumed_samples, set_aside=moved,
-                           lr_scale=self.lr_scale)
+        metrics.event("rollback", at.iteration, from_iter=bad_iteration, checkpoint=path,
+                      skipped_samples=skipped, consumed_samples=at.consumed_samples, set_aside=moved,
+                      lr_scale=self.lr_scale)
         return True

@@ -4,13 +4,32 @@ Read top to bottom: ``Trainer.__init__`` builds this rank's model chunks, the op
 writers and resumes from the latest checkpoint; ``fit`` is the loop; ``train_step`` is one
 optimizer step over the global batch — its micro-batches run through the pipeline schedule (with
 pp=1 simply one after the other), gradients accumulate in fp32; ``evaluate`` runs the valid split.
-Saving, resuming and rolling back live in :class:`megapretrain.run_state.RunState`, its base; the
-alerts and the closing summary in :class:`megapretrain.run_watch.RunWatch`, its other base.
+Saving, resuming and rolling back are :class:`megapretrain.run_state.RunState`'s (``self.run``),
+which owns the checkpoints and the learning rate; the alerts, the spike detector and the closing
+summary :class:`megapretrain.run_watch.RunWatch`'s (``self.watch``). Where the run is
+(``self.position``: iteration, samples consumed) the trainer shares with ``self.run``.
 
 The logged ``loss`` is the mean over every token of the step's global batch: each rank sums its
 per-token losses and divides by the global token count, and the sums are added over dp and cp
 (a cp rank's losses are those of its share of each sequence) — so it is the same number on every
 rank and under every layout.
+
+**Read points.** A training step reads nothing back from the device (on a GPU each read waits for
+every kernel queued before it, and the host stops running ahead). Its loss, grad norm and skip
+flag stay device tensors until a read point — a logging step (``logging.interval``), an
+evaluation, a checkpoint save, the last step; with fp16 every step, whose loss scale the next
+step needs — where every unread step's values come back in one copy. Then each step, in order,
+settles the optimizer (a skipped step is not counted) and goes through the alerts and the spike
+detector as it would have at once. What waits for the read point, and why that keeps behaviour:
+
+- a non-finite step is skipped on the device when it happens (``MixedPrecisionAdamW.step_on_device``);
+- a verdict of the detector rolls back to the checkpoint from before the trouble began, skipping
+  the batches up to the step that completed the verdict (as at once): the steps trained since then
+  are dropped with the rollback, and no checkpoint is saved in between (a save is a read point);
+- a stop signal (SIGTERM, SIGUSR1, Ctrl-C) and ``checkpoint.interval_minutes``: one process acts
+  on them at the next step boundary as before; several processes must agree on them (a
+  collective and a read), which they do at the read points only, so the save comes up to
+  ``logging.interval - 1`` steps later.
 """
 
 from __future__ import annotations
@@ -26,8 +45,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .checkpoint.manager import CheckpointManager, milestone_iterations
-from .checkpoint.reshard import global_shapes
 from .config import Config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader, batch_size_at
@@ -35,14 +52,12 @@ from .data.tokenizers import build_tokenizer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
-from .monitor.alerts import AlertMonitor, Stragglers
 from .monitor.anatomy import process_age_s
 from .monitor.flops import device_peak_tflops
 from .monitor.metrics import MetricsLogger
 from .monitor.progress import Progress, describe_summary
 from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
-from .optim.lr_schedule import LRSchedule
 from .optim.optimizer import MixedPrecisionAdamW
 from .parallel.context import split_to_cp
 from .parallel.pipeline import (
@@ -57,10 +72,10 @@ from .parallel.pipeline import (
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
 from .parallel.tensor import DeferredGrads, defer_weight_grads
-from .recovery import Detector, check_spike_drill
+from .recovery import check_spike_drill
 from .resolve import RunSizes
 from .run_lock import RunLock
-from .run_state import RunState
+from .run_state import Position, RunState
 from .run_watch import RunWatch
 
 IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
@@ -82,7 +97,7 @@ def memory_mb(device: torch.device) -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-class Trainer(RunState, RunWatch):
+class Trainer:
     def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None, *,
                  datasets: dict | None = None, eod: int | None = None):
         """``lock``: rank 0's hold on the run directory, touched every step and released by fit().
@@ -93,7 +108,7 @@ class Trainer(RunState, RunWatch):
         self.lock = lock
         t = cfg.train
         self.is_logger = ps.rank == 0
-        self.iteration, self.consumed_samples = 0, 0
+        self.position = Position()  # shared with self.run, whose resumes and rollbacks set it
         self.last_loss: float | None = None
         self._unread: list[dict] = []  # the steps since the last read point, their values still on the device
         self._started = False  # whether fit() ran (the start-up to the first step is logged once)
@@ -129,7 +144,6 @@ class Trainer(RunState, RunWatch):
         defer_weight_grads(self.model_chunks, deferred)
         self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p, self.optimizer.grad_sync,
                                          record=cfg.parallel.pp_trace, v_shape=place.v_shape, deferred=deferred)
-        self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
 
@@ -143,31 +157,12 @@ class Trainer(RunState, RunWatch):
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
 
-        layout = ps.layout.meta()
-        self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
-        c = cfg.checkpoint
-        self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
-                                             layout=layout, vocab_size=self.args.vocab_size,
-                                             padded_vocab=sizes.padded_vocab, keep_last=c.keep_last,
-                                             keep_every=c.keep_every,
-                                             milestones=milestone_iterations(c.milestone_fraction, sizes.iters),
-                                             async_save=c.async_save, tensors=self.model_shapes, device=self.device,
-                                             prune_rolled_back=cfg.recovery.prune_rolled_back,
-                                             sharding=self._sharding())
-        self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
-        r = cfg.recovery
-        self.detector = None if r.action == "none" else Detector.from_config(r, t.precision)
-        self.rollbacks = 0
-        self._stall_s = 0.0  # seconds saves blocked training since the last logged step
-        self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
-        self.alerts = AlertMonitor(cfg.alerts)
-        self.stragglers = Stragglers(cfg.alerts.straggler_ratio, cfg.alerts.straggler_steps)
+        # saving, resuming, rolling back and the learning rate
+        self.run = RunState(cfg, sizes, ps, self.position, self.optimizer, self.model_chunks, self.specs, self.log)
         self.faults = Faults(cfg.faults, ps.rank, cfg.run.dir)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
-        self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
         self.progress = Progress(sizes.iters)
-        self.saved: list[int] = []  # the iterations this launch saved checkpoints at
-        resumed_from = self._maybe_resume()
+        resumed_from = self.run.resume()
         drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired else None
         if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)
             print(f"warning: {drill}", file=sys.stderr, flush=True)
@@ -175,10 +170,11 @@ class Trainer(RunState, RunWatch):
             print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not injected again",
                   flush=True)
         if self.is_logger:
-            self._write_config()
+            self.run.write_config()
         self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
                                      wandb=cfg.logging.wandb, config=to_dict(cfg),
                                      run_name=cfg.run.name or os.path.basename(os.path.abspath(cfg.run.dir)))
+        self.watch = RunWatch(cfg, ps, self.metrics, self.log)  # alerts, the spike detector, the summary
         self._stop_requested: str | None = None  # the name of the signal that asked to stop
         self.log(sizes.describe(num_parameters(self.args), self.flops_per_token))
         for warning in recipe_warnings(num_parameters(self.args), sizes.tokens_per_batch):
@@ -187,15 +183,33 @@ class Trainer(RunState, RunWatch):
         self.log(format_description(describe_datasets(self.datasets)))
         self._log_memory()
         if resumed_from:
-            if self.resharded_from is None:
+            if self.run.resharded_from is None:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
-                now = {**layout, "padded_vocab": sizes.padded_vocab}
+                now = {**ps.layout.meta(), "padded_vocab": sizes.padded_vocab}
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
-                         f"{self.resharded_from} to {now} (dropout's random streams restart from the seed)")
+                         f"{self.run.resharded_from} to {now} (dropout's random streams restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
-                                   resharded_from=self.resharded_from, layout=now)
+                                   resharded_from=self.run.resharded_from, layout=now)
+
+    @property
+    def iteration(self) -> int:
+        """Optimizer steps completed (``self.position``: resumes and rollbacks set it too)."""
+        return self.position.iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.position.iteration = value
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples of the train split consumed (``self.position``)."""
+        return self.position.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.position.consumed_samples = value
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -239,7 +253,7 @@ class Trainer(RunState, RunWatch):
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
-            self.checkpoints.step_boundary()  # an async save every rank has written is published now
+            self.run.checkpoints.step_boundary()  # an async save every rank has written is published now
             self.iteration += 1
             self.progress.step(self.iteration)
             if self.lock is not None:
@@ -258,13 +272,13 @@ class Trainer(RunState, RunWatch):
             if evaluates:
                 self.watchdog.beat("eval", self.iteration)
                 self._log_eval(self.evaluate())
-                self.alerts.settle()
+                self.watch.alerts.settle()
             timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
             stop = self._agree(self._stop_requested)
             if saves or timed or stop:
                 self.watchdog.beat("save", self.iteration)
-                self.save()
-                self.alerts.settle()
+                self.run.save(self.metrics)
+                self.watch.alerts.settle()
                 last_save, saved = time.monotonic(), True
             if stop:
                 self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "
@@ -274,14 +288,59 @@ class Trainer(RunState, RunWatch):
             if t.eval_interval and self.iteration % t.eval_interval:
                 self._log_eval(self.evaluate())
             if not saved:  # (by the interval, or by the clock)
-                self.save()
-        self.checkpoints.finalize()
-        summary = self._summary(first_iter, first_samples)
+                self.run.save(self.metrics)
+        self.run.checkpoints.finalize()
+        summary = self.watch.summary(first_iter, first_samples, self.consumed_samples, self.progress.elapsed_s,
+                                     self.run.saved)
         self.metrics.event("summary", self.iteration, **summary)
         self.metrics.close()
         for loader in self.loaders.values():
             loader.close()
         self.log(describe_summary({**summary, "iter": self.iteration}))
+
+    def _read_now(self, last_save: float) -> bool:
+        """Whether the step just taken must be read although nothing scheduled asks for it: every
+        step with fp16 (the next one's loss scale depends on it); with one process, a stop signal
+        or a save the clock asks for (acted on at once: there is no other rank to agree with)."""
+        if self.optimizer.scaler.dynamic:
+            return True
+        minutes = self.cfg.checkpoint.interval_minutes
+        return self.ps.world_size == 1 and (self._stop_requested is not None or
+                                            (minutes > 0 and time.monotonic() - last_save > 60 * minutes))
+
+    def _read_steps(self, logged: bool) -> bool:
+        """Read the unread steps' values in one copy and act on each in order: the optimizer's
+        settling, the logged line (the last step, when ``logged``), the alerts and the spike
+        detector. Returns True when a verdict rolled training back (the steps after it dropped)."""
+        steps, self._unread = self._unread, []
+        checks, self.optimizer.buffers.grad_scale_checks = self.optimizer.buffers.grad_scale_checks, []
+        # the mean loss divided on the device: the token count is a device value under data.eod_mask_loss
+        values = [v.double() for s in steps
+                  for v in (s["loss_sum"].double() / s["tokens"], s["grad_norm"], s["skipped"])]
+        flag = torch.stack(checks).any().double() if checks else torch.zeros((), dtype=torch.float64,
+                                                                                   device=self.device)
+        *read, differs = torch.stack(values + [flag.to(self.device)]).tolist()  # the one host read
+        if differs:
+            raise RuntimeError("a backward brought the fused loss another gradient than the one its forward "
+                               "was told (loss_grad_scale): the trainer's forward and backward disagree")
+        now = time.perf_counter()
+        for i, s in enumerate(steps):
+            loss, norm, skipped = read[3 * i:3 * i + 3]
+            self.optimizer.settle(bool(skipped))
+            s.update(loss=loss, grad_norm=norm, skipped=bool(skipped))
+        last = steps[-1]  # its times run to now: on a GPU the read waited for every step queued
+        last.update(step_time=now - last["started"], optimizer_time=now - last["optimizer_started"])
+        self.last_loss = last["loss"]
+        tokens = sum(s["global_batch_size"] for s in steps) * self.cfg.train.seq_length
+        for s in steps:
+            if logged and s is last:
+                self._log_step(s, tokens / (now - steps[0]["started"]))
+            verdict = self.watch.observe(s, stragglers=logged and s is last)
+            if verdict and self.run.rollback(verdict["since"], s["iter"], s["consumed_samples"],
+                                             len(self.datasets["train"]), self.metrics):
+                self.watch.rewound(self.iteration)
+                return True
+        return False
 
     def _guarded_step(self) -> dict:
         """``train_step``, with the injected faults of this iteration, and out-of-memory turned
@@ -327,8 +386,8 @@ class Trainer(RunState, RunWatch):
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
         ps.dp_cp.all_reduce(loss_sum)  # before step: not queued behind its async param all-gathers
         reduced = time.perf_counter()
-        lr = self.lr_schedule(it) * self.lr_scale
-        self._stall_s += self.checkpoints.wait_snapshot()  # an async save still copying what the step changes
+        lr = self.run.lr(it)
+        self.run.wait_snapshot()  # an async save still copying what the step changes
         grad_norm, skipped = self.optimizer.step_on_device(lr, None if counted is None else every / counted)
         now = time.perf_counter()
         return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
@@ -459,14 +518,13 @@ class Trainer(RunState, RunWatch):
                   "tokens_per_sec": tokens_per_sec,
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],
-                  **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self._stall_s, "tflops": tflops,
+                  **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self.run.take_stall(), "tflops": tflops,
                   "memory_mb": memory_mb(self.device), "elapsed_s": round(self.progress.elapsed_s, 3)}
         eta = self.progress.eta_s
         if eta is not None:
             record["eta_s"] = round(eta, 1)
-        self._stall_s = 0.0
-        if self.lr_scale != 1.0:
-            record["lr_scale"] = self.lr_scale
+        if self.run.lr_scale != 1.0:
+            record["lr_scale"] = self.run.lr_scale
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         if self.ps.stats is not None:

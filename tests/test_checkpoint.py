@@ -94,7 +94,7 @@ def test_no_pickle_on_any_load_path(straight, corpus, tmp_path, monkeypatch):
     assert state["iteration"] == 6 and torch.is_tensor(state["rng"]["cpu"])
     for i, extra in enumerate(([], ["--model.make_vocab_size_divisible_by", "64"])):
         trainer = setup(_argv(tmp_path / f"r{i}", corpus, 7, "--checkpoint.load", str(straight), *extra))
-        assert trainer.iteration == 6 and (trainer.resharded_from is None) == (not extra)
+        assert trainer.iteration == 6 and (trainer.run.resharded_from is None) == (not extra)
         trainer.lock.release()
     from megapretrain.commands import inspect_checkpoint
     assert inspect_checkpoint.main([str(straight)]) == 0
@@ -307,10 +307,10 @@ def _boundary_agreement(rank, world, run, corpus):
     def watch(self):
         if self.iteration == 4:  # the save at 3 is in flight: let every rank's writer finish
             deadline = time.monotonic() + 120
-            while not self.checkpoints.poll() and time.monotonic() < deadline:
+            while not self.run.checkpoints.poll() and time.monotonic() < deadline:
                 time.sleep(0.01)
         if self.iteration == 5:  # the boundary after step 5 agreed on it, and finished it
-            seen["pending"] = self.checkpoints._pending is not None
+            seen["pending"] = self.run.checkpoints._pending is not None
             seen["latest"] = open(os.path.join(run, "checkpoints", "latest")).read().strip()
         return step(self)
 

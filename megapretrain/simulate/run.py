@@ -194,7 +194,7 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
     with trace:
         trainer = Trainer(cfg, run.sizes, ps, datasets={"train": samples}, eod=run.model.vocab_size - 1)
         records = Measurement(trainer, trace).run(steps)
-        checkpoint_bytes = rank_state_size(trainer.checkpoint_state())
+        checkpoint_bytes = rank_state_size(trainer.run.checkpoint_state())
         parts = breakdown(trace, trace.peak_clock, trace.peak_phase, records)
         top = largest(trace, trace.peak_clock, trace.peak_phase, records)
         peak_at = trace.peak_phase.where() if trace.peak_phase is not None else {}
