@@ -19,8 +19,9 @@ from .config import Config, check_fields
 from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
-from .model.args import ModelArgs, check_model, model_args
+from .model.args import ModelArgs, model_args
 from .model.attention import check_attention
+from .model.families import check_model
 from .model.fp8 import check_fp8, fp8_summary
 from .optim.lr_schedule import resolve_decay_iters
 from .optim.optimizer import check_optim

@@ -223,12 +223,6 @@ def test_biases_and_norm_weights_do_not_decay_and_start_as_declared(flags):
         assert specs["layers.0.self_attn.o_proj.bias"].tp_dim is None
 
 
-def test_the_registry_holds_the_families_the_config_accepts():
-    from megapretrain.model.args import FAMILIES
-    from megapretrain.model.families import FAMILIES as REGISTRY
-    assert tuple(REGISTRY) == FAMILIES
-
-
 @pytest.mark.parametrize("flags, message", [
     (("--model.family", "gpt_neox"), "model.mlp=swiglu: GPT-NeoX's MLP is gelu"),
     ((*NEOX, "--model.qk_norm", "true"), "model.qk_norm=true is a llama-family option"),
@@ -259,7 +253,146 @@ def test_the_family_is_read_off_model_type_or_architectures():
     from megapretrain.model.families import family_of_hf
     from megapretrain.model.hf_adapter import ConvertError
 
-    assert family_of_hf({"model_type": "qwen3"}, "x").NAME == "llama"
-    assert family_of_hf({"architectures": ["GPTNeoXForCausalLM"]}, "x").NAME == "gpt_neox"
+    assert family_of_hf({"model_type": "qwen3"}, "x").name == "llama"
+    assert family_of_hf({"architectures": ["GPTNeoXForCausalLM"]}, "x").name == "gpt_neox"
     with pytest.raises(ConvertError, match="model_type='mamba'.*is not a family megapretrain converts"):
         family_of_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}, "x")
+
+
+# -- the Family type: every registered family has every part, and nothing else names one -----------
+
+# per registered family: flags its rules accept, and flags they refuse (with the message's start);
+# a family registered without an entry here fails the tests below
+ACCEPTED = {"llama": QWEN, "gpt_neox": NEOX}
+REFUSED = {"llama": (("--model.rotary_pct", "0.5"), "model.rotary_pct=0.5: the llama family"),
+           "gpt_neox": ((*NEOX, "--model.num_kv_heads", "2"), "model.num_kv_heads=2: GPT-NeoX")}
+
+
+def _registered():
+    from megapretrain.model.families import FAMILIES
+    assert set(ACCEPTED) == set(REFUSED) == set(FAMILIES), "every registered family needs its cases"
+    return FAMILIES
+
+
+def test_only_the_family_modules_compare_a_family_to_its_name():
+    """No package module but a family's own (its module, its adapter's) and the registry compares
+    a family (``x.family``, ``family``) with a string, or anything with a family's name: such a
+    comparison gives a new family another's rules silently. Ask the Family object instead."""
+    import ast
+    import inspect
+
+    from megapretrain.model import families
+    from megapretrain.model import family as family_type
+
+    registry = _registered()
+    owners = {inspect.getsourcefile(m) for m in (families, family_type)}
+    for fam in registry.values():
+        owners |= {inspect.getsourcefile(fam.build_spec), inspect.getsourcefile(type(fam.hf))}
+
+    def names_a_family(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "family" or \
+            isinstance(node, ast.Name) and node.id in ("family", "model_family")
+
+    def strings(node) -> list[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+    wrong = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "megapretrain")):
+        for f in sorted(files):
+            path = os.path.join(folder, f)
+            if not f.endswith(".py") or path in owners:
+                continue
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                if isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    literals = [s for side in sides for s in strings(side)]
+                    by_name = any(map(names_a_family, sides)) and literals
+                    if by_name or set(literals) & set(registry):
+                        wrong.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not wrong, f"compare family names outside the family modules: {wrong}"
+
+
+def test_every_family_has_a_spec_with_its_defaults_filled():
+    from megapretrain.model.args import FAMILY_DEFAULTS, ModelArgs
+    from megapretrain.model.layers import LayerSpec
+
+    for name, fam in _registered().items():
+        args = model_args(_config(*ACCEPTED[name], "--model.family", name))
+        assert all(getattr(args, k) is None for k in FAMILY_DEFAULTS)  # null: the family's value
+        spec = fam.layer_spec(args)
+        assert isinstance(spec, LayerSpec)
+        flags = ("qkv_bias", "dense_bias", "qk_norm", "fused_qkv", "parallel_residual")
+        assert all(isinstance(getattr(spec, k), bool) for k in flags), name
+        assert all(isinstance(getattr(fam.args(args), k), bool) for k in FAMILY_DEFAULTS)
+        tiny = ModelArgs(1, 64, 4, 4, 128, 300, family=name)
+        assert isinstance(fam.torch_only_layers(tiny), list)
+
+
+def test_every_family_accepts_its_cases_and_refuses_a_bad_shape_in_one_line():
+    from megapretrain.resolve import resolve
+
+    for name in _registered():
+        resolve(_config(*ACCEPTED[name], "--model.family", name), 1)
+        flags, message = REFUSED[name]
+        with pytest.raises(ConfigError, match=message) as err:
+            resolve(_config(*flags, "--model.family", name), 1)
+        assert "\n" not in str(err.value)
+
+
+def test_every_family_s_adapter_round_trips_its_config_json():
+    """cfg → config.json → checked → model.* flags → the same model, read as its family."""
+    from megapretrain.model.families import family_of_hf
+
+    for name, fam in _registered().items():
+        cfg = _config(*ACCEPTED[name], "--model.family", name)
+        if name == "llama":  # both Qwen options at once match no Hugging Face architecture
+            cfg = _config("--model.qk_norm", "true", "--model.head_dim", "32")
+        args = fam.args(model_args(cfg))
+        hf = fam.hf.hf_config(cfg, args, "float32", None, None)
+        fam.hf.check(hf, "config.json")
+        assert family_of_hf(hf, "config.json") is fam
+        flags = fam.hf.model_flags(hf, "config.json")
+        again = _config(*(f for k, v in flags.items() for f in (f"--model.{k}", json.dumps(v))))
+        assert fam.args(model_args(again)) == args, name
+
+
+def test_a_family_without_rules_or_defaults_is_refused_not_given_llama_s(monkeypatch):
+    import dataclasses
+
+    from megapretrain.model import families, llama
+    from megapretrain.model.family import Family
+    from megapretrain.resolve import resolve
+
+    with pytest.raises(TypeError):  # no rules: it cannot be made
+        Family(name="fake", build_spec=llama.layer_spec, hf=llama.ADAPTER)
+    with pytest.raises(TypeError, match="FAMILY_DEFAULTS"):
+        Family(name="fake", build_spec=llama.layer_spec, hf=llama.ADAPTER, check=lambda m: None)
+    flags = ("--model.family", "fake", "--model.rotary_pct", "0.5")  # what llama's rules refuse
+    unknown = r"model.family='fake' is not a model family \(valid: llama, gpt_neox"
+    with pytest.raises(ConfigError, match=unknown):
+        resolve(_config(*flags), 1)
+    def spec(args):
+        return dataclasses.replace(llama.layer_spec(args), parallel_residual=args.parallel_residual)
+    fake = Family(name="fake", build_spec=spec, hf=llama.ADAPTER, check=lambda m: None,
+                  defaults={"parallel_residual": True})
+    monkeypatch.setitem(families.FAMILIES, "fake", fake)
+    resolve(_config(*flags), 1)  # its own rules, not llama's
+    assert families.layer_spec(model_args(_config(*flags))).parallel_residual  # its own default
+
+
+def test_the_planner_reads_fused_qkv_off_the_layer_spec(monkeypatch):
+    import dataclasses
+
+    from megapretrain.model import families, llama
+    from megapretrain.model.args import ModelArgs
+    from megapretrain.planner.fp8 import _linears
+
+    for name, fam in _registered().items():
+        args = ModelArgs(2, 64, 4, 4, 128, 300, mlp="gelu", family=name)
+        assert _linears(args, 1)[0][2] == (1 if fam.layer_spec(args).fused_qkv else 3), name
+    def spec(args):
+        return dataclasses.replace(llama.layer_spec(args), fused_qkv=True)
+    fused = dataclasses.replace(llama.FAMILY, name="fused", build_spec=spec)
+    monkeypatch.setitem(families.FAMILIES, "fused", fused)
+    assert _linears(ModelArgs(2, 64, 4, 4, 128, 300, family="fused"), 1)[0][2] == 1

@@ -29,18 +29,19 @@ from .tensorfile import TensorFile
 __all__ = ["ConvertError", "rope_from_hf"]  # defined with the adapters, importable from here as before
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-IGNORED_SUFFIXES = tuple(sorted({s for fam in FAMILIES.values() for s in fam.HF.ignored_suffixes}))
+IGNORED_SUFFIXES = tuple(sorted({s for fam in FAMILIES.values() for s in fam.hf.ignored_suffixes}))
 
 
-def hf_name(name: str, model_family: str = "llama") -> str:
+def hf_name(name: str, model_family: str) -> str:
     """The Hugging Face name of parameter ``name`` in a ``model_family`` checkpoint."""
-    return family(model_family).HF.hf_name(name)
+    return family(model_family).hf.hf_name(name)
 
 
 def hf_config(cfg: Config, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
     """``config.json`` of the Hugging Face model computing what ``cfg.model`` does (its family's
     architecture: Llama, Qwen2, Qwen3 or GPT-NeoX)."""
-    return family(cfg.model.family).HF.hf_config(cfg, HF_DTYPE_NAMES[dtype], bos, eos)
+    fam = family(cfg.model.family)
+    return fam.hf.hf_config(cfg, fam.args(model_args(cfg)), HF_DTYPE_NAMES[dtype], bos, eos)
 
 
 def generation_config(bos: int | None, eos: int | None) -> dict:
@@ -54,7 +55,7 @@ def read_hf_config(hf_dir: str) -> dict:
     if not isinstance(hf, dict):
         raise ConvertError(f"{path} holds {type(hf).__name__}, not a JSON object; --hf must be a Hugging Face "
                            "model directory")
-    family_of_hf(hf, path).HF.check(hf, path)
+    family_of_hf(hf, path).hf.check(hf, path)
     return hf
 
 
@@ -68,7 +69,7 @@ def _flag(value) -> str:
 
 def model_overrides(hf: dict, where: str) -> list[str]:
     """``--model.*`` overrides describing the HF config's architecture (its family inferred)."""
-    flags = family_of_hf(hf, where).HF.model_flags(hf, where)
+    flags = family_of_hf(hf, where).hf.model_flags(hf, where)
     return [x for k, v in flags.items() for x in (f"--model.{k}", _flag(v))]
 
 

@@ -41,8 +41,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The architecture, resolved (the config's nulls filled in) and independent of the layout:
-    the one model-shape type of the trainer, the tools and the planner."""
+    """The architecture, resolved (the config's nulls filled in, but for the ``FAMILY_DEFAULTS``
+    its family's layer spec fills) and independent of the layout: the one model-shape type of the
+    trainer, the tools and the planner."""
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -63,7 +64,8 @@ class ModelArgs:
     qk_norm: bool = False  # llama family: RMSNorm over each head's q and k before RoPE (Qwen3)
     kv_channels: int | None = None  # per-head size when not hidden/heads (model.head_dim)
     rotary_pct: float = 1.0  # the first rotary_pct of each head's dims are rotated
-    parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+    parallel_residual: bool | None = None  # x + attn(ln1(x)) + mlp(ln2(x)); None: the family's
+    # default, which its layer spec fills in (model/family.py: read it off the spec, not from here)
 
     @property
     def head_dim(self) -> int:
@@ -89,15 +91,11 @@ def model_args(cfg: Config) -> ModelArgs:
                      init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
                      mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None,
                      family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, kv_channels=m.head_dim,
-                     rotary_pct=m.rotary_pct, parallel_residual=parallel_residual(m))
+                     rotary_pct=m.rotary_pct, parallel_residual=m.parallel_residual)
 
 
-FAMILIES = ("llama", "gpt_neox")  # model/families.py holds each one's layers and Hugging Face adapter
-
-
-def parallel_residual(m: ModelConfig) -> bool:
-    """``model.parallel_residual`` resolved (null: GPT-NeoX's yes, Llama's no)."""
-    return m.family == "gpt_neox" if m.parallel_residual is None else m.parallel_residual
+# the fields whose null means "the family's value": each family's Family.defaults gives them all
+FAMILY_DEFAULTS = ("parallel_residual",)
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -124,31 +122,10 @@ def check_rope_scaling(rs: Any, where: str) -> None:
             f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
 
 
-def check_family(m: ModelConfig) -> None:
-    """What each family's layers implement of the options (GPT-NeoX: LayerNorm, GELU, biases, no GQA)."""
-    require(m.family in FAMILIES, f"model.family={m.family!r} is not a model family (valid: {', '.join(FAMILIES)})")
-    if m.family == "gpt_neox":
-        require(m.mlp == "gelu", f"model.mlp={m.mlp}: GPT-NeoX's MLP is gelu; set --model.mlp gelu")
-        for name in ("qkv_bias", "qk_norm"):
-            require(not getattr(m, name), f"model.{name}=true is a llama-family option; GPT-NeoX has biases on every "
-                                         f"linear and no QK-norm: set --model.{name} false")
-        require(kv_heads(m) == m.num_heads, f"model.num_kv_heads={kv_heads(m)}: GPT-NeoX has no grouped-query "
-                                           f"attention; set it to model.num_heads={m.num_heads} (or null)")
-        require(not m.tie_embeddings, "model.tie_embeddings=true: GPT-NeoX's head (embed_out) is its own; set "
-                                     "--model.tie_embeddings false")
-        require(m.head_dim in (None, m.hidden_size // m.num_heads),
-                f"model.head_dim={m.head_dim}: GPT-NeoX's heads are hidden_size/num_heads wide; set it to null")
-    else:
-        require(m.rotary_pct == 1.0, f"model.rotary_pct={m.rotary_pct}: the llama family rotates every head dim; "
-                                    "set 1.0 (partial rotary is model.family=gpt_neox's)")
-        require(not parallel_residual(m), "model.parallel_residual=true is GPT-NeoX's; the llama family adds its "
-                                         "attention and MLP one after the other: set it to null or false")
-
-
-def check_model(m: ModelConfig, tp: int) -> None:
-    """The model's own rules, and what tensor parallelism over ``tp`` ranks may split of it: heads,
-    grouped-query heads and the FFN width split over tp; the rotated head dims even for RoPE."""
-    check_family(m)
+def check_shape(m: ModelConfig, tp: int) -> None:
+    """The shape's rules for every family, and what tensor parallelism over ``tp`` ranks may split
+    of it: heads, grouped-query heads and the FFN width split over tp; the rotated head dims even
+    for RoPE. (model/families.py's ``check_model`` runs the family's own rules, then these.)"""
     kv = kv_heads(m)
     if m.head_dim is None:
         require(m.hidden_size % m.num_heads == 0,

@@ -28,7 +28,7 @@ from ..parallel.tensor import overlap_tp_comm
 from .args import ModelArgs, model_args
 from .attention import describe_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
-from .families import family, torch_only_layers
+from .families import family
 from .fp8 import check_fp8_device, convert_to_fp8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,7 +144,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     kernels = resolve_kernels(cfg.model.kernels, ps.device)
     if cfg.model.fp8 != "none":
         check_fp8_device(ps.device)
-    torch_only = torch_only_layers(family(cfg.model.family).layer_spec(model_args(cfg)))
+    torch_only = family(cfg.model.family).torch_only_layers(model_args(cfg))
     if kernels == "triton" and torch_only and ps.rank == 0:
         print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "
               "kernel and run torch's ops", flush=True)

@@ -39,7 +39,7 @@ from ..parallel.tensor import DeferredGrads, SavedShards, enter_tp_region, init_
 from .args import ModelArgs
 from .attention import ATTENTION, DocumentMask
 from .context_attention import ring_mask
-from .families import family
+from .families import layer_spec
 from .fused_loss import linear_cross_entropy_per_token
 from .layers import KERNELS, ColumnLinear, DecoderLayer, Embedding, rope_tables
 
@@ -156,7 +156,7 @@ class DecoderModel(nn.Module):
         self.saved_shards = SavedShards() if self.sequence_parallel else None
         self.recompute = recompute
         self.pre_process, self.post_process = pre_process, post_process
-        self.spec = family(args.family).layer_spec(args)
+        self.spec = layer_spec(args)
         layer_ids = list(range(args.num_layers)) if layer_ids is None else layer_ids
         kw = dict(dtype=dtype, device=device)
         padded_vocab = args.padded_vocab(tp.size)

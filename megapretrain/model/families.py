@@ -1,32 +1,46 @@
-"""The model families, by ``model.family``: each is a module with its layer choices
-(``layer_spec(args) -> LayerSpec``) and its Hugging Face adapter (``HF``). Adding a family is a
-module beside model/llama.py and model/gpt_neox.py, its adapter, and one line here (plus its name
-in model/args.py's ``FAMILIES`` and its shape rules in ``check_family``).
+"""The registry of model families: ``model.family`` → its :class:`~.family.Family` (the
+``FAMILY`` of model/llama.py, model/gpt_neox.py), looked up here once by name; everything after
+asks the object. Adding a family is its module and one entry in ``FAMILIES``.
+
+Also the model's rules as a whole (:func:`check_model`: the family's, then the shape's of
+model/args.py) and the family of a Hugging Face ``config.json``.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Protocol
+from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
 from . import gpt_neox, llama
-from .hf_adapter import ConvertError, HFAdapter
-from .layers import GeluMLP, LayerNorm, LayerSpec
+from .args import ModelArgs, check_shape
+from .family import Family
+from .hf_adapter import ConvertError
+from .layers import LayerSpec
 
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
-class Family(Protocol):
-    NAME: str
-    HF: HFAdapter
-
-    def layer_spec(self, args) -> LayerSpec: ...
-
-
-FAMILIES: dict[str, ModuleType] = {llama.NAME: llama, gpt_neox.NAME: gpt_neox}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt_neox.FAMILY)}
 
 
 def family(name: str) -> Family:
-    """The family ``model.family`` names (validated by model/args.py's check_model)."""
+    """The family ``model.family`` names; a ConfigError naming the valid ones for any other."""
+    if name not in FAMILIES:
+        raise ConfigError(f"model.family={name!r} is not a model family "
+                          f"(valid: {', '.join(FAMILIES)})")
     return FAMILIES[name]
+
+
+def layer_spec(args: ModelArgs) -> LayerSpec:
+    """The parts of ``args``'s decoder layers, as its family chooses them."""
+    return family(args.family).layer_spec(args)
+
+
+def check_model(m: ModelConfig, tp: int) -> None:
+    """The model's rules: what its family's layers implement of the options, then the shape's and
+    what tensor parallelism over ``tp`` ranks may split of it (model/args.py's ``check_shape``)."""
+    family(m.family).check(m)
+    check_shape(m, tp)
 
 
 def family_of_hf(hf: dict, where: str) -> Family:
@@ -38,14 +52,9 @@ def family_of_hf(hf: dict, where: str) -> Family:
         raise ConvertError(f"{where}: model_type={hf.get('model_type')!r}, architectures={archs!r}: expected a "
                            "string and a list of strings; the file is damaged or hand-edited")
     for fam in FAMILIES.values():
-        if hf.get("model_type") in fam.HF.model_types or (not hf.get("model_type") and archs
-                                                          and archs[0] in fam.HF.architectures):
+        if hf.get("model_type") in fam.hf.model_types or (not hf.get("model_type") and archs
+                                                          and archs[0] in fam.hf.architectures):
             return fam
-    known = ", ".join(t for fam in FAMILIES.values() for t in fam.HF.model_types)
+    known = ", ".join(t for fam in FAMILIES.values() for t in fam.hf.model_types)
     raise ConvertError(f"{where}: model_type={hf.get('model_type')!r} (architectures {hf.get('architectures')}) "
                        f"is not a family megapretrain converts (model_type: {known})")
-
-
-def torch_only_layers(spec: LayerSpec) -> list[str]:
-    """The layers of ``spec`` without a Triton kernel (they run torch's ops under model.kernels=triton)."""
-    return [name for name, used in (("LayerNorm", spec.norm is LayerNorm), ("GELU", spec.mlp is GeluMLP)) if used]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .args import model_args
 from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .args import ModelArgs
 
 # the chunk's names -> GPT-NeoX's: outside the layers by prefix, inside them by the module's part
 TOP = {"embed_tokens.": "gpt_neox.embed_in.", "norm.": "gpt_neox.final_layer_norm.", "lm_head.": "embed_out."}
@@ -38,8 +38,9 @@ class GPTNeoXAdapter:
             name = name.replace(ours, theirs)
         return f"gpt_neox.{name}"
 
-    def hf_config(self, cfg: Config, dtype_name: str, bos: int | None, eos: int | None) -> dict:
-        m, args = cfg.model, model_args(cfg)
+    def hf_config(self, cfg: Config, args: ModelArgs, dtype_name: str, bos: int | None,
+                  eos: int | None) -> dict:
+        m = cfg.model
         scaling, max_positions = rope_config(cfg)
         if scaling:
             raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no llama3 rotary scaling; "

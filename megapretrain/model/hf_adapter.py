@@ -4,7 +4,7 @@ adapters share: the error type of a conversion and the reading of rotary setting
 A family's adapter (model/llama_hf.py, model/gpt_neox_hf.py) owns everything that differs between
 families: the Hugging Face names of the chunk's parameters, ``config.json`` in both directions and
 what of a ``config.json`` the family's layers cannot compute. ``checkpoint/hf.py`` streams the
-tensors, checks the logits and picks the adapter (``model/families.py``).
+tensors, checks the logits and picks the adapter (the family's, ``model/families.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .args import ROPE_LLAMA3_KEYS, check_rope_scaling
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .args import ModelArgs
 
 
 class ConvertError(UserError):
@@ -33,8 +34,10 @@ class HFAdapter(Protocol):
         """The Hugging Face name of the chunk's parameter ``name`` (a one-to-one map, no reshaping:
         the chunk lays each tensor out as Hugging Face does, so tp slices are row/column ranges)."""
 
-    def hf_config(self, cfg: Config, dtype_name: str, bos: int | None, eos: int | None) -> dict:
-        """``config.json`` of the Hugging Face model computing what ``cfg.model`` does."""
+    def hf_config(self, cfg: Config, args: ModelArgs, dtype_name: str, bos: int | None,
+                  eos: int | None) -> dict:
+        """``config.json`` of the Hugging Face model computing what ``cfg.model`` does (``args``:
+        its shape, the family's defaults filled in)."""
 
     def check(self, hf: dict, where: str) -> None:
         """Raise :class:`ConvertError` for what of ``hf`` (a config.json) the family cannot compute."""

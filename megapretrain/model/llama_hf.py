@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .args import model_args
 from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
     from ..config import Config
+    from .args import ModelArgs
 
 # model_type -> (architecture, what the family's options must be)
 VARIANTS = {"llama": ("LlamaForCausalLM", dict(qkv_bias=False, qk_norm=False)),
@@ -44,8 +44,9 @@ class LlamaAdapter:
         raise ConvertError("model.qkv_bias=true with model.qk_norm=true matches no Hugging Face architecture "
                            "(Qwen2 has the biases, Qwen3 the QK-norm); nothing written")
 
-    def hf_config(self, cfg: Config, dtype_name: str, bos: int | None, eos: int | None) -> dict:
-        m, args = cfg.model, model_args(cfg)
+    def hf_config(self, cfg: Config, args: ModelArgs, dtype_name: str, bos: int | None,
+                  eos: int | None) -> dict:
+        m = cfg.model
         model_type = self.variant(cfg)
         scaling, max_positions = rope_config(cfg)
         out = {"architectures": [VARIANTS[model_type][0]], "model_type": model_type, "vocab_size": m.vocab_size,

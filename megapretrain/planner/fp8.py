@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..model.args import ModelArgs
+from ..model.families import layer_spec
 from ..model.fp8 import GEMM_MULTIPLE, unfit_linears
 from ..monitor.flops import Device
 
@@ -53,7 +54,7 @@ def _linears(args: ModelArgs, tp: int) -> list[tuple[int, int, int]]:
     h, d, f = args.hidden_size, args.head_dim, args.ffn_hidden_size
     n, kv = args.num_heads // tp, args.num_kv_heads // tp
     mlp_in = 1 if args.mlp == "gelu" else 2
-    fused = args.family == "gpt_neox"
+    fused = layer_spec(args).fused_qkv  # one q/k/v linear reading the input once
     return [((n + 2 * kv) * d, h, 1 if fused else 3), (h, n * d, 1), (mlp_in * f // tp, h, mlp_in), (h, f // tp, 1)]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 from ..model.args import ModelArgs
+from ..model.families import layer_spec
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Placement, peak_in_flight, placement, resolve_schedule, schedule_order, splits_backward
 from .pipeline import deferred_bytes_per_token
@@ -107,7 +108,7 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     q, kv = model.num_heads * d / tp, model.num_kv_heads * d / tp
     if layout.recompute == "full":
         return w * h / sp
-    stream = 3 if model.parallel_residual else 4
+    stream = 3 if layer_spec(model).parallel_residual else 4
     f = model.ffn_hidden_size / tp
     mlp = 2 * f if model.mlp == "gelu" else (3 if kernels == "triton" else 4) * f
     # under cp the two query chunks' outputs are kept by their attention and, concatenated, by the

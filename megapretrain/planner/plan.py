@@ -16,9 +16,9 @@ import re
 from ..config import TrainConfig, check_fields, load_config
 from ..data.sampler import run_length
 from ..errors import ConfigError, UserError
-from ..model.args import check_model
 from ..model.build import model_args
 from ..model.decoder import num_parameters
+from ..model.families import check_model
 from ..model.fp8 import check_fp8_fields
 from ..monitor.flops import DEVICES, with_device
 from ..resolve import resolve
