@@ -1,7 +1,12 @@
-"""Small models and a bare training loop shared by the model and parallelism tests."""
+"""What the tests share: small models and a bare training loop (the model and parallelism tests),
+and the real trainer under a layout against one process (the equivalence tests)."""
 
 from __future__ import annotations
 
+import json
+import os
+
+import pytest
 import torch
 
 from megapretrain.config import OptimConfig
@@ -84,3 +89,74 @@ def train(ps: ParallelState, model: DecoderModel, tokens: torch.Tensor, steps: i
         opt.step(lr)
         losses.append(total.item() / n_tokens)
     return losses, first_grads
+
+
+# -- the trainer under a layout against one process ---------------------------------------------
+
+ITERS = 5
+
+
+BASE = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.iters", str(ITERS),
+        "--train.eval_interval", "0", "--logging.tensorboard", "false", "--checkpoint.interval", "0",
+        "--optim.lr", "3e-3", "--train.seed", "11",
+        # eps 1e-6: with 1e-8, elements whose grad is ~0 get updates that hinge on summation order
+        "--optim.eps", "1e-6"]
+
+
+def train_layout(rank, world, run_dir, corpus, layout):
+    """The trainer on ``BASE`` + ``layout`` (one rank of ``world``): its losses, grad norms, last
+    loss and (tp rank 0 of dp rank 0) its global parameters."""
+    from megapretrain.train import setup  # (here: the tests of single modules need no trainer)
+
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout]
+    trainer = setup(argv)
+    trainer.fit()
+    ps = trainer.ps
+    params = trainer_params(trainer)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [r for r in map(json.loads, fh) if "loss" in r]
+    return {"params": params if ps.dp_rank == 0 and ps.tp_rank == 0 else {}, "losses": [r["loss"] for r in rows],
+            "grad_norms": [r["grad_norm"] for r in rows], "loss_on_rank": trainer.last_loss}
+
+
+_REFERENCES: dict = {}
+
+
+def reference_for(model_flags: tuple, corpus: str, tmp_path_factory) -> dict:
+    """The single-process run for these model flags (computed once per test session)."""
+    if model_flags not in _REFERENCES:
+        run = str(tmp_path_factory.mktemp("single"))
+        _REFERENCES[model_flags] = train_layout(0, 1, run, corpus, list(model_flags))
+    return _REFERENCES[model_flags]
+
+
+def check(reference, results):
+    """Every rank's results (train_layout's) equal the single-process ``reference``: losses and
+    grad norms within 1e-5, the merged parameters within 1e-4."""
+    merged = {}
+    for r in results:
+        merged.update(r["params"])
+        assert r["loss_on_rank"] == pytest.approx(reference["losses"][-1], rel=1e-5)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert results[0]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert set(merged) == set(reference["params"])
+    for name, ref in reference["params"].items():
+        torch.testing.assert_close(merged[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
+    """``iters`` iterations (resuming from RUN_DIR's checkpoint if any) of a 6-iteration schedule;
+    returns the (iter, loss, grad norm) rows and the iterations resumed from."""
+    from megapretrain.train import setup
+
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
+            "--schedule.decay_iters", "6", "--model.hidden_dropout", str(dropout),
+            "--model.attention_dropout", str(dropout)]
+    setup(argv).fit()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
+        [r["iter"] for r in rows if r.get("event") == "resumed"]

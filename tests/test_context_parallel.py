@@ -39,8 +39,7 @@ from megapretrain.resolve import resolve
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import build, tiny_args
-from test_parallel_equivalence import BASE, _train, check, reference_for
+from helpers import BASE, build, check, reference_for, tiny_args, train_layout
 
 EOD = 7
 
@@ -254,8 +253,8 @@ SLOW_CP = {"tp2_cp2_sp_ring"}
 
 
 def _train_seeded(rank, world, run_dir, corpus, flags):
-    """``_train``, plus this rank's cp coordinate and the seed of its default dropout stream."""
-    out = _train(rank, world, run_dir, corpus, flags)
+    """``train_layout``, plus this rank's cp coordinate and the seed of its default dropout stream."""
+    out = train_layout(rank, world, run_dir, corpus, flags)
     return {**out, "default_seed": torch.initial_seed()}
 
 

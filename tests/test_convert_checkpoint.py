@@ -13,7 +13,7 @@ from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from test_parallel_equivalence import BASE
+from helpers import BASE
 
 transformers = pytest.importorskip("transformers")
 

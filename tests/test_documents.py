@@ -11,8 +11,7 @@ from megapretrain.model.decoder import documents
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed
-from helpers import VOCAB, build, tiny_args
-from test_parallel_equivalence import _train, check
+from helpers import VOCAB, build, check, tiny_args, train_layout
 
 EOD = 7
 
@@ -51,21 +50,21 @@ DOCS = ["--data.reset_attention_mask", "true", "--data.reset_position_ids", "tru
 
 @pytest.fixture(scope="module")
 def single(corpus, tmp_path_factory):
-    return _train(0, 1, str(tmp_path_factory.mktemp("docs_single")), corpus, DOCS)
+    return train_layout(0, 1, str(tmp_path_factory.mktemp("docs_single")), corpus, DOCS)
 
 
 @pytest.mark.parametrize("layout", [["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
                                     ["--parallel.pp", "2"]], ids=["tp2_sp", "pp2"])
 def test_document_masking_under_a_layout_matches_one_process(layout, single, corpus, tmp_path):
-    results = run_distributed(_train, 2, str(tmp_path), corpus, [*DOCS, *layout], timeout=300)
+    results = run_distributed(train_layout, 2, str(tmp_path), corpus, [*DOCS, *layout], timeout=300)
     check(single, results)
 
 
 def test_the_dense_mask_and_the_blockwise_kernel_train_alike(single, corpus, tmp_path):
     """model.attention=sdpa (the dense (b, 1, s, s) mask) trains as auto does on CPU (blockwise)."""
-    check(single, [_train(0, 1, str(tmp_path), corpus, [*DOCS, "--model.attention", "sdpa"])])
+    check(single, [train_layout(0, 1, str(tmp_path), corpus, [*DOCS, "--model.attention", "sdpa"])])
 
 
 def test_masking_changes_the_loss(single, corpus, tmp_path):
-    plain = _train(0, 1, str(tmp_path), corpus, [])
+    plain = train_layout(0, 1, str(tmp_path), corpus, [])
     assert plain["losses"][0] != pytest.approx(single["losses"][0], rel=1e-4)

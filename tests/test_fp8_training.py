@@ -31,7 +31,7 @@ def _train(rank, world, run_dir, corpus, flags):
     from megapretrain.model.fp8 import LINEARS
     from megapretrain.train import setup
 
-    from test_parallel_equivalence import BASE
+    from helpers import BASE
 
     trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
     trainer.fit()
@@ -98,7 +98,7 @@ def _losses(run_dir: str) -> dict[int, float]:
 def _run(rank, world, run_dir, corpus, flags):
     from megapretrain.train import main
 
-    from test_parallel_equivalence import BASE
+    from helpers import BASE
 
     assert main(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, "--train.precision", "bf16",
                  "--checkpoint.interval", "2", "--schedule.decay_iters", "6", *flags]) == 0

@@ -23,9 +23,8 @@ from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
 from distributed import run_distributed
+from helpers import BASE, check, reference_for, train_layout
 from test_convert_checkpoint import _safetensors
-from test_parallel_equivalence import BASE, check, reference_for
-from test_parallel_equivalence import _train as _train_layout
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,7 +169,7 @@ def test_layout_matches_single_process(model, layout, corpus, tmp_path, tmp_path
     flags = QWEN if model == "qwen" else NEOX
     world, parallel = LAYOUTS[layout]
     reference = reference_for(flags, corpus, tmp_path_factory)
-    check(reference, run_distributed(_train_layout, world, str(tmp_path), corpus, [*flags, *parallel], timeout=300))
+    check(reference, run_distributed(train_layout, world, str(tmp_path), corpus, [*flags, *parallel], timeout=300))
 
 
 # -- the spec table: counts, initialization, weight decay -----------------------------------------------

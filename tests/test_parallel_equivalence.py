@@ -14,58 +14,11 @@ import json
 import os
 
 import pytest
-import torch
 
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import trainer_params
-
-ITERS = 5
-BASE = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
-        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
-        "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--train.iters", str(ITERS),
-        "--train.eval_interval", "0", "--logging.tensorboard", "false", "--checkpoint.interval", "0",
-        "--optim.lr", "3e-3", "--train.seed", "11",
-        # eps 1e-6: with 1e-8, elements whose grad is ~0 get updates that hinge on summation order
-        "--optim.eps", "1e-6"]
-
-
-def _train(rank, world, run_dir, corpus, layout):
-    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout]
-    trainer = setup(argv)
-    trainer.fit()
-    ps = trainer.ps
-    params = trainer_params(trainer)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [r for r in map(json.loads, fh) if "loss" in r]
-    return {"params": params if ps.dp_rank == 0 and ps.tp_rank == 0 else {}, "losses": [r["loss"] for r in rows],
-            "grad_norms": [r["grad_norm"] for r in rows], "loss_on_rank": trainer.last_loss}
-
-
-_REFERENCES: dict = {}
-
-
-def reference_for(model_flags: tuple, corpus: str, tmp_path_factory) -> dict:
-    """The single-process run for these model flags (computed once per test session)."""
-    if model_flags not in _REFERENCES:
-        run = str(tmp_path_factory.mktemp("single"))
-        _REFERENCES[model_flags] = _train(0, 1, run, corpus, list(model_flags))
-    return _REFERENCES[model_flags]
-
-
-def check(reference, results):
-    merged = {}
-    for r in results:
-        merged.update(r["params"])
-        assert r["loss_on_rank"] == pytest.approx(reference["losses"][-1], rel=1e-5)
-    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    assert results[0]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
-    assert reference["losses"][-1] < reference["losses"][0]
-    assert set(merged) == set(reference["params"])
-    for name, ref in reference["params"].items():
-        torch.testing.assert_close(merged[name], ref, rtol=1e-4, atol=1e-5, msg=name)
-
+from helpers import BASE, check, reference_for, resume_run, train_layout
 
 LAYOUTS = {
     "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
@@ -101,7 +54,7 @@ def test_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory)
     world, layout = LAYOUTS[name]
     flags = MODEL_FLAGS.get(name, ())
     reference = reference_for(flags, corpus, tmp_path_factory)
-    results = run_distributed(_train, world, str(tmp_path), corpus, [*flags, *layout], timeout=300)
+    results = run_distributed(train_layout, world, str(tmp_path), corpus, [*flags, *layout], timeout=300)
     check(reference, results)
 
 
@@ -129,19 +82,6 @@ def test_recorded_1f1b_trace(pp, corpus, tmp_path):
             assert r["peak_in_flight"] == min(pp - rank, 6) <= pp
 
 
-def _resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
-    """``iters`` iterations (resuming from RUN_DIR's checkpoint if any) of a 6-iteration schedule;
-    returns the (iter, loss, grad norm) rows and the iterations resumed from."""
-    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *layout, "--train.iters", str(iters),
-            "--schedule.decay_iters", "6", "--model.hidden_dropout", str(dropout),
-            "--model.attention_dropout", str(dropout)]
-    setup(argv).fit()
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
-        [r["iter"] for r in rows if r.get("event") == "resumed"]
-
-
 @pytest.mark.slow
 def test_resume_under_tp_pp_vpp_is_bitwise_exact(corpus, tmp_path):
     """Four ranks, tp=2 × pp=2 with two virtual chunks each, sequence parallel and dropout: 3
@@ -149,9 +89,9 @@ def test_resume_under_tp_pp_vpp_is_bitwise_exact(corpus, tmp_path):
     layout = ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2",
               "--parallel.sequence_parallel", "true"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    a = run_distributed(_resume_run, 4, straight, corpus, 6, layout, timeout=300)
-    run_distributed(_resume_run, 4, split, corpus, 3, layout, timeout=300)
-    b = run_distributed(_resume_run, 4, split, corpus, 6, layout, timeout=300)
+    a = run_distributed(resume_run, 4, straight, corpus, 6, layout, timeout=300)
+    run_distributed(resume_run, 4, split, corpus, 3, layout, timeout=300)
+    b = run_distributed(resume_run, 4, split, corpus, 6, layout, timeout=300)
     for (rows_a, _), (rows_b, resumed) in zip(a, b):
         assert resumed == [3]
         assert [r[0] for r in rows_b] == list(range(1, 7))

@@ -21,7 +21,7 @@ from megapretrain.parallel.specs import ParamSpec, collect_specs
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from test_parallel_equivalence import BASE
+from helpers import BASE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",

@@ -17,7 +17,7 @@ from megapretrain.train import setup
 from megapretrain.trainer import Trainer
 
 from distributed import run_distributed
-from test_parallel_equivalence import BASE
+from helpers import BASE
 
 GBS = 8  # BASE's global batch
 

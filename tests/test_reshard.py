@@ -13,9 +13,8 @@ from megapretrain.errors import CheckpointError
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import trainer_params
+from helpers import BASE, trainer_params
 from test_model_families import NEOX, QWEN
-from test_parallel_equivalence import BASE
 
 ITERS, SPLIT = 6, 3
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_distributed
-from test_parallel_equivalence import _resume_run, _train, check, reference_for
+from helpers import check, reference_for, resume_run, train_layout
 
 Z3 = ["--parallel.zero", "3"]
 LAYOUTS = {
@@ -38,7 +38,7 @@ def test_zero3_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
     world, layout = LAYOUTS[name]
     flags = ("--model.tie_embeddings", "true") if "--model.tie_embeddings" in layout else ()
     reference = reference_for(flags, corpus, tmp_path_factory)
-    results = run_distributed(_train, world, str(tmp_path), corpus, layout, timeout=300)
+    results = run_distributed(train_layout, world, str(tmp_path), corpus, layout, timeout=300)
     check(reference, results)
 
 
@@ -143,8 +143,8 @@ def test_gathers_are_prefetched_and_grads_reduced_during_backward(probe):
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def _run(rank, world, run_dir, corpus, iters, layout, dropout=0.0):
-    """``_resume_run`` without dropout unless asked: runs under different layouts are compared."""
-    return _resume_run(rank, world, run_dir, corpus, iters, layout, dropout)
+    """``resume_run`` without dropout unless asked: runs under different layouts are compared."""
+    return resume_run(rank, world, run_dir, corpus, iters, layout, dropout)
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def test_the_offline_reshard_reads_a_zero3_checkpoint(corpus, tmp_path):
     process, which resumes onto the single-process curve (and loads without resharding)."""
     from megapretrain.commands import reshard_checkpoint as tool
 
-    from test_parallel_equivalence import BASE
+    from helpers import BASE
     one = _run(0, 1, str(tmp_path / "one"), corpus, 6, [])[0]
     run = str(tmp_path / "z3")
     run_distributed(_run, 2, run, corpus, 3, Z3, timeout=300)

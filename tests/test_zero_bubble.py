@@ -28,8 +28,7 @@ from megapretrain.parallel.tensor import ColumnParallelLinear, DeferredGrads, Ro
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import tiny_args
-from test_parallel_equivalence import BASE, _train, check, reference_for
+from helpers import BASE, check, reference_for, tiny_args, train_layout
 from test_reshard import ITERS, SPLIT, _launch
 
 
@@ -150,7 +149,7 @@ def test_zero_bubble_layout_matches_single_process(name, corpus, tmp_path, tmp_p
     """Per-step losses and grad norms (1e-5 relative) and the final parameters equal one process."""
     world, layout, model_flags = ZB[name]
     reference = reference_for(model_flags, corpus, tmp_path_factory)
-    results = run_distributed(_train, world, str(tmp_path), corpus, [*model_flags, *layout], timeout=300)
+    results = run_distributed(train_layout, world, str(tmp_path), corpus, [*model_flags, *layout], timeout=300)
     check(reference, results)
 
 
