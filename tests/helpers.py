@@ -3,6 +3,7 @@ and the real trainer under a layout against one process (the equivalence tests).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -160,3 +161,77 @@ def resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
         rows = [json.loads(line) for line in fh]
     return [(r["iter"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r], \
         [r["iter"] for r in rows if r.get("event") == "resumed"]
+
+
+# -- one process of the real trainer --------------------------------------------------------------
+
+TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",
+        "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--logging.interval", "1",
+        "--logging.tensorboard", "false", "--optim.lr", "3e-3", "--schedule.warmup_iters", "2"]
+
+
+def train_tiny(run_dir, corpus, *extra) -> int:
+    """``python -m megapretrain.train`` in this process on ``TINY`` + ``extra``: its exit code."""
+    from megapretrain.train import main
+
+    return main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TINY, *extra])
+
+
+def records(run_dir, key: str | None = None) -> list[dict]:
+    """The run's metrics.jsonl records in order: every one, or those that carry ``key``."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if key is None or key in r]
+
+
+# two steps of a 2-layer model: what the bad-input tests train
+TWO_STEPS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+             "--train.iters", "2", "--train.seq_length", "32", "--train.micro_batch_size", "2",
+             "--train.global_batch_size", "2", "--logging.tensorboard", "false"]
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+def write_jsonl(path, texts, extra_lines=()):
+    """JSON lines of ``{"text", "id"}`` (gzipped for a .gz path), then ``extra_lines`` as they are."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"text": text, "id": i}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+
+def fp8_model(recipe, *, recompute="none", tp=None, sequence_parallel=False, zero=0, weights=None, allgather=True):
+    """A tiny bf16 model (``tiny_args``) with its linears in FP8 under ``recipe`` (``"none"``: left
+    bf16), and the parallel state it was built on."""
+    from megapretrain.model.fp8 import convert_to_fp8
+
+    ps = tp or ParallelState()
+    model = build(ps, tiny_args(), recompute=recompute, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
+    if recipe != "none":
+        convert_to_fp8(model, recipe, [], allgather=allgather, zero=zero, weights=weights)
+    return ps, model
+
+
+# -- Hugging Face ----------------------------------------------------------------------------------
+
+def safetensors_of(directory) -> dict:
+    """Every tensor of a Hugging Face directory's .safetensors files, by name."""
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+# -- model families --------------------------------------------------------------------------------
+
+# the Qwen options of the Llama family; GPT-NeoX (partial rotary, GELU MLP, LayerNorm)
+QWEN = ("--model.qkv_bias", "true", "--model.qk_norm", "true", "--model.head_dim", "32")  # both options at once
+NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4", "--model.rotary_pct",
+        "0.5", "--model.ffn_hidden_size", "256")

@@ -22,17 +22,13 @@ from megapretrain.monitor.alerts import AlertMonitor, Stragglers
 from megapretrain.train import main
 
 from distributed import run_distributed
+from helpers import records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads", "2",
         "--model.ffn_hidden_size", "128", "--train.seq_length", "32", "--train.micro_batch_size", "2",
         "--train.global_batch_size", "4", "--logging.tensorboard", "false", "--optim.lr", "3e-3",
         "--train.eval_interval", "0"]
-
-
-def records(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
 
 
 def alerts(run_dir) -> list[dict]:

@@ -18,11 +18,9 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_line, snapshot, write_corpus
+from helpers import TWO_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--train.iters", "2",
-        "--train.seq_length", "32", "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
-        "--logging.tensorboard", "false"]
 
 
 def run(args: list[str], cwd) -> subprocess.CompletedProcess:
@@ -31,7 +29,7 @@ def run(args: list[str], cwd) -> subprocess.CompletedProcess:
 
 
 def train(*args) -> list[str]:
-    return ["-m", "megapretrain.train", *TINY, *args]
+    return ["-m", "megapretrain.train", *TWO_STEPS, *args]
 
 
 def tool(name: str, *args) -> list[str]:
@@ -156,7 +154,7 @@ def test_resuming_with_a_changed_batch_warns(tmp_path, corpus, capsys):
     from megapretrain.train import main
 
     run_dir = str(tmp_path / "run")
-    base = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *TINY, "--checkpoint.interval", "1"]
+    base = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *TWO_STEPS, "--checkpoint.interval", "1"]
     assert main(base) == 0
     capsys.readouterr()
     assert main([*base, "--train.iters", "3", "--train.global_batch_size", "4"]) == 0
@@ -172,7 +170,7 @@ def test_a_stale_lock_is_taken_over(tmp_path, corpus, capsys):
     run_dir.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (run_dir / ".lock").write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
-    assert main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TINY]) == 0
+    assert main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TWO_STEPS]) == 0
     assert "taking over the stale lock" in capsys.readouterr().err
     assert not (run_dir / ".lock").exists()
 
@@ -183,7 +181,7 @@ def test_a_stale_lock_is_taken_over(tmp_path, corpus, capsys):
 def _train_main(*args) -> int:
     from megapretrain.train import main
 
-    return main([*TINY, "--data.paths", "[c_text_document]", *args])
+    return main([*TWO_STEPS, "--data.paths", "[c_text_document]", *args])
 
 
 CONFIG_FILES = {  # name: (bytes of the config file, words the line must hold)

@@ -14,7 +14,6 @@ import subprocess
 
 import pytest
 import torch
-from test_bad_input import TINY
 
 from megapretrain.checkpoint import tensorfile
 from megapretrain.checkpoint.format import (
@@ -29,6 +28,7 @@ from megapretrain.errors import CheckpointError
 from megapretrain.train import main as train_main
 
 from conftest import assert_one_line, write_corpus
+from helpers import TWO_STEPS
 
 
 def ckpt(run, iteration: int) -> str:
@@ -36,7 +36,7 @@ def ckpt(run, iteration: int) -> str:
 
 
 def train(run, corpus, *args) -> int:
-    return train_main([*TINY, "--data.paths", f"[{corpus}]", "--run.dir", str(run), "--checkpoint.interval", "1",
+    return train_main([*TWO_STEPS, "--data.paths", f"[{corpus}]", "--run.dir", str(run), "--checkpoint.interval", "1",
                        *args])
 
 

@@ -14,13 +14,12 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_bad_input import TINY
 
 from megapretrain.commands import merge_datasets, preprocess_data
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from conftest import assert_one_line
-from test_preprocess_data import write_jsonl
+from helpers import TWO_STEPS, write_jsonl
 
 
 def preprocess(*argv) -> int:
@@ -39,7 +38,7 @@ def shard(directory, name: str, docs: int = 30, seed: int = 0) -> str:
 def train(prefix: str, *args) -> int:
     from megapretrain.train import main
 
-    return main([*TINY, "--data.paths", f"[{prefix}]", *args])
+    return main([*TWO_STEPS, "--data.paths", f"[{prefix}]", *args])
 
 
 def summary_of(prefix: str) -> dict:

@@ -14,12 +14,13 @@ import time
 
 import pytest
 import torch
-from test_trainer import TINY
 
 from megapretrain.checkpoint import tensorfile
 from megapretrain.checkpoint.format import problem, read_metadata, read_rank_state
 from megapretrain.errors import CheckpointError
 from megapretrain.train import main, setup
+
+from helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = [*TINY, "--train.eval_interval", "0", "--schedule.decay_iters", "8", "--checkpoint.interval", "2"]

@@ -13,7 +13,7 @@ from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE
+from helpers import BASE, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,15 +146,6 @@ def _tiny_llama31(hf_dir):
     return model
 
 
-def _safetensors(directory):
-    from safetensors.torch import load_file
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
 def _train_from(rank, world, run_dir, corpus, flags):
     trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
     trainer.fit()
@@ -183,7 +174,7 @@ def test_llama31_from_hf_into_tp2_pp2_trains_and_goes_back(corpus, tmp_path, cap
 
     # HF → here → HF reproduces every tensor exactly, and the config's rotary scaling both ways
     assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
-    original, again = _safetensors(hf_dir), _safetensors(back)
+    original, again = safetensors_of(hf_dir), safetensors_of(back)
     assert set(original) == set(again)
     assert all(torch.equal(original[k], again[k]) for k in original)
     config = json.load(open(os.path.join(back, "config.json")))

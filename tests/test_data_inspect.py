@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from megapretrain.commands import inspect_data
+from megapretrain.commands import preprocess_data as preprocess
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
 
-from test_preprocess_data import preprocess, write_jsonl
+from helpers import write_jsonl
 
 
 @pytest.fixture

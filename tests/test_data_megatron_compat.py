@@ -78,7 +78,9 @@ def test_we_read_megatrons(tmp_path, dtype):
 
 def test_preprocessed_output_loads_in_megatron(tmp_path):
     """The whole path: preprocess_data.py output opened by megatron-core."""
-    from test_preprocess_data import preprocess, write_jsonl
+    from megapretrain.commands import preprocess_data as preprocess
+
+    from helpers import write_jsonl
 
     texts = ["first document", "", "second — ünïcode", "third"]
     source = write_jsonl(tmp_path / "in.jsonl", texts)

@@ -19,6 +19,7 @@ from megapretrain.parallel.fp8 import E4M3, RECIPES, FP8Linear, cast
 from megapretrain.parallel.state import Group
 
 from distributed import run_distributed
+from helpers import fp8_model
 
 ONE = Group("tp", [0])
 ROLES = {"tensorwise": None, "rowwise": -1}  # the amax dimension of x and g in the forward/data gradient
@@ -172,19 +173,6 @@ def test_context_parallel_linear_equals_one_process():
                     assert torch.equal(got, want), (recipe, name)
 
 
-def _model(recipe, *, recompute="none", tp=None, sequence_parallel=False, zero=0, weights=None, allgather=True):
-    from megapretrain.model.fp8 import convert_to_fp8
-    from megapretrain.parallel.state import ParallelState
-
-    from helpers import build, tiny_args
-
-    ps = tp or ParallelState()
-    model = build(ps, tiny_args(), recompute=recompute, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
-    if recipe != "none":
-        convert_to_fp8(model, recipe, [], allgather=allgather, zero=zero, weights=weights)
-    return ps, model
-
-
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_recomputation_recasts_the_same_bits(recipe):
     """Full recomputation re-runs the casts in the backward, selective keeps the linears' saved
@@ -194,7 +182,7 @@ def test_recomputation_recasts_the_same_bits(recipe):
     tokens = make_tokens(batch=4, seq=32)
     grads = {}
     for recompute in ("none", "selective", "full"):
-        _, model = _model(recipe, recompute=recompute)
+        _, model = fp8_model(recipe, recompute=recompute)
         model(tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
         grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
     for recompute in ("selective", "full"):
@@ -216,7 +204,7 @@ def _sp_bytes(rank, world):
     tokens = make_tokens(batch=2, seq=32)
     out, grads = {}, {}
     for recipe, allgather in [("none", True), *((r, a) for r in RECIPES for a in (True, False))]:
-        _, model = _model(recipe, tp=ps, sequence_parallel=True, allgather=allgather)
+        _, model = fp8_model(recipe, tp=ps, sequence_parallel=True, allgather=allgather)
         ps.stats.reset()
         model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
         if allgather:
@@ -258,7 +246,7 @@ def _zero3_step(ps, rank, world, recipe):
 
     from helpers import make_tokens
 
-    ps, model = _model(recipe, tp=ps, zero=3, weights=WeightCasts())
+    ps, model = fp8_model(recipe, tp=ps, zero=3, weights=WeightCasts())
     opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(), "bf16", ps, zero=3)
     opt.hook_models([model], trace=True)
     tokens = make_tokens(batch=2 * world)[2 * rank:2 * rank + 2]

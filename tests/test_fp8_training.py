@@ -22,7 +22,7 @@ import torch
 from megapretrain.parallel.fp8 import RECIPES
 
 from distributed import run_distributed
-from test_fp8 import _model
+from helpers import fp8_model
 
 # -- the trainer ----------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ def test_compiled_fp8_layers_have_no_graph_break_and_train_like_eager():
     tokens = make_tokens(batch=2, seq=32)
     out = {}
     for compiled in (False, True):
-        _, model = _model("tensorwise")
+        _, model = fp8_model("tensorwise")
         model.float()
         if compiled:
             torch._dynamo.reset()

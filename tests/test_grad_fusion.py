@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_trainer import records, train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapretrain.model.fused_loss import linear_cross_entropy_per_token
@@ -15,6 +14,8 @@ from megapretrain.parallel.cross_entropy import vocab_parallel_linear_cross_entr
 from megapretrain.parallel.data import DataParallelBuffers
 from megapretrain.parallel.specs import plain_specs
 from megapretrain.parallel.state import Group
+
+from helpers import records, train_tiny
 
 VOCAB, HIDDEN = 45, 16
 
@@ -171,12 +172,12 @@ def test_training_with_the_fused_weight_gradient_gives_autograds_losses(tmp_path
         return sink
 
     monkeypatch.setattr(DecoderModel, "_grad_sink", counting)
-    assert train(tmp_path / "fused", corpus, *common) == 0
+    assert train_tiny(tmp_path / "fused", corpus, *common) == 0
     assert calls and (not any(calls) if extra else all(calls))  # fused on every micro-batch unless tied
     assert recomputed and not any(recomputed)
     monkeypatch.setattr(DecoderModel, "_grad_sink", lambda self, weight: None)
-    assert train(tmp_path / "autograd", corpus, *common) == 0
-    fused, plain = records(tmp_path / "fused"), records(tmp_path / "autograd")
+    assert train_tiny(tmp_path / "autograd", corpus, *common) == 0
+    fused, plain = records(tmp_path / "fused", "loss"), records(tmp_path / "autograd", "loss")
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor([r[key] for r in fused]), torch.tensor([r[key] for r in plain]),
                                    rtol=1e-5, atol=0)

@@ -23,8 +23,7 @@ from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, check, reference_for, train_layout
-from test_convert_checkpoint import _safetensors
+from helpers import BASE, NEOX, QWEN, check, reference_for, safetensors_of, train_layout
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +74,7 @@ def test_hf_round_trip_is_bitwise_and_logits_match(kind, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"--model.family {_family(kind)}" in out and "--verify: max logit difference" in out
     assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
-    original, again = _safetensors(hf_dir), _safetensors(back)
+    original, again = safetensors_of(hf_dir), safetensors_of(back)
     assert set(original) == set(again)
     assert all(torch.equal(original[k], again[k]) for k in original)
     config = json.load(open(os.path.join(back, "config.json")))
@@ -150,9 +149,6 @@ def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, corpus, tmp_pat
 # -- parallel layouts against one process -------------------------------------------------------------
 
 TINY = ["--model.num_layers", "2"]
-QWEN = ("--model.qkv_bias", "true", "--model.qk_norm", "true", "--model.head_dim", "32")  # both options at once
-NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4", "--model.rotary_pct",
-        "0.5", "--model.ffn_hidden_size", "256")
 LAYOUTS = {
     "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     "pp2": (2, ["--parallel.pp", "2"]),

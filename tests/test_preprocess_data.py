@@ -1,6 +1,5 @@
 """tools/preprocess_data.py end to end (in-process, with real worker processes) and the demo corpus tool."""
 
-import gzip
 import json
 import os
 import subprocess
@@ -13,21 +12,12 @@ from megapretrain.commands import preprocess_data as preprocess
 from megapretrain.data.indexed_dataset import IndexedDataset
 from megapretrain.data.tokenizers import build_tokenizer
 
+from helpers import write_jsonl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 TEXTS = ["plain ascii text", "unicode: naïve café ✓ 数据", "", "line one\nline two\n", "x" * 3000]
-
-
-def write_jsonl(path, texts, extra_lines=()):
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"text": text, "id": i}) + "\n")
-        for line in extra_lines:
-            f.write(line + "\n")
-    return str(path)
 
 
 def sample_texts(n=300):

@@ -17,7 +17,7 @@ from megapretrain.train import setup
 from megapretrain.trainer import Trainer
 
 from distributed import run_distributed
-from helpers import BASE
+from helpers import BASE, records
 
 GBS = 8  # BASE's global batch
 
@@ -90,18 +90,13 @@ def _inject(bad: callable, seen: list):
     return load
 
 
-def _records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
 def _fit(run_dir, corpus, flags, bad, monkeypatch):
     seen: list = []
     monkeypatch.setattr(Trainer, "_load", _inject(bad, seen))
     trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, "--train.iters", "14",
                      *RECOVERY, *flags])
     trainer.fit()
-    return trainer, _records(run_dir), seen
+    return trainer, records(run_dir), seen
 
 
 def test_a_corrupt_batch_is_rolled_back_and_skipped(corpus, tmp_path, monkeypatch):
@@ -217,5 +212,5 @@ def test_every_rank_rolls_back_together(corpus, tmp_path):
     reference = run_distributed(_fit_rank, 1, str(tmp_path / "single"), corpus, [], timeout=300)[0]
     assert all(it == 14 for it, _ in results)
     assert all(loss == pytest.approx(reference[1], rel=1e-5) for _, loss in results)
-    records = _records(str(tmp_path / "run"))
-    assert [r["from_iter"] for r in records if r.get("event") == "rollback"] == [11]
+    rows = records(str(tmp_path / "run"))
+    assert [r["from_iter"] for r in rows if r.get("event") == "rollback"] == [11]

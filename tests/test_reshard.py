@@ -13,8 +13,7 @@ from megapretrain.errors import CheckpointError
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, trainer_params
-from test_model_families import NEOX, QWEN
+from helpers import BASE, NEOX, QWEN, trainer_params
 
 ITERS, SPLIT = 6, 3
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -10,28 +9,16 @@ import torch
 
 from megapretrain.train import main
 
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
-        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",
-        "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--logging.interval", "1",
-        "--logging.tensorboard", "false", "--optim.lr", "3e-3", "--schedule.warmup_iters", "2"]
-
-
-def train(run_dir, corpus, *extra) -> int:
-    return main(["--run.dir", str(run_dir), "--data.paths", f"[{corpus}]", *TINY, *extra])
-
-
-def records(run_dir, key="loss") -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if key in r]
+from helpers import TINY, records, train_tiny
 
 
 def test_loss_falls_and_run_dir_is_complete(tmp_path, corpus):
     run = tmp_path / "run"
-    assert train(run, corpus, "--train.iters", "40", "--train.eval_interval", "20",
+    assert train_tiny(run, corpus, "--train.iters", "40", "--train.eval_interval", "20",
                  "--train.eval_iters", "2", "--checkpoint.interval", "20", "--logging.tensorboard", "true") == 0
-    losses = [r["loss"] for r in records(run)]
+    losses = [r["loss"] for r in records(run, "loss")]
     assert len(losses) == 40 and losses[-1] < losses[0] - 1.0
-    first = records(run)[0]
+    first = records(run, "loss")[0]
     for key in ("iter", "loss", "grad_norm", "lr", "tokens_per_sec", "consumed_tokens"):
         assert key in first
     assert first["iter"] == 1 and first["consumed_tokens"] == 8 * 64
@@ -50,10 +37,10 @@ def test_resume_is_bitwise_exact(tmp_path, corpus, precision):
     common = ["--train.precision", precision, "--schedule.decay_iters", "20", "--checkpoint.interval", "0",
               "--train.eval_interval", "0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert train(straight, corpus, "--train.iters", "20", *common) == 0
-    assert train(split, corpus, "--train.iters", "10", *common) == 0
-    assert train(split, corpus, "--train.iters", "20", *common) == 0  # resumes at 10
-    a, b = records(straight), records(split)
+    assert train_tiny(straight, corpus, "--train.iters", "20", *common) == 0
+    assert train_tiny(split, corpus, "--train.iters", "10", *common) == 0
+    assert train_tiny(split, corpus, "--train.iters", "20", *common) == 0  # resumes at 10
+    a, b = records(straight, "loss"), records(split, "loss")
     assert [r["iter"] for r in b] == list(range(1, 21))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]            # bitwise, not approximately
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
@@ -66,10 +53,10 @@ def test_resume_is_bitwise_exact(tmp_path, corpus, precision):
 
 
 def test_layout_and_option_errors_are_one_line(tmp_path, corpus, capsys):
-    assert train(tmp_path / "r", corpus, "--parallel.tp", "3") == 2
+    assert train_tiny(tmp_path / "r", corpus, "--parallel.tp", "3") == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "parallel.tp=3 × parallel.pp=1 = 3 must divide the world size 1" in err
-    assert train(tmp_path / "r", corpus, "--trian.iters", "5") == 2
+    assert train_tiny(tmp_path / "r", corpus, "--trian.iters", "5") == 2
     assert "did you mean '--train.iters'" in capsys.readouterr().err
     assert main(["--run.dir", str(tmp_path / "r"), "--data.paths", "[nowhere/missing]", *TINY]) == 2
     err = capsys.readouterr().err
@@ -95,9 +82,9 @@ def test_a_stop_signal_saves_and_exits(tmp_path, corpus, monkeypatch, signame):
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_signal)
     run = tmp_path / "run"
-    assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 0
+    assert train_tiny(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 0
     assert (run / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
-    assert records(run)[-1]["iter"] == 3
+    assert records(run, "loss")[-1]["iter"] == 3
     assert not (run / ".lock").exists()  # the run directory is free again
 
 
@@ -117,7 +104,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, corpus, monkeypatch, capsys):
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_two_signals)
     run = tmp_path / "run"
-    assert train(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 130
+    assert train_tiny(run, corpus, "--train.iters", "50", "--checkpoint.interval", "0") == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
     assert not (run / "checkpoints" / "latest").exists() and not (run / ".lock").exists()
