@@ -26,8 +26,9 @@ Every writer and reader goes through :class:`Entry`, which checks itself. In the
 a tensor is stored under its path in the state (``model/NAME``,
 ``optimizer/params/NAME/exp_avg``, ``rng/cpu``...) and the JSON skeleton holds
 ``{"__tensor__": PATH}`` in its place, so a reader can look at an entry's range before it reads any
-of its bytes (:class:`RankFile`). ``FORMAT_VERSION`` grows when this changes; a checkpoint of a newer
-version is refused with a message that says so.
+of its bytes (:class:`RankFile`). ``FORMAT_VERSION`` grows when this changes, and ``FORMAT`` (the
+name ``metadata.json`` carries) with it; a checkpoint of a newer version is refused with a message
+that says so.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ import torch
 from ..errors import CheckpointError, read_json_file
 from . import tensorfile
 
-FORMAT = "megapretrain-per-rank-v1"  # the family's name (older readers check it, then the version)
 FORMAT_VERSION = 2
+_FAMILY = "megapretrain-per-rank-v"  # the format's name, then its version
+FORMAT = f"{_FAMILY}{FORMAT_VERSION}"
+LEGACY_FORMAT = f"{_FAMILY}1"  # what versions 1 and 2 were written under before: still read
 METADATA = "metadata.json"
 STATE_KEY = "megapretrain.state"
 _LAYOUT_KEYS = ("tp", "pp", "dp")  # required; "cp" is written too, and read as 1 where absent (older ones)
@@ -466,13 +469,21 @@ def read_metadata(directory: str) -> dict:
                           missing=f"not found: {directory} is not a complete checkpoint")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} holds {type(meta).__name__}, not a JSON object; load another checkpoint")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; it was not written by "
+    name = meta.get("format")
+    named = name[len(_FAMILY):] if isinstance(name, str) and name.startswith(_FAMILY) else ""
+    if not named.isdigit():
+        raise CheckpointError(f"{path}: format {name!r} is not {FORMAT!r}; it was not written by "
                               "megapretrain (or by an incompatible version)")
     version = meta.get("format_version", 1)  # checkpoints before the version field are version 1
-    if _is_int(version) and version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {version!r} is newer than this megapretrain reads "
-                              f"({FORMAT_VERSION}); upgrade megapretrain to load it")
+    newer = [v for v in (version, int(named)) if _is_int(v) and v > FORMAT_VERSION]
+    if newer:
+        raise CheckpointError(f"{path}: format version {newer[0]!r} is newer than this "
+                              f"megapretrain reads ({FORMAT_VERSION}); upgrade megapretrain to "
+                              "load it")
+    if _is_int(version) and name not in (LEGACY_FORMAT, f"{_FAMILY}{version}"):
+        raise CheckpointError(f"{path}: format {name!r} does not match its format_version "
+                              f"{version}; the file is damaged: load another checkpoint with "
+                              "--checkpoint.load")
     problems = _metadata_problems(meta, version)
     if problems:
         raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the file is "
