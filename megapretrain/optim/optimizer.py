@@ -173,6 +173,11 @@ class ShardState:
     def grad(self) -> torch.Tensor:
         return self.bucket.grad_shard if self.grad_staging is None else self.grad_staging
 
+    @property
+    def saved(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this shard, by key: the fp32 masters and Adam's moments."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
     def write_back(self) -> None:
         """Copy the stepped masters into the model's parameters (cast to their dtype)."""
         if self.params_current:  # written by the fused AdamW in its own pass
@@ -462,8 +467,7 @@ class MixedPrecisionAdamW:
         (no copies: whoever saves them copies them at most once)."""
         self.buffers.wait_params()
         return [FragmentState(f.name, tuple(f.param.shape), f.start, f.end,
-                              {"master": f.of(s.master), "exp_avg": f.of(s.exp_avg),
-                               "exp_avg_sq": f.of(s.exp_avg_sq)}, whole=self.zero == 0)
+                              {k: f.of(t) for k, t in s.saved.items()}, whole=self.zero == 0)
                 for s in self.shards for f in s.fragments]
 
     @torch.no_grad()
@@ -476,8 +480,9 @@ class MixedPrecisionAdamW:
             if (piece.start, piece.end) != (f.start, f.end):
                 raise ValueError(f"fragment [{piece.start}, {piece.end}) of '{piece.name}' is not "
                                  f"this rank's [{f.start}, {f.end})")
+            saved = s.saved
             for key, values in piece.tensors.items():
-                f.of(getattr(s, key)).copy_(values.reshape(-1))
+                f.of(saved[key]).copy_(values.reshape(-1))
             masters = masters or "master" in piece.tensors
         if masters:
             for s in self.shards:
