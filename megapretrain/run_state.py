@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from .checkpoint.format import check_shapes, rank_state, read_metadata
-from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views
+from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views, restore_optimizer
 from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
 from .config import Config, save_config, to_dict
 from .errors import ConfigError
@@ -215,9 +215,7 @@ class RunState:
     def _apply(self, state: dict, *, optimizer: bool = True, rng: bool = True, position: bool = True) -> None:
         """Take weights, and unless told not to the optimizer, the position (iteration, data) and
         (same layout only) the random streams from a checkpoint."""
-        self.optimizer.load_master_state_dict(state["model"])
-        if optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
+        restore_optimizer(self.optimizer, state, moments=optimizer)
         if position:
             self.position.iteration, self.position.consumed_samples = state["iteration"], state["consumed_samples"]
         if not rng or "rng" not in state:

@@ -3,6 +3,7 @@ and the real trainer under a layout against one process (the equivalence tests).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -10,6 +11,8 @@ import os
 import pytest
 import torch
 
+from megapretrain.checkpoint.format import rank_state
+from megapretrain.checkpoint.manager import optimizer_views
 from megapretrain.config import OptimConfig
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
@@ -54,7 +57,7 @@ def gather_full(model: DecoderModel, ps: ParallelState, grads: bool = False) -> 
 def trainer_params(trainer) -> dict:
     """A trainer's parameters as global tensors (tp shards gathered, vocabulary padding dropped)."""
     out = {}
-    with trainer.optimizer.full_params():  # zero 3: gathered for the copy
+    with full_params(trainer.optimizer):  # zero 3: gathered for the copy
         for chunk in trainer.model_chunks:
             for name, p in chunk.named_parameters():
                 spec = trainer.specs[name]
@@ -90,6 +93,40 @@ def train(ps: ParallelState, model: DecoderModel, tokens: torch.Tensor, steps: i
         opt.step(lr)
         losses.append(total.item() / n_tokens)
     return losses, first_grads
+
+
+# -- an optimizer's state -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def full_params(optimizer: MixedPrecisionAdamW):
+    """Context in which every parameter of ``optimizer`` holds its full value (zero 3 gathers and
+    then releases them; otherwise nothing to do): for reading the model outside its forward."""
+    if optimizer.units is None:
+        yield
+        return
+    optimizer.units.gather_all()
+    try:
+        yield
+    finally:
+        optimizer.units.free_all()
+
+
+def optimizer_checkpoint(optimizer: MixedPrecisionAdamW) -> dict:
+    """A rank's checkpoint state holding ``optimizer``'s weights, moments, step and loss scale, as
+    the checkpoint manager writes them (copied: the optimizer may step on);
+    ``checkpoint.manager.restore_optimizer`` takes it back."""
+    weights, moments = optimizer_views(optimizer)
+    state = rank_state(iteration=0, consumed_samples=0, model=weights, moments=moments,
+                       optimizer_step=optimizer.step_count, scaler=optimizer.scaler.state_dict())
+    return _copied(state)
+
+
+def _copied(tree):
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    return tree
 
 
 # -- the trainer under a layout against one process ---------------------------------------------

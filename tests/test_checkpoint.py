@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +17,14 @@ import pytest
 import torch
 
 from megapretrain.checkpoint import tensorfile
-from megapretrain.checkpoint.format import problem, read_metadata, read_rank_state
+from megapretrain.checkpoint.format import (
+    FORMAT,
+    LEGACY_FORMAT,
+    problem,
+    read_metadata,
+    read_rank_state,
+    write_metadata,
+)
 from megapretrain.errors import CheckpointError
 from megapretrain.train import main, setup
 
@@ -107,12 +115,31 @@ def test_version_1_checkpoints_still_load(straight, corpus, tmp_path):
     old.mkdir(parents=True)
     torch.save(read_rank_state(_ckpt(straight, 4), 0), old / "rank_00000.pt")
     meta = {k: v for k, v in read_metadata(_ckpt(straight, 4)).items() if k not in ("files", "tensors")}
-    (old / "metadata.json").write_text(json.dumps({**meta, "format_version": 1}))
+    old_meta = {**meta, "format": LEGACY_FORMAT, "format_version": 1}
+    (old / "metadata.json").write_text(json.dumps(old_meta))
     (old.parent / "latest").write_text("iter_0000004\n")
     run = tmp_path / "old"
     assert main(_argv(run, corpus, 6)) == 0
     assert _losses(run) == {i: _losses(straight)[i] for i in (5, 6)}  # bitwise the same continuation
     assert read_metadata(_ckpt(run, 6))["format_version"] == 2
+
+
+def test_version_2_checkpoints_under_the_old_format_name_still_load(straight, corpus, tmp_path):
+    """Version 2 was written as ``megapretrain-per-rank-v1`` before the name carried the version:
+    such a checkpoint resumes the same run, bit for bit, and the next one is written under the
+    name that matches its version."""
+    run = tmp_path / "old"
+    os.makedirs(run / "checkpoints")
+    shutil.copytree(_ckpt(straight, 4), _ckpt(run, 4))
+    meta = read_metadata(_ckpt(run, 4))
+    assert (meta["format"], meta["format_version"]) == (FORMAT, 2)
+    assert FORMAT == "megapretrain-per-rank-v2"
+    write_metadata(_ckpt(run, 4), {**meta, "format": LEGACY_FORMAT})
+    (run / "checkpoints" / "latest").write_text("iter_0000004\n")
+    assert read_metadata(_ckpt(run, 4))["format"] == LEGACY_FORMAT
+    assert main(_argv(run, corpus, 6)) == 0
+    assert _losses(run) == {i: _losses(straight)[i] for i in (5, 6)}  # bit for bit
+    assert read_metadata(_ckpt(run, 6))["format"] == FORMAT
 
 
 # -- integrity and fallback ------------------------------------------------------------------------

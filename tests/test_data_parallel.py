@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from megapretrain.checkpoint.manager import restore_optimizer
 from megapretrain.config import OptimConfig
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.data import ALIGN, round_up
@@ -22,7 +23,15 @@ from megapretrain.parallel.specs import Sharding, make_spec, plain_specs
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed
-from helpers import VOCAB, build, gather_full, make_tokens, tiny_args
+from helpers import (
+    VOCAB,
+    build,
+    full_params,
+    gather_full,
+    make_tokens,
+    optimizer_checkpoint,
+    tiny_args,
+)
 
 STEPS = 5
 BUCKET_MB = 0.02  # ~5k fp32 elements: the tiny model spreads over about a dozen buckets
@@ -47,8 +56,7 @@ def run_steps(ps, tokens, steps, *, zero=0, micro=1, precision="fp32", offload=F
     elif overlap_params:
         opt.overlap_param_gather(model)
     if state is not None:
-        opt.load_master_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        restore_optimizer(opt, state)
     rows = tokens.shape[0] // ps.dp.size
     mine = tokens[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
     n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
@@ -68,7 +76,7 @@ def run_steps(ps, tokens, steps, *, zero=0, micro=1, precision="fp32", offload=F
         skipped.append(opt.step(lr)[1])
         losses.append(total.item() / n_tokens)
     opt.buffers.wait_params()  # the next forward would have waited for the param all-gathers
-    with opt.full_params():
+    with full_params(opt):
         return losses, gather_full(model, ps), opt, skipped
 
 
@@ -114,7 +122,7 @@ def roundtrip(state: dict) -> dict:
 
 
 def checkpoint_of(opt) -> dict:
-    return roundtrip({"model": opt.master_state_dict(), "optimizer": opt.state_dict()})
+    return roundtrip(optimizer_checkpoint(opt))
 
 
 # -- the single-process reference ------------------------------------------------------------------

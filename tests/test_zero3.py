@@ -208,6 +208,8 @@ def _start_up(rank, world):
     from megapretrain.optim.optimizer import MixedPrecisionAdamW
     from megapretrain.parallel.state import ParallelState
 
+    from helpers import full_params
+
     ps = ParallelState()
     out = {}
     for zero in (3, 1):
@@ -225,7 +227,7 @@ def _start_up(rank, world):
         opt = MixedPrecisionAdamW(list(model.named_parameters()), specs, cfg.optim, "fp32", ps, zero=zero,
                                   initialize=record)
         opt.hook_models([model])
-        with opt.full_params():
+        with full_params(opt):
             values = {n: p.detach().clone() for n, p in model.named_parameters()}
         out[zero] = dict(built=built, alive=max(alive, default=0), calls=len(alive), values=values,
                          params=len(params), model_bytes=sum(p.numel() * p.element_size() for p in params),

@@ -14,19 +14,21 @@ rest is JSON. Version 1 checkpoints (``rank_NNNNN.pt``, torch pickles of tensors
 
 A rank's state (:func:`rank_state`) holds the iteration, the consumed samples, the fp32 master
 weights and the optimizer state, both keyed by global parameter name, and (when saved by training)
-the rank's random-number states. Each weight or moment entry is one of
+the rank's random-number states. Each weight or moment is one :class:`Entry` (its ``tree`` is what
+the state holds, in one of these forms):
 
 - a tensor: the parameter's whole tp shard (zero 0 masters, converted or resharded weights);
 - ``{"start": s, "end": e, KEY: flat}``: elements [s, e) of the flattened tp shard (zero >= 1);
 - ``{KEY: tensor, ...}``: whole tp shards by key (the moments of a resharded checkpoint);
-- ``{}``: nothing yet (optimizer state saved before the first step);
+- ``{}``: nothing yet (optimizer state saved before the first step).
 
-and ``optim/optimizer.py``'s ``entry_range`` (beside the code that writes them) reads any of them.
-In the safetensors file a tensor is stored under its path in the state (``model/NAME``,
+Every writer and reader goes through :class:`Entry`, which checks itself. In the safetensors file
+a tensor is stored under its path in the state (``model/NAME``,
 ``optimizer/params/NAME/exp_avg``, ``rng/cpu``...) and the JSON skeleton holds
 ``{"__tensor__": PATH}`` in its place, so a reader can look at an entry's range before it reads any
-of its bytes (:class:`RankFile`). ``FORMAT_VERSION`` grows when this changes; a checkpoint of a newer
-version is refused with a message that says so.
+of its bytes (:class:`RankFile`). ``FORMAT_VERSION`` grows when this changes, and ``FORMAT`` (the
+name ``metadata.json`` carries) with it; a checkpoint of a newer version is refused with a message
+that says so.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import CheckpointError, read_json_file
 from . import tensorfile
 
-FORMAT = "megapretrain-per-rank-v1"  # the family's name (older readers check it, then the version)
 FORMAT_VERSION = 2
+_FAMILY = "megapretrain-per-rank-v"  # the format's name, then its version
+FORMAT = f"{_FAMILY}{FORMAT_VERSION}"
+LEGACY_FORMAT = f"{_FAMILY}1"  # what versions 1 and 2 were written under before: still read
 METADATA = "metadata.json"
 STATE_KEY = "megapretrain.state"
 _LAYOUT_KEYS = ("tp", "pp", "dp")  # required; "cp" is written too, and read as 1 where absent (older ones)
@@ -118,6 +122,126 @@ class LazyTensor:
     read: Callable[[], torch.Tensor]
 
 
+WEIGHT = ("master",)  # what a weight entry holds: the fp32 master
+MOMENTS = ("exp_avg", "exp_avg_sq")  # what a moment entry holds: Adam's two moments
+KEYS = WEIGHT + MOMENTS
+
+
+def _numel(value) -> int:
+    """Elements of an entry's value: a tensor or a :class:`LazyTensor` (file references are
+    sized by the file that holds them: :class:`RankFile`)."""
+    return value.numel() if torch.is_tensor(value) else math.prod(value.shape)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter's weight or Adam moments in a rank's state; every save and load goes
+    through it (after Megatron-Core's ``ShardedTensor``: it declares what it holds and checks
+    itself).
+
+    ``name``: the parameter's global name (its key in the state); ``start``, ``end``: the
+    elements ``[start, end)`` of the parameter's flattened tp shard it holds; ``values``: by key
+    (``KEYS``), ``end - start`` elements each — flat, or the tp shard itself when ``whole`` — as
+    tensors, :class:`LazyTensor` or, read from a file's header, references to its tensors;
+    ``whole``: stored as whole tp shards, with no range. Its :meth:`tree` is how a state stores
+    it (module docstring); a field added here goes into :meth:`tree` and :meth:`from_tree`
+    (``tests/test_checkpoint_entry.py`` checks that every field round-trips)."""
+    name: str
+    start: int
+    end: int
+    values: dict = field(default_factory=dict)
+    whole: bool = False
+
+    @classmethod
+    def of(cls, fragment, keys: tuple[str, ...], whole: bool = False) -> Entry:
+        """The entry of ``keys`` of an optimizer's fragment (``optim.optimizer.FragmentState``):
+        ``whole``, its tensors shaped as the tp shard (only for a fragment that is all of it)."""
+        values = {k: fragment.tensors[k] for k in keys}
+        if whole:
+            values = {k: v.view(fragment.shape) for k, v in values.items()}
+        return cls(fragment.name, fragment.start, fragment.end, values, whole)
+
+    @classmethod
+    def shards(cls, name: str, values: dict, numel=_numel) -> Entry:
+        """The entry of whole tp shards: ``values`` by key (empty: nothing yet, as the moments
+        of a checkpoint converted from other weights); ``numel`` sizes a value."""
+        end = numel(next(iter(values.values()))) if values else 0
+        return cls(name, 0, end, values, whole=True)
+
+    def tree(self):
+        """This entry as a rank's state holds it: a whole weight as its tensor, other whole
+        values by key, a range as ``{"start", "end", KEY...}``."""
+        if not self.whole:
+            return {"start": self.start, "end": self.end, **self.values}
+        return self.values["master"] if set(self.values) == {"master"} else dict(self.values)
+
+    @classmethod
+    def from_tree(cls, name: str, tree, where: str, numel=_numel) -> Entry:
+        """The entry a state holds as ``tree`` under ``name``, checked (:meth:`problem`);
+        ``where`` names the file (or state) in the one line a malformed entry raises; ``numel``
+        sizes a value (:class:`RankFile` sizes its references from the file's header)."""
+        def damaged(problem: str) -> CheckpointError:
+            return CheckpointError(f"{where}: {problem}; the file is damaged (or was written by "
+                                   "another program): load another checkpoint with "
+                                   "--checkpoint.load")
+        if torch.is_tensor(tree) or isinstance(tree, LazyTensor) or _is_ref(tree):
+            tree = {"master": tree}
+        if not isinstance(tree, dict):
+            raise damaged(f"the entry of '{name}' is {tree!r}, not a tensor or a range of one")
+        # (the oldest moments also hold torch's "step": the state's, read with it)
+        values = {k: v for k, v in tree.items() if k in KEYS}
+        if "start" in tree or "end" in tree:
+            entry = cls(name, tree.get("start"), tree.get("end"), values)
+        else:
+            entry = cls.shards(name, values, numel)
+        problem = entry.problem(numel)
+        if problem:
+            raise damaged(problem)
+        return entry
+
+    def problem(self, numel=_numel) -> str | None:
+        """What is wrong with this entry on its own, or None: a range that is not one, or a
+        value of another size than its range."""
+        where, start, end = f"the entry of '{self.name}'", self.start, self.end
+        if not (_is_int(start) and _is_int(end) and 0 <= start <= end):
+            return f"{where} holds elements [{start!r}, {end!r}), which is not a range"
+        for key, value in self.values.items():
+            if numel(value) != end - start:
+                return (f"{where} holds {numel(value)} values of {key} for its range "
+                        f"[{start}, {end}) of {end - start}")
+        return None
+
+    def within(self, numel: int, where: str) -> Entry:
+        """This entry, checked to be part of a tp shard of ``numel`` elements."""
+        if self.end > numel:
+            held = f"'{self.name}' holds elements [{self.start}, {self.end})"
+            raise CheckpointError(f"{where}: {held} of a tp shard of {numel}: it was saved from "
+                                  "another model (compare model.* with the config.yaml of the run "
+                                  "that saved it)")
+        return self
+
+    def cut(self, key: str, start: int, end: int, shape: tuple, where: str) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``key`` of the flattened tp shard of ``shape``: checked
+        that the entry was saved from a shard of that shape and holds those elements."""
+        value, name = self.values[key], self.name
+        if self.whole and tuple(value.shape) != tuple(shape):
+            raise CheckpointError(f"{where}: '{name}' has shape {tuple(value.shape)}, the model "
+                                  f"expects {tuple(shape)}")
+        self.within(math.prod(shape), where)
+        if not (self.start <= start and end <= self.end):
+            raise CheckpointError(f"{where} holds elements [{self.start}, {self.end}) of '{name}' "
+                                  f"on this rank, which needs [{start}, {end}): it was saved with "
+                                  "another parallel.zero or parallel.bucket_size_mb; relaunch with "
+                                  "the saved ones")
+        return value.reshape(-1)[start - self.start:end - self.start]
+
+
+def read_entries(section: dict, where: str) -> dict[str, Entry]:
+    """The entries of a loaded state's ``section`` (its ``model``, or its ``optimizer``'s
+    ``params``), by name, each checked; ``where`` names the checkpoint."""
+    return {name: Entry.from_tree(name, tree, where) for name, tree in section.items()}
+
+
 def _split(tree, path: str, tensors: dict):
     """``tree`` with every tensor replaced by a reference to its key in ``tensors``."""
     if torch.is_tensor(tree) or isinstance(tree, LazyTensor):
@@ -168,8 +292,9 @@ def planned_size(state: dict) -> int:
 
 
 class RankFile:
-    """One rank's saved state, opened without reading its tensors: :meth:`entry` describes an
-    entry's range, :meth:`load` reads the whole state."""
+    """One rank's saved state, opened without reading its tensors: its entries checked and
+    described from the header (:meth:`entry`), their elements read by range (:meth:`flat`), or
+    the whole state read (:meth:`load`)."""
 
     def __init__(self, directory: str, rank: int, version: int):
         self.path = rank_file(directory, rank, version)
@@ -183,11 +308,23 @@ class RankFile:
                 self._file.close()
                 raise CheckpointError(f"{self.path} holds no readable megapretrain state ({exc}); it is "
                                       "damaged: load another checkpoint with --checkpoint.load") from None
-            problem = _skeleton_problem(self.skeleton, set(self._file.keys()))
+        try:  # (version 1 states are torch's own objects: read as they come, as they always were)
+            v2 = self._file is not None
+            problem = _skeleton_problem(self.skeleton, set(self._file.keys())) if v2 else None
             if problem:
-                self._file.close()
-                raise CheckpointError(f"{self.path}: {problem}; the file is damaged (or was written by another "
-                                      "program): load another checkpoint with --checkpoint.load")
+                raise CheckpointError(f"{self.path}: {problem}; the file is damaged (or was "
+                                      "written by another program): load another checkpoint with "
+                                      "--checkpoint.load")
+            self.entries = {section: {name: Entry.from_tree(name, tree, self.path, self._numel)
+                                      for name, tree in self._section(section).items()}
+                            for section in ("model", "optimizer")}
+        except CheckpointError:
+            self.close()
+            raise
+
+    def _section(self, section: str) -> dict:
+        state = self.skeleton
+        return state["model"] if section == "model" else state["optimizer"]["params"]
 
     def _tensor(self, ref) -> torch.Tensor:
         return ref if torch.is_tensor(ref) else self._file.get(ref[_TENSOR])
@@ -195,15 +332,10 @@ class RankFile:
     def _numel(self, ref) -> int:
         return ref.numel() if torch.is_tensor(ref) else math.prod(self._file.shape(ref[_TENSOR]))
 
-    def _flat(self, ref, start: int, end: int) -> torch.Tensor:
-        if torch.is_tensor(ref):
-            return ref.reshape(-1)[start:end]
-        return self._file.flat(ref[_TENSOR], start, end)
-
     def dtype(self, name: str) -> torch.dtype | None:
         """The saved dtype of parameter ``name``'s weight in this file, read from the header."""
-        entry = self.skeleton["model"].get(name)
-        ref = entry.get("master", entry) if isinstance(entry, dict) and not _is_ref(entry) else entry
+        entry = self.entries["model"].get(name)
+        ref = entry.values.get("master") if entry is not None else None
         if torch.is_tensor(ref):
             return ref.dtype
         return self._file.dtype(ref[_TENSOR]) if _is_ref(ref) else None
@@ -220,35 +352,19 @@ class RankFile:
             return node
         return build(self.skeleton)
 
-    def entry(self, name: str, key: str, numel: int) -> tuple[int, int, object] | None:
-        """(start, end, reader) of ``key`` ("master", "exp_avg" or "exp_avg_sq") of parameter
-        ``name``, whose tp shard has ``numel`` elements: this rank saved its elements [start, end),
-        and ``reader(a, b)`` reads elements [a, b) of the shard (within them). None when this rank
-        holds no such entry; (0, 0, None) when it holds the parameter but no values yet."""
-        section = self.skeleton["model"] if key == "master" else self.skeleton["optimizer"]["params"]
-        entry = section.get(name)
-        if entry is None:
-            return None
-        where = f"checkpoint {self.path}, '{name}'"
-        if _is_ref(entry) or torch.is_tensor(entry):
-            ref, start = entry, 0
-        elif "start" in entry:
-            if key not in entry:
-                return 0, 0, None
-            ref, start = entry[key], int(entry["start"])
-            if int(entry["end"]) - start != self._numel(ref):
-                raise CheckpointError(f"{where}: range [{start}, {entry['end']}) holds {self._numel(ref)} values; "
-                                      "the file is damaged")
-        elif key in entry:
-            ref, start = entry[key], 0
-        else:
-            return 0, 0, None
-        end = start + self._numel(ref)
-        if not 0 <= start <= end <= numel:
-            raise CheckpointError(f"{where}: holds elements [{start}, {end}) of a tp shard of {numel}: it was "
-                                  "saved from another model (compare model.* with the config.yaml of the run "
-                                  "that saved it)")
-        return start, end, lambda a, b: self._flat(ref, a - start, b - start)
+    def entry(self, name: str, key: str, numel: int) -> Entry | None:
+        """The entry holding ``key`` ("master", "exp_avg" or "exp_avg_sq") of parameter ``name``,
+        whose tp shard has ``numel`` elements (checked), or None when this rank holds no such
+        entry. Its ``values`` lack ``key`` when it holds the parameter but no values yet."""
+        entry = self.entries["model" if key in WEIGHT else "optimizer"].get(name)
+        return None if entry is None else entry.within(numel, f"checkpoint {self.path}")
+
+    def flat(self, entry: Entry, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``key`` of the flattened tp shard, within ``entry``'s."""
+        ref = entry.values[key]
+        if torch.is_tensor(ref):
+            return ref.reshape(-1)[start - entry.start:end - entry.start]
+        return self._file.flat(ref[_TENSOR], start - entry.start, end - entry.start)
 
     def close(self) -> None:
         if self._file is not None:
@@ -257,7 +373,7 @@ class RankFile:
 
 def _skeleton_problem(skeleton, stored: set[str]) -> str | None:
     """What is wrong with a rank file's state skeleton, or None: the small fields of their types,
-    the entries of the forms the module docstring lists, every tensor it names stored in the file."""
+    every tensor it names stored in the file (its entries check themselves: :class:`Entry`)."""
     if not isinstance(skeleton, dict):
         return f"its state is {type(skeleton).__name__}, not an object"
     optimizer = skeleton.get("optimizer")
@@ -268,24 +384,11 @@ def _skeleton_problem(skeleton, stored: set[str]) -> str | None:
         wrong.append("optimizer")
     if wrong:
         return f"its state's {', '.join(wrong)} missing or of the wrong type"
-    for section in (skeleton["model"], optimizer["params"]):
-        for name, entry in section.items():
-            if not _entry_ok(entry):
-                return f"the entry of '{name}' is {entry!r}, not a tensor or a range of one"
     missing = sorted(ref for ref in _refs(skeleton) if ref not in stored)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         return f"its state names tensor '{missing[0]}'{more}, which the file does not hold"
     return None
-
-
-def _entry_ok(entry) -> bool:
-    """A weight or moment entry of one of the forms the module docstring lists."""
-    if _is_ref(entry):
-        return True
-    if not isinstance(entry, dict):
-        return False
-    return not ("start" in entry or "end" in entry) or (_is_int(entry.get("start")) and _is_int(entry.get("end")))
 
 
 def _refs(node):
@@ -366,13 +469,21 @@ def read_metadata(directory: str) -> dict:
                           missing=f"not found: {directory} is not a complete checkpoint")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} holds {type(meta).__name__}, not a JSON object; load another checkpoint")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r} is not {FORMAT!r}; it was not written by "
+    name = meta.get("format")
+    named = name[len(_FAMILY):] if isinstance(name, str) and name.startswith(_FAMILY) else ""
+    if not named.isdigit():
+        raise CheckpointError(f"{path}: format {name!r} is not {FORMAT!r}; it was not written by "
                               "megapretrain (or by an incompatible version)")
     version = meta.get("format_version", 1)  # checkpoints before the version field are version 1
-    if _is_int(version) and version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {version!r} is newer than this megapretrain reads "
-                              f"({FORMAT_VERSION}); upgrade megapretrain to load it")
+    newer = [v for v in (version, int(named)) if _is_int(v) and v > FORMAT_VERSION]
+    if newer:
+        raise CheckpointError(f"{path}: format version {newer[0]!r} is newer than this "
+                              f"megapretrain reads ({FORMAT_VERSION}); upgrade megapretrain to "
+                              "load it")
+    if _is_int(version) and name not in (LEGACY_FORMAT, f"{_FAMILY}{version}"):
+        raise CheckpointError(f"{path}: format {name!r} does not match its format_version "
+                              f"{version}; the file is damaged: load another checkpoint with "
+                              "--checkpoint.load")
     problems = _metadata_problems(meta, version)
     if problems:
         raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the file is "

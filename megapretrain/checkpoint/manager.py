@@ -43,14 +43,19 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FULL_DISK, CheckpointError, DiskFullError, disk_full
+from ..optim.optimizer import FragmentState, MixedPrecisionAdamW
 from .directories import candidates, iter_dir_name, iteration_of, latest_checkpoint
 from .format import (
     METADATA,
+    MOMENTS,
+    WEIGHT,
+    Entry,
     fsync_dir,
     metadata,
     planned_size,
     problem,
     rank_file,
+    read_entries,
     read_metadata,
     read_rank_state,
     write_metadata,
@@ -92,20 +97,53 @@ class SnapshotBuffers:
         return obj
 
 
-def optimizer_views(optimizer) -> tuple[dict, dict]:
-    """(weights, moments) of a ``MixedPrecisionAdamW`` as checkpoint entries that are views of its
-    fp32 masters and Adam moments (no copies): the same entries as its ``master_state_dict()`` and
-    ``state_dict()["params"]``, for a save that copies them at most once (into
-    :class:`SnapshotBuffers`, or straight to the file)."""
-    optimizer.buffers.wait_params()
+def optimizer_views(optimizer: MixedPrecisionAdamW) -> tuple[dict, dict]:
+    """(weights, moments) of ``optimizer`` as checkpoint entries (:class:`~.format.Entry`) that are
+    views of its fp32 masters and Adam moments (no copies), for a save that copies them at most once
+    (into :class:`SnapshotBuffers`, or straight to the file): a rank that steps a whole tp shard
+    (zero 0) stores its weight whole, every other weight and moment as its range."""
     weights, moments = {}, {}
-    for name, (s, f) in optimizer.fragments.items():
-        master = f.of(s.master)
-        weights[name] = (master.view(f.param.shape) if optimizer.zero == 0
-                         else {"start": f.start, "end": f.end, "master": master})
-        moments[name] = {"start": f.start, "end": f.end, "exp_avg": f.of(s.exp_avg),
-                         "exp_avg_sq": f.of(s.exp_avg_sq)}
+    for fragment in optimizer.fragment_states():
+        weights[fragment.name] = Entry.of(fragment, WEIGHT, whole=fragment.whole).tree()
+        moments[fragment.name] = Entry.of(fragment, MOMENTS).tree()
     return weights, moments
+
+
+def restore_optimizer(optimizer: MixedPrecisionAdamW, state: dict, *, moments: bool = True,
+                      where: str | None = None) -> None:
+    """Set ``optimizer``'s masters (and so the model's parameters) from a loaded rank ``state``'s
+    entries (its own layout's, or resharded: whole tp shards), and unless ``moments`` is false its
+    Adam moments, step and loss scale. ``where`` names the checkpoint in errors."""
+    fix = "compare model.* and parallel.* with the config.yaml of the run that saved it"
+    at, checkpoint = (f" ({where})", f"checkpoint {where}") if where else ("", "checkpoint")
+    sections = [("model", WEIGHT, read_entries(state["model"], checkpoint))]
+    if moments:
+        params = state["optimizer"]["params"]
+        sections.append(("optimizer", MOMENTS, read_entries(params, checkpoint)))
+    pieces = []
+    for f in optimizer.fragment_states():
+        tensors = {}
+        for section, keys, entries in sections:
+            entry = entries.get(f.name)
+            if entry is None and section == "model":
+                raise CheckpointError(f"checkpoint has no weight '{f.name}' for this rank{at}: it "
+                                      "was saved from another model, or with another parallel.zero "
+                                      f"or parallel.bucket_size_mb ({fix})")
+            if entry is None:
+                raise CheckpointError(f"checkpoint has no optimizer state for '{f.name}'{at}: it "
+                                      f"was saved from another model ({fix})")
+            # (an entry without moments: saved before the first step)
+            tensors.update({k: entry.cut(k, f.start, f.end, f.shape, checkpoint)
+                            for k in keys if k in entry.values})
+        pieces.append(FragmentState(f.name, f.shape, f.start, f.end, tensors))
+    optimizer.load_fragments(pieces)
+    if moments:
+        saved = state["optimizer"]
+        # the oldest checkpoints kept torch.optim.AdamW's step per parameter
+        step = saved["step"] if "step" in saved else next(
+            (int(e["step"]) for e in saved["params"].values()
+             if isinstance(e, dict) and "step" in e), 0)
+        optimizer.load_counters(step, saved.get("scaler"))  # None: converted from other weights
 
 
 def retained(iterations: list[int], keep_last: int, keep_every: int = 0, milestones: list[float] = ()) -> set[int]:

@@ -8,8 +8,8 @@ the split dimension, each put together from the ranges its dp ranks saved. Vocab
 the real vocabulary are padding and zero, as at initialisation, whatever the saved layout padded
 to. The optimizer then takes its own ZeRO ranges of the slice, as it does at the same layout.
 
-Tensors are read by element range (``format.RankFile``), so a rank reads only the bytes of the
-rows it keeps. What does not carry across
+Entries are read through ``format.Entry``, their tensors by element range (``format.RankFile``),
+so a rank reads only the bytes of the rows it keeps. What does not carry across
 layouts are the random-number streams (they are per rank): dropout restarts from the seed, while
 the weights, Adam moments and step, loss scale, iteration, learning-rate schedule and data position
 continue exactly.
@@ -29,7 +29,16 @@ from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
 from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
-from .format import LazyTensor, RankFile, rank_file, rank_state, read_metadata, write_rank_state
+from .format import (
+    MOMENTS,
+    Entry,
+    LazyTensor,
+    RankFile,
+    rank_file,
+    rank_state,
+    read_metadata,
+    write_rank_state,
+)
 
 
 class SavedShards:
@@ -72,15 +81,15 @@ class SavedShards:
         for rank, (pp_rank, _, _, t) in enumerate(self.coords):
             if t != tp_rank or (stage is not None and pp_rank != stage):
                 continue
-            found = self.file(rank).entry(name, key, numel)
-            if found is None:
+            file = self.file(rank)
+            entry = file.entry(name, key, numel)
+            if entry is None:
                 continue
             stage = pp_rank
-            start, end, read = found
-            a, b = max(start, lo), min(end, hi)
-            if read is None or a >= b:
+            a, b = max(entry.start, lo), min(entry.end, hi)
+            if key not in entry.values or a >= b:
                 continue  # saved before the first step (no moments yet: zeros), or another part
-            out[a - lo:b - lo] = read(a, b).float()
+            out[a - lo:b - lo] = file.flat(entry, key, a, b).float()
             covered += b - a
         if stage is None:
             raise CheckpointError(f"checkpoint {self.path} has no '{name}': it was saved from another model "
@@ -147,8 +156,9 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
 
     model, saved_moments = {}, {}
     for name, spec in specs.items():
-        model[name] = cut(spec, "master")
-        saved_moments[name] = {key: cut(spec, key) for key in ("exp_avg", "exp_avg_sq")} if moments else {}
+        model[name] = Entry.shards(name, {"master": cut(spec, "master")}).tree()
+        kept = {key: cut(spec, key) for key in MOMENTS} if moments else {}
+        saved_moments[name] = Entry.shards(name, kept).tree()
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
                       optimizer_step=first["optimizer"]["step"], moments=saved_moments,

@@ -119,6 +119,7 @@ def bench(args, work: str) -> dict:
     import yaml
 
     from megapretrain.checkpoint.format import read_rank_state
+    from megapretrain.checkpoint.manager import restore_optimizer
     from megapretrain.config import to_dict
 
     run = os.path.join(work, "run")
@@ -148,8 +149,7 @@ def bench(args, work: str) -> dict:
     on_disk = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
     start = time.perf_counter()
     state = read_rank_state(path, 0)
-    opt.load_master_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    restore_optimizer(opt, state, where=path)
     load = time.perf_counter() - start
     hf_dir, back = os.path.join(work, "hf"), os.path.join(work, "back")
     to_hf = _convert("to-hf", "--checkpoint", path, "--output", hf_dir, "--dtype", "bf16")

@@ -43,6 +43,7 @@ import torch
 from megapretrain.checkpoint import tensorfile
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
+    Entry,
     LazyTensor,
     check_shapes,
     metadata,
@@ -324,9 +325,12 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "from-hf") as bar:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
             specs = rank_param_specs(cfg, pp_rank, tp_rank)
+            family = cfg.model.family
+            model = {n: Entry.shards(n, {"master": _slice(weights, s, tp_rank, family, bar)})
+                     for n, s in specs.items()}
             return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model={n: _slice(weights, s, tp_rank, cfg.model.family, bar) for n, s in specs.items()},
-                              moments={n: {} for n in specs})
+                              model={n: e.tree() for n, e in model.items()},
+                              moments={n: Entry.shards(n, {}).tree() for n in specs})
 
         files, _ = write_layout(tmp, sizes.layout, state_at)
         save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf and inspection

@@ -24,7 +24,6 @@ and the model-parallel group; a non-finite norm skips the step and, with fp16, h
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import weakref
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..kernels.adamw import decay_mask, fused_adamw_, grad_sq_sum
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
@@ -104,6 +103,21 @@ class Fragment:
         return flat[self.offset:self.offset + self.end - self.start]
 
 
+@dataclass(frozen=True)
+class FragmentState:
+    """What a rank's optimizer holds of one parameter, as plain data: elements ``[start, end)`` of
+    the flattened tp shard (of ``shape``) of parameter ``name``, as flat tensors by key ("master",
+    "exp_avg", "exp_avg_sq"). ``whole``: this rank steps the whole shard (zero 0). The optimizer
+    yields these for a save and takes them back on a load; how they are stored is
+    ``checkpoint/format.py``'s (its ``Entry``)."""
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    tensors: dict[str, torch.Tensor]
+    whole: bool = False
+
+
 def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
     """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
     CUDA (unless offloaded: the host steps), torch elsewhere."""
@@ -159,6 +173,11 @@ class ShardState:
     def grad(self) -> torch.Tensor:
         return self.bucket.grad_shard if self.grad_staging is None else self.grad_staging
 
+    @property
+    def saved(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this shard, by key: the fp32 masters and Adam's moments."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
     def write_back(self) -> None:
         """Copy the stepped masters into the model's parameters (cast to their dtype)."""
         if self.params_current:  # written by the fused AdamW in its own pass
@@ -193,49 +212,6 @@ def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
     multi_tensor_applier(amp_C.multi_tensor_adam_capturable, noop, [grads, params, exp_avg, exp_avg_sq], lr_t,
                          beta1, beta2, eps, step.to(device=device, dtype=torch.int32).reshape(1), 1, 1,
                          weight_decay, one)
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """A compact host copy (a view would make torch.save write its whole buffer)."""
-    return t.detach().to("cpu", copy=True)
-
-
-def entry_range(entry, key: str, numel: int, where: str) -> tuple[int, int, torch.Tensor] | None:
-    """(start, end, flat values) of ``key`` ("master", "exp_avg" or "exp_avg_sq") in a weight or
-    moment ``entry`` of a parameter whose tp shard has ``numel`` elements; None when it holds none
-    yet. ``where`` names the parameter and file for errors."""
-    if torch.is_tensor(entry):
-        values = entry.reshape(-1)
-        start, end = 0, values.numel()
-    elif "start" in entry:
-        if key not in entry:
-            return None
-        start, end, values = int(entry["start"]), int(entry["end"]), entry[key].reshape(-1)
-    elif key in entry:
-        values = entry[key].reshape(-1)
-        start, end = 0, values.numel()
-    else:
-        return None
-    if not 0 <= start <= end <= numel or values.numel() != end - start:
-        raise CheckpointError(f"{where}: holds elements [{start}, {end}) ({values.numel()} values) of a tp shard "
-                              f"of {numel}: it was saved from another model (compare model.* with the "
-                              "config.yaml of the run that saved it)")
-    return start, end, values
-
-
-def _piece(entry, key: str, f: Fragment) -> torch.Tensor:
-    """Fragment ``f`` of a checkpoint entry (any form ``checkpoint/format.py`` defines)."""
-    if torch.is_tensor(entry) or "start" not in entry:  # a whole tp shard: it must be this one's shape
-        full = entry if torch.is_tensor(entry) else entry[key]
-        if tuple(full.shape) != tuple(f.param.shape):
-            raise CheckpointError(f"checkpoint weight '{f.name}' has shape {tuple(full.shape)}, "
-                                  f"the model expects {tuple(f.param.shape)}")
-    start, end, values = entry_range(entry, key, f.param.numel(), f"checkpoint entry '{f.name}'")
-    if not (start <= f.start and f.end <= end):
-        raise CheckpointError(f"checkpoint holds elements [{start}, {end}) of '{f.name}' on this rank, which "
-                              f"needs [{f.start}, {f.end}): it was saved with another parallel.zero or "
-                              "parallel.bucket_size_mb; relaunch with the saved ones")
-    return values[f.start - start:f.end - start]
 
 
 class MixedPrecisionAdamW:
@@ -307,19 +283,6 @@ class MixedPrecisionAdamW:
                                       keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)
         else:
             self.overlap_param_gather(chunks)
-
-    @contextlib.contextmanager
-    def full_params(self):
-        """Context in which every parameter holds its full value (zero=3 gathers and then
-        releases them; otherwise nothing to do): for reading the model outside its forward."""
-        if self.units is None:
-            yield
-            return
-        self.units.gather_all()
-        try:
-            yield
-        finally:
-            self.units.free_all()
 
     def _refresh_params(self, async_op: bool = False) -> None:
         """After the shards changed: the model's parameters must show them (``async_op``: the
@@ -499,55 +462,36 @@ class MixedPrecisionAdamW:
 
     # -- checkpointing: by parameter name and fragment range --------------------------------------
 
-    def master_state_dict(self) -> dict:
-        """This rank's fp32 master weights: whole tensors by name (zero=0), or by name
-        ``{start, end, master}`` for the fragments this rank owns (zero ≥ 1)."""
+    def fragment_states(self) -> list[FragmentState]:
+        """This rank's fragments with its fp32 masters and Adam moments, as views of the live state
+        (no copies: whoever saves them copies them at most once)."""
         self.buffers.wait_params()
-        out = {}
-        for s in self.shards:
-            for f in s.fragments:
-                piece = f.of(s.master)
-                out[f.name] = (_cpu(piece.view(f.param.shape)) if self.zero == 0
-                               else {"start": f.start, "end": f.end, "master": _cpu(piece)})
-        return out
-
-    def state_dict(self) -> dict:
-        """Adam step and moments (by name and fragment range), and the loss scaler."""
-        params = {f.name: {"start": f.start, "end": f.end, "exp_avg": _cpu(f.of(s.exp_avg)),
-                           "exp_avg_sq": _cpu(f.of(s.exp_avg_sq))}
-                  for s in self.shards for f in s.fragments}
-        return {"step": self.step_count, "params": params, "scaler": self.scaler.state_dict()}
+        return [FragmentState(f.name, tuple(f.param.shape), f.start, f.end,
+                              {k: f.of(t) for k, t in s.saved.items()}, whole=self.zero == 0)
+                for s in self.shards for f in s.fragments]
 
     @torch.no_grad()
-    def load_master_state_dict(self, weights: dict) -> None:
-        """Set the masters (and the model's parameters) from ``weights``: whole tensors, or
-        fragments covering this rank's."""
-        self.buffers.wait_params()
-        for name, (s, f) in self.fragments.items():
-            if name not in weights:
-                raise CheckpointError(f"checkpoint has no weight '{name}' for this rank: it was saved from another "
-                                      "model, or with another parallel.zero or parallel.bucket_size_mb (compare "
-                                      "model.* and parallel.* with the config.yaml of the run that saved it)")
-            f.of(s.master).copy_(_piece(weights[name], "master", f))
-        for s in self.shards:
-            s.write_back()
-        self._refresh_params()
+    def load_fragments(self, fragments: list[FragmentState]) -> None:
+        """Take the values of ``fragments``, each one of this rank's (its name and range, as
+        :meth:`fragment_states` gives them), by key; the model's parameters follow the masters."""
+        masters = False
+        for piece in fragments:
+            s, f = self.fragments[piece.name]
+            if (piece.start, piece.end) != (f.start, f.end):
+                raise ValueError(f"fragment [{piece.start}, {piece.end}) of '{piece.name}' is not "
+                                 f"this rank's [{f.start}, {f.end})")
+            saved = s.saved
+            for key, values in piece.tensors.items():
+                f.of(saved[key]).copy_(values.reshape(-1))
+            masters = masters or "master" in piece.tensors
+        if masters:
+            for s in self.shards:
+                s.write_back()
+            self._refresh_params()
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        for name, (s, f) in self.fragments.items():
-            entry = state["params"].get(name)
-            if entry is None:
-                raise CheckpointError(f"checkpoint has no optimizer state for '{name}': it was saved from "
-                                      "another model (compare model.* with the config.yaml of the run that saved it)")
-            if not entry:  # saved before the first step
-                continue
-            f.of(s.exp_avg).copy_(_piece(entry, "exp_avg", f))
-            f.of(s.exp_avg_sq).copy_(_piece(entry, "exp_avg_sq", f))
-            if "step" in entry and "step" not in state:  # torch.optim.AdamW's per-parameter format
-                self.step_count = int(entry["step"])
-        if "step" in state:
-            self.step_count = int(state["step"])
+    def load_counters(self, step: int, scaler: dict | None) -> None:
+        """Take Adam's step count and (unless None: a fresh one) the loss scaler's state."""
+        self.step_count = int(step)
         self._unsettled_skips.zero_()  # the loaded count is settled
-        if state.get("scaler") is not None:  # none in a checkpoint converted from other weights
-            self.scaler.load_state_dict(state["scaler"])
+        if scaler is not None:
+            self.scaler.load_state_dict(scaler)
