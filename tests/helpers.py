@@ -272,3 +272,49 @@ def safetensors_of(directory) -> dict:
 QWEN = ("--model.qkv_bias", "true", "--model.qk_norm", "true", "--model.head_dim", "32")  # both options at once
 NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4", "--model.rotary_pct",
         "0.5", "--model.ffn_hidden_size", "256")
+
+
+# -- runs that save and resume ---------------------------------------------------------------------
+
+# the trainer's TINY run, saving every 2 steps of an 8-step schedule
+CHECKPOINTED = [*TINY, "--train.eval_interval", "0", "--schedule.decay_iters", "8", "--checkpoint.interval", "2"]
+
+
+def run_argv(run, corpus, iters, *extra) -> list[str]:
+    """The arguments of ``iters`` steps of ``CHECKPOINTED`` + ``extra`` in run directory ``run``."""
+    return ["--run.dir", str(run), "--data.paths", f"[{corpus}]", *CHECKPOINTED, "--train.iters", str(iters), *extra]
+
+
+def ckpt_dir(run, iteration: int) -> str:
+    """The checkpoint directory of ``iteration`` in run directory ``run``."""
+    return os.path.join(str(run), "checkpoints", f"iter_{iteration:07d}")
+
+
+# a run of PART_ITERS steps trained in parts (saved at PART_SPLIT, resumed, perhaps under another layout)
+PART_ITERS, PART_SPLIT = 6, 3
+
+
+def train_part(rank, world, run_dir, corpus, iters, flags):
+    """Train to iteration ``iters`` of a PART_ITERS-step schedule (resuming from the run's
+    checkpoint if it has one): the losses, the resumed events and the global parameters."""
+    from megapretrain.train import setup
+
+    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags, "--train.iters", str(iters),
+            "--schedule.decay_iters", str(PART_ITERS)]
+    trainer = setup(argv)
+    trainer.fit()
+    params = trainer_params(trainer)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return {"losses": {r["iter"]: r["loss"] for r in rows if "loss" in r},
+            "resumed": [r for r in rows if r.get("event") == "resumed"],
+            "params": params if trainer.ps.dp_rank == 0 and trainer.ps.tp_rank == 0 else {}}
+
+
+def launch_part(world, run_dir, corpus, iters, flags) -> list[dict]:
+    """``train_part`` on ``world`` ranks (one: in this process): every rank's results."""
+    from distributed import run_distributed
+
+    if world == 1:
+        return [train_part(0, 1, run_dir, corpus, iters, flags)]
+    return run_distributed(train_part, world, run_dir, corpus, iters, flags, timeout=300)

@@ -28,34 +28,20 @@ from megapretrain.checkpoint.format import (
 from megapretrain.errors import CheckpointError
 from megapretrain.train import main, setup
 
-from helpers import TINY
+from helpers import ckpt_dir, records, run_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = [*TINY, "--train.eval_interval", "0", "--schedule.decay_iters", "8", "--checkpoint.interval", "2"]
-
-
-def _argv(run, corpus, iters, *extra):
-    return ["--run.dir", str(run), "--data.paths", f"[{corpus}]", *COMMON, "--train.iters", str(iters), *extra]
-
-
-def _records(run, key):
-    with open(os.path.join(run, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if key in r]
 
 
 def _losses(run):
-    return {r["iter"]: r["loss"] for r in _records(run, "loss")}
-
-
-def _ckpt(run, iteration):
-    return os.path.join(str(run), "checkpoints", f"iter_{iteration:07d}")
+    return {r["iter"]: r["loss"] for r in records(run, "loss")}
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, corpus):
     """A run of 6 steps straight through, checkpoints at 2, 4, 6."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    assert main(_argv(run, corpus, 6)) == 0
+    assert main(run_argv(run, corpus, 6)) == 0
     return run
 
 
@@ -99,10 +85,10 @@ def test_no_pickle_on_any_load_path(straight, corpus, tmp_path, monkeypatch):
     for name in ("load", "loads"):
         monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    state = read_rank_state(_ckpt(straight, 6), 0)
+    state = read_rank_state(ckpt_dir(straight, 6), 0)
     assert state["iteration"] == 6 and torch.is_tensor(state["rng"]["cpu"])
     for i, extra in enumerate(([], ["--model.make_vocab_size_divisible_by", "64"])):
-        trainer = setup(_argv(tmp_path / f"r{i}", corpus, 7, "--checkpoint.load", str(straight), *extra))
+        trainer = setup(run_argv(tmp_path / f"r{i}", corpus, 7, "--checkpoint.load", str(straight), *extra))
         assert trainer.iteration == 6 and (trainer.run.resharded_from is None) == (not extra)
         trainer.lock.release()
     from megapretrain.commands import inspect_checkpoint
@@ -113,15 +99,15 @@ def test_version_1_checkpoints_still_load(straight, corpus, tmp_path):
     """A checkpoint in the old format (torch files, no sizes or checksums) resumes the same run."""
     old = tmp_path / "old" / "checkpoints" / "iter_0000004"
     old.mkdir(parents=True)
-    torch.save(read_rank_state(_ckpt(straight, 4), 0), old / "rank_00000.pt")
-    meta = {k: v for k, v in read_metadata(_ckpt(straight, 4)).items() if k not in ("files", "tensors")}
+    torch.save(read_rank_state(ckpt_dir(straight, 4), 0), old / "rank_00000.pt")
+    meta = {k: v for k, v in read_metadata(ckpt_dir(straight, 4)).items() if k not in ("files", "tensors")}
     old_meta = {**meta, "format": LEGACY_FORMAT, "format_version": 1}
     (old / "metadata.json").write_text(json.dumps(old_meta))
     (old.parent / "latest").write_text("iter_0000004\n")
     run = tmp_path / "old"
-    assert main(_argv(run, corpus, 6)) == 0
+    assert main(run_argv(run, corpus, 6)) == 0
     assert _losses(run) == {i: _losses(straight)[i] for i in (5, 6)}  # bitwise the same continuation
-    assert read_metadata(_ckpt(run, 6))["format_version"] == 2
+    assert read_metadata(ckpt_dir(run, 6))["format_version"] == 2
 
 
 def test_version_2_checkpoints_under_the_old_format_name_still_load(straight, corpus, tmp_path):
@@ -130,16 +116,16 @@ def test_version_2_checkpoints_under_the_old_format_name_still_load(straight, co
     name that matches its version."""
     run = tmp_path / "old"
     os.makedirs(run / "checkpoints")
-    shutil.copytree(_ckpt(straight, 4), _ckpt(run, 4))
-    meta = read_metadata(_ckpt(run, 4))
+    shutil.copytree(ckpt_dir(straight, 4), ckpt_dir(run, 4))
+    meta = read_metadata(ckpt_dir(run, 4))
     assert (meta["format"], meta["format_version"]) == (FORMAT, 2)
     assert FORMAT == "megapretrain-per-rank-v2"
-    write_metadata(_ckpt(run, 4), {**meta, "format": LEGACY_FORMAT})
+    write_metadata(ckpt_dir(run, 4), {**meta, "format": LEGACY_FORMAT})
     (run / "checkpoints" / "latest").write_text("iter_0000004\n")
-    assert read_metadata(_ckpt(run, 4))["format"] == LEGACY_FORMAT
-    assert main(_argv(run, corpus, 6)) == 0
+    assert read_metadata(ckpt_dir(run, 4))["format"] == LEGACY_FORMAT
+    assert main(run_argv(run, corpus, 6)) == 0
     assert _losses(run) == {i: _losses(straight)[i] for i in (5, 6)}  # bit for bit
-    assert read_metadata(_ckpt(run, 6))["format"] == FORMAT
+    assert read_metadata(ckpt_dir(run, 6))["format"] == FORMAT
 
 
 # -- integrity and fallback ------------------------------------------------------------------------
@@ -155,7 +141,7 @@ def _copy_run(src, dst):
 def test_a_damaged_latest_falls_back_to_the_previous_checkpoint(damage, straight, corpus, tmp_path, capsys):
     run = tmp_path / "run"
     _copy_run(straight, run)
-    file = os.path.join(_ckpt(run, 6), "rank_00000.safetensors")
+    file = os.path.join(ckpt_dir(run, 6), "rank_00000.safetensors")
     if damage == "truncate":
         with open(file, "r+b") as fh:
             fh.truncate(os.path.getsize(file) // 2)
@@ -168,17 +154,17 @@ def test_a_damaged_latest_falls_back_to_the_previous_checkpoint(damage, straight
             fh.write(bytes([byte[0] ^ 0xFF]))
         expect = "fails its checksum"
     elif damage == "metadata":
-        with open(os.path.join(_ckpt(run, 6), "metadata.json"), "w") as fh:
+        with open(os.path.join(ckpt_dir(run, 6), "metadata.json"), "w") as fh:
             fh.write('{"format": "megapretrain-per-rank-v1", "iter')
         expect = "cannot be read as JSON"
     else:
         (run / "checkpoints" / "latest").write_text("iter_0000099\n")
-        os.remove(os.path.join(_ckpt(run, 6), "metadata.json"))
+        os.remove(os.path.join(ckpt_dir(run, 6), "metadata.json"))
         expect = "names 'iter_0000099', which is missing or incomplete"
-    assert main(_argv(run, corpus, 6)) == 0
+    assert main(run_argv(run, corpus, 6)) == 0
     err = capsys.readouterr().err
     assert expect in err and "warning: checkpoint:" in err
-    resumed = [r for r in _records(run, "event") if r["event"] == "resumed"]
+    resumed = [r for r in records(run, "event") if r["event"] == "resumed"]
     assert resumed[0]["iter"] == 4 and resumed[0]["checkpoint"].endswith("iter_0000004")
     assert _losses(run) == {i: _losses(straight)[i] for i in (5, 6)}
 
@@ -186,14 +172,14 @@ def test_a_damaged_latest_falls_back_to_the_previous_checkpoint(damage, straight
 def test_explicit_load_works_when_its_latest_is_damaged(straight, corpus, tmp_path, capsys):
     src = tmp_path / "src"
     _copy_run(straight, src)
-    with open(os.path.join(_ckpt(src, 6), "rank_00000.safetensors"), "r+b") as fh:
+    with open(os.path.join(ckpt_dir(src, 6), "rank_00000.safetensors"), "r+b") as fh:
         fh.truncate(100)
     run = tmp_path / "new"
-    trainer = setup(_argv(run, corpus, 8, "--checkpoint.load", str(src)))  # a run directory: its newest usable
+    trainer = setup(run_argv(run, corpus, 8, "--checkpoint.load", str(src)))  # a run directory: its newest usable
     assert trainer.iteration == 4
     trainer.lock.release()
     assert "skipped" in capsys.readouterr().err
-    assert main(_argv(tmp_path / "other", corpus, 8, "--checkpoint.load", _ckpt(src, 6))) == 2  # named: refused
+    assert main(run_argv(tmp_path / "other", corpus, 8, "--checkpoint.load", ckpt_dir(src, 6))) == 2  # named: refused
     errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
     assert len(errors) == 1 and "iter_0000006 cannot be used" in errors[0] and "truncated" in errors[0]
 
@@ -224,7 +210,7 @@ def test_every_rank_file_is_checked(tmp_path):
 def test_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(flags, message, straight, corpus, tmp_path,
                                                                      capsys):
     import re
-    assert main(_argv(tmp_path / "r", corpus, 8, "--checkpoint.load", str(straight), *flags)) == 2
+    assert main(run_argv(tmp_path / "r", corpus, 8, "--checkpoint.load", str(straight), *flags)) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning:")]
     assert len(errors) == 1 and re.search(message, errors[0]), errors
 
@@ -236,7 +222,7 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start(straight, corpus, t
     (ck / ".iter_0000008").mkdir()
     (ck / ".iter_0000008" / "rank_00000.safetensors.part").write_bytes(b"half")
     (ck / ".latest.part").write_text("iter_0000008")
-    trainer = setup(_argv(run, corpus, 8))  # (a resume with steps left: one with none is refused)
+    trainer = setup(run_argv(run, corpus, 8))  # (a resume with steps left: one with none is refused)
     trainer.lock.release()
     assert not (ck / ".iter_0000008").exists() and not (ck / ".latest.part").exists()
     assert (ck / "iter_0000006" / "metadata.json").exists()
@@ -268,7 +254,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(mode, straight, corpus, tmp_path):
     run = tmp_path / "run"
-    argv = _argv(run, corpus, 6, "--checkpoint.async", str(mode == "async").lower())
+    argv = run_argv(run, corpus, 6, "--checkpoint.async", str(mode == "async").lower())
     proc = subprocess.run([sys.executable, "-c", KILLER, *argv], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -9, proc.stderr
@@ -276,10 +262,10 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(mode, straigh
     assert (ck / "latest").read_text().strip() == "iter_0000002"  # never the partial one
     assert (ck / ".iter_0000004").exists() and not (ck / "iter_0000004").exists()
     assert main(argv) == 0  # the same command again
-    resumed = [r for r in _records(run, "event") if r["event"] == "resumed"]
+    resumed = [r for r in records(run, "event") if r["event"] == "resumed"]
     assert [r["iter"] for r in resumed] == [2]
     assert not (ck / ".iter_0000004").exists() and (ck / "latest").read_text().strip() == "iter_0000006"
-    losses = {r["iter"]: r["loss"] for r in _records(run, "loss") if r["iter"] > 2}
+    losses = {r["iter"]: r["loss"] for r in records(run, "loss") if r["iter"] > 2}
     assert losses == {i: _losses(straight)[i] for i in range(3, 7)}
 
 
@@ -301,16 +287,16 @@ def test_an_async_save_is_published_once_written_not_at_the_next_save(corpus, tm
         return step(self)
 
     monkeypatch.setattr(Trainer, "train_step", watch)
-    assert main(_argv(run, corpus, 4, "--checkpoint.async", "true")) == 0
+    assert main(run_argv(run, corpus, 4, "--checkpoint.async", "true")) == 0
     assert seen["latest"] == "iter_0000002"
-    saved = [r for r in _records(run, "event") if r["event"] == "checkpoint_saved"]
+    saved = [r for r in records(run, "event") if r["event"] == "checkpoint_saved"]
     assert [r["iter"] for r in saved] == [2, 4]
     assert all(r["async_save"] and r["checkpoint_stall_s"] >= 0 for r in saved)
-    assert problem(_ckpt(run, 4)) is None
+    assert problem(ckpt_dir(run, 4)) is None
 
 
 def _two_rank_async(rank, world, run, corpus):
-    trainer = setup(_argv(run, corpus, 4, "--checkpoint.async", "true", "--parallel.zero", "1"))
+    trainer = setup(run_argv(run, corpus, 4, "--checkpoint.async", "true", "--parallel.zero", "1"))
     trainer.fit()
     return trainer.iteration
 
@@ -320,10 +306,10 @@ def test_two_ranks_agree_on_an_async_save_through_their_done_records(corpus, tmp
 
     run = str(tmp_path / "run")
     assert run_distributed(_two_rank_async, 2, run, corpus, timeout=300) == [4, 4]
-    meta = read_metadata(_ckpt(run, 4))
+    meta = read_metadata(ckpt_dir(run, 4))
     assert sorted(meta["files"]) == ["rank_00000.safetensors", "rank_00001.safetensors"]
-    assert problem(_ckpt(run, 2)) is None and problem(_ckpt(run, 4)) is None
-    assert not [n for n in os.listdir(_ckpt(run, 4)) if n.endswith(".done.json")]
+    assert problem(ckpt_dir(run, 2)) is None and problem(ckpt_dir(run, 4)) is None
+    assert not [n for n in os.listdir(ckpt_dir(run, 4)) if n.endswith(".done.json")]
 
 
 def _boundary_agreement(rank, world, run, corpus):
@@ -344,7 +330,7 @@ def _boundary_agreement(rank, world, run, corpus):
 
     Trainer.train_step = watch
     try:
-        setup(_argv(run, corpus, 6, "--checkpoint.async", "true", "--checkpoint.interval", "3")).fit()
+        setup(run_argv(run, corpus, 6, "--checkpoint.async", "true", "--checkpoint.interval", "3")).fit()
     finally:
         Trainer.train_step = step
     return seen
@@ -361,18 +347,18 @@ def test_ranks_agree_on_a_finished_async_save_at_the_next_step_boundary(corpus, 
 def test_inspect_reports_and_checks(straight, tmp_path, capsys):
     from megapretrain.commands import inspect_checkpoint as tool
 
-    assert tool.main([_ckpt(straight, 6)]) == 0
+    assert tool.main([ckpt_dir(straight, 6)]) == 0
     out = capsys.readouterr().out
     assert "iteration 6" in out and "layers.0.mlp.up_proj.weight" in out and "(128, 64)" in out
-    assert tool.main([_ckpt(straight, 6), "--diff", _ckpt(straight, 4)]) == 1  # weights differ
+    assert tool.main([ckpt_dir(straight, 6), "--diff", ckpt_dir(straight, 4)]) == 1  # weights differ
     out = capsys.readouterr().out
     assert "layers.0.mlp.up_proj.weight" in out and "max |diff|" in out
-    assert tool.main([_ckpt(straight, 6), "--diff", _ckpt(straight, 6)]) == 0
+    assert tool.main([ckpt_dir(straight, 6), "--diff", ckpt_dir(straight, 6)]) == 0
     bad = tmp_path / "bad"
     _copy_run(straight, bad)
-    with open(os.path.join(_ckpt(bad, 6), "rank_00000.safetensors"), "r+b") as fh:
+    with open(os.path.join(ckpt_dir(bad, 6), "rank_00000.safetensors"), "r+b") as fh:
         fh.truncate(50)
-    assert tool.main([_ckpt(bad, 6)]) == 2
+    assert tool.main([ckpt_dir(bad, 6)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "truncated" in err
 
@@ -406,11 +392,11 @@ def test_kill_9_of_one_rank_during_an_async_save(corpus, tmp_path):
     from distributed import run_distributed
 
     run = str(tmp_path / "run")
-    argv = _argv(run, corpus, 6, "--checkpoint.async", "true", "--parallel.zero", "1")
+    argv = run_argv(run, corpus, 6, "--checkpoint.async", "true", "--parallel.zero", "1")
     with pytest.raises((RuntimeError, TimeoutError)):
         run_distributed(_rank_1_dies_in_its_second_save, 2, run, corpus, argv, timeout=120)
     ck = os.path.join(run, "checkpoints")
     assert open(os.path.join(ck, "latest")).read().strip() == "iter_0000002"
     assert not os.path.exists(os.path.join(ck, "iter_0000004"))
     assert run_distributed(_resume, 2, run, corpus, argv, timeout=300) == [(2, 6), (2, 6)]
-    assert not os.path.exists(os.path.join(ck, ".iter_0000004")) and problem(_ckpt(run, 6)) is None
+    assert not os.path.exists(os.path.join(ck, ".iter_0000004")) and problem(ckpt_dir(run, 6)) is None

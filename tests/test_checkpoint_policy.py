@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 
 import torch
-from test_checkpoint import _argv, _ckpt, _records
 
 from megapretrain.checkpoint.format import rank_state, read_rank_state
 from megapretrain.checkpoint.manager import CheckpointManager, milestone_iterations, retained
 from megapretrain.train import main, setup
 
-from helpers import optimizer_checkpoint
+from helpers import ckpt_dir, optimizer_checkpoint, records, run_argv
 
 
 def _kept(root):
@@ -55,18 +54,18 @@ def test_retention_over_a_long_run_of_small_intervals_with_a_rollback(tmp_path):
 
 def test_the_trainer_keeps_last_every_and_milestones(corpus, tmp_path):
     run = tmp_path / "run"
-    assert main(_argv(run, corpus, 12, "--checkpoint.interval", "1", "--checkpoint.keep_last", "2",
+    assert main(run_argv(run, corpus, 12, "--checkpoint.interval", "1", "--checkpoint.keep_last", "2",
                       "--checkpoint.keep_every", "5", "--checkpoint.milestone_fraction", "0.25")) == 0
     assert _kept(run / "checkpoints") == [3, 5, 6, 9, 10, 11, 12]
 
 
 def test_load_optimizer_load_rng_and_finetune(corpus, tmp_path):
     def args(*a):  # dropout: training draws random numbers, so the saved streams are not the seed's
-        return _argv(*a, "--model.hidden_dropout", "0.1")
+        return run_argv(*a, "--model.hidden_dropout", "0.1")
 
     src = tmp_path / "src"
     assert main(args(src, corpus, 3, "--checkpoint.interval", "0")) == 0
-    saved = read_rank_state(_ckpt(src, 3), 0)
+    saved = read_rank_state(ckpt_dir(src, 3), 0)
 
     t = setup(args(tmp_path / "a", corpus, 6, "--checkpoint.load", str(src), "--checkpoint.load_optimizer", "false"))
     assert (t.iteration, t.consumed_samples, t.optimizer.step_count) == (3, 24, 0)
@@ -87,8 +86,8 @@ def test_load_optimizer_load_rng_and_finetune(corpus, tmp_path):
     weights = optimizer_checkpoint(t.optimizer)["model"]
     assert all(torch.equal(weights[k], saved["model"][k]) for k in saved["model"])
     t.fit()
-    assert [r["iter"] for r in _records(run, "loss")] == [1, 2]
-    assert _records(run, "lr")[0]["lr"] == _records(src, "lr")[0]["lr"]  # the schedule starts over
+    assert [r["iter"] for r in records(run, "loss")] == [1, 2]
+    assert records(run, "lr")[0]["lr"] == records(src, "lr")[0]["lr"]  # the schedule starts over
     argv[argv.index("--train.iters") + 1] = "4"
     t = setup(argv)  # the same command again: resumes the new run's own checkpoint, not the source
     assert t.iteration == 2 and t.optimizer.step_count == 2

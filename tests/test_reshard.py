@@ -3,39 +3,14 @@ losses a single process gets when it trains straight through (the same model, da
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 from megapretrain.errors import CheckpointError
-from megapretrain.train import setup
 
-from distributed import run_distributed
-from helpers import BASE, NEOX, QWEN, trainer_params
-
-ITERS, SPLIT = 6, 3
-
-
-def _run(rank, world, run_dir, corpus, iters, flags):
-    argv = ["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags, "--train.iters", str(iters),
-            "--schedule.decay_iters", str(ITERS)]
-    trainer = setup(argv)
-    trainer.fit()
-    params = trainer_params(trainer)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    return {"losses": {r["iter"]: r["loss"] for r in rows if "loss" in r},
-            "resumed": [r for r in rows if r.get("event") == "resumed"],
-            "params": params if trainer.ps.dp_rank == 0 and trainer.ps.tp_rank == 0 else {}}
-
-
-def _launch(world, run_dir, corpus, iters, flags):
-    if world == 1:
-        return [_run(0, 1, run_dir, corpus, iters, flags)]
-    return run_distributed(_run, world, run_dir, corpus, iters, flags, timeout=300)
-
+from helpers import BASE, NEOX, PART_ITERS, PART_SPLIT, QWEN, launch_part, train_part
 
 LAYOUTS = {
     "single": (1, []),
@@ -65,14 +40,14 @@ FAMILY = {NEOX: "-gpt_neox", QWEN: "-qwen"}
                          ids=[f"{a}-to-{b}{FAMILY.get(m, '')}" for a, b, m in CASES])
 def test_resume_under_another_layout_continues_the_single_process_run(saved, resumed, model_flags, corpus,
                                                                        tmp_path):
-    straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, list(model_flags))[0]
+    straight = launch_part(1, str(tmp_path / "straight"), corpus, PART_ITERS, list(model_flags))[0]
     run = str(tmp_path / "run")
-    _launch(LAYOUTS[saved][0], run, corpus, SPLIT, [*LAYOUTS[saved][1], *model_flags])
-    results = _launch(LAYOUTS[resumed][0], run, corpus, ITERS, [*LAYOUTS[resumed][1], *model_flags])
+    launch_part(LAYOUTS[saved][0], run, corpus, PART_SPLIT, [*LAYOUTS[saved][1], *model_flags])
+    results = launch_part(LAYOUTS[resumed][0], run, corpus, PART_ITERS, [*LAYOUTS[resumed][1], *model_flags])
     record = results[0]
-    assert [r["iter"] for r in record["resumed"]] == [SPLIT]
+    assert [r["iter"] for r in record["resumed"]] == [PART_SPLIT]
     assert ("resharded_from" in record["resumed"][0]) == (LAYOUTS[saved] != LAYOUTS[resumed])
-    for it in range(1, ITERS + 1):  # before the split from the first run, after it from the resumed one
+    for it in range(1, PART_ITERS + 1):  # before the split from the first run, after it from the resumed one
         assert record["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
     # weights to 5e-5: elements whose gradient is ~0 take Adam steps that hinge on summation order
     merged = {k: v for r in results for k, v in r["params"].items()}
@@ -83,16 +58,16 @@ def test_resume_under_another_layout_continues_the_single_process_run(saved, res
 
 def test_a_checkpoint_of_another_model_is_refused(corpus, tmp_path):
     run = str(tmp_path / "run")
-    _launch(1, run, corpus, 1, [])
+    launch_part(1, run, corpus, 1, [])
     with pytest.raises(ValueError, match=r"checkpoint has no weight 'layers\.[45]\..*another model"):
-        _run(0, 1, run, corpus, 2, ["--model.num_layers", "6"])
+        train_part(0, 1, run, corpus, 2, ["--model.num_layers", "6"])
 
 
 def test_reshard_reports_a_missing_parameter(corpus, tmp_path):
     from megapretrain.checkpoint.format import read_metadata, read_rank_state
     from megapretrain.checkpoint.reshard import SavedShards
     run = str(tmp_path / "run")
-    _launch(1, run, corpus, 1, [])
+    launch_part(1, run, corpus, 1, [])
     path = os.path.join(run, "checkpoints", "iter_0000001")
     saved = SavedShards(path, read_metadata(path))
     with pytest.raises(CheckpointError, match="has no 'layers.9.mlp.up_proj.weight'"):
@@ -160,16 +135,16 @@ def test_slices_are_cut_from_the_overlapping_saved_shards(tmp_path):
 
 def test_offline_reshard_writes_a_checkpoint_the_target_layout_loads_as_its_own(corpus, tmp_path):
     from megapretrain.commands import reshard_checkpoint as tool
-    straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, [])[0]
+    straight = launch_part(1, str(tmp_path / "straight"), corpus, PART_ITERS, [])[0]
     run = str(tmp_path / "run")
-    _launch(1, run, corpus, SPLIT, [])
+    launch_part(1, run, corpus, PART_SPLIT, [])
     out = str(tmp_path / "tp2pp2")
     layout = ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.sequence_parallel", "true"]
     assert tool.main(["--checkpoint", run, "--output", out, "--world-size", "4", *BASE, *layout]) == 0
-    results = _launch(4, str(tmp_path / "target"), corpus, ITERS, [*layout, "--checkpoint.load", out])
+    results = launch_part(4, str(tmp_path / "target"), corpus, PART_ITERS, [*layout, "--checkpoint.load", out])
     resumed = results[0]["resumed"]
-    assert [r["iter"] for r in resumed] == [SPLIT] and "resharded_from" not in resumed[0]  # loaded as is
-    for it in range(SPLIT + 1, ITERS + 1):
+    assert [r["iter"] for r in resumed] == [PART_SPLIT] and "resharded_from" not in resumed[0]  # loaded as is
+    for it in range(PART_SPLIT + 1, PART_ITERS + 1):
         assert results[0]["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
 
     replicas = str(tmp_path / "dp2")

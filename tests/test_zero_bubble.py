@@ -28,8 +28,7 @@ from megapretrain.parallel.tensor import ColumnParallelLinear, DeferredGrads, Ro
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, check, reference_for, tiny_args, train_layout
-from test_reshard import ITERS, SPLIT, _launch
+from helpers import BASE, PART_ITERS, PART_SPLIT, check, launch_part, reference_for, tiny_args, train_layout
 
 
 def _grads(model: DecoderModel) -> dict[str, torch.Tensor]:
@@ -164,12 +163,12 @@ RESHARD = {"zbv": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.
 def test_checkpoints_move_between_zero_bubble_and_other_layouts(saved, resumed, corpus, tmp_path):
     """A zbv checkpoint (stage p holds chunks p and 2·pp − 1 − p) resumes under 1F1B, an interleaved
     one (chunks p and p + pp) under zbv: the run continues with the single process's losses."""
-    straight = _launch(1, str(tmp_path / "straight"), corpus, ITERS, [])[0]
+    straight = launch_part(1, str(tmp_path / "straight"), corpus, PART_ITERS, [])[0]
     run = str(tmp_path / "run")
-    _launch(RESHARD[saved][0], run, corpus, SPLIT, RESHARD[saved][1])
-    record = _launch(RESHARD[resumed][0], run, corpus, ITERS, RESHARD[resumed][1])[0]
-    assert [r["iter"] for r in record["resumed"]] == [SPLIT]
-    for it in range(1, ITERS + 1):
+    launch_part(RESHARD[saved][0], run, corpus, PART_SPLIT, RESHARD[saved][1])
+    record = launch_part(RESHARD[resumed][0], run, corpus, PART_ITERS, RESHARD[resumed][1])[0]
+    assert [r["iter"] for r in record["resumed"]] == [PART_SPLIT]
+    for it in range(1, PART_ITERS + 1):
         assert record["losses"][it] == pytest.approx(straight["losses"][it], rel=1e-5), it
 
 
