@@ -1,7 +1,11 @@
 """megapretrain package metadata.
 
 ``kernels/`` sits at the repository root but is installed as ``megapretrain.kernels`` (a different
-PyPI package owns the top-level name ``kernels``).
+PyPI package owns the top-level name ``kernels``, and transformers imports it). It is a namespace
+portion, with no ``__init__.py``: when the repository root is on ``sys.path`` (``python -m`` from
+the root), a regular ``kernels`` package installed anywhere on the path still wins the bare name.
+The wheel installs its modules into ``megapretrain/kernels/``; an editable install and a checkout
+that is not installed map it with ``megapretrain/__init__.py``'s finder.
 """
 
 from setuptools import find_packages, setup
@@ -28,17 +32,15 @@ setup(
         "tensorboard>=2.14",
         "tqdm>=4.60",
     ],
-    # transformers 5.25 imports the hub `kernels` package by that name, which the top-level kernels/
-    # directory here (megapretrain.kernels) shadows whenever the repository root is on the path
     extras_require={
-        "hf": ["transformers>=4.45,<5.25", "safetensors>=0.4", "tokenizers>=0.19"],
+        "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
         "plots": ["matplotlib>=3.7"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "matplotlib>=3.7", "triton>=3.0", "setuptools>=70",
                 "wheel",
                 "tokenizers>=0.19",
-                "transformers>=4.45,<5.25", "safetensors>=0.4",
+                "transformers>=4.45", "safetensors>=0.4",
                 # data path tests: .zst and parquet inputs, HF datasets, the other tokenizer backends, and
                 # megatron-core's IndexedDataset for the format compatibility tests (CPU-only, no extra deps)
                 "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2", "tiktoken>=0.7",

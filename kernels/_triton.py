@@ -79,14 +79,17 @@ def sm_count(device: torch.device) -> int:
     return _capture[1] if _capture is not None else 2
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or on CPU ones under the interpreter; else the torch reference."""
+def use_triton(kind: str) -> bool:
+    """Whether the ops run their Triton kernels on tensors of device type ``kind``, else the torch
+    reference: the one rule the ops dispatch by (with their tensors' type) and ``model.kernels`` /
+    ``optim.impl`` auto resolve by (with :func:`.dispatch.device_type`'s). Triton on CUDA; on other
+    devices only under its interpreter (``TRITON_INTERPRET=1``, which must be set before Triton is
+    imported: set after, this raises with the fix); always while :func:`capture_launches` runs;
+    never without Triton."""
     if triton is None:
         return False
-    if _capture is not None:
+    if _capture is not None or kind == "cuda":
         return True
-    if all(t.device.type == "cuda" for t in tensors):
-        return not INTERPRETED
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     if not INTERPRETED:

@@ -138,7 +138,7 @@ def _fused_adamw_op(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Ten
                     scale: torch.Tensor, skip: torch.Tensor | None, lr: float, beta1: float, beta2: float,
                     eps: float, weight_decay: float, step: int) -> None:
     _check(grad, master, exp_avg, exp_avg_sq, param_out, mask)
-    impl = _triton_adamw_ if use_triton(grad, master) else _torch_adamw_
+    impl = _triton_adamw_ if use_triton(grad.device.type) else _torch_adamw_
     impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps, weight_decay,
          step)
 
@@ -186,7 +186,7 @@ def fused_adamw_reference(grad: torch.Tensor, master: torch.Tensor, exp_avg: tor
 
 @torch.library.custom_op("megapretrain::grad_sq_sum", mutates_args=())
 def _grad_sq_sum_op(grad: torch.Tensor) -> torch.Tensor:
-    if not use_triton(grad):
+    if not use_triton(grad.device.type):
         return grad.double().square().sum()
     n = grad.numel()
     blocks = max(cdiv(n, SQ_BLOCK), 1)

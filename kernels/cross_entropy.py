@@ -163,7 +163,7 @@ def cross_entropy_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start
                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase one for (rows, v/tp) logits: per-row max, Σ exp(logit - max), target logit (0 if the
     target is not in this rank's first ``valid`` columns or is ignored), all fp32 (rows,)."""
-    impl = _triton_stats if use_triton(logits) else _torch_stats
+    impl = _triton_stats if use_triton(logits.device.type) else _torch_stats
     return impl(logits, targets, vocab_start, valid, ignore_index)
 
 
@@ -177,7 +177,7 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.
                         scale: torch.Tensor, z_loss: float, vocab_start: int, valid: int) -> None:
     """Phase two: overwrite (rows, v/tp) ``logits`` with scale · (softmax · (1 + 2·z·lse) - onehot),
     given the global log-sum-exp ``lse`` and per-row ``scale`` (0 for ignored rows), both (rows,)."""
-    impl = _triton_grad_ if use_triton(logits) else _torch_grad_
+    impl = _triton_grad_ if use_triton(logits.device.type) else _torch_grad_
     impl(logits, targets, lse, scale, z_loss, vocab_start, valid)
 
 

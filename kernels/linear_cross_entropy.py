@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import device_type
 from ._triton import cdiv
 from .cross_entropy import _phases, _valid, combine_stats, torch_loss_grad_
+from .dispatch import device_type
 
 if TYPE_CHECKING:
     from ..parallel.state import Group

@@ -142,7 +142,7 @@ def _torch_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 @torch.library.custom_op("megapretrain::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_triton_forward if use_triton(x, weight) else _torch_forward)(x, weight, eps)
+    return (_triton_forward if use_triton(x.device.type) else _torch_forward)(x, weight, eps)
 
 
 @_rms_norm_op.register_fake
@@ -154,7 +154,8 @@ def _(x, weight, eps):
 @torch.library.custom_op("megapretrain::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                           rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_triton_backward if use_triton(x, weight) else _torch_backward)(grad, x, weight, rstd)
+    impl = _triton_backward if use_triton(x.device.type) else _torch_backward
+    return impl(grad, x, weight, rstd)
 
 
 @_rms_norm_backward_op.register_fake

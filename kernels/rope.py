@@ -92,7 +92,7 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 @torch.library.custom_op("megapretrain::rope", mutates_args=())
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     _check(x, cos, sin)
-    return (_triton_rotate if use_triton(x, cos, sin) else _torch_rotate)(x, cos, sin, backward)
+    return (_triton_rotate if use_triton(x.device.type) else _torch_rotate)(x, cos, sin, backward)
 
 
 @_rope_op.register_fake

@@ -77,7 +77,7 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
 @torch.library.custom_op("megapretrain::swiglu", mutates_args=())
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check(gate, up)
-    return _triton_forward(gate, up) if use_triton(gate, up) else F.silu(gate) * up
+    return _triton_forward(gate, up) if use_triton(gate.device.type) else F.silu(gate) * up
 
 
 @_swiglu_op.register_fake
@@ -89,7 +89,7 @@ def _(gate, up):
 @torch.library.custom_op("megapretrain::swiglu_backward", mutates_args=())
 def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor,
                         up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_triton_backward if use_triton(gate, up) else _torch_backward)(grad, gate, up)
+    return (_triton_backward if use_triton(gate.device.type) else _torch_backward)(grad, gate, up)
 
 
 @_swiglu_backward_op.register_fake

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Config
 from ..errors import ConfigError
-from ..kernels import device_type
+from ..kernels.dispatch import device_type
 from ..parallel.context import causal_mask
 from ..parallel.layout import Layout
 from .blockwise import TilePlan, blockwise_attention
@@ -180,7 +180,8 @@ def _lower_right(queries: int, keys: int):
 
 def _simulated_gpu_flash(q: torch.Tensor) -> bool:
     """Whether ``q`` stands for a GPU's queries that torch runs in its flash kernel: a simulated
-    CUDA rank (fake CPU tensors for which ``kernels.device_type`` answers cuda: ``simulate/``),
+    CUDA rank (fake CPU tensors for which ``kernels.dispatch.device_type`` answers cuda:
+    ``simulate/``),
     fp16 or bf16, a head dim that is a multiple of 8 up to 256 (torch's flash rules on sm80+).
     Never while torch.compile traces: a simulation runs eager, and reading the simulated device (a
     context variable) would break the graph."""

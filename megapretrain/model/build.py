@@ -15,9 +15,10 @@ from types import MethodType
 
 import torch
 
-from .. import kernels
 from ..config import Config
 from ..errors import ConfigError
+from ..kernels._triton import use_triton
+from ..kernels.dispatch import device_type
 from ..parallel.fp8 import WeightCasts
 from ..parallel.layout import Layout, chunk_layers
 from ..parallel.pipeline import V_SHAPED, Placement
@@ -74,8 +75,8 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
 def resolve_kernels(choice: str, device: torch.device) -> str:
     """``model.kernels`` on ``device``: "triton" (kernels/) or "torch". auto: Triton on CUDA, and on
     CPU only under Triton's interpreter (``TRITON_INTERPRET=1``); torch otherwise."""
-    kind = kernels.device_type(device)
-    runs = kernels.use_triton(kind)
+    kind = device_type(device)
+    runs = use_triton(kind)
     if choice == "triton" and not runs:
         raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")

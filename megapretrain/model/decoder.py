@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import device_type
+from ..kernels.dispatch import device_type
 from ..parallel.context import local_positions
 from ..parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from ..parallel.fp8 import WeightCasts

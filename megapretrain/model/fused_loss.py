@@ -45,7 +45,7 @@ import math
 import numpy as np
 import torch
 
-from ..kernels import device_type
+from ..kernels.dispatch import device_type
 from ..kernels.linear_cross_entropy import chunked_loss_and_grads, default_chunk_rows
 from ..parallel.state import Group
 

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .. import kernels
 from ..errors import ConfigError
+from ..kernels._triton import use_triton
 from ..kernels.adamw import decay_mask, fused_adamw_, grad_sq_sum
+from ..kernels.dispatch import device_type
 from ..parallel.data import Bucket, DataParallelBuffers
 from ..parallel.specs import ParamSpec
 from ..parallel.state import ParallelState
@@ -121,8 +122,8 @@ class FragmentState:
 def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
     """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
     CUDA (unless offloaded: the host steps), torch elsewhere."""
-    kind = kernels.device_type(device)
-    runs = kernels.use_triton(kind) and not offload
+    kind = device_type(device)
+    runs = use_triton(kind) and not offload
     if choice == "triton" and not runs:
         raise ConfigError(f"optim.impl=triton cannot run on {kind}: it needs triton and CUDA, or "
                           "TRITON_INTERPRET=1 on CPU (or set optim.impl=auto)")

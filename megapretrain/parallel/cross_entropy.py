@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import device_type
+from ..kernels.dispatch import device_type
 from .state import Group
 
 # fp32 bytes per chunk by device type. CPU: fits the L3 cache, and large enough that per-op

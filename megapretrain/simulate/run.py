@@ -6,10 +6,10 @@
   accepted and returns at once; groups of a 16,384-rank world are made in a fraction of a second);
 - ``FakeTensorMode``: every tensor has its shape, dtype and storage size but no data, so no byte
   of the model is allocated and no FLOP is computed;
-- for a GPU run, :func:`megapretrain.kernels.simulated_device`: the program chooses its kernels,
-  loss path and chunk sizes as on CUDA, and causal attention calls the flash op a GPU's dispatch
-  calls (``model/attention.py``: ``causal_attention``) — the fake tensors themselves stay CPU
-  tensors: torch builds without CUDA cannot differentiate fake CUDA ones,
+- for a GPU run, :func:`megapretrain.kernels.dispatch.simulated_device`: the program chooses its
+  kernels, loss path and chunk sizes as on CUDA, and causal attention calls the flash op a GPU's
+  dispatch calls (``model/attention.py``: ``causal_attention``) — the fake tensors themselves
+  stay CPU tensors: torch builds without CUDA cannot differentiate fake CUDA ones,
 
 it builds the real :class:`~megapretrain.trainer.Trainer` — model chunks (initialized on fake
 tensors: nothing is drawn), process groups, the optimizer's buffers, the pipeline schedule — with
@@ -36,7 +36,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..checkpoint.format import rank_state_size
 from ..config import Config
 from ..errors import ConfigError
-from ..kernels import simulated_device, use_triton
+from ..kernels._triton import use_triton
+from ..kernels.dispatch import simulated_device
 from ..model.attention import dense_document_mask
 from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState

@@ -1,6 +1,9 @@
-"""Fused kernels, installed as ``megapretrain.kernels``.
+"""Where the fused kernels run: the device type the program makes its choices for.
 
-Each module holds Triton kernels beside a plain-torch reference with the same signature:
+``kernels/`` is installed as ``megapretrain.kernels``, a namespace package: it has no
+``__init__.py``, so a regular package named ``kernels`` installed elsewhere (the hub's, which
+transformers imports) wins over this directory when the repository root is on ``sys.path``. Each
+module holds Triton kernels beside a plain-torch reference with the same signature:
 
 - :mod:`.rmsnorm`: RMSNorm forward and backward (weight grad reduced in two stages).
 - :mod:`.swiglu`: silu(gate) · up, the backward recomputing the activation.
@@ -13,9 +16,9 @@ Each module holds Triton kernels beside a plain-torch reference with the same si
   and the sum of squares of the grads for the grad norm.
 
 Each op is a ``torch.library.custom_op`` with a fake implementation (and an autograd formula where
-it has a gradient), so ``torch.compile`` traces it. Dispatch: the Triton kernel on CUDA, the
-reference on CPU, and Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported)
-to run the real kernels on CPU in tests.
+it has a gradient), so ``torch.compile`` traces it. Dispatch (:func:`._triton.use_triton`): the
+Triton kernel on CUDA, the reference on CPU, and Triton's interpreter (``TRITON_INTERPRET=1``, set
+before Triton is imported) to run the real kernels on CPU in tests.
 
 Where the program's choices depend on the device — which kernels, the output layer's loss path,
 chunk sizes — it asks :func:`device_type`: the tensors' own device type, or inside
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.util
-import os
 
 import torch
 
@@ -51,15 +52,3 @@ def device_type(device: torch.device | str) -> str:
     """The device type the program makes its choices for: ``device``'s, or the simulated one."""
     return _SIMULATED.get() or torch.device(device).type
 
-
-def triton_available() -> bool:
-    """Whether Triton is importable (the kernels' GPU path; optional on CPU)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(kind: str) -> bool:
-    """Run Triton kernels on CUDA, or on CPU under the interpreter; else use the torch reference.
-    ``kind``: a device type, as :func:`device_type` gives it."""
-    if not triton_available():
-        return False
-    return kind == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
