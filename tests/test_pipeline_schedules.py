@@ -12,14 +12,12 @@ from megapretrain.parallel.layout import chunk_layers
 from megapretrain.parallel.pipeline import (
     Op,
     Step,
-    bubble_theory,
+    SCHEDULES,
     forward_only_order,
     input_transfer,
     output_transfer,
     peak_in_flight,
-    placement,
     resolve_schedule,
-    schedule_order,
     simulate,
     transfer_rounds,
 )
@@ -38,14 +36,14 @@ def test_1f1b_matches_the_published_order():
         3: "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
     }
     for rank, want in expected.items():
-        assert text(schedule_order("1f1b", rank, 4, 1, 8)) == want
+        assert text(SCHEDULES["1f1b"].order(rank, 4, 1, 8)) == want
     # fewer micro-batches than stages: warmup is cut short, nothing runs twice
-    assert text(schedule_order("1f1b", 0, 4, 1, 2)) == "F0 F1 B0 B1"
+    assert text(SCHEDULES["1f1b"].order(0, 4, 1, 2)) == "F0 F1 B0 B1"
 
 
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (8, 3), (8, 16)])
 def test_1f1b_in_flight_bounded_and_bubble_matches_formula(pp, m):
-    orders = [schedule_order("1f1b", r, pp, 1, m) for r in range(pp)]
+    orders = [SCHEDULES["1f1b"].order(r, pp, 1, m) for r in range(pp)]
     for r, order in enumerate(orders):
         assert sorted(order, key=lambda o: (o.kind, o.micro)) == \
             sorted([Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)],
@@ -57,20 +55,20 @@ def test_1f1b_in_flight_bounded_and_bubble_matches_formula(pp, m):
 
 
 def test_gpipe_keeps_every_micro_batch_in_flight():
-    orders = [schedule_order("gpipe", r, 4, 1, 6) for r in range(4)]
+    orders = [SCHEDULES["gpipe"].order(r, 4, 1, 6) for r in range(4)]
     assert all(peak_in_flight(o) == 6 for o in orders)
     assert simulate(orders, 4, 1)["idle_fraction"][0] == pytest.approx(3 / (6 + 3))
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 6), (4, 2, 4), (3, 2, 9)])
 def test_interleaved_bubble_shrinks_by_vpp(pp, vpp, m):
-    orders = [schedule_order("interleaved", r, pp, vpp, m) for r in range(pp)]
+    orders = [SCHEDULES["interleaved"].order(r, pp, vpp, m) for r in range(pp)]
     for order in orders:
         assert len(order) == 2 * m * vpp and len(set(order)) == len(order)
     chunk_cost = 1.0 / vpp  # a chunk holds 1/vpp of a stage's layers
     sim = simulate(orders, pp, vpp, chunk_cost, chunk_cost)
     bubble = sim["makespan"] - 2 * m
-    plain_bubble = simulate([schedule_order("1f1b", r, pp, 1, m) for r in range(pp)], pp, 1)["makespan"] - 2 * m
+    plain_bubble = simulate([SCHEDULES["1f1b"].order(r, pp, 1, m) for r in range(pp)], pp, 1)["makespan"] - 2 * m
     assert bubble == pytest.approx(plain_bubble / vpp)
 
 
@@ -81,16 +79,16 @@ def test_interleaved_runs_any_number_of_micro_batches_in_groups_of_pp():
     with the next multiple of pp, and no deadlock — down to fewer micro-batches than stages
     (Llama 3 405B's ramp-up on 16,384 GPUs: 4 on 16 stages)."""
     # 2 stages, 2 chunks, 3 micro-batches: the group (0, 1) through chunk 0 then 1, then (2) the same way
-    forwards = [op for op in schedule_order("interleaved", 0, 2, 2, 3) if op.kind == "F"]
+    forwards = [op for op in SCHEDULES["interleaved"].order(0, 2, 2, 3) if op.kind == "F"]
     assert text(forwards) == "F0 F1 F0.1 F1.1 F2 F2.1"
     assert text(forward_only_order(2, 2, 3)) == text(forwards)
     for pp, vpp, m in [(2, 2, 3), (4, 2, 6), (4, 3, 7), (4, 2, 2), (16, 2, 4), (16, 2, 14), (5, 2, 12)]:
-        orders = [schedule_order("interleaved", r, pp, vpp, m) for r in range(pp)]
+        orders = [SCHEDULES["interleaved"].order(r, pp, vpp, m) for r in range(pp)]
         every = sorted((Op(k, i, c) for k in "FB" for i in range(m) for c in range(vpp)), key=repr)
         full = -(-m // pp) * pp
         for r, order in enumerate(orders):
             assert sorted(order, key=repr) == every, (pp, vpp, m, r)
-            assert peak_in_flight(order) <= peak_in_flight(schedule_order("interleaved", r, pp, vpp, full))
+            assert peak_in_flight(order) <= peak_in_flight(SCHEDULES["interleaved"].order(r, pp, vpp, full))
         simulate(orders, pp, vpp)  # raises on deadlock
         _check_rounds("interleaved", pp, vpp, m, orders, False)
 
@@ -104,7 +102,7 @@ def test_every_valid_small_grid_combination_is_deadlock_free():
                 except PipelineError:
                     assert pp == 1 and vpp > 1
                     continue
-                orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
+                orders = kind.orders(pp, vpp, m)
                 simulate(orders, pp, vpp)  # raises on deadlock
                 if pp > 1:
                     simulate([forward_only_order(pp, vpp, m)] * pp, pp, vpp)
@@ -189,11 +187,11 @@ def test_communication_rounds_pair_every_send_and_deliver_in_time():
             for m in range(1, 10):
                 for kind in ("gpipe", "1f1b", "interleaved"):
                     try:
-                        if resolve_schedule(kind, pp, vpp, m) != kind:
+                        if resolve_schedule(kind, pp, vpp, m).name != kind:
                             continue
                     except PipelineError:
                         continue
-                    for orders in ([schedule_order(kind, r, pp, vpp, m) for r in range(pp)],
+                    for orders in ([SCHEDULES[kind].order(r, pp, vpp, m) for r in range(pp)],
                                    [forward_only_order(pp, vpp, m)] * pp):
                         _check_rounds(kind, pp, vpp, m, orders, False)
 
@@ -204,9 +202,9 @@ def test_every_op_of_the_zero_bubble_schedules_runs_without_deadlock(kind, vpp):
     a W after its B, the replay and the rounds (as NCCL would run them) never stuck."""
     for pp in range(2, 9):
         for m in range(1, 17):
-            assert resolve_schedule(kind, pp, vpp, m) == kind
-            orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
-            v = placement(kind, pp, vpp).v_shape
+            assert resolve_schedule(kind, pp, vpp, m).name == kind
+            orders = [SCHEDULES[kind].order(r, pp, vpp, m) for r in range(pp)]
+            v = SCHEDULES[kind].v_shape
             kinds = "FBW" if kind != "1f1b" else "FB"
             for order in orders:
                 assert sorted(order, key=repr) == sorted(
@@ -224,9 +222,9 @@ def test_zb_h1_matches_the_published_order():
     # deferred by the stage's index, the last stage's last three W filling its cooldown
     def text_w(order):
         return " ".join(f"{op.kind}{op.micro}" for op in order)
-    assert text_w(schedule_order("zb_h1", 0, 4, 1, 8)) == \
+    assert text_w(SCHEDULES["zb_h1"].order(0, 4, 1, 8)) == \
         "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
-    assert text_w(schedule_order("zb_h1", 3, 4, 1, 8)) == \
+    assert text_w(SCHEDULES["zb_h1"].order(3, 4, 1, 8)) == \
         "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
 
 
@@ -241,11 +239,11 @@ def test_measured_bubble_equals_theory(kind):
         for m in range(1, 17):
             if kind == "interleaved" and m % pp:
                 continue
-            orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
+            orders = [SCHEDULES[kind].order(r, pp, vpp, m) for r in range(pp)]
             for f, b, w in costs:
-                sim = simulate(orders, pp, vpp, f, b, w, v_shape=placement(kind, pp, vpp).v_shape)
+                sim = simulate(orders, pp, vpp, f, b, w, v_shape=SCHEDULES[kind].v_shape)
                 busy = m * vpp * (f + b)  # every stage runs every chunk's forward and whole backward
-                assert sim["makespan"] - busy == pytest.approx(bubble_theory(kind, pp, vpp, m, f, b, w)), (pp, m)
+                assert sim["makespan"] - busy == pytest.approx(SCHEDULES[kind].idle(pp, vpp, m, f, b, w)), (pp, m)
                 for idle in sim["idle_fraction"]:
                     assert idle * sim["makespan"] == pytest.approx(sim["makespan"] - busy)
 
@@ -255,10 +253,10 @@ def test_zero_bubble_schedules_cut_the_bubble_at_1f1b_memory():
     third of 1F1B, ZB-V a sixth; no stage of either holds more micro-batches' activations than
     1F1B's first stage (pp of them; ZB-V's chunks are half a stage each)."""
     pp, m = 4, 16
-    one = simulate([schedule_order("1f1b", r, pp, 1, m) for r in range(pp)], pp, 1, 1.0, 2.0)
-    h1_orders = [schedule_order("zb_h1", r, pp, 1, m) for r in range(pp)]
+    one = simulate([SCHEDULES["1f1b"].order(r, pp, 1, m) for r in range(pp)], pp, 1, 1.0, 2.0)
+    h1_orders = [SCHEDULES["zb_h1"].order(r, pp, 1, m) for r in range(pp)]
     h1 = simulate(h1_orders, pp, 1, 1.0, 2.0, 1.0)
-    v_orders = [schedule_order("zbv", r, pp, 2, m) for r in range(pp)]
+    v_orders = [SCHEDULES["zbv"].order(r, pp, 2, m) for r in range(pp)]
     v = simulate(v_orders, pp, 2, 0.5, 1.0, 0.5, v_shape=True)  # a chunk is half a stage
     busy = 3 * m
     assert h1["makespan"] - busy == pytest.approx((one["makespan"] - busy) / 3)
@@ -269,7 +267,7 @@ def test_zero_bubble_schedules_cut_the_bubble_at_1f1b_memory():
 
 def test_blocking_replay_catches_sends_posted_before_receives():
     # each stage sending before it receives, in separate batches: the unbatched-p2p NCCL deadlock
-    orders = [schedule_order("1f1b", r, 2, 1, 4) for r in range(2)]
+    orders = [SCHEDULES["1f1b"].order(r, 2, 1, 4) for r in range(2)]
     plans = transfer_rounds(orders, 2, 1)
     _blocking_replay(plans)
     split = [[x for s in steps for x in (Step(s.round, s.sends, (), None), Step(s.round, (), s.recvs, s.op))]
@@ -279,7 +277,7 @@ def test_blocking_replay_catches_sends_posted_before_receives():
 
 
 def test_a_bad_order_is_caught_as_deadlock():
-    good = [schedule_order("1f1b", r, 2, 1, 2) for r in range(2)]
+    good = [SCHEDULES["1f1b"].order(r, 2, 1, 2) for r in range(2)]
     bad = [list(reversed(good[0])), good[1]]
     with pytest.raises(PipelineError, match="deadlocks"):
         simulate(bad, 2, 1)
