@@ -77,7 +77,8 @@ def test_recorded_1f1b_trace(pp, corpus, tmp_path):
     for rank, records in enumerate(traces):
         assert [r["iter"] for r in records] == [1, 2]
         for r in records:
-            expected = [f"{op.kind}{op.micro}.{op.chunk}" for op in SCHEDULES["1f1b"].order(rank, pp, 1, 6)]
+            order = SCHEDULES["1f1b"].order(rank, pp, 1, 6)
+            expected = [f"{op.kind}{op.micro}.{op.chunk}" for op in order]
             assert r["ops"] == expected and r["schedule"] == "1f1b"
             assert r["peak_in_flight"] == min(pp - rank, 6) <= pp
 
