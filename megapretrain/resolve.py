@@ -27,7 +27,7 @@ from .optim.lr_schedule import resolve_decay_iters
 from .optim.optimizer import check_optim
 from .parallel.context import check_cp_comm
 from .parallel.layout import Layout
-from .parallel.pipeline import resolve_schedule
+from .parallel.pipeline import SCHEDULES, Schedule, resolve_schedule
 from .recovery import check_recovery
 
 
@@ -44,7 +44,7 @@ class RunSizes:
     decay_iters: int
     iters: int               # optimizer steps of the run (train.iters, or derived from train.train_tokens)
     train_samples: int       # samples those steps consume (batch-size ramp-up included)
-    schedule: str = "none"   # the pipeline schedule, resolved (parallel.pp_schedule)
+    schedule: Schedule = SCHEDULES["none"]  # the pipeline schedule, resolved (parallel.pp_schedule)
     rampup: tuple | None = None  # train.rampup_batch_size
     fp8: str = ""            # what runs in FP8 (model/fp8.py's summary); "" with model.fp8 none
 
@@ -112,7 +112,7 @@ def _check_kernel_choice(cfg: Config) -> None:
                               f"TRITON_INTERPRET=1 before starting, or {name}=auto (torch on CPU)")
 
 
-def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> str:
+def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> Schedule:
     """The pipeline schedule, checked at the full batch and at every batch of a ramp-up."""
     p, per_step = cfg.parallel, layout.micro_batch * layout.dp
     full, *ramp = batches
@@ -122,7 +122,7 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> str:
         raise ConfigError(str(exc)) from None
     for batch in ramp:
         try:
-            resolve_schedule(p.pp_schedule, p.pp, p.vpp, batch // per_step)
+            schedule.check(p.pp, p.vpp, batch // per_step)
         except PipelineError as exc:
             raise ConfigError(f"train.rampup_batch_size={cfg.train.rampup_batch_size}, at batch {batch}: "
                               f"{exc}; or start the ramp-up at a batch that gives such a count, or set "

@@ -50,8 +50,9 @@ class RunState:
         self.args = model_chunks[0].args
         self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
         c = cfg.checkpoint
+        layout = ps.layout.meta(v_shape=sizes.schedule.v_shape)  # its chunks placed by the schedule
         self.checkpoints = CheckpointManager(cfg.run.dir, rank=ps.rank, world_size=ps.world_size,
-                                             layout=ps.layout.meta(), vocab_size=self.args.vocab_size,
+                                             layout=layout, vocab_size=self.args.vocab_size,
                                              padded_vocab=sizes.padded_vocab, keep_last=c.keep_last,
                                              keep_every=c.keep_every,
                                              milestones=milestone_iterations(c.milestone_fraction, sizes.iters),

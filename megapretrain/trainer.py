@@ -60,15 +60,7 @@ from .monitor.watchdog import Watchdog
 from .oom import OOM_EXIT, report_oom
 from .optim.optimizer import MixedPrecisionAdamW
 from .parallel.context import split_to_cp
-from .parallel.pipeline import (
-    P2P,
-    PipelineExecutor,
-    forward_only_order,
-    peak_in_flight,
-    placement,
-    schedule_order,
-    splits_backward,
-)
+from .parallel.pipeline import P2P, PipelineExecutor, peak_in_flight
 from .parallel.random import CP_SEED_STRIDE
 from .parallel.state import ParallelState
 from .parallel.tensor import DeferredGrads, defer_weight_grads
@@ -129,21 +121,20 @@ class Trainer:
         # output layer's check that it did is read at the next read point, not waited for per micro-batch
         self.optimizer.buffers.grad_scale_checks = []
         self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
-        self.pipeline_schedule = sizes.schedule
+        self.pipeline_schedule = schedule = sizes.schedule  # parallel/pipeline.py's Schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
-        place = placement(self.pipeline_schedule, ps.pp.size, cfg.parallel.vpp)
-        self.eval_orders = [forward_only_order(ps.pp.size, cfg.parallel.vpp, self.num_micro,
-                                               place.v_shape)] * ps.pp.size
+        self.eval_orders = [schedule.forward_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] \
+            * ps.pp.size
         act_seq = t.seq_length // ps.cp.size  # a stage hands on its cp share of each sample
         act_seq //= ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else 1
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
         # zero-bubble schedules: each backward's linear weight gradients wait for the schedule's W op
-        deferred = DeferredGrads(weakref.ref(self.optimizer.buffers)) if splits_backward(self.pipeline_schedule) \
+        deferred = DeferredGrads(weakref.ref(self.optimizer.buffers)) if schedule.split_backward \
             else None
         defer_weight_grads(self.model_chunks, deferred)
         self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p, self.optimizer.grad_sync,
-                                         record=cfg.parallel.pp_trace, v_shape=place.v_shape, deferred=deferred)
+                                         schedule, record=cfg.parallel.pp_trace, deferred=deferred)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
         self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
 
@@ -187,7 +178,8 @@ class Trainer:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
-                now = {**ps.layout.meta(), "padded_vocab": sizes.padded_vocab}
+                now = {**ps.layout.meta(v_shape=sizes.schedule.v_shape),
+                       "padded_vocab": sizes.padded_vocab}
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
                          f"{self.run.resharded_from} to {now} (dropout's random streams restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
@@ -400,8 +392,7 @@ class Trainer:
         num_micro = batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)
         if num_micro not in self._train_orders:
             pp, vpp = self.ps.pp.size, self.cfg.parallel.vpp  # every stage's: the executor plans transfers from all
-            self._train_orders[num_micro] = [schedule_order(self.pipeline_schedule, r, pp, vpp, num_micro)
-                                             for r in range(pp)]
+            self._train_orders[num_micro] = self.pipeline_schedule.orders(pp, vpp, num_micro)
         return self._train_orders[num_micro], num_micro
 
     def _forward_fn(self, batches: list, loss_sum: torch.Tensor, scale: float):
@@ -557,7 +548,8 @@ class Trainer:
         """Append this rank's schedule of the step just run to RUN_DIR/pipeline_trace_rankN.jsonl."""
         ops = [f"{op.kind}{op.micro}.{op.chunk}" for op in self.pipeline.trace]
         record = {"iter": self.iteration, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
-                  "schedule": self.pipeline_schedule, "ops": ops, "peak_in_flight": peak_in_flight(self.pipeline.trace)}
+                  "schedule": self.pipeline_schedule.name, "ops": ops,
+                  "peak_in_flight": peak_in_flight(self.pipeline.trace)}
         path = os.path.join(self.cfg.run.dir, f"pipeline_trace_rank{self.ps.rank}.jsonl")
         with open(path, "a") as fh:
             fh.write(json.dumps(record) + "\n")

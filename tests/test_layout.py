@@ -20,6 +20,7 @@ from megapretrain.config import ConfigError, load_config
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.oom import remedies
 from megapretrain.parallel.layout import Layout
+from megapretrain.parallel.pipeline import SCHEDULES
 from megapretrain.parallel.state import grid_groups
 from megapretrain.planner import GIB, estimate_run
 from megapretrain.resolve import resolve
@@ -59,9 +60,10 @@ def test_coords_invert_the_grid(shape):
 
 def test_meta_round_trip_and_checkpoints_saved_before_cp():
     layout = Layout(tp=2, pp=4, dp=8, cp=2, vpp=2, zero=3)
-    meta = layout.meta()
+    meta = layout.meta(v_shape=False)
     assert meta == {"tp": 2, "pp": 4, "dp": 8, "cp": 2, "vpp": 2}  # vpp: which layers each stage holds
-    assert Layout(tp=2, pp=4, dp=8, cp=2, vpp=2, pp_schedule="zbv").meta()["placement"] == "v"
+    zbv = Layout(tp=2, pp=4, dp=8, cp=2, vpp=2, pp_schedule="zbv")
+    assert zbv.meta(v_shape=SCHEDULES["zbv"].v_shape)["placement"] == "v"
     back = Layout.from_meta(json.loads(json.dumps(meta)))
     assert back.all_coords() == layout.all_coords()
     old = Layout.from_meta({"tp": 2, "pp": 1, "dp": 2})
@@ -94,7 +96,7 @@ def test_resolve_hands_one_layout_to_the_sizes():
     run = resolve(cfg, 8)
     assert run.sizes.layout is run.layout
     assert (run.sizes.tp, run.sizes.pp, run.sizes.dp, run.sizes.world_size) == (2, 2, 2, 8)
-    assert run.sizes.schedule == "1f1b" and run.model.num_layers == cfg.model.num_layers
+    assert run.sizes.schedule.name == "1f1b" and run.model.num_layers == cfg.model.num_layers
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-5])

@@ -71,13 +71,14 @@ def _traced(rank, world, run_dir, corpus):
 def test_recorded_1f1b_trace(pp, corpus, tmp_path):
     """The trainer runs the published 1F1B order (6 micro-batches) and never holds more than pp
     micro-batches' activations — read from the trace each rank writes."""
-    from megapretrain.parallel.pipeline import schedule_order
+    from megapretrain.parallel.pipeline import SCHEDULES
 
     traces = run_distributed(_traced, pp, str(tmp_path), corpus, timeout=300)
     for rank, records in enumerate(traces):
         assert [r["iter"] for r in records] == [1, 2]
         for r in records:
-            expected = [f"{op.kind}{op.micro}.{op.chunk}" for op in schedule_order("1f1b", rank, pp, 1, 6)]
+            order = SCHEDULES["1f1b"].order(rank, pp, 1, 6)
+            expected = [f"{op.kind}{op.micro}.{op.chunk}" for op in order]
             assert r["ops"] == expected and r["schedule"] == "1f1b"
             assert r["peak_in_flight"] == min(pp - rank, 6) <= pp
 

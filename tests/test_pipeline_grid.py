@@ -7,7 +7,7 @@ import torch
 
 from megapretrain.errors import PipelineError
 from megapretrain.parallel.layout import chunk_layers
-from megapretrain.parallel.pipeline import P2P, PipelineExecutor, resolve_schedule, schedule_order
+from megapretrain.parallel.pipeline import P2P, SCHEDULES, PipelineExecutor, resolve_schedule
 from megapretrain.parallel.state import ParallelState
 
 from distributed import run_distributed
@@ -32,7 +32,7 @@ def _grid(rank, world, combos):
             chunks.append(model)
         p2p = P2P(ps.pp, (MBS, SEQ, args.hidden_size), torch.float32, torch.device("cpu"))
         executor = PipelineExecutor(ps.pp_rank, world, vpp, p2p,
-                                    lambda last, split=None: torch.enable_grad())
+                                    lambda last, split=None: torch.enable_grad(), SCHEDULES[kind])
         losses, outputs = [], []
 
         def forward(chunk, micro, hidden, chunks=chunks, losses=losses, outputs=outputs):
@@ -46,7 +46,7 @@ def _grid(rank, world, combos):
             outputs.append(out)
             return out
 
-        executor.run([schedule_order(kind, r, world, vpp, m) for r in range(world)], m, forward)
+        executor.run(SCHEDULES[kind].orders(world, vpp, m), m, forward)
         # every activation sent on was released once the next stage had it
         completed.append((vpp, m, kind, len(losses), [o.numel() for o in outputs] == [1] * len(outputs)))
     return completed
@@ -57,9 +57,10 @@ def test_every_valid_combination_completes(pp):
     combos = []
     for vpp in (1, 2):
         for m in range(1, 9):
-            for kind in ("gpipe", "1f1b", "interleaved"):
+            # every schedule whose backward runs whole (tests/test_zero_bubble.py runs the others)
+            for kind in (s.name for s in SCHEDULES.values() if not s.split_backward):
                 try:
-                    if resolve_schedule(kind, pp, vpp, m) == kind:
+                    if resolve_schedule(kind, pp, vpp, m).name == kind:
                         combos.append((vpp, m, kind))
                 except PipelineError:
                     continue

@@ -230,7 +230,7 @@ def test_plot_schedule_bad_input_is_one_line(tmp_path, capsys):
 def test_plot_schedule_draws_pipeline_schedules_side_by_side(tmp_path, capsys):
     """--pipeline: one panel per schedule on one time axis, each one's idle share printed (at pp 4, 8
     micro-batches and a backward of 2 with a weight gradient of 1: 1F1B 9/33, ZB-H1 3/27, ZB-V
-    1.5/25.5 — the formulas of parallel/pipeline.py's bubble_theory)."""
+    1.5/25.5 — the formulas of parallel/pipeline.py's Schedule.idle)."""
     out = tmp_path / "pipeline.png"
     assert plot_schedule.main(["--pipeline", "--pp", "4", "--micro-batches", "8", "--output", str(out)]) == 0
     assert_png(out)

@@ -156,7 +156,7 @@ def test_llama3_405b_ramp_up_resolves_at_16384_gpus():
     assert cfg.train.rampup_batch_size[0] == 512
     run = resolve(cfg, 16384)
     assert (run.layout.tp, run.layout.pp, run.layout.dp, run.layout.vpp) == (8, 16, 128, 2)
-    assert run.sizes.schedule == "interleaved" and rampup_refusal(cfg, 16384) is None
+    assert run.sizes.schedule.name == "interleaved" and rampup_refusal(cfg, 16384) is None
 
 
 @pytest.mark.parametrize("layout", [

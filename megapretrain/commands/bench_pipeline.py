@@ -38,18 +38,15 @@ from megapretrain.model.build import build_model_chunks
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.pipeline import (
     P2P,
+    SCHEDULES,
     PipelineExecutor,
     peak_in_flight,
-    placement,
-    resolve_schedule,
-    schedule_order,
     simulate,
-    splits_backward,
 )
 from megapretrain.parallel.state import ParallelState
 from megapretrain.parallel.tensor import DeferredGrads, defer_weight_grads
 
-VPP = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved": 2, "zbv": 2}
+VPP = {s.name: s.shown_vpp for s in SCHEDULES.values() if s.pipelines}  # the chunks each runs with
 
 
 def parse_args(argv=None):
@@ -85,8 +82,7 @@ def check(a) -> None:
     """Refuse, in one line, a layout some schedule cannot run, before any process starts."""
     from megapretrain.resolve import resolve
     for schedule in a.schedules:
-        resolve(config(a, schedule), a.pp)
-        resolve_schedule(schedule, a.pp, VPP[schedule], a.micro_batches)
+        resolve(config(a, schedule), a.pp)  # the schedule's rules at this pp, vpp and micro-batches
 
 
 class Timeline:
@@ -107,12 +103,12 @@ class Timeline:
 
 def run_schedule(ps: ParallelState, a, schedule: str) -> dict:
     cfg = config(a, schedule)
-    vpp, m = VPP[schedule], a.micro_batches
+    vpp, m, kind = VPP[schedule], a.micro_batches, SCHEDULES[schedule]
     torch.manual_seed(0)
     chunks, specs = build_model_chunks(cfg, ps)
     opt = MixedPrecisionAdamW([np for c in chunks for np in c.named_parameters()], specs, cfg.optim, "fp32", ps)
     opt.hook_models(chunks)
-    deferred = DeferredGrads(weakref.ref(opt.buffers)) if splits_backward(schedule) else None
+    deferred = DeferredGrads(weakref.ref(opt.buffers)) if kind.split_backward else None
     defer_weight_grads(chunks, deferred)
     line = Timeline()
 
@@ -122,9 +118,9 @@ def run_schedule(ps: ParallelState, a, schedule: str) -> dict:
             yield
 
     p2p = P2P(ps.pp, (a.micro_batch, a.seq, a.hidden), torch.float32, torch.device("cpu"))
-    executor = PipelineExecutor(ps.pp_rank, a.pp, vpp, p2p, grad_sync, record=True,
-                                v_shape=placement(schedule, a.pp, vpp).v_shape, deferred=deferred)
-    orders = [schedule_order(schedule, r, a.pp, vpp, m) for r in range(a.pp)]
+    executor = PipelineExecutor(ps.pp_rank, a.pp, vpp, p2p, grad_sync, kind, record=True,
+                                deferred=deferred)
+    orders = kind.orders(a.pp, vpp, m)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, a.vocab, (m, a.micro_batch, a.seq + 1), generator=g)
     scale = 1.0 / (m * a.micro_batch * a.seq)
@@ -178,10 +174,10 @@ def summarise(schedule: str, stages: list[dict], pp: int) -> dict:
     busy = [sum(e - b for b, e, _, _ in stage) for stage in ops]
     mean = {k: statistics.mean([e - b for stage in ops for b, e, kind, _ in stage if kind == k] or [0.0])
             for k in "FBW"}
-    vpp, orders = VPP[schedule], stages[0][schedule]["orders"]
-    split = splits_backward(schedule)
+    vpp, orders, kind = VPP[schedule], stages[0][schedule]["orders"], SCHEDULES[schedule]
+    split = kind.split_backward
     sim = simulate(orders, pp, vpp, mean["F"], mean["B"] + mean["W"] if split else mean["B"],
-                   mean["W"] if split else 0.0, v_shape=placement(schedule, pp, vpp).v_shape)
+                   mean["W"] if split else 0.0, v_shape=kind.v_shape)
     return {"step": statistics.median(s[schedule]["step"] for s in stages), "span": span,
             "idle": [1 - b / span for b in busy], "predicted": sim["makespan"], "predicted_idle": sim["idle_fraction"],
             "mean": mean, "peak": max(s[schedule]["peak"] for s in stages), "start": start}

@@ -320,7 +320,7 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
                            f"says vocab_size={hf['vocab_size']}")
-    layout = sizes.layout.meta()
+    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     size = layout_bytes(cfg, sizes.layout, moments=False)
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "from-hf") as bar:
         def state_at(pp_rank: int, tp_rank: int) -> dict:

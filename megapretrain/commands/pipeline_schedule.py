@@ -29,13 +29,13 @@ from megapretrain.cli import positive_float, positive_int, print_error, user_err
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError
 from megapretrain.parallel.pipeline import (
-    bubble_theory,
+    AUTO,
+    SCHEDULES,
+    Schedule,
     op_costs,
     peak_in_flight,
-    placement,
     replay,
     resolve_schedule,
-    schedule_order,
     simulate,
     transfer_rounds,
 )
@@ -45,17 +45,21 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    pipelined = [s.name for s in SCHEDULES.values() if s.pipelines]
+    described = "\n".join(f"  {s.name:<12} {s.description}" for s in SCHEDULES.values())
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Any other --section.key VALUE overrides the config.")
+                                 epilog="Any other --section.key VALUE overrides the config.\n\n"
+                                 f"schedules:\n{described}")
     ap.add_argument("--config", help="YAML config: take pp, vpp, schedule and micro-batches from it")
     ap.add_argument("--world-size", type=positive_int,
                     help="GPUs for --config (default: the count its first line names)")
     ap.add_argument("--pp", type=positive_int, help="pipeline stages (without --config)")
     ap.add_argument("--vpp", type=positive_int, default=1, help="virtual chunks per stage (without --config)")
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step and dp rank (without --config)")
-    ap.add_argument("--schedule", default="auto",
-                    help="auto, gpipe, 1f1b, interleaved, zb_h1 or zbv (without --config)")
+    ap.add_argument("--schedule", default=AUTO,
+                    help=f"{', '.join([AUTO, *pipelined[:-1]])} or {pipelined[-1]} "
+                         "(without --config)")
     ap.add_argument("--backward-cost", type=positive_float, default=2.0, help="a backward's cost, a forward's being 1")
     ap.add_argument("--weight-cost", type=positive_float, default=None,
                     help="the weight-gradient part of the backward, run as W by zb_h1 and zbv (default: half)")
@@ -126,10 +130,11 @@ def timeline(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float = 0.0
     return rows
 
 
-def theory_line(kind: str, pp: int, vpp: int, m: int, b_cost: float, w_cost: float, busy: float) -> str:
+def theory_line(kind: Schedule, pp: int, vpp: int, m: int, b_cost: float, w_cost: float,
+                busy: float) -> str:
     """The schedule's bubble formula at these costs, where it has one (parallel/pipeline.py)."""
     try:
-        idle = bubble_theory(kind, pp, vpp, m, 1.0 / vpp, b_cost / vpp, w_cost / vpp)
+        idle = kind.idle(pp, vpp, m, 1.0 / vpp, b_cost / vpp, w_cost / vpp)
     except ValueError as why:
         return f"theory: {why}"
     return f"theory: idle {idle:g} forward-units per stage ({idle / (busy + idle):.1%} of the step)"
@@ -152,16 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a UserError goes through user_errors: the same line, exit 2
         print_error(err)
         return 2
-    orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
-    v = placement(kind, pp, vpp).v_shape
+    orders = kind.orders(pp, vpp, m)
+    v = kind.v_shape
     b_cost, w_cost = args.backward_cost, args.weight_cost
     # costs of one chunk: a chunk holds 1/vpp of a stage's layers, so that a step's busy time is
     # the same under every schedule
     sim = simulate(orders, pp, vpp, 1.0 / vpp, b_cost / vpp, w_cost / vpp, v_shape=v)
     plans = transfer_rounds(orders, pp, vpp, v)
     ideal = m * (1.0 + b_cost)  # one stage's busy time
-    split = any(op.kind == "W" for op in orders[0])
-    print(f"{setup['title']} | schedule {kind} | {m} micro-batches per step | backward = "
+    split = kind.split_backward
+    print(f"{setup['title']} | schedule {kind.name} | {m} micro-batches per step | backward = "
           f"{b_cost:g} × forward" + (f", its weight gradient {w_cost:g} of it run as W ops" if split else ""))
     if setup["grid"]:
         print(setup["grid"])

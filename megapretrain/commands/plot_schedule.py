@@ -31,7 +31,7 @@ from megapretrain.config import ConfigError, load_config
 from megapretrain.data.sampler import batch_size_at, run_length
 from megapretrain.errors import UserError
 from megapretrain.optim.lr_schedule import LRSchedule
-from megapretrain.parallel.pipeline import placement, resolve_schedule, schedule_order
+from megapretrain.parallel.pipeline import SCHEDULES, resolve_schedule
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -73,19 +73,20 @@ def pipeline_panels(args, overrides: list[str]) -> tuple[str, list]:
         names = (args.schedules or "1f1b,zb_h1,zbv").split(",")
     panels = []
     for name in names:
-        vpp = 2 if name in ("interleaved", "zbv") else 1
+        vpp = SCHEDULES[name].shown_vpp if name in SCHEDULES else 1  # auto: one chunk per stage
         kind = resolve_schedule(name, pp, vpp, m)
-        orders = [schedule_order(kind, r, pp, vpp, m) for r in range(pp)]
-        v = placement(kind, pp, vpp).v_shape
+        orders = kind.orders(pp, vpp, m)
+        v = kind.v_shape
         b, w = args.backward_cost, args.weight_cost
         stages = spans(orders, pp, vpp, b / vpp, w / vpp, v, f_cost=1.0 / vpp)
         makespan = max(e for stage in stages for _, e, _ in stage)
         idle = 1 - m * (1 + b) / makespan
         chunked = vpp > 1
-        panels.append((f"{kind} (vpp {vpp}): step {makespan:g}, idle {idle:.1%}",
+        panels.append((f"{kind.name} (vpp {vpp}): step {makespan:g}, idle {idle:.1%}",
                        [[(s, e, op.kind, f"{op.kind}{op.micro}" + (f".{op.chunk}" if chunked else ""))
                          for s, e, op in stage] for stage in stages]))
-        print(f"{kind:>12}: step {makespan:g} forward-units, idle {idle:.1%} of it on every stage")
+        print(f"{kind.name:>12}: step {makespan:g} forward-units, idle {idle:.1%} of it on every "
+              "stage")
     return f"{title}, {m} micro-batches, backward {args.backward_cost:g} (weight gradient {args.weight_cost:g})", panels
 
 

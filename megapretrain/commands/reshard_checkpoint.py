@@ -65,7 +65,7 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     check_shapes(path, meta, shapes)  # every saved tensor has its place in the target
     saved = SavedShards(path, meta)
     saved_padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)
-    layout = sizes.layout.meta()
+    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     size = layout_bytes(cfg, sizes.layout, moments=True)
     start = time.perf_counter()
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "resharding") as bar:

@@ -21,7 +21,7 @@ from ..kernels._triton import use_triton
 from ..kernels.dispatch import device_type
 from ..parallel.fp8 import WeightCasts
 from ..parallel.layout import Layout, chunk_layers
-from ..parallel.pipeline import V_SHAPED, Placement
+from ..parallel.pipeline import Placement, layout_schedule, named_schedule
 from ..parallel.random import RNGTracker
 from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
@@ -62,7 +62,8 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
     turned on (``model.fp8``)."""
     args, p = model_args(cfg), cfg.parallel
-    chunks = _placed_chunks(args, tp, Placement(p.pp, p.vpp, p.pp_schedule in V_SHAPED), pp_rank, p.pipeline_layers,
+    place = named_schedule(p.pp_schedule, p.pp, p.vpp).placement(p.pp, p.vpp)
+    chunks = _placed_chunks(args, tp, place, pp_rank, p.pipeline_layers,
                             sequence_parallel=p.sequence_parallel, recompute=p.recompute, **kw)
     if cfg.model.fp8 != "none":
         weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
@@ -219,7 +220,7 @@ def stage_parameters(args: ModelArgs, layout: Layout, pp_rank: int,
     device: shapes only) with their specs, in ``named_parameters`` order — the trainer's order,
     which its data-parallel buffers are cut into buckets from (``parallel/data.py``)."""
     tp = Group("tp", list(range(layout.tp)), None, 0)  # no communication on meta
-    place = Placement(layout.pp, layout.vpp, layout.pp_schedule in V_SHAPED)
+    place = layout_schedule(layout).placement(layout.pp, layout.vpp)
     with torch.device("meta"):
         chunks = _placed_chunks(args, tp, place, pp_rank, list(layout.pipeline_layers) if layout.pipeline_layers
                                 else None, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,

@@ -164,26 +164,27 @@ class Layout:
         """Every rank's coordinates, by rank."""
         return [self.coords(r) for r in range(self.world_size)]
 
-    def chunk_layers(self, num_layers: int, pp_rank: int, v_shape: bool | None = None) -> list[list[int]]:
+    def chunk_layers(self, num_layers: int, pp_rank: int, v_shape: bool) -> list[list[int]]:
         """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks (chunk ``v`` of stage
         ``i`` is global chunk ``v·pp + i``; under ZB-V ``i`` and ``2·pp − 1 − i``). ``v_shape``:
-        the placement of another schedule than the layout's own (None: its own)."""
-        return chunk_layers(num_layers, self.pp, self.vpp, pp_rank,
-                            list(self.pipeline_layers) if self.pipeline_layers else None,
-                            v_shape=self.pp_schedule == "zbv" if v_shape is None else v_shape)
+        the schedule places its chunks in a V (``parallel/pipeline.py``'s ``Schedule``: the
+        layout holds only the schedule's name)."""
+        uneven = list(self.pipeline_layers) if self.pipeline_layers else None
+        return chunk_layers(num_layers, self.pp, self.vpp, pp_rank, uneven, v_shape=v_shape)
 
     # -- as a checkpoint records it -----------------------------------------------------------------
 
-    def meta(self) -> dict:
+    def meta(self, *, v_shape: bool) -> dict:
         """The layout as checkpoint metadata records it: what decides which tensors a rank file
         holds (tp, pp, dp, cp; ZeRO ranges are recorded beside it). Under pp, which layers a
         stage holds also depends on its chunks (vpp, their placement: interleaved, or ZB-V's V)
         and an uneven split: recorded where they differ from one even chunk per stage, so that a
-        run placing its layers otherwise reshards instead of reading another stage's layers."""
+        run placing its layers otherwise reshards instead of reading another stage's layers.
+        ``v_shape``: the run's schedule places its chunks in a V (its ``Schedule.v_shape``)."""
         meta = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp}
         if self.pp > 1 and self.vpp > 1:
             meta["vpp"] = self.vpp
-            if self.pp_schedule == "zbv":
+            if v_shape:
                 meta["placement"] = "v"
         if self.pp > 1 and self.pipeline_layers:
             meta["pipeline_layers"] = list(self.pipeline_layers)
@@ -207,7 +208,8 @@ class Layout:
                 + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
                 + (f"--parallel.cp_comm {self.cp_comm} " if self.cp > 1 else "")
                 + ("--parallel.tp_comm_overlap true " if self.tp_comm_overlap else "")
-                + (f"--parallel.pp_schedule {self.pp_schedule} " if self.pp_schedule != "auto" else "")
+                + (f"--parallel.pp_schedule {self.pp_schedule} "
+                   if self.pp_schedule != Layout.pp_schedule else "")  # said unless the default
                 + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
 
     def describe(self) -> str:

@@ -1,12 +1,15 @@
 """Pipeline parallelism: stage partitioning, point-to-point transfers, and the schedules.
 
 A schedule is only an *order*: the list of ``Op("F" | "B" | "W", micro, chunk)`` one stage runs
-in one step. :func:`schedule_order` builds it (no pipelining, GPipe, 1F1B, interleaved 1F1B, and
-the zero-bubble schedules ZB-H1 and ZB-V), and :class:`PipelineExecutor` runs any valid set of
-orders. "B" is a chunk's whole backward, or — where the order also holds "W" ops, as the
-zero-bubble schedules' do — only its input gradient: the weight gradients of its linears are
-deferred, and the chunk's "W" of that micro-batch computes them later, in what would otherwise be
-bubble (``parallel/tensor.py``'s :class:`DeferredGrads`).
+in one step. A :class:`Schedule` builds it and owns the rest of what is known of it (its
+placement, whether its backward splits, the pipeline sizes it runs, its bubble formula); the
+registry :data:`SCHEDULES` holds them by name (no pipelining, GPipe, 1F1B, interleaved 1F1B, and
+the zero-bubble schedules ZB-H1 and ZB-V), :func:`resolve_schedule` looks one up once, and
+:class:`PipelineExecutor` runs any valid set of orders. "B" is a chunk's whole backward, or —
+where the order also holds "W" ops, as the zero-bubble schedules' do — only its input gradient:
+the weight gradients of its linears are deferred, and the chunk's "W" of that micro-batch
+computes them later, in what would otherwise be bubble (``parallel/tensor.py``'s
+:class:`DeferredGrads`).
 
 Transfers go in *rounds* (:func:`transfer_rounds`). Replaying every stage's order with unit
 costs puts each op in a time slot; everything produced in slot t changes hands in round t + 1, in
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,9 @@ from torch.autograd import Variable
 
 from ..errors import PipelineError
 from .state import Group
+
+if TYPE_CHECKING:
+    from .layout import Layout
 
 _TAGS = {"act": 1, "grad": 2}
 
@@ -96,68 +103,24 @@ class Placement:
 # Schedules (orders)
 
 
-SCHEDULES = ("auto", "none", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
-V_SHAPED = ("zbv",)  # schedules whose chunks sit in a V (Placement.v_shape)
+def _one_stage(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
+    """No pipelining: each micro-batch's forward, then its backward."""
+    return [op for i in range(m) for op in (Op("F", i, 0), Op("B", i, 0))]
 
 
-SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose backward is B (input gradients) then W (weights)
+def _gpipe(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
+    """GPipe: every forward, then every backward."""
+    return [Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)]
 
 
-def splits_backward(kind: str) -> bool:
-    """Whether schedule ``kind`` runs each backward as a B and a later W op."""
-    return kind in SPLIT_BACKWARD
-
-
-def placement(kind: str, pp: int, vpp: int) -> Placement:
-    """Where schedule ``kind``'s chunks sit."""
-    return Placement(pp, vpp, kind in V_SHAPED)
-
-
-def resolve_schedule(kind: str, pp: int, vpp: int, num_micro: int) -> str:
-    """The pipeline schedule ``parallel.pp_schedule`` names at this layout, checking that it fits
-    (pp, vpp, micro-batches per step); :func:`schedule_order` builds its order."""
-    if kind not in SCHEDULES:
-        raise PipelineError(f"parallel.pp_schedule={kind!r} is not one of: {', '.join(SCHEDULES)}")
-    if vpp > 1 and pp == 1:
-        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave stages)")
-    if kind == "auto":
-        kind = "none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")
-    if kind in ("zb_h1", "zbv") and pp == 1:
-        raise PipelineError(f"parallel.pp_schedule={kind} needs parallel.pp > 1 (it fills a pipeline's bubble)")
-    if kind == "zbv" and vpp != 2:
-        raise PipelineError(f"parallel.pp_schedule=zbv runs two chunks per stage in a V: it needs parallel.vpp=2 "
-                            f"(is {vpp})")
-    if vpp > 1 and kind not in ("interleaved", "zbv"):
-        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule=interleaved (or auto, or zbv with vpp 2), "
-                            f"not {kind!r}")
-    if kind == "interleaved" and pp == 1:
-        raise PipelineError("parallel.pp_schedule=interleaved needs parallel.pp > 1")
-    if kind == "none" and pp > 1:
-        raise PipelineError("parallel.pp_schedule=none runs one stage; use gpipe, 1f1b or auto with parallel.pp > 1")
-    return kind
-
-
-def schedule_order(kind: str, pp_rank: int, pp: int, vpp: int, num_micro: int) -> list[Op]:
-    """The ordered forward/backward(/weight-gradient) ops of stage ``pp_rank`` for one step."""
-    m = num_micro
-    if kind == "none":
-        return [op for i in range(m) for op in (Op("F", i, 0), Op("B", i, 0))]
-    if kind == "gpipe":
-        return [Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)]
-    if kind == "1f1b":
-        warmup = min(pp - pp_rank - 1, m)
-        order = [Op("F", i, 0) for i in range(warmup)]                       # warmup: forwards only
-        for i in range(m - warmup):                                           # steady: one F, one B
-            order += [Op("F", warmup + i, 0), Op("B", i, 0)]
-        order += [Op("B", i, 0) for i in range(m - warmup, m)]                # cooldown: backwards
-        return order
-    if kind == "interleaved":
-        return _interleaved(pp_rank, pp, vpp, m)
-    if kind == "zb_h1":
-        return _zb_h1(pp_rank, pp, m)
-    if kind == "zbv":
-        return _zbv(pp_rank, pp, m)
-    raise PipelineError(f"unknown schedule {kind!r}")
+def _1f1b(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
+    """1F1B (PipeDream-Flush): pp − 1 − pp_rank forwards, then one forward and one backward."""
+    warmup = min(pp - pp_rank - 1, m)
+    order = [Op("F", i, 0) for i in range(warmup)]                       # warmup: forwards only
+    for i in range(m - warmup):                                           # steady: one F, one B
+        order += [Op("F", warmup + i, 0), Op("B", i, 0)]
+    order += [Op("B", i, 0) for i in range(m - warmup, m)]                # cooldown: backwards
+    return order
 
 
 def _interleaved_op(kind: str, k: int, pp: int, vpp: int) -> Op:
@@ -184,7 +147,7 @@ def _interleaved(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
     return [op for op in order if op.micro < m]
 
 
-def _zb_h1(pp_rank: int, pp: int, m: int) -> list[Op]:
+def _zb_h1(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
     """ZB-H1 (Qi et al., 2024): 1F1B's forwards and input-gradient backwards, each weight gradient
     deferred by ``pp_rank`` micro-batches: a stage's last ``pp_rank`` W ops fill the cooldown that
     1F1B leaves idle there, where the gradient has yet to travel back to the earlier stages. Every
@@ -205,7 +168,7 @@ def _zb_h1(pp_rank: int, pp: int, m: int) -> list[Op]:
     return order + [Op("W", i, 0) for i in range(deferred, m)]                # the deferred W ops fill the tail
 
 
-def _zbv(pp_rank: int, pp: int, m: int) -> list[Op]:
+def _zbv(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
     """ZB-V (Qi et al., 2024): two chunks per stage in a V (chunk 0 going down the stages, chunk 1
     coming back up, the head on stage 0), each backward split into B and W. Built for at least
     2·pp − 1 micro-batches and cut down to ``m`` (the ops of micro-batches past ``m`` dropped:
@@ -325,33 +288,214 @@ def simulate(orders: list[list[Op]], pp: int, vpp: int, f_cost: float = 1.0, b_c
                                                     for r in range(pp)]}
 
 
-def bubble_theory(kind: str, pp: int, vpp: int, m: int, f: float, b: float, w: float = 0.0) -> float:
-    """Each stage's idle time in one step of ``m`` micro-batches, by formula, for chunk costs ``f``
-    (forward), ``b`` (whole backward) and ``w`` (its weight-gradient part):
+# Each stage's idle time in one step of ``m`` micro-batches, by formula, for chunk costs ``f``
+# (forward), ``b`` (whole backward) and ``w`` (its weight-gradient part); :func:`simulate`
+# measures the same on the real orders (the tests check they agree).
 
-    - GPipe and 1F1B: (pp − 1)(f + b); interleaved (m a multiple of pp): the same over the vpp
-      chunks' shorter ops, (pp − 1)(f + b) with chunk costs;
-    - ZB-H1: (pp − 1)(f + b − w) − (min(m, pp) − 1)·w, i.e. (pp − 1)(f + b − 2w) from pp
-      micro-batches on: a third of 1F1B's bubble when f = b − w = w (for w ≤ f and w ≤ b − w);
-    - ZB-V, for f = b − w = w (= c): max(pp − 1, 2(2·pp − 1 − m))·c: pp − 1 chunk forwards
-      from ⌊3·pp/2⌋ micro-batches on, a sixth of 1F1B's (pp − 1)·6c.
 
-    :func:`simulate` measures the same on the real orders (the tests check they agree)."""
-    if kind == "interleaved" and m % pp:
-        raise ValueError("the interleaved formula holds for a multiple of pp micro-batches (a last, shorter "
-                         "group idles more)")
-    if kind in ("gpipe", "1f1b", "interleaved"):
-        return (pp - 1) * (f + b)
-    if kind == "zb_h1":
-        if w > min(f, b - w):
-            raise ValueError("the ZB-H1 formula holds for a weight gradient no longer than the forward or the "
-                             "input gradient")
-        return (pp - 1) * (f + b - w) - (min(m, pp) - 1) * w
-    if kind == "zbv":
-        if not f == b - w == w:
-            raise ValueError("the ZB-V formula holds for equal forward, input-gradient and weight-gradient times")
-        return max(pp - 1, 2 * (2 * pp - 1 - m)) * f
-    raise ValueError(f"no bubble formula for schedule {kind!r}")
+def _bubble_1f1b(pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
+    """GPipe and 1F1B: (pp − 1)(f + b)."""
+    return (pp - 1) * (f + b)
+
+
+def _bubble_interleaved(pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
+    """Interleaved (m a multiple of pp): 1F1B's over the vpp chunks' shorter ops, (pp − 1)(f + b)
+    with chunk costs."""
+    if m % pp:
+        raise ValueError("the interleaved formula holds for a multiple of pp micro-batches (a "
+                         "last, shorter group idles more)")
+    return (pp - 1) * (f + b)
+
+
+def _bubble_zb_h1(pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
+    """ZB-H1: (pp − 1)(f + b − w) − (min(m, pp) − 1)·w, i.e. (pp − 1)(f + b − 2w) from pp
+    micro-batches on: a third of 1F1B's bubble when f = b − w = w (for w ≤ f and w ≤ b − w)."""
+    if w > min(f, b - w):
+        raise ValueError("the ZB-H1 formula holds for a weight gradient no longer than the "
+                         "forward or the input gradient")
+    return (pp - 1) * (f + b - w) - (min(m, pp) - 1) * w
+
+
+def _bubble_zbv(pp: int, vpp: int, m: int, f: float, b: float, w: float) -> float:
+    """ZB-V, for f = b − w = w (= c): max(pp − 1, 2(2·pp − 1 − m))·c: pp − 1 chunk forwards from
+    ⌊3·pp/2⌋ micro-batches on, a sixth of 1F1B's (pp − 1)·6c."""
+    if not f == b - w == w:
+        raise ValueError("the ZB-V formula holds for equal forward, input-gradient and "
+                         "weight-gradient times")
+    return max(pp - 1, 2 * (2 * pp - 1 - m)) * f
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: everything the code asks about one, looked up once by name
+    (:func:`resolve_schedule`) and asked from then on — nothing compares schedule names.
+
+    - ``build(pp_rank, pp, vpp, micro_batches)``: the stage's ops of one step (:meth:`order`);
+    - ``v_shape``: its chunks sit in a V (ZB-V), else interleaved (:class:`Placement`);
+    - ``split_backward``: each backward runs as a B (input gradient) and a later W (weights):
+      its orders hold W ops, and the trainer defers the linears' weight gradients for them;
+    - ``stages``: the pipeline sizes it runs: ``"one"`` (pp 1), ``"many"`` (pp > 1) or ``"any"``,
+      ``stages_note`` said with its refusal;
+    - ``vpp``: the virtual chunks per stage it runs (None: any), ``vpp_note`` said with a refusal
+      of another count (where it runs more than one);
+    - ``memory_plateau``: past 2·pp micro-batches its peak of activations no longer grows (the
+      planner replays no more); ``whole_groups``: it runs micro-batches in groups of pp, a step
+      whose last group is short idling more (the planner replays such a step whole);
+    - ``bubble``: its idle time by formula (None: it has none), ``planned``: the planner's search
+      weighs it, ``description``: one line for help texts.
+    """
+    name: str
+    build: Callable[[int, int, int, int], list[Op]] = field(repr=False, compare=False)
+    description: str = ""
+    v_shape: bool = False
+    split_backward: bool = False
+    stages: str = "many"
+    stages_note: str = ""
+    vpp: int | None = 1
+    vpp_note: str = ""
+    memory_plateau: bool = False
+    whole_groups: bool = False
+    bubble: Callable[..., float] | None = field(default=None, repr=False, compare=False)
+    planned: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stages not in ("one", "many", "any"):
+            raise ValueError(f"schedule {self.name}: stages={self.stages!r} is not one, many, any")
+        if self.vpp is not None and self.vpp > 1 and not self.vpp_note:
+            raise ValueError(f"schedule {self.name}: a fixed vpp={self.vpp} needs the vpp_note its "
+                             "refusal of another count says")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def order(self, pp_rank: int, pp: int, vpp: int, num_micro: int) -> list[Op]:
+        """The ordered forward/backward(/weight-gradient) ops of stage ``pp_rank`` for one step."""
+        return self.build(pp_rank, pp, vpp, num_micro)
+
+    def orders(self, pp: int, vpp: int, num_micro: int) -> list[list[Op]]:
+        """Every stage's order of one step."""
+        return [self.order(r, pp, vpp, num_micro) for r in range(pp)]
+
+    def forward_order(self, pp: int, vpp: int, num_micro: int) -> list[Op]:
+        """Evaluation's order (every forward, no backward) under this schedule's placement."""
+        return forward_only_order(pp, vpp, num_micro, self.v_shape)
+
+    def placement(self, pp: int, vpp: int) -> Placement:
+        """Where this schedule's chunks sit."""
+        return Placement(pp, vpp, self.v_shape)
+
+    def check(self, pp: int, vpp: int, num_micro: int) -> None:
+        """Raise PipelineError, one line, unless the schedule runs ``pp`` stages of ``vpp``
+        chunks (any number of micro-batches: an order is cut down to fewer)."""
+        named = f"parallel.pp_schedule={self.name}"
+        if self.stages == "many" and pp == 1:
+            raise PipelineError(f"{named} needs parallel.pp > 1{self.stages_note}")
+        if self.vpp is not None and vpp != self.vpp and self.vpp > 1:
+            raise PipelineError(f"{named} {self.vpp_note}: it needs parallel.vpp={self.vpp} "
+                                f"(is {vpp})")
+        if self.vpp is not None and vpp != self.vpp:
+            chunked = [s.name if s.vpp is None else f"{s.name} with vpp {s.vpp}"
+                       for s in SCHEDULES.values() if s.vpp != 1]
+            others = "".join(f", or {c}" for c in chunked[1:])
+            raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp_schedule={chunked[0]} "
+                                f"(or auto{others}), not {self.name!r}")
+        if self.stages == "one" and pp > 1:
+            raise PipelineError(f"{named} runs one stage{self.stages_note}")
+
+    def accepts(self, pp: int, vpp: int, num_micro: int = 1) -> bool:
+        """Whether :meth:`check` lets it run at this size."""
+        try:
+            self.check(pp, vpp, num_micro)
+        except PipelineError:
+            return False
+        return True
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether it runs more than one stage."""
+        return self.stages != "one"
+
+    @property
+    def shown_vpp(self) -> int:
+        """The chunks per stage the tools draw and benchmark it with: its own count, 2 where any."""
+        return 2 if self.vpp is None else self.vpp
+
+    def idle(self, pp: int, vpp: int, m: int, f: float, b: float, w: float = 0.0) -> float:
+        """Each stage's idle time in one step of ``m`` micro-batches by the schedule's formula, for
+        chunk costs ``f`` (forward), ``b`` (whole backward) and ``w`` (its weight-gradient part);
+        ValueError where it has none, or the costs are outside the formula's."""
+        if self.bubble is None:
+            raise ValueError(f"no bubble formula for schedule {self.name!r}")
+        return self.bubble(pp, vpp, m, f, b, w)
+
+    def memory_micro(self, pp: int, m: int) -> int:
+        """Micro-batches whose order holds as many activations at its peak as ``m``'s (the
+        planner's memory model replays that many)."""
+        return min(m, 2 * pp) if self.memory_plateau else m
+
+    def bubble_micro(self, pp: int, m: int) -> int:
+        """Micro-batches whose replay idles as long as ``m``'s (the steady state from 2·pp on)."""
+        return m if self.whole_groups and m % pp else min(m, 2 * pp)
+
+
+_BUBBLE_NOTE = " (it fills a pipeline's bubble)"
+
+#: Every schedule ``parallel.pp_schedule`` names, by name (``auto`` chooses among them:
+#: :func:`named_schedule`). A new schedule is one entry here (docs/contributing.md).
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("none", _one_stage, "no pipelining: one stage, each micro-batch's forward, backward",
+             stages="one", stages_note="; use gpipe, 1f1b or auto with parallel.pp > 1",
+             planned=False),
+    Schedule("gpipe", _gpipe, "GPipe: every forward, then every backward (every micro-batch held)",
+             stages="any", bubble=_bubble_1f1b, planned=False),
+    Schedule("1f1b", _1f1b, "1F1B: a warmup of forwards, then one forward and one backward",
+             stages="any", memory_plateau=True, bubble=_bubble_1f1b),
+    Schedule("interleaved", _interleaved, "interleaved 1F1B: vpp chunks per stage, a vpp-th of "
+             "the bubble", vpp=None, memory_plateau=True, whole_groups=True,
+             bubble=_bubble_interleaved),
+    Schedule("zb_h1", _zb_h1, "ZB-H1: 1F1B with weight gradients deferred into the bubble",
+             split_backward=True, stages_note=_BUBBLE_NOTE, bubble=_bubble_zb_h1),
+    Schedule("zbv", _zbv, "ZB-V: two chunks per stage in a V, weight gradients in the bubble",
+             v_shape=True, split_backward=True, stages_note=_BUBBLE_NOTE, vpp=2,
+             vpp_note="runs two chunks per stage in a V", bubble=_bubble_zbv),
+)}
+AUTO = "auto"  # parallel.pp_schedule's default: the schedule :func:`named_schedule` picks
+NAMES = (AUTO, *SCHEDULES)  # what parallel.pp_schedule may say
+
+
+def named_schedule(name: str, pp: int, vpp: int) -> Schedule:
+    """The schedule ``name`` stands for at ``pp`` stages of ``vpp`` chunks (``auto``: none for
+    one stage, interleaved with virtual chunks, else 1F1B), its rules not checked."""
+    if name == AUTO:
+        return SCHEDULES["none" if pp == 1 else ("interleaved" if vpp > 1 else "1f1b")]
+    if name not in SCHEDULES:
+        raise PipelineError(f"parallel.pp_schedule={name!r} is not one of: {', '.join(NAMES)}")
+    return SCHEDULES[name]
+
+
+def layout_schedule(layout: Layout) -> Schedule:
+    """The schedule a layout's ``pp_schedule`` names at its pp and vpp (``auto`` chosen), its
+    rules not checked: the layout holds only the name."""
+    return named_schedule(layout.pp_schedule, layout.pp, layout.vpp)
+
+
+def resolve_schedule(name: str | Schedule, pp: int, vpp: int, num_micro: int,
+                     default: str = AUTO) -> Schedule:
+    """The pipeline schedule ``parallel.pp_schedule`` names at this layout, checking that it fits
+    (pp, vpp, micro-batches per step); a Schedule stands for itself. ``default``: what ``auto``
+    stands for first (a layout's own schedule, itself possibly ``auto``)."""
+    if isinstance(name, Schedule):
+        name = name.name
+    if name == AUTO:
+        name = default
+    if name not in NAMES:
+        raise PipelineError(f"parallel.pp_schedule={name!r} is not one of: {', '.join(NAMES)}")
+    if vpp > 1 and pp == 1:
+        raise PipelineError(f"parallel.vpp={vpp} needs parallel.pp > 1 (virtual chunks interleave "
+                            "stages)")
+    schedule = named_schedule(name, pp, vpp)
+    schedule.check(pp, vpp, num_micro)
+    return schedule
 
 
 def input_transfer(op: Op, stage: int, pp: int, vpp: int, v_shape: bool = False) -> Transfer | None:
@@ -449,22 +593,26 @@ class PipelineExecutor:
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
     embedding. ``grad_sync(last, split)`` wraps every backward and weight-gradient op (the data-parallel
     overlap hook); ``last`` is true for each chunk's ops of the final micro-batch, ``split`` is
-    ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. Orders with W ops
-    need ``deferred`` (``parallel/tensor.py``'s :class:`DeferredGrads` of this stage's chunks): a B
-    runs inside ``deferred.capture((micro, chunk))``, which keeps its linears' weight gradients
-    back, and the W runs them, ``deferred.flush((micro, chunk))``. With ``record`` set, ``trace``
-    keeps the ops of the latest run.
+    ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. A schedule whose
+    backward splits needs ``deferred`` (``parallel/tensor.py``'s :class:`DeferredGrads` of this
+    stage's chunks): a B runs inside ``deferred.capture((micro, chunk))``, which keeps its
+    linears' weight gradients back, and the W runs them, ``deferred.flush((micro, chunk))``. With
+    ``record`` set, ``trace`` keeps the ops of the latest run.
     """
     pp_rank: int
     pp: int
     vpp: int
     p2p: P2P | None
     grad_sync: Callable
+    schedule: Schedule  # the orders' schedule: where its chunks sit, whether it runs W ops
     record: bool = False
-    v_shape: bool = False  # chunks in a V (ZB-V): see Placement
     deferred: object | None = None
     trace: list = field(default_factory=list)
     _rounds: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def v_shape(self) -> bool:
+        return self.schedule.v_shape
 
     def steps_for(self, orders: list[list[Op]]) -> list[Step]:
         """This stage's steps for ``orders`` (one per stage), computed once per distinct schedule."""
@@ -478,7 +626,7 @@ class PipelineExecutor:
         saved: dict[tuple, tuple] = {}      # (micro, chunk) -> (input, output) kept for the backward
         inbox: dict[Transfer, torch.Tensor] = {}
         outbox: dict[Transfer, torch.Tensor] = {}
-        split = has_weight_ops(orders)
+        split = self.schedule.split_backward
         if split and self.deferred is None:
             raise ValueError("orders with W ops need the executor's deferred weight gradients")
         self.trace = list(orders[stage]) if self.record else []

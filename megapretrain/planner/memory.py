@@ -27,7 +27,7 @@ import functools
 from ..model.args import ModelArgs
 from ..model.families import layer_spec
 from ..parallel.layout import Layout
-from ..parallel.pipeline import Placement, peak_in_flight, placement, resolve_schedule, schedule_order, splits_backward
+from ..parallel.pipeline import Placement, Schedule, layout_schedule, resolve_schedule
 from .pipeline import deferred_bytes_per_token
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
@@ -39,19 +39,21 @@ def weight_bytes(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
-def chunk_placement(layout: Layout, schedule: str = "auto") -> Placement:
-    """Where ``schedule``'s chunks sit (``auto``: the layout's own schedule): interleaved, or in
+def chunk_placement(layout: Layout, schedule: Schedule | None = None) -> Placement:
+    """Where ``schedule``'s chunks sit (None: the layout's own schedule's): interleaved, or in
     ZB-V's V, whose first stage holds the first chunk and the last — the embedding and the head."""
-    return placement(layout.pp_schedule if schedule == "auto" else schedule, layout.pp, layout.vpp)
+    return (schedule or layout_schedule(layout)).placement(layout.pp, layout.vpp)
 
 
-def stage_layers(model: ModelArgs, layout: Layout, pp_rank: int, schedule: str = "auto") -> list[int]:
-    """Layers of each of the stage's ``vpp`` chunks under ``schedule``'s placement."""
-    v_shape = chunk_placement(layout, schedule).v_shape
+def chunk_layer_counts(model: ModelArgs, layout: Layout, pp_rank: int,
+                       schedule: Schedule | None = None) -> list[int]:
+    """How many layers each of the stage's ``vpp`` chunks holds under ``schedule``'s placement
+    (None: the layout's own schedule's), as :meth:`Layout.chunk_layers` places them."""
+    v_shape = (schedule or layout_schedule(layout)).v_shape
     return [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank, v_shape)]
 
 
-def head_chunk(layout: Layout, pp_rank: int, schedule: str = "auto") -> int | None:
+def head_chunk(layout: Layout, pp_rank: int, schedule: Schedule | None = None) -> int | None:
     """Which of stage ``pp_rank``'s chunks holds the output layer (None: none of them)."""
     place = chunk_placement(layout, schedule)
     mine = [v for v in range(layout.vpp) if place.global_chunk(pp_rank, v) == place.chunks - 1]
@@ -59,8 +61,9 @@ def head_chunk(layout: Layout, pp_rank: int, schedule: str = "auto") -> int | No
 
 
 def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[int, int, int],
-                 schedule: str = "auto") -> int:
-    """Parameters a rank of stage ``pp_rank`` holds (its tp share) under ``schedule``'s placement;
+                 schedule: Schedule | None = None) -> int:
+    """Parameters a rank of stage ``pp_rank`` holds (its tp share) under ``schedule``'s placement
+    (None: the layout's own schedule's);
     ``layer``: the (tp-split, replicated) parameters of one decoder layer and the head's replicated
     ones (the final norm)."""
     split, replicated, head = layer
@@ -68,25 +71,12 @@ def stage_params(model: ModelArgs, layout: Layout, pp_rank: int, layer: tuple[in
     place = chunk_placement(layout, schedule)
     first, last = place.stage_of(0) == pp_rank, place.stage_of(place.chunks - 1) == pp_rank
     vocab = model.padded_vocab(tp) // tp * model.hidden_size
-    params = sum(stage_layers(model, layout, pp_rank, schedule)) * (split // tp + replicated)
+    params = sum(chunk_layer_counts(model, layout, pp_rank, schedule)) * (split // tp + replicated)
     if first:
         params += vocab
     if last:
         params += head + (0 if model.tie_embeddings and first else vocab)
     return params
-
-
-def in_flight(layout: Layout, pp_rank: int, micro_batches: int, schedule: str) -> int:
-    """The most micro-batch chunks stage ``pp_rank`` keeps activations of, read off its schedule
-    (1F1B and interleaved: past 2·pp micro-batches the warmup, and so the peak, no longer grows)."""
-    kind = resolve_schedule(schedule, layout.pp, layout.vpp, micro_batches)
-    steady = kind in ("1f1b", "interleaved")
-    return _peak(kind, pp_rank, layout.pp, layout.vpp, min(micro_batches, 2 * layout.pp) if steady else micro_batches)
-
-
-@functools.cache
-def _peak(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int) -> int:
-    return peak_in_flight(schedule_order(kind, pp_rank, pp, vpp, micro_batches))
 
 
 def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision: str, kernels: str,
@@ -124,14 +114,15 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
 
 
 @functools.cache
-def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: int, chunks: tuple[int, ...],
-                    head: int | None, deferred: float) -> tuple[int, float, float, bool]:
+def _backward_start(schedule: Schedule, pp_rank: int, pp: int, vpp: int, micro_batches: int,
+                    chunks: tuple[int, ...], head: int | None,
+                    deferred: float) -> tuple[int, float, float, bool]:
     """At the backward that starts with the most activations held: the layers of its own micro-batch
     chunk, those of the others between their F and B, those between their B and W (a zero-bubble
     schedule's: each keeps ``deferred`` of a layer's activations for its W), and whether it is the
     head's chunk (``head``: this stage's chunk holding it, or None)."""
     best, held, waiting = (0, 0.0, 0.0, False), {}, {}
-    for op in schedule_order(kind, pp_rank, pp, vpp, micro_batches):
+    for op in schedule.order(pp_rank, pp, vpp, micro_batches):
         key = (op.micro, op.chunk)
         if op.kind == "F":
             held[key] = chunks[op.chunk]
@@ -142,7 +133,7 @@ def _backward_start(kind: str, pp_rank: int, pp: int, vpp: int, micro_batches: i
         others, kept = sum(held.values()) - held[key], sum(waiting.values())
         if held[key] + others + deferred * kept > best[0] + best[1] + deferred * best[2]:
             best = (held[key], others, kept, op.chunk == head)
-        if splits_backward(kind):
+        if schedule.split_backward:
             waiting[key] = held[key]
         del held[key]
     return best
@@ -168,7 +159,8 @@ def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: 
 
 
 def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
-                 layer: tuple[int, int, int], precision: str = "bf16", schedule: str = "auto",
+                 layer: tuple[int, int, int], precision: str = "bf16",
+                 schedule: str | Schedule = "auto",
                  kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
                  fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
@@ -183,9 +175,9 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     gradients, the fp32 gradients of the buckets being reduced (zero 2, 3)."""
     L, w = layout, weight_bytes(precision)
     n_shard = L.shard_ranks
-    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, L.pp, L.vpp, micro_batches)
+    kind = resolve_schedule(schedule, L.pp, L.vpp, micro_batches, default=L.pp_schedule)
     params = stage_params(model, L, pp_rank, layer, kind)
-    chunks = tuple(stage_layers(model, L, pp_rank, kind))
+    chunks = tuple(chunk_layer_counts(model, L, pp_rank, kind))
     tokens = L.micro_batch * seq // L.cp  # the rank's share of a micro-batch
     h, f = model.hidden_size, model.ffn_hidden_size // L.tp
     vocab_rows = model.padded_vocab(L.tp) // L.tp
@@ -196,7 +188,7 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
     out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0 + (1 / 8 if fused_adamw else 0.0)) \
         / (n_shard if L.zero >= 1 else 1)
-    steady = min(micro_batches, 2 * L.pp) if kind in ("1f1b", "interleaved") else micro_batches
+    steady = kind.memory_micro(L.pp, micro_batches)
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
     # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left out)
     deferred = tokens * deferred_bytes_per_token(model, L.tp, w)

@@ -62,11 +62,17 @@ from ..model.build import one_layer_specs
 from ..model.decoder import flops_per_token, num_parameters
 from ..monitor.flops import Device
 from ..parallel.layout import Layout, split_layers
-from ..parallel.pipeline import resolve_schedule, splits_backward
+from ..parallel.pipeline import Schedule, resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
-from .pipeline import deferred_bytes_per_token, head_stage, pipeline_model, schedules, stage_layers
+from .pipeline import (
+    deferred_bytes_per_token,
+    head_stage,
+    layers_per_stage,
+    pipeline_model,
+    schedules,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -253,7 +259,7 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
 
 
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, micro_batches: int,
-            schedule: str, attention: str) -> tuple[dict, float]:
+            schedule: Schedule, attention: str) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
     measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
     stage's parameters."""
@@ -305,8 +311,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
-    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, pp, vpp, m)
-    layers_on, per_chunk = stage_layers(model, L, kind)
+    kind = resolve_schedule(schedule, pp, vpp, m, default=L.pp_schedule)
+    layers_on, per_chunk = layers_per_stage(model, L, kind)
     last = head_stage(L, kind)
     sp, hidden, world = L.sequence_parallel, model.hidden_size, L.world_size
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
@@ -334,7 +340,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
             "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
     # a zero-bubble schedule's W makes the output layer's chunks of logits again (model/fused_loss.py)
-    head_redo = ht.matmul_f if splits_backward(kind) else 0.0
+    head_redo = ht.matmul_f if kind.split_backward else 0.0
 
     def stage(r: int) -> tuple[float, float]:
         head = r == last

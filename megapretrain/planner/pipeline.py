@@ -15,29 +15,24 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import PipelineError
 from ..model.args import ModelArgs
 from ..parallel.layout import Layout
-from ..parallel.pipeline import Op, placement, schedule_order, simulate
+from ..parallel.pipeline import SCHEDULES, Op, Schedule, simulate
 
 BF16 = 2.0
 
 
-def stage_layers(model: ModelArgs, layout: Layout, kind: str) -> tuple[list[int], int]:
-    """Layers on each stage (its chunks together) under schedule ``kind``'s placement, and the most
-    in one chunk."""
-    pp, vpp, n = layout.pp, layout.vpp, model.num_layers
-    chunks = layout.pipeline_layers or [n // (pp * vpp)] * (pp * vpp)
-    if len(chunks) != pp * vpp or sum(chunks) != n or min(chunks) < 1 or (
-            layout.pipeline_layers is None and n % (pp * vpp)):
-        raise PipelineError(f"{n} layers do not split into pp {pp} × vpp {vpp} chunks (give pipeline_layers)")
-    place = placement(kind, pp, vpp)
-    return [sum(chunks[place.global_chunk(r, v)] for v in range(vpp)) for r in range(pp)], max(chunks)
+def layers_per_stage(model: ModelArgs, layout: Layout, schedule: Schedule) -> tuple[list[int], int]:
+    """Layers on each stage (its chunks together) under ``schedule``'s placement, and the most in
+    one chunk, as :meth:`Layout.chunk_layers` places them."""
+    stages = [layout.chunk_layers(model.num_layers, r, schedule.v_shape) for r in range(layout.pp)]
+    most = max(len(ids) for chunks in stages for ids in chunks)
+    return [sum(map(len, chunks)) for chunks in stages], most
 
 
-def head_stage(layout: Layout, kind: str) -> int:
+def head_stage(layout: Layout, schedule: Schedule) -> int:
     """The stage holding the output layer and the loss: the last, or the first under V placement."""
-    place = placement(kind, layout.pp, layout.vpp)
+    place = schedule.placement(layout.pp, layout.vpp)
     return place.stage_of(place.chunks - 1)
 
 
@@ -73,26 +68,26 @@ def weighted_peak(order: list[Op], deferred: float) -> float:
 
 
 @functools.cache
-def pipeline_model(kind: str, pp: int, vpp: int, m: int, b_cost: float, w_cost: float,
+def pipeline_model(schedule: Schedule, pp: int, vpp: int, m: int, b_cost: float, w_cost: float,
                    deferred: float) -> tuple[float, float]:
-    """(step time over busy time, peak chunks' worth of activations on any stage) of schedule
-    ``kind``, replayed with a chunk's forward costing 1, its backward ``b_cost`` of which the
-    weight gradient is ``w_cost``. Past 2·pp micro-batches the idle time and the peak no longer
-    grow (steady state), so at most that many are replayed — unless an interleaved step ends in a
-    group shorter than pp (pp does not divide m), which is replayed whole."""
-    ms = m if kind == "interleaved" and m % pp else min(m, 2 * pp)
-    orders = [schedule_order(kind, r, pp, vpp, ms) for r in range(pp)]
-    sim = simulate(orders, pp, vpp, 1.0, b_cost, w_cost, v_shape=placement(kind, pp, vpp).v_shape)
+    """(step time over busy time, peak chunks' worth of activations on any stage) of ``schedule``,
+    replayed with a chunk's forward costing 1, its backward ``b_cost`` of which the weight
+    gradient is ``w_cost``. Past 2·pp micro-batches the idle time and the peak no longer grow
+    (steady state), so at most that many are replayed — unless the schedule runs groups of pp
+    and the step ends in a shorter one (:meth:`Schedule.bubble_micro`), which is replayed whole."""
+    ms = schedule.bubble_micro(pp, m)
+    orders = schedule.orders(pp, vpp, ms)
+    sim = simulate(orders, pp, vpp, 1.0, b_cost, w_cost, v_shape=schedule.v_shape)
     idle = sim["makespan"] - ms * vpp * (1.0 + b_cost)
     peak = max(weighted_peak(order, deferred) for order in orders)
     return 1.0 + max(0.0, idle) / (m * vpp * (1.0 + b_cost)), peak
 
 
 def schedules(pp: int, vpp: int) -> tuple[str, ...]:
-    """The schedules worth estimating for (pp, vpp): 1F1B and ZB-H1 without virtual chunks,
-    interleaved with them, and ZB-V (vpp 2)."""
+    """The schedules worth estimating for (pp, vpp): those the search weighs (``planned``) that
+    run it — at vpp 1 those made for one chunk per stage (1F1B, ZB-H1), not those for any count
+    (interleaved); ``auto`` for one stage."""
     if pp == 1:
         return ("auto",)
-    if vpp == 1:
-        return ("1f1b", "zb_h1")
-    return ("interleaved", "zbv") if vpp == 2 else ("interleaved",)
+    return tuple(s.name for s in SCHEDULES.values()
+                 if s.planned and s.accepts(pp, vpp) and (vpp > 1 or s.vpp == 1))

@@ -38,8 +38,8 @@ from ..model.args import ModelArgs
 from ..model.build import stage_parameters
 from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
-from ..parallel.pipeline import resolve_schedule, schedule_order
-from .memory import chunk_placement, stage_layers, weight_bytes
+from ..parallel.pipeline import Schedule, resolve_schedule
+from .memory import chunk_layer_counts, chunk_placement, weight_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,17 +72,19 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
     """A rank of stage ``pp_rank``: ``micro_batches`` per step and dp rank; ``device``: the program's
     (its loss chunks)."""
     out = Traffic()
+    L, micro = layout, micro_batches
+    kind = resolve_schedule(schedule, L.pp, L.vpp, micro, default=L.pp_schedule)
     by_chunk = stage_parameters(model, layout, pp_rank, DTYPES[precision])
-    chunks = stage_layers(model, layout, pp_rank, schedule)
-    _tensor_parallel(out, model, seq, layout, pp_rank, chunks, micro_batches, precision, device, schedule)
+    chunks = chunk_layer_counts(model, layout, pp_rank, kind)
+    _tensor_parallel(out, model, seq, layout, pp_rank, chunks, micro, precision, device, kind)
     _context_parallel(out, model, seq, layout, chunks, micro_batches, precision)
-    _pipeline(out, model, seq, layout, pp_rank, micro_batches, precision, schedule)
+    _pipeline(out, model, seq, layout, pp_rank, micro_batches, precision, kind)
     _data_parallel(out, layout, by_chunk, micro_batches, precision, bucket_mb, keep_gathered)
     return out
 
 
 def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, chunks: list[int],
-                     micro: int, precision: str, device: str, schedule: str) -> None:
+                     micro: int, precision: str, device: str, schedule: Schedule) -> None:
     if L.tp == 1:
         return
     place = chunk_placement(L, schedule)
@@ -130,18 +132,17 @@ def _context_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, chunk
 
 
 def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, micro: int, precision: str,
-              schedule: str) -> None:
+              schedule: Schedule) -> None:
     if L.pp == 1:
         return
     tokens = L.micro_batch * seq // L.cp // (L.tp if L.sequence_parallel else 1)
     act = tokens * model.hidden_size * weight_bytes(precision)
-    kind = resolve_schedule(L.pp_schedule if schedule == "auto" else schedule, L.pp, L.vpp, micro)
-    place = chunk_placement(L, kind)
+    place = chunk_placement(L, schedule)
     last = place.chunks - 1
 
     def remote(g: int) -> bool:  # global chunk g exists and sits on another stage (V's turn stays here)
         return 0 <= g <= last and place.stage_of(g) != pp_rank
-    for op in schedule_order(kind, pp_rank, L.pp, L.vpp, micro):
+    for op in schedule.order(pp_rank, L.pp, L.vpp, micro):
         if op.kind == "W":  # weight gradients: nothing moves
             continue
         g = place.global_chunk(pp_rank, op.chunk)

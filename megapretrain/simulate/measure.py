@@ -38,7 +38,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import flop_registry
 
 from ..monitor.memtrace import MemoryTrace, Segment
-from ..parallel.pipeline import schedule_order
 from ..parallel.state import Group
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
@@ -304,7 +303,8 @@ class Measurement:
             self.step += 1
             batch = t._batch_size(t.consumed_samples)
             num_micro = batch // (t.cfg.train.micro_batch_size * ps.dp.size)
-            self._ops = schedule_order(t.pipeline_schedule, ps.pp_rank, ps.pp.size, t.cfg.parallel.vpp, num_micro)
+            self._ops = t.pipeline_schedule.order(ps.pp_rank, ps.pp.size, t.cfg.parallel.vpp,
+                                                  num_micro)
             step_region = self._enter("step")
             start, flops, reads = self.trace.clock, self.trace.flops, len(self.trace.host_reads)
             t.train_step()

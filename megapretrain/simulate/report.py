@@ -55,7 +55,7 @@ def layout_json(layout: Layout, run) -> dict:
             "micro_batch_size": layout.micro_batch, "zero": layout.zero, "zero_shard_size": layout.shard,
             "recompute": layout.recompute, "sequence_parallel": layout.sequence_parallel,
             "pipeline_layers": list(layout.pipeline_layers) if layout.pipeline_layers else None,
-            "schedule": run.sizes.schedule, "micro_batches": run.sizes.grad_accum}
+            "schedule": run.sizes.schedule.name, "micro_batches": run.sizes.grad_accum}
 
 
 def _gib(n: float | None) -> str:
