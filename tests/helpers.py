@@ -318,3 +318,34 @@ def launch_part(world, run_dir, corpus, iters, flags) -> list[dict]:
     if world == 1:
         return [train_part(0, 1, run_dir, corpus, iters, flags)]
     return run_distributed(train_part, world, run_dir, corpus, iters, flags, timeout=300)
+
+
+# -- the Triton kernels through the trainer -------------------------------------------------------
+
+KERNELS_TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.iters", "2",
+        "--train.eval_interval", "0", "--logging.interval", "1", "--logging.tensorboard", "false",
+        "--checkpoint.interval", "0", "--optim.lr", "3e-3", "--schedule.warmup_iters", "1"]
+TRITON = ["--model.kernels", "triton", "--optim.impl", "triton"]
+TORCH = ["--model.kernels", "torch", "--optim.impl", "torch"]
+
+
+def losses_of(run_dir: str) -> list[float]:
+    """The logged training losses of a run, in order."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+
+
+def train_losses(rank, world, run_dir, corpus, flags) -> list[float]:
+    """``KERNELS_TINY`` + ``flags`` through ``megapretrain.train.main`` on one rank: its losses."""
+    from megapretrain.train import main
+
+    assert main(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *KERNELS_TINY, *flags]) == 0
+    return losses_of(run_dir)
+
+
+def losses_close(a: list[float], b: list[float], rel: float) -> bool:
+    """Two equally long, non-empty loss lists within ``rel`` of each other, step by step."""
+    return len(a) == len(b) > 0 and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from test_kernels_model import _close, _train
+from helpers import losses_close, train_losses
 
 SP = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
 COMPILE = ["--train.compile", "true"]
 
 
 def _both(tmp_path, corpus, world: int, flags: list[str]) -> tuple[list, list]:
-    eager = run_distributed(_train, world, str(tmp_path / "eager"), corpus, flags, timeout=600)
-    compiled = run_distributed(_train, world, str(tmp_path / "compiled"), corpus, [*flags, *COMPILE], timeout=900)
+    eager = run_distributed(train_losses, world, str(tmp_path / "eager"), corpus, flags, timeout=600)
+    compiled = run_distributed(train_losses, world, str(tmp_path / "compiled"), corpus, [*flags, *COMPILE], timeout=900)
     return eager, compiled
 
 
@@ -29,7 +29,7 @@ def _both(tmp_path, corpus, world: int, flags: list[str]) -> tuple[list, list]:
 def test_compile_trains_like_eager_in_parallel(tmp_path, corpus, flags):
     eager, compiled = _both(tmp_path, corpus, 2, flags)
     for got, want in zip(compiled, eager):
-        assert _close(got, want, 1e-4), (got, want)
+        assert losses_close(got, want, 1e-4), (got, want)
 
 
 def _sp_graph_breaks(rank, world):
@@ -67,9 +67,9 @@ def test_compile_with_full_recompute_and_dropout(tmp_path, corpus):
     losses are not eager's; what must hold is that the recomputation replays the same masks: the
     recomputed run's losses are those of the compiled run that keeps its activations."""
     flags = ["--model.attention_dropout", "0.1", "--model.hidden_dropout", "0.1", *COMPILE]
-    kept = _train(0, 1, str(tmp_path / "kept"), corpus, flags)
-    recomputed = _train(0, 1, str(tmp_path / "recomputed"), corpus, [*flags, "--parallel.recompute", "full"])
-    assert _close(recomputed, kept, 1e-5), (recomputed, kept)
+    kept = train_losses(0, 1, str(tmp_path / "kept"), corpus, flags)
+    recomputed = train_losses(0, 1, str(tmp_path / "recomputed"), corpus, [*flags, "--parallel.recompute", "full"])
+    assert losses_close(recomputed, kept, 1e-5), (recomputed, kept)
 
 
 def test_compile_with_selective_recompute_and_attention_dropout(tmp_path, corpus):
@@ -77,6 +77,6 @@ def test_compile_with_selective_recompute_and_attention_dropout(tmp_path, corpus
     eagerly (its RNG-restoring context is outside what Dynamo traces), from the tracker's
     tensor-parallel stream as in eager mode, so compiled and eager give the same losses."""
     flags = ["--model.attention_dropout", "0.1", "--parallel.recompute", "selective"]
-    eager = _train(0, 1, str(tmp_path / "eager"), corpus, flags)
-    compiled = _train(0, 1, str(tmp_path / "compiled"), corpus, [*flags, *COMPILE])
-    assert _close(compiled, eager, 1e-4), (compiled, eager)
+    eager = train_losses(0, 1, str(tmp_path / "eager"), corpus, flags)
+    compiled = train_losses(0, 1, str(tmp_path / "compiled"), corpus, [*flags, *COMPILE])
+    assert losses_close(compiled, eager, 1e-4), (compiled, eager)

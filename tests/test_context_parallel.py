@@ -39,7 +39,18 @@ from megapretrain.resolve import resolve
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, build, check, reference_for, tiny_args, train_layout
+from helpers import (
+    BASE,
+    TORCH,
+    TRITON,
+    build,
+    check,
+    losses_close,
+    reference_for,
+    tiny_args,
+    train_layout,
+    train_losses,
+)
 
 EOD = 7
 
@@ -422,23 +433,15 @@ def test_the_planner_chooses_cp_for_long_sequences_only():
         assert (sizes.cp, sizes.dp) == (e.layout.cp, e.layout.dp)
 
 
-def _run_triton(rank, world, run_dir, corpus, flags):
-    from test_kernels_model import _train as train_tiny
-
-    return train_tiny(rank, world, run_dir, corpus, flags)
-
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in a fresh process with TRITON_INTERPRET=1 "
                                             "(test_kernels_under_cp_in_a_fresh_process)")
 def test_triton_kernels_under_cp2_train_like_torch(tmp_path, corpus):
-    from test_kernels_model import TORCH, TRITON, _close
-
-    reference = _run_triton(0, 1, str(tmp_path / "single"), corpus, TORCH)
-    for losses in run_distributed(_run_triton, 2, str(tmp_path / "cp2"), corpus, [*TRITON, *CP2], timeout=600):
-        assert _close(losses, reference, 1e-5), (losses, reference)
+    reference = train_losses(0, 1, str(tmp_path / "single"), corpus, TORCH)
+    for losses in run_distributed(train_losses, 2, str(tmp_path / "cp2"), corpus, [*TRITON, *CP2], timeout=600):
+        assert losses_close(losses, reference, 1e-5), (losses, reference)
 
 
 def test_kernels_under_cp_in_a_fresh_process():

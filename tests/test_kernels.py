@@ -1,12 +1,7 @@
 """The Triton kernels against their torch references, on CPU through Triton's interpreter.
 
-On a CUDA machine the same tests run the compiled kernels on the GPU. On CPU, ``TRITON_INTERPRET=1``
-must be set when Triton is first imported (it decides then, for its own library and every kernel,
-between compiling and interpreting), so this module imports Triton with the variable set, and an
-autouse fixture sets it again while each test runs (the kernels' dispatch reads it at call time;
-other modules' tests run without it). If an earlier module already imported Triton without the
-interpreter (``torch.compile`` and megatron-core do, so in a run of the whole suite
-tests/test_data_megatron_compat.py has), these tests are skipped here and
+On a CUDA machine the same tests run the compiled kernels on the GPU; on CPU, tests/triton_helpers.py
+imports Triton for its interpreter (and says why it must come first), and if that cannot be done here
 :func:`test_kernels_in_a_fresh_process` runs this file again in a process of its own.
 The losses (cross entropy, linear + cross entropy) are tested in tests/test_kernels_loss.py.
 Sizes are small and odd (not multiples of any block): the interpreter runs each program in numpy.
@@ -14,58 +9,15 @@ Sizes are small and odd (not multiples of any block): the interpreter runs each 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _import_triton():
-    """Import Triton (for the interpreter on CPU); whether its kernels can run in this process."""
-    if DEVICE == "cuda" or "triton" in sys.modules:
-        triton = pytest.importorskip("triton")
-        return DEVICE == "cuda" or type(triton.language.sum).__name__ == "InterpretedFunction"
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # only while importing: other modules' tests run without it
-    try:
-        pytest.importorskip("triton")
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return True
-
-
-RUNNABLE = _import_triton()
-
-# imported after Triton: once the model uses the kernels, importing megapretrain imports Triton
-from megapretrain.kernels import adamw, cross_entropy, rmsnorm, rope, swiglu  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def triton_interpreter(request, monkeypatch):
-    """Run the Triton kernels on CPU tensors through the interpreter (not needed on CUDA)."""
-    if request.node.name == "test_kernels_in_a_fresh_process":
-        return
-    if not RUNNABLE:
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; run in a fresh process instead")
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def run_in_fresh_process(path: str) -> None:
-    """Run the test file ``path`` in a process of its own, with the interpreter set from the start."""
-    if RUNNABLE:
-        pytest.skip("the kernel tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"],
-                          env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+# isort: off
+# first: it imports Triton for the interpreter; triton_interpreter is an autouse fixture
+from triton_helpers import DEVICE, FP32_ROW_SUM_TOL, FP32_TOL, as_leaf, close, run_in_fresh_process
+from triton_helpers import triton_interpreter  # noqa: F401
+# isort: on
+from megapretrain.kernels import adamw, cross_entropy, rmsnorm, rope, swiglu
 
 
 def test_kernels_in_a_fresh_process():
@@ -114,42 +66,13 @@ def test_empty_inputs():
     assert adamw.grad_sq_sum(torch.zeros(0, device=DEVICE)) == 0
 
 
-# -- Tolerances, each from the error of the operation ------------------------------------------------
-# u = 2⁻²⁴, fp32's unit roundoff. Kernel and reference compute in fp32 and round to the output dtype
-# at the same points, and every division and square root in the kernels is correctly rounded
-# (tl.div_rn, tl.sqrt_rn: the GPU's defaults, div.full and sqrt.approx, are not), so the interpreted and
-# the compiled kernels differ from the reference only by summation order (a tree or loop of n adds:
-# at most ⌈log2 n⌉·u, or n·u, of the sum of magnitudes), by FMA contraction (compiled: one rounding
-# fewer per fused product) and by exp / sigmoid (compiled: ex2.approx, 2 ulp, plus u·|x·log2 e| from
-# scaling the argument). The same tolerances hold interpreted and compiled.
-U = 2.0 ** -24
-# fp32 elementwise and row ops: at most ~20 roundings of u on each side (2.4e-6 of values of O(1-10),
-# sums over rows of at most 512 terms: ⌈log2 512⌉ = 9 of them), with 4× margin
-FP32_TOL = 1e-5
-# fp32 sums over rows (RMSNorm's weight grad): each program adds its up to 150 rows in sequence,
-# ≤ 150·u = 9e-6 of Σ|dy·x_hat|, which for random signs is ~√150 ≈ 12 times |Σ dy·x_hat|
-FP32_ROW_SUM_TOL = 1e-4
-# bf16 / fp16: torch's defaults (bf16 rtol 1.6e-2 = 4 ulps of 2⁻⁸, fp16 rtol 1e-3 ≥ 1 ulp of 2⁻¹⁰, atol
-# 1e-5): the fp32 values before the final rounding agree to ~1e-6, so the outputs differ by at most the
-# one ulp of a rounding that falls the other way
-
-
-def _close(actual, expected, dtype, fp32_tol=FP32_TOL):
-    tol = {"rtol": fp32_tol, "atol": fp32_tol} if dtype == torch.float32 else {}
-    torch.testing.assert_close(actual, expected, **tol)
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
 # -- RMSNorm ----------------------------------------------------------------------------------------
 
 def _rms_norm_both(x, w, dy) -> list[tuple]:
     """(output, input grad, weight grad) of the kernel and of the reference, for ``dy``."""
     outs = []
     for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
-        xl, wl = _leaf(x), _leaf(w)
+        xl, wl = as_leaf(x), as_leaf(w)
         y = fn(xl, wl, 1e-6)
         y.backward(dy)
         outs.append((y, xl.grad, wl.grad))
@@ -167,16 +90,16 @@ def test_rms_norm_matches_reference(shape, dtype, wdtype):
     dy = torch.randn(shape, generator=g).to(DEVICE, torch.promote_types(dtype, wdtype))
     (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy)
     assert y.dtype == y_ref.dtype and dx.dtype == dtype and dw.dtype == wdtype
-    _close(y, y_ref, dtype)
-    _close(dx, dx_ref, dtype)
-    _close(dw, dw_ref, wdtype, fp32_tol=FP32_ROW_SUM_TOL)
+    close(y, y_ref, dtype)
+    close(dx, dx_ref, dtype)
+    close(dw, dw_ref, wdtype, fp32_tol=FP32_ROW_SUM_TOL)
 
 
 def test_rms_norm_reference_is_rms_norm():
     """The reference itself against autograd through the textbook formula, in float64."""
     x = torch.randn(6, 41, dtype=torch.float64)
     w = torch.randn(41, dtype=torch.float64)
-    xl, wl, xa, wa = _leaf(x), _leaf(w), _leaf(x), _leaf(w)
+    xl, wl, xa, wa = as_leaf(x), as_leaf(w), as_leaf(x), as_leaf(w)
     y = rmsnorm.rms_norm_reference(xl.float(), wl.float(), 1e-5)
     y_auto = xa / torch.sqrt(xa.square().mean(-1, keepdim=True) + 1e-5) * wa
     dy = torch.randn(6, 41, dtype=torch.float64)
@@ -212,7 +135,7 @@ def test_rms_norm_weight_grad_spans_many_programs():
     dy = torch.randn(150, 33, device=DEVICE)
     grads = []
     for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
-        wl = _leaf(w)
+        wl = as_leaf(w)
         fn(x, wl, 1e-6).backward(dy)
         grads.append(wl.grad)
     # 150 rows over 4 programs of ~38 rows each, then 4 partials: ≤ ~40·u = 2.4e-6 of Σ|dy·x_hat|
@@ -229,8 +152,8 @@ def test_rms_norm_backward_over_column_chunks(monkeypatch, dtype):
     w = (1 + 0.1 * torch.randn(300, generator=g)).to(DEVICE, dtype)
     dy = torch.randn(23, 300, generator=g).to(DEVICE, dtype)
     (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy)
-    _close(dx, dx_ref, dtype)
-    _close(dw, dw_ref, dtype, fp32_tol=FP32_ROW_SUM_TOL)
+    close(dx, dx_ref, dtype)
+    close(dw, dw_ref, dtype, fp32_tol=FP32_ROW_SUM_TOL)
 
 
 def test_rms_norm_op_registration_and_compile():
@@ -248,7 +171,7 @@ def test_rms_norm_op_registration_and_compile():
 def _swiglu_both(gate, up, dy):
     outs = []
     for fn in (swiglu.swiglu, swiglu.swiglu_reference):
-        gl, ul = _leaf(gate), _leaf(up)
+        gl, ul = as_leaf(gate), as_leaf(up)
         y = fn(gl, ul)
         y.backward(dy)
         outs.append((y, gl.grad, ul.grad))
@@ -262,7 +185,7 @@ def test_swiglu_matches_reference(shape, dtype):
     gate, up, dy = (torch.randn(shape, generator=g).mul(3).to(DEVICE, dtype) for _ in range(3))
     for a, b in zip(*_swiglu_both(gate, up, dy)):
         assert a.dtype == dtype
-        _close(a, b, dtype)
+        close(a, b, dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -301,7 +224,7 @@ def _tables(s, d, dtype, theta=10000.0):
 def _rope_both(x, cos, sin, dy):
     outs = []
     for fn in (rope.rope, rope.rope_reference):
-        xl = _leaf(x)
+        xl = as_leaf(x)
         y = fn(xl, cos, sin)
         y.backward(dy)
         outs.append((y, xl.grad))
@@ -321,8 +244,8 @@ def test_rope_matches_reference(shape, dtype, transposed):
     dy = torch.randn(x.shape, generator=g).to(DEVICE, dtype)
     (y, dx), (y_ref, dx_ref) = _rope_both(x, cos, sin, dy)
     assert y.dtype == dtype and dx.dtype == dtype
-    _close(y, y_ref, dtype)
-    _close(dx, dx_ref, dtype)
+    close(y, y_ref, dtype)
+    close(dx, dx_ref, dtype)
 
 
 def test_rope_reference_is_a_rotation():
@@ -333,7 +256,7 @@ def test_rope_reference_is_a_rotation():
     y = rope.rope_reference(x, cos, sin)
     z = torch.complex(x[..., :4], x[..., 4:]) * torch.complex(cos[:, :4], sin[:, :4])
     torch.testing.assert_close(y, torch.cat([z.real, z.imag], -1))
-    xl = _leaf(x)
+    xl = as_leaf(x)
     rope.rope_reference(xl, cos, sin).backward(y)
     torch.testing.assert_close(xl.grad, x)
 

@@ -1,5 +1,5 @@
 """The cross entropy kernels and the chunked linear + cross entropy against their references, on
-CPU through Triton's interpreter (set up as tests/test_kernels.py explains), tp=2 on gloo included.
+CPU through Triton's interpreter (set up as tests/triton_helpers.py explains), tp=2 on gloo included.
 """
 
 from __future__ import annotations
@@ -8,13 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapretrain.kernels import cross_entropy, linear_cross_entropy  # after test_kernels: it imports Triton
+# isort: off
+# first: it imports Triton for the interpreter; triton_interpreter is an autouse fixture
+from triton_helpers import DEVICE, as_leaf, close, run_in_fresh_process
+from triton_helpers import triton_interpreter  # noqa: F401
+# isort: on
+from megapretrain.kernels import cross_entropy, linear_cross_entropy
 from megapretrain.parallel.state import Group
 
 from distributed import run_distributed
-from test_kernels import DEVICE, _close, _leaf, run_in_fresh_process, triton_interpreter  # noqa: F401
 
-# Tolerances (u = 2⁻²⁴; the common rules are in tests/test_kernels.py). Loss = log Σ exp(x - max) minus
+# Tolerances (u = 2⁻²⁴; the common rules are in tests/triton_helpers.py). Loss = log Σ exp(x - max) minus
 # the target's logit; gradient = softmax · (1 + 2z·lse) - onehot. Compiled, exp is ex2.approx of
 # (x - max)·log2 e: 2 ulp plus u·|x - max|·log2 e, at most ~45·u = 2.7e-6 relative for these logits
 # (randn·4: |x - max| ≤ 30), and the sums over ≤ 300 columns add ⌈log2 300⌉·u. So losses of O(1-10)
@@ -39,7 +43,7 @@ def test_kernels_in_a_fresh_process():
 def _ce_both(logits, targets, dy, **kw):
     outs = []
     for fn in (cross_entropy.cross_entropy, cross_entropy.cross_entropy_reference):
-        leaf = _leaf(logits)
+        leaf = as_leaf(logits)
         loss = fn(leaf * 1, targets, **kw)  # a non-leaf, so the in-place gradient has a buffer to own
         loss.backward(dy)
         outs.append((loss, leaf.grad))
@@ -63,7 +67,7 @@ def test_cross_entropy_matches_reference(rows, width, real_vocab, dtype, z_loss)
     (loss, grad), (loss_ref, grad_ref) = _ce_both(logits, targets, dy, real_vocab=real_vocab, z_loss=z_loss)
     assert loss.dtype == torch.float32 and grad.dtype == dtype
     torch.testing.assert_close(loss, loss_ref, **TOL)
-    _close(grad, grad_ref, dtype)
+    close(grad, grad_ref, dtype)
     assert loss[1] == 0 and (grad[1] == 0).all()  # the ignored row
     if real_vocab:
         assert (grad[:, real_vocab:] == 0).all()  # vocabulary padding
@@ -72,7 +76,7 @@ def test_cross_entropy_matches_reference(rows, width, real_vocab, dtype, z_loss)
 def test_cross_entropy_reference_is_cross_entropy():
     """The reference against F.cross_entropy (plus z·logsumexp² by autograd), padding sliced off."""
     logits, targets, dy = _ce_inputs(10, 50, torch.float32, real_vocab=45)
-    ref = _leaf(logits)
+    ref = as_leaf(logits)
     expected = F.cross_entropy(ref[:, :45], targets, reduction="none")
     expected = expected + 1e-2 * torch.logsumexp(ref[:, :45], -1).square() * (targets != -100)
     expected.backward(dy)
@@ -89,7 +93,7 @@ def test_cross_entropy_matches_the_model_loss():
     group = Group("tp", [0])
     outs = []
     for fn in (cross_entropy.cross_entropy, vocab_parallel_cross_entropy):
-        leaf = _leaf(logits)
+        leaf = as_leaf(logits)
         loss = fn(leaf * 1, targets, group, 0, 64, -100)
         loss.backward(dy)
         outs.append((loss, leaf.grad))
@@ -141,7 +145,7 @@ def test_cross_entropy_gradient_overwrites_the_logits():
 def test_cross_entropy_op_registration_and_compile():
     logits, targets, _ = _ce_inputs(5, 33, torch.float32)
     torch.library.opcheck(torch.ops.megapretrain.cross_entropy_stats.default, (logits, targets, 0, 30, -100))
-    leaf = _leaf(logits)
+    leaf = as_leaf(logits)
     torch.library.opcheck(torch.ops.megapretrain.cross_entropy.default,
                           (leaf, targets, 0, 30, -100, 1e-3, False))
     compiled = torch.compile(cross_entropy.cross_entropy, backend="aot_eager", fullgraph=True)
@@ -170,7 +174,7 @@ def test_vocab_parallel_cross_entropy_tp2(dtype, z_loss):
     (loss, grad), _ = _ce_both(logits, targets, dy, real_vocab=83, z_loss=z_loss)
     for loss_r, _ in ranks:
         torch.testing.assert_close(loss_r, loss, **TOL)
-    _close(torch.cat([g for _, g in ranks], -1), grad, dtype)
+    close(torch.cat([g for _, g in ranks], -1), grad, dtype)
 
 
 # -- chunked linear + cross entropy -----------------------------------------------------------------
@@ -194,7 +198,7 @@ def _unfused_loss(x, weight, targets, loss_weight, **kw):
 
 
 def _lce_run(fn, x, weight, targets, grad_scale=2.5, **kw):
-    xl, wl = _leaf(x), _leaf(weight)
+    xl, wl = as_leaf(x), as_leaf(weight)
     loss = fn(xl, wl, targets, **kw)
     (loss * grad_scale).backward()
     return loss, xl.grad, wl.grad
@@ -306,7 +310,7 @@ def test_one_pass_torch_phase_matches_the_two_phases(rows, width, real_vocab, dt
     cross_entropy._torch_grad_(two, targets, lse_ref, dy.float().masked_fill(targets == -100, 0.0), z_loss, 0, valid)
     torch.testing.assert_close(loss, loss_ref, **TOL)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-6, atol=1e-5)  # both torch: only the order of the sums
-    _close(one, two, dtype)
+    close(one, two, dtype)
     assert loss[1] == 0 and (one[1] == 0).all() and (one[:, valid:] == 0).all()
 
 
@@ -333,7 +337,7 @@ def test_default_chunks_are_equal_and_not_too_small():
 def _per_token_run(x, weight, targets, dy, **kw):
     from megapretrain.model.fused_loss import linear_cross_entropy_per_token
 
-    xl, wl = _leaf(x), _leaf(weight)
+    xl, wl = as_leaf(x), as_leaf(weight)
     loss = linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, **kw)
     loss.backward(dy)
     return loss, xl.grad, wl.grad
@@ -349,7 +353,7 @@ def test_per_token_linear_cross_entropy_matches_unfused(reference, grads_in_forw
     dy = torch.full((2, 11), 0.3, device=DEVICE) if incoming == "uniform" else torch.rand(2, 11, device=DEVICE)
     kw = dict(z_loss=1e-3, reference=reference, chunk_rows=5, grads_in_forward=grads_in_forward)
     got = _per_token_run(x, weight, targets, dy, **kw)
-    xl, wl = _leaf(x), _leaf(weight)
+    xl, wl = as_leaf(x), as_leaf(weight)
     want = cross_entropy.cross_entropy_reference(F.linear(xl, wl), targets, real_vocab=45, z_loss=1e-3)
     want.backward(dy)
     for a, b in zip(got, (want, xl.grad, wl.grad)):
@@ -372,7 +376,7 @@ def test_per_token_backward_recomputes_only_for_a_gradient_that_differs():
     for dy, expected in ((torch.full((2, 11), 0.3), 0), (torch.rand(2, 11), 5)):  # 22 tokens, chunks of 5
         dy = dy.to(DEVICE)
         dy[0, 3] = 7.0  # an ignored token's incoming gradient does not count
-        xl, wl = _leaf(x), _leaf(weight)
+        xl, wl = as_leaf(x), as_leaf(weight)
         loss = linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, reference=True,
                                               chunk_rows=5, grads_in_forward=True)
         calls.clear()
@@ -396,7 +400,7 @@ def test_per_token_weight_gradient_is_the_buffer_summed_into():
         sums.append(out.data_ptr())  # not the tensor: a reference held here would make autograd copy it
         return out
 
-    xl, wl = _leaf(x), _leaf(weight)
+    xl, wl = as_leaf(x), as_leaf(weight)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(linear_cross_entropy, "_add_product", spy)
         linear_cross_entropy_per_token(xl, wl, targets, Group("tp", [0]), 0, 45, reference=True,
@@ -412,7 +416,7 @@ def test_per_token_bf16_matches_the_one_buffer_loss():
     x, weight, targets, _ = _lce_inputs(torch.bfloat16, seed=10)
     dy = torch.full((2, 11), 1 / 22, device=DEVICE)
     loss, dx, dw = _per_token_run(x, weight, targets, dy, reference=True)
-    xl, wl = _leaf(x), _leaf(weight)
+    xl, wl = as_leaf(x), as_leaf(weight)
     want = vocab_parallel_linear_cross_entropy(xl, wl, targets, Group("tp", [0]), 0, 45)
     want.backward(dy)
     assert dx.dtype == dw.dtype == torch.bfloat16

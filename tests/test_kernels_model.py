@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -25,33 +24,13 @@ import torch
 from megapretrain.train import main
 
 from distributed import run_distributed
+from helpers import KERNELS_TINY, TORCH, TRITON, losses_close, train_losses
 
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
-        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
-        "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.iters", "2",
-        "--train.eval_interval", "0", "--logging.interval", "1", "--logging.tensorboard", "false",
-        "--checkpoint.interval", "0", "--optim.lr", "3e-3", "--schedule.warmup_iters", "1"]
-TRITON = ["--model.kernels", "triton", "--optim.impl", "triton"]
-TORCH = ["--model.kernels", "torch", "--optim.impl", "torch"]
 SP = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
 CUDA = torch.cuda.is_available()  # the kernels compiled for the GPU; no interpreter needed
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not CUDA
 needs_interpreter = pytest.mark.skipif(not (INTERPRETED or CUDA), reason="runs in a fresh process with "
                                        "TRITON_INTERPRET=1 (test_triton_path_in_a_fresh_process)")
-
-
-def _losses(run_dir: str) -> list[float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r["loss"] for r in map(json.loads, fh) if "loss" in r]
-
-
-def _train(rank, world, run_dir, corpus, flags) -> list[float]:
-    assert main(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *TINY, *flags]) == 0
-    return _losses(run_dir)
-
-
-def _close(a: list[float], b: list[float], rel: float) -> bool:
-    return len(a) == len(b) > 0 and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
 def test_triton_path_in_a_fresh_process():
@@ -66,46 +45,47 @@ def test_triton_path_in_a_fresh_process():
 
 @needs_interpreter
 def test_triton_kernels_train_like_torch(tmp_path, corpus):
-    torch_losses = _train(0, 1, str(tmp_path / "torch"), corpus, TORCH)
-    triton_losses = _train(0, 1, str(tmp_path / "triton"), corpus, TRITON)
-    assert _close(triton_losses, torch_losses, 1e-5), (triton_losses, torch_losses)
+    torch_losses = train_losses(0, 1, str(tmp_path / "torch"), corpus, TORCH)
+    triton_losses = train_losses(0, 1, str(tmp_path / "triton"), corpus, TRITON)
+    assert losses_close(triton_losses, torch_losses, 1e-5), (triton_losses, torch_losses)
 
 
 @needs_interpreter
 @pytest.mark.skipif(CUDA, reason="two ranks on gloo and CPU tensors: the interpreter's case")
 def test_triton_kernels_train_like_torch_under_tp2_sp(tmp_path, corpus):
-    reference = _train(0, 1, str(tmp_path / "single"), corpus, TORCH)
-    ranks = run_distributed(_train, 2, str(tmp_path / "tp2"), corpus, [*TRITON, *SP], timeout=600)
+    reference = train_losses(0, 1, str(tmp_path / "single"), corpus, TORCH)
+    ranks = run_distributed(train_losses, 2, str(tmp_path / "tp2"), corpus, [*TRITON, *SP], timeout=600)
     for losses in ranks:
-        assert _close(losses, reference, 1e-5), (losses, reference)
+        assert losses_close(losses, reference, 1e-5), (losses, reference)
 
 
 @needs_interpreter
 @pytest.mark.skipif(CUDA, reason="two ranks on gloo and CPU tensors: the interpreter's case")
 def test_triton_kernels_train_like_torch_under_zero3(tmp_path, corpus):
     """ZeRO-3 hands the fused AdamW shards whose bf16/fp32 parameter copy is the only one."""
-    reference = _train(0, 1, str(tmp_path / "single"), corpus, TORCH)
-    ranks = run_distributed(_train, 2, str(tmp_path / "zero3"), corpus, [*TRITON, "--parallel.zero", "3"], timeout=600)
+    reference = train_losses(0, 1, str(tmp_path / "single"), corpus, TORCH)
+    ranks = run_distributed(train_losses, 2, str(tmp_path / "zero3"), corpus, [*TRITON, "--parallel.zero", "3"],
+                            timeout=600)
     for losses in ranks:
-        assert _close(losses, reference, 1e-5), (losses, reference)
+        assert losses_close(losses, reference, 1e-5), (losses, reference)
 
 
 @needs_interpreter
 def test_triton_kernels_z_loss_matches_torch_reference(tmp_path, corpus):
     """The z-loss runs the chunked loss on both paths: kernels and torch phases agree."""
     z = ["--model.z_loss", "1e-3"]
-    ref = _train(0, 1, str(tmp_path / "torch"), corpus, [*TORCH, *z])
-    fused = _train(0, 1, str(tmp_path / "triton"), corpus, [*TRITON, *z])
-    plain = _train(0, 1, str(tmp_path / "plain"), corpus, TORCH)
-    assert _close(fused, ref, 1e-5), (fused, ref)
+    ref = train_losses(0, 1, str(tmp_path / "torch"), corpus, [*TORCH, *z])
+    fused = train_losses(0, 1, str(tmp_path / "triton"), corpus, [*TRITON, *z])
+    plain = train_losses(0, 1, str(tmp_path / "plain"), corpus, TORCH)
+    assert losses_close(fused, ref, 1e-5), (fused, ref)
     assert ref[0] > plain[0]  # the same first step, plus z · lse² > 0
 
 
 def test_compile_trains_like_eager(tmp_path, corpus):
-    eager = _train(0, 1, str(tmp_path / "eager"), corpus, ["--train.precision", "bf16"])
-    compiled = _train(0, 1, str(tmp_path / "compiled"), corpus, ["--train.precision", "bf16",
+    eager = train_losses(0, 1, str(tmp_path / "eager"), corpus, ["--train.precision", "bf16"])
+    compiled = train_losses(0, 1, str(tmp_path / "compiled"), corpus, ["--train.precision", "bf16",
                                                                  "--train.compile", "true"])
-    assert _close(compiled, eager, 2e-2), (compiled, eager)
+    assert losses_close(compiled, eager, 2e-2), (compiled, eager)
 
 
 def _hooked_compile_run(compile_: bool, recompute: str, calls: list) -> list[torch.Tensor]:
@@ -198,6 +178,6 @@ def test_impossible_combinations_are_one_line_errors(tmp_path, corpus, capsys, m
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if "apex" in flags and importlib.util.find_spec("apex") is not None:
         pytest.skip("apex is installed")
-    assert main(["--run.dir", str(tmp_path / "r"), "--data.paths", f"[{corpus}]", *TINY, *flags]) == 2
+    assert main(["--run.dir", str(tmp_path / "r"), "--data.paths", f"[{corpus}]", *KERNELS_TINY, *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert any(message in line for line in err), err
