@@ -66,12 +66,9 @@ setup(
         "megapretrain-convert=megapretrain.commands.convert_checkpoint:main",
         "megapretrain-reshard=megapretrain.commands.reshard_checkpoint:main",
         "megapretrain-inspect-checkpoint=megapretrain.commands.inspect_checkpoint:main",
-        "megapretrain-check-kernels=megapretrain.commands.check_kernels:main",
-        "megapretrain-gpu-check=megapretrain.commands.gpu_check:main",
         "megapretrain-pipeline-schedule=megapretrain.commands.pipeline_schedule:main",
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
         "megapretrain-simulate=megapretrain.commands.simulate:main",
-        "megapretrain-check-planner=megapretrain.commands.check_planner:main",
     ]},
 )

@@ -59,7 +59,7 @@ def capture_launches(on_launch, sm_count: int):
     """Run the ops' Triton path on tensors of any device (meta ones: no memory, no work) and launch
     nothing: each ``kernel[grid](*args, **kwargs)`` inside calls ``on_launch(kernel, args, kwargs)``
     instead (kwargs hold the constexprs and ``num_warps``), and grids are sized for a GPU of
-    ``sm_count`` multiprocessors. What ``megapretrain.commands.check_kernels`` compiles ahead of time."""
+    ``sm_count`` multiprocessors. What ``tools/check_kernels.py`` compiles ahead of time."""
     global _capture
     if triton is None or INTERPRETED:
         raise RuntimeError("capturing launches needs Triton imported without TRITON_INTERPRET")

@@ -3,7 +3,7 @@
 #   bash run_scripts/gpu_check.sh [--output DIR] [--only PHASE ...] [--dry-run]
 # The phases (environment, ahead-of-time kernel compile, CUDA kernel tests, GEMM rate, kernel
 # bandwidth, attention at seq 8192, NCCL collectives, bf16 training with async checkpoints and a
-# resume, 8B-shaped throughput and MFU) are megapretrain/commands/gpu_check.py's; each result is
+# resume, 8B-shaped throughput and MFU) are tools/gpu_check.py's; each result is
 # streamed to DIR/gpu_check.jsonl ($OUT when set) as it comes. The run ends with PASS n / FAIL m and
 # exits non-zero when anything failed. --dry-run prints the plan and runs nothing (any machine).
 # Environment: PYTHON (default: .venv/bin/python when it has CUDA, else python3).
@@ -25,4 +25,4 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   echo "gpu_check.sh: $PYTHON has no torch; install a CUDA build of torch (offline: from a wheel) or set PYTHON" >&2
   exit 1
 fi
-exec "$PYTHON" -m megapretrain.commands.gpu_check "$@"
+exec "$PYTHON" "$ROOT/tools/gpu_check.py" "$@"

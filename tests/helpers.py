@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import importlib
+import importlib.util
 import json
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -20,6 +24,20 @@ from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+
+
+def load_tool(name: str) -> types.ModuleType:
+    """What ``python tools/NAME.py`` runs, as a module with its ``main``: megapretrain.commands.NAME
+    for a command users run, else the script itself (a benchmark or a developer check), imported as
+    it imports its siblings: by name, with tools/ on the path (last, so that it shadows nothing)."""
+    if importlib.util.find_spec(f"megapretrain.commands.{name}") is not None:
+        return importlib.import_module(f"megapretrain.commands.{name}")
+    if TOOLS not in sys.path:
+        sys.path.append(TOOLS)
+    module = importlib.import_module(name)
+    assert os.path.dirname(os.path.abspath(module.__file__)) == TOOLS, module.__file__
+    return module
 
 
 def tiny_args(**overrides) -> ModelArgs:

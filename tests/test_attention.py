@@ -317,7 +317,9 @@ def test_the_oom_advice_starts_with_attention_without_the_dense_mask():
 
 
 def test_the_bench_prints_a_row_per_case_and_refuses_bad_flags(capsys):
-    from megapretrain.commands.bench_attention import main
+    from helpers import load_tool
+
+    main = load_tool("bench_attention").main
 
     assert main(["--seqs", "96", "--kinds", "sdpa", "blockwise", "--docs", "short", "--iters", "1", "--threads", "1",
                  "--json"]) == 0  # a fresh process per case

@@ -8,8 +8,9 @@ import re
 
 import torch
 
-from megapretrain.commands import bench_fusions
+from helpers import load_tool
 
+bench_fusions = load_tool("bench_fusions")
 TINY = ["--shapes", "tiny", "--repeats", "1", "--threads", "1"]
 ROW = re.compile(r"^(\w+) +b2 s16 h32 n4 k2 f64 +(fp32|bf16) +(\S+) +(.*)$", re.M)
 

@@ -14,9 +14,9 @@ The README's first commands (the quickstart, tokenizing your corpus) make what e
 from; each page then runs in its own copy of that, so pages do not depend on each other. Fixtures
 stand in for what a user brings: a corpus, a Hugging Face tokenizer in data/tokenizer/ (and GPT-2's
 files in gpt2/), and tiny random Llama and GPT-NeoX checkpoints where the docs name downloaded ones.
-A ``python tools/X.py`` command without shell syntax runs ``megapretrain.commands.X.main`` in this
-process (what the script calls; tests/test_tools.py runs the scripts themselves), everything else
-in bash.
+A ``python tools/X.py`` command without shell syntax runs the script's ``main`` in this process
+(``megapretrain.commands.X.main`` for a user command; tests/test_tools.py runs the scripts
+themselves), everything else in bash.
 """
 
 from __future__ import annotations
@@ -337,9 +337,9 @@ class Sandbox:
         return result
 
     def _in_process(self, tool: str, argv: list[str]) -> tuple[int, str]:
-        import importlib
+        from helpers import load_tool
 
-        main = importlib.import_module(f"megapretrain.commands.{tool}").main
+        main = load_tool(tool).main  # what tools/NAME.py runs: its own main or its command's
         buffer, cwd = io.StringIO(), os.getcwd()
         os.chdir(self.path)
         try:
@@ -492,7 +492,9 @@ def test_the_readme_is_a_path():
 def test_the_configuration_reference_is_generated_from_the_schema():
     """docs/configuration.md is what tools/gen_config_reference.py writes: a field added, renamed or
     re-described in config.py without rerunning it fails here."""
-    from megapretrain.commands import gen_config_reference
+    from helpers import load_tool
+
+    gen_config_reference = load_tool("gen_config_reference")
     from megapretrain.config import Config, _all_paths
 
     page = open(os.path.join(ROOT, "docs", "configuration.md")).read()

@@ -278,7 +278,9 @@ def test_zero3_gathers_tensorwise_weights_as_fp8():
 def test_the_bench_prints_each_linear_and_layer_and_refuses_bad_sizes(capsys, monkeypatch, tmp_path):
     """tools/bench_fp8.py on a small Llama-shaped layer: one row per linear and kind (bf16 the
     ×1.00 base), a JSON line per row, a layer total per kind; sizes FP8 cannot take are one line."""
-    from megapretrain.commands import bench_fp8
+    from helpers import load_tool
+
+    bench_fp8 = load_tool("bench_fp8")
 
     monkeypatch.setitem(bench_fp8.MODELS, "small", (64, 32, 128))  # hidden, kv heads × head dim, ffn
     out = tmp_path / "fp8.jsonl"

@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 
-from megapretrain.commands import gpu_check
+from helpers import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+gpu_check = load_tool("gpu_check")
 
 
 def test_the_dry_run_walks_every_phase_and_resolves_the_training_configs(tmp_path):

@@ -3,7 +3,7 @@ spills or too much shared memory — no GPU needed.
 
 The interpreter tests (tests/test_kernels.py) check what the kernels compute; they cannot see code
 that only the compiler rejects, registers that spill, or shared memory over a GPU's limit.
-``tools/check_kernels.py`` (:mod:`megapretrain.commands.check_kernels`) runs the project's ops on meta tensors
+``tools/check_kernels.py`` runs the project's ops on meta tensors
 shaped as every shipped config calls them, records each launch's own specialisation (alignment,
 divisibility, constexprs, warps) and compiles it through Triton's bundled ptxas. Here it runs in a
 fresh process (Triton imported without ``TRITON_INTERPRET``) with an empty Triton cache, for bf16 and

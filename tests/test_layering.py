@@ -1,7 +1,9 @@
 """Imports go downwards only: config → the layout and the model's shape → model, parallel and data
 → optim → checkpoint → what composes them (resolve, the planner) → trainer → entry points → the
-tools' commands, and tools/*.py import nothing but their command. Read from the source (every
-import, function-local ones too), so a cycle hidden in a function cannot creep back."""
+commands users run. tools/NAME.py of a command imports nothing but it; the other scripts under
+tools/ (benchmarks, developer checks) import the package, never the package them. Read from the
+source (every import, function-local ones too), so a cycle hidden in a function cannot creep
+back."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ LEVELS = {
     "resolve": 5, "runtime": 5,
     "trainer": 6,
     "train": 7, "simulate": 7,  # simulate: runs the trainer's steps on fake tensors
-    "commands": 8,  # the tools' code: may drive the trainer; nothing below imports it
+    "commands": 8,  # what users run on a job: may drive the trainer; nothing below imports it
 }
-DRIVERS = {"smoke_test", "bench_checkpoint"}  # commands whose job is to run the real trainer in-process
+DRIVERS = {"smoke_test"}  # commands whose job is to run the real trainer in-process
 
 
 def _type_only(tree: ast.AST) -> set[int]:
@@ -121,14 +123,50 @@ def test_only_the_drivers_among_commands_import_the_training_loop():
     assert not wrong, wrong
 
 
-def test_tools_import_only_their_command():
-    """tools/NAME.py is an entry point: it imports megapretrain.commands.NAME and nothing else of
-    the package (its logic lives there, importable and tested)."""
+def _top_level_imports(path: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of ``path``, in the order they run at import time."""
+    out = []
+    for node in ast.parse(open(path).read(), path).body:
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_tools_are_commands_or_scripts_over_the_package():
+    """tools/NAME.py of a command is an entry point: it imports megapretrain.commands.NAME and
+    nothing else of the package (its logic lives there, importable and tested). Every other script
+    (benchmarks, developer checks) imports tools/_tool.py before the package (one line, not a
+    traceback, where the package is not installed) and no command but through its flags."""
     tools = os.path.join(ROOT, "tools")
+    commands = os.path.join(ROOT, "megapretrain", "commands")
     wrong = []
     for f in sorted(os.listdir(tools)):
-        if f.endswith(".py"):
-            found = _imports(os.path.join(tools, f), None)
+        if not f.endswith(".py") or f.startswith("_"):
+            continue
+        path = os.path.join(tools, f)
+        found = _imports(path, None)
+        if os.path.exists(os.path.join(commands, f)):
             if found != {f"megapretrain.commands.{f[:-3]}"}:
                 wrong.append(f"tools/{f} imports {sorted(found)}")
+            continue
+        order = [module.split(".")[0] for _, module in sorted(_top_level_imports(path))]
+        package = [i for i, name in enumerate(order) if name == "megapretrain"]
+        if "_tool" not in order or (package and order.index("_tool") > package[0]):
+            wrong.append(f"tools/{f} does not import _tool before the package")
+        wrong += [f"tools/{f} imports {i}" for i in found if i.startswith("megapretrain.commands")]
+    assert not wrong, wrong
+
+
+def test_the_package_imports_no_script_of_tools():
+    scripts = {f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py")}
+    wrong = []
+    for module, _, path in _package_modules():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{module} imports {n}" for n in names if n and n.split(".")[0] in scripts]
     assert not wrong, wrong

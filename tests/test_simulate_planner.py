@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from megapretrain.commands import check_planner
 from megapretrain.config import load_config
 from megapretrain.simulate.report import role_ranks
 from megapretrain.simulate.run import planned, resolve_for_simulation, simulate_rank
 from megapretrain.simulate.sweep import SWEEP, Case, small
 
+from helpers import load_tool
+
+check_planner = load_tool("check_planner")
 TINY = ["--model.vocab_size", "300", "--model.num_layers", "8", "--model.hidden_size", "64", "--model.num_heads", "4",
         "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "64",
         "--parallel.bucket_size_mb", "0.01"]  # buckets of 2,621 elements: several per layer

@@ -1,6 +1,7 @@
-"""The tools' entry points: every tools/NAME.py runs megapretrain.commands.NAME (``--help`` works,
-exit codes pass through), the console scripts setup.py declares resolve to a callable ``main``, and
-running without the package installed says so in one line."""
+"""The tools' entry points: every tools/NAME.py runs megapretrain.commands.NAME or, for a benchmark
+or a developer check, is a script over the package (``--help`` works, exit codes pass through), the
+console scripts setup.py declares resolve to a callable ``main``, and running without the package
+installed says so in one line."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from helpers import load_tool
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py"))
+# the scripts (tools/_*.py are the modules they share)
+TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "tools"))
+               if f.endswith(".py") and not f.startswith("_"))
 
 # runs every tools/*.py --help as its own __main__ in one interpreter (a process each costs a torch import)
 EVERY_HELP = """
@@ -20,6 +27,7 @@ import json, os, runpy, sys
 codes = {}
 for path in sys.argv[1:]:
     sys.argv = [path, "--help"]
+    sys.path.insert(0, os.path.dirname(path))  # as python PATH puts the script's folder first
     try:
         runpy.run_path(path, run_name="__main__")
         codes[path] = "returned without exiting"
@@ -44,10 +52,14 @@ def test_every_tool_help_exits_0():
 
 
 def test_every_tool_is_a_command_with_a_main():
+    """A command's tools/NAME.py runs megapretrain.commands.NAME.main; a script defines its own."""
     for name in TOOLS:
-        module = importlib.import_module(f"megapretrain.commands.{name}")
-        assert callable(module.main), name
+        module = load_tool(name)
+        assert callable(module.main) and module.main.__module__ == module.__name__, name
         assert module.__doc__ and module.__doc__.strip(), name
+        if module.__name__.startswith("megapretrain."):  # the script runs it
+            script = open(os.path.join(ROOT, "tools", f"{name}.py")).read()
+            assert f"megapretrain.commands.{name}" in script, name
 
 
 def console_scripts() -> dict[str, str]:
@@ -80,10 +92,12 @@ def test_a_tool_passes_its_exit_status_and_one_error_line_through(tmp_path):
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
 
 
-def test_a_tool_without_the_package_installed_says_how_to_install_it(tmp_path):
+@pytest.mark.parametrize("tool", ["plan", "gen_config_reference", "gpu_check"])
+def test_a_tool_without_the_package_installed_says_how_to_install_it(tmp_path, tool):
     """``python -S``: no site-packages, so neither an installed nor an editable megapretrain."""
-    proc = subprocess.run([sys.executable, "-S", os.path.join(ROOT, "tools", "plan.py"), "--help"],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    script = os.path.join(ROOT, "tools", f"{tool}.py")
+    proc = subprocess.run([sys.executable, "-S", script, "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "pip install -e ." in proc.stderr, proc.stderr
 

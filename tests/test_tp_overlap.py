@@ -103,7 +103,9 @@ def test_overlap_without_sequence_parallelism_is_refused_in_one_line():
 @pytest.mark.parametrize("flags, message", [(["--tp", "1"], "at least 2"),
                                            (["--tp", "2", "--seq", "511"], "--seq 511")])
 def test_tp_bench_refuses_a_layout_in_one_line(flags, message, capsys):
-    from megapretrain.commands import bench_tp
+    from helpers import load_tool
+
+    bench_tp = load_tool("bench_tp")
     assert bench_tp.main(flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

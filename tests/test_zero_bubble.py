@@ -177,7 +177,9 @@ def test_checkpoints_move_between_zero_bubble_and_other_layouts(saved, resumed, 
     (["--pp", "4", "--schedules", "zbv", "--layers", "4"], "model.num_layers=4"),
 ])
 def test_pipeline_bench_refuses_a_layout_in_one_line(flags, message, capsys):
-    from megapretrain.commands import bench_pipeline
+    from helpers import load_tool
+
+    bench_pipeline = load_tool("bench_pipeline")
     assert bench_pipeline.main(flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..model.build import DTYPES
+from megapretrain.model.build import DTYPES
 
 
 def hf_step(cfg, plan, batches, device):

@@ -42,9 +42,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from _tool import ROOT, TOOLS
+
 from megapretrain.cli import user_errors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUDGET_S = 475  # the phases' limits add up to this: under 8 minutes, with room for start-up
 
 
@@ -140,7 +141,7 @@ def resume_argv(corpus: str) -> list[str]:
 
 def phases(out_dir: str, python: str) -> list[Phase]:
     """Every phase, in order; commands use ``python`` and write under ``out_dir``."""
-    me = [python, "-m", "megapretrain.commands.gpu_check"]
+    me = [python, os.path.join(TOOLS, "gpu_check.py")]
     tiny = os.path.join(out_dir, "train")
     return [
         Phase("env", 10, "torch, CUDA, device, triton and the optional packages", me + ["--probe", "env"],
@@ -161,8 +162,8 @@ def phases(out_dir: str, python: str) -> list[Phase]:
               "(model.attention auto, compiled on first use), and with sdpa's dense mask",
               me + ["--probe", "attention"], _probe_figures),
         Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
-              [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
-               "megapretrain.commands.gpu_check", "--probe", "nccl"], _probe_figures),
+              [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               os.path.join(TOOLS, "gpu_check.py"), "--probe", "nccl"], _probe_figures),
         Phase("resume", 80, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
               "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
               config=resume_argv(os.path.join(tiny, "corpus"))),
@@ -323,10 +324,10 @@ def _probe_fp8() -> dict:
     figures so far are printed after each part, so a timeout keeps them."""
     import argparse
 
+    import bench_fp8
     import torch
+    from bench_train import load, megapretrain_step, time_steps
 
-    from megapretrain.commands import bench_fp8
-    from megapretrain.commands.bench_train import load, megapretrain_step, time_steps
     from megapretrain.parallel.fp8 import RECIPES
     device = torch.device("cuda")
     linears = bench_fp8.bench(argparse.Namespace(models=list(bench_fp8.MODELS), tokens=8192, tp=1, iters=5,
