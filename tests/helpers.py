@@ -3,12 +3,14 @@ and the real trainer under a layout against one process (the equivalence tests).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gzip
 import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import types
 
@@ -24,7 +26,8 @@ from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS_DIR = os.path.join(ROOT, "tools")
 
 
 def load_tool(name: str) -> types.ModuleType:
@@ -33,10 +36,10 @@ def load_tool(name: str) -> types.ModuleType:
     it imports its siblings: by name, with tools/ on the path (last, so that it shadows nothing)."""
     if importlib.util.find_spec(f"megapretrain.commands.{name}") is not None:
         return importlib.import_module(f"megapretrain.commands.{name}")
-    if TOOLS not in sys.path:
-        sys.path.append(TOOLS)
+    if TOOLS_DIR not in sys.path:
+        sys.path.append(TOOLS_DIR)
     module = importlib.import_module(name)
-    assert os.path.dirname(os.path.abspath(module.__file__)) == TOOLS, module.__file__
+    assert os.path.dirname(os.path.abspath(module.__file__)) == TOOLS_DIR, module.__file__
     return module
 
 
@@ -367,3 +370,100 @@ def losses_close(a: list[float], b: list[float], rel: float) -> bool:
     """Two equally long, non-empty loss lists within ``rel`` of each other, step by step."""
     return len(a) == len(b) > 0 and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
+
+# -- the tools ---------------------------------------------------------------------------------------
+
+# the scripts (tools/_*.py are the modules they share)
+TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "tools"))
+               if f.endswith(".py") and not f.startswith("_"))
+
+# runs every tools/*.py --help as its own __main__ in one interpreter (a process each costs a torch import)
+EVERY_HELP = """
+import json, os, runpy, sys
+codes = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    sys.path.insert(0, os.path.dirname(path))  # as python PATH puts the script's folder first
+    try:
+        runpy.run_path(path, run_name="__main__")
+        codes[path] = "returned without exiting"
+    except SystemExit as exit:
+        codes[path] = exit.code
+import megapretrain
+print(json.dumps({"codes": codes, "package": megapretrain.__file__}))
+"""
+
+
+def every_help(env: dict | None = None, cwd: str | None = None) -> dict:
+    """Every tools/*.py --help run in one interpreter: {"codes": {path: exit code}, "package": ...}."""
+    paths = [os.path.join(ROOT, "tools", f"{name}.py") for name in TOOLS]
+    proc = subprocess.run([sys.executable, "-c", EVERY_HELP, *paths], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def console_scripts() -> dict[str, str]:
+    """setup.py's console_scripts: {name: "module:function"}."""
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "console_scripts":
+                    return dict(item.value.split("=", 1) for item in value.elts)
+    raise AssertionError("setup.py declares no console_scripts")
+
+
+# -- tokenizers (tiny ones, trained on CORPUS) -----------------------------------------------------
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "def main():\n    return 0\n",
+          "naïve café — ünïcödé ✓ 数据", "hello world " * 5] * 20
+
+
+def train_hf_tokenizer(path, special="<|endoftext|>"):
+    """A tiny byte-level BPE saved as tokenizer.json (what HuggingFaceTokenizer loads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[special], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+    return tok
+
+
+def train_gpt2_files(directory):
+    """vocab.json + merges.txt of a tiny GPT-2 style byte-level BPE."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.save_model(str(directory))
+    return directory
+
+
+def train_sentencepiece(directory):
+    """A tiny SentencePiece BPE model with byte fallback and no normalization (exact round trips)."""
+    spm = pytest.importorskip("sentencepiece")
+    prefix = str(directory / "sp")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=prefix, vocab_size=400,
+                                   hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   add_dummy_prefix=False, minloglevel=2, num_threads=1, model_type="bpe")
+    return prefix + ".model"
+
+
+def write_tiktoken_ranks(path):
+    """A .tiktoken rank file: the 256 bytes, then the words of CORPUS (with and without a space before)."""
+    import base64
+
+    tokens = [bytes([b]) for b in range(256)]
+    words = sorted({w for text in CORPUS for w in text.split()})
+    for word in words:
+        for token in (word.encode(), b" " + word.encode()):
+            if len(token) > 1 and token not in tokens:
+                tokens.append(token)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return str(path)

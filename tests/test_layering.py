@@ -170,3 +170,18 @@ def test_the_package_imports_no_script_of_tools():
                 names = [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
             wrong += [f"{module} imports {n}" for n in names if n and n.split(".")[0] in scripts]
     assert not wrong, wrong
+
+
+def test_no_test_module_imports_another():
+    """Tests share tests/helpers.py (and the other helper modules), never each other: a test module
+    imported by another runs its module-level setup there too, and couples the two files."""
+    tests = os.path.join(ROOT, "tests")
+    modules = {f[:-3] for f in os.listdir(tests) if f.startswith("test_") and f.endswith(".py")}
+    wrong = []
+    for name in sorted(modules):
+        tree = ast.parse(open(os.path.join(tests, f"{name}.py")).read())
+        for node in ast.walk(tree):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{name} imports {i}" for i in imported if i and i.split(".")[0] in modules]
+    assert not wrong, wrong

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from helpers import TOOLS, console_scripts, every_help
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,8 +43,6 @@ def test_installed_wheel_provides_namespaced_kernels(tmp_path):
     assert not (site / "kernels").exists()  # never the bare top-level name
 
     # the tools' paths run against the installed package (not this checkout's sources)
-    from test_tools import TOOLS, console_scripts, every_help
-
     result = every_help(env=env, cwd=str(tmp_path))
     assert result["package"].startswith(str(site)), result
     assert set(result["codes"].values()) == {0} and len(result["codes"]) == len(TOOLS), result
@@ -82,10 +82,13 @@ def _purelib(python: str) -> str:
 
 def _outer_path() -> list[str]:
     """The folders this interpreter imports packages from (its site-packages and what their .pth
-    files add), less the checkout's own."""
+    files add), less the checkout's own source folders (a virtual environment inside the checkout,
+    such as run_scripts' .venv, stays)."""
     root = os.path.realpath(ROOT)
     folders = [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
-    return [p for p in dict.fromkeys(folders) if os.path.commonpath([p, root]) != root]
+    installed = ("site-packages", "dist-packages")
+    return [p for p in dict.fromkeys(folders)
+            if os.path.commonpath([p, root]) != root or any(part in installed for part in p.split(os.sep))]
 
 
 def _venv(path) -> str:

@@ -12,7 +12,7 @@ from megapretrain.commands import preprocess_data as preprocess
 from megapretrain.data.indexed_dataset import IndexedDataset
 from megapretrain.data.tokenizers import build_tokenizer
 
-from helpers import write_jsonl
+from helpers import train_gpt2_files, train_hf_tokenizer, train_sentencepiece, write_jsonl, write_tiktoken_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -356,15 +356,13 @@ def test_merge_refuses_mixed_dtypes(tmp_path, capsys):
                                             "SentencePieceTokenizer", "TikTokenizer"])
 def test_every_tokenizer_type_in_workers(tmp_path, tokenizer_type):
     pytest.importorskip("tokenizers")
-    import test_tokenizers as tt
-
     model = {"ByteTokenizer": None,
-             "HuggingFaceTokenizer": lambda: (tt.train_hf_tokenizer(tmp_path / "tokenizer.json"),
+             "HuggingFaceTokenizer": lambda: (train_hf_tokenizer(tmp_path / "tokenizer.json"),
                                               str(tmp_path / "tokenizer.json"))[1],
-             "GPT2BPETokenizer": lambda: str(tt.train_gpt2_files(tmp_path)),
-             "SentencePieceTokenizer": lambda: tt.train_sentencepiece(tmp_path),
+             "GPT2BPETokenizer": lambda: str(train_gpt2_files(tmp_path)),
+             "SentencePieceTokenizer": lambda: train_sentencepiece(tmp_path),
              "TikTokenizer": lambda: (pytest.importorskip("tiktoken"),
-                                      tt.write_tiktoken_ranks(tmp_path / "t.tiktoken"))[1]}[tokenizer_type]
+                                      write_tiktoken_ranks(tmp_path / "t.tiktoken"))[1]}[tokenizer_type]
     model = model() if model else None
     texts = sample_texts(60)
     flags = ["--append-eod", "--workers", "2", "--chunk-size", "8"] + (["--tokenizer-model", model] if model else [])

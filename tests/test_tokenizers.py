@@ -7,58 +7,12 @@ import numpy as np
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")  # the [hf] / [dev] extra
-from tokenizers import ByteLevelBPETokenizer, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from megapretrain.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "def main():\n    return 0\n",
-          "naïve café — ünïcödé ✓ 数据", "hello world " * 5] * 20
+from helpers import CORPUS, train_gpt2_files, train_hf_tokenizer, train_sentencepiece, write_tiktoken_ranks  # noqa: E402
+
 SAMPLES = ["hello world", "  leading spaces and\ttabs\n", "café ✓ 数据", ""]
-
-
-def train_hf_tokenizer(path, special="<|endoftext|>"):
-    """A tiny byte-level BPE saved as tokenizer.json (what HuggingFaceTokenizer loads)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[special], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(path))
-    return tok
-
-
-def train_gpt2_files(directory):
-    """vocab.json + merges.txt of a tiny GPT-2 style byte-level BPE."""
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(CORPUS, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.save_model(str(directory))
-    return directory
-
-
-def train_sentencepiece(directory):
-    """A tiny SentencePiece BPE model with byte fallback and no normalization (exact round trips)."""
-    spm = pytest.importorskip("sentencepiece")
-    prefix = str(directory / "sp")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_prefix=prefix, vocab_size=400,
-                                   hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
-                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
-                                   add_dummy_prefix=False, minloglevel=2, num_threads=1, model_type="bpe")
-    return prefix + ".model"
-
-
-def write_tiktoken_ranks(path):
-    """A .tiktoken rank file: the 256 bytes, then the words of CORPUS (with and without a space before)."""
-    import base64
-
-    tokens = [bytes([b]) for b in range(256)]
-    words = sorted({w for text in CORPUS for w in text.split()})
-    for word in words:
-        for token in (word.encode(), b" " + word.encode()):
-            if len(token) > 1 and token not in tokens:
-                tokens.append(token)
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
-    return str(path)
 
 
 def check_round_trip(tokenizer):

@@ -5,45 +5,16 @@ installed says so in one line."""
 
 from __future__ import annotations
 
-import ast
 import importlib
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers import load_tool
+from helpers import TOOLS, console_scripts, every_help, load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the scripts (tools/_*.py are the modules they share)
-TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "tools"))
-               if f.endswith(".py") and not f.startswith("_"))
-
-# runs every tools/*.py --help as its own __main__ in one interpreter (a process each costs a torch import)
-EVERY_HELP = """
-import json, os, runpy, sys
-codes = {}
-for path in sys.argv[1:]:
-    sys.argv = [path, "--help"]
-    sys.path.insert(0, os.path.dirname(path))  # as python PATH puts the script's folder first
-    try:
-        runpy.run_path(path, run_name="__main__")
-        codes[path] = "returned without exiting"
-    except SystemExit as exit:
-        codes[path] = exit.code
-import megapretrain
-print(json.dumps({"codes": codes, "package": megapretrain.__file__}))
-"""
-
-
-def every_help(env: dict | None = None, cwd: str | None = None) -> dict:
-    paths = [os.path.join(ROOT, "tools", f"{name}.py") for name in TOOLS]
-    proc = subprocess.run([sys.executable, "-c", EVERY_HELP, *paths], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_every_tool_help_exits_0():
@@ -60,17 +31,6 @@ def test_every_tool_is_a_command_with_a_main():
         if module.__name__.startswith("megapretrain."):  # the script runs it
             script = open(os.path.join(ROOT, "tools", f"{name}.py")).read()
             assert f"megapretrain.commands.{name}" in script, name
-
-
-def console_scripts() -> dict[str, str]:
-    """setup.py's console_scripts: {name: "module:function"}."""
-    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Dict):
-            for key, value in zip(node.keys, node.values):
-                if isinstance(key, ast.Constant) and key.value == "console_scripts":
-                    return dict(item.value.split("=", 1) for item in value.elts)
-    raise AssertionError("setup.py declares no console_scripts")
 
 
 def test_console_scripts_resolve_to_a_callable_main():
