@@ -65,7 +65,6 @@ positive_int = number(int, 0, above=True)
 non_negative_int = number(int, 0)
 positive_float = number(float, 0.0, above=True)
 non_negative_float = number(float, 0.0)
-finite_float = number(float)
 fraction = number(float, 0.0, above=True, high=1.0, what="a fraction in (0, 1]")
 
 

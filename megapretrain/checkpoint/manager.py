@@ -187,7 +187,6 @@ class CheckpointManager:
         self.async_save, self.prune_rolled_back, self.sharding = async_save, prune_rolled_back, sharding
         self._pending: tuple[int, threading.Thread | None, list] | None = None
         self._copied: threading.Event | None = None  # set once the async save's snapshot is taken
-        self.last_stall_s = 0.0  # seconds the caller was blocked by the last save()
         self._snapshot = SnapshotBuffers()
         os.makedirs(self.root, exist_ok=True)
         if rank == 0:
@@ -215,7 +214,6 @@ class CheckpointManager:
         """Write this rank's ``state`` for ``iteration`` (collective: every rank calls it); its
         tensors may be views of live training state (see :func:`optimizer_views`). Synchronous:
         written straight from them. Async: returns once they are copied to host buffers."""
-        start = time.perf_counter()
         self.finalize()  # at most one save in flight
         tmp = os.path.join(self.root, "." + iter_dir_name(iteration))
         if self.rank == 0:
@@ -230,12 +228,10 @@ class CheckpointManager:
                                       daemon=True, name=f"checkpoint-{iteration}")
             thread.start()
             self._pending = (iteration, thread, errors)
-            self.last_stall_s = time.perf_counter() - start
         else:
             self._write(iteration, state, tmp, errors)
             self._pending = (iteration, None, errors)
             self.finalize()
-            self.last_stall_s = time.perf_counter() - start
 
     def _take_snapshot(self, state: dict) -> dict:
         """``state`` copied into the host buffers (async saves, on the writer thread). On CUDA the

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.partitions > 1 and len(groups := readers.split_for_partitions(sources, args.partitions)) > 1:
             stats, problem = _run_partitions(args, groups, encoder, encoder_args, outputs)
         else:
-            with progress_bar(args) as progress:
+            with throughput_bar(args) as progress:
                 stats, problem = convert(_chunks(args, sources), encoder, encoder_args, args.workers, outputs,
                                          args.skip_bad_records, progress)
         if problem is None:
@@ -447,7 +447,7 @@ def _summary(args, tokenizer, dtype: np.dtype, key: str, stats: Stats, seconds: 
 
 
 @contextlib.contextmanager
-def progress_bar(args: argparse.Namespace):
+def throughput_bar(args: argparse.Namespace):
     """A progress callback (documents, tokens, bytes) that drives a tqdm bar with tokens/s and MB/s."""
     start, totals = time.perf_counter(), [0, 0]
     with tqdm(unit=" docs", file=sys.stderr, miniters=args.log_interval, smoothing=0.1,
@@ -481,7 +481,7 @@ def _run_partitions(args, groups, encoder, encoder_args, outputs: Outputs) -> tu
     try:
         for process in processes:
             process.start()
-        with progress_bar(args) as progress:
+        with throughput_bar(args) as progress:
             seen = [0.0] * 3
             while len(done) < len(processes) and problem is None:
                 while not results.empty():

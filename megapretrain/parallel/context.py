@@ -136,9 +136,6 @@ def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torc
     return _GatherKVFromCP.apply(k, v, cp)
 
 
-CP_COMM = ("allgather", "ring", "a2a")
-
-
 def check_cp_comm(cp_comm: str, cp: int, tp: int, num_heads: int, num_kv_heads: int, attention_dropout: float) -> None:
     """``parallel.cp_comm`` against the model: all-to-all gives each cp rank whole heads (of those
     its tp rank holds), ring attention computes its blocks without dropout. ConfigError otherwise."""

@@ -28,9 +28,6 @@ from ..errors import PipelineError, divisors, require
 if TYPE_CHECKING:
     from ..config import Config
 
-RECOMPUTE = ("none", "selective", "full")
-
-
 class Coords(NamedTuple):
     """A rank's place in the grid."""
     pp: int

@@ -79,10 +79,6 @@ class ParamSpec:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
-
     def counts_in_grad_norm(self, tp_rank: int) -> bool:
         """Whether this rank's gradient adds to the global norm: tp-split parameters on every tp
         rank, replicated ones on tp rank 0 only, a tied embedding's second copy never."""

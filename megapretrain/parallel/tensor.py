@@ -7,8 +7,6 @@ all return at once when the tp group has one rank, so the single-process path is
     reduce_from_tp      forward: all-reduce              backward: identity
     gather_from_sp      forward: all-gather along seq    backward: reduce-scatter along seq
     reduce_scatter_to_sp forward: reduce-scatter (seq)   backward: all-gather along seq
-    scatter_to_sp       forward: split along seq         backward: all-gather along seq
-    gather_from_tp      forward: all-gather along last   backward: split along last
 
 Every parallel layer declares how its parameters are laid out (``param_shardings``, see
 ``parallel/specs.py``); initialization, the optimizer, checkpointing and conversion read that
@@ -99,28 +97,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return ctx.group.all_gather(grad, SEQ_DIM), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return group.split(x, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad, SEQ_DIM), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return group.all_gather(x, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.split(grad, -1), None
-
-
 def _mapping(fn):
     def apply(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x if group.size == 1 else fn.apply(x, group)
@@ -132,8 +108,6 @@ copy_to_tp = _mapping(_CopyToTP)
 reduce_from_tp = _mapping(_ReduceFromTP)
 gather_from_sp = _mapping(_GatherFromSP)
 reduce_scatter_to_sp = _mapping(_ReduceScatterToSP)
-scatter_to_sp = _mapping(_ScatterToSP)
-gather_from_tp = _mapping(_GatherFromTP)
 
 
 # ----------------------------------------------------------------------------------------------
