@@ -185,3 +185,29 @@ def test_no_test_module_imports_another():
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
             wrong += [f"{name} imports {i}" for i in imported if i and i.split(".")[0] in modules]
     assert not wrong, wrong
+
+
+def _attributes_used_and_owned(path: str, cls: str) -> tuple[set[str], set[str]]:
+    """The ``self.X`` names a class reads, and those it owns: assigned on ``self`` or defined in it
+    (its methods and class attributes)."""
+    tree = ast.parse(open(path).read())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    used = set()
+    owned = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    owned |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            (owned if isinstance(n.ctx, ast.Store) else used).add(n.attr)
+    return used, owned
+
+
+def test_the_trainers_collaborators_own_what_they_use():
+    """RunState and RunWatch are objects the trainer holds, not bases that read the trainer's
+    fields through ``self``: every attribute either reads is one it sets or defines itself."""
+    for module, cls in (("run_state", "RunState"), ("run_watch", "RunWatch"), ("trainer", "Trainer")):
+        path = os.path.join(ROOT, "megapretrain", f"{module}.py")
+        tree = ast.parse(open(path).read())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        assert not node.bases, f"{cls} inherits {[ast.unparse(b) for b in node.bases]}"
+        used, owned = _attributes_used_and_owned(path, cls)
+        assert used <= owned, f"{cls} reads {sorted(used - owned)} without setting or defining them"
