@@ -99,10 +99,17 @@ def _venv(path) -> str:
     with open(os.path.join(_purelib(python), "outer.pth"), "w") as f:
         f.write("".join(f"{p}\n" for p in _outer_path()))
     src = path.parent / f"{path.name}-stand-in"
-    (src / "kernels").mkdir(parents=True)
+    (src / "kernels" / "_internals").mkdir(parents=True)
     (src / "kernels" / "__init__.py").write_text(f"MARKER = {STAND_IN!r}\n")
+    # the hub's package registers an egg_info writer (kernels._internals.locking) that every
+    # setuptools build in an environment holding it calls: where it is installed outside, the
+    # stand-in that shadows it answers that call
+    (src / "kernels" / "_internals" / "__init__.py").write_text("")
+    (src / "kernels" / "_internals" / "locking.py").write_text(
+        "def write_egg_lockfile(cmd, basename, filename):\n    pass\n")
     (src / "setup.py").write_text("from setuptools import setup\n"
-                                  "setup(name='kernels', version='0.0.1', packages=['kernels'])\n")
+                                  "setup(name='kernels', version='0.0.1',\n"
+                                  "      packages=['kernels', 'kernels._internals'])\n")
     _run(python, *PIP, str(src), cwd=path.parent)
     return python
 
