@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from megapretrain.monitor.flops import native_half_precision
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + [f"docs/{name}" for name in (
     "training.md", "configuration.md", "data.md", "parallelism.md", "checkpoints.md", "planner.md",
@@ -92,6 +94,12 @@ REWRITES = [
     (r"--seq-length 2048", "--seq-length 32", "tiny samples"),
     (r"--schedule\.rewarm_iters \d+", "--schedule.rewarm_iters 1", "a re-warm inside the extension's scaled steps"),
 ]
+if not native_half_precision("bf16"):
+    # measured on an AVX2-only CPU: 281 s for configs/bench_cpu.yaml's bf16 bench, 19 s for its fp32 twin
+    REWRITES.append((r"(bench_train\.py --config configs/bench_cpu\.yaml(?!.*--train\.precision).*)$",
+                     r"\1 --train.precision fp32",
+                     "no bf16 instructions on this CPU (no AVX-512 BF16, AMX): its bf16 matmuls are emulated, "
+                     "~80x slower; the bench's bf16 runs in fp32 here"))
 
 # command -> (why it is not run here, the check run instead: {TINY} and {ITERS} are expanded)
 SKIP = {
