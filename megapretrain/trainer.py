@@ -178,8 +178,7 @@ class Trainer:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
-                now = {**ps.layout.meta(v_shape=sizes.schedule.v_shape),
-                       "padded_vocab": sizes.padded_vocab}
+                now = {**self.run.checkpoints.layout, "padded_vocab": sizes.padded_vocab}  # what it saves
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
                          f"{self.run.resharded_from} to {now} (dropout's random streams restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
