@@ -8,6 +8,7 @@ model/args.py) and the family of a Hugging Face ``config.json``.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
@@ -31,8 +32,9 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
+@functools.lru_cache(maxsize=1024)  # the planner asks it for every stage of every layout it weighs
 def layer_spec(args: ModelArgs) -> LayerSpec:
-    """The parts of ``args``'s decoder layers, as its family chooses them."""
+    """The parts of ``args``'s decoder layers, as its family chooses them (a frozen spec: shared)."""
     return family(args.family).layer_spec(args)
 
 

@@ -18,6 +18,7 @@ This module is plain arithmetic (numpy, no torch), so tools and the planner use 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -169,6 +170,13 @@ class Layout:
         uneven = list(self.pipeline_layers) if self.pipeline_layers else None
         return chunk_layers(num_layers, self.pp, self.vpp, pp_rank, uneven, v_shape=v_shape)
 
+    def chunk_sizes(self, num_layers: int, pp_rank: int, v_shape: bool) -> tuple[int, ...]:
+        """How many layers each of stage ``pp_rank``'s chunks holds, as :meth:`chunk_layers`
+        places them (without listing them: the planner asks this for every layout it weighs)."""
+        uneven = tuple(self.pipeline_layers) if self.pipeline_layers else None
+        spans = _chunk_spans(num_layers, self.pp, self.vpp, pp_rank, uneven, v_shape)
+        return tuple(count for _, count in spans)
+
     # -- as a checkpoint records it -----------------------------------------------------------------
 
     def meta(self, *, v_shape: bool) -> dict:
@@ -222,18 +230,30 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
     Even split by default; ``layers_per_chunk`` (length pp·vpp, in global chunk order) lets the
     first and last chunks hold fewer layers to balance the embedding and output layer.
     """
+    uneven = tuple(layers_per_chunk) if layers_per_chunk is not None else None
+    spans = _chunk_spans(num_layers, pp, vpp, pp_rank, uneven, v_shape)
+    return [list(range(start, start + count)) for start, count in spans]
+
+
+@functools.cache
+def _chunk_spans(num_layers: int, pp: int, vpp: int, pp_rank: int,
+                 layers_per_chunk: tuple[int, ...] | None,
+                 v_shape: bool) -> tuple[tuple[int, int], ...]:
+    """(first layer, layer count) of each of stage ``pp_rank``'s chunks (see :func:`chunk_layers`)."""
     n_chunks = pp * vpp
     if layers_per_chunk is None:
         if num_layers % n_chunks:
             raise PipelineError(f"parallel.pp={pp} × parallel.vpp={vpp} = {n_chunks} must divide "
                                 f"model.num_layers={num_layers}")
-        layers_per_chunk = [num_layers // n_chunks] * n_chunks
-    if len(layers_per_chunk) != n_chunks or sum(layers_per_chunk) != num_layers or min(layers_per_chunk) < 1:
-        raise PipelineError(f"parallel.pipeline_layers={layers_per_chunk} must list {n_chunks} positive "
-                            f"layer counts (pp × vpp) summing to model.num_layers={num_layers}")
+        layers_per_chunk = (num_layers // n_chunks,) * n_chunks
+    if (len(layers_per_chunk) != n_chunks or sum(layers_per_chunk) != num_layers
+            or min(layers_per_chunk) < 1):
+        raise PipelineError(f"parallel.pipeline_layers={list(layers_per_chunk)} must list {n_chunks} "
+                            f"positive layer counts (pp × vpp) summing to "
+                            f"model.num_layers={num_layers}")
     starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
     mine = (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else (v * pp + pp_rank for v in range(vpp))
-    return [list(range(starts[c], starts[c] + layers_per_chunk[c])) for c in mine]
+    return tuple((starts[c], layers_per_chunk[c]) for c in mine)
 
 
 def split_layers(layers: int, chunks: int) -> tuple | None:

@@ -48,9 +48,9 @@ def chunk_placement(layout: Layout, schedule: Schedule | None = None) -> Placeme
 def chunk_layer_counts(model: ModelArgs, layout: Layout, pp_rank: int,
                        schedule: Schedule | None = None) -> list[int]:
     """How many layers each of the stage's ``vpp`` chunks holds under ``schedule``'s placement
-    (None: the layout's own schedule's), as :meth:`Layout.chunk_layers` places them."""
+    (None: the layout's own schedule's), as :meth:`Layout.chunk_sizes` counts them."""
     v_shape = (schedule or layout_schedule(layout)).v_shape
-    return [len(ids) for ids in layout.chunk_layers(model.num_layers, pp_rank, v_shape)]
+    return list(layout.chunk_sizes(model.num_layers, pp_rank, v_shape))
 
 
 def head_chunk(layout: Layout, pp_rank: int, schedule: Schedule | None = None) -> int | None:

@@ -24,10 +24,9 @@ BF16 = 2.0
 
 def layers_per_stage(model: ModelArgs, layout: Layout, schedule: Schedule) -> tuple[list[int], int]:
     """Layers on each stage (its chunks together) under ``schedule``'s placement, and the most in
-    one chunk, as :meth:`Layout.chunk_layers` places them."""
-    stages = [layout.chunk_layers(model.num_layers, r, schedule.v_shape) for r in range(layout.pp)]
-    most = max(len(ids) for chunks in stages for ids in chunks)
-    return [sum(map(len, chunks)) for chunks in stages], most
+    one chunk, as :meth:`Layout.chunk_sizes` counts them."""
+    stages = [layout.chunk_sizes(model.num_layers, r, schedule.v_shape) for r in range(layout.pp)]
+    return [sum(sizes) for sizes in stages], max(max(sizes) for sizes in stages)
 
 
 def head_stage(layout: Layout, schedule: Schedule) -> int:
