@@ -37,18 +37,21 @@ setup(
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
         "plots": ["matplotlib>=3.7"],
-        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "matplotlib>=3.7", "triton>=3.0", "setuptools>=70",
-                "wheel",
+        "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "matplotlib>=3.7", "triton>=3.0",
+                "setuptools>=70", "wheel",
                 "tokenizers>=0.19",
                 "transformers>=4.45", "safetensors>=0.4",
-                # data path tests: .zst and parquet inputs, HF datasets, the other tokenizer backends, and
-                # megatron-core's IndexedDataset for the format compatibility tests (CPU-only, no extra deps)
-                "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2", "tiktoken>=0.7",
-                "megatron-core>=0.16",
-                # tools/plan.py --emit accelerate is checked with Accelerate's own parser (DeepSpeed ships
-                # only a source build, which run_scripts/test.sh makes against the installed torch)
+                # data path tests: .zst and parquet inputs, HF datasets, the other tokenizer
+                # backends, and megatron-core's IndexedDataset for the format compatibility tests
+                # (CPU-only, no extra deps)
+                "zstandard>=0.22", "pyarrow>=14", "datasets>=2.19", "sentencepiece>=0.2",
+                "tiktoken>=0.7", "megatron-core>=0.16",
+                # tools/plan.py --emit accelerate is checked with Accelerate's own parser (DeepSpeed
+                # ships only a source build, which run_scripts/test.sh makes against the installed
+                # torch)
                 "accelerate>=0.30",
-                # the real wandb package, tested offline (WANDB_MODE=offline: no network, no account)
+                # the real wandb package, tested offline (WANDB_MODE=offline: no network, no
+                # account)
                 "wandb>=0.16",
                 # model.fp8's reference: tests compare the FP8 linears with torchao.float8's recipes
                 # (0.15-0.18 run on torch 2.13 CPU; float8 training is plain Python there)

@@ -27,7 +27,8 @@ except ImportError:  # the CPU path: torch references only
     INTERPRETED = False
 
     class _NoTriton:
-        """Stands in for ``triton.language`` so kernel signatures (``BLOCK: tl.constexpr``) parse."""
+        """Stands in for ``triton.language`` so kernel signatures (``BLOCK: tl.constexpr``)
+        parse."""
 
         constexpr = None
 
@@ -45,7 +46,8 @@ class _Missing:
 
 
 def jit(fn):
-    """``triton.jit``, compiled or interpreted as Triton's own library is (see the module docstring)."""
+    """``triton.jit``, compiled or interpreted as Triton's own library is (see the module
+    docstring)."""
     if triton is None:
         return _Missing(fn)
     return InterpretedFunction(fn) if INTERPRETED else JITFunction(fn)
@@ -73,7 +75,8 @@ def capture_launches(on_launch, sm_count: int):
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` that persistent grids are sized for (on CPU 2: few programs)."""
+    """Multiprocessors of ``device`` that persistent grids are sized for (on CPU 2: few
+    programs)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _capture[1] if _capture is not None else 2
@@ -93,8 +96,8 @@ def use_triton(kind: str) -> bool:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     if not INTERPRETED:
-        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it before the "
-                           "first `import triton` (or start a fresh process with it set)")
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it before "
+                           "the first `import triton` (or start a fresh process with it set)")
     return True
 
 

@@ -30,8 +30,8 @@ SQ_BLOCK = 4096
 
 
 @jit
-def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, mask_ptr, scale_ptr, skip_ptr, n,
-                  beta1, beta2, eps, lr_wd, step_size, bc2_sqrt, HAS_OUT: tl.constexpr,
+def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, mask_ptr, scale_ptr,
+                  skip_ptr, n, beta1, beta2, eps, lr_wd, step_size, bc2_sqrt, HAS_OUT: tl.constexpr,
                   HAS_MASK: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
@@ -62,7 +62,8 @@ def _sq_sum_kernel(grad_ptr, partial_ptr, top_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     g = tl.abs(tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))  # (BLOCK,)
     top = tl.maximum(tl.max(g, axis=0), 1.1754944e-38)  # at least the smallest normal: no 0 / 0
-    r = tl.div_rn(g, top)  # in [0, 1]: no square overflows or underflows; correctly rounded (the bound needs it)
+    # in [0, 1]: no square overflows or underflows; correctly rounded (the bound needs it)
+    r = tl.div_rn(g, top)
     tl.store(partial_ptr + tl.program_id(0), tl.sum(r * r, axis=0))  # a tree of fp32 adds
     tl.store(top_ptr + tl.program_id(0), top)
 
@@ -73,13 +74,15 @@ def decay_mask(numel: int, ranges, device=None) -> torch.Tensor:
     flags = torch.zeros(cdiv(numel, 32) * 32, dtype=torch.bool)
     for start, end, decay in ranges:
         flags[start:end] = bool(decay)
-    words = (flags.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)  # (numel/32,) in [0, 2^32)
+    # (numel/32,) in [0, 2^32)
+    words = (flags.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # as int32 bit patterns
     return words.to(torch.int32).to(device)
 
 
 def _unpack(mask: torch.Tensor, numel: int) -> torch.Tensor:
-    bits = (mask.to(torch.int64)[:, None] >> torch.arange(32, device=mask.device)) & 1  # (words, 32)
+    # (words, 32)
+    bits = (mask.to(torch.int64)[:, None] >> torch.arange(32, device=mask.device)) & 1
     return bits.flatten()[:numel].bool()
 
 
@@ -101,8 +104,8 @@ def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: i
     return lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
 
 
-def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
-                   weight_decay, step) -> None:
+def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1,
+                   beta2, eps, weight_decay, step) -> None:
     lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
     n = master.numel()
     if not n:
@@ -112,11 +115,12 @@ def _triton_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, sk
                                      mask if mask is not None else master, scale,
                                      skip if skip is not None else scale, n, beta1, beta2, eps,
                                      lr_wd, step_size, bc2_sqrt, HAS_OUT=param_out is not None,
-                                     HAS_MASK=mask is not None, HAS_SKIP=skip is not None, BLOCK=BLOCK)
+                                     HAS_MASK=mask is not None, HAS_SKIP=skip is not None,
+                                     BLOCK=BLOCK)
 
 
-def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
-                  weight_decay, step) -> None:
+def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2,
+                  eps, weight_decay, step) -> None:
     if skip is not None and bool(skip.reshape(-1)[0]):  # the reference reads the flag on the host
         return
     lr_wd, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
@@ -134,22 +138,25 @@ def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, ski
 @torch.library.custom_op("megapretrain::fused_adamw_",
                          mutates_args=("master", "exp_avg", "exp_avg_sq", "param_out"))
 def _fused_adamw_op(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, param_out: torch.Tensor | None, mask: torch.Tensor | None,
-                    scale: torch.Tensor, skip: torch.Tensor | None, lr: float, beta1: float, beta2: float,
-                    eps: float, weight_decay: float, step: int) -> None:
+                    exp_avg_sq: torch.Tensor, param_out: torch.Tensor | None,
+                    mask: torch.Tensor | None, scale: torch.Tensor, skip: torch.Tensor | None,
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    step: int) -> None:
     _check(grad, master, exp_avg, exp_avg_sq, param_out, mask)
     impl = _triton_adamw_ if use_triton(grad.device.type) else _torch_adamw_
-    impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps, weight_decay,
-         step)
+    impl(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
+         weight_decay, step)
 
 
 @_fused_adamw_op.register_fake
-def _(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps, weight_decay, step):
+def _(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, skip, lr, beta1, beta2, eps,
+      weight_decay, step):
     return None
 
 
 def _skip_tensor(found_inf, like: torch.Tensor) -> torch.Tensor | None:
-    return None if found_inf is None else found_inf.reshape(1).to(device=like.device, dtype=torch.int32)
+    return None if found_inf is None else found_inf.reshape(1).to(device=like.device,
+                                                                  dtype=torch.int32)
 
 
 def _scale_tensor(scale, like: torch.Tensor) -> torch.Tensor:
@@ -158,10 +165,11 @@ def _scale_tensor(scale, like: torch.Tensor) -> torch.Tensor:
     return torch.full((1,), float(scale), dtype=torch.float32, device=like.device)
 
 
-def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                 param_out: torch.Tensor | None = None, decay: torch.Tensor | None = None,
-                 grad_scale: float | torch.Tensor = 1.0, found_inf: torch.Tensor | None = None) -> None:
+def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, step: int, param_out: torch.Tensor | None = None,
+                 decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
+                 found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over flat (n,) shards: ``master``, ``exp_avg``, ``exp_avg_sq``
     (fp32) from ``grad`` (fp32 or low precision) times ``grad_scale``; ``step`` counts from 1.
 
@@ -169,19 +177,22 @@ def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor
     if given, receives the new master rounded to its dtype. ``found_inf``: a one-element device
     flag; when it is nonzero nothing is written (the step is skipped without a host sync).
     """
-    _fused_adamw_op(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
-                    _skip_tensor(found_inf, master), lr, beta1, beta2, eps, weight_decay, step)
+    _fused_adamw_op(grad, master, exp_avg, exp_avg_sq, param_out, decay,
+                    _scale_tensor(grad_scale, master), _skip_tensor(found_inf, master), lr, beta1,
+                    beta2, eps, weight_decay, step)
 
 
 def fused_adamw_reference(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
-                          exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-                          weight_decay: float, step: int, param_out: torch.Tensor | None = None,
-                          decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
+                          exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                          eps: float, weight_decay: float, step: int,
+                          param_out: torch.Tensor | None = None, decay: torch.Tensor | None = None,
+                          grad_scale: float | torch.Tensor = 1.0,
                           found_inf: torch.Tensor | None = None) -> None:
     """:func:`fused_adamw_` in plain torch ops, on any device."""
     _check(grad, master, exp_avg, exp_avg_sq, param_out, decay)
-    _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, decay, _scale_tensor(grad_scale, master),
-                  _skip_tensor(found_inf, master), lr, beta1, beta2, eps, weight_decay, step)
+    _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, decay,
+                  _scale_tensor(grad_scale, master), _skip_tensor(found_inf, master), lr, beta1,
+                  beta2, eps, weight_decay, step)
 
 
 @torch.library.custom_op("megapretrain::grad_sq_sum", mutates_args=())

@@ -31,15 +31,16 @@ CHUNK_BYTES = 8 << 20  # fp32 bytes per row chunk of the torch phases (stays in 
 
 
 @jit
-def _ce_stats_kernel(logits_ptr, targets_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, stride, width, valid,
-                     vocab_start, ignore_index, BLOCK_V: tl.constexpr):
+def _ce_stats_kernel(logits_ptr, targets_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, stride, width,
+                     valid, vocab_start, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     row_max = tl.full([], float("-inf"), tl.float32)
     sum_exp = tl.zeros([], tl.float32)
     for v0 in range(0, valid, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        # loaded up to the (padded, 16-divisible) width so the loads stay 128-bit, then masked to valid
+        # loaded up to the (padded, 16-divisible) width so the loads stay 128-bit, then masked to
+        # valid
         x = tl.load(base + cols, mask=cols < width, other=float("-inf")).to(tl.float32)  # (BV,)
         x = tl.where(cols < valid, x, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(x, axis=0))  # finite: every block has a valid column
@@ -65,7 +66,8 @@ def _ce_grad_kernel(logits_ptr, targets_ptr, lse_ptr, scale_ptr, stride, width, 
     local = tl.load(targets_ptr + row) - vocab_start
     for v0 in range(0, width, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(base + cols, mask=cols < width, other=0.0).to(tl.float32)  # (BV,) 128-bit loads, as above
+        # (BV,) 128-bit loads, as above
+        x = tl.load(base + cols, mask=cols < width, other=0.0).to(tl.float32)
         g = tl.exp(x - lse) * coef - tl.where(cols == local, 1.0, 0.0)
         g = tl.where(cols < valid, g * scale, 0.0)  # padding columns: 0
         tl.store(base + cols, to_dtype(g, logits_ptr.dtype.element_ty), mask=cols < width)
@@ -79,8 +81,8 @@ def _triton_stats(logits, targets, vocab_start: int, valid: int, ignore_index: i
     rows = logits.shape[0]
     stats = [torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3)]
     if rows:
-        _ce_stats_kernel[(rows,)](logits, targets, *stats, logits.stride(0), logits.shape[1], valid, vocab_start,
-                                  ignore_index, BLOCK_V=_block_v(valid), num_warps=8)
+        _ce_stats_kernel[(rows,)](logits, targets, *stats, logits.stride(0), logits.shape[1], valid,
+                                  vocab_start, ignore_index, BLOCK_V=_block_v(valid), num_warps=8)
     return tuple(stats)
 
 
@@ -118,16 +120,19 @@ def _torch_stats(logits, targets, vocab_start: int, valid: int, ignore_index: in
 def _torch_grad_(logits, targets, lse, scale, z_loss: float, vocab_start: int, valid: int) -> None:
     local = targets - vocab_start
     coef = 1.0 + 2.0 * z_loss * lse  # (rows,)
-    for i, j, w in _row_blocks(logits, valid) if valid else ():  # a rank of padding columns alone: none
+    # a rank of padding columns alone: none
+    for i, j, w in _row_blocks(logits, valid) if valid else ():
         w.sub_(lse[i:j, None]).exp_().mul_(coef[i:j, None])  # softmax, scaled for the z-loss
         hit = (local[i:j] >= 0) & (local[i:j] < valid)
-        # minus one at the target of each row that has it here (others add -0: no data-dependent shapes)
+        # minus one at the target of each row that has it here (others add -0: no data-dependent
+        # shapes)
         w.scatter_add_(1, local[i:j].masked_fill(~hit, 0)[:, None], -hit.to(w.dtype)[:, None])
         logits[i:j, :valid] = w.mul_(scale[i:j, None])
     logits[:, valid:] = 0.0  # padding columns: no gradient
 
 
-def torch_loss_grad_(logits, targets, scale, z_loss: float, vocab_start: int, valid: int, ignore_index: int):
+def torch_loss_grad_(logits, targets, scale, z_loss: float, vocab_start: int, valid: int,
+                     ignore_index: int):
     """Both torch phases and :func:`combine_stats` in one pass, for logits not split over tp: the
     per-row loss and log-sum-exp (rows,) fp32, and ``scale`` · d loss / d logits written over the
     (rows, v) ``logits``. The same numbers as the phases (to rounding); each row block is read,
@@ -139,16 +144,20 @@ def torch_loss_grad_(logits, targets, scale, z_loss: float, vocab_start: int, va
     scale = scale.masked_fill(ignored, 0.0)  # (rows,)
     mine = ~ignored & (local >= 0) & (local < valid)
     local = local.masked_fill(~mine, 0)
-    target_logit = logits.gather(-1, local[:, None]).squeeze(-1).float()  # (rows,), before it is overwritten
+    # (rows,), before it is overwritten
+    target_logit = logits.gather(-1, local[:, None]).squeeze(-1).float()
     row_max, log_sum = (logits.new_empty(rows, dtype=torch.float32) for _ in range(2))
     for i, j, w in _row_blocks(logits, valid):
         row_max[i:j] = w.amax(-1)
         sum_exp = w.sub_(row_max[i:j, None]).exp_().sum(-1)  # (chunk,)
         log_sum[i:j] = sum_exp.log()
-        coef = 1.0 + 2.0 * z_loss * (row_max[i:j] + log_sum[i:j])  # the z-loss scales the softmax term
+        # the z-loss scales the softmax term
+        coef = 1.0 + 2.0 * z_loss * (row_max[i:j] + log_sum[i:j])
         w.mul_((scale[i:j] * coef / sum_exp)[:, None])  # scale · softmax · coef
-        # minus the scale at each row's target (rows without one here add -0: no data-dependent shapes)
-        w.scatter_add_(1, local[i:j, None], -scale[i:j].masked_fill(~mine[i:j], 0.0).to(w.dtype)[:, None])
+        # minus the scale at each row's target (rows without one here add -0: no data-dependent
+        # shapes)
+        w.scatter_add_(1, local[i:j, None],
+                       -scale[i:j].masked_fill(~mine[i:j], 0.0).to(w.dtype)[:, None])
         logits[i:j, :valid] = w
     logits[:, valid:] = 0.0  # padding columns: no gradient
     lse = row_max + log_sum
@@ -176,7 +185,8 @@ def _(logits, targets, vocab_start, valid, ignore_index):
 def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                         scale: torch.Tensor, z_loss: float, vocab_start: int, valid: int) -> None:
     """Phase two: overwrite (rows, v/tp) ``logits`` with scale · (softmax · (1 + 2·z·lse) - onehot),
-    given the global log-sum-exp ``lse`` and per-row ``scale`` (0 for ignored rows), both (rows,)."""
+    given the global log-sum-exp ``lse`` and per-row ``scale`` (0 for ignored rows), both
+    (rows,)."""
     impl = _triton_grad_ if use_triton(logits.device.type) else _torch_grad_
     impl(logits, targets, lse, scale, z_loss, vocab_start, valid)
 
@@ -196,7 +206,8 @@ def combine_stats(stats, targets: torch.Tensor, group: Group | None, vocab_start
     global_max = row_max
     if group is not None and group.size > 1:
         global_max = group.all_reduce(row_max.clone(), op=dist.ReduceOp.MAX)
-        sum_exp = group.all_reduce(sum_exp * torch.exp(row_max - global_max))  # rescaled to the global max
+        # rescaled to the global max
+        sum_exp = group.all_reduce(sum_exp * torch.exp(row_max - global_max))
     target_logit = (target_logit - global_max).masked_fill(not_mine, 0.0)
     if group is not None and group.size > 1:
         group.all_reduce(target_logit)
@@ -240,33 +251,38 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, real_vocab, ignore_index, z_loss, inplace,
                 reference):
-        logits2d, targets1d = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (b·s, v/tp)
-        loss, lse = _forward(logits2d, targets1d, group, vocab_start, real_vocab, ignore_index, z_loss,
-                             reference)
-        ctx.save_for_backward(logits, targets, lse)  # inputs, not views made here (autograd forbids those)
+        # (b·s, v/tp)
+        logits2d, targets1d = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        loss, lse = _forward(logits2d, targets1d, group, vocab_start, real_vocab, ignore_index,
+                             z_loss, reference)
+        # inputs, not views made here (autograd forbids those)
+        ctx.save_for_backward(logits, targets, lse)
         ctx.args = (vocab_start, real_vocab, ignore_index, z_loss, inplace, reference)
         return loss.view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, targets, lse = ctx.saved_tensors
-        grad = _backward(grad_loss, logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), lse, *ctx.args)
+        grad = _backward(grad_loss, logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), lse,
+                         *ctx.args)
         return grad.view(logits.shape), None, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("megapretrain::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, real_vocab: int,
-                      ignore_index: int, z_loss: float,
+def _cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                      real_vocab: int, ignore_index: int, z_loss: float,
                       inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits2d, targets1d = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    loss, lse = _forward(logits2d, targets1d, None, vocab_start, real_vocab, ignore_index, z_loss, False)
+    loss, lse = _forward(logits2d, targets1d, None, vocab_start, real_vocab, ignore_index, z_loss,
+                         False)
     return loss.view(targets.shape), lse
 
 
 @_cross_entropy_op.register_fake
 def _(logits, targets, vocab_start, real_vocab, ignore_index, z_loss, inplace):
     rows = targets.numel()
-    return targets.new_empty(targets.shape, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
+    return targets.new_empty(targets.shape,
+                             dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -289,7 +305,8 @@ _cross_entropy_op.register_autograd(_op_backward, setup_context=_setup_context)
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group | None = None,
                   vocab_start: int = 0, real_vocab: int | None = None, ignore_index: int = -100,
                   z_loss: float = 0.0, inplace_grad: bool = True) -> torch.Tensor:
-    """Per-token loss (b, s) fp32 from this rank's logits (b, s, v/tp) and global ``targets`` (b, s).
+    """Per-token loss (b, s) fp32 from this rank's logits (b, s, v/tp) and global ``targets`` (b,
+    s).
 
     ``vocab_start`` is this rank's first vocabulary id, ``real_vocab`` the unpadded vocabulary size
     (default: every column is real). With ``inplace_grad`` the backward writes the gradient over the
@@ -299,16 +316,18 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group | No
     if real_vocab is None:
         real_vocab = logits.shape[-1] * (group.size if group is not None else 1)
     if group is None or group.size == 1:
-        return _cross_entropy_op(logits, targets, vocab_start, real_vocab, ignore_index, z_loss, inplace_grad)[0]
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, inplace_grad, False)
+        return _cross_entropy_op(logits, targets, vocab_start, real_vocab, ignore_index, z_loss,
+                                 inplace_grad)[0]
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab,
+                                            ignore_index, z_loss, inplace_grad, False)
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, group: Group | None = None,
-                            vocab_start: int = 0, real_vocab: int | None = None, ignore_index: int = -100,
-                            z_loss: float = 0.0, inplace_grad: bool = True) -> torch.Tensor:
+                            vocab_start: int = 0, real_vocab: int | None = None,
+                            ignore_index: int = -100, z_loss: float = 0.0,
+                            inplace_grad: bool = True) -> torch.Tensor:
     """:func:`cross_entropy` with the torch phases, on any device."""
     if real_vocab is None:
         real_vocab = logits.shape[-1] * (group.size if group is not None else 1)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, inplace_grad, True)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab,
+                                            ignore_index, z_loss, inplace_grad, True)

@@ -34,8 +34,8 @@ import contextvars
 
 import torch
 
-_SIMULATED: contextvars.ContextVar[str | None] = contextvars.ContextVar("megapretrain_simulated_device",
-                                                                        default=None)
+_SIMULATED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "megapretrain_simulated_device", default=None)
 
 
 @contextlib.contextmanager

@@ -50,7 +50,8 @@ MIN_ROWS = {"cpu": 256, "default": 1}  # tokens per chunk at least, by device ty
 ACCUM_TILE_ROWS = 2048  # vocabulary rows per product folded into a wider weight gradient
 
 
-def default_chunk_rows(tokens: int, vocab_local: int, dtype: torch.dtype, device: torch.device) -> int:
+def default_chunk_rows(tokens: int, vocab_local: int, dtype: torch.dtype,
+                       device: torch.device) -> int:
     """Tokens per chunk for ``tokens`` tokens: the chunk's logits fill about CHUNK_BYTES (but hold
     at least MIN_ROWS tokens), and the chunks are of equal size."""
     kind = device_type(device) if device_type(device) in CHUNK_BYTES else "default"
@@ -98,11 +99,11 @@ def _accumulate_product(out, a, b, tmp):
         out[i:j].add_(torch.mm(a[i:j], b, out=tmp[: j - i]))
 
 
-def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real_vocab, ignore_index,
-                           z_loss, rows, need_x: bool, need_w: bool, reference: bool, accum_dtype=None, lse=None,
-                           grad_w_out=None):
-    """Per-token loss and log-sum-exp (n,) fp32 and, when asked, the gradients of Σ_t scale_t · loss_t:
-    d/dx (n, h), this rank's partial sum over tp, and d/dweight (v/tp, h) in ``accum_dtype``
+def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real_vocab,
+                           ignore_index, z_loss, rows, need_x: bool, need_w: bool, reference: bool,
+                           accum_dtype=None, lse=None, grad_w_out=None):
+    """Per-token loss and log-sum-exp (n,) fp32 and, when asked, the gradients of Σ_t scale_t ·
+    loss_t: d/dx (n, h), this rank's partial sum over tp, and d/dweight (v/tp, h) in ``accum_dtype``
     (default the weight's). Given ``lse`` (n,) from an earlier pass, only the gradients are made
     (the loss returned is None). Given ``grad_w_out`` (v/tp, h), typically the weight's fp32 main
     grad, d/dweight is added into it chunk by chunk instead (and None returned): no weight-sized
@@ -119,12 +120,14 @@ def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real
     grad_w = None
     sum_dtype = grad_w_out.dtype if grad_w_out is not None else accum_dtype
     wider = need_w and x2d.dtype != sum_dtype  # each product is made a tile at a time, then added
-    tmp_w = x2d.new_empty(min(ACCUM_TILE_ROWS, vocab_local), weight.shape[1]) if wider else None  # (tile, h)
+    # (tile, h)
+    tmp_w = x2d.new_empty(min(ACCUM_TILE_ROWS, vocab_local), weight.shape[1]) if wider else None
     for i in range(0, n, rows):
         x_c, t_c, s_c = x2d[i:i + rows], targets[i:i + rows], scale[i:i + rows]
         logits = torch.mm(x_c, weight.t(), out=buf[: x_c.shape[0]])  # (chunk, v/tp)
-        loss, lse_c = _chunk_loss_(logits, t_c, s_c, group, vocab_start, valid, ignore_index, z_loss, reference,
-                                   grad, None if lse is None else lse[i:i + rows])
+        loss, lse_c = _chunk_loss_(logits, t_c, s_c, group, vocab_start, valid, ignore_index,
+                                   z_loss, reference, grad, None if lse is None
+                                   else lse[i:i + rows])
         if loss is not None:
             loss_out[i:i + rows], lse_out[i:i + rows] = loss, lse_c
         if need_x:
@@ -142,13 +145,15 @@ def chunked_loss_and_grads(x2d, weight, targets, scale, group, vocab_start, real
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, loss_weight, group, vocab_start, real_vocab, ignore_index, z_loss,
-                rows, accum_dtype, reference, grad_enabled):
+    def forward(ctx, x, weight, targets, loss_weight, group, vocab_start, real_vocab, ignore_index,
+                z_loss, rows, accum_dtype, reference, grad_enabled):
         x2d, t1d = x.reshape(-1, x.shape[-1]), targets.reshape(-1)  # (b·s, h), (b·s,)
-        need_x, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        loss, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, loss_weight, group, vocab_start,
-                                                         real_vocab, ignore_index, z_loss, rows, need_x, need_w,
-                                                         reference, accum_dtype)
+        need_x, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled \
+            and ctx.needs_input_grad[1]
+        loss, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, loss_weight, group,
+                                                         vocab_start, real_vocab, ignore_index,
+                                                         z_loss, rows, need_x, need_w, reference,
+                                                         accum_dtype)
         ctx.save_for_backward(grad_x.view(x.shape) if need_x else None, grad_w)  # no logits
         ctx.weight_dtype = weight.dtype
         return (loss * loss_weight).sum()  # ignored rows have loss 0
@@ -163,33 +168,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
-def _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, loss_weight, rows,
-           accum_dtype, reference):
+def _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, loss_weight,
+           rows, accum_dtype, reference):
     if real_vocab is None:
         real_vocab = weight.shape[0] * (group.size if group is not None else 1)
     if loss_weight is None:
         loss_weight = torch.ones(targets.numel(), dtype=torch.float32, device=x.device)
     if loss_weight.numel() != targets.numel():
-        raise ValueError(f"loss_weight {tuple(loss_weight.shape)} must match targets {tuple(targets.shape)}")
+        raise ValueError(f"loss_weight {tuple(loss_weight.shape)} must match targets "
+                         f"{tuple(targets.shape)}")
     rows = rows or default_chunk_rows(targets.numel(), weight.shape[0], x.dtype, x.device)
-    return _LinearCrossEntropy.apply(x, weight, targets, loss_weight.reshape(-1).float(), group, vocab_start,
-                                     real_vocab, ignore_index, z_loss, rows, accum_dtype or weight.dtype,
-                                     reference, torch.is_grad_enabled())
+    return _LinearCrossEntropy.apply(x, weight, targets, loss_weight.reshape(-1).float(), group,
+                                     vocab_start, real_vocab, ignore_index, z_loss, rows,
+                                     accum_dtype or weight.dtype, reference,
+                                     torch.is_grad_enabled())
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         group: Group | None = None, vocab_start: int = 0, real_vocab: int | None = None,
-                         ignore_index: int = -100, z_loss: float = 0.0, loss_weight: torch.Tensor | None = None,
-                         chunk_rows: int | None = None, accum_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         group: Group | None = None, vocab_start: int = 0,
+                         real_vocab: int | None = None, ignore_index: int = -100,
+                         z_loss: float = 0.0, loss_weight: torch.Tensor | None = None,
+                         chunk_rows: int | None = None,
+                         accum_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Σ_t loss_weight_t · cross_entropy(x_t · weightᵀ, target_t), a 0-d fp32 tensor.
 
     ``x`` (b, s, h) replicated over tp, ``weight`` (v/tp, h) this rank's output rows, ``targets``
     (b, s) global ids; ``loss_weight`` (b, s) defaults to ones. Ignored targets add nothing.
     d loss / d weight is summed over the chunks in ``accum_dtype`` (default the weight's dtype, as
-    Liger-Kernel does; float32 costs an fp32 copy of the weight and rounds once instead of per chunk).
+    Liger-Kernel does; float32 costs an fp32 copy of the weight and rounds once instead of per
+    chunk).
     """
-    return _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, loss_weight,
-                  chunk_rows, accum_dtype, False)
+    return _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss,
+                  loss_weight, chunk_rows, accum_dtype, False)
 
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -199,5 +209,5 @@ def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, target
                                    chunk_rows: int | None = None,
                                    accum_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`linear_cross_entropy` with the torch cross entropy phases, on any device."""
-    return _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, loss_weight,
-                  chunk_rows, accum_dtype, True)
+    return _apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss,
+                  loss_weight, chunk_rows, accum_dtype, True)

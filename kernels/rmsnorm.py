@@ -19,13 +19,13 @@ import torch
 
 from ._triton import cdiv, jit, next_pow2, sm_count, tl, to_dtype, use_triton
 
-# elements per program tile (rows × padded hidden size) of narrow rows: 16 a thread forward, 8 backward
-# (it holds more arrays per element), so no registers spill on sm_80-sm_100 (tools/check_kernels.py:
-# twice that spilled 8 B a thread on sm_100)
+# elements per program tile (rows × padded hidden size) of narrow rows: 16 a thread forward, 8
+# backward (it holds more arrays per element), so no registers spill on sm_80-sm_100
+# (tools/check_kernels.py: twice that spilled 8 B a thread on sm_100)
 FWD_TILE, BWD_TILE = 2048, 1024
-# columns of a backward program at most: it keeps its chunk of d weight in registers across its rows,
-# beside that chunk of x, dy and w. A whole 16384 row (405B) spilled 48 B a thread at 128 registers,
-# and 8192 columns still reach 128 in fp16 (tools/check_kernels.py)
+# columns of a backward program at most: it keeps its chunk of d weight in registers across its
+# rows, beside that chunk of x, dy and w. A whole 16384 row (405B) spilled 48 B a thread at 128
+# registers, and 8192 columns still reach 128 in fp16 (tools/check_kernels.py)
 BWD_CHUNK = 4096
 
 
@@ -48,11 +48,13 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
 @jit
 def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, rows_per_prog,
                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CHUNKS: tl.constexpr):
-    # program (p, k) owns columns [k·BH, (k+1)·BH) of rows [p·rows_per_prog, ...): it writes dx there
-    # and sums that chunk of d weight in registers (acc); wide rows (h > BH) read the whole row once
-    # more for its dot product, from L2, where the row's other CHUNKS - 1 programs read it at the same time
+    # program (p, k) owns columns [k·BH, (k+1)·BH) of rows [p·rows_per_prog, ...): it writes dx
+    # there and sums that chunk of d weight in registers (acc); wide rows (h > BH) read the whole
+    # row once more for its dot product, from L2, where the row's other CHUNKS - 1 programs read it
+    # at the same time
     pid = tl.program_id(0) // CHUNKS
-    c = (tl.program_id(0) % CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,) this program's columns
+    # (BH,) this program's columns
+    c = (tl.program_id(0) % CHUNKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)  # this program's share of d weight
     start = pid * rows_per_prog
     end = tl.minimum(start + rows_per_prog, rows)
@@ -63,7 +65,8 @@ def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, r
         for k0 in range(0, h, BLOCK_H):  # a loop, not unrolled: one chunk's loads in flight
             ck = k0 + tl.arange(0, BLOCK_H)
             mk = (r[:, None] < end) & (ck[None, :] < h)
-            xk = tl.load(x_ptr + r[:, None] * h + ck[None, :], mask=mk, other=0.0).to(tl.float32)  # (BR, BH)
+            # (BR, BH)
+            xk = tl.load(x_ptr + r[:, None] * h + ck[None, :], mask=mk, other=0.0).to(tl.float32)
             gk = tl.load(dy_ptr + r[:, None] * h + ck[None, :], mask=mk, other=0.0).to(tl.float32)
             wk = tl.load(w_ptr + ck, mask=ck < h, other=0.0).to(tl.float32)
             dot += tl.sum((gk * wk[None, :]) * (xk * rstd[:, None]), axis=1)
@@ -72,7 +75,8 @@ def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, r
         offs = r[:, None] * h + c[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
         g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)  # reloaded: not held beside acc
+        # reloaded: not held beside acc
+        w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)
         x_hat = x * rstd[:, None]
         acc += g * x_hat
         gw = g * w[None, :]  # d loss / d x_hat
@@ -84,7 +88,8 @@ def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, rows, h, r
 def blocks(h: int, tile: int) -> tuple[int, int, int]:
     """(rows per block, padded hidden size, warps) of a program for hidden size ``h``."""
     block_h = next_pow2(h)
-    warps = 16 if block_h >= 16384 else 8 if block_h >= 4096 else 4  # wide rows: more threads per row
+    # wide rows: more threads per row
+    warps = 16 if block_h >= 16384 else 8 if block_h >= 4096 else 4
     return max(1, min(16, tile // block_h)), block_h, warps
 
 
@@ -118,10 +123,11 @@ def _triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     programs = max(1, cdiv(rows, rows_per_prog))
     dx = torch.empty_like(x2d)
     dw_part = torch.empty(programs, h, dtype=torch.float32, device=x.device)  # (programs, h)
-    _rmsnorm_bwd[(programs * chunks,)](g2d, x2d, weight.contiguous(), rstd.reshape(-1).contiguous(), dx,
-                                       dw_part, rows, h, rows_per_prog, BLOCK_R=block_r, BLOCK_H=block_h,
-                                       CHUNKS=chunks, num_warps=warps)
-    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)  # second stage of the d weight reduction
+    _rmsnorm_bwd[(programs * chunks,)](g2d, x2d, weight.contiguous(), rstd.reshape(-1).contiguous(),
+                                       dx, dw_part, rows, h, rows_per_prog, BLOCK_R=block_r,
+                                       BLOCK_H=block_h, CHUNKS=chunks, num_warps=warps)
+    # second stage of the d weight reduction
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 
 def _torch_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -141,7 +147,8 @@ def _torch_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 
 @torch.library.custom_op("megapretrain::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
     return (_triton_forward if use_triton(x.device.type) else _torch_forward)(x, weight, eps)
 
 

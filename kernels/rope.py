@@ -16,7 +16,8 @@ import torch
 
 from ._triton import cdiv, jit, next_pow2, tl, to_dtype, use_triton
 
-TILE = 1024  # elements per program tile (rows × padded half head dimension): six loads each, no spills
+# elements per program tile (rows × padded half head dimension): six loads each, no spills
+TILE = 1024
 
 
 @jit
@@ -53,7 +54,8 @@ def blocks(half: int) -> tuple[int, int]:
     return max(1, min(64, TILE // block_d)), block_d
 
 
-def _triton_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+def _triton_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   backward: bool) -> torch.Tensor:
     b, n, s, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -71,7 +73,8 @@ def _triton_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
     return y
 
 
-def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  backward: bool) -> torch.Tensor:
     half = x.shape[-1] // 2
     y = x * cos
     if backward:
@@ -84,7 +87,8 @@ def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwar
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[2], x.shape[3]) or sin.shape != cos.shape:
+    if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[2], x.shape[3]) \
+            or sin.shape != cos.shape:
         raise ValueError(f"rope needs x (b, n, s, d) with d even and cos, sin (s, d); got x "
                          f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
 

@@ -57,7 +57,8 @@ def _triton_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if gate.numel():
-        _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](grad, gate, up, dgate, dup, gate.numel(), BLOCK=BLOCK)
+        _swiglu_bwd[(cdiv(gate.numel(), BLOCK),)](grad, gate, up, dgate, dup, gate.numel(),
+                                                  BLOCK=BLOCK)
     return dgate, dup
 
 
@@ -70,8 +71,8 @@ def _torch_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+        raise ValueError("swiglu needs gate and up of one shape and dtype, got "
+                         f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
 
 
 @torch.library.custom_op("megapretrain::swiglu", mutates_args=())
@@ -109,7 +110,8 @@ _swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up for gate, up (..., f/tp): the Triton kernels on CUDA (or under the interpreter)."""
+    """silu(gate) · up for gate, up (..., f/tp): the Triton kernels on CUDA (or under the
+    interpreter)."""
     return _swiglu_op(gate, up)
 
 

@@ -23,8 +23,8 @@ def print_error(message: object) -> None:
 
 
 def user_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """``main(argv)`` that prints a :class:`UserError` as one line and returns 2; any other exception
-    is a bug and keeps its traceback."""
+    """``main(argv)`` that prints a :class:`UserError` as one line and returns 2; any other
+    exception is a bug and keeps its traceback."""
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
         try:
@@ -53,7 +53,8 @@ def number(kind, low: float | None = None, *, above: bool = False, high: float |
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value) or (low is not None and (value < low or (above and value == low))) \
+        if not math.isfinite(value) \
+                or (low is not None and (value < low or (above and value == low))) \
                 or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return value
@@ -74,5 +75,6 @@ def progress_bar(total: float | None, desc: str, unit: str = "B", enabled: bool 
     disappears when done, leaving the tool's closing line alone."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B" else 1000,
-                file=sys.stderr, disable=None if enabled is None else not enabled, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024 if unit == "B"
+                else 1000, file=sys.stderr, disable=None if enabled is None else not enabled,
+                dynamic_ncols=True, leave=False)

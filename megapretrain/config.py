@@ -31,9 +31,9 @@ from .errors import ConfigError
 from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text, yaml_problem
 
 
-def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None, min: float | None = None,
-       positive: bool = False, max: float | None = None, below: float | None = None, choices: tuple = (),
-       output_dir: bool = False):
+def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
+       min: float | None = None, positive: bool = False, max: float | None = None,
+       below: float | None = None, choices: tuple = (), output_dir: bool = False):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
     declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
     most) or ``below``; a string its ``choices``, or ``output_dir`` for a directory the run writes
@@ -55,7 +55,8 @@ def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
 
 @dataclass
 class RunConfig:
-    dir: str = _f("runs/default", "Directory for everything the run writes; rerunning with it resumes.",
+    dir: str = _f("runs/default",
+                  "Directory for everything the run writes; rerunning with it resumes.",
                   output_dir=True)
     name: str = _f("", "Free-form run name shown in logs (defaults to the directory name).")
 
@@ -65,44 +66,62 @@ class ModelConfig:
     num_layers: int = _f(2, "Number of transformer decoder layers.", min=1)
     hidden_size: int = _f(128, "Width of the residual stream.", min=1)
     num_heads: int = _f(4, "Attention (query) heads.", min=1)
-    num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: num_heads).", min=1)
-    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to 256).", min=1)
-    mlp: str = _f("swiglu", "MLP: swiglu (Llama) | gelu (two matrices, exact GELU: GPT-NeoX, GPT-3 style).",
+    num_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (null: "
+                                           "num_heads).", min=1)
+    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU inner width (null: 8/3·hidden rounded up to "
+                                              "256).", min=1)
+    mlp: str = _f("swiglu",
+                  "MLP: swiglu (Llama) | gelu (two matrices, exact GELU: GPT-NeoX, GPT-3 style).",
                   choices=("swiglu", "gelu"))
-    vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).", min=1)
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × parallel.tp.", min=1)
+    vocab_size: Optional[int] = _f(None, "Vocabulary size before padding (null: the tokenizer's).",
+                                   min=1)
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this × "
+                                                "parallel.tp.", min=1)
     rope_theta: float = _f(10000.0, "Rotary embedding base.", positive=True)
-    rope_scaling: Optional[dict] = _f(None, "Rotary frequency scaling (null: none), as Hugging Face writes it; "
-                                      "Llama 3.1's: {rope_type: llama3, factor: 8, low_freq_factor: 1, "
-                                      "high_freq_factor: 4, original_max_position_embeddings: 8192}.")
-    norm_eps: float = _f(1e-5, "Norm epsilon (RMSNorm's; GPT-NeoX: its LayerNorm's layer_norm_eps).", positive=True)
+    rope_scaling: Optional[dict] = _f(None, "Rotary frequency scaling (null: none), as Hugging "
+                                            "Face writes it; Llama 3.1's: {rope_type: llama3, "
+                                            "factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+                                            "original_max_position_embeddings: 8192}.")
+    norm_eps: float = _f(1e-5, "Norm epsilon (RMSNorm's; GPT-NeoX: its LayerNorm's "
+                               "layer_norm_eps).", positive=True)
     tie_embeddings: bool = _f(False, "Share the input embedding with the output layer.")
-    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2·num_layers).",
-                         positive=True)
+    init_std: float = _f(0.02, "Std of the normal init; output projections use "
+                               "init_std/sqrt(2·num_layers).", positive=True)
     attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", min=0, below=1)
-    hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.", min=0, below=1)
-    kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch (see kernels/).",
-                      choices=("auto", "triton", "torch"))
-    attention: str = _f("auto", "Attention under document masking (data.reset_attention_mask): auto (flex on CUDA, "
-                        "blockwise elsewhere, sdpa with attention_dropout) | flex (FlexAttention) | blockwise (tiles, "
-                        "plain torch) | sdpa (a dense s×s mask). Plain causal attention is SDPA's under every choice.",
+    hidden_dropout: float = _f(0.0, "Dropout on attention and MLP outputs before the residual add.",
+                               min=0, below=1)
+    kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch "
+                              "(see kernels/).", choices=("auto", "triton", "torch"))
+    attention: str = _f("auto", "Attention under document masking (data.reset_attention_mask): "
+                                "auto (flex on CUDA, blockwise elsewhere, sdpa with "
+                                "attention_dropout) | flex (FlexAttention) | blockwise (tiles, "
+                                "plain torch) | sdpa (a dense s×s mask). Plain causal attention is "
+                                "SDPA's under every choice.",
                         choices=("auto", "sdpa", "flex", "blockwise"))
-    z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: none).", min=0)
-    family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias / qk_norm) | "
-                     "gpt_neox (LayerNorm with bias, parallel residual, partial rotary, GELU, biases; Pythia).")
-    qkv_bias: bool = _f(False, "llama family: biases on the query, key and value projections (Qwen2/2.5).")
-    qk_norm: bool = _f(False, "llama family: RMSNorm over each head's query and key before RoPE (Qwen3).")
-    head_dim: Optional[int] = _f(None, "Per-head size (null: hidden_size/num_heads; Qwen3 sets it apart).", min=1)
-    rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates, the first ones (GPT-NeoX's "
-                           "rotary_pct; Pythia: 0.25).", positive=True, max=1)
-    parallel_residual: Optional[bool] = _f(None, "x + attn(ln1(x)) + mlp(ln2(x)) instead of one after the other "
-                                           "(GPT-NeoX's use_parallel_residual; null: the family's default).")
-    fp8: str = _f("none", "FP8 GEMMs in every decoder linear (q/k/v, o, gate/up, down), on top of train.precision: "
-                  "none | tensorwise (one scale per tensor, e5m2 gradients) | rowwise (per-row power-of-two "
-                  "scales, e4m3 gradients); torchao.float8's recipes.", choices=("none", "tensorwise", "rowwise"))
-    fp8_skip: list = _f(None, "With model.fp8: linears kept in train.precision, as glob patterns of their names "
-                        "(e.g. ['layers.0.*', '*.down_proj']); the embedding and output layer never run in FP8.",
-                        factory=list)
+    z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: "
+                            "none).", min=0)
+    family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias "
+                              "/ qk_norm) | gpt_neox (LayerNorm with bias, parallel residual, "
+                              "partial rotary, GELU, biases; Pythia).")
+    qkv_bias: bool = _f(False,
+                        "llama family: biases on the query, key and value projections (Qwen2/2.5).")
+    qk_norm: bool = _f(False,
+                       "llama family: RMSNorm over each head's query and key before RoPE (Qwen3).")
+    head_dim: Optional[int] = _f(None, "Per-head size (null: hidden_size/num_heads; Qwen3 sets it "
+                                       "apart).", min=1)
+    rotary_pct: float = _f(1.0, "Fraction of each head's dims that RoPE rotates, the first ones "
+                                "(GPT-NeoX's rotary_pct; Pythia: 0.25).", positive=True, max=1)
+    parallel_residual: Optional[bool] = _f(None, "x + attn(ln1(x)) + mlp(ln2(x)) instead of one "
+                                                 "after the other (GPT-NeoX's "
+                                                 "use_parallel_residual; null: the family's "
+                                                 "default).")
+    fp8: str = _f("none", "FP8 GEMMs in every decoder linear (q/k/v, o, gate/up, down), on top of "
+                          "train.precision: none | tensorwise (one scale per tensor, e5m2 "
+                          "gradients) | rowwise (per-row power-of-two scales, e4m3 gradients); "
+                          "torchao.float8's recipes.", choices=("none", "tensorwise", "rowwise"))
+    fp8_skip: list = _f(None, "With model.fp8: linears kept in train.precision, as glob patterns "
+                              "of their names (e.g. ['layers.0.*', '*.down_proj']); the embedding "
+                              "and output layer never run in FP8.", factory=list)
 
 
 @dataclass
@@ -110,48 +129,58 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size (ranks that split each layer).", min=1)
     pp: int = _f(1, "Pipeline-parallel size (stages that split the layers).", min=1)
     vpp: int = _f(1, "Virtual pipeline chunks per stage (interleaved 1F1B when > 1).", min=1)
-    cp: int = _f(1, "Context-parallel size: ranks that split each sequence (attention all-gathers K/V over them).",
-                 min=1)
-    pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved | zb_h1 | zbv "
-                          "(auto: 1f1b, interleaved when vpp > 1; zb_h1 and zbv defer weight gradients into "
-                          "the bubble, zbv runs two chunks per stage in a V: vpp 2).")
-    pipeline_layers: Optional[list] = _f(None, "Layers per model chunk (pp×vpp counts, in chunk order; "
+    cp: int = _f(1, "Context-parallel size: ranks that split each sequence (attention all-gathers "
+                    "K/V over them).", min=1)
+    pp_schedule: str = _f("auto", "Pipeline schedule: auto | none | gpipe | 1f1b | interleaved | "
+                                  "zb_h1 | zbv (auto: 1f1b, interleaved when vpp > 1; zb_h1 and "
+                                  "zbv defer weight gradients into the bubble, zbv runs two chunks "
+                                  "per stage in a V: vpp 2).")
+    pipeline_layers: Optional[list] = _f(None,
+                                         "Layers per model chunk (pp×vpp counts, in chunk order; "
                                          "null: even split).")
     pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
                         "(RUN_DIR/pipeline_trace_rankN.jsonl).")
-    cp_comm: str = _f("allgather", "How attention reaches the other cp ranks' keys: allgather (K/V gathered "
-                      "before attention) | ring (K/V passed around the cp ranks under each block's attention) | "
-                      "a2a (all-to-all of heads and sequence, Ulysses; heads and kv heads must divide by tp × cp).",
-                      choices=("allgather", "ring", "a2a"))
-    sequence_parallel: bool = _f(False, "Shard norms/residual activations along the sequence across tp.")
-    tp_comm_overlap: bool = _f(False, "Split each sequence-parallel all-gather + column GEMM and row GEMM + "
-                               "reduce-scatter into chunks, each chunk's communication under the previous "
-                               "chunk's GEMM (needs sequence_parallel).")
-    zero: int = _f(0, "Sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients, 3 also parameters "
-                   "(gathered one decoder layer at a time).")
-    zero3_keep_gathered: bool = _f(False, "zero 3: keep each layer gathered from its first use to the step's last "
-                                   "backward (no re-gather for backward or between micro-batches; costs the "
-                                   "stage's full parameters).")
-    zero3_prefetch: bool = _f(True, "zero 3: start gathering the next layer while the current one computes.")
-    zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp × cp ranks "
-                                        "(e.g. a node's) and replicate across the groups (null: shard over all "
-                                        "of dp × cp).", min=1)
+    cp_comm: str = _f("allgather",
+                      "How attention reaches the other cp ranks' keys: allgather (K/V gathered "
+                      "before attention) | ring (K/V passed around the cp ranks under each block's "
+                      "attention) | a2a (all-to-all of heads and sequence, Ulysses; heads and kv "
+                      "heads must divide by tp × cp).", choices=("allgather", "ring", "a2a"))
+    sequence_parallel: bool = _f(False,
+                                 "Shard norms/residual activations along the sequence across tp.")
+    tp_comm_overlap: bool = _f(False, "Split each sequence-parallel all-gather + column GEMM and "
+                                      "row GEMM + reduce-scatter into chunks, each chunk's "
+                                      "communication under the previous chunk's GEMM (needs "
+                                      "sequence_parallel).")
+    zero: int = _f(0, "Sharding over dp: 0 replicated, 1 optimizer state, 2 also gradients, 3 also "
+                      "parameters (gathered one decoder layer at a time).")
+    zero3_keep_gathered: bool = _f(False, "zero 3: keep each layer gathered from its first use to "
+                                          "the step's last backward (no re-gather for backward or "
+                                          "between micro-batches; costs the stage's full "
+                                          "parameters).")
+    zero3_prefetch: bool = _f(True, "zero 3: start gathering the next layer while the current one "
+                                    "computes.")
+    zero_shard_size: Optional[int] = _f(None, "Hybrid sharding: shard over groups of this many dp "
+                                              "× cp ranks (e.g. a node's) and replicate across the "
+                                              "groups (null: shard over all of dp × cp).", min=1)
     recompute: str = _f("none", "Activation recomputation: none | selective | full.",
                         choices=("none", "selective", "full"))
-    bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB; 0: one bucket).",
-                               min=0)
-    backend: str = _f("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.",
+    bucket_size_mb: float = _f(32.0, "Gradient bucket size for the data-parallel reduction (MB; 0: "
+                                     "one bucket).", min=0)
+    backend: str = _f("auto",
+                      "torch.distributed backend: auto (nccl on CUDA, gloo on CPU) | nccl | gloo.",
                       choices=("auto", "nccl", "gloo"))
     comm_stats: bool = _f(False, "Count bytes and calls per collective each step (debugging).")
-    fp8_allgather: bool = _f(True, "With model.fp8: sequence parallelism's input all-gather, and ZeRO-3's weight "
-                             "all-gather (tensorwise), send FP8 and scales: half of bf16's bytes.")
+    fp8_allgather: bool = _f(True, "With model.fp8: sequence parallelism's input all-gather, and "
+                                   "ZeRO-3's weight all-gather (tensorwise), send FP8 and scales: "
+                                   "half of bf16's bytes.")
 
 
 @dataclass
 class TokenizerConfig:
     type: str = _f("ByteTokenizer", "ByteTokenizer | HuggingFaceTokenizer | GPT2BPETokenizer | "
                    "SentencePieceTokenizer | TikTokenizer.")
-    model: Optional[str] = _f(None, "Tokenizer file or directory (see the README); ByteTokenizer needs none.")
+    model: Optional[str] = _f(None, "Tokenizer file or directory (see the README); ByteTokenizer "
+                                    "needs none.")
 
 
 @dataclass
@@ -162,84 +191,112 @@ class DataConfig:
                      factory=lambda: [98.0, 2.0, 0.0])
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
                                     factory=TokenizerConfig)
-    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: RUN_DIR/data_cache).", output_dir=True)
-    reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier tokens of its own "
-                                    "document inside a packed sample (Megatron's --reset-attention-mask); "
-                                    "the kernel: model.attention.")
-    reset_position_ids: bool = _f(False, "Rotary positions restart at each document of a packed sample.")
-    eod_mask_loss: bool = _f(False, "Leave the end-of-document targets out of the loss (and of its mean).")
+    cache_dir: Optional[str] = _f(None, "Where sample indices are cached (null: "
+                                        "RUN_DIR/data_cache).", output_dir=True)
+    reset_attention_mask: bool = _f(False, "Document masking: a token attends only to earlier "
+                                           "tokens of its own document inside a packed sample "
+                                           "(Megatron's --reset-attention-mask); the kernel: "
+                                           "model.attention.")
+    reset_position_ids: bool = _f(False,
+                                  "Rotary positions restart at each document of a packed sample.")
+    eod_mask_loss: bool = _f(False,
+                             "Leave the end-of-document targets out of the loss (and of its mean).")
 
 
 @dataclass
 class TrainConfig:
     seq_length: int = _f(256, "Tokens per sample.", min=1)
     micro_batch_size: int = _f(4, "Samples per forward/backward on one data-parallel rank.", min=1)
-    global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × accumulation).", min=1)
-    iters: Optional[int] = _f(100, "Optimizer steps to train for (null: derived from train.train_tokens).", min=1)
-    train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set one of the "
-                                     "two; the steps are derived, batch-size ramp-up included; over a config "
-                                     "that sets train.iters: --train.iters null).", min=1)
-    rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, ramp_samples]: the global "
-                                           "batch grows from start by increment until ramp_samples samples are "
-                                           "consumed (Megatron's --rampup-batch-size).")
+    global_batch_size: int = _f(16, "Samples per optimizer step over all ranks (micro × dp × "
+                                    "accumulation).", min=1)
+    iters: Optional[int] = _f(100, "Optimizer steps to train for (null: derived from "
+                                   "train.train_tokens).", min=1)
+    train_tokens: Optional[int] = _f(None, "Train for this many tokens instead of train.iters (set "
+                                           "one of the two; the steps are derived, batch-size "
+                                           "ramp-up included; over a config that sets train.iters: "
+                                           "--train.iters null).", min=1)
+    rampup_batch_size: Optional[list] = _f(None, "Batch-size ramp-up [start, increment, "
+                                                 "ramp_samples]: the global batch grows from start "
+                                                 "by increment until ramp_samples samples are "
+                                                 "consumed (Megatron's --rampup-batch-size).")
     seed: int = _f(1234, "Seed of initialization, data order and dropout.", min=0)
     precision: str = _f("fp32", "fp32 | bf16 | fp16 (bf16/fp16 keep fp32 master weights).",
                         choices=("fp32", "bf16", "fp16"))
-    eval_interval: int = _f(100, "Evaluate on the valid split every this many iterations (0: never).", min=0)
+    eval_interval: int = _f(100, "Evaluate on the valid split every this many iterations (0: "
+                                 "never).", min=0)
     eval_iters: int = _f(10, "Global batches per evaluation.", min=1)
-    device: str = _f("auto", "auto (cuda when available) | cpu | cuda.", choices=("auto", "cpu", "cuda"))
-    threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).", min=0)
-    compile: bool = _f(False, "torch.compile each decoder layer (regional: compile time independent of depth).")
-    tf32: bool = _f(True, "fp32 on CUDA: matmuls and convolutions on TF32 tensor cores (the MFU peak follows; "
-                    "false: full fp32, about 15x slower on H100).")
-    deterministic: bool = _f(False, "Deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS "
-                             "workspace fixed): the same run gives the same bits on CUDA too, more slowly; an op "
-                             "without a deterministic form warns.")
+    device: str = _f("auto", "auto (cuda when available) | cpu | cuda.",
+                     choices=("auto", "cpu", "cuda"))
+    threads: int = _f(0, "CPU threads per rank (0: the cores divided by the ranks on this node).",
+                      min=0)
+    compile: bool = _f(False, "torch.compile each decoder layer (regional: compile time "
+                              "independent of depth).")
+    tf32: bool = _f(True, "fp32 on CUDA: matmuls and convolutions on TF32 tensor cores (the MFU "
+                          "peak follows; false: full fp32, about 15x slower on H100).")
+    deterministic: bool = _f(False,
+                             "Deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS "
+                             "workspace fixed): the same run gives the same bits on CUDA too, more "
+                             "slowly; an op without a deterministic form warns.")
 
 
 @dataclass
 class OptimConfig:
     lr: float = _f(3e-4, "Peak learning rate.", positive=True)
     min_lr: float = _f(3e-5, "Learning rate at the end of the decay.")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", min=0)
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).",
+                             min=0)
     betas: list = _f(None, "AdamW betas [beta1, beta2].", factory=lambda: [0.9, 0.95])
     eps: float = _f(1e-8, "AdamW epsilon.", positive=True)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", min=0)
-    offload: bool = _f(False, "Keep fp32 master weights and Adam moments in host memory and step them there.")
-    initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.", positive=True)
-    loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.", min=1)
+    offload: bool = _f(False, "Keep fp32 master weights and Adam moments in host memory and step "
+                              "them there.")
+    initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.",
+                                   positive=True)
+    loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.",
+                                min=1)
     min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.", positive=True)
-    impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton | torch | apex.",
-                   choices=("auto", "triton", "torch", "apex"))
+    impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton "
+                           "| torch | apex.", choices=("auto", "triton", "torch", "apex"))
 
 
 @dataclass
 class ScheduleConfig:
     warmup_iters: int = _f(0, "Linear warmup steps from 0 to optim.lr.", min=0)
-    decay: str = _f("cosine", "cosine | linear | wsd | constant.", choices=("cosine", "linear", "wsd", "constant"))
-    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: train.iters; a "
-                                    "resumed run keeps its checkpoint's).", min=1)
-    wsd_decay_fraction: float = _f(0.2, "wsd only: fraction of decay_iters spent in the final decay.",
+    decay: str = _f("cosine", "cosine | linear | wsd | constant.",
+                    choices=("cosine", "linear", "wsd", "constant"))
+    decay_iters: Optional[int] = _f(None, "Step at which the decay reaches optim.min_lr (null: "
+                                          "train.iters; a resumed run keeps its checkpoint's).",
+                                    min=1)
+    wsd_decay_fraction: float = _f(0.2,
+                                   "wsd only: fraction of decay_iters spent in the final decay.",
                                    positive=True, max=1)
-    rewarm_iters: int = _f(0, "A resumed run extended past the end of its checkpoint's schedule: warm from the rate "
-                           "reached there back to optim.lr over this many steps, then decay to optim.min_lr at the "
-                           "new train.iters (0: continue at optim.min_lr).", min=0)
+    rewarm_iters: int = _f(0, "A resumed run extended past the end of its checkpoint's schedule: "
+                              "warm from the rate reached there back to optim.lr over this many "
+                              "steps, then decay to optim.min_lr at the new train.iters (0: "
+                              "continue at optim.min_lr).", min=0)
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _f(1000, "Save every this many iterations (and at the end; 0: only at the end).", min=0)
-    interval_minutes: float = _f(0.0, "Also save when this many minutes passed since the last save (0: off).", min=0)
+    interval: int = _f(1000, "Save every this many iterations (and at the end; 0: only at the "
+                             "end).", min=0)
+    interval_minutes: float = _f(0.0, "Also save when this many minutes passed since the last save "
+                                      "(0: off).", min=0)
     keep_last: int = _f(3, "Keep this many most recent checkpoints (0: keep all).", min=0)
-    keep_every: int = _f(0, "Also keep every checkpoint whose iteration is a multiple of this (0: none).", min=0)
+    keep_every: int = _f(0, "Also keep every checkpoint whose iteration is a multiple of this (0: "
+                            "none).", min=0)
     async_save: bool = _f(False, "Write checkpoints in the background.", name="async")
     load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.")
-    milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this fraction of "
-                                   "train.iters, e.g. 0.1: every 10% of the run (0: none).", min=0, max=1)
-    load_optimizer: bool = _f(True, "Load the optimizer state (Adam moments and step, loss scale) with the weights.")
+    milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this "
+                                        "fraction of train.iters, e.g. 0.1: every 10% of the run "
+                                        "(0: none).", min=0, max=1)
+    load_optimizer: bool = _f(True, "Load the optimizer state (Adam moments and step, loss scale) "
+                                    "with the weights.")
     load_rng: bool = _f(True, "Load the random-number states (dropout streams) with the weights.")
-    finetune: bool = _f(False, "Start a new run from checkpoint.load's weights: fresh optimizer, schedule "
-                        "and data position (continued pretraining); the run's own checkpoints resume as usual.")
+    finetune: bool = _f(False,
+                        "Start a new run from checkpoint.load's weights: fresh optimizer, schedule "
+                        "and data position (continued pretraining); the run's own checkpoints "
+                        "resume as usual.")
 
 
 @dataclass
@@ -247,77 +304,99 @@ class LoggingConfig:
     interval: int = _f(1, "Log every this many iterations.", min=1)
     tensorboard: bool = _f(True, "Write TensorBoard scalars to RUN_DIR/tensorboard.")
     wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb extra).")
-    peak_tflops: Optional[float] = _f(None, "Device peak TFLOP/s for MFU (null: known GPUs only).", positive=True)
+    peak_tflops: Optional[float] = _f(None, "Device peak TFLOP/s for MFU (null: known GPUs only).",
+                                      positive=True)
 
 
 @dataclass
 class RecoveryConfig:
-    action: str = _f("rollback", "On a loss spike or a run of non-finite steps: rollback (reload the newest "
-                     "checkpoint from before it and skip the data that led to it), alert (report and go on) or none.")
-    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds what a line fitted to the previous "
-                             "recovery.window losses expects by this many standard deviations of their "
-                             "residuals.", positive=True)
-    window: int = _f(50, "Steps of loss history the spike test compares with (it judges from 8 of them on).",
-                     min=2)
-    min_std_fraction: float = _f(0.02, "Floor of that standard deviation, as a fraction of the mean loss (so a "
-                                 "spike is at least spike_zscore × this above the trend: 12% by default).", min=0)
-    max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside fp16) "
-                            "that trigger the action.", min=1)
-    skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the offending ones.", min=0)
+    action: str = _f("rollback",
+                     "On a loss spike or a run of non-finite steps: rollback (reload the newest "
+                     "checkpoint from before it and skip the data that led to it), alert (report "
+                     "and go on) or none.")
+    spike_zscore: float = _f(6.0, "A step's loss is a spike when it exceeds what a line fitted to "
+                                  "the previous recovery.window losses expects by this many "
+                                  "standard deviations of their residuals.", positive=True)
+    window: int = _f(50, "Steps of loss history the spike test compares with (it judges from 8 of "
+                         "them on).", min=2)
+    min_std_fraction: float = _f(0.02, "Floor of that standard deviation, as a fraction of the "
+                                       "mean loss (so a spike is at least spike_zscore × this "
+                                       "above the trend: 12% by default).", min=0)
+    max_bad_steps: int = _f(3, "Consecutive non-finite steps (NaN/Inf loss, or grad norm outside "
+                               "fp16) that trigger the action.", min=1)
+    skip_batches: int = _f(0, "After a rollback, also skip this many global batches past the "
+                              "offending ones.", min=0)
     max_rollbacks: int = _f(5, "Stop with an error after this many rollbacks in one run.", min=1)
-    alert_command: Optional[str] = _f(None, "Shell command rank 0 runs for every alert (the alert as JSON "
-                                      "in $MEGAPRETRAIN_ALERT), e.g. a curl to a chat webhook.")
-    spike_ratio: float = _f(3.0, "Also a spike: a loss above this many times the mean of the previous "
+    alert_command: Optional[str] = _f(None, "Shell command rank 0 runs for every alert (the alert "
+                                            "as JSON in $MEGAPRETRAIN_ALERT), e.g. a curl to a "
+                                            "chat webhook.")
+    spike_ratio: float = _f(3.0,
+                            "Also a spike: a loss above this many times the mean of the previous "
                             "recovery.window losses (either test triggers).", positive=True)
-    grad_norm_rollback: float = _f(100.0, "A gradient explosion: the grad norm (before clipping) above this for "
-                                   "recovery.max_bad_steps steps in a row is treated like a spike.", positive=True)
-    lr_factor: float = _f(0.5, "Each rollback multiplies the learning rate by this from the restored iteration "
-                          "on (compounding; saved in checkpoints).", positive=True)
-    prune_rolled_back: bool = _f(True, "Retention also prunes set-aside (rolled-back) checkpoints, keeping the "
-                                 "newest checkpoint.keep_last of them (false: keep them all).")
+    grad_norm_rollback: float = _f(100.0, "A gradient explosion: the grad norm (before clipping) "
+                                          "above this for recovery.max_bad_steps steps in a row is "
+                                          "treated like a spike.", positive=True)
+    lr_factor: float = _f(0.5, "Each rollback multiplies the learning rate by this from the "
+                               "restored iteration on (compounding; saved in checkpoints).",
+                          positive=True)
+    prune_rolled_back: bool = _f(True, "Retention also prunes set-aside (rolled-back) checkpoints, "
+                                       "keeping the newest checkpoint.keep_last of them (false: "
+                                       "keep them all).")
 
 
 @dataclass
 class AlertsConfig:
-    grad_norm_max: float = _f(10.0, "Alert when the grad norm (before clipping) exceeds this.", positive=True)
-    loss_ratio: float = _f(2.0, "Alert when the loss exceeds this many times its rolling average.", positive=True)
+    grad_norm_max: float = _f(10.0, "Alert when the grad norm (before clipping) exceeds this.",
+                              positive=True)
+    loss_ratio: float = _f(2.0, "Alert when the loss exceeds this many times its rolling average.",
+                           positive=True)
     window: int = _f(100, "Steps of the rolling averages (loss, throughput).", min=2)
-    throughput_drop: float = _f(0.2, "Alert when tokens/s falls this fraction below its rolling median.",
+    throughput_drop: float = _f(0.2,
+                                "Alert when tokens/s falls this fraction below its rolling median.",
                                 positive=True)
-    data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).", positive=True)
+    data_wait_s: float = _f(1.0, "Alert when a step waits longer than this for its data (seconds).",
+                            positive=True)
     straggler_ratio: float = _f(1.2, "Name a rank whose own step time (the median of its last "
-                                "alerts.straggler_steps) is at least this many times the median rank's "
-                                "(checked every logging interval).", positive=True)
-    straggler_steps: int = _f(20, "Steps a rank must be slow for (the window of that median) to be named a "
-                              "straggler.", min=1)
+                                "alerts.straggler_steps) is at least this many times the median "
+                                "rank's (checked every logging interval).", positive=True)
+    straggler_steps: int = _f(20, "Steps a rank must be slow for (the window of that median) to be "
+                                  "named a straggler.", min=1)
 
 
 @dataclass
 class WatchdogConfig:
-    timeout_s: Optional[float] = _f(None, "An iteration longer than this is a hang: every thread's stack goes "
-                                    "to RUN_DIR/hang/rankN.txt and the rank exits with status 5 (null: "
-                                    "watchdog.multiple × the rolling step time, at least watchdog.floor_s; 0: off).",
-                                    min=0)
-    multiple: float = _f(10.0, "With timeout_s null: the limit as a multiple of the rolling step time.", positive=True)
-    floor_s: float = _f(300.0, "With timeout_s null: the limit is never below this (seconds).", positive=True)
-    startup_s: float = _f(1800.0, "The allowance for the first steps, evaluations and checkpoint saves (seconds).",
-                          positive=True)
-    collective_timeout_s: float = _f(1800.0, "The process group's timeout: a collective that never completes "
-                                     "ends in an error after this long (seconds).", positive=True)
+    timeout_s: Optional[float] = _f(None, "An iteration longer than this is a hang: every thread's "
+                                          "stack goes to RUN_DIR/hang/rankN.txt and the rank exits "
+                                          "with status 5 (null: watchdog.multiple × the rolling "
+                                          "step time, at least watchdog.floor_s; 0: off).", min=0)
+    multiple: float = _f(10.0, "With timeout_s null: the limit as a multiple of the rolling step "
+                               "time.", positive=True)
+    floor_s: float = _f(300.0, "With timeout_s null: the limit is never below this (seconds).",
+                        positive=True)
+    startup_s: float = _f(1800.0, "The allowance for the first steps, evaluations and checkpoint "
+                                  "saves (seconds).", positive=True)
+    collective_timeout_s: float = _f(1800.0, "The process group's timeout: a collective that never "
+                                             "completes ends in an error after this long "
+                                             "(seconds).", positive=True)
 
 
 @dataclass
 class FaultsConfig:
     nan_at: Optional[int] = _f(None, "Fault drill: NaN in the grads at this iteration.", min=1)
-    spike_at: Optional[int] = _f(None, "Fault drill: a loss spike (a corrupted batch) at this iteration.", min=1)
-    exit_at: Optional[int] = _f(None, "Fault drill: the rank exits (status 1) at this iteration.", min=1)
-    hang_at: Optional[int] = _f(None, "Fault drill: the rank blocks forever at this iteration.", min=1)
-    slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is faults.slow_data_s.",
-                                     min=1)
+    spike_at: Optional[int] = _f(None, "Fault drill: a loss spike (a corrupted batch) at this "
+                                       "iteration.", min=1)
+    exit_at: Optional[int] = _f(None, "Fault drill: the rank exits (status 1) at this iteration.",
+                                min=1)
+    hang_at: Optional[int] = _f(None, "Fault drill: the rank blocks forever at this iteration.",
+                                min=1)
+    slow_data_at: Optional[int] = _f(None, "Fault drill: the data wait at this iteration is "
+                                           "faults.slow_data_s.", min=1)
     slow_data_s: float = _f(2.0, "Fault drill: the length of that data wait (seconds).", min=0)
-    slow_data_steps: int = _f(1, "Fault drill: the steps from faults.slow_data_at that wait so (a rank slow for "
-                              "alerts.straggler_steps or more is a straggler).", min=1)
-    oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.", min=1)
+    slow_data_steps: int = _f(1, "Fault drill: the steps from faults.slow_data_at that wait so (a "
+                                 "rank slow for alerts.straggler_steps or more is a straggler).",
+                              min=1)
+    oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.",
+                               min=1)
     rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
 
 
@@ -332,11 +411,12 @@ class Config:
     schedule: ScheduleConfig = _f(None, "Learning-rate schedule.", factory=ScheduleConfig)
     checkpoint: CheckpointConfig = _f(None, "Checkpointing.", factory=CheckpointConfig)
     logging: LoggingConfig = _f(None, "Logging and metrics.", factory=LoggingConfig)
-    recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.", factory=RecoveryConfig)
+    recovery: RecoveryConfig = _f(None, "Loss-spike and NaN detection, alerts and rollback.",
+                                  factory=RecoveryConfig)
     alerts: AlertsConfig = _f(None, "Thresholds of the run's alerts.", factory=AlertsConfig)
     watchdog: WatchdogConfig = _f(None, "Hang detection.", factory=WatchdogConfig)
-    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default; each fires once "
-                              "per run directory).", factory=FaultsConfig)
+    faults: FaultsConfig = _f(None, "Fault injection for tests and drills (all off by default; "
+                                    "each fires once per run directory).", factory=FaultsConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +439,8 @@ def _exponent_integer(text: str) -> int | str:
     if not re.fullmatch(r"[+-]?[0-9][0-9_]*(\.[0-9_]*)?[eE][+-]?[0-9]+", text.strip()):
         return text
     number = decimal.Decimal(text.strip().replace("_", ""))
-    if number.adjusted() >= 64 or number != number.to_integral_value():  # far out of range, or a fraction
+    # far out of range, or a fraction
+    if number.adjusted() >= 64 or number != number.to_integral_value():
         return text
     return int(number)  # one over the int64 range is refused by check_fields, naming the limit
 
@@ -421,7 +502,8 @@ def _from_dict(cls, data: dict, where: str = ""):
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             prefix = f"{where}." if where else ""
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+            hint = f"did you mean '{prefix}{close[0]}'?" if close \
+                else f"valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{path}': {hint}")
         f = fields[key]
         kwargs[f.name] = _coerce(value, hints[f.name], path)
@@ -498,9 +580,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         try:
             tree = yaml.load(read_text(path), Loader=StrictLoader) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{path}' is not valid YAML {yaml_problem(exc)}") from None
+            raise ConfigError(
+                f"config file '{path}' is not valid YAML {yaml_problem(exc)}") from None
         if not isinstance(tree, dict):
-            raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, ...)")
+            raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, "
+                              "...)")
     for name, value in parse_overrides(overrides or []):
         _set_dotted(tree, name, value)
     return _from_dict(Config, tree)
@@ -550,13 +634,15 @@ def check_fields(node, where: str = "") -> None:
             continue
         meta = f.metadata
         if meta.get("choices") and value not in meta["choices"]:
-            raise ConfigError(f"{path}={value!r} is not one of: {', '.join(map(str, meta['choices']))}")
+            raise ConfigError(f"{path}={value!r} is not one of: "
+                              f"{', '.join(map(str, meta['choices']))}")
         bad = _unrepresentable(value)
         if bad is not None:
             shown = f"{path}={value!r}" if isinstance(value, (list, dict)) else f"{path}={value}"
             raise ConfigError(f"{shown}: {bad}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            null = " (or null for the default)" if typing.get_origin(hints[f.name]) is typing.Union else ""
+            null = " (or null for the default)" \
+                if typing.get_origin(hints[f.name]) is typing.Union else ""
             _check_range(path, value, meta, null)
 
 
@@ -568,7 +654,8 @@ def _unrepresentable(value) -> str | None:
         return "every number must be finite (not NaN or infinite)"
     if isinstance(value, int) and abs(value) >= _INT_LIMIT:
         return f"{value} is out of range (an integer must be below 2**63)"
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    items = value.values() if isinstance(value, dict) else value \
+        if isinstance(value, (list, tuple)) else ()
     return next((found for item in items if (found := _unrepresentable(item)) is not None), None)
 
 
@@ -585,7 +672,8 @@ def _check_range(path: str, value: float, meta, null: str) -> None:
             raise ConfigError(f"{path}={value} must be in {opening}, {closing}{null}")
         return
     if low is not None and value < low:
-        raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0 else f"at least {low}") + null)
+        raise ConfigError(f"{path}={value} must be " + ("non-negative" if low == 0
+                                                        else f"at least {low}") + null)
     if positive and value <= 0:
         raise ConfigError(f"{path}={value} must be positive{null}")
 

@@ -55,13 +55,15 @@ FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # the errors of a write that found no 
 
 
 def require(ok: bool, message: str) -> None:
-    """Raise :class:`ConfigError` with ``message`` unless ``ok``: a config rule, stated where it lives."""
+    """Raise :class:`ConfigError` with ``message`` unless ``ok``: a config rule, stated where it
+    lives."""
     if not ok:
         raise ConfigError(message)
 
 
 def divisors(n: int) -> str:
-    """``n``'s divisors, as a message offers them: ``parallel.tp=3 must divide 32 (valid: 1, 2, 4, ...)``."""
+    """``n``'s divisors, as a message offers them: ``parallel.tp=3 must divide 32 (valid: 1, 2, 4,
+    ...)``."""
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
@@ -101,12 +103,14 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
-def disk_full(path: str, needed: int | None = None, fix: str = "free space or write elsewhere") -> DiskFullError:
+def disk_full(path: str, needed: int | None = None,
+              fix: str = "free space or write elsewhere") -> DiskFullError:
     """The one line for a write that found no room: the path, the bytes needed and free, the fix."""
     free = free_bytes(path)
     sizes = ", ".join(([f"needs about {size_text(needed)}"] if needed else [])
                       + ([f"{size_text(free)} free"] if free is not None else []))
-    return DiskFullError(f"no space left writing {path}" + (f" ({sizes})" if sizes else "") + f"; {fix}")
+    return DiskFullError(f"no space left writing {path}" + (f" ({sizes})" if sizes else "")
+                         + f"; {fix}")
 
 
 def check_free_space(path: str, needed: int, fix: str = "free space or write elsewhere") -> None:
@@ -117,9 +121,11 @@ def check_free_space(path: str, needed: int, fix: str = "free space or write els
 
 
 @contextlib.contextmanager
-def full_disk_guard(path: str, needed: int | None = None, fix: str = "free space or write elsewhere"):
+def full_disk_guard(path: str, needed: int | None = None,
+                    fix: str = "free space or write elsewhere"):
     """Inside the block, a write that finds no room (ENOSPC, EDQUOT) raises :func:`disk_full`'s
-    one line instead of a traceback; the caller's own cleanup (``finally``, ``except``) still runs."""
+    one line instead of a traceback; the caller's own cleanup (``finally``, ``except``) still
+    runs."""
     try:
         yield
     except OSError as exc:

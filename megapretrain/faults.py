@@ -4,12 +4,15 @@ Each fault happens at one iteration (counted from 1, like ``iter`` in metrics.js
 rank ``faults.rank`` (-1: every rank), so the reaction to it — a skipped step, a rollback, a
 watchdog exit, the out-of-memory guidance — can be rehearsed on purpose:
 
-    nan_at        NaN in the grads (reduced to every rank): the step is skipped, the parameters unchanged
-    spike_at      the batch of that iteration is corrupt (targets shifted): a loss spike; the corruption
-                  belongs to that data position, so a rollback that skips it trains clean data
+    nan_at        NaN in the grads (reduced to every rank): the step is skipped, the parameters
+                  unchanged
+    spike_at      the batch of that iteration is corrupt (targets shifted): a loss spike; the
+                  corruption belongs to that data position, so a rollback that skips it trains clean
+                  data
     exit_at       the rank exits at once (status 1), as a crashed node
     hang_at       the rank blocks forever, as one stuck in a collective
-    slow_data_at  the step waits faults.slow_data_s for its data (and the faults.slow_data_steps - 1 after it)
+    slow_data_at  the step waits faults.slow_data_s for its data (and the faults.slow_data_steps - 1
+                  after it)
     oom_at        an out-of-memory error at the step
 
 A drill fires once per run directory: as it fires, the rank records it in
@@ -34,8 +37,8 @@ class Faults:
     NAMES = ("nan_at", "spike_at", "exit_at", "hang_at", "slow_data_at", "oom_at")
 
     def __init__(self, cfg, rank: int, run_dir: str):
-        """``cfg``: the ``faults`` config section; ``rank``: this process's global rank; ``run_dir``:
-        where the drills that fired are recorded."""
+        """``cfg``: the ``faults`` config section; ``rank``: this process's global rank;
+        ``run_dir``: where the drills that fired are recorded."""
         self.cfg, self.rank = cfg, rank
         self.mine = cfg.rank in (-1, rank)
         self.corrupt_sample: int | None = None  # where the corrupt batch starts in the data
@@ -45,7 +48,8 @@ class Faults:
         self.now: set[str] = set()  # the drills this process fired (they stay in force for it)
 
     def already_fired(self) -> list[str]:
-        """The drills asked for that fired in an earlier process on this run directory: not again."""
+        """The drills asked for that fired in an earlier process on this run directory: not
+        again."""
         return [f"faults.{name}={getattr(self.cfg, name)}" for name in sorted(self.fired)]
 
     def _record(self, name: str) -> str:
@@ -55,10 +59,12 @@ class Faults:
         at = getattr(self.cfg, name)
         if not self.mine or name in self.fired or at is None or not at <= iteration < at + steps:
             return False
-        if name not in self.now:  # recorded before it strikes: an exit or a hang leaves no later chance
+        # recorded before it strikes: an exit or a hang leaves no later chance
+        if name not in self.now:
             os.makedirs(self.dir, exist_ok=True)
             with open(self._record(name), "w") as fh:
-                json.dump({"fault": name, "iter": iteration, "rank": self.rank, "time": time.time()}, fh)
+                json.dump({"fault": name, "iter": iteration, "rank": self.rank,
+                           "time": time.time()}, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
             self.now.add(name)
@@ -73,21 +79,24 @@ class Faults:
             print(f"faults.hang_at={iteration}: blocking forever", file=sys.stderr, flush=True)
             threading.Event().wait()
         if self._at("oom_at", iteration):
-            raise torch.OutOfMemoryError(f"faults.oom_at={iteration}: an injected out-of-memory error")
+            raise torch.OutOfMemoryError(f"faults.oom_at={iteration}: an injected out-of-memory "
+                                         "error")
 
     def data_delay(self, iteration: int) -> None:
         """The injected data wait of step ``iteration`` (counted as the step's data time)."""
         if self._at("slow_data_at", iteration, self.cfg.slow_data_steps):
             time.sleep(self.cfg.slow_data_s)
 
-    def corrupt(self, iteration: int, consumed_samples: int, batches: list, vocab_size: int) -> list:
+    def corrupt(self, iteration: int, consumed_samples: int, batches: list,
+                vocab_size: int) -> list:
         """The micro-batches of step ``iteration`` (after ``consumed_samples``), their targets
         shifted when they are the corrupt batch: the one spike_at first read."""
         if self._at("spike_at", iteration) and self.corrupt_sample is None:
             self.corrupt_sample = consumed_samples
         if consumed_samples != self.corrupt_sample:
             return batches
-        return [(tokens, None if targets is None else _shifted(targets, vocab_size)) for tokens, targets in batches]
+        return [(tokens, None if targets is None else _shifted(targets, vocab_size)) for tokens,
+                targets in batches]
 
     def grad_factor(self, iteration: int) -> float:
         """What step ``iteration`` multiplies its backward by: NaN at nan_at (on this rank, so the

@@ -23,7 +23,8 @@ import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
-TRIM_THRESHOLD = 2**31 - 1  # bytes of free heap top kept before any is returned (mallopt takes an int)
+# bytes of free heap top kept before any is returned (mallopt takes an int)
+TRIM_THRESHOLD = 2**31 - 1
 
 
 def user_tuned_malloc(environ=os.environ) -> bool:

@@ -31,7 +31,8 @@ def memory_summary(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.memory_summary(device)
     lines = []
-    sources = (("/proc/self/status", ("VmPeak", "VmHWM", "VmRSS")), ("/proc/meminfo", ("MemTotal", "MemAvailable")))
+    sources = (("/proc/self/status", ("VmPeak", "VmHWM", "VmRSS")),
+               ("/proc/meminfo", ("MemTotal", "MemAvailable")))
     for path, keys in sources:
         try:
             with open(path) as fh:
@@ -42,7 +43,8 @@ def memory_summary(device: torch.device) -> str:
 
 
 def advice_device(device: torch.device):
-    """The device whose figures the advice quotes: this GPU when the planner knows it, else an H100."""
+    """The device whose figures the advice quotes: this GPU when the planner knows it, else an
+    H100."""
     gpu = find_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     return gpu or DEVICES["h100"]
 
@@ -55,7 +57,8 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
     def planned(**change) -> str:
         changed = layout.replace(**change)
         if "pp" in change or "vpp" in change:
-            changed = changed.replace(pipeline_layers=None)  # the config's own split fits its pp × vpp only
+            # the config's own split fits its pp × vpp only
+            changed = changed.replace(pipeline_layers=None)
         try:
             e = estimate_run(cfg, changed, dev)
         except UserError:
@@ -67,7 +70,8 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
         fused = copy.deepcopy(cfg)
         fused.model.attention, fused.model.attention_dropout = "auto", 0.0
         try:
-            gb = f"(planner: {estimate_run(fused, layout, dev).memory['total'] / GIB:.1f} GB per GPU on {dev.name})"
+            gb = f"(planner: {estimate_run(fused, layout, dev).memory['total'] / GIB:.1f} GB per " \
+                 f"GPU on {dev.name})"
         except UserError:
             gb = ""
         dropout = " --model.attention_dropout 0" if m.attention_dropout else ""
@@ -90,19 +94,22 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
     return out
 
 
-def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: int, device: torch.device) -> str:
+def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: int,
+               device: torch.device) -> str:
     """Write ``RUN_DIR/oom_rankN.txt``; return the console message with the remedies."""
     path = os.path.join(cfg.run.dir, f"oom_rank{rank}.txt")
     with open(path, "w") as fh:
-        fh.write(f"rank {rank}, iteration {iteration}: {type(exc).__name__}: {exc}\n\n{memory_summary(device)}\n")
-    lines = [f"error: out of memory on rank {rank} at iteration {iteration} ({type(exc).__name__}); memory summary "
-             f"in {path}. Try, in this order:"]
+        fh.write(f"rank {rank}, iteration {iteration}: {type(exc).__name__}: "
+                 f"{exc}\n\n{memory_summary(device)}\n")
+    lines = [f"error: out of memory on rank {rank} at iteration {iteration} "
+             f"({type(exc).__name__}); memory summary in {path}. Try, in this order:"]
     lines += [f"  {i}. {r}" for i, r in enumerate(remedies(cfg, layout, device), start=1)]
     return "\n".join(lines)
 
 
 def device_capacity(device: torch.device) -> tuple[int | None, str]:
-    """(bytes one rank may fill, what they are): the GPU's memory, or the host's available memory."""
+    """(bytes one rank may fill, what they are): the GPU's memory, or the host's available
+    memory."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"the {props.name}'s memory"
@@ -118,7 +125,8 @@ def min_micro_batch_bytes(cfg, layout: Layout) -> int:
     seq = t.seq_length // layout.cp // (layout.tp if layout.sp else 1)
     element = 4 if t.precision == "fp32" else 2
     layers = max(1, m.num_layers // layout.pp)  # the busiest stage holds at least the average
-    return 2 * 8 * t.micro_batch_size * t.seq_length + layers * t.micro_batch_size * seq * m.hidden_size * element
+    return 2 * 8 * t.micro_batch_size * t.seq_length \
+        + layers * t.micro_batch_size * seq * m.hidden_size * element
 
 
 def check_micro_batch_fits(cfg, layout: Layout, device: torch.device) -> None:
@@ -128,7 +136,9 @@ def check_micro_batch_fits(cfg, layout: Layout, device: torch.device) -> None:
     capacity, what = device_capacity(device)
     if capacity is not None and needed > capacity:
         t = cfg.train
-        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} × train.seq_length={t.seq_length:,}: one "
-                          f"micro-batch needs at least {size_text(needed)} (its tokens, and one activation of "
-                          f"{cfg.model.hidden_size} values per token in each of the stage's layers), {what} is "
-                          f"{size_text(capacity)}; lower them (tools/plan.py estimates the whole memory of a layout)")
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} × "
+                          f"train.seq_length={t.seq_length:,}: one micro-batch needs at least "
+                          f"{size_text(needed)} (its tokens, and one activation of "
+                          f"{cfg.model.hidden_size} values per token in each of the stage's "
+                          f"layers), {what} is {size_text(capacity)}; lower them (tools/plan.py "
+                          "estimates the whole memory of a layout)")

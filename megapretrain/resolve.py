@@ -42,7 +42,8 @@ class RunSizes:
     ffn_hidden_size: int
     padded_vocab: int
     decay_iters: int
-    iters: int               # optimizer steps of the run (train.iters, or derived from train.train_tokens)
+    iters: int               # optimizer steps of the run (train.iters, or derived from
+    #                          train.train_tokens)
     train_samples: int       # samples those steps consume (batch-size ramp-up included)
     schedule: Schedule = SCHEDULES["none"]  # the pipeline schedule, resolved (parallel.pp_schedule)
     rampup: tuple | None = None  # train.rampup_batch_size
@@ -80,8 +81,8 @@ class RunSizes:
             parts.append(f"batch_rampup={start}+{inc} up to the full batch over {ramp:,} samples")
         if num_params is not None:
             parts.append(f"params={num_params:,}")
-            parts.append(f"tokens/param={self.total_tokens / num_params:.1f} (Chinchilla-optimal ~20: "
-                         f"{20 * num_params:,} tokens)")
+            parts.append(f"tokens/param={self.total_tokens / num_params:.1f} (Chinchilla-optimal "
+                         f"~20: {20 * num_params:,} tokens)")
         if flops_per_token is not None:
             parts.append(f"flops/token={flops_per_token:.3g}")
         if self.fp8:
@@ -105,11 +106,12 @@ def _check_kernel_choice(cfg: Config) -> None:
         if value != "triton":
             continue
         if importlib.util.find_spec("triton") is None:
-            raise ConfigError(f"{name}=triton: triton is not installed (pip install 'megapretrain[triton]', "
-                              f"or {name}=auto)")
+            raise ConfigError(f"{name}=triton: triton is not installed (pip install "
+                              f"'megapretrain[triton]', or {name}=auto)")
         if cfg.train.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"{name}=triton on train.device=cpu runs only under Triton's interpreter: set "
-                              f"TRITON_INTERPRET=1 before starting, or {name}=auto (torch on CPU)")
+            raise ConfigError(f"{name}=triton on train.device=cpu runs only under Triton's "
+                              "interpreter: set TRITON_INTERPRET=1 before starting, or "
+                              f"{name}=auto (torch on CPU)")
 
 
 def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> Schedule:
@@ -124,9 +126,9 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> Schedule:
         try:
             schedule.check(p.pp, p.vpp, batch // per_step)
         except PipelineError as exc:
-            raise ConfigError(f"train.rampup_batch_size={cfg.train.rampup_batch_size}, at batch {batch}: "
-                              f"{exc}; or start the ramp-up at a batch that gives such a count, or set "
-                              f"train.rampup_batch_size null") from None
+            raise ConfigError(f"train.rampup_batch_size={cfg.train.rampup_batch_size}, at batch "
+                              f"{batch}: {exc}; or start the ramp-up at a batch that gives such a "
+                              f"count, or set train.rampup_batch_size null") from None
     return schedule
 
 
@@ -140,7 +142,8 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     layout = Layout.from_config(cfg, world_size)
     check_model(m, layout.tp)
     shape = model_args(cfg)
-    check_cp_comm(layout.cp_comm, layout.cp, layout.tp, shape.num_heads, shape.num_kv_heads, m.attention_dropout)
+    check_cp_comm(layout.cp_comm, layout.cp, layout.tp, shape.num_heads, shape.num_kv_heads,
+                  m.attention_dropout)
     check_fp8(cfg, layout)
     attention_warnings = check_attention(cfg, layout)
     batches = check_batches(t, layout.dp)
@@ -151,11 +154,15 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_recovery(cfg.recovery.action)
 
     model = shape
-    sizes = RunSizes(layout=layout, grad_accum=t.global_batch_size // (t.micro_batch_size * layout.dp),
+    sizes = RunSizes(layout=layout,
+                     grad_accum=t.global_batch_size // (t.micro_batch_size * layout.dp),
                      tokens_per_batch=t.global_batch_size * t.seq_length,
                      total_tokens=train_samples * t.seq_length, num_kv_heads=model.num_kv_heads,
-                     ffn_hidden_size=model.ffn_hidden_size, padded_vocab=model.padded_vocab(layout.tp),
-                     decay_iters=decay_iters, iters=iters, train_samples=train_samples, schedule=schedule,
-                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None, fp8=fp8_summary(cfg))
-    return Resolved(cfg=cfg, layout=layout, model=model, sizes=sizes, warnings=(*warnings, *attention_warnings))
+                     ffn_hidden_size=model.ffn_hidden_size,
+                     padded_vocab=model.padded_vocab(layout.tp), decay_iters=decay_iters,
+                     iters=iters, train_samples=train_samples, schedule=schedule,
+                     rampup=tuple(t.rampup_batch_size) if t.rampup_batch_size else None,
+                     fp8=fp8_summary(cfg))
+    return Resolved(cfg=cfg, layout=layout, model=model, sizes=sizes,
+                    warnings=(*warnings, *attention_warnings))
 

@@ -4,8 +4,8 @@ Two trainings on one ``run.dir`` would interleave their ``metrics.jsonl`` and ra
 ``checkpoints/latest``. The first holds ``RUN_DIR/.lock`` (JSON: PID, host, start time); the
 trainer touches it every step, so its modification time is a heartbeat. A second start is refused
 with one line naming the owner — unless the lock is stale: its process is gone (same host), or its
-heartbeat is older than ``STALE_S`` (another host, where the process cannot be looked up), as after a
-crash or ``kill -9``; then it is taken over with a warning.
+heartbeat is older than ``STALE_S`` (another host, where the process cannot be looked up), as after
+a crash or ``kill -9``; then it is taken over with a warning.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock, or raise a ConfigError naming the run that holds it."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.time()})
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -50,7 +51,8 @@ class RunLock:
                 fh.write(mine + "\n")
             self.held = True
             return
-        raise ConfigError(f"{self.path}: could not be taken; remove it if no training uses this run.dir")
+        raise ConfigError(f"{self.path}: could not be taken; remove it if no training uses this "
+                          "run.dir")
 
     def _take_over_if_stale(self) -> None:
         try:
@@ -70,11 +72,13 @@ class RunLock:
             stale = age > STALE_S
         if not stale:
             where = f"PID {pid} on {host}" if owner else "another process"
-            raise ConfigError(f"run.dir {os.path.dirname(self.path)} is in use by a training ({where}, last "
-                              f"active {age:.0f} s ago): wait for it, stop it, or choose another --run.dir "
-                              f"(if it is not running, remove {self.path})")
+            raise ConfigError(f"run.dir {os.path.dirname(self.path)} is in use by a training "
+                              f"({where}, last active {age:.0f} s ago): wait for it, stop it, or "
+                              "choose another --run.dir (if it is not running, remove "
+                              f"{self.path})")
         print(f"warning: taking over the stale lock {self.path} "
-              f"({f'PID {pid} on {host}' if owner else 'unreadable'}, last active {age:.0f} s ago)", file=sys.stderr)
+              f"({f'PID {pid} on {host}' if owner else 'unreadable'}, last active {age:.0f} s ago)",
+              file=sys.stderr)
         try:
             os.remove(self.path)
         except FileNotFoundError:

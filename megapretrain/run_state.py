@@ -18,7 +18,12 @@ import torch
 import yaml
 
 from .checkpoint.format import check_shapes, rank_state, read_metadata
-from .checkpoint.manager import CheckpointManager, milestone_iterations, optimizer_views, restore_optimizer
+from .checkpoint.manager import (
+    CheckpointManager,
+    milestone_iterations,
+    optimizer_views,
+    restore_optimizer,
+)
 from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
 from .config import Config, save_config, to_dict
 from .errors import ConfigError
@@ -26,7 +31,8 @@ from .optim.lr_schedule import LRSchedule, resumed_schedule
 from .recovery import RecoveryError
 
 # what the saved data position depends on: changing one on resume deserves a warning
-RESUME_SENSITIVE = ("train.seq_length", "train.global_batch_size", "data.split", "data.paths", "train.seed")
+RESUME_SENSITIVE = ("train.seq_length", "train.global_batch_size", "data.split", "data.paths",
+                    "train.seed")
 
 
 @dataclass
@@ -42,10 +48,11 @@ class RunState:
     ``model_chunks`` and ``specs``: what a checkpoint holds the state of; ``log``: the trainer's
     console line (rank 0's)."""
 
-    def __init__(self, cfg: Config, sizes, ps, position: Position, optimizer, model_chunks: list, specs: dict,
-                 log: Callable[[str], None]):
+    def __init__(self, cfg: Config, sizes, ps, position: Position, optimizer, model_chunks: list,
+                 specs: dict, log: Callable[[str], None]):
         self.cfg, self.sizes, self.ps, self.device = cfg, sizes, ps, ps.device
-        self.position, self.optimizer, self.model_chunks, self.specs = position, optimizer, model_chunks, specs
+        self.position, self.optimizer, self.model_chunks, self.specs = \
+            position, optimizer, model_chunks, specs
         self.log, self.is_logger = log, ps.rank == 0
         self.args = model_chunks[0].args
         self.model_shapes = global_shapes(cfg)  # every parameter's global shape: checked on load
@@ -55,8 +62,10 @@ class RunState:
                                              layout=layout, vocab_size=self.args.vocab_size,
                                              padded_vocab=sizes.padded_vocab, keep_last=c.keep_last,
                                              keep_every=c.keep_every,
-                                             milestones=milestone_iterations(c.milestone_fraction, sizes.iters),
-                                             async_save=c.async_save, tensors=self.model_shapes, device=self.device,
+                                             milestones=milestone_iterations(c.milestone_fraction,
+                                                                             sizes.iters),
+                                             async_save=c.async_save, tensors=self.model_shapes,
+                                             device=self.device,
                                              prune_rolled_back=cfg.recovery.prune_rolled_back,
                                              sharding=self._sharding())
         self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
@@ -64,14 +73,16 @@ class RunState:
         self.rollbacks = 0
         self.resharded_from: dict | None = None  # the saved layout, when it differs from this one
         self.saved: list[int] = []  # the iterations this launch saved checkpoints at
-        self.stall_s = 0.0  # seconds saves blocked training since the trainer last took them (take_stall)
+        # seconds saves blocked training since the trainer last took them (take_stall)
+        self.stall_s = 0.0
 
     def lr(self, iteration: int) -> float:
         """The learning rate of step ``iteration``: the schedule's, times the rollbacks' factor."""
         return self.lr_schedule(iteration) * self.lr_scale
 
     def take_stall(self) -> float:
-        """The seconds saves (and waits for an async save's copy) blocked training since the last call."""
+        """The seconds saves (and waits for an async save's copy) blocked training since the last
+        call."""
         stall, self.stall_s = self.stall_s, 0.0
         return stall
 
@@ -85,7 +96,8 @@ class RunState:
             with open(path) as a, open(new) as b:
                 same = a.read() == b.read()
             if not same:
-                kept = os.path.join(self.cfg.run.dir, f"config.before-iter{self.position.iteration}.yaml")
+                kept = os.path.join(self.cfg.run.dir,
+                                    f"config.before-iter{self.position.iteration}.yaml")
                 os.replace(path, kept)
                 self._warn_changed(kept)
             os.replace(new, path)
@@ -105,10 +117,10 @@ class RunState:
             section, key = dotted.split(".")
             before, now = (old.get(section) or {}).get(key), new[section][key]
             if before != now:
-                print(f"warning: resuming at iteration {at.iteration} with {dotted} changed from {before} to "
-                      f"{now}: the saved data position ({at.consumed_samples:,} samples) was counted in the "
-                      f"old one, so the data order no longer continues the run's; the old config is {old_path}",
-                      file=sys.stderr, flush=True)
+                print(f"warning: resuming at iteration {at.iteration} with {dotted} changed from "
+                      f"{before} to {now}: the saved data position ({at.consumed_samples:,} "
+                      "samples) was counted in the old one, so the data order no longer continues "
+                      f"the run's; the old config is {old_path}", file=sys.stderr, flush=True)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -117,12 +129,13 @@ class RunState:
         the live optimizer state (no copies: the manager makes at most one)."""
         weights, moments = optimizer_views(self.optimizer)
         rng = {"cpu": torch.get_rng_state(), "tracker": self.model_chunks[0].rng.get_states(),
-               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
-        return rank_state(iteration=self.position.iteration, consumed_samples=self.position.consumed_samples,
-                          model=weights,
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda"
+               else None}
+        return rank_state(iteration=self.position.iteration,
+                          consumed_samples=self.position.consumed_samples, model=weights,
                           optimizer_step=self.optimizer.step_count, moments=moments,
-                          scaler=self.optimizer.scaler.state_dict(), rng=rng, lr_scale=self.lr_scale,
-                          schedule=self.lr_schedule.to_dict())
+                          scaler=self.optimizer.scaler.state_dict(), rng=rng,
+                          lr_scale=self.lr_scale, schedule=self.lr_schedule.to_dict())
 
     def save(self, metrics) -> None:
         """Save a checkpoint (async: in the background) and log to ``metrics`` how long training
@@ -131,7 +144,8 @@ class RunState:
         self.checkpoints.save(it, self.checkpoint_state())
         self.saved.append(it)
         metrics.event("checkpoint_saved", it, path=os.path.join("checkpoints", f"iter_{it:07d}"),
-                      checkpoint_stall_s=time.perf_counter() - start, async_save=self.checkpoints.async_save)
+                      checkpoint_stall_s=time.perf_counter() - start,
+                      async_save=self.checkpoints.async_save)
         self.stall_s += time.perf_counter() - start  # shown on the next logged step
 
     def wait_snapshot(self) -> None:
@@ -152,46 +166,54 @@ class RunState:
         own = os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.checkpoints.root)
         fresh = c.finetune and not own  # once the new run saved, it resumes from its own as usual
         state = self._read(path, moments=c.load_optimizer and not fresh)
-        self._apply(state, optimizer=c.load_optimizer and not fresh, rng=c.load_rng and not fresh, position=not fresh)
-        if not fresh:  # the learning-rate factor of earlier rollbacks goes on (a rollback keeps its own)
+        self._apply(state, optimizer=c.load_optimizer and not fresh, rng=c.load_rng and not fresh,
+                    position=not fresh)
+        # the learning-rate factor of earlier rollbacks goes on (a rollback keeps its own)
+        if not fresh:
             self.lr_scale = float(state.get("lr_scale", 1.0))
             self._check_work_left(path)
             self._resume_schedule(state.get("schedule"))
         return path
 
     def _check_work_left(self, path: str) -> None:
-        """A resumed run with no step left to train is refused: it would exit having done nothing."""
+        """A resumed run with no step left to train is refused: it would exit having done
+        nothing."""
         iters, at = self.sizes.iters, self.position.iteration
         if at < iters:
             return
-        length = "train.iters" if self.cfg.train.train_tokens is None else "the steps of train.train_tokens"
+        length = "train.iters" if self.cfg.train.train_tokens is None \
+            else "the steps of train.train_tokens"
         where = f"the run in {self.cfg.run.dir} ({path})"
         state = f"{where} has finished its {length}={iters}" if at == iters else \
             f"{length}={iters} is below iteration {at}, which {where} has reached"
-        raise ConfigError(f"nothing to do: {state}; raise --train.iters above {at} to train further, or choose "
-                          "another --run.dir to start afresh")
+        raise ConfigError(f"nothing to do: {state}; raise --train.iters above {at} to train "
+                          "further, or choose another --run.dir to start afresh")
 
     def _resume_schedule(self, saved: dict | None) -> None:
         """Keep the learning-rate schedule the checkpoint was trained with (``resumed_schedule``),
         saying what it does when the run is extended, and warning in one line when the rate of
         the next step is not the one that schedule gives."""
         kept = LRSchedule.from_dict(saved) if isinstance(saved, dict) else None
-        self.lr_schedule, note = resumed_schedule(self.cfg, kept, self.position.iteration, self.sizes.iters)
+        self.lr_schedule, note = resumed_schedule(self.cfg, kept, self.position.iteration,
+                                                  self.sizes.iters)
         if note:
             self.log(note)
         it = self.position.iteration + 1
-        if kept is None or math.isclose(kept(it), self.lr_schedule(it), rel_tol=1e-9, abs_tol=1e-15):
+        if kept is None or math.isclose(kept(it), self.lr_schedule(it), rel_tol=1e-9,
+                                        abs_tol=1e-15):
             return
         if self.is_logger:
             print(f"warning: the learning rate changes at the resume: iteration {it} trains at "
-                  f"{self.lr_schedule(it) * self.lr_scale:.4g} instead of {kept(it) * self.lr_scale:.4g}, the "
-                  f"rate of the schedule the checkpoint was trained with ({kept.describe()}; now "
-                  f"{self.lr_schedule.describe()})", file=sys.stderr, flush=True)
+                  f"{self.lr_schedule(it) * self.lr_scale:.4g} instead of "
+                  f"{kept(it) * self.lr_scale:.4g}, the rate of the schedule the checkpoint was "
+                  f"trained with ({kept.describe()}; now {self.lr_schedule.describe()})",
+                  file=sys.stderr, flush=True)
 
     def _sharding(self) -> dict:
         """What this rank's ZeRO ranges depend on beyond the layout (recorded in checkpoints)."""
         p = self.cfg.parallel
-        return {"zero": p.zero, "zero_shard_size": self.ps.dp_shard.size, "bucket_size_mb": p.bucket_size_mb}
+        return {"zero": p.zero, "zero_shard_size": self.ps.dp_shard.size,
+                "bucket_size_mb": p.bucket_size_mb}
 
     def _read(self, path: str, moments: bool = True) -> dict:
         """This rank's state from checkpoint ``path``, whatever layout saved it, after checking its
@@ -206,19 +228,23 @@ class RunState:
             return self.checkpoints.load(path)
         # another layout (or vocabulary padding): rebuild this rank's shards from the saved ones
         self.resharded_from = {**meta["layout"], "padded_vocab": meta.get("padded_vocab")}
-        owned = {name: self.specs[name] for name in self.optimizer.fragments}  # under ZeRO: a share of them
+        # under ZeRO: a share of them
+        owned = {name: self.specs[name] for name in self.optimizer.fragments}
         saved = SavedShards(path, meta)
         try:
-            return resharded_state(saved, owned, self.ps.tp_rank, self.ps.tp.size, saved_padded, moments=moments)
+            return resharded_state(saved, owned, self.ps.tp_rank, self.ps.tp.size, saved_padded,
+                                   moments=moments)
         finally:
             saved.close()
 
-    def _apply(self, state: dict, *, optimizer: bool = True, rng: bool = True, position: bool = True) -> None:
+    def _apply(self, state: dict, *, optimizer: bool = True, rng: bool = True,
+               position: bool = True) -> None:
         """Take weights, and unless told not to the optimizer, the position (iteration, data) and
         (same layout only) the random streams from a checkpoint."""
         restore_optimizer(self.optimizer, state, moments=optimizer)
         if position:
-            self.position.iteration, self.position.consumed_samples = state["iteration"], state["consumed_samples"]
+            self.position.iteration, self.position.consumed_samples = state["iteration"], state[
+                "consumed_samples"]
         if not rng or "rng" not in state:
             return  # random streams are per rank: after a reshard they restart from the seed
         torch.set_rng_state(state["rng"]["cpu"])
@@ -229,28 +255,31 @@ class RunState:
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    def rollback(self, since: int, bad_iteration: int, consumed_samples: int, train_samples: int, metrics) -> bool:
-        """Reload the newest checkpoint from before iteration ``since``, set aside those saved since,
-        and skip the global batches trained up to ``bad_iteration`` — the step whose outcome made
-        the verdict, after which ``consumed_samples`` samples were consumed (steps trained after it
-        before it was read are dropped too) — plus ``recovery.skip_batches``, as far as the
+    def rollback(self, since: int, bad_iteration: int, consumed_samples: int, train_samples: int,
+                 metrics) -> bool:
+        """Reload the newest checkpoint from before iteration ``since``, set aside those saved
+        since, and skip the global batches trained up to ``bad_iteration`` — the step whose outcome
+        made the verdict, after which ``consumed_samples`` samples were consumed (steps trained
+        after it before it was read are dropped too) — plus ``recovery.skip_batches``, as far as the
         ``train_samples`` indexed for the run allow. Returns whether it rolled back."""
         r, t, at = self.cfg.recovery, self.cfg.train, self.position
         if self.rollbacks >= r.max_rollbacks:
-            raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already (recovery.max_rollbacks) and the "
-                                f"run is still unhealthy at iteration {bad_iteration}; inspect metrics.jsonl, "
-                                "then lower optim.lr or raise recovery.skip_batches and relaunch")
+            raise RecoveryError(f"recovery: {self.rollbacks} rollbacks already "
+                                "(recovery.max_rollbacks) and the run is still unhealthy at "
+                                f"iteration {bad_iteration}; inspect metrics.jsonl, then lower "
+                                "optim.lr or raise recovery.skip_batches and relaunch")
         self.checkpoints.finalize()
         path = self.checkpoints.newest_before(since)
         skip_to = consumed_samples + r.skip_batches * t.global_batch_size
         if path is None:
-            self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; going on")
+            self.log(f"recovery: no checkpoint from before iteration {since} to roll back to; "
+                     "going on")
             return False
         state = self._read(path)
         needed = skip_to + (self.sizes.iters - state["iteration"]) * t.global_batch_size
         if needed > train_samples:
-            self.log(f"recovery: skipping to sample {skip_to:,} would run past the {train_samples:,} "
-                     "samples indexed for this run; going on without a rollback")
+            self.log(f"recovery: skipping to sample {skip_to:,} would run past the "
+                     f"{train_samples:,} samples indexed for this run; going on without a rollback")
             return False
         self._apply(state)
         moved = self.checkpoints.set_aside_from(since, keep=path)
@@ -258,10 +287,10 @@ class RunState:
         at.consumed_samples = skip_to
         self.rollbacks += 1
         self.lr_scale *= r.lr_factor  # compounds over rollbacks, whatever the checkpoint held
-        self.log(f"recovery: rolled back from iteration {bad_iteration} to {at.iteration} ({path}), skipping "
-                 f"{skipped:,} samples, learning rate × {self.lr_scale:g} from here; set aside "
-                 f"{', '.join(moved) or 'no later checkpoints'}")
+        self.log(f"recovery: rolled back from iteration {bad_iteration} to {at.iteration} "
+                 f"({path}), skipping {skipped:,} samples, learning rate × {self.lr_scale:g} from "
+                 f"here; set aside {', '.join(moved) or 'no later checkpoints'}")
         metrics.event("rollback", at.iteration, from_iter=bad_iteration, checkpoint=path,
-                      skipped_samples=skipped, consumed_samples=at.consumed_samples, set_aside=moved,
-                      lr_scale=self.lr_scale)
+                      skipped_samples=skipped, consumed_samples=at.consumed_samples,
+                      set_aside=moved, lr_scale=self.lr_scale)
         return True

@@ -30,7 +30,8 @@ class RunWatch:
         self.detector = None if r.action == "none" else Detector.from_config(r, cfg.train.precision)
         self.alerts = AlertMonitor(cfg.alerts)
         self.stragglers = Stragglers(cfg.alerts.straggler_ratio, cfg.alerts.straggler_steps)
-        self.hosts: list[str] | None = None  # every rank's host name, gathered for straggler reports
+        # every rank's host name, gathered for straggler reports
+        self.hosts: list[str] | None = None
 
     def observe(self, step: dict, stragglers: bool) -> dict | None:
         """A read step's alerts, and every logging interval (``stragglers``) the stragglers; returns
@@ -47,18 +48,20 @@ class RunWatch:
         return alert if self.cfg.recovery.action == "rollback" else None
 
     def rewound(self, iteration: int) -> None:
-        """Training went back to ``iteration`` (a rollback): the detector forgets what came after."""
+        """Training went back to ``iteration`` (a rollback): the detector forgets what came
+        after."""
         self.detector.rewind(iteration)
 
     def _report_alerts(self, stats: dict, stragglers: bool) -> None:
         """A step's alerts (start and clear), and every logging interval the stragglers."""
         tokens_per_sec = stats["global_batch_size"] * self.cfg.train.seq_length / stats["step_time"]
-        for alert in self.alerts.observe(stats["iter"], stats["loss"], stats["grad_norm"], tokens_per_sec,
-                                         stats["data_time"]):
+        for alert in self.alerts.observe(stats["iter"], stats["loss"], stats["grad_norm"],
+                                         tokens_per_sec, stats["data_time"]):
             self._announce(alert, describe_alert(alert), stats["iter"])
         if self.ps.world_size == 1:
             return
-        self.stragglers.observe(stats["step_time"] - stats["grad_sync_time"], stats["data_time"])  # not the wait
+        # not the wait
+        self.stragglers.observe(stats["step_time"] - stats["grad_sync_time"], stats["data_time"])
         if stragglers:
             if self.hosts is None:
                 self.hosts = [None] * self.ps.world_size
@@ -86,18 +89,21 @@ class RunWatch:
                 saved: list[int]) -> dict:
         """What this launch did (from iteration ``first_iter`` and ``first_samples`` consumed to
         ``consumed_samples`` in ``seconds``, saving checkpoints at the iterations ``saved``), the
-        run's latest and best validation loss, and where its files are (tensorboard: only when it is on)."""
+        run's latest and best validation loss, and where its files are (tensorboard: only when it is
+        on)."""
         run, seq = self.cfg.run.dir, self.cfg.train.seq_length
         valid = [(r["iter"], r["valid_loss"]) for r in read_metrics(run)
                  if r.get("valid_loss") is not None] if self.is_logger else []
         best = min(valid, key=lambda v: v[1]) if valid else (None, None)
         # (no key of a training or an eval line: a reader that picks lines by their keys keeps away)
-        return {"first_iter": first_iter, "trained_tokens": (consumed_samples - first_samples) * seq,
+        return {"first_iter": first_iter,
+                "trained_tokens": (consumed_samples - first_samples) * seq,
                 "run_tokens": consumed_samples * seq, "seconds": round(seconds, 3),
-                "last_valid_iter": valid[-1][0] if valid else None,
-                "last_valid_loss": valid[-1][1] if valid else None,
-                "best_valid_iter": best[0], "best_valid_loss": best[1],
-                "checkpoints_written": [os.path.join(run, "checkpoints", f"iter_{i:07d}") for i in saved],
-                "run_dir": run, "metrics": os.path.join(run, "metrics.jsonl"),
-                "tensorboard": os.path.join(run, "tensorboard") if self.cfg.logging.tensorboard else None,
-                "checkpoints": os.path.join(run, "checkpoints"), "config": os.path.join(run, "config.yaml")}
+                "last_valid_iter": valid[-1][0] if valid else None, "last_valid_loss": valid[-1][1]
+                if valid else None, "best_valid_iter": best[0], "best_valid_loss": best[1],
+                "checkpoints_written": [os.path.join(run, "checkpoints", f"iter_{i:07d}")
+                                        for i in saved], "run_dir": run,
+                "metrics": os.path.join(run, "metrics.jsonl"),
+                "tensorboard": os.path.join(run, "tensorboard") if self.cfg.logging.tensorboard
+                else None, "checkpoints": os.path.join(run, "checkpoints"),
+                "config": os.path.join(run, "config.yaml")}

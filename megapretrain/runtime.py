@@ -34,21 +34,26 @@ def set_numerics(tf32: bool, deterministic: bool, precision: str, device: torch.
     torch.backends.cudnn.allow_tf32 = tf32
     words = []
     if device.type == "cuda" and precision == "fp32":
-        words.append("matmul=tf32" if tf32 else "matmul=fp32 (train.tf32 false: about 15x below the tf32 peak)")
+        words.append("matmul=tf32" if tf32 else "matmul=fp32 (train.tf32 false: about 15x below "
+                                                "the tf32 peak)")
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-        torch.use_deterministic_algorithms(True, warn_only=True)  # an op with no deterministic form warns
+        # an op with no deterministic form warns
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
-        words.append("deterministic=on" + (" (slower kernels: atomics-free reductions and attention "
-                                           "backward)" if device.type == "cuda" else ""))
+        words.append("deterministic=on"
+                     + (" (slower kernels: atomics-free reductions and attention backward)"
+                        if device.type == "cuda" else ""))
     return " ".join(words)
 
 
-def pinned_host_warning(device: torch.device, async_save: bool, zero: int, params_per_rank: int) -> str | None:
+def pinned_host_warning(device: torch.device, async_save: bool, zero: int,
+                        params_per_rank: int) -> str | None:
     """The warning an asynchronous save deserves on CUDA without ZeRO: the host memory it pins."""
     if device.type != "cuda" or not async_save or zero >= 1:
         return None
     pinned = 12 * params_per_rank  # fp32 master + two Adam moments, copied to pinned host memory
-    return (f"checkpoint.async with parallel.zero 0 pins {pinned / 2**30:.1f} GiB of host memory per rank "
-            f"(12 B × {params_per_rank:,} parameters of this rank's shard); parallel.zero 1 shards it over dp")
+    return (f"checkpoint.async with parallel.zero 0 pins {pinned / 2**30:.1f} GiB of host memory "
+            f"per rank (12 B × {params_per_rank:,} parameters of this rank's shard); parallel.zero "
+            "1 shards it over dp")

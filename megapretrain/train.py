@@ -1,4 +1,5 @@
-"""Entry point: ``python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE ...]``.
+"""Entry point: ``python -m megapretrain.train --config configs/NAME.yaml [--section.key VALUE
+...]``.
 
 The same command runs under ``torchrun --nproc_per_node N ... -m megapretrain.train``. Mistakes in
 the config, the data or the checkpoint (a :class:`~megapretrain.errors.UserError`) stop the run
@@ -25,7 +26,8 @@ from .resolve import resolve
 from .run_lock import RunLock
 from .runtime import bind_device
 
-USAGE = """usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
+USAGE = """\
+usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
 
 Every config field can be overridden by its dotted name; values are read as YAML
 (--train.iters 50, --data.paths '[prefixA, prefixB]', --parallel.sequence_parallel true).
@@ -53,7 +55,8 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def resolve_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible (use --train.device cpu)")
+        raise ConfigError("train.device=cuda but no CUDA device is visible (use --train.device "
+                          "cpu)")
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -72,14 +75,17 @@ def checked(argv: list[str], verify: bool = True):
     device = resolve_device(cfg)
     bind_device(device)  # before any CUDA query, tensor, Triton launch or process group
     if int(os.environ.get("RANK", "0")) == 0:
-        check_output_dirs(cfg)  # run.dir and data.cache_dir can be written (tried by one rank: no races)
+        # run.dir and data.cache_dir can be written (tried by one rank: no races)
+        check_output_dirs(cfg)
     if not cfg.data.paths:
-        raise ConfigError("data.paths is empty: set it to a prefix written by tools/preprocess_data.py, "
-                          "e.g. --data.paths '[data/corpus_text_document]'")
+        raise ConfigError("data.paths is empty: set it to a prefix written by "
+                          "tools/preprocess_data.py, e.g. --data.paths "
+                          "'[data/corpus_text_document]'")
     check_micro_batch_fits(cfg, run.layout, device)  # before any index is read or written
     data_files = check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab,
                                           cfg.model.vocab_size,
-                                          cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"), verify)
+                                          cfg.data.cache_dir or
+                                          os.path.join(cfg.run.dir, "data_cache"), verify)
     return cfg, run, data_files
 
 
@@ -89,8 +95,8 @@ def rebuilt_data_warnings(run_dir: str, data_files: dict) -> list[str]:
     changed = changed_datasets(os.path.join(run_dir, "data_files.json"), data_files)
     if not changed or latest_checkpoint(os.path.join(run_dir, "checkpoints")) is None:
         return []
-    return [f"data.paths {line}: resuming, the saved data position no longer continues the run's data order "
-            "(the sample indices are rebuilt from the new files)" for line in changed]
+    return [f"data.paths {line}: resuming, the saved data position no longer continues the run's "
+            "data order (the sample indices are rebuilt from the new files)" for line in changed]
 
 
 def setup(argv: list[str]):
@@ -101,7 +107,8 @@ def setup(argv: list[str]):
     from .runtime import pinned_host_warning, set_numerics
     from .trainer import Trainer
 
-    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one rank per node reads the data files through
+    # one rank per node reads the data files through
+    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
     cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
     warnings = list(run.warnings)
@@ -123,7 +130,8 @@ def setup(argv: list[str]):
     try:
         if lock is not None:
             warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
-        init_distributed(cfg.parallel.backend, device.type, timeout_s=cfg.watchdog.collective_timeout_s)
+        init_distributed(cfg.parallel.backend, device.type,
+                         timeout_s=cfg.watchdog.collective_timeout_s)
         ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats)
         if ps.rank == 0:
             for w in warnings:
@@ -152,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             return USER_ERROR_EXIT
         for warning in run.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-        print(f"check: the config, its data ({', '.join(prefix for _, prefix in parse_data_paths(cfg.data.paths))}) "
-              f"and its tokenizer ({cfg.data.tokenizer.type}) are ready at {run.layout.describe()}")
+        print("check: the config, its data "
+              f"({', '.join(prefix for _, prefix in parse_data_paths(cfg.data.paths))}) and its "
+              f"tokenizer ({cfg.data.tokenizer.type}) are ready at {run.layout.describe()}")
         return 0
     try:
         trainer = setup(argv)
@@ -169,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print_error(exc)
         return USER_ERROR_EXIT
     except KeyboardInterrupt:
-        print(f"interrupted at iteration {trainer.iteration} (a second Ctrl-C); nothing saved since the last "
-              "checkpoint", file=sys.stderr)
+        print(f"interrupted at iteration {trainer.iteration} (a second Ctrl-C); nothing saved "
+              "since the last checkpoint", file=sys.stderr)
         return 130
     return 0
 

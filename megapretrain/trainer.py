@@ -22,7 +22,8 @@ step needs — where every unread step's values come back in one copy. Then each
 settles the optimizer (a skipped step is not counted) and goes through the alerts and the spike
 detector as it would have at once. What waits for the read point, and why that keeps behaviour:
 
-- a non-finite step is skipped on the device when it happens (``MixedPrecisionAdamW.step_on_device``);
+- a non-finite step is skipped on the device when it happens
+  (``MixedPrecisionAdamW.step_on_device``);
 - a verdict of the detector rolls back to the checkpoint from before the trouble began, skipping
   the batches up to the step that completed the verdict (as at once): the steps trained since then
   are dropped with the rollback, and no checkpoint is saved in between (a save is a read point);
@@ -76,8 +77,9 @@ IGNORE = -100  # the cross entropy's ignore index: a target left out of the loss
 def recipe_warnings(num_params: int, tokens_per_batch: int) -> list[str]:
     """Where the run leaves the recipe: models above 1B train on batches of 2-4M tokens."""
     if num_params > 1e9 and not 2e6 <= tokens_per_batch <= 4.2e6:
-        return [f"a global batch of {tokens_per_batch:,} tokens for a model of {num_params / 1e9:.1f}B parameters: "
-                "the recipe uses 2-4M tokens per step above 1B (train.global_batch_size × train.seq_length)"]
+        return [f"a global batch of {tokens_per_batch:,} tokens for a model of "
+                f"{num_params / 1e9:.1f}B parameters: the recipe uses 2-4M tokens per step above "
+                "1B (train.global_batch_size × train.seq_length)"]
     return []
 
 
@@ -90,8 +92,8 @@ def memory_mb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None, *,
-                 datasets: dict | None = None, eod: int | None = None):
+    def __init__(self, cfg: Config, sizes: RunSizes, ps: ParallelState, lock: RunLock | None = None,
+                 *, datasets: dict | None = None, eod: int | None = None):
         """``lock``: rank 0's hold on the run directory, touched every step and released by fit().
         ``datasets``: the train (and valid) datasets to read batches from, in place of those of
         ``data.paths`` (a simulation's samples of the right shape), with ``eod`` their
@@ -102,25 +104,34 @@ class Trainer:
         self.is_logger = ps.rank == 0
         self.position = Position()  # shared with self.run, whose resumes and rollbacks set it
         self.last_loss: float | None = None
-        self._unread: list[dict] = []  # the steps since the last read point, their values still on the device
+        # the steps since the last read point, their values still on the device
+        self._unread: list[dict] = []
         self._started = False  # whether fit() ran (the start-up to the first step is logged once)
         os.makedirs(cfg.run.dir, exist_ok=True)
 
-        # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded by name
+        # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded
+        # by name
         torch.manual_seed(t.seed + 100 * ps.pp_rank + CP_SEED_STRIDE * ps.cp_rank)
-        self.model_chunks, self.specs = build_model_chunks(cfg, ps)  # specs: the parameter-spec table
+        # specs: the parameter-spec table
+        self.model_chunks, self.specs = build_model_chunks(cfg, ps)
         self.args = self.model_chunks[0].args
         named_params = [np for chunk in self.model_chunks for np in chunk.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(named_params, self.specs, cfg.optim, t.precision, ps,
-                                             zero=cfg.parallel.zero, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                             initialize=deferred_initializer(self.model_chunks, self.specs, t.seed))
-        # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer gathered around its use
-        self.optimizer.hook_models(self.model_chunks, keep_gathered=cfg.parallel.zero3_keep_gathered,
+                                             zero=cfg.parallel.zero,
+                                             bucket_size_mb=cfg.parallel.bucket_size_mb,
+                                             initialize=deferred_initializer(self.model_chunks,
+                                                                             self.specs, t.seed))
+        # zero 1/2: the post-step all-gather runs under the next forward; zero 3: each layer
+        # gathered around its use
+        self.optimizer.hook_models(self.model_chunks,
+                                   keep_gathered=cfg.parallel.zero3_keep_gathered,
                                    prefetch=cfg.parallel.zero3_prefetch)
-        # the loss's backward always brings the gradient the forward was told (_forward_fn): the fused
-        # output layer's check that it did is read at the next read point, not waited for per micro-batch
+        # the loss's backward always brings the gradient the forward was told (_forward_fn): the
+        # fused output layer's check that it did is read at the next read point, not waited for per
+        # micro-batch
         self.optimizer.buffers.grad_scale_checks = []
-        self.num_micro = sizes.grad_accum  # at the full global batch (evaluation; training after a ramp-up)
+        # at the full global batch (evaluation; training after a ramp-up)
+        self.num_micro = sizes.grad_accum
         self.pipeline_schedule = schedule = sizes.schedule  # parallel/pipeline.py's Schedule
         self._train_orders: dict[int, list] = {}  # micro-batches per step -> every stage's order
         self.eval_orders = [schedule.forward_order(ps.pp.size, cfg.parallel.vpp, self.num_micro)] \
@@ -129,43 +140,54 @@ class Trainer:
         act_seq //= ps.tp.size if cfg.parallel.sequence_parallel and ps.tp.size > 1 else 1
         p2p = P2P(ps.pp, (t.micro_batch_size, act_seq, self.args.hidden_size), DTYPES[t.precision],
                   self.device) if ps.pp.size > 1 else None
-        # zero-bubble schedules: each backward's linear weight gradients wait for the schedule's W op
+        # zero-bubble schedules: each backward's linear weight gradients wait for the schedule's W
+        # op
         deferred = DeferredGrads(weakref.ref(self.optimizer.buffers)) if schedule.split_backward \
             else None
         defer_weight_grads(self.model_chunks, deferred)
-        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p, self.optimizer.grad_sync,
-                                         schedule, record=cfg.parallel.pp_trace, deferred=deferred)
+        self.pipeline = PipelineExecutor(ps.pp_rank, ps.pp.size, cfg.parallel.vpp, p2p,
+                                         self.optimizer.grad_sync, schedule,
+                                         record=cfg.parallel.pp_trace, deferred=deferred)
         self.flops_per_token = flops_per_token(self.args, t.seq_length)
-        self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision, t.tf32)
+        self.peak_tflops = cfg.logging.peak_tflops or device_peak_tflops(self.device, t.precision,
+                                                                         t.tf32)
 
         self.datasets = self._build_datasets() if datasets is None else datasets
         d = cfg.data
-        self.documents = d.reset_attention_mask or d.reset_position_ids  # every stage needs the token ids
+        # every stage needs the token ids
+        self.documents = d.reset_attention_mask or d.reset_position_ids
         self.eod = None
         if self.documents or d.eod_mask_loss:
-            self.eod = eod if datasets is not None else build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod
-        needs_data = self.documents or any(c.pre_process or c.post_process for c in self.model_chunks)
-        self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size, self.device)
+            self.eod = eod if datasets is not None \
+                else build_tokenizer(d.tokenizer.type, d.tokenizer.model).eod
+        needs_data = self.documents or any(c.pre_process or c.post_process
+                                           for c in self.model_chunks)
+        self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size,
+                                           self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
 
         # saving, resuming, rolling back and the learning rate
-        self.run = RunState(cfg, sizes, ps, self.position, self.optimizer, self.model_chunks, self.specs, self.log)
+        self.run = RunState(cfg, sizes, ps, self.position, self.optimizer, self.model_chunks,
+                            self.specs, self.log)
         self.faults = Faults(cfg.faults, ps.rank, cfg.run.dir)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.progress = Progress(sizes.iters)
         resumed_from = self.run.resume()
-        drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired else None
+        drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired \
+            else None
         if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)
             print(f"warning: {drill}", file=sys.stderr, flush=True)
         for drill in self.faults.already_fired():  # (said by the rank it was for)
-            print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not injected again",
-                  flush=True)
+            print(f"{drill} (rank {ps.rank}): fired already in this run directory (faults/): not "
+                  "injected again", flush=True)
         if self.is_logger:
             self.run.write_config()
-        self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger, tensorboard=cfg.logging.tensorboard,
-                                     wandb=cfg.logging.wandb, config=to_dict(cfg),
-                                     run_name=cfg.run.name or os.path.basename(os.path.abspath(cfg.run.dir)))
-        self.watch = RunWatch(cfg, ps, self.metrics, self.log)  # alerts, the spike detector, the summary
+        self.metrics = MetricsLogger(cfg.run.dir, enabled=self.is_logger,
+                                     tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                     config=to_dict(cfg), run_name=cfg.run.name or
+                                     os.path.basename(os.path.abspath(cfg.run.dir)))
+        # alerts, the spike detector, the summary
+        self.watch = RunWatch(cfg, ps, self.metrics, self.log)
         self._stop_requested: str | None = None  # the name of the signal that asked to stop
         self.log(sizes.describe(num_parameters(self.args), self.flops_per_token))
         for warning in recipe_warnings(num_parameters(self.args), sizes.tokens_per_batch):
@@ -178,9 +200,11 @@ class Trainer:
                 self.log(f"resumed from {resumed_from} at iteration {self.iteration}")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from)
             else:
-                now = {**self.run.checkpoints.layout, "padded_vocab": sizes.padded_vocab}  # what it saves
-                self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded from "
-                         f"{self.run.resharded_from} to {now} (dropout's random streams restart from the seed)")
+                # what it saves
+                now = {**self.run.checkpoints.layout, "padded_vocab": sizes.padded_vocab}
+                self.log(f"resumed from {resumed_from} at iteration {self.iteration}, resharded "
+                         f"from {self.run.resharded_from} to {now} (dropout's random streams "
+                         "restart from the seed)")
                 self.metrics.event("resumed", self.iteration, checkpoint=resumed_from,
                                    resharded_from=self.run.resharded_from, layout=now)
 
@@ -208,9 +232,11 @@ class Trainer:
         """Train to ``train.iters``. While this runs (and only then), SIGTERM and SIGUSR1 (SLURM's
         pre-emption warning) save at the next step boundary and return; so does a first Ctrl-C
         (SIGINT), a second one stops at once (KeyboardInterrupt)."""
-        on_main_thread = threading.current_thread() is threading.main_thread()  # where signals can be caught
+        # where signals can be caught
+        on_main_thread = threading.current_thread() is threading.main_thread()
         stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-        previous = {s: signal.signal(s, self._on_stop_signal) for s in stops} if on_main_thread else {}
+        previous = {s: signal.signal(s, self._on_stop_signal) for s in stops} if on_main_thread \
+            else {}
         try:
             self._fit()
         finally:
@@ -235,8 +261,10 @@ class Trainer:
         startup_s = None if self._started else process_age_s()  # this launch's first step
         self._started = True
         if startup_s is not None:  # interpreter, imports, data indices, model build, resume
-            cpu_s = time.process_time()  # the CPU time of it: what a machine shared with others does not inflate
-            self.log(f"start-up: {startup_s:.1f} s from process start to the first step ({cpu_s:.1f} s of CPU)")
+            # the CPU time of it: what a machine shared with others does not inflate
+            cpu_s = time.process_time()
+            self.log(f"start-up: {startup_s:.1f} s from process start to the first step "
+                     f"({cpu_s:.1f} s of CPU)")
             self.metrics.event("first_step", self.iteration + 1, startup_s=round(startup_s, 2),
                                startup_cpu_s=round(cpu_s, 2))
         while self.iteration < iters:
@@ -244,7 +272,8 @@ class Trainer:
             self.watchdog.beat("step", self.iteration + 1)
             stats = self._guarded_step()
             self.watchdog.done(stats["step_time"])
-            self.run.checkpoints.step_boundary()  # an async save every rank has written is published now
+            # an async save every rank has written is published now
+            self.run.checkpoints.step_boundary()
             self.iteration += 1
             self.progress.step(self.iteration)
             if self.lock is not None:
@@ -252,7 +281,8 @@ class Trainer:
             if self.pipeline.record:
                 self._write_trace()
             self.consumed_samples += stats["global_batch_size"]
-            self._unread.append({**stats, "iter": self.iteration, "consumed_samples": self.consumed_samples})
+            self._unread.append({**stats, "iter": self.iteration,
+                                 "consumed_samples": self.consumed_samples})
             logged = self.iteration % self.cfg.logging.interval == 0 or self.iteration == iters
             evaluates = t.eval_interval and self.iteration % t.eval_interval == 0
             saves = c.interval and self.iteration % c.interval == 0
@@ -264,7 +294,8 @@ class Trainer:
                 self.watchdog.beat("eval", self.iteration)
                 self._log_eval(self.evaluate())
                 self.watch.alerts.settle()
-            timed = c.interval_minutes > 0 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
+            timed = c.interval_minutes > 0 \
+                and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
             stop = self._agree(self._stop_requested)
             if saves or timed or stop:
                 self.watchdog.beat("save", self.iteration)
@@ -272,8 +303,8 @@ class Trainer:
                 self.watch.alerts.settle()
                 last_save, saved = time.monotonic(), True
             if stop:
-                self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at iteration "
-                         f"{self.iteration}, exiting")
+                self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at "
+                         f"iteration {self.iteration}, exiting")
                 break
         else:
             if t.eval_interval and self.iteration % t.eval_interval:
@@ -281,8 +312,8 @@ class Trainer:
             if not saved:  # (by the interval, or by the clock)
                 self.run.save(self.metrics)
         self.run.checkpoints.finalize()
-        summary = self.watch.summary(first_iter, first_samples, self.consumed_samples, self.progress.elapsed_s,
-                                     self.run.saved)
+        summary = self.watch.summary(first_iter, first_samples, self.consumed_samples,
+                                     self.progress.elapsed_s, self.run.saved)
         self.metrics.event("summary", self.iteration, **summary)
         self.metrics.close()
         for loader in self.loaders.values():
@@ -297,23 +328,27 @@ class Trainer:
             return True
         minutes = self.cfg.checkpoint.interval_minutes
         return self.ps.world_size == 1 and (self._stop_requested is not None or
-                                            (minutes > 0 and time.monotonic() - last_save > 60 * minutes))
+                                            (minutes > 0 and
+                                             time.monotonic() - last_save > 60 * minutes))
 
     def _read_steps(self, logged: bool) -> bool:
         """Read the unread steps' values in one copy and act on each in order: the optimizer's
         settling, the logged line (the last step, when ``logged``), the alerts and the spike
         detector. Returns True when a verdict rolled training back (the steps after it dropped)."""
         steps, self._unread = self._unread, []
-        checks, self.optimizer.buffers.grad_scale_checks = self.optimizer.buffers.grad_scale_checks, []
-        # the mean loss divided on the device: the token count is a device value under data.eod_mask_loss
+        checks, self.optimizer.buffers.grad_scale_checks = \
+            self.optimizer.buffers.grad_scale_checks, []
+        # the mean loss divided on the device: the token count is a device value under
+        # data.eod_mask_loss
         values = [v.double() for s in steps
                   for v in (s["loss_sum"].double() / s["tokens"], s["grad_norm"], s["skipped"])]
-        flag = torch.stack(checks).any().double() if checks else torch.zeros((), dtype=torch.float64,
-                                                                                   device=self.device)
+        flag = torch.stack(checks).any().double() if checks \
+            else torch.zeros((), dtype=torch.float64, device=self.device)
         *read, differs = torch.stack(values + [flag.to(self.device)]).tolist()  # the one host read
         if differs:
-            raise RuntimeError("a backward brought the fused loss another gradient than the one its forward "
-                               "was told (loss_grad_scale): the trainer's forward and backward disagree")
+            raise RuntimeError("a backward brought the fused loss another gradient than the one "
+                               "its forward was told (loss_grad_scale): the trainer's forward and "
+                               "backward disagree")
         now = time.perf_counter()
         for i, s in enumerate(steps):
             loss, norm, skipped = read[3 * i:3 * i + 3]
@@ -340,7 +375,8 @@ class Trainer:
             self.faults.before_step(self.iteration + 1)
             return self.train_step()
         except (torch.OutOfMemoryError, MemoryError) as exc:
-            message = report_oom(exc, self.cfg, self.sizes.layout, self.ps.rank, self.iteration + 1, self.device)
+            message = report_oom(exc, self.cfg, self.sizes.layout, self.ps.rank, self.iteration + 1,
+                                 self.device)
             print(message, file=sys.stderr, flush=True)
             self.metrics.event("oom", self.iteration + 1, rank=self.ps.rank, error=str(exc)[:500])
             self.metrics.close()
@@ -371,7 +407,8 @@ class Trainer:
         scale = self.optimizer.scaler.scale / every * self.faults.grad_factor(it)
         computed = time.perf_counter()
         orders, num_micro = self._orders(batch)
-        self.pipeline.run(orders, num_micro, self._forward_fn(batches, loss_sum, scale))  # dp reduction overlaps
+        # dp reduction overlaps
+        self.pipeline.run(orders, num_micro, self._forward_fn(batches, loss_sum, scale))
         backward_done = time.perf_counter()
         self.optimizer.reduce_grads()  # waits for the overlapped reductions
         ps.pp.all_reduce(loss_sum)  # the last stage holds the loss; now every rank does
@@ -379,18 +416,23 @@ class Trainer:
         reduced = time.perf_counter()
         lr = self.run.lr(it)
         self.run.wait_snapshot()  # an async save still copying what the step changes
-        grad_norm, skipped = self.optimizer.step_on_device(lr, None if counted is None else every / counted)
+        grad_norm, skipped = self.optimizer.step_on_device(lr, None if counted is None
+                                                           else every / counted)
         now = time.perf_counter()
-        return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
-                "global_batch_size": batch, "started": start, "step_time": now - start, "data_time": data_time,
-                "forward_backward_time": backward_done - computed, "grad_sync_time": reduced - backward_done,
-                "optimizer_started": reduced, "optimizer_time": now - reduced}
+        return {"loss_sum": loss_sum, "tokens": tokens, "grad_norm": grad_norm, "lr": lr,
+                "skipped": skipped, "global_batch_size": batch, "started": start,
+                "step_time": now - start, "data_time": data_time,
+                "forward_backward_time": backward_done - computed,
+                "grad_sync_time": reduced - backward_done, "optimizer_started": reduced,
+                "optimizer_time": now - reduced}
 
     def _orders(self, batch: int) -> tuple[list, int]:
-        """Every stage's schedule order for a global batch of ``batch`` samples, and its micro-batches."""
+        """Every stage's schedule order for a global batch of ``batch`` samples, and its
+        micro-batches."""
         num_micro = batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)
         if num_micro not in self._train_orders:
-            pp, vpp = self.ps.pp.size, self.cfg.parallel.vpp  # every stage's: the executor plans transfers from all
+            # every stage's: the executor plans transfers from all
+            pp, vpp = self.ps.pp.size, self.cfg.parallel.vpp
             self._train_orders[num_micro] = self.pipeline_schedule.orders(pp, vpp, num_micro)
         return self._train_orders[num_micro], num_micro
 
@@ -408,10 +450,14 @@ class Trainer:
             tokens, targets = batches[micro]  # (b, s) each
             if self.documents and micro not in docs:
                 d = self.cfg.data
-                docs[micro] = documents(tokens, self.eod, d.reset_attention_mask, d.reset_position_ids, cp)
-            tokens, targets = split_to_cp(tokens, cp), split_to_cp(targets, cp)  # (b, s/cp): this rank's
-            out = model(tokens if model.pre_process else hidden, targets if model.post_process else None,
-                        docs.get(micro), loss_grad_scale=scale)  # what the backward of out.sum() * scale brings
+                docs[micro] = documents(tokens, self.eod, d.reset_attention_mask,
+                                        d.reset_position_ids, cp)
+            # (b, s/cp): this rank's
+            tokens, targets = split_to_cp(tokens, cp), split_to_cp(targets, cp)
+            out = model(tokens if model.pre_process else hidden, targets if model.post_process
+                        else None,
+                        # what the backward of out.sum() * scale brings
+                        docs.get(micro), loss_grad_scale=scale)
             if not model.post_process:
                 return out  # (b, s, h) activation for the next stage
             loss_sum.add_(out.detach().sum())  # out: (b, s) fp32 per-token loss
@@ -441,32 +487,39 @@ class Trainer:
         return batch_size_at(consumed_samples, t.global_batch_size, t.rampup_batch_size)
 
     def _load(self, split: str, consumed_samples: int) -> tuple[list, float]:
-        """This rank's (tokens, targets) micro-batches of the global batch after ``consumed_samples``
-        (training: its size under the ramp-up), and the seconds the step waited for them (the
-        loader reads one step ahead). Stages with neither the embedding nor the head read no data."""
-        batch = self._batch_size(consumed_samples) if split == "train" else self.cfg.train.global_batch_size
+        """This rank's (tokens, targets) micro-batches of the global batch after
+        ``consumed_samples`` (training: its size under the ramp-up), and the seconds the step waited
+        for them (the loader reads one step ahead). Stages with neither the embedding nor the head
+        read no data."""
+        batch = self._batch_size(consumed_samples) if split == "train" \
+            else self.cfg.train.global_batch_size
         start = time.perf_counter()
         if split == "train":
             self.faults.data_delay(self.iteration + 1)
         injected = time.perf_counter() - start
         loader = self.loaders.get(split)
         if loader is None:
-            return [(None, None)] * (batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)), injected
+            return [(None, None)] * (
+                batch // (self.cfg.train.micro_batch_size * self.ps.dp.size)), injected
         batches = loader.get(consumed_samples, batch)
         if self.cfg.data.eod_mask_loss:  # end-of-document targets leave the loss
-            batches = [(tokens, targets.masked_fill(targets == self.eod, IGNORE)) for tokens, targets in batches]
+            batches = [(tokens, targets.masked_fill(targets == self.eod, IGNORE)) for tokens,
+                       targets in batches]
         return batches, loader.wait_s + injected
 
     def _build_datasets(self) -> dict:
-        """Train/valid datasets; one rank per node builds missing index caches, the others load them."""
+        """Train/valid datasets; one rank per node builds missing index caches, the others load
+        them."""
         t, cfg = self.cfg.train, self.cfg
         valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval > 0 else 0
         r, per_rollback = cfg.recovery, cfg.checkpoint.interval + cfg.recovery.skip_batches
         # room for the batches rollbacks skip: max_rollbacks of them, at most as many as the run has
-        spare = min(r.max_rollbacks * per_rollback, self.sizes.iters) if r.action == "rollback" else 0
+        spare = min(r.max_rollbacks * per_rollback, self.sizes.iters) if r.action == "rollback" \
+            else 0
         args = (cfg.data.paths, cfg.data.split, t.seq_length, t.seed,
-                {"train": self.sizes.train_samples + spare * t.global_batch_size, "valid": valid_samples, "test": 0},
-                cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache"))
+                {"train": self.sizes.train_samples + spare * t.global_batch_size,
+                 "valid": valid_samples, "test": 0}, cfg.data.cache_dir or
+                os.path.join(cfg.run.dir, "data_cache"))
         builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
         datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
         if dist.is_initialized():
@@ -487,8 +540,8 @@ class Trainer:
             batches, _ = self._load("valid", step * t.global_batch_size)
             kept = self._counted_tokens(batches)
             counted += t.global_batch_size * t.seq_length if kept is None else kept
-            self.pipeline.run(self.eval_orders, self.num_micro, self._forward_fn(batches, loss_sum, 1.0),
-                              backward=False)
+            self.pipeline.run(self.eval_orders, self.num_micro,
+                              self._forward_fn(batches, loss_sum, 1.0), backward=False)
         ps.pp.all_reduce(loss_sum)
         ps.dp_cp.all_reduce(loss_sum)
         return (loss_sum.double() / counted).item()
@@ -508,8 +561,9 @@ class Trainer:
                   "tokens_per_sec": tokens_per_sec,
                   "consumed_tokens": self.consumed_samples * self.cfg.train.seq_length,
                   "global_batch_size": s["global_batch_size"], "step_time": s["step_time"],
-                  **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self.run.take_stall(), "tflops": tflops,
-                  "memory_mb": memory_mb(self.device), "elapsed_s": round(self.progress.elapsed_s, 3)}
+                  **{k: s[k] for k in self.TIME_PARTS}, "checkpoint_stall_s": self.run.take_stall(),
+                  "tflops": tflops, "memory_mb": memory_mb(self.device),
+                  "elapsed_s": round(self.progress.elapsed_s, 3)}
         eta = self.progress.eta_s
         if eta is not None:
             record["eta_s"] = round(eta, 1)
@@ -526,25 +580,30 @@ class Trainer:
             self.metrics.event("skipped_step", self.iteration, reason="non-finite gradient norm",
                                grad_norm=s["grad_norm"])
         self.log(f"iter {self.iteration:>6}/{self.sizes.iters} | loss {s['loss']:.4f} | "
-                 f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s | "
-                 f"{tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem {record['memory_mb']:,.0f} MB | "
-                 f"{self.progress.describe()}" + (" | skipped" if s["skipped"] else ""))
+                 f"grad_norm {s['grad_norm']:.3f} | lr {s['lr']:.3e} | {tokens_per_sec:,.0f} tok/s "
+                 f"| {tflops:.3f} TFLOP/s | data {1e3 * s['data_time']:.0f} ms | mem "
+                 f"{record['memory_mb']:,.0f} MB | {self.progress.describe()}"
+                 + (" | skipped" if s["skipped"] else ""))
 
     def _log_memory(self) -> None:
-        """Bytes per rank (this rank's) for parameters, grads and optimizer state, from the tensors."""
+        """Bytes per rank (this rank's) for parameters, grads and optimizer state, from the
+        tensors."""
         mem = self.optimizer.memory_report()
         per_param = mem["total"] / max(1, mem["padded_numel"])
         self.log("memory/rank: " + "  ".join(f"{k} {mem[k] / 2**20:,.2f} MiB"
-                                             for k in ("params", "grads", "master", "moments", "total"))
+                                             for k in ("params", "grads", "master", "moments",
+                                                       "total"))
                  + f"  ({per_param:.2f} bytes/param, zero={mem['zero']} dp={mem['dp']}"
-                 + (f" sharded over {mem['shard']}" if mem["zero"] and mem["shard"] != mem["dp"] else "")
+                 + (f" sharded over {mem['shard']}" if mem["zero"] and mem["shard"] != mem["dp"]
+                    else "")
                  + (", offloaded" if mem["offload"] else "") + ")"
                  + (f"; + up to {mem['gathered_peak'] / 2**20:,.2f} MiB of layers gathered at once"
                     if "gathered_peak" in mem else ""))
         self.metrics.event("memory", self.iteration, **mem)
 
     def _write_trace(self) -> None:
-        """Append this rank's schedule of the step just run to RUN_DIR/pipeline_trace_rankN.jsonl."""
+        """Append this rank's schedule of the step just run to
+        RUN_DIR/pipeline_trace_rankN.jsonl."""
         ops = [f"{op.kind}{op.micro}.{op.chunk}" for op in self.pipeline.trace]
         record = {"iter": self.iteration, "rank": self.ps.rank, "pp_rank": self.ps.pp_rank,
                   "schedule": self.pipeline_schedule.name, "ops": ops,

@@ -34,9 +34,10 @@ class StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the ordinary error comes below
                     continue
                 if first is not key_node.start_mark:
-                    raise DuplicateKey(None, None, f"key '{key}' appears twice in one mapping (first at line "
-                                        f"{first.line + 1}); YAML would keep only the second: merge them",
-                                        key_node.start_mark)
+                    raise DuplicateKey(None, None, f"key '{key}' appears twice in one mapping "
+                                                   f"(first at line {first.line + 1}); YAML would "
+                                                   "keep only the second: merge them",
+                                       key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -71,8 +72,8 @@ def read_text(path: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {exc.start}, line {line}): save it as "
-                          f"UTF-8 ({fix})") from None
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {exc.start}, line "
+                          f"{line}): save it as UTF-8 ({fix})") from None
 
 
 def not_writable_dir(path: str) -> str | None:
@@ -110,7 +111,8 @@ def not_writable_dir(path: str) -> str | None:
 
 
 def _missing_parts(path: str, existing: str) -> list[str]:
-    """The directories between ``existing`` (an ancestor of ``path``) and ``path``, outermost first."""
+    """The directories between ``existing`` (an ancestor of ``path``) and ``path``, outermost
+    first."""
     parts = []
     while path != existing:
         parts.append(path)

@@ -76,8 +76,9 @@ def resolve_checkpoint(path: str, *, check: bool = True) -> str:
                     print(f"warning: {n}; using {candidate}", file=sys.stderr)
                 return candidate
             notes.append(f"skipped {candidate}: {found}")
-    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run directory with a "
-                          "usable one; pass an iter_* directory" + (f" ({'; '.join(notes)})" if notes else ""))
+    raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
+                          "directory with a usable one; pass an iter_* directory"
+                          + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 @contextlib.contextmanager

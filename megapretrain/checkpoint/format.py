@@ -9,8 +9,8 @@ A checkpoint (format version 2) is a directory::
     ...
 
 Nothing is ever unpickled: the tensors are raw bytes read by byte range (``tensorfile.py``), the
-rest is JSON. Version 1 checkpoints (``rank_NNNNN.pt``, torch pickles of tensors) still load, through
-``torch.load(weights_only=True)``, on that legacy path only.
+rest is JSON. Version 1 checkpoints (``rank_NNNNN.pt``, torch pickles of tensors) still load,
+through ``torch.load(weights_only=True)``, on that legacy path only.
 
 A rank's state (:func:`rank_state`) holds the iteration, the consumed samples, the fp32 master
 weights and the optimizer state, both keyed by global parameter name, and (when saved by training)
@@ -50,7 +50,8 @@ FORMAT = f"{_FAMILY}{FORMAT_VERSION}"
 LEGACY_FORMAT = f"{_FAMILY}1"  # what versions 1 and 2 were written under before: still read
 METADATA = "metadata.json"
 STATE_KEY = "megapretrain.state"
-_LAYOUT_KEYS = ("tp", "pp", "dp")  # required; "cp" is written too, and read as 1 where absent (older ones)
+# required; "cp" is written too, and read as 1 where absent (older ones)
+_LAYOUT_KEYS = ("tp", "pp", "dp")
 # where a pipeline stage's layers sit, recorded only when not one even chunk per stage (Layout.meta)
 _PLACEMENT_KEYS = ("vpp", "placement", "pipeline_layers")
 _TENSOR = "__tensor__"
@@ -95,14 +96,14 @@ def rank_file(directory: str, rank: int, version: int = FORMAT_VERSION) -> str:
     return os.path.join(directory, f"rank_{rank:05d}.{'pt' if version == 1 else 'safetensors'}")
 
 
-def rank_state(*, iteration: int, consumed_samples: int, model: dict, optimizer_step: int, moments: dict,
-               scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0,
+def rank_state(*, iteration: int, consumed_samples: int, model: dict, optimizer_step: int,
+               moments: dict, scaler: dict | None, rng: dict | None = None, lr_scale: float = 1.0,
                schedule: dict | None = None) -> dict:
     """One rank's checkpoint state. ``model`` and ``moments`` map parameter names to entries (see
     the module docstring; moments carry ``exp_avg`` and ``exp_avg_sq``); ``scaler`` is the loss
     scaler's state (None: a fresh one); ``rng`` the rank's random states (None: not carried);
-    ``lr_scale`` the learning-rate factor rollbacks have applied so far; ``schedule`` the learning-rate
-    schedule trained with (``LRSchedule.to_dict``; None: not recorded)."""
+    ``lr_scale`` the learning-rate factor rollbacks have applied so far; ``schedule`` the
+    learning-rate schedule trained with (``LRSchedule.to_dict``; None: not recorded)."""
     state = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "model": model,
              "optimizer": {"step": int(optimizer_step), "params": moments, "scaler": scaler},
              "lr_scale": float(lr_scale)}
@@ -248,14 +249,16 @@ def _split(tree, path: str, tensors: dict):
         tensors[path] = tree
         return {_TENSOR: path}
     if isinstance(tree, dict):
-        return {str(k): _split(v, f"{path}/{k}" if path else str(k), tensors) for k, v in tree.items()}
+        return {str(k): _split(v, f"{path}/{k}" if path else str(k), tensors) for k,
+                v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [_split(v, f"{path}/{i}", tensors) for i, v in enumerate(tree)]
     return tree
 
 
 def _file_entries(state: dict) -> tuple[list, dict[str, str]]:
-    """A rank state's tensors as the file's entries, in the order written, and its header metadata."""
+    """A rank state's tensors as the file's entries, in the order written, and its header
+    metadata."""
     tensors: dict = {}
     skeleton = _split(state, "", tensors)
     # larger elements first: every tensor's bytes start aligned to its element size
@@ -306,8 +309,9 @@ class RankFile:
                 self.skeleton = json.loads(self._file.metadata[STATE_KEY])
             except (KeyError, json.JSONDecodeError) as exc:
                 self._file.close()
-                raise CheckpointError(f"{self.path} holds no readable megapretrain state ({exc}); it is "
-                                      "damaged: load another checkpoint with --checkpoint.load") from None
+                raise CheckpointError(f"{self.path} holds no readable megapretrain state ({exc}); "
+                                      "it is damaged: load another checkpoint with "
+                                      "--checkpoint.load") from None
         try:  # (version 1 states are torch's own objects: read as they come, as they always were)
             v2 = self._file is not None
             problem = _skeleton_problem(self.skeleton, set(self._file.keys())) if v2 else None
@@ -415,10 +419,11 @@ def _read_v1(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete") from None
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
+                              "incomplete") from None
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc}); "
-                              "load an older checkpoint with --checkpoint.load") from None
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: "
+                              f"{exc}); load an older checkpoint with --checkpoint.load") from None
 
 
 def read_rank_state(directory: str, rank: int, version: int | None = None) -> dict:
@@ -436,8 +441,9 @@ def read_rank_state(directory: str, rank: int, version: int | None = None) -> di
 # -- metadata --------------------------------------------------------------------------------------
 
 
-def metadata(*, iteration: int, world_size: int, layout: dict, vocab_size: int | None, padded_vocab: int,
-             files: dict | None = None, tensors: dict | None = None, **extra) -> dict:
+def metadata(*, iteration: int, world_size: int, layout: dict, vocab_size: int | None,
+             padded_vocab: int, files: dict | None = None, tensors: dict | None = None,
+             **extra) -> dict:
     """The metadata of a checkpoint saved under ``layout`` ({tp, pp, dp[, cp, vpp, placement,
     pipeline_layers]}: ``Layout.meta``) at ``world_size``;
     ``files`` maps each rank file's name to ``{"bytes", "crc32"}``, ``tensors`` each parameter's
@@ -463,12 +469,14 @@ def write_metadata(directory: str, meta: dict) -> None:
 
 
 def read_metadata(directory: str) -> dict:
-    """The checked metadata of checkpoint ``directory``: every failure names the file and the fix."""
+    """The checked metadata of checkpoint ``directory``: every failure names the file and the
+    fix."""
     path = os.path.join(directory, METADATA)
     meta = read_json_file(path, CheckpointError, "load another checkpoint with --checkpoint.load",
                           missing=f"not found: {directory} is not a complete checkpoint")
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} holds {type(meta).__name__}, not a JSON object; load another checkpoint")
+        raise CheckpointError(f"{path} holds {type(meta).__name__}, not a JSON object; load "
+                              "another checkpoint")
     name = meta.get("format")
     named = name[len(_FAMILY):] if isinstance(name, str) and name.startswith(_FAMILY) else ""
     if not named.isdigit():
@@ -486,8 +494,8 @@ def read_metadata(directory: str) -> dict:
                               "--checkpoint.load")
     problems = _metadata_problems(meta, version)
     if problems:
-        raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the file is "
-                              "damaged: load another checkpoint with --checkpoint.load")
+        raise CheckpointError(f"{path}: {', '.join(problems)} missing or of the wrong type; the "
+                              "file is damaged: load another checkpoint with --checkpoint.load")
     meta["layout"].setdefault("cp", 1)  # saved before cp existed: 1
     return meta
 
@@ -498,17 +506,21 @@ def _metadata_problems(meta: dict, version) -> list[str]:
         return _is_int(value) and value >= low
 
     problems = [] if _is_int(version) and version >= 1 else ["format_version"]
-    problems += [k for k, low in (("iteration", 0), ("world_size", 1)) if not counts(meta.get(k), low)]
+    problems += [k for k, low in (("iteration", 0), ("world_size", 1))
+                 if not counts(meta.get(k), low)]
     layout = meta.get("layout")
     if not (isinstance(layout, dict) and all(counts(layout.get(k), 1) for k in _LAYOUT_KEYS)
             and counts(layout.get("cp", 1), 1)):
         problems.append("layout")
-    elif counts(meta.get("world_size"), 1) and math.prod(layout.get(k, 1) for k in (*_LAYOUT_KEYS, "cp")) \
+    elif counts(meta.get("world_size"), 1) \
+            and math.prod(layout.get(k, 1) for k in (*_LAYOUT_KEYS, "cp")) \
             != meta["world_size"]:
         problems.append("layout (its sizes do not multiply out to world_size)")
     files = meta.get("files")
-    if (_is_int(version) and version >= 2 or files is not None) and not (isinstance(files, dict) and all(
-            isinstance(v, dict) and counts(v.get("bytes"), 0) and counts(v.get("crc32"), 0) for v in files.values())):
+    if (_is_int(version) and version >= 2 or files is not None) \
+            and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and counts(v.get("bytes"), 0) and counts(v.get("crc32"), 0)
+            for v in files.values())):
         problems.append("files")
     if meta.get("vocab_size") is not None and not counts(meta["vocab_size"], 1):
         problems.append("vocab_size")
@@ -527,8 +539,9 @@ def _metadata_problems(meta: dict, version) -> list[str]:
 
 
 def problem(directory: str, checksum_ranks: Iterable[int] | None = None) -> str | None:
-    """What makes checkpoint ``directory`` unusable, or None: its metadata, every rank's file present
-    at its recorded size, and the CRC-32 of the files of ``checksum_ranks`` (None: every rank's)."""
+    """What makes checkpoint ``directory`` unusable, or None: its metadata, every rank's file
+    present at its recorded size, and the CRC-32 of the files of ``checksum_ranks`` (None: every
+    rank's)."""
     try:
         meta = read_metadata(directory)
     except CheckpointError as exc:
@@ -551,12 +564,14 @@ def problem(directory: str, checksum_ranks: Iterable[int] | None = None) -> str 
             return f"{file} is missing"
         size = os.path.getsize(file)
         if size != info["bytes"]:
-            return f"{file} has {size} bytes, {info['bytes']} were written: it is truncated or damaged"
+            return f"{file} has {size} bytes, {info['bytes']} were written: it is truncated or " \
+                   "damaged"
     for rank in range(world) if checksum_ranks is None else checksum_ranks:
         file = rank_file(directory, rank)
         crc = tensorfile.file_crc32(file)
         if crc != files[os.path.basename(file)]["crc32"]:
-            return f"{file} fails its checksum (CRC-32 {crc:08x}, {files[os.path.basename(file)]['crc32']:08x} " \
+            return f"{file} fails its checksum (CRC-32 {crc:08x}, " \
+                   f"{files[os.path.basename(file)]['crc32']:08x} " \
                    "was written): it is damaged"
     return None
 
@@ -572,12 +587,14 @@ def check_shapes(directory: str, meta: dict, model: dict[str, tuple]) -> None:
     fix = "compare model.* with the config.yaml of the run that saved it"
     for name, shape in model.items():
         if name not in saved:
-            raise CheckpointError(f"checkpoint has no weight '{name}' (shape {tuple(shape)} in the model): "
-                                  f"{directory} was saved from another model ({fix})")
+            raise CheckpointError(f"checkpoint has no weight '{name}' (shape {tuple(shape)} in the "
+                                  f"model): {directory} was saved from another model ({fix})")
         if tuple(saved[name]) != tuple(shape):
-            raise CheckpointError(f"checkpoint {directory}: '{name}' has shape {tuple(saved[name])}, the model "
-                                  f"expects {tuple(shape)}: it was saved from another model ({fix})")
+            raise CheckpointError(f"checkpoint {directory}: '{name}' has shape "
+                                  f"{tuple(saved[name])}, the model expects {tuple(shape)}: it was "
+                                  f"saved from another model ({fix})")
     for name, shape in saved.items():
         if name not in model:
-            raise CheckpointError(f"checkpoint {directory} holds '{name}' of shape {tuple(shape)}, which this "
-                                  f"model has no place for: it was saved from another model ({fix})")
+            raise CheckpointError(f"checkpoint {directory} holds '{name}' of shape {tuple(shape)}, "
+                                  "which this model has no place for: it was saved from another "
+                                  f"model ({fix})")

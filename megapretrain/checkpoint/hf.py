@@ -26,7 +26,8 @@ from ..model.families import FAMILIES, family, family_of_hf
 from ..model.hf_adapter import ConvertError, rope_from_hf
 from .tensorfile import TensorFile
 
-__all__ = ["ConvertError", "rope_from_hf"]  # defined with the adapters, importable from here as before
+# defined with the adapters, importable from here as before
+__all__ = ["ConvertError", "rope_from_hf"]
 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 IGNORED_SUFFIXES = tuple(sorted({s for fam in FAMILIES.values() for s in fam.hf.ignored_suffixes}))
@@ -53,8 +54,8 @@ def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     hf = read_json_file(path, ConvertError, "--hf must be a Hugging Face model directory")
     if not isinstance(hf, dict):
-        raise ConvertError(f"{path} holds {type(hf).__name__}, not a JSON object; --hf must be a Hugging Face "
-                           "model directory")
+        raise ConvertError(f"{path} holds {type(hf).__name__}, not a JSON object; --hf must be a "
+                           "Hugging Face model directory")
     family_of_hf(hf, path).hf.check(hf, path)
     return hf
 
@@ -83,9 +84,10 @@ class HFWeights:
         if os.path.exists(index):
             found = read_json_file(index, ConvertError, "re-save the model with save_pretrained")
             weight_map = found.get("weight_map") if isinstance(found, dict) else None
-            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-                raise ConvertError(f"{index}: no 'weight_map' of tensor names to file names; the index is damaged: "
-                                   "re-save the model with save_pretrained")
+            if not (isinstance(weight_map, dict) and
+                    all(isinstance(v, str) for v in weight_map.values())):
+                raise ConvertError(f"{index}: no 'weight_map' of tensor names to file names; the "
+                                   "index is damaged: re-save the model with save_pretrained")
         elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
             weight_map = None
         else:
@@ -120,7 +122,7 @@ class HFWeights:
         self._files.clear()
 
 
-# -- the logits check -------------------------------------------------------------------------------
+# -- the logits check ------------------------------------------------------------------------------
 
 
 def our_model(cfg: Config, weight):
@@ -157,7 +159,8 @@ def load_hf_model(hf_dir: str):
     try:
         import transformers
     except ImportError:
-        raise MissingPackageError("--verify needs transformers: pip install 'megapretrain[hf]'") from None
+        raise MissingPackageError("--verify needs transformers: pip install "
+                                  "'megapretrain[hf]'") from None
     return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 

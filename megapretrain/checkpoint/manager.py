@@ -146,7 +146,8 @@ def restore_optimizer(optimizer: MixedPrecisionAdamW, state: dict, *, moments: b
         optimizer.load_counters(step, saved.get("scaler"))  # None: converted from other weights
 
 
-def retained(iterations: list[int], keep_last: int, keep_every: int = 0, milestones: list[float] = ()) -> set[int]:
+def retained(iterations: list[int], keep_last: int, keep_every: int = 0,
+             milestones: list[float] = ()) -> set[int]:
     """The checkpoints to keep among ``iterations``: the ``keep_last`` newest (0: all), those at a
     multiple of ``keep_every``, and for each milestone (an iteration, e.g. every 10% of the run)
     the newest checkpoint at or before it."""
@@ -161,7 +162,8 @@ def retained(iterations: list[int], keep_last: int, keep_every: int = 0, milesto
 
 
 def milestone_iterations(fraction: float, iters: int) -> list[float]:
-    """The iterations at every ``fraction`` of a run of ``iters`` (0: none), e.g. 0.1 → 10%, 20%, ..."""
+    """The iterations at every ``fraction`` of a run of ``iters`` (0: none), e.g. 0.1 → 10%, 20%,
+    ..."""
     if fraction <= 0:
         return []
     return [k * fraction * iters for k in range(1, int(1 / fraction + 1e-9) + 1)]
@@ -169,12 +171,13 @@ def milestone_iterations(fraction: float, iters: int) -> list[float]:
 
 class CheckpointManager:
     def __init__(self, run_dir: str, *, rank: int, world_size: int, layout: dict, vocab_size: int,
-                 padded_vocab: int, keep_last: int = 3, keep_every: int = 0, milestones: list[float] = (),
-                 async_save: bool = False, tensors: dict | None = None, device: torch.device | str = "cpu",
+                 padded_vocab: int, keep_last: int = 3, keep_every: int = 0,
+                 milestones: list[float] = (), async_save: bool = False,
+                 tensors: dict | None = None, device: torch.device | str = "cpu",
                  prune_rolled_back: bool = True, sharding: dict | None = None):
         """``layout`` ({tp, pp, dp, cp}; cp 1 when absent), the vocabulary (real and padded) and
-        ``tensors`` (every parameter's global shape) go into ``metadata.json``; ``milestones`` are iterations whose
-        newest checkpoint at or before them retention keeps (see :func:`retained`);
+        ``tensors`` (every parameter's global shape) go into ``metadata.json``; ``milestones`` are
+        iterations whose newest checkpoint at or before them retention keeps (see :func:`retained`);
         ``prune_rolled_back``: retention also removes set-aside checkpoints past the newest
         ``keep_last`` of them (false: they are all kept); ``sharding``: how the optimizer state was
         cut into ZeRO ranges (loading under another one takes the resharding path)."""
@@ -184,7 +187,8 @@ class CheckpointManager:
         self.layout = {**layout, "cp": layout.get("cp", 1)}  # as read_metadata() reads it back
         self.vocab_size, self.padded_vocab, self.tensors = vocab_size, padded_vocab, tensors
         self.keep_last, self.keep_every, self.milestones = keep_last, keep_every, list(milestones)
-        self.async_save, self.prune_rolled_back, self.sharding = async_save, prune_rolled_back, sharding
+        self.async_save, self.prune_rolled_back, self.sharding = \
+            async_save, prune_rolled_back, sharding
         self._pending: tuple[int, threading.Thread | None, list] | None = None
         self._copied: threading.Event | None = None  # set once the async save's snapshot is taken
         self._snapshot = SnapshotBuffers()
@@ -224,7 +228,8 @@ class CheckpointManager:
         errors: list = []
         if self.async_save:
             self._copied = threading.Event()
-            thread = threading.Thread(target=self._write, args=(iteration, state, tmp, errors, self._copied),
+            thread = threading.Thread(target=self._write,
+                                      args=(iteration, state, tmp, errors, self._copied),
                                       daemon=True, name=f"checkpoint-{iteration}")
             thread.start()
             self._pending = (iteration, thread, errors)
@@ -239,7 +244,8 @@ class CheckpointManager:
         if self.device.type != "cuda":
             return self._snapshot.copy(state)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.default_stream(self.device))  # the optimizer step that made the state
+        # the optimizer step that made the state
+        stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(stream):
             state = self._snapshot.copy(state)
         stream.synchronize()
@@ -274,13 +280,15 @@ class CheckpointManager:
         try:
             if copied is not None:
                 try:
-                    state = self._take_snapshot(state)  # training may change the originals from now on
+                    # training may change the originals from now on
+                    state = self._take_snapshot(state)
                 finally:
                     copied.set()
             size, crc = write_rank_state(path, state)
             record = {"file": os.path.basename(path), "bytes": size, "crc32": crc}
         except Exception as exc:  # reported by finalize() on the training thread
-            errors.append(_as_full_disk(exc, iteration, self.root, planned_size(state) * self.world_size))
+            errors.append(_as_full_disk(exc, iteration, self.root,
+                                        planned_size(state) * self.world_size))
             record = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)}
         finally:
             self._write_done(path, record, errors, iteration)
@@ -328,8 +336,9 @@ class CheckpointManager:
             message = f"rank(s) {sorted(failed)} failed to write: {first['error']}"
             raise OSError(first["errno"], message) if first.get("errno") else RuntimeError(message)
         files = {rec["file"]: (rec["bytes"], rec["crc32"]) for rec in records.values()}
-        write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size, layout=self.layout,
-                                     vocab_size=self.vocab_size, padded_vocab=self.padded_vocab, files=files,
+        write_metadata(tmp, metadata(iteration=iteration, world_size=self.world_size,
+                                     layout=self.layout, vocab_size=self.vocab_size,
+                                     padded_vocab=self.padded_vocab, files=files,
                                      tensors=self.tensors, time=time.time(),
                                      **({"sharding": self.sharding} if self.sharding else {})))
         for r in range(self.world_size):
@@ -371,7 +380,8 @@ class CheckpointManager:
         if failed.item() > 0:
             _barrier()  # every rank's writer is done with the temporary directory
             if self.rank == 0:
-                shutil.rmtree(os.path.join(self.root, "." + iter_dir_name(iteration)), ignore_errors=True)
+                shutil.rmtree(os.path.join(self.root, "." + iter_dir_name(iteration)),
+                              ignore_errors=True)
             _barrier()
             if failed.item() == 2:
                 raise next((e for e in errors if isinstance(e, DiskFullError)), None) or \
@@ -392,7 +402,8 @@ class CheckpointManager:
         for i in done:
             if i not in keep:
                 shutil.rmtree(os.path.join(self.root, iter_dir_name(i)), ignore_errors=True)
-        if self.keep_last > 0 and self.prune_rolled_back:  # set-aside checkpoints of rollbacks: the newest keep_last
+        # set-aside checkpoints of rollbacks: the newest keep_last
+        if self.keep_last > 0 and self.prune_rolled_back:
             aside = sorted((int(d.rsplit("-", 1)[1]), d) for d in os.listdir(self.root)
                            if ".rolled-back-" in d and d.rsplit("-", 1)[1].isdigit())
             for _, d in aside[:-self.keep_last]:
@@ -401,7 +412,8 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------------------
 
     def latest(self) -> str | None:
-        """Path of the newest complete checkpoint in this run, or None (unchecked: see :meth:`choose`)."""
+        """Path of the newest complete checkpoint in this run, or None (unchecked: see
+        :meth:`choose`)."""
         return latest_checkpoint(self.root)
 
     def newest_before(self, iteration: int) -> str | None:
@@ -414,12 +426,14 @@ class CheckpointManager:
         ``NAME.rolled-back-TIME`` (kept until retention drops them: the newest ``keep_last``) and
         point ``latest`` at ``keep`` (collective). Returns the names set aside."""
         self.finalize()
-        moved = sorted(d for d in os.listdir(self.root) if (i := iteration_of(d)) is not None and i >= iteration)
+        moved = sorted(d for d in os.listdir(self.root) if (i := iteration_of(d)) is not None and
+                       i >= iteration)
         _barrier()  # every rank has read what it needs before anything moves
         if self.rank == 0:
             stamp = int(time.time())
             for d in moved:
-                os.rename(os.path.join(self.root, d), os.path.join(self.root, f"{d}.rolled-back-{stamp}"))
+                os.rename(os.path.join(self.root, d),
+                          os.path.join(self.root, f"{d}.rolled-back-{stamp}"))
             fsync_dir(self.root)
             self._point_latest(os.path.basename(keep))
         _barrier()
@@ -443,10 +457,12 @@ class CheckpointManager:
         can be used. An ``explicit`` one passed over for the run's own is named in a warning."""
         warnings: list[str] = []
         path = self._first_usable(self.root, warnings)
-        own = {os.path.realpath(p) for p in (self.root, os.path.dirname(self.root), path or self.root)}
+        own = {os.path.realpath(p)
+               for p in (self.root, os.path.dirname(self.root), path or self.root)}
         if path is not None and explicit and os.path.realpath(explicit) not in own:
-            warnings.append(f"resuming from {path}, this run's own newest checkpoint: checkpoint.load={explicit} is "
-                            "read only while run.dir has none (to start from it instead, use a new run.dir)")
+            warnings.append(f"resuming from {path}, this run's own newest checkpoint: "
+                            f"checkpoint.load={explicit} is read only while run.dir has none (to "
+                            "start from it instead, use a new run.dir)")
         if path is None and explicit:
             if os.path.exists(os.path.join(explicit, METADATA)):
                 found = self.usable(explicit)
@@ -454,16 +470,19 @@ class CheckpointManager:
                     raise CheckpointError(f"--checkpoint.load {explicit} cannot be used: {found}")
                 path = explicit
             else:
-                roots = [r for r in (os.path.join(explicit, "checkpoints"), explicit) if os.path.isdir(r)]
+                roots = [r for r in (os.path.join(explicit, "checkpoints"), explicit)
+                         if os.path.isdir(r)]
                 for root in roots:
                     path = path or self._first_usable(root, warnings)
                 if path is None:
-                    raise CheckpointError(f"--checkpoint.load {explicit} is not a complete checkpoint (no "
-                                          f"{METADATA}) nor a run directory with a usable one"
+                    raise CheckpointError(f"--checkpoint.load {explicit} is not a complete "
+                                          f"checkpoint (no {METADATA}) nor a run directory with a "
+                                          "usable one"
                                           + (f" ({'; '.join(warnings)})" if warnings else ""))
         if path is None and warnings:
-            raise CheckpointError(f"no usable checkpoint in {self.root}: {'; '.join(warnings)}; repair or move them "
-                                  "aside, or start from another with --checkpoint.load")
+            raise CheckpointError(f"no usable checkpoint in {self.root}: {'; '.join(warnings)}; "
+                                  "repair or move them aside, or start from another with "
+                                  "--checkpoint.load")
         return path, warnings
 
     def _first_usable(self, root: str, warnings: list[str]) -> str | None:
@@ -482,20 +501,22 @@ class CheckpointManager:
         meta = read_metadata(path)
         if meta["world_size"] != self.world_size or meta["layout"] != self.layout:
             raise CheckpointError(
-                f"checkpoint {path} was saved with world_size={meta['world_size']} layout={meta['layout']}, "
-                f"but this run has world_size={self.world_size} layout={self.layout}; "
-                "relaunch with the saved layout")
+                f"checkpoint {path} was saved with world_size={meta['world_size']} "
+                f"layout={meta['layout']}, but this run has world_size={self.world_size} "
+                f"layout={self.layout}; relaunch with the saved layout")
         return read_rank_state(path, self.rank, meta.get("format_version", 1))
 
 
-def _as_full_disk(exc: BaseException, iteration: int, root: str, needed: int | None = None) -> BaseException:
+def _as_full_disk(exc: BaseException, iteration: int, root: str,
+                  needed: int | None = None) -> BaseException:
     """``exc`` as the one line of a save that found no room (a DiskFullError naming the directory,
     this rank's bytes and the bytes free), or ``exc`` itself when it is another failure."""
     if not (isinstance(exc, OSError) and exc.errno in FULL_DISK):
         return exc
-    return disk_full(root, needed, f"checkpoint {iteration} was not saved (its partial files were removed; the "
-                     "newest complete checkpoint is kept): free space there, lower checkpoint.keep_last, or move "
-                     "run.dir")
+    return disk_full(root, needed,
+                     f"checkpoint {iteration} was not saved (its partial files were removed; the "
+                     "newest complete checkpoint is kept): free space there, lower "
+                     "checkpoint.keep_last, or move run.dir")
 
 
 def _first_problem(found: str | None, rank: int, world_size: int, device) -> str | None:

@@ -48,10 +48,11 @@ class SavedShards:
     def __init__(self, path: str, meta: dict):
         self.path, self.layout = path, meta["layout"]
         self.version = meta.get("format_version", 1)
-        self.coords = Layout.from_meta(self.layout).all_coords()  # (pp, dp, cp, tp) of every saved rank
+        # (pp, dp, cp, tp) of every saved rank
+        self.coords = Layout.from_meta(self.layout).all_coords()
         if len(self.coords) != meta["world_size"]:
-            raise CheckpointError(f"{path}/metadata.json: layout {self.layout} does not multiply out to "
-                                  f"world_size={meta['world_size']}")
+            raise CheckpointError(f"{path}/metadata.json: layout {self.layout} does not multiply "
+                                  f"out to world_size={meta['world_size']}")
         self._files: dict[int, RankFile] = {}
 
     def file(self, rank: int) -> RankFile:
@@ -92,23 +93,27 @@ class SavedShards:
             out[a - lo:b - lo] = file.flat(entry, key, a, b).float()
             covered += b - a
         if stage is None:
-            raise CheckpointError(f"checkpoint {self.path} has no '{name}': it was saved from another model "
-                                  "(compare model.* with the config.yaml of the run that saved it)")
+            raise CheckpointError(f"checkpoint {self.path} has no '{name}': it was saved from "
+                                  "another model (compare model.* with the config.yaml of the run "
+                                  "that saved it)")
         if key == "master" and covered < hi - lo:
-            raise CheckpointError(f"checkpoint {self.path}: the saved ranges of '{name}' do not cover it; "
-                                  "the checkpoint is incomplete")
+            raise CheckpointError(f"checkpoint {self.path}: the saved ranges of '{name}' do not "
+                                  "cover it; the checkpoint is incomplete")
         return out
 
 
 def saved_padded_vocab(meta: dict, vocab_size: int, divisible_by: int) -> int:
     """Rows the saved layout padded the vocabulary to: recorded in the metadata, or (older
     checkpoints) what this config's ``make_vocab_size_divisible_by`` gives at the saved tp."""
-    return int(meta.get("padded_vocab") or padded_vocab_size(vocab_size, divisible_by, meta["layout"]["tp"]))
+    return int(meta.get("padded_vocab") or
+               padded_vocab_size(vocab_size, divisible_by, meta["layout"]["tp"]))
 
 
-def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: int, saved_padded: int) -> torch.Tensor:
+def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: int,
+             saved_padded: int) -> torch.Tensor:
     """Slice ``tp_rank`` of ``tp`` (of shape ``spec.local_shape``) of parameter ``spec.name``'s
-    ``key``, cut from the saved tp shards; ``saved_padded`` is the saved layout's vocabulary rows."""
+    ``key``, cut from the saved tp shards; ``saved_padded`` is the saved layout's vocabulary
+    rows."""
     old_tp, dim, shape = saved.layout["tp"], spec.tp_dim, list(spec.local_shape)
     full = list(shape)  # the global tensor, padded as this layout pads it
     if dim is not None:
@@ -118,8 +123,9 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
         old[0] = saved_padded
     if dim is not None:
         if old[dim] % old_tp:
-            raise CheckpointError(f"checkpoint {saved.path}: '{spec.name}' cannot have been split {old_tp} ways "
-                                  f"along dimension {dim} (size {old[dim]}); it was saved from another model")
+            raise CheckpointError(f"checkpoint {saved.path}: '{spec.name}' cannot have been split "
+                                  f"{old_tp} ways along dimension {dim} (size {old[dim]}); it was "
+                                  "saved from another model")
         old[dim] //= old_tp
     numel = int(np.prod(old))
     if dim is None:  # replicated over tp: any saved tp rank's copy
@@ -132,7 +138,8 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
         start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
         if start < end and dim == 0:  # whole rows: read just them
             a, b = start - t * old[0], end - t * old[0]
-            parts.append(saved.flat_shard(spec.name, key, t, numel, a * row, b * row).view(b - a, *old[1:]))
+            parts.append(saved.flat_shard(spec.name, key, t, numel, a * row,
+                                          b * row).view(b - a, *old[1:]))
         elif start < end:
             part = saved.flat_shard(spec.name, key, t, numel).view(old)
             parts.append(part.narrow(dim, start - t * old[dim], end - start))
@@ -145,9 +152,10 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
                     saved_padded: int, *, moments: bool = True, lazy: bool = False) -> dict:
     """The state of a rank of another layout that holds the parameters ``specs`` (its table) at
     ``tp_rank`` of ``tp``: whole tp slices of the masters and moments (any ZeRO stage takes its
-    ranges from them); iteration, data position, Adam step, loss scale and LR schedule from the checkpoint.
-    Random streams are per rank: not carried. ``moments=False``: the weights only (no moments read).
-    ``lazy``: :class:`LazyTensor` entries, each read when it is written (one tensor in memory)."""
+    ranges from them); iteration, data position, Adam step, loss scale and LR schedule from the
+    checkpoint. Random streams are per rank: not carried. ``moments=False``: the weights only (no
+    moments read). ``lazy``: :class:`LazyTensor` entries, each read when it is written (one tensor
+    in memory)."""
     def cut(spec: ParamSpec, key: str):
         if not lazy:
             return tp_slice(saved, spec, key, tp_rank, tp, saved_padded)
@@ -160,8 +168,8 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
         kept = {key: cut(spec, key) for key in MOMENTS} if moments else {}
         saved_moments[name] = Entry.shards(name, kept).tree()
     first = saved.state(0)
-    return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"], model=model,
-                      optimizer_step=first["optimizer"]["step"], moments=saved_moments,
+    return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"],
+                      model=model, optimizer_step=first["optimizer"]["step"], moments=saved_moments,
                       scaler=first["optimizer"].get("scaler"), lr_scale=first.get("lr_scale", 1.0),
                       schedule=first.get("schedule"))
 
@@ -172,7 +180,8 @@ def layout_bytes(cfg, layout: Layout, moments: bool) -> int:
     total = 0
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            total += sum(math.prod(s.local_shape) for s in rank_param_specs(cfg, pp_rank, tp_rank).values())
+            total += sum(math.prod(s.local_shape)
+                         for s in rank_param_specs(cfg, pp_rank, tp_rank).values())
     return total * 4 * (3 if moments else 1)
 
 
@@ -215,18 +224,20 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
     one a conversion wrote beside its files (``CHECKPOINT/config.yaml``), or ``explicit``."""
     beside = os.path.join(checkpoint, "config.yaml")
     path = explicit or (beside if os.path.exists(beside) else
-                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml"))
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))),
+                                     "config.yaml"))
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} not found: pass --config with the config of the run that saved "
-                              f"{checkpoint} (for the architecture)")
+        raise CheckpointError(f"{path} not found: pass --config with the config of the run that "
+                              f"saved {checkpoint} (for the architecture)")
     return path
 
 
 def write_layout(directory: str, layout: Layout, state_at) -> tuple[dict, int]:
     """Write a rank file for every rank of ``layout`` into ``directory``: ``state_at(pp_rank,
     tp_rank)`` gives the state of the ranks at that place, whose data- and context-parallel
-    replicas are hard links to the first one's file (copies where the file system has no links). Returns the files'
-    records for the metadata (name -> (bytes, crc32)) and how many distinct files were written."""
+    replicas are hard links to the first one's file (copies where the file system has no links).
+    Returns the files' records for the metadata (name -> (bytes, crc32)) and how many distinct files
+    were written."""
     written: dict[tuple[int, int], tuple[str, tuple]] = {}
     files = {}
     for rank, (pp_rank, _, _, tp_rank) in enumerate(layout.all_coords()):

@@ -29,11 +29,12 @@ import torch
 from ..errors import CheckpointError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8, "BOOL": torch.bool}
 NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # as the safetensors package: a larger header is a damaged file
-_CHUNK = 64 * 2**20  # bytes per write/read call (bounds the staging copy of a non-contiguous tensor)
+# bytes per write/read call (bounds the staging copy of a non-contiguous tensor)
+_CHUNK = 64 * 2**20
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
@@ -62,13 +63,15 @@ def _head(entries: list, metadata: dict[str, str] | None) -> tuple[bytes, int]:
     return struct.pack("<Q", len(raw)) + raw, offset
 
 
-def file_size(entries: Iterable[tuple[str, torch.dtype, tuple, object]], metadata: dict[str, str] | None = None) -> int:
+def file_size(entries: Iterable[tuple[str, torch.dtype, tuple, object]],
+              metadata: dict[str, str] | None = None) -> int:
     """The bytes :func:`write` would write for ``entries`` and ``metadata``, reading no tensor."""
     head, data = _head(list(entries), metadata)
     return len(head) + data
 
 
-def write(path: str, entries: Iterable[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor] | torch.Tensor]],
+def write(path: str, entries: Iterable[tuple[str, torch.dtype, tuple,
+                                             Callable[[], torch.Tensor] | torch.Tensor]],
           metadata: dict[str, str] | None = None) -> tuple[int, int]:
     """Write a safetensors file at ``path`` from ``entries``: (name, dtype, shape, tensor or a
     function returning it), produced and written one at a time in the given order. The file is
@@ -127,14 +130,16 @@ class TensorFile:
             end = 0
             for name, info in header.items():
                 begin, stop = info["data_offsets"]
-                nbytes = math.prod(info["shape"]) * torch.empty((), dtype=DTYPES[info["dtype"]]).element_size()
+                nbytes = math.prod(info["shape"]) * torch.empty(
+                    (), dtype=DTYPES[info["dtype"]]).element_size()
                 if stop - begin != nbytes or stop + self._data > size:
-                    raise ValueError(f"'{name}' spans bytes [{begin}, {stop}) of a {size - self._data}-byte body")
+                    raise ValueError(f"'{name}' spans bytes [{begin}, {stop}) of a "
+                                     f"{size - self._data}-byte body")
                 end = max(end, stop)
         except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             self.close()
-            raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); it is truncated or "
-                                  "damaged") from None
+            raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); it is "
+                                  "truncated or damaged") from None
         self.header = header
 
     def close(self) -> None:
@@ -168,7 +173,8 @@ class TensorFile:
         view = _bytes_of(out)  # out is a fresh contiguous tensor: this views its memory
         done = 0
         while done < view.size:
-            got = os.preadv(self._fd, [memoryview(view[done:done + _CHUNK])], self._data + offset + done)
+            got = os.preadv(self._fd, [memoryview(view[done:done + _CHUNK])],
+                            self._data + offset + done)
             if got <= 0:
                 raise CheckpointError(f"{self.path} ends early: it is truncated")
             done += got
@@ -184,14 +190,16 @@ class TensorFile:
             raise CheckpointError(f"{self.path} has no tensor '{name}'")
         numel, dtype = math.prod(self.shape(name)), self.dtype(name)
         if not 0 <= start <= end <= numel:
-            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of '{name}' ({numel}) are out of range")
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of '{name}' ({numel}) "
+                                  "are out of range")
         out = torch.empty(end - start, dtype=dtype)
         self._read_into(out, self.header[name]["data_offsets"][0] + start * out.element_size())
         return out
 
     def narrow(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
         """``tensor.narrow(dim, start, length)`` of tensor ``name``: along dimension 0 only those
-        rows' bytes are read; along another dimension the whole tensor (one input tensor at most)."""
+        rows' bytes are read; along another dimension the whole tensor (one input tensor at
+        most)."""
         shape = self.shape(name)
         if dim == 0:
             row = math.prod(shape[1:])

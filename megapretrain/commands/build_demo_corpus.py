@@ -4,9 +4,9 @@
     python tools/build_demo_corpus.py --output demo/corpus.jsonl [--max-mb 40]
 
 One JSON line ``{"text": <file contents>}`` per ``.py`` file under this interpreter's stdlib
-directory, in sorted path order (so the corpus is the same on every run of the same Python), skipping
-site-packages, empty files and files that are not valid UTF-8, until ``--max-mb`` MB of text.
-Needs no network and no downloads.
+directory, in sorted path order (so the corpus is the same on every run of the same Python),
+skipping site-packages, empty files and files that are not valid UTF-8, until ``--max-mb`` MB of
+text. Needs no network and no downloads.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def stdlib_sources(root: str) -> Iterator[str]:
-    """Paths of the .py files under ``root`` in sorted order, not descending into installed packages."""
+    """Paths of the .py files under ``root`` in sorted order, not descending into installed
+    packages."""
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS)
         for name in sorted(files):
@@ -66,7 +67,8 @@ def build_corpus(output: str, max_bytes: int, root: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="the .jsonl file to write")
-    p.add_argument("--max-mb", type=positive_float, default=40.0, help="stop before the text exceeds this many MB")
+    p.add_argument("--max-mb", type=positive_float, default=40.0,
+                   help="stop before the text exceeds this many MB")
     args = p.parse_args(argv)
     root = sysconfig.get_paths()["stdlib"]
     documents, total = build_corpus(args.output, int(args.max_mb * 1e6), root)

@@ -1,10 +1,14 @@
-"""Convert between megapretrain checkpoints and Hugging Face directories, streaming: Llama, Qwen2, Qwen3
-(the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family gpt_neox``).
+"""Convert between megapretrain checkpoints and Hugging Face directories, streaming: Llama, Qwen2,
+Qwen3 (the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family
+gpt_neox``).
 
-    python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny [--dtype bf16] [--verify]
+    python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny \\
+        [--dtype bf16] [--verify]
     python tools/convert_checkpoint.py from-hf --hf hf/llama --output ckpt/llama \\
-        [--parallel.tp 8 --parallel.pp 4 --parallel.vpp 2 --world-size 64] [--config CONFIG] [--verify]
-    torchrun ... -m megapretrain.train --config ... --checkpoint.load ckpt/llama --checkpoint.finetune true ...
+        [--parallel.tp 8 --parallel.pp 4 --parallel.vpp 2 --world-size 64] \\
+        [--config CONFIG] [--verify]
+    torchrun ... -m megapretrain.train --config ... --checkpoint.load ckpt/llama \\
+        --checkpoint.finetune true ...
 
 ``to-hf`` reads a checkpoint saved under any layout (``--checkpoint`` is an ``iter_*`` directory,
 or a run directory for its newest usable one), puts every weight together from the tensor- and
@@ -17,10 +21,10 @@ SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``-
 
 ``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
 layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
-tp × cp × pp, one data-parallel replica; replicas are hard links): training under that layout loads it
-as its own, with no resharding at start-up; under any other layout it reshards as usual. The family
-comes from ``config.json`` (``model_type``, else ``architectures``); it prints the ``model.*``
-settings that match the weights, ``--model.family`` first.
+tp × cp × pp, one data-parallel replica; replicas are hard links): training under that layout loads
+it as its own, with no resharding at start-up; under any other layout it reshards as usual. The
+family comes from ``config.json`` (``model_type``, else ``architectures``); it prints the
+``model.*`` settings that match the weights, ``--model.family`` first.
 
 Both stream: one tensor at a time is read (by byte range: a tp rank's rows only) and written, so
 host memory stays at about one input tensor plus its slices whatever the model's size. ``--verify``
@@ -72,7 +76,13 @@ from megapretrain.checkpoint.reshard import (
     saved_config_path,
     write_layout,
 )
-from megapretrain.cli import non_negative_float, positive_float, positive_int, progress_bar, user_errors
+from megapretrain.cli import (
+    non_negative_float,
+    positive_float,
+    positive_int,
+    progress_bar,
+    user_errors,
+)
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
@@ -88,19 +98,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-hf", help="megapretrain checkpoint -> Hugging Face directory")
-    to.add_argument("--checkpoint", required=True, help="iter_* directory, or a run directory (its latest)")
+    to.add_argument("--checkpoint", required=True,
+                    help="iter_* directory, or a run directory (its latest)")
     to.add_argument("--output", required=True, help="new Hugging Face model directory")
-    to.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
-    to.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's train.precision)")
-    to.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="split safetensors files at this size")
-    frm = sub.add_parser("from-hf", help="Hugging Face directory (Llama, Qwen2/3, GPT-NeoX) -> megapretrain checkpoint",
-                         epilog="Other --section.key VALUE arguments set the target layout (--parallel.tp ...).")
+    to.add_argument("--config",
+                    help="the run's config (default: config.yaml of the run that saved it)")
+    to.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the run's "
+                                                            "train.precision)")
+    to.add_argument("--max-shard-gb", type=positive_float, default=5.0,
+                    help="split safetensors files at this size")
+    frm = sub.add_parser("from-hf", help="Hugging Face directory (Llama, Qwen2/3, GPT-NeoX) -> "
+                                         "megapretrain checkpoint",
+                         epilog="Other --section.key VALUE arguments set the target layout "
+                                "(--parallel.tp ...).")
     frm.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
-    frm.add_argument("--output", required=True, help="new checkpoint directory (for --checkpoint.load)")
+    frm.add_argument("--output", required=True, help="new checkpoint directory (for "
+                                                     "--checkpoint.load)")
     frm.add_argument("--config", help="YAML config of the run that will train from it (its layout)")
-    frm.add_argument("--world-size", type=positive_int, help="ranks of the target run (default: tp × cp × pp)")
+    frm.add_argument("--world-size", type=positive_int,
+                     help="ranks of the target run (default: tp × cp × pp)")
     for p in (to, frm):
-        p.add_argument("--verify", action="store_true", help="compare our logits with transformers' (fp32)")
+        p.add_argument("--verify", action="store_true", help="compare our logits with "
+                                                             "transformers' (fp32)")
         p.add_argument("--tolerance", type=non_negative_float, default=1e-4,
                        help="largest logit difference --verify accepts")
     args, rest = ap.parse_known_args(argv)
@@ -109,11 +128,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-# -- to Hugging Face --------------------------------------------------------------------------------
+# -- to Hugging Face -------------------------------------------------------------------------------
 
 
 def _tokenizer_ids(cfg) -> tuple[int | None, int | None]:
-    """(bos, eos) token ids of the run's tokenizer; eos is the end-of-document id it trained with."""
+    """(bos, eos) token ids of the run's tokenizer; eos is the end-of-document id it trained
+    with."""
     try:
         from megapretrain.data.tokenizers import build_tokenizer
         tok = build_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.model)
@@ -123,7 +143,8 @@ def _tokenizer_ids(cfg) -> tuple[int | None, int | None]:
 
 
 def _plan_shards(specs: dict, dtype: torch.dtype, limit: float) -> list[list[str]]:
-    """Parameter names per output file, in order, each file at most ``limit`` bytes (or one tensor)."""
+    """Parameter names per output file, in order, each file at most ``limit`` bytes (or one
+    tensor)."""
     files, current, size = [], [], 0
     for name, spec in specs.items():
         nbytes = spec.numel * dtype.itemsize
@@ -143,8 +164,8 @@ def to_hf(args: argparse.Namespace) -> str:
     if m.vocab_size is None:
         m.vocab_size = meta.get("vocab_size")
         if m.vocab_size is None:
-            raise ConvertError(f"model.vocab_size is null in the config and {path}/metadata.json has none: "
-                               "pass --config with model.vocab_size set")
+            raise ConvertError(f"model.vocab_size is null in the config and {path}/metadata.json "
+                               "has none: pass --config with model.vocab_size set")
     check_shapes(path, meta, global_shapes(cfg))  # every saved tensor goes somewhere, in its shape
     weights = GlobalWeights(path, cfg)  # resets cfg's layout to one process
     resolve(cfg, 1)
@@ -159,10 +180,12 @@ def to_hf(args: argparse.Namespace) -> str:
         total = 0
         for file, members in zip(names, plan):
             entries = [(hf_name(n, m.family), dtype, specs[n].shape,
-                        lambda n=n: _counted(_exported(n, weights.get(n), dtype), bar)) for n in members]
+                        lambda n=n: _counted(_exported(n, weights.get(n), dtype), bar))
+                       for n in members]
             total += tensorfile.write(os.path.join(tmp, file), entries, {"format": "pt"})[0]
         if len(plan) > 1:
-            weight_map = {hf_name(n, m.family): file for file, members in zip(names, plan) for n in members}
+            weight_map = {hf_name(n, m.family): file for file, members in zip(names, plan)
+                          for n in members}
             _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": size}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), hf_config(cfg, dtype, bos, eos))
@@ -172,21 +195,21 @@ def to_hf(args: argparse.Namespace) -> str:
     weights.close()
     note = f"; tokenizer: {', '.join(copied)}" if copied else \
         f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} has none to copy)"
-    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} MiB of "
-            f"{HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
+    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} "
+            f"MiB of {HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
 
 
 def _exported(name: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in the export's ``dtype``; NaN or infinite values, or values the dtype cannot
     hold (they would become infinite), are refused naming the tensor."""
     if not torch.isfinite(weight).all():
-        raise ConvertError(f"'{name}' holds NaN or infinite values: the run diverged before this checkpoint; "
-                           "convert an earlier one (nothing written)")
+        raise ConvertError(f"'{name}' holds NaN or infinite values: the run diverged before this "
+                           "checkpoint; convert an earlier one (nothing written)")
     out = weight.to(dtype).contiguous()
     if not torch.isfinite(out).all():
-        raise ConvertError(f"'{name}' holds values up to {weight.abs().max().item():.3g}, more than "
-                           f"{HF_DTYPE_NAMES[dtype]} can hold (they would become infinite): export with --dtype bf16 "
-                           "or fp32 (nothing written)")
+        raise ConvertError(f"'{name}' holds values up to {weight.abs().max().item():.3g}, more "
+                           f"than {HF_DTYPE_NAMES[dtype]} can hold (they would become infinite): "
+                           "export with --dtype bf16 or fp32 (nothing written)")
     return out
 
 
@@ -210,14 +233,16 @@ def _copy_tokenizer(cfg, out: str) -> list[str]:
         if not os.path.isfile(src):
             return []
         shutil.copyfile(src, os.path.join(out, "tokenizer.model"))
-        _write_json(os.path.join(out, "tokenizer_config.json"), {"tokenizer_class": "LlamaTokenizer"})
+        _write_json(os.path.join(out, "tokenizer_config.json"),
+                    {"tokenizer_class": "LlamaTokenizer"})
         return ["tokenizer.model", "tokenizer_config.json"]
     if tok.type != "HuggingFaceTokenizer":
         return []
     folder = tok.model if os.path.isdir(tok.model) else os.path.dirname(tok.model)
     copied = []
     for name in TOKENIZER_FILES:
-        src = os.path.join(folder, name) if os.path.isdir(tok.model) or name != "tokenizer.json" else tok.model
+        src = os.path.join(folder, name) if os.path.isdir(tok.model) or name != "tokenizer.json" \
+            else tok.model
         if os.path.isfile(src):
             shutil.copyfile(src, os.path.join(out, name))
             copied.append(name)
@@ -226,24 +251,28 @@ def _copy_tokenizer(cfg, out: str) -> list[str]:
 
 def _verify(args, cfg, weight, hf_dir: str, dtype: torch.dtype) -> str:
     """Our model (weights from ``weight(name)``, rounded through ``dtype`` as exported) and
-    transformers' from ``hf_dir``, in fp32 on a few random sequences: the largest logit difference."""
+    transformers' from ``hf_dir``, in fp32 on a few random sequences: the largest logit
+    difference."""
     ours = our_model(cfg, lambda n: weight(n).to(dtype).float())
     theirs = load_hf_model(hf_dir)
     seq = min(cfg.train.seq_length, 64)
-    tokens = torch.randint(0, cfg.model.vocab_size, (3, seq), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, seq),
+                           generator=torch.Generator().manual_seed(0))
     diff = (our_logits(ours, tokens) - hf_logits(theirs, tokens)).abs().max().item()
     if not diff <= args.tolerance:  # NaN logits fail too
-        raise ConvertError(f"--verify: the largest logit difference between megapretrain's model and transformers' "
-                           f"is {diff:.3e} > --tolerance {args.tolerance:g}; the conversion is wrong (nothing written)")
+        raise ConvertError("--verify: the largest logit difference between megapretrain's model "
+                           f"and transformers' is {diff:.3e} > --tolerance {args.tolerance:g}; the "
+                           "conversion is wrong (nothing written)")
     return f"; --verify: max logit difference {diff:.2e} (≤ {args.tolerance:g})"
 
 
-# -- from Hugging Face ------------------------------------------------------------------------------
+# -- from Hugging Face -----------------------------------------------------------------------------
 
 
 def _target_config(args, overrides: list[str], hf: dict):
     """The target run's config: ``--config``, the architecture of ``hf``, then the overrides."""
-    cfg = load_config(args.config, model_overrides(hf, os.path.join(args.hf, "config.json")) + overrides)
+    cfg = load_config(args.config, model_overrides(hf, os.path.join(args.hf, "config.json"))
+                      + overrides)
     p = cfg.parallel
     world = args.world_size or p.tp * p.cp * p.pp
     if world < 1:
@@ -252,7 +281,8 @@ def _target_config(args, overrides: list[str], hf: dict):
     return cfg, sizes, world
 
 
-def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool, family: str) -> None:
+def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool,
+                      family: str) -> None:
     """Every HF tensor is one of the model's, of its global shape, and none is missing."""
     ours = {hf_name(n, family): s for n, s in shapes.items()}
     for name in weights.names():
@@ -260,22 +290,23 @@ def _check_hf_tensors(hf_dir: str, weights: HFWeights, shapes: dict, tied: bool,
             _check_tied_head(hf_dir, weights, family)  # some exports write the embedding again
             continue
         if name not in ours:
-            raise ConvertError(f"{hf_dir}: tensor '{name}' {weights.shape(name)} has no place in the model "
-                               "(config.json and the weights disagree)")
+            raise ConvertError(f"{hf_dir}: tensor '{name}' {weights.shape(name)} has no place in "
+                               "the model (config.json and the weights disagree)")
         if weights.shape(name) != tuple(ours[name]):
-            raise ConvertError(f"{hf_dir}: tensor '{name}' has shape {weights.shape(name)}, config.json implies "
-                               f"{tuple(ours[name])}")
+            raise ConvertError(f"{hf_dir}: tensor '{name}' has shape {weights.shape(name)}, "
+                               f"config.json implies {tuple(ours[name])}")
     missing = [n for n in ours if n not in weights.file_of]
     if missing:
-        raise ConvertError(f"{hf_dir}: the weights lack {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        raise ConvertError(f"{hf_dir}: the weights lack "
+                           f"{missing[:3]}{' ...' if len(missing) > 3 else ''}")
 
 
 def _check_tied_head(hf_dir: str, weights: HFWeights, family: str, rows: int = 4096) -> None:
     """A tied model's stored output layer must be its embedding: a distinct one would be dropped,
     and the converted model would compute another function. Compared ``rows`` rows at a time."""
     head, embed = hf_name("lm_head.weight", family), hf_name("embed_tokens.weight", family)
-    fix = ("convert with --model.tie_embeddings false to keep both (and set tie_word_embeddings: false in its "
-           "config.json, so that transformers keeps both too)")
+    fix = ("convert with --model.tie_embeddings false to keep both (and set tie_word_embeddings: "
+           "false in its config.json, so that transformers keeps both too)")
     if embed not in weights.file_of or weights.shape(head) != weights.shape(embed):
         raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings: true, but '{head}' "
                            f"{weights.shape(head)} is not the embedding's shape; {fix}")
@@ -284,9 +315,10 @@ def _check_tied_head(hf_dir: str, weights: HFWeights, family: str, rows: int = 4
         a, b = weights.narrow(head, 0, start, length), weights.narrow(embed, 0, start, length)
         if not torch.equal(a, b):  # NaN differs too
             worst = (a.float() - b.float()).abs().max().item()
-            raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings: true, but '{head}' differs from "
-                               f"'{embed}' (max |diff| {worst:.3g} in rows {start}-{start + length - 1}): one of "
-                               f"them would be dropped; {fix}")
+            raise ConvertError(f"{hf_dir}: config.json says tie_word_embeddings: true, but "
+                               f"'{head}' differs from '{embed}' (max |diff| {worst:.3g} in rows "
+                               f"{start}-{start + length - 1}): one of them would be dropped; "
+                               f"{fix}")
 
 
 def _slice(weights: HFWeights, spec, tp_rank: int, family: str, bar=None):
@@ -301,14 +333,15 @@ def _slice(weights: HFWeights, spec, tp_rank: int, family: str, bar=None):
             hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zero padding
             part = weights.narrow(name, dim, lo, max(0, hi - lo)).float()
         if not torch.isfinite(part).all():
-            raise ConvertError(f"{weights.dir}: '{name}' holds NaN or infinite values; these weights cannot be trained "
-                               "from (nothing written)")
+            raise ConvertError(f"{weights.dir}: '{name}' holds NaN or infinite values; these "
+                               "weights cannot be trained from (nothing written)")
         if dim is None or part.shape[dim] == local[dim]:
             return part.contiguous()
         pad = list(local)
         pad[dim] -= part.shape[dim]
         return torch.cat([part, torch.zeros(pad)], dim)
-    return LazyTensor(torch.float32, tuple(local), read if bar is None else lambda: _counted(read(), bar))
+    return LazyTensor(torch.float32, tuple(local), read if bar is None
+                      else lambda: _counted(read(), bar))
 
 
 def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -318,8 +351,8 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     weights = HFWeights(args.hf)
     _check_hf_tensors(args.hf, weights, shapes, cfg.model.tie_embeddings, cfg.model.family)
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
-        raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows but config.json "
-                           f"says vocab_size={hf['vocab_size']}")
+        raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows "
+                           f"but config.json says vocab_size={hf['vocab_size']}")
     layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     size = layout_bytes(cfg, sizes.layout, moments=False)
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "from-hf") as bar:
@@ -333,9 +366,11 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
                               moments={n: Entry.shards(n, {}).tree() for n in specs})
 
         files, _ = write_layout(tmp, sizes.layout, state_at)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf and inspection
-        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout, vocab_size=hf["vocab_size"],
-                                     padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,
+        # the architecture, for to-hf and inspection
+        save_config(cfg, os.path.join(tmp, "config.yaml"))
+        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
+                                     vocab_size=hf["vocab_size"], padded_vocab=sizes.padded_vocab,
+                                     files=files, tensors=shapes,
                                      converted_from=os.path.abspath(args.hf)))
         report = ""
         if args.verify:

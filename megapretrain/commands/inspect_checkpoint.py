@@ -2,7 +2,8 @@
 
     python tools/inspect_checkpoint.py runs/tiny                       # its latest checkpoint
     python tools/inspect_checkpoint.py runs/tiny/checkpoints/iter_0000100 [--no-checksum]
-    python tools/inspect_checkpoint.py CKPT_A --diff CKPT_B [--config CONFIG] [--rtol 1e-4 --atol 1e-6 | --exact]
+    python tools/inspect_checkpoint.py CKPT_A --diff CKPT_B [--config CONFIG] \\
+        [--rtol 1e-4 --atol 1e-6 | --exact]
 
 Prints the iteration, the data position (samples, and tokens when the run's config is found), the
 layout it was saved under, the model's shape, every tensor's global shape and saved dtype, and the
@@ -27,7 +28,12 @@ import torch
 
 from megapretrain.checkpoint.directories import resolve_checkpoint
 from megapretrain.checkpoint.format import METADATA, check_shapes, problem, read_metadata
-from megapretrain.checkpoint.reshard import GlobalWeights, SavedShards, global_shapes, saved_config_path
+from megapretrain.checkpoint.reshard import (
+    GlobalWeights,
+    SavedShards,
+    global_shapes,
+    saved_config_path,
+)
 from megapretrain.cli import non_negative_float, user_errors
 from megapretrain.config import check_fields, load_config
 from megapretrain.errors import CheckpointError, UserError
@@ -39,12 +45,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="iter_* directory, or a run directory (its latest)")
     ap.add_argument("--diff", metavar="OTHER", help="compare every tensor with this checkpoint")
-    ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
-    ap.add_argument("--no-checksum", action="store_true", help="check sizes only (skip reading every file)")
+    ap.add_argument("--config",
+                    help="the run's config (default: config.yaml of the run that saved it)")
+    ap.add_argument("--no-checksum", action="store_true",
+                    help="check sizes only (skip reading every file)")
     ap.add_argument("--rtol", type=non_negative_float, default=1e-4,
-                    help="--diff: relative tolerance, times the largest |value| of the tensor (default 1e-4)")
-    ap.add_argument("--atol", type=non_negative_float, default=1e-6, help="--diff: absolute tolerance (default 1e-6)")
-    ap.add_argument("--exact", action="store_true", help="--diff: every bit equal (--rtol 0 --atol 0)")
+                    help="--diff: relative tolerance, times the largest |value| of the tensor "
+                         "(default 1e-4)")
+    ap.add_argument("--atol", type=non_negative_float, default=1e-6,
+                    help="--diff: absolute tolerance (default 1e-6)")
+    ap.add_argument("--exact", action="store_true",
+                    help="--diff: every bit equal (--rtol 0 --atol 0)")
     args = ap.parse_args(argv)
     if args.exact:
         args.rtol = args.atol = 0.0
@@ -53,7 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _config(path: str, explicit: str | None):
     """The config describing checkpoint ``path``'s model: ``explicit`` (its problems are the user's
-    to hear), else the saved run's, if readable (None when not). Its shapes must be the saved ones."""
+    to hear), else the saved run's, if readable (None when not). Its shapes must be the saved
+    ones."""
     try:
         source = saved_config_path(path, explicit)
         cfg = load_config(source, [])
@@ -96,16 +108,19 @@ def describe(path: str, cfg) -> str:
     meta = read_metadata(path)
     saved = SavedShards(path, meta)
     first = saved.state(0)
-    lines = [f"{path}", f"  format version {meta.get('format_version', 1)}, iteration {meta['iteration']}, "
-             f"world size {meta['world_size']}, layout {meta['layout']}"]
+    lines = [f"{path}", f"  format version {meta.get('format_version', 1)}, iteration "
+                        f"{meta['iteration']}, world size {meta['world_size']}, layout "
+                        f"{meta['layout']}"]
     samples = first.get("consumed_samples", 0)
     tokens = f", {samples * cfg.train.seq_length:,} tokens" if cfg is not None else ""
-    lines.append(f"  data position: {samples:,} samples{tokens}; optimizer step {first['optimizer']['step']}")
+    lines.append(f"  data position: {samples:,} samples{tokens}; optimizer step "
+                 f"{first['optimizer']['step']}")
     if cfg is not None:
         m = cfg.model
         lines.append(f"  model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads "
-                     f"({kv_heads(m)} kv), ffn {ffn_hidden_size(m)}, vocab {meta.get('vocab_size')} "
-                     f"(padded {meta.get('padded_vocab')}), tied {m.tie_embeddings}, rope_scaling {m.rope_scaling}")
+                     f"({kv_heads(m)} kv), ffn {ffn_hidden_size(m)}, vocab "
+                     f"{meta.get('vocab_size')} (padded {meta.get('padded_vocab')}), tied "
+                     f"{m.tie_embeddings}, rope_scaling {m.rope_scaling}")
     shapes = meta.get("tensors")
     dtypes = _dtypes(saved)
     if shapes is None:  # version 1 records no global shapes
@@ -134,7 +149,8 @@ def diff(a: str, b: str, cfg_a, cfg_b, atol: float = 0.0, rtol: float = 0.0) -> 
     """Every weight of ``a`` against ``b``'s: a summary line naming both iterations, one line per
     tensor that differs beyond ``atol + rtol × max|b|``, and whether any does."""
     if cfg_a is None or cfg_b is None:
-        raise CheckpointError("--diff needs the runs' config.yaml (to put the tp shards together): pass --config")
+        raise CheckpointError("--diff needs the runs' config.yaml (to put the tp shards together): "
+                              "pass --config")
     iterations = read_metadata(a)["iteration"], read_metadata(b)["iteration"]
     wa, wb = GlobalWeights(a, cfg_a), GlobalWeights(b, cfg_b)
     lines, same, close = [], 0, []
@@ -155,15 +171,18 @@ def diff(a: str, b: str, cfg_a, cfg_b, atol: float = 0.0, rtol: float = 0.0) -> 
                 if delta <= limit:  # NaN is never within
                     close.append((delta / max(scale, 1e-30), name))
                 else:
-                    lines.append(f"  {name}: max |diff| {delta:.3e} > {limit:.1e} (max |b| {scale:.3e})")
+                    lines.append(f"  {name}: max |diff| {delta:.3e} > {limit:.1e} (max |b| "
+                                 f"{scale:.3e})")
         lines += [f"  {name}: only in {b}" for name in wb.specs if name not in wa.specs]
     finally:
         wa.close()
         wb.close()
     total = len(set(wa.specs) | set(wb.specs))
-    head = (f"{a} (iteration {iterations[0]}) vs {b} (iteration {iterations[1]}): {len(lines)} of {total} tensors "
-            f"differ beyond |a-b| <= {atol:g} + {rtol:g}·max|b|, {len(close)} within it"
-            + (f" (largest relative difference {max(close)[0]:.1e}, {max(close)[1]})" if close else "")
+    head = (f"{a} (iteration {iterations[0]}) vs {b} (iteration {iterations[1]}): {len(lines)} of "
+            f"{total} tensors differ beyond |a-b| <= {atol:g} + {rtol:g}·max|b|, {len(close)} "
+            "within it"
+            + (f" (largest relative difference {max(close)[0]:.1e}, {max(close)[1]})" if close
+               else "")
             + f", {same} identical")
     return "\n".join([head, *lines]), bool(lines)
 

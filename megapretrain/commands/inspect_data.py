@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Validate an indexed dataset and describe what is in it.
 
-    python tools/inspect_data.py data/corpus_text_document [--vocab-size 50257] [--seq-length 2048] [--png DIR]
+    python tools/inspect_data.py data/corpus_text_document \\
+        [--vocab-size 50257] [--seq-length 2048] [--png DIR]
 
 Checks (each failure is printed as ``FAIL <check>: <what>`` and makes the exit status 1):
 header (magic, version, dtype code), .idx size against its counts, .bin size against the sequence
@@ -67,7 +68,8 @@ def inspect(prefix: str, vocab_size: int | None, seq_length: int | None, png: st
             return
     summary = _summary(prefix, report)
     with open(idx_path, "rb") as f:
-        idx = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+        idx = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size \
+            else b""
     try:
         dtype, count, doc_count = _read_header(idx_path, idx)
     except ValueError as e:
@@ -84,8 +86,10 @@ def inspect(prefix: str, vocab_size: int | None, seq_length: int | None, png: st
     if summary:
         for name, value in (("documents", doc_count - 1), ("tokens", total)):
             if name in summary and summary[name] != value:
-                report.fail("summary", f"{name}: {value:,} in the files, {summary[name]:,} in {prefix}.summary.json")
-    report.say(f"tokens: {total:,}" + (f" (summary: {summary['tokens']:,})" if summary and "tokens" in summary else ""))
+                report.fail("summary", f"{name}: {value:,} in the files, {summary[name]:,} in "
+                                       f"{prefix}.summary.json")
+    report.say(f"tokens: {total:,}" + (f" (summary: {summary['tokens']:,})" if summary and
+                                       "tokens" in summary else ""))
     tokenizer = (summary or {}).get("tokenizer", {})
     vocab_size = vocab_size or tokenizer.get("vocab_size")
     eod = tokenizer.get("eod")
@@ -98,7 +102,8 @@ def inspect(prefix: str, vocab_size: int | None, seq_length: int | None, png: st
         tokens = np.memmap(bin_path, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
         ending = int(np.count_nonzero(tokens[ends] == eod)) if ends.size else 0
         report.facts["documents_ending_with_eod"] = ending
-        report.say(f"sequences ending with eod ({eod}): {ending:,} of {int((lengths > 0).sum()):,} non-empty")
+        report.say(f"sequences ending with eod ({eod}): {ending:,} of {int((lengths > 0).sum()):,} "
+                   "non-empty")
     if seq_length:
         _packed_view(lengths, seq_length, report)
 
@@ -132,17 +137,19 @@ def _scan_tokens(bin_path, dtype, vocab_size, eod, summary, report: Report) -> N
     if vocab_size and high is not None and high >= vocab_size:
         report.fail("token ids", f"token id {high} >= vocab size {vocab_size}")
     report.say(f"token ids: [{low}, {high}]" + (f", vocab size {vocab_size}" if vocab_size else
-                                                  " (no vocab size: pass --vocab-size to check the range)"))
+                                                  " (no vocab size: pass --vocab-size to check the "
+                                                  "range)"))
     report.facts.update(min_id=low, max_id=high)
     if eod is not None:
         total = max(report.facts["tokens"], 1)
         report.facts["eod_count"] = scan["eod_count"]
-        report.say(f"eod ({eod}): {scan['eod_count']:,} tokens, {scan['eod_count'] / total:.4%} of all, "
-                   f"{scan['eod_count'] / max(report.facts['documents'], 1):.3f} per document")
+        report.say(f"eod ({eod}): {scan['eod_count']:,} tokens, {scan['eod_count'] / total:.4%} of "
+                   f"all, {scan['eod_count'] / max(report.facts['documents'], 1):.3f} per document")
     if recorded is not None:
         if recorded != scan["sha256"]:
-            report.fail("checksum", f"sha256 of {bin_path} is {scan['sha256'][:16]}..., the summary records "
-                        f"{str(recorded)[:16]}... (the .bin changed after preprocessing)")
+            report.fail("checksum", f"sha256 of {bin_path} is {scan['sha256'][:16]}..., the "
+                                    f"summary records {str(recorded)[:16]}... (the .bin changed "
+                                    "after preprocessing)")
         else:
             report.say("checksum: sha256 matches the summary")
 
@@ -177,13 +184,14 @@ def _plot(prefix, doc_lengths, directory, report: Report) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: --png needs matplotlib (pip install matplotlib); the histogram above is the text version",
-              file=sys.stderr)
+        print("note: --png needs matplotlib (pip install matplotlib); the histogram above is the "
+              "text version", file=sys.stderr)
         return
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, os.path.basename(prefix) + "_lengths.png")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.hist(np.maximum(doc_lengths, 1), bins=np.logspace(0, np.log10(max(doc_lengths.max(), 2)), 60))
+    ax.hist(np.maximum(doc_lengths, 1),
+            bins=np.logspace(0, np.log10(max(doc_lengths.max(), 2)), 60))
     ax.set_xscale("log")
     ax.set_xlabel("document length (tokens)")
     ax.set_ylabel("documents")
@@ -207,8 +215,9 @@ def _packed_view(lengths, seq_length: int, report: Report) -> None:
     starts = starts[(starts > 0) & (starts < total)]
     crossing = np.unique(-(-starts // seq_length) - 1).size
     report.facts.update(packed_samples=samples, crossing_fraction=crossing / samples)
-    report.say(f"packed view (seq_length {seq_length}): {samples:,} samples, {crossing / samples:.2%} cross a "
-               f"document boundary, {(np.unique(starts).size + samples) / samples:.2f} documents per sample")
+    report.say(f"packed view (seq_length {seq_length}): {samples:,} samples, "
+               f"{crossing / samples:.2%} cross a document boundary, "
+               f"{(np.unique(starts).size + samples) / samples:.2f} documents per sample")
 
 
 @user_errors
@@ -219,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="every token id must be below this (default: from the summary)")
     p.add_argument("--seq-length", type=positive_int,
                    help="also report the packed-sample view for this sequence length")
-    p.add_argument("--png", metavar="DIR", help="write the length histogram as a PNG into DIR (needs matplotlib)")
-    p.add_argument("--no-checksum", action="store_true", help="skip the sha256 comparison with the summary")
-    p.add_argument("--json", action="store_true", help="print the facts as one JSON object instead of text")
+    p.add_argument("--png", metavar="DIR", help="write the length histogram as a PNG into DIR "
+                                                "(needs matplotlib)")
+    p.add_argument("--no-checksum", action="store_true",
+                   help="skip the sha256 comparison with the summary")
+    p.add_argument("--json", action="store_true",
+                   help="print the facts as one JSON object instead of text")
     args = p.parse_args(argv)
     report = Report(quiet_json=args.json)
     inspect(args.prefix, args.vocab_size, args.seq_length, args.png, not args.no_checksum, report)

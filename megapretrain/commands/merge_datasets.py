@@ -3,10 +3,11 @@
 
     python tools/merge_datasets.py --input data/shard_a_text_document data/shard_b_text_document \\
         --output-prefix data/all_text_document
-    python tools/merge_datasets.py --input shards/ --output-prefix data/all_text_document  # every prefix in it
+    # every prefix in it
+    python tools/merge_datasets.py --input shards/ --output-prefix data/all_text_document
 
-Like Megatron-LM's tools/merge_datasets.py, ``--input`` may be a directory, whose .bin/.idx pairs are
-joined in sorted name order; here it may also be a list of prefixes, joined in the order given.
+Like Megatron-LM's tools/merge_datasets.py, ``--input`` may be a directory, whose .bin/.idx pairs
+are joined in sorted name order; here it may also be a list of prefixes, joined in the order given.
 The documents keep their order and boundaries; the inputs must share one token dtype. Output goes
 to temporary names renamed when complete (the .idx last), never over an existing dataset without
 ``--overwrite``, with a ``.summary.json`` (counts, sha256 of the .bin, the inputs' tokenizer).
@@ -24,7 +25,13 @@ import time
 from megapretrain.cli import print_error, progress_bar, user_errors
 from megapretrain.data.checks import read_summary
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, dataset_exists
-from megapretrain.errors import DataError, MissingFileError, check_free_space, full_disk_guard, size_text
+from megapretrain.errors import (
+    DataError,
+    MissingFileError,
+    check_free_space,
+    full_disk_guard,
+    size_text,
+)
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 _FIX_SPACE = "free space or choose another --output-prefix (nothing was written)"
@@ -35,7 +42,8 @@ def input_prefixes(inputs: list[str]) -> list[str]:
     prefixes = []
     for item in inputs:
         if os.path.isdir(item):
-            found = sorted(os.path.join(item, name[:-4]) for name in os.listdir(item) if name.endswith(".idx"))
+            found = sorted(os.path.join(item, name[:-4]) for name in os.listdir(item)
+                           if name.endswith(".idx"))
             found = [p for p in found if dataset_exists(p)]
             if not found:
                 raise MissingFileError(f"--input {item}: the directory holds no .bin/.idx pair")
@@ -43,7 +51,8 @@ def input_prefixes(inputs: list[str]) -> list[str]:
         elif dataset_exists(item):
             prefixes.append(item)
         else:
-            raise MissingFileError(f"--input {item}: {item}.bin/.idx not found (give a prefix or a directory)")
+            raise MissingFileError(f"--input {item}: {item}.bin/.idx not found (give a prefix or a "
+                                   "directory)")
     return prefixes
 
 
@@ -57,8 +66,8 @@ def check_no_duplicates(prefixes: list[str], summaries: dict[str, dict | None]) 
         if (stat.st_dev, stat.st_ino) in seen:
             first = seen[(stat.st_dev, stat.st_ino)]
             same = "is given twice" if first == prefix else f"and {first} are the same files"
-            raise DataError(f"--input: {prefix} {same}; every document would be merged twice: give each dataset "
-                            "once")
+            raise DataError(f"--input: {prefix} {same}; every document would be merged twice: give "
+                            "each dataset once")
         seen[(stat.st_dev, stat.st_ino)] = prefix
     by_path = {_real(p): p for p in prefixes}
     for prefix in prefixes:
@@ -66,16 +75,19 @@ def check_no_duplicates(prefixes: list[str], summaries: dict[str, dict | None]) 
         parts = summary.get("inputs") if isinstance(summary.get("inputs"), list) else []
         base = os.path.dirname(os.path.abspath(prefix))
         inside = [by_path[r] for part in parts if isinstance(part, str)
-                  for r in {_real(part), _real(os.path.join(base, part))} if r in by_path and by_path[r] != prefix]
+                  for r in {_real(part), _real(os.path.join(base, part))} if r in by_path and
+                  by_path[r] != prefix]
         if inside:
-            raise DataError(f"--input: {prefix} is a merge of {', '.join(sorted(set(inside)))}, which are inputs too; "
-                            f"every document of them would be merged twice: leave out {prefix} or them")
+            raise DataError(f"--input: {prefix} is a merge of {', '.join(sorted(set(inside)))}, "
+                            "which are inputs too; every document of them would be merged twice: "
+                            f"leave out {prefix} or them")
     digests: dict[str, str] = {}
     for prefix in prefixes:
         digest = ((summaries[prefix] or {}).get("checksum") or {}).get("bin")
         if digest and digests.setdefault(digest, prefix) != prefix:
-            raise DataError(f"--input: {prefix} and {digests[digest]} hold the same tokens (equal sha256 in their "
-                            "summaries); every document would be merged twice: give each dataset once")
+            raise DataError(f"--input: {prefix} and {digests[digest]} hold the same tokens (equal "
+                            "sha256 in their summaries); every document would be merged twice: "
+                            "give each dataset once")
 
 
 def _real(path: str) -> str:
@@ -88,14 +100,16 @@ def _tokenizer_of(prefixes: list[str], summaries: dict[str, dict | None]) -> dic
     named = {p: s["tokenizer"] for p, s in summaries.items() if s and "tokenizer" in s}
     kinds = {(t.get("type"), t.get("vocab_size"), t.get("eod")) for t in named.values()}
     if len(kinds) > 1:
-        described = "; ".join(f"{p}: {t.get('type')} ({t.get('vocab_size')} tokens)" for p, t in named.items())
-        raise DataError(f"the inputs were tokenized differently ({described}); merge only datasets made "
-                        "with the same tokenizer")
+        described = "; ".join(f"{p}: {t.get('type')} ({t.get('vocab_size')} tokens)" for p,
+                              t in named.items())
+        raise DataError(f"the inputs were tokenized differently ({described}); merge only datasets "
+                        "made with the same tokenizer")
     if named and len(named) < len(prefixes):
         unknown = [p for p in prefixes if p not in named]
-        print(f"warning: no tokenizer recorded for {', '.join(unknown)} (no .summary.json, or none in it); the "
-              f"others were tokenized with {next(iter(named.values())).get('type')}, but nothing says these were: "
-              "the output records no tokenizer, so training cannot check it", file=sys.stderr)
+        print(f"warning: no tokenizer recorded for {', '.join(unknown)} (no .summary.json, or none "
+              f"in it); the others were tokenized with {next(iter(named.values())).get('type')}, "
+              "but nothing says these were: the output records no tokenizer, so training cannot "
+              "check it", file=sys.stderr)
         return None
     return next(iter(named.values())) if named else None
 
@@ -108,10 +122,12 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
     datasets = [IndexedDataset(p) for p in prefixes]
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:
-        raise DataError(f"inputs have different token dtypes ({', '.join(sorted(map(str, dtypes)))}); "
-                        "merge only datasets made with the same tokenizer")
+        raise DataError("inputs have different token dtypes "
+                        f"({', '.join(sorted(map(str, dtypes)))}); merge only datasets made with "
+                        "the same tokenizer")
     if sum(ds.num_documents for ds in datasets) == 0:
-        raise DataError(f"the {len(prefixes)} inputs hold no documents; nothing to merge (nothing was written)")
+        raise DataError(f"the {len(prefixes)} inputs hold no documents; nothing to merge (nothing "
+                        "was written)")
     sizes = [os.path.getsize(p + ".bin") + os.path.getsize(p + ".idx") for p in prefixes]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     check_free_space(output_prefix + ".bin", sum(sizes), _FIX_SPACE)
@@ -143,10 +159,12 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
 def _summary(prefixes, summaries, tokenizer, builder: IndexedDatasetBuilder, dtype: str) -> dict:
     """The output's summary: counts, its checksum, and where it came from (absolute paths and
     checksums: a later merge given this output and its inputs together finds them)."""
-    summary = {"format": SUMMARY_FORMAT, "dtype": dtype, "inputs": [os.path.abspath(p) for p in prefixes],
-               "input_checksums": [((summaries[p] or {}).get("checksum") or {}).get("bin") for p in prefixes],
-               "documents": builder.document_count, "sequences": builder.sequence_count,
-               "tokens": builder.token_count, "max_token_id": builder.max_token,
+    summary = {"format": SUMMARY_FORMAT, "dtype": dtype,
+               "inputs": [os.path.abspath(p) for p in prefixes],
+               "input_checksums": [((summaries[p] or {}).get("checksum") or {}).get("bin")
+                                   for p in prefixes], "documents": builder.document_count,
+               "sequences": builder.sequence_count, "tokens": builder.token_count,
+               "max_token_id": builder.max_token,
                "checksum": {"algorithm": "sha256", "bin": builder.checksum},
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     if tokenizer is not None:
@@ -159,8 +177,10 @@ def _summary(prefixes, summaries, tokenizer, builder: IndexedDatasetBuilder, dty
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="prefixes, or directories of .bin/.idx pairs")
-    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx/.summary.json")
+    p.add_argument("--input", nargs="+", required=True, help="prefixes, or directories of "
+                                                             ".bin/.idx pairs")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes OUTPUT_PREFIX.bin/.idx/.summary.json")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output dataset")
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -176,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print_error(e)
         return 1
-    print(f"{args.output_prefix}: merged {len(prefixes)} inputs, {summary['documents']:,} documents, "
-          f"{summary['tokens']:,} tokens, {size_text(os.path.getsize(args.output_prefix + '.bin'))} in "
+    print(f"{args.output_prefix}: merged {len(prefixes)} inputs, {summary['documents']:,} "
+          f"documents, {summary['tokens']:,} tokens, "
+          f"{size_text(os.path.getsize(args.output_prefix + '.bin'))} in "
           f"{time.perf_counter() - start:.1f}s")
     return 0
 

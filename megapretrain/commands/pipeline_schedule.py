@@ -5,8 +5,9 @@ of micro-batches whose activations it holds, the point-to-point traffic, and a t
     python tools/pipeline_schedule.py --pp 4 --vpp 2 --micro-batches 8 --timeline
     python tools/pipeline_schedule.py --pp 4 --micro-batches 8 --schedule zb_h1 --timeline
     python tools/pipeline_schedule.py --pp 4 --vpp 2 --micro-batches 8 --schedule zbv --timeline
-    python tools/pipeline_schedule.py --config configs/llama3_405b.yaml            # at its GPU count
-    python tools/pipeline_schedule.py --config configs/llama3_70b.yaml --world-size 1024 --parallel.vpp 2
+    python tools/pipeline_schedule.py --config configs/llama3_405b.yaml        # at its GPU count
+    python tools/pipeline_schedule.py --config configs/llama3_70b.yaml --world-size 1024 \\
+        --parallel.vpp 2
 
 The orders are the ones the trainer runs (``megapretrain.parallel.pipeline``), replayed with a
 forward costing 1 and a backward costing ``--backward-cost`` (about 2; about 3 with full
@@ -51,18 +52,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Any other --section.key VALUE overrides the config.\n\n"
                                  f"schedules:\n{described}")
-    ap.add_argument("--config", help="YAML config: take pp, vpp, schedule and micro-batches from it")
+    ap.add_argument("--config",
+                    help="YAML config: take pp, vpp, schedule and micro-batches from it")
     ap.add_argument("--world-size", type=positive_int,
                     help="GPUs for --config (default: the count its first line names)")
     ap.add_argument("--pp", type=positive_int, help="pipeline stages (without --config)")
-    ap.add_argument("--vpp", type=positive_int, default=1, help="virtual chunks per stage (without --config)")
-    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step and dp rank (without --config)")
+    ap.add_argument("--vpp", type=positive_int, default=1,
+                    help="virtual chunks per stage (without --config)")
+    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step and dp rank "
+                                                               "(without --config)")
     ap.add_argument("--schedule", default=AUTO,
                     help=f"{', '.join([AUTO, *pipelined[:-1]])} or {pipelined[-1]} "
                          "(without --config)")
-    ap.add_argument("--backward-cost", type=positive_float, default=2.0, help="a backward's cost, a forward's being 1")
+    ap.add_argument("--backward-cost", type=positive_float, default=2.0,
+                    help="a backward's cost, a forward's being 1")
     ap.add_argument("--weight-cost", type=positive_float, default=None,
-                    help="the weight-gradient part of the backward, run as W by zb_h1 and zbv (default: half)")
+                    help="the weight-gradient part of the backward, run as W by zb_h1 and zbv "
+                         "(default: half)")
     ap.add_argument("--timeline", action="store_true", help="draw each stage's ops over time")
     args, rest = ap.parse_known_args(argv)
     if args.config is None and rest:
@@ -74,13 +80,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.weight_cost is None:
         args.weight_cost = args.backward_cost / 2
     if args.weight_cost >= args.backward_cost:
-        ap.error(f"--weight-cost={args.weight_cost:g} must be less than --backward-cost={args.backward_cost:g} "
-                 "(it is a part of the backward)")
+        ap.error(f"--weight-cost={args.weight_cost:g} must be less than "
+                 f"--backward-cost={args.backward_cost:g} (it is a part of the backward)")
     return args, rest
 
 
 def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict:
-    """The pipeline of a config at a world size: stages, chunks, schedule, micro-batches, message size."""
+    """The pipeline of a config at a world size: stages, chunks, schedule, micro-batches, message
+    size."""
     if world_size is None:
         with open(path) as fh:
             found = re.search(r"(\d+) GPUs", fh.readline())
@@ -89,18 +96,21 @@ def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict
         world_size = int(found.group(1))
     cfg = load_config(path, overrides)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = 257  # only the vocabulary padding depends on it; the pipeline does not
+        # only the vocabulary padding depends on it; the pipeline does not
+        cfg.model.vocab_size = 257
     sizes = resolve(cfg, world_size).sizes
     p, t = cfg.parallel, cfg.train
-    seq = t.seq_length // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)  # a stage's share of a sample
+    # a stage's share of a sample
+    seq = t.seq_length // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
     per_stage = world_size // sizes.pp
-    grid = (f"rank grid arange({world_size}).reshape(pp={sizes.pp}, dp={sizes.dp}, cp={sizes.cp}, tp={sizes.tp}): "
-            f"stage s is ranks {per_stage}·s .. {per_stage}·s + {per_stage - 1}, each sending to the rank "
-            f"{per_stage} further on")
-    return {"pp": sizes.pp, "vpp": p.vpp, "schedule": p.pp_schedule, "micro_batches": sizes.grad_accum,
+    grid = (f"rank grid arange({world_size}).reshape(pp={sizes.pp}, dp={sizes.dp}, cp={sizes.cp}, "
+            f"tp={sizes.tp}): stage s is ranks {per_stage}·s .. {per_stage}·s + {per_stage - 1}, "
+            f"each sending to the rank {per_stage} further on")
+    return {"pp": sizes.pp, "vpp": p.vpp, "schedule": p.pp_schedule,
+            "micro_batches": sizes.grad_accum,
             "message_bytes": t.micro_batch_size * seq * cfg.model.hidden_size * BYTES[t.precision],
-            "title": f"{path} at {world_size} GPUs (tp={sizes.tp} cp={sizes.cp} pp={sizes.pp} dp={sizes.dp})",
-            "grid": grid}
+            "title": f"{path} at {world_size} GPUs (tp={sizes.tp} cp={sizes.cp} pp={sizes.pp} "
+                     f"dp={sizes.dp})", "grid": grid}
 
 
 def spans(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float, v_shape: bool,
@@ -112,13 +122,15 @@ def spans(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float, v_shape
     return [[(s, s + cost[op.kind], op) for s, op in zip(starts[r], orders[r])] for r in range(pp)]
 
 
-def timeline(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float = 0.0, v_shape: bool = False) -> list[str]:
+def timeline(orders: list, pp: int, vpp: int, b_cost: float, w_cost: float = 0.0,
+             v_shape: bool = False) -> list[str]:
     """One text row per stage; a column is one chunk's forward time, ``F3`` / ``b3`` / ``w3`` mark
     forward, backward and weight gradient of micro-batch 3 (``F3.1``: its chunk 1 when vpp > 1),
     ``.`` an idle column (costs rounded to whole columns)."""
     stages = spans(orders, pp, vpp, b_cost, w_cost, v_shape)
     end = max(e for stage in stages for _, e, _ in stage)
-    label = (lambda op: f"{ {'F': 'F', 'B': 'b', 'W': 'w'}[op.kind]}{op.micro}" + (f".{op.chunk}" if vpp > 1 else ""))
+    label = (lambda op: f"{ {'F': 'F', 'B': 'b', 'W': 'w'}[op.kind]}{op.micro}"
+             + (f".{op.chunk}" if vpp > 1 else ""))
     width = max(len(label(op)) for order in orders for op in order) + 1
     rows = []
     for r, stage in enumerate(stages):
@@ -167,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     ideal = m * (1.0 + b_cost)  # one stage's busy time
     split = kind.split_backward
     print(f"{setup['title']} | schedule {kind.name} | {m} micro-batches per step | backward = "
-          f"{b_cost:g} × forward" + (f", its weight gradient {w_cost:g} of it run as W ops" if split else ""))
+          f"{b_cost:g} × forward" + (f", its weight gradient {w_cost:g} of it run as W ops" if split
+                                     else ""))
     if setup["grid"]:
         print(setup["grid"])
-    print(f"{'stage':>5} {'ops':>6} {'idle':>7} {'peak in-flight':>15} {'sends':>6} {'receives':>9}")
+    print(f"{'stage':>5} {'ops':>6} {'idle':>7} {'peak in-flight':>15} {'sends':>6} "
+          f"{'receives':>9}")
     for r in range(pp):
         sends = sum(len(s.sends) for s in plans[r])
         recvs = sum(len(s.recvs) for s in plans[r])

@@ -2,13 +2,17 @@
 
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train-tokens 2T
     python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --device a100 --top 5
-    python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --layout config --json   # its own layout
-    python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --simulate 3        # top 3 checked by simulation
+    # its own layout
+    python tools/plan.py --config configs/llama3_405b.yaml --gpus 2048 --layout config --json
+    # top 3 checked by simulation
+    python tools/plan.py --config configs/llama3_8b.yaml --gpus 64 --simulate 3
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --write-config runs/70b.yaml \\
         --write-launch runs/70b.sh
-    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 --train.rampup_batch_size null \\
-        --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml    # neither holds a ramp-up
-    python tools/plan.py --published                                  # the model against published runs
+    # neither holds a ramp-up
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 512 \\
+        --train.rampup_batch_size null \\
+        --emit deepspeed runs/70b_ds.json --emit accelerate runs/70b_acc.yaml
+    python tools/plan.py --published                           # the model against published runs
 
 Every layout of ``--gpus`` devices (tp within a node, cp for long sequences, pp dividing the layers,
 virtual chunks, micro batches 1-4, ZeRO 0-3 with hybrid sharding inside a node, recompute
@@ -44,7 +48,13 @@ from megapretrain.config import load_config
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.progress import human_duration
 from megapretrain.planner import ATTENTION, GIB
-from megapretrain.planner.emit import OutputExistsError, render, write_config, write_launch, write_text
+from megapretrain.planner.emit import (
+    OutputExistsError,
+    render,
+    write_config,
+    write_launch,
+    write_text,
+)
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
 from megapretrain.planner.published import published_table
 from megapretrain.simulate.run import check_layout
@@ -59,31 +69,42 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config (model, batch, sequence, iterations)")
     ap.add_argument("--gpus", type=positive_int, help="number of GPUs")
-    ap.add_argument("--device", default="h100", choices=sorted(DEVICES), help="GPU type (default h100)")
+    ap.add_argument("--device", default="h100", choices=sorted(DEVICES),
+                    help="GPU type (default h100)")
     ap.add_argument("--top", type=positive_int, default=8, help="layouts to show")
-    ap.add_argument("--check", action="store_true", help="plan only the config's own layout (= --layout config)")
+    ap.add_argument("--check", action="store_true", help="plan only the config's own layout (= "
+                                                         "--layout config)")
     ap.add_argument("--layout", choices=("search", "config"), default="search",
                     help="search every layout (default) or plan the config's own")
     ap.add_argument("--simulate", type=positive_int, metavar="K",
-                    help="simulate the busiest stage of the top K layouts and compare (see tools/simulate.py)")
+                    help="simulate the busiest stage of the top K layouts and compare (see "
+                         "tools/simulate.py)")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also --train.train_tokens")
-    ap.add_argument("--attention", default="flash", choices=ATTENTION, help="attention kernels (default flash)")
-    ap.add_argument("--published", action="store_true", help="compare the model with published runs and exit")
+    ap.add_argument("--train-tokens", type=tokens, help="token budget (e.g. 2T); also "
+                                                        "--train.train_tokens")
+    ap.add_argument("--attention", default="flash", choices=ATTENTION,
+                    help="attention kernels (default flash)")
+    ap.add_argument("--published", action="store_true", help="compare the model with published "
+                                                             "runs and exit")
     for name, kind, help_ in (("peak-tflops", positive_float, "dense bf16 peak per GPU"),
                               ("memory-gb", positive_float, "memory per GPU"),
                               ("hbm-gbs", positive_float, "memory bandwidth per GPU, GB/s"),
                               ("intra-gbs", positive_float, "bus bandwidth within a node, GB/s"),
-                              ("inter-gbs", positive_float, "bandwidth per GPU between nodes, GB/s"),
+                              ("inter-gbs", positive_float,
+                               "bandwidth per GPU between nodes, GB/s"),
                               ("efficiency", fraction, "fraction of peak large matmuls reach")):
         ap.add_argument(f"--{name}", type=kind, help=help_)
-    ap.add_argument("--write-config", metavar="PATH", help="write the config with the plan's layout")
-    ap.add_argument("--write-launch", metavar="PATH", help="write a launch script (SLURM or by hand) for it")
+    ap.add_argument("--write-config", metavar="PATH",
+                    help="write the config with the plan's layout")
+    ap.add_argument("--write-launch", metavar="PATH",
+                    help="write a launch script (SLURM or by hand) for it")
     ap.add_argument("--emit", nargs=2, action="append", default=[], metavar=("FORMAT", "PATH"),
-                    help="write the recipe for another framework: deepspeed PATH.json | accelerate PATH.yaml")
+                    help="write the recipe for another framework: deepspeed PATH.json | accelerate "
+                         "PATH.yaml")
     ap.add_argument("--accelerate-plugin", default="deepspeed", choices=("deepspeed", "fsdp"),
                     help="the Accelerate YAML's plugin (default deepspeed)")
     ap.add_argument("--overwrite", action="store_true", help="replace files that exist")
@@ -107,11 +128,12 @@ HEADER = ["tp", "cp", "pp", "vpp", "dp", "mb", "zero", "recompute", "mem GB", "s
 
 def describe(e, steps: float) -> list[str]:
     L, t, mem = e.layout, e.time, e.memory
-    parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "context", "bubble", "p2p", "data"))
+    parts = "/".join(f"{t[k]:.2f}" for k in ("compute", "memory", "tensor", "context", "bubble",
+                                             "p2p", "data"))
     zero = f"{L.zero}/{L.shard}" if L.shard else str(L.zero)  # zero/shard group: hybrid sharding
-    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero, L.recompute,
-            f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}", f"{e.tokens_per_gpu_s:,.0f}",
-            human_duration(steps * t['total'])]
+    return [str(L.tp), str(L.cp), str(L.pp), str(L.vpp), str(L.dp), str(L.micro_batch), zero,
+            L.recompute, f"{mem['total'] / GIB:.1f}", f"{t['total']:.2f}", parts, f"{e.mfu:.1%}",
+            f"{e.tokens_per_gpu_s:,.0f}", human_duration(steps * t['total'])]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -128,22 +150,26 @@ def report(s: dict, checked: bool) -> str:
         f"\n{'layout' if checked else 'plan'}: {s['gpus']:,} × {s['device']} "
         f"({s['nodes']} node{'s' * (s['nodes'] > 1)}), "
         f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}, "
-        + (f"cp_comm {L['cp_comm']}: {s['cp_traffic_mib_per_step']:,.0f} MiB/step over cp, " if L['cp'] > 1 else "")
+        + (f"cp_comm {L['cp_comm']}: {s['cp_traffic_mib_per_step']:,.0f} MiB/step over cp, "
+           if L['cp'] > 1 else "")
         + f"micro-batch {L['micro_batch_size']}, "
         f"zero {L['zero']}, recompute {L['recompute']})",
         f"{'layout' if checked else 'fastest'}: {L['flags']}",
-        f"  memory/GPU  {mem['total']:.1f} of {mem['capacity']:.1f} usable GB{'' if s['fits'] else ' (DOES NOT FIT)'}: "
-        f"weights {mem['weights']:.1f}, grads+optimizer {mem['grads_optimizer']:.1f}, activations "
-        f"{mem['activations']:.1f}, allowance {mem['overhead']:.1f}",
-        f"  step        {t['total']:.2f} s: " + ", ".join(f"{k} {t[k]:.2f}" for k in PARTS)
+        f"  memory/GPU  {mem['total']:.1f} of {mem['capacity']:.1f} usable "
+        f"GB{'' if s['fits'] else ' (DOES NOT FIT)'}: weights {mem['weights']:.1f}, "
+        f"grads+optimizer {mem['grads_optimizer']:.1f}, activations {mem['activations']:.1f}, "
+        f"allowance {mem['overhead']:.1f}", f"  step        {t['total']:.2f} s: "
+        + ", ".join(f"{k} {t[k]:.2f}" for k in PARTS)
         + f" (recompute {t['recompute']:.2f})",
-        f"  throughput  {s['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {s['tokens_per_s']:,.0f} tokens/s; "
-        f"MFU {s['mfu']:.1%}, HFU {s['hfu']:.1%}; {s['tflops_per_gpu']:.0f} TFLOP/s/GPU "
+        f"  throughput  {s['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {s['tokens_per_s']:,.0f} "
+        f"tokens/s; MFU {s['mfu']:.1%}, HFU {s['hfu']:.1%}; {s['tflops_per_gpu']:.0f} TFLOP/s/GPU "
         f"({s['hw_tflops_per_gpu']:.0f} with recompute)",
-        f"  budget      {s['train_tokens']:,} tokens in {s['steps']:,} steps of up to {s['tokens_per_step']:,} tokens "
-        f"({s['train_tokens'] / s['params']:.0f} tokens/parameter, {s['params'] / 1e9:.2f}B parameters)",
-        f"  time        {human_duration(s['days'] * 86400)} wall-clock, {s['gpu_hours']:,.0f} GPU-hours",
-        "  estimates: check them with tools/bench_train.py on the real machines before the run"])
+        f"  budget      {s['train_tokens']:,} tokens in {s['steps']:,} steps of up to "
+        f"{s['tokens_per_step']:,} tokens ({s['train_tokens'] / s['params']:.0f} tokens/parameter, "
+        f"{s['params'] / 1e9:.2f}B parameters)",
+        f"  time        {human_duration(s['days'] * 86400)} wall-clock, {s['gpu_hours']:,.0f} "
+        "GPU-hours", "  estimates: check them with tools/bench_train.py on the real machines "
+                     "before the run"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,18 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg, found, device = plan["cfg"], plan["found"], plan["device"]
     fitting = [e for e in found if e.fits]
     if not found:
-        print_error("no layout of these GPUs divides the model and batch; change --gpus or train.global_batch_size")
+        print_error("no layout of these GPUs divides the model and batch; change --gpus or "
+                    "train.global_batch_size")
         return 1
     best = fitting[0] if fitting else (found[0] if args.check else None)
-    checked = simulate_top(args, overrides, (fitting or found)[:args.simulate]) if args.simulate else None
+    checked = simulate_top(args, overrides, (fitting or found)[:args.simulate]) if args.simulate \
+        else None
     if args.json:
         out = summary(plan, best or min(found, key=lambda e: e.memory["total"]), args)
         print(json.dumps(out if checked is None else {**out, "simulated": checked}))
     else:
         m, t = cfg.model, cfg.train
-        print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {t.global_batch_size} × "
-              f"{t.seq_length} = {t.global_batch_size * t.seq_length:,} tokens per step, {plan['steps']:,} steps, "
-              f"{t.precision}{'' if m.fp8 == 'none' else f' + fp8 {m.fp8} linears ({device.fp8_tflops:g} TFLOP/s)'}; "
+        fp8 = "" if m.fp8 == "none" else f" + fp8 {m.fp8} linears ({device.fp8_tflops:g} TFLOP/s)"
+        print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, "
+              f"{t.global_batch_size} × {t.seq_length} = {t.global_batch_size * t.seq_length:,} "
+              f"tokens per step, {plan['steps']:,} steps, "
+              f"{t.precision}{fp8}; "
               f"{args.gpus} × {device.name} ({device.peak_tflops:g} TFLOP/s, matmuls up to "
               f"{device.efficiency:.0%}, {device.memory_gb:g} GB)")
         if best is None:
@@ -184,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             print(simulated_table(checked))
     if best is None or not best.fits:
         if not args.json and best is not None:
-            print(f"nothing fits in {device.memory_gb:g} GB: this layout needs {best.memory['total'] / GIB:.1f} GB")
+            print(f"nothing fits in {device.memory_gb:g} GB: this layout needs "
+                  f"{best.memory['total'] / GIB:.1f} GB")
         return 1
     try:
         write_outputs(args, plan, summary(plan, best, args), best)
@@ -199,36 +230,43 @@ def simulate_top(args, overrides: list[str], estimates: list) -> list[dict]:
     rows = []
     for e in estimates:
         if not args.json:
-            print(f"simulating the busiest stage of {e.layout.flags()} ...", file=sys.stderr, flush=True)
+            print(f"simulating the busiest stage of {e.layout.flags()} ...", file=sys.stderr,
+                  flush=True)
         cfg = load_config(args.config, overrides + shlex.split(e.layout.flags()))
         rows.append({"flags": e.layout.flags(), **check_layout(cfg, args.gpus)})
     return rows
 
 
 def simulated_table(rows: list[dict]) -> str:
-    lines = ["\nchecked by simulation (the busiest stage's first rank; memory in tensors, without the allowance):"]
+    lines = ["\nchecked by simulation (the busiest stage's first rank; memory in tensors, without "
+             "the allowance):"]
     for r in rows:
         lines.append(f"  {r['flags']}\n    rank {r['rank']} (stage {r['pp_rank']}): simulated "
-                     f"{r['peak_bytes'] / GIB:.1f} GB, planned {r['planned_peak_bytes'] / GIB:.1f} GB "
-                     f"({r['memory_error']:+.1%}); traffic per group "
+                     f"{r['peak_bytes'] / GIB:.1f} GB, planned {r['planned_peak_bytes'] / GIB:.1f} "
+                     f"GB ({r['memory_error']:+.1%}); traffic per group "
                      f"{'equal' if r['traffic_equal'] else 'NOT equal'}; {r['seconds']:.0f} s")
     return "\n".join(lines)
 
 
 def write_outputs(args, plan: dict, s: dict, best) -> None:
-    """--write-config, --write-launch and --emit, after checking that none would overwrite a file."""
-    paths = [p for p in (args.write_config, args.write_launch) if p] + [path for _, path in args.emit]
+    """--write-config, --write-launch and --emit, after checking that none would overwrite a
+    file."""
+    paths = [p for p in (args.write_config, args.write_launch)
+             if p] + [path for _, path in args.emit]
     for path in paths:
         if os.path.exists(path) and not args.overwrite:
             raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
     if args.emit and s["layout"]["cp"] > 1:
-        raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has parallel.cp={s['layout']['cp']}, "
-                                "which DeepSpeed and Accelerate configs do not express (their sequence parallelism "
-                                "is another scheme); plan without it: --check --parallel.cp 1")
-    emitted = [(path, *render(fmt, path, plan, s, args)) for fmt, path in args.emit]  # refusals before any write
+        raise PlanArgumentError(f"--emit {args.emit[0][0]}: the plan's layout has "
+                                f"parallel.cp={s['layout']['cp']}, which DeepSpeed and Accelerate "
+                                "configs do not express (their sequence parallelism is another "
+                                "scheme); plan without it: --check --parallel.cp 1")
+    # refusals before any write
+    emitted = [(path, *render(fmt, path, plan, s, args)) for fmt, path in args.emit]
     done = sys.stderr if args.json else sys.stdout  # --json keeps stdout one object
     # the launch script runs the written config, or the given one with the layout and overrides
-    config_path, flags = args.config, " ".join([best.layout.flags(), shlex.join(plan["overrides"])]).strip()
+    config_path, flags = args.config, " ".join([best.layout.flags(),
+                                                shlex.join(plan["overrides"])]).strip()
     if args.write_config:
         write_config(args.write_config, plan, s, args.overwrite)
         config_path, flags = args.write_config, ""

@@ -25,8 +25,10 @@ from megapretrain.monitor.metrics import read_metrics, training_records
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("run_dir", help="a run directory (holding metrics.jsonl), or a metrics.jsonl file")
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("run_dir",
+                    help="a run directory (holding metrics.jsonl), or a metrics.jsonl file")
     ap.add_argument("--output", help="PNG to write (default: RUN_DIR/dashboard.png)")
     ap.add_argument("--title", help="figure title (default: the run directory)")
     return ap.parse_args(argv)
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     records = read_metrics(args.run_dir)
     if not training_records(records):
-        raise DataError(f"{args.run_dir}: metrics.jsonl has no training lines yet (lines with iter and loss)")
+        raise DataError(f"{args.run_dir}: metrics.jsonl has no training lines yet (lines with iter "
+                        "and loss)")
     run_dir = args.run_dir if os.path.isdir(args.run_dir) else os.path.dirname(args.run_dir) or "."
     output = args.output or os.path.join(run_dir, "dashboard.png")
     if not output.lower().endswith(".png"):

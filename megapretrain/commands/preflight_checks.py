@@ -1,5 +1,5 @@
-"""The pre-flight's checks (``tools/preflight.py``): each reads what the runs logged (or runs what it
-checks: the layouts' smoke test, the production layout's simulation) and returns a :class:`Check`
+"""The pre-flight's checks (``tools/preflight.py``): each reads what the runs logged (or runs what
+it checks: the layouts' smoke test, the production layout's simulation) and returns a :class:`Check`
 — the measured value, what is required, and what to do when it fails."""
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ class Check:
 def check_ran(run: Run, iters: int) -> Check:
     missing = [it for it in range(1, iters + 1) if it not in run.steps()]
     ok = run.returncode == 0 and not missing
-    measured = (f"exit {run.returncode}, {iters - len(missing)} of {iters} steps logged in {run.seconds:.0f} s"
-                if run.returncode is not None else f"stopped after {run.seconds:.0f} s (--timeout-s)")
+    measured = (f"exit {run.returncode}, {iters - len(missing)} of {iters} steps logged in "
+                f"{run.seconds:.0f} s"
+                if run.returncode is not None else f"stopped after {run.seconds:.0f} s "
+                                                   "(--timeout-s)")
     if not ok:
         measured += f"; {run.last_error()}"
     return Check("training runs", ok, measured, f"exit 0, all {iters} steps in metrics.jsonl",
@@ -53,16 +55,19 @@ def check_ran(run: Run, iters: int) -> Check:
 
 
 def check_loss(run: Run) -> Check:
-    trained = training_records(run.records)  # in the order trained, steps redone after a rollback included
+    # in the order trained, steps redone after a rollback included
+    trained = training_records(run.records)
     losses = [r["loss"] for r in trained]
-    finite_steps = [r for r in trained if isinstance(r["loss"], (int, float)) and math.isfinite(r["loss"])]
+    finite_steps = [r for r in trained if isinstance(r["loss"], (int, float)) and
+                    math.isfinite(r["loss"])]
     finite = [r["loss"] for r in finite_steps]
-    required = (f"drop > {NOISE_SIGMAS:g}σ of the noise, no step above {SPIKE_RATIO:g}× the mean of the "
-                "10 before it, no rollback")
-    fix = ("no fall: raise optim.lr or shorten schedule.warmup_iters, check the data (tools/inspect_data.py "
-           "on data.paths)")
-    spike_fix = ("a spike or rollback: look at the batch of that iteration (tools/inspect_data.py), lower "
-                 "optim.lr or lengthen schedule.warmup_iters, check optim.clip_grad")
+    required = (f"drop > {NOISE_SIGMAS:g}σ of the noise, no step above {SPIKE_RATIO:g}× the mean "
+                "of the 10 before it, no rollback")
+    fix = ("no fall: raise optim.lr or shorten schedule.warmup_iters, check the data "
+           "(tools/inspect_data.py on data.paths)")
+    spike_fix = ("a spike or rollback: look at the batch of that iteration "
+                 "(tools/inspect_data.py), lower optim.lr or lengthen schedule.warmup_iters, check "
+                 "optim.clip_grad")
     if len(finite) < 4:
         return Check("loss falls", False, f"{len(finite)} finite losses", required, fix)
     k = max(2, len(finite) // 10)
@@ -74,7 +79,8 @@ def check_loss(run: Run) -> Check:
     drop = first - last
     fell = drop > NOISE_SIGMAS * noise and drop > 0
     unstable = bool(spikes or rollbacks or len(finite) < len(losses))
-    measured = f"{first:.4f} → {last:.4f} (mean of first/last {k} steps): drop {drop:.4f}, noise σ {noise:.4f}"
+    measured = f"{first:.4f} → {last:.4f} (mean of first/last {k} steps): drop {drop:.4f}, noise " \
+               f"σ {noise:.4f}"
     if spikes:
         measured += f"; spike at iteration {', '.join(map(str, spikes[:5]))}"
     if rollbacks:
@@ -100,15 +106,21 @@ def _noise(values: list[float]) -> float:
 def check_grad_norm(run: Run) -> Check:
     low, high = GRAD_NORM_RANGE
     norms = [(it, r["grad_norm"]) for it, r in sorted(run.steps().items())]
-    outside = [(it, g) for it, g in norms if not isinstance(g, (int, float)) or not low <= g <= high]
+    outside = [(it, g) for it, g in norms if not isinstance(g, (int, float)) or
+               not low <= g <= high]
     values = [g for _, g in norms if isinstance(g, (int, float))]
     measured = f"min {min(values):.3g}, max {max(values):.3g}" if values else "none logged"
     measured += f"; {len(outside)} of {len(norms)} steps outside"
     if outside:
-        measured += " (" + ", ".join(f"iter {it}: {g if g is None else f'{g:.3g}'}" for it, g in outside[:4]) + ")"
-    return Check("grad norm", bool(norms) and not outside, measured, f"within [{low:g}, {high:g}] at every step",
-                 "above 10: lower optim.lr, lengthen schedule.warmup_iters, check optim.clip_grad and the init "
-                 "(model.init_std); below 0.1: the model barely learns — check the lr and that the data varies")
+        measured += " (" + ", ".join(f"iter {it}: {g if g is None else f'{g:.3g}'}" for it,
+                                     g in outside[:4]) + ")"
+    return Check("grad norm", bool(norms) and not outside, measured,
+                 f"within [{low:g}, {high:g}] at every step", "above 10: lower optim.lr, lengthen "
+                                                              "schedule.warmup_iters, check "
+                                                              "optim.clip_grad and the init "
+                                                              "(model.init_std); below 0.1: the "
+                                                              "model barely learns — check the lr "
+                                                              "and that the data varies")
 
 
 def check_lr(runs: list[Run], schedule: LRSchedule) -> Check:
@@ -119,43 +131,51 @@ def check_lr(runs: list[Run], schedule: LRSchedule) -> Check:
             expected = schedule(it)
             compared += 1
             lr = r.get("lr")
-            if not isinstance(lr, (int, float)) or not abs(lr - expected) <= LR_RTOL * max(expected, 1e-12):
+            if not isinstance(lr, (int, float)) or not abs(lr - expected) <= LR_RTOL * max(expected,
+                                                                                           1e-12):
                 wrong.append(f"{run.name} iter {it}: {r.get('lr')} ≠ {expected:.6g}")
     measured = (f"{compared - len(wrong)} of {compared} steps match ({' + '.join(counts)})"
                 + (f"; {'; '.join(wrong[:3])}" if wrong else ""))
-    required = (f"{schedule.decay}: warmup {schedule.warmup_iters}, {schedule.lr:g} → {schedule.min_lr:g} at "
-                f"{schedule.decay_iters} (relative error ≤ {LR_RTOL:g})")
+    required = (f"{schedule.decay}: warmup {schedule.warmup_iters}, {schedule.lr:g} → "
+                f"{schedule.min_lr:g} at {schedule.decay_iters} (relative error ≤ {LR_RTOL:g})")
     return Check("lr schedule", bool(compared) and not wrong, measured, required,
-                 "the trainer's lr differs from the config's schedule: a rollback's recovery.lr_factor, or a bug "
-                 "in the schedule; plot the intended one with tools/plot_schedule.py")
+                 "the trainer's lr differs from the config's schedule: a rollback's "
+                 "recovery.lr_factor, or a bug in the schedule; plot the intended one with "
+                 "tools/plot_schedule.py")
 
 
 def check_checkpoint(run: Run, mid: int) -> tuple[Check, str]:
     from megapretrain.checkpoint.format import problem
 
     path = os.path.join(run.directory, "checkpoints", f"iter_{mid:07d}")
-    saved = [r for r in run.records if r.get("event") == "checkpoint_saved" and r.get("iter") == mid]
+    saved = [r for r in run.records if r.get("event") == "checkpoint_saved" and
+             r.get("iter") == mid]
     issue = problem(path) if os.path.isdir(path) else f"{path} does not exist"
     stall = saved[0].get("checkpoint_stall_s") if saved else None
     measured = (f"iter_{mid:07d} complete, checksums valid" if issue is None else issue)
     measured += f"; training blocked {stall:.2f} s" if isinstance(stall, (int, float)) else ""
     return Check("checkpoint", issue is None and bool(saved), measured,
                  f"saved at iteration {mid}, complete, CRC-32 valid",
-                 "check free space and permissions under run.dir; read full.log for the save's error"), path
+                 "check free space and permissions under run.dir; read full.log for the save's "
+                 "error"), path
 
 
 def check_resume(full: Run, resumed: Run, mid: int, iters: int, tol: float) -> Check:
     a, b = full.steps(), resumed.steps()
-    required = f"iterations {mid + 1}–{iters}: losses equal (bitwise or |Δ| ≤ {tol:g}), a `resumed` event at {mid}"
-    fix = ("the checkpoint misses some state (optimizer, RNG, data position): compare full/ and resume/ "
-           "metrics.jsonl step by step; nondeterministic kernels also break this (train.compile, atomics)")
+    required = f"iterations {mid + 1}–{iters}: losses equal (bitwise or |Δ| ≤ {tol:g}), a " \
+               f"`resumed` event at {mid}"
+    fix = ("the checkpoint misses some state (optimizer, RNG, data position): compare full/ and "
+           "resume/ metrics.jsonl step by step; nondeterministic kernels also break this "
+           "(train.compile, atomics)")
     if resumed.returncode != 0:
-        return Check("resume", False, f"resumed run exit {resumed.returncode}: {resumed.last_error()}", required,
+        return Check("resume", False, f"resumed run exit {resumed.returncode}: "
+                                      f"{resumed.last_error()}", required,
                      f"read {os.path.basename(resumed.log)}: its last lines name the error")
     started = [r for r in resumed.records if r.get("event") == "resumed"]
     steps = range(mid + 1, iters + 1)
     missing = [it for it in steps if it not in a or it not in b]
-    diffs = [(it, _diff(a[it].get("loss"), b[it].get("loss"))) for it in steps if it in a and it in b]
+    diffs = [(it, _diff(a[it].get("loss"), b[it].get("loss"))) for it in steps if it in a and
+             it in b]
     worst = max((d for _, d in diffs), default=float("inf"))
     bitwise = all(a[it].get(k) == b[it].get(k) for it, _ in diffs for k in ("loss", "grad_norm"))
     ok = not missing and bool(started) and started[0].get("iter") == mid and worst <= tol
@@ -169,14 +189,16 @@ def check_resume(full: Run, resumed: Run, mid: int, iters: int, tol: float) -> C
         measured += f"; iterations {missing[0]}…{missing[-1]} missing"
     if not started or started[0].get("iter") != mid:
         measured += f"; resumed at {started[0].get('iter') if started else 'no'} `resumed` event"
-    valid = [(r.get("valid_loss"), s.get("valid_loss")) for r, s in zip(_evals(full, mid), _evals(resumed, mid))]
+    valid = [(r.get("valid_loss"), s.get("valid_loss")) for r,
+             s in zip(_evals(full, mid), _evals(resumed, mid))]
     if valid:
         measured += "; valid loss " + ("equal" if all(x == y for x, y in valid) else "differs")
     return Check("resume", ok, measured, required, fix)
 
 
 def _diff(x, y) -> float:
-    """|x - y|; infinite when either is missing, or NaN (which would pass no comparison, nor fail one)."""
+    """|x - y|; infinite when either is missing, or NaN (which would pass no comparison, nor fail
+    one)."""
     if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
         return 0.0 if x == y else float("inf")
     d = abs(x - y)
@@ -196,15 +218,17 @@ def check_throughput(run: Run, minimum: float | None, iters: int) -> Check:
         return Check("throughput", False if minimum else None, "no tokens_per_sec logged",
                      f"median ≥ {minimum:,.0f} tokens/s" if minimum else "—", "read full.log")
     median = statistics.median(rates)
-    measured = (f"median {median:,.0f} tokens/s (steps {timed[0][0]}–{timed[-1][0]}; range {min(rates):,.0f}–"
-                f"{max(rates):,.0f})")
-    mfus = [r["mfu"] for it, r in run.steps().items() if it > warm and isinstance(r.get("mfu"), (int, float))]
+    measured = (f"median {median:,.0f} tokens/s (steps {timed[0][0]}–{timed[-1][0]}; range "
+                f"{min(rates):,.0f}–{max(rates):,.0f})")
+    mfus = [r["mfu"] for it, r in run.steps().items() if it > warm and
+            isinstance(r.get("mfu"), (int, float))]
     measured += f", MFU {100 * statistics.median(mfus):.1f}%" if mfus else ""
     if minimum is None:
         return Check("throughput", None, measured, "— (give --min-tokens-per-sec)", "")
     return Check("throughput", median >= minimum, measured, f"median ≥ {minimum:,.0f} tokens/s",
-                 "tools/plan.py for the expected speed of this layout; check data_time (slow storage), "
-                 "parallel.recompute, micro_batch_size, model.kernels/optim.impl, and the interconnect")
+                 "tools/plan.py for the expected speed of this layout; check data_time (slow "
+                 "storage), parallel.recompute, micro_batch_size, model.kernels/optim.impl, and "
+                 "the interconnect")
 
 
 def device_memory_gb(cfg: Config, nproc: int) -> tuple[float, str]:
@@ -226,21 +250,25 @@ def check_memory(runs: list[Run], cfg: Config, args) -> Check:
     else:
         limit, what = device_memory_gb(cfg, args.nproc_per_node)
     if not peaks:
-        return Check("memory", False, "no memory_mb logged", f"≤ {limit:.1f} GB ({what})", "read full.log")
+        return Check("memory", False, "no memory_mb logged", f"≤ {limit:.1f} GB ({what})",
+                     "read full.log")
     peak = max(peaks) / 1024
-    return Check("memory", peak <= limit, f"peak {peak:.2f} GB on rank 0 ({100 * peak / limit:.0f}% of the limit)",
-                 f"≤ {limit:.1f} GB ({what})",
-                 "in this order: parallel.recompute selective/full, halve train.micro_batch_size, raise "
-                 "parallel.zero or optim.offload, more parallel.tp/pp, parallel.cp for long sequences "
-                 "(tools/plan.py estimates each)")
+    return Check("memory", peak <= limit, f"peak {peak:.2f} GB on rank 0 "
+                                          f"({100 * peak / limit:.0f}% of the limit)",
+                 f"≤ {limit:.1f} GB ({what})", "in this order: parallel.recompute selective/full, "
+                                               "halve train.micro_batch_size, raise parallel.zero "
+                                               "or optim.offload, more parallel.tp/pp, parallel.cp "
+                                               "for long sequences (tools/plan.py estimates each)")
 
 
 def check_layouts(args, cfg: Config, out: str) -> Check:
-    """tools/smoke_test.py on ``--nproc-per-node`` ranks: each layout's losses against one process."""
+    """tools/smoke_test.py on ``--nproc-per-node`` ranks: each layout's losses against one
+    process."""
     workdir = os.path.join(out, "layouts")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(args.nproc_per_node), "-m", "megapretrain.commands.smoke_test", "--workdir", workdir,
-           "--layouts", args.layouts, "--precision", "bf16" if cfg.train.precision == "bf16" else "fp32"]
+           "--layouts", args.layouts, "--precision", "bf16" if cfg.train.precision == "bf16"
+           else "fp32"]
     run = run_training(Run("layouts", workdir, cmd), args.timeout_s)
     rows = []
     if os.path.exists(os.path.join(workdir, "smoke_test.json")):
@@ -254,8 +282,9 @@ def check_layouts(args, cfg: Config, out: str) -> Check:
     if run.returncode != 0 and not rows:
         measured = f"smoke test exit {run.returncode}: {run.last_error()}"
     return Check("layouts", run.returncode == 0 and bool(checked), measured,
-                 f"every layout of {args.nproc_per_node} ranks: losses within the smoke test's tolerance",
-                 "layouts.log and layouts/smoke_test.json name the layout; rerun tools/smoke_test.py on it")
+                 f"every layout of {args.nproc_per_node} ranks: losses within the smoke test's "
+                 "tolerance", "layouts.log and layouts/smoke_test.json name the layout; rerun "
+                              "tools/smoke_test.py on it")
 
 
 def check_production(args, overrides: list[str], cfg: Config, out: str) -> Check:
@@ -267,19 +296,20 @@ def check_production(args, overrides: list[str], cfg: Config, out: str) -> Check
 
     gpu = DEVICES[args.gpu]
     limit = args.max_memory_gb or gpu.memory_gb * (1 - gpu.spare)
-    sim_args = argparse.Namespace(config=args.config, world_size=args.world_size, roles=True, rank=None, steps=1,
-                                  device="cuda")
+    sim_args = argparse.Namespace(config=args.config, world_size=args.world_size, roles=True,
+                                  rank=None, steps=1, device="cuda")
     vocab = ["--model.vocab_size", str(cfg.model.vocab_size)]  # as the tokenizer gave it
     start = time.perf_counter()
     try:
         doc = simulate(sim_args, overrides + vocab)
     except UserError as exc:
-        return Check("production layout", False, f"{args.world_size} GPUs: {exc}", "the layout resolves",
-                     "fix the config for that world size (tools/plan.py --layout config shows the layout)")
+        return Check("production layout", False, f"{args.world_size} GPUs: {exc}",
+                     "the layout resolves", "fix the config for that world size (tools/plan.py "
+                                            "--layout config shows the layout)")
     if doc["warnings"]:  # the launch itself would be refused (a ramp-up's batch at this size)
         return Check("production layout", False, f"{args.world_size} GPUs: {doc['warnings'][0]}",
-                     "the layout resolves", "fix the config for that world size (tools/plan.py --layout config "
-                     "shows the layout)")
+                     "the layout resolves", "fix the config for that world size (tools/plan.py "
+                                            "--layout config shows the layout)")
     os.makedirs(os.path.join(out, "simulate"), exist_ok=True)
     with open(os.path.join(out, "simulate", "report.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -289,10 +319,11 @@ def check_production(args, overrides: list[str], cfg: Config, out: str) -> Check
     need = worst["peak_bytes"] / 2**30 + gpu.overhead_gb
     off = [r["rank"] for r in doc["ranks"]
            if abs(r["planned_peak_bytes"] - r["peak_bytes"]) > 0.05 * r["peak_bytes"]]
-    measured = (f"{args.world_size} GPUs, {len(doc['ranks'])} roles in {time.perf_counter() - start:.0f} s: "
-                f"peak {worst['peak_bytes'] / 2**30:.1f} GiB on rank {worst['rank']} ({worst['role']}) + "
-                f"{gpu.overhead_gb:g} GiB allowance" + (f"; planner off by > 5% on ranks {off}" if off else ""))
+    measured = (f"{args.world_size} GPUs, {len(doc['ranks'])} roles in "
+                f"{time.perf_counter() - start:.0f} s: peak {worst['peak_bytes'] / 2**30:.1f} GiB "
+                f"on rank {worst['rank']} ({worst['role']}) + {gpu.overhead_gb:g} GiB "
+                "allowance" + (f"; planner off by > 5% on ranks {off}" if off else ""))
     return Check("production layout", need <= limit and not off, measured,
                  f"≤ {limit:.1f} GB ({'--max-memory-gb' if args.max_memory_gb else gpu.name})",
-                 "simulate/report.md breaks each peak down; tools/plan.py --layout config --simulate 1 compares "
-                 "with the planner; lower the peak as for the memory check")
+                 "simulate/report.md breaks each peak down; tools/plan.py --layout config "
+                 "--simulate 1 compares with the planner; lower the peak as for the memory check")

@@ -54,16 +54,18 @@ def data_cache(cfg: Config, out: str) -> str:
     return cfg.data.cache_dir or os.path.join(out, "data_cache")
 
 
-def train_command(args, overrides: list[str], cfg: Config, decay_iters: int, run_dir: str, extra: list[str]):
+def train_command(args, overrides: list[str], cfg: Config, decay_iters: int, run_dir: str,
+                  extra: list[str]):
     launcher = [sys.executable, "-m", "megapretrain.train"]
     if args.nproc_per_node > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", str(args.nproc_per_node), "-m", "megapretrain.train"]
     cache = data_cache(cfg, os.path.dirname(run_dir))
-    ours = ["--run.dir", run_dir, "--train.iters", str(args.iters), "--schedule.decay_iters", str(decay_iters),
-            "--logging.interval", "1", "--logging.tensorboard", "false", "--logging.wandb", "false",
-            "--checkpoint.keep_last", "0", "--checkpoint.keep_every", "0", "--checkpoint.interval_minutes", "0",
-            "--checkpoint.milestone_fraction", "0", "--data.cache_dir", cache]
+    ours = ["--run.dir", run_dir, "--train.iters", str(args.iters), "--schedule.decay_iters",
+            str(decay_iters), "--logging.interval", "1", "--logging.tensorboard", "false",
+            "--logging.wandb", "false", "--checkpoint.keep_last", "0", "--checkpoint.keep_every",
+            "0", "--checkpoint.interval_minutes", "0", "--checkpoint.milestone_fraction", "0",
+            "--data.cache_dir", cache]
     if cfg.train.train_tokens is not None:
         ours += ["--train.train_tokens", "null"]  # the run's length is --iters here
     return [*launcher, "--config", args.config, *overrides, *ours, *extra]
@@ -73,13 +75,15 @@ def run_training(run: Run, timeout_s: float | None, iters: int | None = None) ->
     """Run ``run.command`` (its output to ``run.log``), showing its logged iterations out of
     ``iters`` on a terminal; stopped after ``timeout_s``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     print(f"preflight: {run.name} run -> {run.directory} (log {run.log})", flush=True)
     start = time.monotonic()
     with open(run.log, "w") as log:
         # its own process group, so a timeout stops torchrun's workers too
-        proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
             run.returncode = _wait(proc, run, timeout_s, iters)
         except subprocess.TimeoutExpired:
@@ -96,7 +100,8 @@ def run_training(run: Run, timeout_s: float | None, iters: int | None = None) ->
 
 
 def _wait(proc: subprocess.Popen, run: Run, timeout_s: float | None, iters: int | None) -> int:
-    """``proc``'s exit status; meanwhile a progress bar follows the iterations its metrics.jsonl logs."""
+    """``proc``'s exit status; meanwhile a progress bar follows the iterations its metrics.jsonl
+    logs."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     metrics, seen = os.path.join(run.directory, "metrics.jsonl"), 0
     with progress_bar(iters, f"preflight {run.name}", unit="it") as bar:
@@ -107,9 +112,11 @@ def _wait(proc: subprocess.Popen, run: Run, timeout_s: float | None, iters: int 
                 with open(metrics, "rb") as fh:
                     fh.seek(seen)
                     new = fh.read()
-                complete = new[:new.rfind(b"\n") + 1]  # a line still being written waits for the next look
+                # a line still being written waits for the next look
+                complete = new[:new.rfind(b"\n") + 1]
                 seen += len(complete)
-                logged = [r.get("iter", 0) for r in map(json.loads, complete.splitlines()) if "loss" in r]
+                logged = [r.get("iter", 0) for r in map(json.loads, complete.splitlines())
+                          if "loss" in r]
                 bar.update(max([bar.n, *logged]) - bar.n)
             time.sleep(0.5)
     return status

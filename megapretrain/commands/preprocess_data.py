@@ -1,19 +1,22 @@
 #!/usr/bin/env python
-"""Tokenize a raw corpus into Megatron indexed datasets: OUT_{key}_document.bin/.idx (+ .summary.json).
+"""Tokenize a raw corpus into Megatron indexed datasets: OUT_{key}_document.bin/.idx (+
+.summary.json).
 
     python tools/preprocess_data.py --input corpus.jsonl[.gz|.zst] --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --tokenizer-model gpt2/ --append-eod --workers 8
-    python tools/preprocess_data.py --input shards/ --output-prefix data/web ...   # .jsonl/.parquet/.txt files
-    python tools/preprocess_data.py --hf-dataset saved_ds/ --split train --streaming --output-prefix ...
+    # .jsonl/.parquet/.txt files
+    python tools/preprocess_data.py --input shards/ --output-prefix data/web ...
+    python tools/preprocess_data.py --hf-dataset saved_ds/ --split train --streaming \\
+        --output-prefix ...
 
 Flags are Megatron-LM's, plus input formats and safety. The input is read lazily in chunks; worker
 processes parse and tokenize them; the parent writes results in input order as they arrive, with a
-bounded number of chunks in flight, so memory stays flat whatever the corpus size. ``--partitions N``
-runs N such pipelines on parts of the input (for many cores, where one reader would not keep up)
+bounded number of chunks in flight, so memory stays flat whatever the corpus size. ``--partitions
+N`` runs N such pipelines on parts of the input (for many cores, where one reader would not keep up)
 and joins their outputs in input order. Output is written under temporary names and renamed only
 when complete (the .idx last): a failed run leaves nothing that looks finished, and an existing
-dataset is replaced only with ``--overwrite``. ``OUT_{key}_document.summary.json`` records the counts,
-the tokenizer and the .bin's sha256, which tools/inspect_data.py checks.
+dataset is replaced only with ``--overwrite``. ``OUT_{key}_document.summary.json`` records the
+counts, the tokenizer and the .bin's sha256, which tools/inspect_data.py checks.
 """
 
 from __future__ import annotations
@@ -50,39 +53,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("input")
-    src.add_argument("--input", nargs="+", help="files, directories or glob patterns: JSON lines (.jsonl/.json, "
-                     "optionally .gz/.zst), .parquet, or plain text (anything else)")
+    src.add_argument("--input", nargs="+", help="files, directories or glob patterns: JSON lines "
+                                                "(.jsonl/.json, optionally .gz/.zst), .parquet, or "
+                                                "plain text (anything else)")
     src.add_argument("--input-format", default="auto", choices=("auto",) + readers.FORMATS,
                      help="format of every --input file (default: from each file name)")
     src.add_argument("--text-mode", default="file", choices=("file", "paragraph"),
                      help="plain text: one document per file, or per blank-line-separated block")
-    src.add_argument("--hf-dataset", help="a Hugging Face dataset: a save_to_disk directory, or a builder "
-                     "(json, parquet, text, a local dataset directory) with --hf-data-files")
+    src.add_argument("--hf-dataset",
+                     help="a Hugging Face dataset: a save_to_disk directory, or a builder (json, "
+                          "parquet, text, a local dataset directory) with --hf-data-files")
     src.add_argument("--split", default="train", help="--hf-dataset split")
-    src.add_argument("--streaming", action="store_true", help="--hf-dataset: stream instead of preparing it")
+    src.add_argument("--streaming", action="store_true",
+                     help="--hf-dataset: stream instead of preparing it")
     src.add_argument("--hf-data-files", nargs="+", help="--hf-dataset builder data files")
     src.add_argument("--json-keys", nargs="+", default=["text"],
                      help="keys (JSON) or columns (parquet, HF) to tokenize, one dataset each")
-    p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see the README, 'Tokenizer types')")
+    tok.add_argument("--tokenizer-model", help="tokenizer file or directory (see the README, "
+                                               "'Tokenizer types')")
     tok.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
     tok.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
-    tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
+    tok.add_argument("--append-eod", action="store_true", help="append the end-of-document token "
+                                                               "to each document")
     run = p.add_argument_group("execution")
-    run.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes (in all partitions together)")
+    run.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes (in all "
+                                                                     "partitions together)")
     run.add_argument("--partitions", type=positive_int, default=1,
-                     help="independent reader/tokenizer/writer pipelines over parts of the input, joined at the end")
+                     help="independent reader/tokenizer/writer pipelines over parts of the input, "
+                          "joined at the end")
     run.add_argument("--tokenizer-threads", type=positive_int, default=1,
-                     help="threads each tokenizer process may use (tiktoken, sentencepiece and tokenizers run "
-                          "GIL-free); with --workers 1 this parallelizes inside one process")
-    run.add_argument("--chunk-size", type=positive_int, default=64, help="records per task sent to a worker")
+                     help="threads each tokenizer process may use (tiktoken, sentencepiece and "
+                          "tokenizers run GIL-free); with --workers 1 this parallelizes inside one "
+                          "process")
+    run.add_argument("--chunk-size", type=positive_int, default=64,
+                     help="records per task sent to a worker")
     run.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
     run.add_argument("--skip-bad-records", action="store_true",
                      help="skip and count malformed records instead of stopping at the first one")
-    run.add_argument("--log-interval", type=positive_int, default=1000, help="documents between progress updates")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    run.add_argument("--log-interval", type=positive_int, default=1000,
+                     help="documents between progress updates")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is "
+                                                                "still printed)")
     return p.parse_args(argv)
 
 
@@ -94,7 +109,8 @@ class ChunkEncoder:
         self.dtype, self.threads = np.dtype(dtype), threads
 
     def encode(self, chunk: Chunk) -> dict:
-        """{"tokens": [(tokens, lengths) per key], "errors": [(number, problem)], "empty", "bytes", "docs"}."""
+        """{"tokens": [(tokens, lengths) per key], "errors": [(number, problem)], "empty", "bytes",
+        "docs"}."""
         texts: list[list[str]] = [[] for _ in self.keys]
         errors = []
         for number, item in zip(chunk.numbers, chunk.items):
@@ -130,12 +146,16 @@ class ChunkEncoder:
         return tuple(record[key] for key in self.keys)
 
     def _tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
-        """Concatenated tokens (+ eod per document) and document lengths; empty documents are dropped."""
-        ids = [x for x in self.tokenizer.tokenize_batch([t for t in texts if t], threads=self.threads) if x.size]
+        """Concatenated tokens (+ eod per document) and document lengths; empty documents are
+        dropped."""
+        ids = [x for x in self.tokenizer.tokenize_batch([t for t in texts if t],
+                                                        threads=self.threads) if x.size]
         skipped = len(texts) - len(ids)
         lengths = np.array([x.size + self.append_eod for x in ids], dtype=np.int64)
-        if ids and (min(int(x.min()) for x in ids) < 0 or max(int(x.max()) for x in ids) >= self.tokenizer.vocab_size):
-            raise ValueError(f"the tokenizer produced an id outside its vocab_size {self.tokenizer.vocab_size}")
+        if ids and (min(int(x.min()) for x in ids) < 0 or
+                    max(int(x.max()) for x in ids) >= self.tokenizer.vocab_size):
+            raise ValueError("the tokenizer produced an id outside its vocab_size "
+                             f"{self.tokenizer.vocab_size}")
         tokens = np.empty(int(lengths.sum()), dtype=self.dtype)
         position = 0
         for x in ids:
@@ -155,15 +175,17 @@ _worker_encoder: ChunkEncoder | None = None
 def _init_worker(encoder_args: tuple) -> None:
     global _worker_encoder
     _default_signals()
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no threads on top
+    # one process per core already; no threads on top
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if _worker_encoder is None:
         tokenizer_args, *rest = encoder_args
         _worker_encoder = ChunkEncoder(build_tokenizer(*tokenizer_args), *rest)
 
 
 def _default_signals() -> None:
-    """In a forked child: SIGTERM kills again, whatever handler the parent had installed (a trainer's
-    save-on-SIGTERM handler would make ``Pool.terminate`` wait forever); Ctrl-C is the parent's job."""
+    """In a forked child: SIGTERM kills again, whatever handler the parent had installed (a
+    trainer's save-on-SIGTERM handler would make ``Pool.terminate`` wait forever); Ctrl-C is the
+    parent's job."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -291,22 +313,26 @@ def record_location(source: readers.Source, unit: str, number: int) -> str:
     if source.start > 0:
         with open(source.path, "rb") as f:
             f.seek(source.start - 1)
-            partial = f.read(1) != b"\n"  # the range's first partial line belongs to the previous one
+            # the range's first partial line belongs to the previous one
+            partial = f.read(1) != b"\n"
         number += readers.lines_before(source.path, source.start) + partial
     return f"{source.path}:{number}"
 
 
-def convert(chunks: Iterator[Chunk], encoder: ChunkEncoder, encoder_args: tuple, workers: int, outputs: Outputs,
-            skip_bad: bool, progress) -> tuple[Stats, str | None]:
-    """Tokenize ``chunks`` into ``outputs`` with ``workers`` processes; (stats, first bad record or None)."""
+def convert(chunks: Iterator[Chunk], encoder: ChunkEncoder, encoder_args: tuple, workers: int,
+            outputs: Outputs, skip_bad: bool, progress) -> tuple[Stats, str | None]:
+    """Tokenize ``chunks`` into ``outputs`` with ``workers`` processes; (stats, first bad record or
+    None)."""
     stats = Stats()
     with worker_pool(workers, encoder, encoder_args) as pool:
-        results = map(encoder.encode, chunks) if pool is None else ordered_results(pool, chunks, 4 * workers)
+        results = map(encoder.encode, chunks) if pool is None \
+            else ordered_results(pool, chunks, 4 * workers)
         for result in results:
             for number, problem in result["errors"]:
                 if not skip_bad:
                     where = record_location(result["source"], result["unit"], number)
-                    return stats, f"{where}: {problem} (pass --skip-bad-records to skip such records)"
+                    return stats, f"{where}: {problem} (pass --skip-bad-records to skip such " \
+                                  "records)"
                 stats.bad += 1
             outputs.add(result["tokens"])
             docs = result["tokens"][0][1].size
@@ -322,23 +348,27 @@ def _check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the arguments as one line, or None."""
     if (args.input is None) == (args.hf_dataset is None):
         return "give exactly one of --input (files) and --hf-dataset"
-    if min(args.workers, args.partitions, args.chunk_size, args.log_interval, args.tokenizer_threads) < 1:
-        return "--workers, --partitions, --tokenizer-threads, --chunk-size and --log-interval must be >= 1"
+    if min(args.workers, args.partitions, args.chunk_size, args.log_interval,
+           args.tokenizer_threads) < 1:
+        return "--workers, --partitions, --tokenizer-threads, --chunk-size and --log-interval " \
+               "must be >= 1"
     repeated = sorted({k for k in args.json_keys if args.json_keys.count(k) > 1})
     if repeated:
-        return (f"--json-keys names {', '.join(map(repr, repeated))} more than once: each key writes one dataset "
-                "(OUT_{key}_document); give each key once")
+        return (f"--json-keys names {', '.join(map(repr, repeated))} more than once: each key "
+                "writes one dataset (OUT_{key}_document); give each key once")
     if args.hf_dataset is not None and args.partitions > 1:
         return "--partitions applies to --input files; a --hf-dataset is read by one pipeline"
     needs = {".zst": "zstandard", ".parquet": "pyarrow"}
     for suffix, module in needs.items():
-        if any(suffix in s for s in (args.input or [])) and importlib.util.find_spec(module) is None:
+        if any(suffix in s for s in (args.input or [])) \
+                and importlib.util.find_spec(module) is None:
             return f"reading {suffix} files needs the '{module}' package: pip install {module}"
     if args.hf_dataset is not None and importlib.util.find_spec("datasets") is None:
         return "--hf-dataset needs the 'datasets' package: pip install datasets"
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
-        existing = [prefix + s for s in (".bin", ".idx", ".summary.json") if os.path.exists(prefix + s)]
+        existing = [prefix + s for s in (".bin", ".idx", ".summary.json")
+                    if os.path.exists(prefix + s)]
         if not args.overwrite and existing:
             return f"{existing[0]} already exists; pass --overwrite to replace it"
     return None
@@ -350,9 +380,9 @@ def _describe(e: BaseException, output_prefix: str, outputs: Outputs | None = No
     if isinstance(e, OSError) and e.errno in FULL_DISK:
         where = os.path.dirname(os.path.abspath(output_prefix))
         written = f"{size_text(outputs.bytes_written())} written, " if outputs is not None else ""
-        return (f"no space left on {where} while writing {e.filename or output_prefix + '*'} ({written}"
-                f"{size_text(free_bytes(where) or 0)} free); free space or choose another --output-prefix (the "
-                "partial files were removed, existing ones kept)")
+        return (f"no space left on {where} while writing {e.filename or output_prefix + '*'} "
+                f"({written}{size_text(free_bytes(where) or 0)} free); free space or choose "
+                "another --output-prefix (the partial files were removed, existing ones kept)")
     if isinstance(e, UserError):
         return str(e)
     return f"{type(e).__name__}: {e}"
@@ -363,15 +393,17 @@ def _nothing_to_write(stats: Stats, keys: list[str], outputs: Outputs) -> str | 
     empty = [key for key, documents in zip(keys, outputs.documents) if documents == 0]
     if not empty:
         return None
-    skipped = f"{stats.empty} empty and {stats.bad} bad records were skipped" if stats.empty or stats.bad \
+    skipped = f"{stats.empty} empty and {stats.bad} bad records were skipped" \
+        if stats.empty or stats.bad \
         else "the input holds no records"
-    return (f"no documents to write for --json-keys {' '.join(empty)}: {skipped}; nothing was written (check "
-            "--input, --json-keys and --input-format)")
+    return (f"no documents to write for --json-keys {' '.join(empty)}: {skipped}; nothing was "
+            "written (check --input, --json-keys and --input-format)")
 
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; returns the exit status (0 done, 1 a reported problem, output left untouched)."""
+    """Run the tool; returns the exit status (0 done, 1 a reported problem, output left
+    untouched)."""
     args = parse_args(argv)
     problem = _check_args(args)
     tokenizer_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
@@ -380,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.input is not None:
                 sources = readers.discover(args.input, args.input_format)
-                if any(s.path.endswith(".zst") for s in sources) and importlib.util.find_spec("zstandard") is None:
-                    raise ImportError("reading .zst files needs the 'zstandard' package: pip install zstandard")
+                if any(s.path.endswith(".zst") for s in sources) \
+                        and importlib.util.find_spec("zstandard") is None:
+                    raise ImportError("reading .zst files needs the 'zstandard' package: pip "
+                                      "install zstandard")
             tokenizer = build_tokenizer(*tokenizer_args)
         except (ValueError, OSError, ImportError) as e:
             problem = str(e)
@@ -389,24 +423,28 @@ def main(argv: list[str] | None = None) -> int:
         print_error(problem)
         return 1
     dtype = best_dtype(tokenizer.vocab_size)
-    encoder_args = (tokenizer_args, args.json_keys, args.append_eod, dtype.str, args.tokenizer_threads)
+    encoder_args = (tokenizer_args, args.json_keys, args.append_eod, dtype.str,
+                    args.tokenizer_threads)
     encoder = ChunkEncoder(tokenizer, *encoder_args[1:])
     start = time.perf_counter()
     outputs = None
     try:
         outputs = Outputs(args.output_prefix, args.json_keys, dtype)
-        if args.partitions > 1 and len(groups := readers.split_for_partitions(sources, args.partitions)) > 1:
+        if args.partitions > 1 \
+                and len(groups := readers.split_for_partitions(sources, args.partitions)) > 1:
             stats, problem = _run_partitions(args, groups, encoder, encoder_args, outputs)
         else:
             with throughput_bar(args) as progress:
-                stats, problem = convert(_chunks(args, sources), encoder, encoder_args, args.workers, outputs,
-                                         args.skip_bad_records, progress)
+                stats, problem = convert(_chunks(args, sources), encoder, encoder_args,
+                                         args.workers, outputs, args.skip_bad_records, progress)
         if problem is None:
             problem = _nothing_to_write(stats, args.json_keys, outputs)
         if problem is None:
-            outputs.commit([_summary(args, tokenizer, dtype, key, stats, time.perf_counter() - start)
+            outputs.commit([_summary(args, tokenizer, dtype, key, stats,
+                                     time.perf_counter() - start)
                             for key in args.json_keys])
-    except (OSError, EOFError, ValueError, ImportError) as e:  # unreadable input, full disk, missing column
+    # unreadable input, full disk, missing column
+    except (OSError, EOFError, ValueError, ImportError) as e:
         problem = _describe(e, args.output_prefix, outputs)
     except BaseException:  # a bug or Ctrl-C: leave no partial output either
         if outputs is not None:
@@ -419,36 +457,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     elapsed = time.perf_counter() - start
     for prefix, docs, tokens in zip(outputs.prefixes, outputs.documents, outputs.tokens):
-        print(f"{prefix}: {docs} documents, {tokens} tokens, skipped {stats.empty} empty and {stats.bad} bad "
-              f"records, {stats.bytes / 1e6:.1f} MB in {elapsed:.1f}s, {tokens / max(elapsed, 1e-9):,.0f} tokens/s, "
+        print(f"{prefix}: {docs} documents, {tokens} tokens, skipped {stats.empty} empty and "
+              f"{stats.bad} bad records, {stats.bytes / 1e6:.1f} MB in {elapsed:.1f}s, "
+              f"{tokens / max(elapsed, 1e-9):,.0f} tokens/s, "
               f"{stats.bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s")
     return 0
 
 
 def _chunks(args: argparse.Namespace, sources: list[readers.Source]) -> Iterator[Chunk]:
     if args.hf_dataset is not None:
-        yield from readers.read_hf_chunks(args.hf_dataset, args.split, args.json_keys, args.chunk_size,
-                                          args.streaming, args.hf_data_files)
+        yield from readers.read_hf_chunks(args.hf_dataset, args.split, args.json_keys,
+                                          args.chunk_size, args.streaming, args.hf_data_files)
         return
     for source in sources:
         yield from readers.read_chunks(source, args.json_keys, args.chunk_size, args.text_mode)
 
 
 def _summary(args, tokenizer, dtype: np.dtype, key: str, stats: Stats, seconds: float) -> dict:
-    """The sidecar written beside each output (counts and checksum are filled in by Outputs.commit)."""
+    """The sidecar written beside each output (counts and checksum are filled in by
+    Outputs.commit)."""
     return {
         "format": SUMMARY_FORMAT, "key": key, "dtype": dtype.name, "append_eod": args.append_eod,
-        "tokenizer": {"type": args.tokenizer_type, "model": args.tokenizer_model, "vocab_file": args.vocab_file,
-                      "merge_file": args.merge_file, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
-        "inputs": args.input or [f"{args.hf_dataset}[{args.split}]"],
-        "skipped_empty": stats.empty, "skipped_bad": stats.bad, "input_bytes": stats.bytes,
-        "seconds": round(seconds, 3), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    }
+        "tokenizer": {"type": args.tokenizer_type, "model": args.tokenizer_model,
+                      "vocab_file": args.vocab_file, "merge_file": args.merge_file,
+                      "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
+        "inputs": args.input or [f"{args.hf_dataset}[{args.split}]"], "skipped_empty": stats.empty,
+        "skipped_bad": stats.bad, "input_bytes": stats.bytes, "seconds": round(seconds, 3),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), }
 
 
 @contextlib.contextmanager
 def throughput_bar(args: argparse.Namespace):
-    """A progress callback (documents, tokens, bytes) that drives a tqdm bar with tokens/s and MB/s."""
+    """A progress callback (documents, tokens, bytes) that drives a tqdm bar with tokens/s and
+    MB/s."""
     start, totals = time.perf_counter(), [0, 0]
     with tqdm(unit=" docs", file=sys.stderr, miniters=args.log_interval, smoothing=0.1,
               disable=args.no_progress) as bar:
@@ -456,26 +497,31 @@ def throughput_bar(args: argparse.Namespace):
             totals[0] += tokens
             totals[1] += nbytes
             elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{totals[0] / elapsed:,.0f} tokens/s, {totals[1] / elapsed / 1e6:.1f} MB/s",
-                                refresh=False)
+            bar.set_postfix_str(f"{totals[0] / elapsed:,.0f} tokens/s, "
+                                f"{totals[1] / elapsed / 1e6:.1f} MB/s", refresh=False)
             bar.update(docs)
         yield update
 
 
-def _run_partitions(args, groups, encoder, encoder_args, outputs: Outputs) -> tuple[Stats, str | None]:
+def _run_partitions(args, groups, encoder, encoder_args, outputs: Outputs) -> tuple[Stats,
+                                                                                    str | None]:
     """Convert each group of sources in its own process into a partial dataset, then append the
     partial datasets to ``outputs`` in input order (streamed: nothing is loaded whole)."""
     scratch = os.path.join(os.path.dirname(os.path.abspath(args.output_prefix)),
                            f".{os.path.basename(args.output_prefix)}.partitions.tmp")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-    counters = context.Array("d", 3 * len(groups), lock=False)  # documents, tokens, bytes per partition
+    context = multiprocessing.get_context("fork"
+                                          if "fork" in multiprocessing.get_all_start_methods()
+                                          else None)
+    # documents, tokens, bytes per partition
+    counters = context.Array("d", 3 * len(groups), lock=False)
     results = context.Queue()
     workers = [max(1, args.workers * (k + 1) // len(groups) - args.workers * k // len(groups))
                for k in range(len(groups))]
     processes = [context.Process(target=_partition_main, daemon=False,
-                                 args=(k, group, args, encoder, encoder_args, workers[k], scratch, counters, results))
+                                 args=(k, group, args, encoder, encoder_args, workers[k], scratch,
+                                       counters, results))
                  for k, group in enumerate(groups)]
     total, problem, done = Stats(), None, {}
     try:
@@ -488,7 +534,8 @@ def _run_partitions(args, groups, encoder, encoder_args, outputs: Outputs) -> tu
                     k, stats, error = results.get()
                     done[k] = stats
                     problem = problem or error
-                if len(done) < len(processes) and not any(p.is_alive() for p in processes) and results.empty():
+                if len(done) < len(processes) and not any(p.is_alive() for p in processes) \
+                        and results.empty():
                     problem = "a partition process died without a result (out of memory?)"
                 now = [sum(counters[3 * k + j] for k in range(len(groups))) for j in range(3)]
                 progress(int(now[0] - seen[0]), int(now[1] - seen[1]), int(now[2] - seen[2]))
@@ -508,8 +555,10 @@ def _run_partitions(args, groups, encoder, encoder_args, outputs: Outputs) -> tu
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _partition_main(k, group, args, encoder, encoder_args, workers, scratch, counters, results) -> None:
-    """One partition: its sources into ``scratch/part{k}_{key}_document``; reports (k, stats, problem)."""
+def _partition_main(k, group, args, encoder, encoder_args, workers, scratch, counters,
+                    results) -> None:
+    """One partition: its sources into ``scratch/part{k}_{key}_document``; reports (k, stats,
+    problem)."""
     _default_signals()
     outputs = Outputs(os.path.join(scratch, f"part{k}"), args.json_keys, encoder.dtype)
 

@@ -47,11 +47,15 @@ from megapretrain.resolve import resolve
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Other --section.key VALUE arguments set the target layout.")
-    ap.add_argument("--checkpoint", required=True, help="iter_* directory, or a run directory (its latest)")
+                                 epilog="Other --section.key VALUE arguments set the target "
+                                        "layout.")
+    ap.add_argument("--checkpoint", required=True,
+                    help="iter_* directory, or a run directory (its latest)")
     ap.add_argument("--output", required=True, help="new checkpoint directory")
-    ap.add_argument("--world-size", type=positive_int, required=True, help="ranks of the target run")
-    ap.add_argument("--config", help="the run's config (default: config.yaml of the run that saved it)")
+    ap.add_argument("--world-size", type=positive_int, required=True,
+                    help="ranks of the target run")
+    ap.add_argument("--config",
+                    help="the run's config (default: config.yaml of the run that saved it)")
     return ap.parse_known_args(argv)
 
 
@@ -70,8 +74,8 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
     start = time.perf_counter()
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "resharding") as bar:
         def state_at(pp_rank: int, tp_rank: int) -> dict:
-            state = resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank, sizes.tp, saved_padded,
-                                    lazy=True)
+            state = resharded_state(saved, rank_param_specs(cfg, pp_rank, tp_rank), tp_rank,
+                                    sizes.tp, saved_padded, lazy=True)
             return _counted(state, bar)
 
         files, distinct = write_layout(tmp, sizes.layout, state_at)
@@ -80,7 +84,8 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
         write_metadata(tmp, metadata(iteration=iteration, world_size=args.world_size, layout=layout,
                                      vocab_size=m.vocab_size, padded_vocab=sizes.padded_vocab,
                                      files=files, tensors=shapes,
-                                     resharded_from={"path": os.path.abspath(path), "layout": meta["layout"]}))
+                                     resharded_from={"path": os.path.abspath(path),
+                                                     "layout": meta["layout"]}))
     return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
             f"({args.world_size} ranks, {distinct} distinct files, {size_text(size)} in "
             f"{time.perf_counter() - start:.1f}s); train with --checkpoint.load {args.output}")

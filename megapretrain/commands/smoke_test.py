@@ -1,8 +1,10 @@
 """Check, on the machines of a real job, that every parallel layout computes what one device does.
 
     torchrun --nproc_per_node 8 tools/smoke_test.py                        # every layout of 8 ranks
-    torchrun --nproc_per_node 8 tools/smoke_test.py --layouts "tp=2,pp=2,sp=1,zero=1; tp=8; tp=2,cp=2,sp=1"
-    torchrun --nnodes 2 --nproc_per_node 8 ... tools/smoke_test.py --workdir /shared/smoke --precision bf16
+    torchrun --nproc_per_node 8 tools/smoke_test.py \\
+        --layouts "tp=2,pp=2,sp=1,zero=1; tp=8; tp=2,cp=2,sp=1"
+    torchrun --nnodes 2 --nproc_per_node 8 ... tools/smoke_test.py --workdir /shared/smoke \\
+        --precision bf16
 
 Rank 0 writes a small synthetic corpus, trains a small Llama on it for ``--steps`` steps alone (a
 one-process run of ``megapretrain.train``: the reference), then all ranks train the same model,
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from megapretrain.cli import positive_float, positive_int, print_error, user_errors
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
 
-# the directory holding the megapretrain package (a checkout's root): the PYTHONPATH of the runs it starts
+# the directory holding the megapretrain package (a checkout's root): the PYTHONPATH of the runs it
+# starts
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 8, "ffn_hidden_size": 256}
@@ -41,13 +44,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="auto",
-                    help='";"-separated: "auto" (every tp × pp that divides the world) and/or layouts '
-                         'such as "tp=2,pp=2,vpp=2,cp=2,sp=1,zero=1"')
+                    help='";"-separated: "auto" (every tp × pp that divides the world) and/or '
+                         'layouts such as "tp=2,pp=2,vpp=2,cp=2,sp=1,zero=1"')
     ap.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per layout")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--rtol", type=positive_float, help="largest relative loss difference allowed "
                                                "(default 1e-4 in fp32, 2e-2 in bf16)")
-    ap.add_argument("--workdir", help="new directory on a shared file system (default: runs/smoke_test-TIME)")
+    ap.add_argument("--workdir", help="new directory on a shared file system (default: "
+                                      "runs/smoke_test-TIME)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps={args.steps} must be at least 1")
@@ -82,8 +86,8 @@ def _auto_layouts(world: int) -> list[dict]:
                 if world % (tp * pp * cp) or tp * pp * cp == world == 1:
                     continue  # does not divide, or is the one-process reference itself
                 replicas = world // (tp * pp)  # dp × cp: the ranks ZeRO shards over
-                layouts.append({"tp": tp, "pp": pp, "vpp": 2 if 1 < pp <= 4 else 1, "cp": cp, "sp": int(tp > 1),
-                                "zero": int(replicas > 1)})
+                layouts.append({"tp": tp, "pp": pp, "vpp": 2 if 1 < pp <= 4 else 1, "cp": cp,
+                                "sp": int(tp > 1), "zero": int(replicas > 1)})
     return layouts
 
 
@@ -91,7 +95,8 @@ def layout_name(layout: dict, world: int) -> str:
     cp = layout.get("cp", 1)
     model_parallel = layout["tp"] * layout["pp"] * cp
     dp = world // model_parallel if world % model_parallel == 0 else "?"
-    return (f"tp{layout['tp']} pp{layout['pp']}" + (f" vpp{layout['vpp']}" if layout["vpp"] > 1 else "")
+    return (f"tp{layout['tp']} pp{layout['pp']}" + (f" vpp{layout['vpp']}" if layout["vpp"] > 1
+                                                    else "")
             + (f" cp{cp}" if cp > 1 else "") + f" dp{dp}" + (" sp" if layout["sp"] else "")
             + (f" zero{layout['zero']}" if layout["zero"] else ""))
 
@@ -99,7 +104,8 @@ def layout_name(layout: dict, world: int) -> str:
 def write_corpus(prefix: str, seed: int = 0, docs: int = 400) -> None:
     """Documents of byte-level pseudo-words (learnable), EOS 256 after each."""
     rng = np.random.default_rng(seed)
-    words = [bytes(rng.integers(97, 123, size=int(n))).decode() for n in rng.integers(2, 8, size=64)]
+    words = [bytes(rng.integers(97, 123, size=int(n))).decode()
+             for n in rng.integers(2, 8, size=64)]
     builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
     for _ in range(docs):
         text = " ".join(rng.choice(words, size=int(rng.integers(20, 120))))
@@ -107,17 +113,19 @@ def write_corpus(prefix: str, seed: int = 0, docs: int = 400) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def train_argv(run_dir: str, prefix: str, layout: dict, args, world: int, kv_heads: int) -> list[str]:
-    flags = ["--run.dir", run_dir, "--data.paths", f"[{prefix}]", "--data.tokenizer.type", "ByteTokenizer",
-             "--model.num_kv_heads", str(kv_heads), "--train.seq_length", "64", "--train.micro_batch_size", "1",
-             "--train.global_batch_size", str(4 * world), "--train.iters", str(args.steps),
-             "--train.precision", args.precision, "--train.eval_interval", "0", "--optim.lr", "3e-3",
-             "--optim.eps", "1e-6", "--schedule.warmup_iters", "1", "--checkpoint.interval", "0",
-             "--logging.interval", "1", "--logging.tensorboard", "false", "--recovery.action", "none",
-             "--parallel.tp", str(layout["tp"]), "--parallel.pp", str(layout["pp"]),
-             "--parallel.vpp", str(layout["vpp"]), "--parallel.cp", str(layout.get("cp", 1)),
-             "--parallel.sequence_parallel", str(bool(layout["sp"])).lower(),
-             "--parallel.zero", str(layout["zero"])]
+def train_argv(run_dir: str, prefix: str, layout: dict, args, world: int,
+               kv_heads: int) -> list[str]:
+    flags = ["--run.dir", run_dir, "--data.paths", f"[{prefix}]", "--data.tokenizer.type",
+             "ByteTokenizer", "--model.num_kv_heads", str(kv_heads), "--train.seq_length", "64",
+             "--train.micro_batch_size", "1", "--train.global_batch_size", str(4 * world),
+             "--train.iters", str(args.steps), "--train.precision", args.precision,
+             "--train.eval_interval", "0", "--optim.lr", "3e-3", "--optim.eps", "1e-6",
+             "--schedule.warmup_iters", "1", "--checkpoint.interval", "0", "--logging.interval",
+             "1", "--logging.tensorboard", "false", "--recovery.action", "none", "--parallel.tp",
+             str(layout["tp"]), "--parallel.pp", str(layout["pp"]), "--parallel.vpp",
+             str(layout["vpp"]), "--parallel.cp", str(layout.get("cp", 1)),
+             "--parallel.sequence_parallel", str(bool(layout["sp"])).lower(), "--parallel.zero",
+             str(layout["zero"])]
     for key, value in MODEL.items():
         flags += [f"--model.{key}", str(value)]
     return flags
@@ -143,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     layouts = parse_layouts(args.layouts, world)
     if not layouts:  # before any work: with nothing to compare, the test would prove nothing
         if rank == 0:
-            print_error(f"--layouts {args.layouts!r}: no layout to check on {world} rank(s) (the one-process "
-                        "reference is not compared with itself); run under torchrun with more ranks")
+            print_error(f"--layouts {args.layouts!r}: no layout to check on {world} rank(s) (the "
+                        "one-process reference is not compared with itself); run under torchrun "
+                        "with more ranks")
         return 2
     kv_heads = max([4] + [layout["tp"] for layout in layouts])
     rtol = args.rtol or (1e-4 if args.precision == "fp32" else 2e-2)
@@ -161,12 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(workdir, exist_ok=True)
             write_corpus(os.path.join(workdir, "corpus_text_document"))
             reference = os.path.join(workdir, "reference")
-            env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
             env.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
             layout = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sp": 0, "zero": 0}
             cmd = [sys.executable, "-m", "megapretrain.train",
-                   *train_argv(reference, os.path.join(workdir, "corpus_text_document"), layout, args, world, kv_heads)]
+                   *train_argv(reference, os.path.join(workdir, "corpus_text_document"), layout,
+                               args, world, kv_heads)]
             done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if done.returncode != 0:
                 problem[0] = f"the one-process reference failed:\n{done.stderr[-3000:]}"
@@ -195,31 +206,34 @@ def main(argv: list[str] | None = None) -> int:
             if error is None:
                 losses = losses_of(run_dir)
                 diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
-                worst = max(diffs) if all(d == d for d in diffs) else float("nan")  # max() would skip a NaN
+                # max() would skip a NaN
+                worst = max(diffs) if all(d == d for d in diffs) else float("nan")
                 ok = len(losses) == len(reference) and worst <= rtol
                 failed += not ok
-                rows.append((name, "ok" if ok else "MISMATCH", f"{worst:.1e}", f"{step_s * 1e3:.0f} ms",
-                             f"{losses[-1]:.4f}"))
+                rows.append((name, "ok" if ok else "MISMATCH", f"{worst:.1e}",
+                             f"{step_s * 1e3:.0f} ms", f"{losses[-1]:.4f}"))
             else:
                 rows.append((name, "skipped", "-", "-", error))
     if rank == 0:
-        print(f"\nsmoke test: {world} ranks, {device}, {args.precision}, {args.steps} steps; reference (one process) "
-              f"final loss {reference[-1]:.4f}; tolerance {rtol:g} relative")
+        print(f"\nsmoke test: {world} ranks, {device}, {args.precision}, {args.steps} steps; "
+              f"reference (one process) final loss {reference[-1]:.4f}; tolerance {rtol:g} "
+              "relative")
         header = ("layout", "result", "max rel diff", "step", "final loss")
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
         for r in [header] + rows:
             print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
         with open(os.path.join(workdir, "smoke_test.json"), "w") as fh:
-            json.dump({"world": world, "device": device, "precision": args.precision, "reference": reference,
-                       "rows": rows}, fh, indent=1)
+            json.dump({"world": world, "device": device, "precision": args.precision,
+                       "reference": reference, "rows": rows}, fh, indent=1)
         checked = sum(r[1] != "skipped" for r in rows)
         if not checked:  # nothing compared is not a success
             failed = 1
-            print(f"no layout was checked ({len(rows)} skipped; on {world} rank(s) every tp × pp × cp is the "
-                  f"one-process reference or does not divide it): run on more ranks or give --layouts; details in "
-                  f"{workdir}")
+            print(f"no layout was checked ({len(rows)} skipped; on {world} rank(s) every tp × pp × "
+                  "cp is the one-process reference or does not divide it): run on more ranks or "
+                  f"give --layouts; details in {workdir}")
         else:
-            print(f"{'all layouts match' if not failed else f'{failed} layout(s) differ'}; details in {workdir}")
+            print(f"{'all layouts match' if not failed else f'{failed} layout(s) differ'}; details "
+                  f"in {workdir}")
     result = [failed]
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)

@@ -45,15 +45,16 @@ _COUNTS = ("documents", "sequences", "tokens", "max_token_id")
 
 def check_split(split: list) -> None:
     """``data.split``: three non-negative weights [train, valid, test], train above zero."""
-    if not (len(split) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in split) and split[0] > 0):
-        raise ConfigError(f"data.split={split} must be three non-negative weights [train, valid, test] "
-                          "with train > 0, e.g. [98, 2, 0]")
+    if not (len(split) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in split) and
+            split[0] > 0):
+        raise ConfigError(f"data.split={split} must be three non-negative weights [train, valid, "
+                          "test] with train > 0, e.g. [98, 2, 0]")
 
 
 def read_summary(prefix: str) -> dict | None:
-    """The preprocessing summary of ``prefix``, or None when there is none (e.g. Megatron-made data).
-    A summary whose fields are of the wrong type is refused, naming the field: a ``tokenizer`` that
-    is not an object would otherwise skip the tokenizer check."""
+    """The preprocessing summary of ``prefix``, or None when there is none (e.g. Megatron-made
+    data). A summary whose fields are of the wrong type is refused, naming the field: a
+    ``tokenizer`` that is not an object would otherwise skip the tokenizer check."""
     path = prefix + ".summary.json"
     if not os.path.exists(path):
         return None
@@ -69,7 +70,8 @@ def read_summary(prefix: str) -> dict | None:
         wrong += [f"tokenizer.{k}={tok[k]!r} (not an integer)" for k in ("vocab_size", "eod")
                   if tok.get(k) is not None and not _is_int(tok[k])]
     checksum = summary.get("checksum")
-    if "checksum" in summary and not (isinstance(checksum, dict) and isinstance(checksum.get("bin"), str)):
+    if "checksum" in summary \
+            and not (isinstance(checksum, dict) and isinstance(checksum.get("bin"), str)):
         wrong.append(f"checksum={checksum!r} (not an object with a 'bin' sha256)")
     if wrong:
         raise DataError(f"{path}: {', '.join(wrong)}; the summary is damaged: {_FIX_SUMMARY}")
@@ -90,12 +92,13 @@ def verified_facts(prefix: str, summary: dict | None, cache_dir: str | None) -> 
     known = _read_cache(cache).get(key)
     wants_digest = bool(summary and "checksum" in summary)
     if not (isinstance(known, dict) and (known.get("sha256") or not wants_digest)):
-        found = index_problems(os.path.getsize(data_file_path(prefix)), ds.dtype, ds.sequence_lengths,
-                               ds.sequence_pointers, ds.document_indices)
+        found = index_problems(os.path.getsize(data_file_path(prefix)), ds.dtype,
+                               ds.sequence_lengths, ds.sequence_pointers, ds.document_indices)
         if found:
             check, what = found[0]
-            raise DataError(f"{index_file_path(prefix)}: {check}: {what.replace('the .bin', data_file_path(prefix))}; "
-                            "the .idx and .bin do not belong together or are damaged: re-create them with "
+            raise DataError(f"{index_file_path(prefix)}: {check}: "
+                            f"{what.replace('the .bin', data_file_path(prefix))}; the .idx and "
+                            ".bin do not belong together or are damaged: re-create them with "
                             "tools/preprocess_data.py")
         known = scan_tokens(data_file_path(prefix), ds.dtype, digest=wants_digest)
         known.update(documents=ds.num_documents, sequences=len(ds), tokens=ds.num_tokens)
@@ -111,13 +114,15 @@ def _compare_with_summary(prefix: str, summary: dict | None, facts: dict) -> Non
         return
     path = prefix + ".summary.json"
     if "checksum" in summary and summary["checksum"]["bin"] != facts["sha256"]:
-        raise DataError(f"{data_file_path(prefix)}: its sha256 is {facts['sha256'][:16]}..., {path} records "
-                        f"{summary['checksum']['bin'][:16]}...: the .bin is not the one preprocessing wrote (another "
-                        "dataset's, or changed since); re-create the dataset with tools/preprocess_data.py")
+        raise DataError(f"{data_file_path(prefix)}: its sha256 is {facts['sha256'][:16]}..., "
+                        f"{path} records {summary['checksum']['bin'][:16]}...: the .bin is not the "
+                        "one preprocessing wrote (another dataset's, or changed since); re-create "
+                        "the dataset with tools/preprocess_data.py")
     for name in _COUNTS:
         if name in summary and facts.get(name) is not None and summary[name] != facts[name]:
-            raise DataError(f"{path} records {name}={summary[name]:,}, the files hold {facts[name]:,}: the summary "
-                            f"is stale (left from another build of {prefix}); {_FIX_SUMMARY}")
+            raise DataError(f"{path} records {name}={summary[name]:,}, the files hold "
+                            f"{facts[name]:,}: the summary is stale (left from another build of "
+                            f"{prefix}); {_FIX_SUMMARY}")
 
 
 def _file_key(prefix: str) -> str:
@@ -164,18 +169,21 @@ def check_data_matches_model(paths, tokenizer_type: str, tokenizer_vocab: int, v
     facts = {}
     for _, prefix in parse_data_paths(paths):
         if not dataset_exists(prefix):
-            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it with "
-                                   "tools/preprocess_data.py --output-prefix ... (it appends _text_document)")
+            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it "
+                                   "with tools/preprocess_data.py --output-prefix ... (it appends "
+                                   "_text_document)")
         summary = read_summary(prefix)
         tok = summary.get("tokenizer") if summary else None
         if tok is not None:
             if tok["type"] != tokenizer_type:
-                raise DataError(f"{prefix}.summary.json: the data was tokenized with {tok['type']}, but "
-                                f"data.tokenizer.type={tokenizer_type}; set data.tokenizer to the one used for "
-                                "preprocessing, or tokenize the data again")
+                raise DataError(f"{prefix}.summary.json: the data was tokenized with "
+                                f"{tok['type']}, but data.tokenizer.type={tokenizer_type}; set "
+                                "data.tokenizer to the one used for preprocessing, or tokenize the "
+                                "data again")
             if tok.get("vocab_size") not in (None, tokenizer_vocab):
-                raise DataError(f"{prefix}.summary.json: the data's {tokenizer_type} has {tok['vocab_size']} tokens, "
-                                f"data.tokenizer ({tokenizer_type} {tokenizer_vocab}) another vocabulary; point "
+                raise DataError(f"{prefix}.summary.json: the data's {tokenizer_type} has "
+                                f"{tok['vocab_size']} tokens, data.tokenizer ({tokenizer_type} "
+                                f"{tokenizer_vocab}) another vocabulary; point "
                                 "data.tokenizer.model at the tokenizer used for preprocessing")
         if not verify:
             IndexedDataset(prefix)  # header and sizes
@@ -183,12 +191,13 @@ def check_data_matches_model(paths, tokenizer_type: str, tokenizer_vocab: int, v
         facts[prefix] = found = verified_facts(prefix, summary, cache_dir)
         high = found["max_token_id"]
         if high is not None and high >= vocab_size:
-            raise DataError(f"{data_file_path(prefix)}: token id {high} is not below model.vocab_size={vocab_size}; "
-                            "the data was tokenized with another tokenizer or vocabulary: tokenize it again with "
-                            "data.tokenizer's, or set model.vocab_size to cover it")
+            raise DataError(f"{data_file_path(prefix)}: token id {high} is not below "
+                            f"model.vocab_size={vocab_size}; the data was tokenized with another "
+                            "tokenizer or vocabulary: tokenize it again with data.tokenizer's, or "
+                            "set model.vocab_size to cover it")
         if found["min_token_id"] is not None and found["min_token_id"] < 0:
-            raise DataError(f"{data_file_path(prefix)}: negative token id {found['min_token_id']}; the file is not "
-                            "token ids: re-create it with tools/preprocess_data.py")
+            raise DataError(f"{data_file_path(prefix)}: negative token id {found['min_token_id']}; "
+                            "the file is not token ids: re-create it with tools/preprocess_data.py")
     return facts
 
 
@@ -205,10 +214,12 @@ def changed_datasets(record_path: str, facts: dict[str, dict]) -> list[str]:
         if old.get("sha256") and now.get("sha256"):
             same = old["sha256"] == now["sha256"]
         else:
-            same = (old.get("bin_bytes"), old.get("modified_ns")) == (now["bin_bytes"], now["modified_ns"])
+            same = (old.get("bin_bytes"), old.get("modified_ns")) == (now["bin_bytes"],
+                                                                      now["modified_ns"])
         if not same:
-            changed.append(f"{prefix}: {old.get('documents')} documents, {old.get('tokens')} tokens when the run "
-                           f"started; now {now['documents']} documents, {now['tokens']} tokens (rebuilt)")
+            changed.append(f"{prefix}: {old.get('documents')} documents, {old.get('tokens')} "
+                           f"tokens when the run started; now {now['documents']} documents, "
+                           f"{now['tokens']} tokens (rebuilt)")
     record = {**before, **{os.path.realpath(p): f for p, f in facts.items()}}
     try:
         tmp = f"{record_path}.tmp-{os.getpid()}"
@@ -228,7 +239,7 @@ def resolve_vocab(cfg) -> int:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer_vocab
     elif cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
-                          f"data.tokenizer ({tok.type}: {tokenizer_vocab}); set it to at least "
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary "
+                          f"of data.tokenizer ({tok.type}: {tokenizer_vocab}); set it to at least "
                           f"{tokenizer_vocab} or to null")
     return tokenizer_vocab

@@ -1,4 +1,5 @@
-"""GPT pretraining samples: documents packed into ``seq_length + 1`` token windows, blended by weight.
+"""GPT pretraining samples: documents packed into ``seq_length + 1`` token windows, blended by
+weight.
 
 Three index arrays, built with vectorized numpy and deterministic in ``seed``, turn an
 ``IndexedDataset`` into samples (the scheme of Megatron-LM's GPTDataset, made epoch-local):
@@ -35,7 +36,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from megapretrain.data.index_cache import cached_or_built
-from megapretrain.data.indexed_dataset import IndexedDataset, data_file_path, dataset_exists, index_file_path
+from megapretrain.data.indexed_dataset import (
+    IndexedDataset,
+    data_file_path,
+    dataset_exists,
+    index_file_path,
+)
 
 from ..errors import DataError, MissingFileError, size_text
 from ..host_memory import available_bytes
@@ -43,14 +49,17 @@ from ..host_memory import available_bytes
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
-_INDEX_FORMAT = "megapretrain-gpt-indices-v3"  # bump when the index algorithm changes: invalidates caches
+# bump when the index algorithm changes: invalidates caches
+_INDEX_FORMAT = "megapretrain-gpt-indices-v3"
 _BLEND_FORMAT = "megapretrain-blend-v1"
-_BLEND_OVERSAMPLE = 1.005  # each blended component builds this much more than its share, as Megatron does
+# each blended component builds this much more than its share, as Megatron does
+_BLEND_OVERSAMPLE = 1.005
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
 
 
 class GPTDataset:
-    """Fixed-length training samples cut from a shuffled stream of whole documents (see module docstring).
+    """Fixed-length training samples cut from a shuffled stream of whole documents (see module
+    docstring).
 
     ``document_ids`` index the sequences of ``indexed`` (preprocessing writes one per document);
     ``__getitem__(i)`` returns the i-th sample in training order as ``seq_length + 1`` int64 ids.
@@ -58,25 +67,28 @@ class GPTDataset:
     another process to write them) instead of building them; see ``build_gpt_datasets``.
     """
 
-    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray, seq_length: int, num_samples: int,
-                 seed: int, cache_dir: str | None = None, name: str = "train", build_indices: bool = True,
-                 cache_wait_s: float = CACHE_WAIT_S):
+    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray, seq_length: int,
+                 num_samples: int, seed: int, cache_dir: str | None = None, name: str = "train",
+                 build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
         self.indexed = indexed
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
-        self.seq_length, self.num_samples, self.seed, self.name = int(seq_length), int(num_samples), seed, name
+        self.seq_length, self.num_samples, self.seed, self.name = int(seq_length), int(
+            num_samples), seed, name
         self._validate()
         self.cache_key = self._cache_key()
         start = time.perf_counter()
         indices, built = cached_or_built(
-            cache_dir, self._cache_stem(), self.cache_key, ("doc_index", "sample_index", "shuffle_index"),
-            self._build,
+            cache_dir, self._cache_stem(), self.cache_key,
+            ("doc_index", "sample_index", "shuffle_index"), self._build,
             build_indices, cache_wait_s)
-        logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built else "loaded",
-                    name, indexed.prefix, num_samples, self.num_epochs, time.perf_counter() - start)
+        logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built
+                    else "loaded", name, indexed.prefix, num_samples, self.num_epochs,
+                    time.perf_counter() - start)
         self.doc_index = indices["doc_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"][: self.num_samples]
-        # What __getitem__ reads, as plain arrays: .item() on them is the cheapest scalar access numpy has.
+        # What __getitem__ reads, as plain arrays: .item() on them is the cheapest scalar access
+        # numpy has.
         self._rows = self.sample_index.reshape(-1)
         self._tokens = indexed.tokens
         self._lengths = indexed.sequence_lengths
@@ -84,8 +96,10 @@ class GPTDataset:
         self._shift = int(indexed.dtype.itemsize).bit_length() - 1  # byte pointer -> token index
 
     def __getstate__(self):
-        # The token view into the mapped .bin would pickle as a copy of the whole file: re-derive it.
-        return {k: v for k, v in vars(self).items() if k not in ("_tokens", "_lengths", "_token_starts")}
+        # The token view into the mapped .bin would pickle as a copy of the whole file: re-derive
+        # it.
+        return {k: v for k, v in vars(self).items()
+                if k not in ("_tokens", "_lengths", "_token_starts")}
 
     def __setstate__(self, state):
         vars(self).update(state)
@@ -100,20 +114,26 @@ class GPTDataset:
             raise DataError(f"{where}: seq_length={self.seq_length} must be >= 1 and "
                              f"num_samples={self.num_samples} >= 0")
         if self.document_ids.size == 0:
-            raise DataError(f"{where}: no documents in this split; raise its share in data.split or add data")
+            raise DataError(f"{where}: no documents in this split; raise its share in data.split "
+                            "or add data")
         if self.document_ids.min() < 0 or self.document_ids.max() >= len(self.indexed):
             raise DataError(f"{where}: document ids must lie in [0, {len(self.indexed)})")
         self.tokens_per_epoch = _tokens_of(self.indexed.sequence_lengths, self.document_ids)
         if self.tokens_per_epoch == 0:
             raise DataError(f"{where}: the {self.document_ids.size} documents hold zero tokens")
-        self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch, self.seq_length))
+        self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch,
+                                            self.seq_length))
 
     def _build(self) -> dict[str, np.ndarray]:
         """The index arrays, after checking that building them fits in host memory."""
-        _fits_in_host_memory(index_bytes(self.document_ids.size, self.seq_length, self.num_samples, self.num_epochs),
-                             f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
-                             f"({self.num_samples:,} samples of train.seq_length={self.seq_length:,}, "
-                             f"{self.num_epochs:,} epochs of {self.document_ids.size:,} documents)")
+        _fits_in_host_memory(index_bytes(self.document_ids.size, self.seq_length, self.num_samples,
+                                         self.num_epochs), f"GPTDataset {self.name!r} of "
+                                                           f"{self.indexed.prefix}: its sample "
+                                                           f"indices ({self.num_samples:,} samples "
+                                                           "of "
+                                                           f"train.seq_length={self.seq_length:,}, "
+                                                           f"{self.num_epochs:,} epochs of "
+                                                           f"{self.document_ids.size:,} documents)")
         return build_gpt_indices(self.indexed.sequence_lengths, self.document_ids, self.seq_length,
                                  self.num_epochs, self.seed)
 
@@ -129,7 +149,8 @@ class GPTDataset:
             raise IndexError(f"sample {i} out of range for {self.name} dataset of {n} samples")
         rows, doc_index = self._rows, self.doc_index
         r = 2 * self.shuffle_index.item(i)
-        first, offset, last, end = rows.item(r), rows.item(r + 1), rows.item(r + 2), rows.item(r + 3)
+        first, offset, last, end = rows.item(r), rows.item(r + 1), rows.item(r + 2), rows.item(r
+                                                                                               + 3)
         doc = doc_index.item(first)
         start = (self._token_starts.item(doc) >> self._shift) + offset
         if first == last:  # the common case when documents are longer than samples: one slice
@@ -148,9 +169,11 @@ class GPTDataset:
         return out
 
     def describe(self) -> list[dict]:
-        """One row for this dataset: prefix, split, documents, tokens (per epoch), weight, samples, epochs."""
-        return [{"prefix": self.indexed.prefix, "split": self.name, "documents": int(self.document_ids.size),
-                 "tokens": self.tokens_per_epoch, "weight": 1.0, "samples": self.num_samples,
+        """One row for this dataset: prefix, split, documents, tokens (per epoch), weight, samples,
+        epochs."""
+        return [{"prefix": self.indexed.prefix, "split": self.name,
+                 "documents": int(self.document_ids.size), "tokens": self.tokens_per_epoch,
+                 "weight": 1.0, "samples": self.num_samples,
                  "epochs": round(self.num_samples * self.seq_length / self.tokens_per_epoch, 4)}]
 
     def _cache_key(self) -> str:
@@ -160,8 +183,9 @@ class GPTDataset:
             stat = os.stat(path)
             files[os.path.basename(path)] = [stat.st_size, stat.st_mtime_ns]
         description = {
-            "format": _INDEX_FORMAT, "prefix": os.path.realpath(self.indexed.prefix), "files": files,
-            "document_ids": [int(self.document_ids[0]), int(self.document_ids[-1])] if _is_range(self.document_ids)
+            "format": _INDEX_FORMAT, "prefix": os.path.realpath(self.indexed.prefix),
+            "files": files, "document_ids": [int(self.document_ids[0]), int(self.document_ids[-1])]
+            if _is_range(self.document_ids)
             else hashlib.sha256(self.document_ids.tobytes()).hexdigest(),
             "seq_length": self.seq_length, "num_epochs": self.num_epochs, "seed": int(self.seed),
         }
@@ -173,7 +197,8 @@ class GPTDataset:
 
 def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
     """The fewest whole epochs whose samples number at least ``num_samples``."""
-    # Epochs 0..E-1 own the samples k with k * seq_length < E * tokens_per_epoch; sample n-1 must be one.
+    # Epochs 0..E-1 own the samples k with k * seq_length < E * tokens_per_epoch; sample n-1 must be
+    # one.
     return (num_samples - 1) * seq_length // tokens_per_epoch + 1 if num_samples > 0 else 0
 
 
@@ -186,7 +211,8 @@ def index_bytes(num_documents: int, seq_length: int, num_samples: int, num_epoch
     rows = num_samples + num_epochs
     item = 4 if max(num_epochs * stream, rows) < np.iinfo(np.int32).max else 8
     kept = item * (num_epochs * stream + 2 * rows + rows)
-    return kept * (2 if num_epochs > 1 else 1) + 3 * 8 * (stream + 1) + 4 * 8 * (rows // max(num_epochs, 1) + 1)
+    return kept * (2 if num_epochs > 1
+                   else 1) + 3 * 8 * (stream + 1) + 4 * 8 * (rows // max(num_epochs, 1) + 1)
 
 
 def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
@@ -213,9 +239,11 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
             np.random.default_rng([seed, e]).shuffle(order)
         else:
             order[:] = document_ids[np.random.default_rng([seed, e]).permutation(document_ids.size)]
-        # Token positions (in this epoch's stream) of each sample start, plus the last sample's final token.
+        # Token positions (in this epoch's stream) of each sample start, plus the last sample's
+        # final token.
         positions_first = first * s - e * tokens_per_epoch
-        wrap = _wrap(order, sequence_lengths, positions_first + count * s + 1 - tokens_per_epoch, tokens_per_epoch)
+        wrap = _wrap(order, sequence_lengths, positions_first + count * s + 1 - tokens_per_epoch,
+                     tokens_per_epoch)
         if wrap.size <= room:
             stream[order.size: order.size + wrap.size] = wrap
             stream = stream[: order.size + wrap.size]
@@ -225,11 +253,14 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
         np.cumsum(sequence_lengths[stream], dtype=np.int64, out=starts[1:])
         where = _documents_holding(starts, positions_first, s, count + 1)
         epoch_rows = np.empty((count + 1, 2), dtype=_index_dtype(max(doc_base + stream.size,
-                                                                     int(sequence_lengths.max(initial=0)))))
+                                                                     int(sequence_lengths.max(
+                                                                         initial=0)))))
         np.add(where, doc_base, out=epoch_rows[:, 0], casting="unsafe")
-        epoch_rows[:, 1] = (positions_first + np.arange(count + 1, dtype=np.int64) * s) - starts[where]
+        epoch_rows[:,
+                   1] = (positions_first + np.arange(count + 1, dtype=np.int64) * s) - starts[where]
         rows.append(epoch_rows)
-        order_of_samples = np.arange(row_base, row_base + count, dtype=_index_dtype(row_base + count))
+        order_of_samples = np.arange(row_base, row_base + count,
+                                     dtype=_index_dtype(row_base + count))
         np.random.default_rng([seed, e, 1 << 31]).shuffle(order_of_samples)
         served.append(order_of_samples)
         docs.append(stream)
@@ -238,16 +269,19 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
     if num_epochs == 1:
         return {"doc_index": docs[0], "sample_index": rows[0], "shuffle_index": served[0]}
     return {"doc_index": np.concatenate(docs),
-            "sample_index": np.concatenate(rows).astype(_index_dtype(max(doc_base, int(sequence_lengths.max())))),
+            "sample_index": np.concatenate(rows).astype(
+                _index_dtype(max(doc_base, int(sequence_lengths.max())))),
             "shuffle_index": np.concatenate(served).astype(_index_dtype(row_base))}
 
 
 def _is_range(ids: np.ndarray, block: int = 1 << 20) -> bool:
-    """True when ``ids`` is ``first, first + 1, ..., last`` (checked blockwise: no large temporaries)."""
+    """True when ``ids`` is ``first, first + 1, ..., last`` (checked blockwise: no large
+    temporaries)."""
     if ids.size == 0 or ids[-1] - ids[0] + 1 != ids.size:
         return False
     first = int(ids[0])
-    return all(np.array_equal(ids[i: i + block], np.arange(first + i, first + min(i + block, ids.size)))
+    return all(np.array_equal(ids[i: i + block],
+                              np.arange(first + i, first + min(i + block, ids.size)))
                for i in range(0, ids.size, block))
 
 
@@ -269,7 +303,8 @@ def _documents_holding(starts: np.ndarray, first: int, step: int, count: int) ->
     return np.cumsum(np.bincount(ends, minlength=count + 1)[:count])
 
 
-def _wrap(order: np.ndarray, sequence_lengths: np.ndarray, needed: int, tokens_per_epoch: int) -> np.ndarray:
+def _wrap(order: np.ndarray, sequence_lengths: np.ndarray, needed: int,
+          tokens_per_epoch: int) -> np.ndarray:
     """The first documents of ``order`` (cyclically) that hold at least ``needed`` tokens."""
     if needed <= 0:
         return order[:0]
@@ -283,7 +318,8 @@ def _wrap(order: np.ndarray, sequence_lengths: np.ndarray, needed: int, tokens_p
 
 
 class BlendedDataset:
-    """Interleaves datasets so that every stretch of samples mixes them in proportion to ``weights``.
+    """Interleaves datasets so that every stretch of samples mixes them in proportion to
+    ``weights``.
 
     Sample ``i`` comes from the dataset whose count lags its target ``weight * (i + 1)`` the most
     (ties go to the lower index), Megatron-LM's greedy blending. For two datasets every prefix's
@@ -295,38 +331,43 @@ class BlendedDataset:
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
-                 cache_dir: str | None = None, build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
+                 cache_dir: str | None = None, build_indices: bool = True,
+                 cache_wait_s: float = CACHE_WAIT_S):
         if len(datasets) != len(weights) or not datasets:
-            raise DataError(f"BlendedDataset needs one weight per dataset, got {len(datasets)} datasets and "
-                             f"{len(weights)} weights")
-        self.datasets, self.weights = list(datasets), _normalize_weights(weights, "BlendedDataset weights")
+            raise DataError(f"BlendedDataset needs one weight per dataset, got {len(datasets)} "
+                            f"datasets and {len(weights)} weights")
+        self.datasets, self.weights = list(datasets), _normalize_weights(weights,
+                                                                         "BlendedDataset weights")
         self.num_samples, self.seed = int(num_samples), seed
         # The assignment depends on the weights and the count only; components are named in the stem
         # so that an entry is easy to trace back, not because the indices depend on them.
         keys = [getattr(d, "cache_key", None) for d in self.datasets]
-        blob = json.dumps({"format": _BLEND_FORMAT, "weights": self.weights.tolist(), "n": self.num_samples,
-                           "components": keys})
+        blob = json.dumps({"format": _BLEND_FORMAT, "weights": self.weights.tolist(),
+                           "n": self.num_samples, "components": keys})
         key = hashlib.sha256(blob.encode()).hexdigest()
         stem = f"blend_{key[:24]}" if all(keys) else None
         indices, _ = cached_or_built(
             cache_dir, stem, key, ("dataset_index", "dataset_sample_index"),
             self._build,
             build_indices, cache_wait_s)
-        self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices["dataset_sample_index"]
+        self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices[
+            "dataset_sample_index"]
         self._check_component_sizes()
 
     def _build(self) -> dict[str, np.ndarray]:
         # an int16 and an int64 per sample, and as much again in temporaries (argsort, counts)
-        _fits_in_host_memory(4 * 10 * self.num_samples, f"the blend of {len(self.datasets)} datasets "
-                             f"({self.num_samples:,} samples)")
-        return dict(zip(("dataset_index", "dataset_sample_index"), blending_indices(self.weights, self.num_samples)))
+        _fits_in_host_memory(4 * 10 * self.num_samples,
+                             f"the blend of {len(self.datasets)} datasets ({self.num_samples:,} "
+                             "samples)")
+        return dict(zip(("dataset_index", "dataset_sample_index"),
+                        blending_indices(self.weights, self.num_samples)))
 
     def _check_component_sizes(self) -> None:
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for dataset, count in zip(self.datasets, needed):
             if count > len(dataset):
-                raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} has "
-                                 f"{len(dataset)} samples but the blend draws {count} from it")
+                raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} "
+                                f"has {len(dataset)} samples but the blend draws {count} from it")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -337,7 +378,8 @@ class BlendedDataset:
         return self.datasets[self.dataset_index.item(i)][self.dataset_sample_index.item(i)]
 
     def describe(self) -> list[dict]:
-        """One row per component: its prefix, documents and tokens, blend weight and samples drawn."""
+        """One row per component: its prefix, documents and tokens, blend weight and samples
+        drawn."""
         drawn = np.bincount(self.dataset_index, minlength=len(self.datasets))
         rows = []
         for dataset, weight, count in zip(self.datasets, self.weights, drawn):
@@ -353,16 +395,18 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
 
     Returns (dataset_index, dataset_sample_index): which dataset serves sample ``i``, and which of
     that dataset's samples it is. For two datasets the choices have a closed form (vectorized: 1B
-    samples in seconds). With more, the choice at step ``i`` depends on all earlier choices, so it is a
-    tight loop on Python floats (about 1 us per sample; cached, and built once per node).
+    samples in seconds). With more, the choice at step ``i`` depends on all earlier choices, so it
+    is a tight loop on Python floats (about 1 us per sample; cached, and built once per node).
     """
     weights = [float(w) for w in weights]
     if len(weights) == 1:
         return np.zeros(num_samples, dtype=np.int16), np.arange(num_samples, dtype=np.int64)
     if len(weights) == 2:
         # Two datasets: the lags sum to 1, so dataset 0 is chosen iff its lag is >= 1/2, which makes
-        # its count after t samples floor(w0 * t + 1/2) (by induction): the same choices, vectorized.
-        counts0 = np.floor(weights[0] * np.arange(num_samples + 1, dtype=np.float64) + 0.5).astype(np.int64)
+        # its count after t samples floor(w0 * t + 1/2) (by induction): the same choices,
+        # vectorized.
+        counts0 = np.floor(weights[0] * np.arange(num_samples + 1, dtype=np.float64)
+                           + 0.5).astype(np.int64)
         dataset_index = (1 - np.diff(counts0)).astype(np.int16)
         taken0 = counts0[:-1]  # dataset 0's samples before sample i
         return dataset_index, np.where(dataset_index == 0, taken0, np.arange(num_samples) - taken0)
@@ -382,7 +426,8 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
     dataset_index = np.frombuffer(chosen, dtype=np.uint16).astype(np.int16)
     # The j-th time dataset d is chosen it serves its sample j: a per-dataset running count.
     order = np.argsort(dataset_index, kind="stable")
-    group_starts = np.concatenate([[0], np.cumsum(np.bincount(dataset_index, minlength=len(weights)))[:-1]])
+    group_starts = np.concatenate([[0], np.cumsum(np.bincount(dataset_index,
+                                                              minlength=len(weights)))[:-1]])
     dataset_sample_index = np.empty(num_samples, dtype=np.int64)
     dataset_sample_index[order] = np.arange(num_samples) - np.repeat(group_starts, counts)
     return dataset_index, dataset_sample_index
@@ -391,16 +436,17 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
 def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[np.ndarray]:
     """Split document ids ``0..num_documents-1`` into contiguous train/valid/test ranges by weight.
 
-    ``split`` is up to three non-negative weights (``[98, 2, 0]``, or Megatron's string ``"98,2,0"``),
-    normalized; missing entries are 0. Boundaries are rounded cumulative fractions, so the ranges
-    always cover every document exactly once.
+    ``split`` is up to three non-negative weights (``[98, 2, 0]``, or Megatron's string
+    ``"98,2,0"``), normalized; missing entries are 0. Boundaries are rounded cumulative fractions,
+    so the ranges always cover every document exactly once.
     """
     if isinstance(split, str):
         split = [float(s) for s in split.replace(",", " ").split()]
     weights = [float(w) for w in split]
-    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"data.split={list(split)} must be 1-3 non-negative weights with a positive sum, "
-                         "e.g. [98, 2, 0]")
+    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) \
+            or sum(weights) <= 0:
+        raise DataError(f"data.split={list(split)} must be 1-3 non-negative weights with a "
+                        "positive sum, e.g. [98, 2, 0]")
     weights += [0.0] * (3 - len(weights))
     fractions = np.cumsum(weights) / sum(weights)
     bounds = np.concatenate([[0], np.round(fractions * num_documents)]).astype(np.int64)
@@ -420,14 +466,16 @@ def parse_data_paths(paths: Sequence | str) -> list[tuple[float | None, str]]:
     pairs_ok = len(items) % 2 == 0 and all(w is not None for w in weights[0::2]) and \
         all(w is None for w in weights[1::2])
     if not pairs_ok:
-        raise DataError(f"data.paths={items} must be prefixes [A, B] or weight/prefix pairs [0.3, A, 0.7, B]")
+        raise DataError(f"data.paths={items} must be prefixes [A, B] or weight/prefix pairs [0.3, "
+                        "A, 0.7, B]")
     _normalize_weights(weights[0::2], "data.paths weights")
     return [(weights[i], str(items[i + 1])) for i in range(0, len(items), 2)]
 
 
-def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_length: int, seed: int,
-                       num_samples: dict[str, int], cache_dir: str | None, build_indices: bool = True,
-                       cache_wait_s: float = CACHE_WAIT_S) -> dict[str, GPTDataset | BlendedDataset | None]:
+def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_length: int,
+                       seed: int, num_samples: dict[str, int], cache_dir: str | None,
+                       build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S) -> dict[
+                           str, GPTDataset | BlendedDataset | None]:
     """Train/valid/test datasets over one or more weighted prefixes (None where num_samples is 0).
 
     Each prefix is split into train/valid/test documents by ``split`` on its own. Unweighted
@@ -452,12 +500,14 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
     """
     unknown = set(num_samples) - set(SPLIT_NAMES)
     if unknown:
-        raise ValueError(f"num_samples has unknown splits {sorted(unknown)}; use {', '.join(SPLIT_NAMES)}")
+        raise ValueError(f"num_samples has unknown splits {sorted(unknown)}; use "
+                         f"{', '.join(SPLIT_NAMES)}")
     pairs = parse_data_paths(paths)
     for _, prefix in pairs:
         if not dataset_exists(prefix):
-            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it with "
-                                    "tools/preprocess_data.py --output-prefix ... (it appends _text_document)")
+            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it "
+                                   "with tools/preprocess_data.py --output-prefix ... (it appends "
+                                   "_text_document)")
     indexed = [IndexedDataset(prefix) for _, prefix in pairs]
     doc_splits = [split_document_ids(len(ds), split) for ds in indexed]
     options = {"cache_dir": cache_dir, "build_indices": build_indices, "cache_wait_s": cache_wait_s}
@@ -468,15 +518,18 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
             result[name] = None
             continue
         members = [(w, ds, docs[s]) for (w, _), ds, docs in zip(pairs, indexed, doc_splits)]
-        if all(w is None for w, _, _ in members):  # weight by tokens; drop prefixes empty in this split
-            members = [(float(ds.sequence_lengths[docs].sum(dtype=np.int64)), ds, docs) for _, ds, docs in members]
+        # weight by tokens; drop prefixes empty in this split
+        if all(w is None for w, _, _ in members):
+            members = [(float(ds.sequence_lengths[docs].sum(dtype=np.int64)), ds, docs) for _, ds,
+                       docs in members]
             members = [m for m in members if m[0] > 0] or members[:1]
         if len(members) == 1:
-            result[name] = GPTDataset(members[0][1], members[0][2], seq_length, n, seed, name=name, **options)
+            result[name] = GPTDataset(members[0][1], members[0][2], seq_length, n, seed, name=name,
+                                      **options)
             continue
         weights = _normalize_weights([w for w, _, _ in members], "data.paths weights")
-        parts = [GPTDataset(ds, docs, seq_length, math.ceil(w * n * _BLEND_OVERSAMPLE + 1), seed, name=name,
-                            **options) for w, (_, ds, docs) in zip(weights, members)]
+        parts = [GPTDataset(ds, docs, seq_length, math.ceil(w * n * _BLEND_OVERSAMPLE + 1), seed,
+                            name=name, **options) for w, (_, ds, docs) in zip(weights, members)]
         result[name] = BlendedDataset(parts, weights, n, seed, **options)
     return result
 
@@ -484,23 +537,27 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
 def describe_datasets(datasets: dict[str, GPTDataset | BlendedDataset | None]) -> list[dict]:
     """Per split and prefix: documents, tokens (one epoch of that split), weight, samples, epochs.
 
-    What a trainer logs at start-up, e.g. ``for row in describe_datasets(ds): log(format_row(row))``.
+    What a trainer logs at start-up, e.g. ``for row in describe_datasets(ds):
+    log(format_row(row))``.
     """
-    return [row for name in SPLIT_NAMES if datasets.get(name) is not None for row in datasets[name].describe()]
+    return [row for name in SPLIT_NAMES if datasets.get(name) is not None
+            for row in datasets[name].describe()]
 
 
 def format_description(rows: list[dict]) -> str:
     """``describe_datasets`` rows as aligned text lines, one per split and prefix."""
-    return "\n".join(f"data {r['split']:<5} {r['prefix']}: {r['documents']:,} docs, {r['tokens']:,} tokens, "
-                     f"weight {r['weight']:.4f}, {r['samples']:,} samples ({r['epochs']:.3f} epochs)" for r in rows)
+    return "\n".join(f"data {r['split']:<5} {r['prefix']}: {r['documents']:,} docs, "
+                     f"{r['tokens']:,} tokens, weight {r['weight']:.4f}, {r['samples']:,} samples "
+                     f"({r['epochs']:.3f} epochs)" for r in rows)
 
 
 def _fits_in_host_memory(needed: int, what: str) -> None:
     """Refuse, before allocating anything, index arrays larger than the host memory available."""
     free = available_bytes()
     if free is not None and needed > free:
-        raise DataError(f"{what} need about {size_text(needed)} of host memory to build, {size_text(free)} is "
-                        "available; lower train.seq_length, train.iters or train.global_batch_size, or add data")
+        raise DataError(f"{what} need about {size_text(needed)} of host memory to build, "
+                        f"{size_text(free)} is available; lower train.seq_length, train.iters or "
+                        "train.global_batch_size, or add data")
 
 
 def _normalize_weights(weights: Sequence[float], what: str) -> np.ndarray:

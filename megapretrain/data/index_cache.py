@@ -42,20 +42,22 @@ def load_indices(cache_dir: str | None, stem: str | None, key: str, names: Seque
         if arrays is not None or wait_s <= 0:
             return arrays
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {wait_s:.0f}s for {manifest}, which the node's local rank 0 builds "
-                               "(build_indices=True); is data.cache_dir the same directory for every rank "
-                               "of the node, and did local rank 0 fail?")
+            raise TimeoutError(f"waited {wait_s:.0f}s for {manifest}, which the node's local rank "
+                               "0 builds (build_indices=True); is data.cache_dir the same "
+                               "directory for every rank of the node, and did local rank 0 fail?")
         time.sleep(POLL_S)
 
 
-def save_indices(cache_dir: str | None, stem: str | None, key: str, arrays: dict[str, np.ndarray]) -> None:
+def save_indices(cache_dir: str | None, stem: str | None, key: str,
+                 arrays: dict[str, np.ndarray]) -> None:
     """Write each array under a temporary name and rename it, then the manifest last."""
     if cache_dir is None or stem is None:
         return
     os.makedirs(cache_dir, exist_ok=True)
     described = {}
     needed = sum(arr.nbytes for arr in arrays.values())
-    with full_disk_guard(cache_dir, needed, "free space there, or set data.cache_dir to a disk with room"):
+    with full_disk_guard(cache_dir, needed,
+                         "free space there, or set data.cache_dir to a disk with room"):
         for name, arr in arrays.items():
             _atomic_write(os.path.join(cache_dir, f"{stem}_{name}.npy"),
                           lambda f, a=arr: np.save(f, a, allow_pickle=False))
@@ -82,7 +84,8 @@ def cached_or_built(cache_dir: str | None, stem: str | None, key: str, names: Se
     return arrays, True
 
 
-def _read_entry(cache_dir: str, stem: str, key: str, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+def _read_entry(cache_dir: str, stem: str, key: str,
+                names: Sequence[str]) -> dict[str, np.ndarray] | None:
     try:
         with open(os.path.join(cache_dir, f"{stem}.json"), encoding="utf-8") as f:
             manifest = json.load(f)
@@ -95,18 +98,21 @@ def _read_entry(cache_dir: str, stem: str, key: str, names: Sequence[str]) -> di
         path = os.path.join(cache_dir, f"{stem}_{name}.npy")
         expected = manifest["arrays"][name]
         try:  # an empty array cannot be memory-mapped: read it
-            arr = np.load(path, mmap_mode="r" if np.prod(expected["shape"]) else None, allow_pickle=False)
+            arr = np.load(path, mmap_mode="r" if np.prod(expected["shape"]) else None,
+                          allow_pickle=False)
         except (OSError, ValueError):
             return None
         if list(arr.shape) != expected["shape"] or arr.dtype.str != expected["dtype"]:
             return None
-        # A plain ndarray view of the map: indexing a np.memmap subclass costs a Python call each time.
+        # A plain ndarray view of the map: indexing a np.memmap subclass costs a Python call each
+        # time.
         arrays[name] = np.asarray(arr)
     return arrays
 
 
 def _atomic_write(path: str, write: Callable) -> None:
-    """``write(file)`` into a temporary name, renamed to ``path`` when whole; removed if it fails."""
+    """``write(file)`` into a temporary name, renamed to ``path`` when whole; removed if it
+    fails."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

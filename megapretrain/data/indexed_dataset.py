@@ -7,7 +7,8 @@ A dataset is two files sharing a prefix:
 
       b"MMIDIDX\\x00\\x00"     9-byte magic
       <Q version = 1
-      <B dtype code          (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
+      <B dtype code          (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8
+                             uint16)
       <Q sequence_count
       <Q document_count      (= len(document_indices))
       int32 sequence_lengths[sequence_count]
@@ -43,7 +44,8 @@ _FIX = "re-create it with tools/preprocess_data.py"
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
-    """The smallest token dtype Megatron uses for a vocabulary: uint16 below 65500 ids, else int32."""
+    """The smallest token dtype Megatron uses for a vocabulary: uint16 below 65500 ids, else
+    int32."""
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
@@ -82,7 +84,8 @@ class IndexedDatasetBuilder:
         self.sequence_count = 0
         self.document_count = 0  # documents closed so far (document_indices has one more entry)
         self.token_count = 0
-        self.max_token = -1  # the largest id written (recorded in summaries: data and model must agree)
+        # the largest id written (recorded in summaries: data and model must agree)
+        self.max_token = -1
         self._open_document = False
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
@@ -107,8 +110,8 @@ class IndexedDatasetBuilder:
         """Append many one-sequence documents at once: ``tokens`` is their concatenation."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != np.asarray(tokens).size:
-            raise ValueError(f"add_documents: lengths sum to {int(lengths.sum())} but {np.asarray(tokens).size} "
-                             "tokens were given")
+            raise ValueError(f"add_documents: lengths sum to {int(lengths.sum())} but "
+                             f"{np.asarray(tokens).size} tokens were given")
         if self._open_document:
             raise ValueError("add_documents: call end_document() first; a document is still open")
         self._write_tokens(self._as_dtype(tokens))
@@ -122,22 +125,24 @@ class IndexedDatasetBuilder:
         ``progress(nbytes)`` is called as its .bin's bytes are copied."""
         source = IndexedDataset(prefix)
         if source.dtype != self.dtype:
-            raise DataError(f"{prefix}: token dtype {source.dtype} differs from the output's {self.dtype}; "
-                             "merge only datasets made with the same tokenizer")
+            raise DataError(f"{prefix}: token dtype {source.dtype} differs from the output's "
+                            f"{self.dtype}; merge only datasets made with the same tokenizer")
         if self._open_document:
             raise ValueError("add_index: call end_document() first; a document is still open")
         first = self.sequence_count
         for i in range(0, len(source), chunk):
             self._write_lengths(source.sequence_lengths[i:i + chunk].astype(np.int64))
         for i in range(1, source.document_indices.size, chunk):
-            self._docs_file.write((source.document_indices[i:i + chunk] + first).astype(np.int64).tobytes())
+            self._docs_file.write((source.document_indices[i:i + chunk]
+                                   + first).astype(np.int64).tobytes())
         self.document_count += source.num_documents
         with open(data_file_path(prefix), "rb") as f:
             while block := f.read(16 << 20):
                 self._file.write(block)
                 self._hash.update(block)
                 if block:
-                    self.max_token = max(self.max_token, int(np.frombuffer(block, dtype=self.dtype).max()))
+                    self.max_token = max(self.max_token,
+                                         int(np.frombuffer(block, dtype=self.dtype).max()))
                 if progress is not None:
                     progress(len(block))
         self.token_count += source.num_tokens
@@ -153,8 +158,8 @@ class IndexedDatasetBuilder:
             self.end_document()
         self._file.close()
         with open(idx_path, "wb") as f:
-            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], self.sequence_count,
-                                 self.document_count + 1))
+            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype],
+                                 self.sequence_count, self.document_count + 1))
             for block in _read_blocks(self._lengths_file, np.int32, chunk):
                 f.write(block.tobytes())
             pointer = 0  # byte offset of the next sequence
@@ -186,8 +191,8 @@ class IndexedDatasetBuilder:
 
     def _write_lengths(self, lengths: np.ndarray) -> None:
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise DataError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the format's "
-                             "int32 length field")
+            raise DataError(f"{self.bin_path}: a sequence of {lengths.max()} tokens exceeds the "
+                            "format's int32 length field")
         self._lengths_file.write(lengths.astype(np.int32).tobytes())
         self.sequence_count += lengths.size
 
@@ -208,8 +213,9 @@ class IndexedDatasetBuilder:
                 info = np.iinfo(self.dtype)
                 low, high = int(arr.min()), int(arr.max())
                 if low < info.min or high > info.max:
-                    raise DataError(f"token id {high if high > info.max else low} does not fit the dataset dtype "
-                                     f"{self.dtype}; choose the dtype with best_dtype(tokenizer.vocab_size)")
+                    raise DataError(f"token id {high if high > info.max else low} does not fit the "
+                                    f"dataset dtype {self.dtype}; choose the dtype with "
+                                    "best_dtype(tokenizer.vocab_size)")
             arr = arr.astype(self.dtype)
         return np.ascontiguousarray(arr).reshape(-1)
 
@@ -226,9 +232,9 @@ def _read_blocks(f, dtype, count: int):
 class IndexedDataset:
     """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``.
 
-    ``ds[i]`` and ``ds.get(i, offset, length)`` return numpy views into the mapped .bin file (no copy).
-    The header and the file sizes are checked on open, so a truncated or foreign file fails at once
-    with a message that names it, instead of producing garbage tokens later.
+    ``ds[i]`` and ``ds.get(i, offset, length)`` return numpy views into the mapped .bin file (no
+    copy). The header and the file sizes are checked on open, so a truncated or foreign file fails
+    at once with a message that names it, instead of producing garbage tokens later.
     """
 
     def __init__(self, prefix: str):
@@ -236,29 +242,37 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise MissingFileError(f"{path} not found; create the dataset with tools/preprocess_data.py")
+                raise MissingFileError(f"{path} not found; create the dataset with "
+                                       "tools/preprocess_data.py")
         self._idx_map = _map_file(idx_path)
         self.dtype, count, documents = _read_header(idx_path, self._idx_map)
         offset = _HEADER.size
-        self.sequence_lengths = np.frombuffer(self._idx_map, dtype=np.int32, count=count, offset=offset)
+        self.sequence_lengths = np.frombuffer(self._idx_map, dtype=np.int32, count=count,
+                                              offset=offset)
         offset += 4 * count
-        self.sequence_pointers = np.frombuffer(self._idx_map, dtype=np.int64, count=count, offset=offset)
+        self.sequence_pointers = np.frombuffer(self._idx_map, dtype=np.int64, count=count,
+                                               offset=offset)
         offset += 8 * count
-        self.document_indices = np.frombuffer(self._idx_map, dtype=np.int64, count=documents, offset=offset)
+        self.document_indices = np.frombuffer(self._idx_map, dtype=np.int64, count=documents,
+                                              offset=offset)
         _check_documents(idx_path, self.document_indices, count)
         self._bin_map = _map_file(bin_path)
         self._bin_size = os.path.getsize(bin_path)
         self._check_data_size(bin_path)
-        self.tokens = np.frombuffer(self._bin_map, dtype=self.dtype)  # every token of the .bin, no copy
+        # every token of the .bin, no copy
+        self.tokens = np.frombuffer(self._bin_map, dtype=self.dtype)
 
     def _check_data_size(self, bin_path: str) -> None:
-        """The .bin must end exactly where the last sequence does (catches truncation and mismatched pairs)."""
+        """The .bin must end exactly where the last sequence does (catches truncation and mismatched
+        pairs)."""
         expected = 0
         if len(self):
-            expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            expected = int(self.sequence_pointers[-1]) + int(
+                self.sequence_lengths[-1]) * self.dtype.itemsize
         if self._bin_size != expected:
-            raise DataError(f"{bin_path}: size {self._bin_size} bytes but {index_file_path(self.prefix)} describes "
-                             f"{expected} bytes (truncated, or .bin/.idx from different runs); {_FIX}")
+            raise DataError(f"{bin_path}: size {self._bin_size} bytes but "
+                            f"{index_file_path(self.prefix)} describes {expected} bytes "
+                            f"(truncated, or .bin/.idx from different runs); {_FIX}")
 
     def __len__(self) -> int:
         return self.sequence_lengths.size
@@ -276,7 +290,8 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of {size} tokens")
+            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} "
+                             f"of {size} tokens")
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin_map, dtype=self.dtype, count=length, offset=start)
 
@@ -310,19 +325,25 @@ def _map_file(path: str):
 def _read_header(idx_path: str, buf) -> tuple[np.dtype, int, int]:
     """Validate the .idx header and its size; return (dtype, sequence count, document count)."""
     if len(buf) < _HEADER.size:
-        raise DataError(f"{idx_path}: {len(buf)} bytes is too short for an MMIDIDX index header; {_FIX}")
+        raise DataError(f"{idx_path}: {len(buf)} bytes is too short for an MMIDIDX index header; "
+                        f"{_FIX}")
     magic, version, code, count, documents = _HEADER.unpack_from(buf, 0)
     if magic != INDEX_MAGIC:
-        raise DataError(f"{idx_path}: not an MMIDIDX index (magic {magic!r}, expected {INDEX_MAGIC!r}); {_FIX}")
+        raise DataError(f"{idx_path}: not an MMIDIDX index (magic {magic!r}, expected "
+                        f"{INDEX_MAGIC!r}); {_FIX}")
     if version != INDEX_VERSION:
-        raise DataError(f"{idx_path}: index version {version}, only version {INDEX_VERSION} is supported; {_FIX}")
+        raise DataError(f"{idx_path}: index version {version}, only version {INDEX_VERSION} is "
+                        f"supported; {_FIX}")
     if code not in DTYPE_CODES:
-        raise DataError(f"{idx_path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); {_FIX}")
+        raise DataError(f"{idx_path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); "
+                        f"{_FIX}")
     expected = _HEADER.size + 12 * count + 8 * documents
-    # Megatron's multimodal variant appends one int8 mode per sequence; those files are readable too.
+    # Megatron's multimodal variant appends one int8 mode per sequence; those files are readable
+    # too.
     if len(buf) not in (expected, expected + count):
-        raise DataError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, {documents} "
-                         f"documents) needs {expected}; the file is truncated or corrupt; {_FIX}")
+        raise DataError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, "
+                        f"{documents} documents) needs {expected}; the file is truncated or "
+                        f"corrupt; {_FIX}")
     return DTYPE_CODES[code], count, documents
 
 
@@ -344,12 +365,14 @@ def index_problems(bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers
         if bad.size:
             j = i + int(bad[0])
             found.append(("pointers", f"sequence {j} starts at byte {int(pointers[j])}, expected "
-                          f"{int(starts[bad[0]])} (pointers must start at 0 and follow the lengths)"))
+                          f"{int(starts[bad[0]])} (pointers must start at 0 and follow the "
+                          "lengths)"))
             break
         end = int(starts[-1] + sizes[-1])
     else:
         if bin_size != end:
-            found.append(("bin size", f"the .bin has {bin_size:,} bytes, the index describes {end:,} "
+            found.append(("bin size",
+                          f"the .bin has {bin_size:,} bytes, the index describes {end:,} "
                           f"({'truncated' if bin_size < end else 'trailing bytes'})"))
     if documents.size == 0 or documents[0] != 0 or documents[-1] != count:
         ends = (int(documents[0]), int(documents[-1])) if documents.size else "none"
@@ -359,8 +382,8 @@ def index_problems(bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers
             back = np.flatnonzero(np.diff(documents[i: i + block + 1]) < 0)
             if back.size:
                 j = i + int(back[0])
-                found.append(("document indices", f"entry {j + 1} ({int(documents[j + 1])}) is below entry {j} "
-                              f"({int(documents[j])})"))
+                found.append(("document indices", f"entry {j + 1} ({int(documents[j + 1])}) is "
+                                                  f"below entry {j} ({int(documents[j])})"))
                 break
     return found
 
@@ -387,7 +410,9 @@ def scan_tokens(bin_path: str, dtype: np.dtype, digest: bool, eod: int | None = 
 
 
 def _check_documents(idx_path: str, document_indices: np.ndarray, count: int) -> None:
-    """document_indices must run from 0 to the sequence count (checked at the ends: O(1) on open)."""
+    """document_indices must run from 0 to the sequence count (checked at the ends: O(1) on
+    open)."""
     if document_indices.size == 0 or document_indices[0] != 0 or document_indices[-1] != count:
         ends = (document_indices[0], document_indices[-1]) if document_indices.size else "none"
-        raise DataError(f"{idx_path}: document indices must run from 0 to {count} sequences, got ends {ends}; {_FIX}")
+        raise DataError(f"{idx_path}: document indices must run from 0 to {count} sequences, got "
+                        f"ends {ends}; {_FIX}")

@@ -2,7 +2,8 @@
 
 Formats: JSON lines (plain, ``.gz``, ``.zst``), parquet (one text column per key), plain text (one
 document per file, or per blank-line-separated block), and Hugging Face ``datasets`` (a directory
-saved with ``save_to_disk``, or a builder such as ``json`` with ``data_files``; optionally streamed).
+saved with ``save_to_disk``, or a builder such as ``json`` with ``data_files``; optionally
+streamed).
 
 Every reader yields ``Chunk``s of a bounded number of records and bytes, lazily, so memory does not
 grow with the corpus. A chunk's items are left as raw as possible so that the expensive part (JSON
@@ -43,7 +44,8 @@ class Source:
 
 @dataclass
 class Chunk:
-    """Records of one source: ``numbers[i]`` is item i's 1-based line (or row) within the source's range."""
+    """Records of one source: ``numbers[i]`` is item i's 1-based line (or row) within the source's
+    range."""
 
     source: Source
     numbers: Sequence[int]
@@ -85,9 +87,10 @@ def discover(inputs: Sequence[str], input_format: str = "auto") -> list[Source]:
                 first = seen.setdefault(os.path.realpath(p), p)
                 if first != p or any(s.path == p for s in sources):
                     also = f" (also as {first})" if first != p else ""
-                    raise DataError(f"--input: {p} is given twice{also}; every document in it would be tokenized "
-                                    "twice: name each file once")
-            sources += [Source(p, detect_format(p) if input_format == "auto" else input_format) for p in paths]
+                    raise DataError(f"--input: {p} is given twice{also}; every document in it "
+                                    "would be tokenized twice: name each file once")
+            sources += [Source(p, detect_format(p) if input_format == "auto" else input_format)
+                        for p in paths]
     return sources
 
 
@@ -116,7 +119,8 @@ def split_for_partitions(sources: list[Source], partitions: int) -> list[list[So
             pieces.append(source)
             continue
         bounds = [size * k // partitions for k in range(partitions + 1)]
-        pieces += [Source(source.path, source.format, bounds[k], bounds[k + 1]) for k in range(partitions)]
+        pieces += [Source(source.path, source.format, bounds[k], bounds[k + 1])
+                   for k in range(partitions)]
     sizes = [(p.end if p.end is not None else os.path.getsize(p.path)) - p.start for p in pieces]
     total, groups, current, filled = sum(sizes) or 1, [], [], 0
     for piece, size in zip(pieces, sizes):
@@ -130,7 +134,8 @@ def split_for_partitions(sources: list[Source], partitions: int) -> list[list[So
 
 
 def lines_before(path: str, offset: int) -> int:
-    """Newlines in the first ``offset`` bytes of a file (turns a partition's line numbers into the file's)."""
+    """Newlines in the first ``offset`` bytes of a file (turns a partition's line numbers into the
+    file's)."""
     count = 0
     with open(path, "rb") as f:
         while offset > 0:
@@ -150,7 +155,8 @@ def open_binary(path: str) -> io.BufferedIOBase:
         import zstandard  # optional; preprocess_data checks it is installed before reading
 
         # read_across_frames: files from parallel compressors (pzstd, zstd -T) hold many frames.
-        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"),
+                                                            read_across_frames=True, closefd=True)
         return io.BufferedReader(reader, buffer_size=1 << 20)
     return open(path, "rb", buffering=1 << 20)
 
@@ -167,12 +173,14 @@ def read_chunks(source: Source, keys: Sequence[str], chunk_size: int, text_mode:
             yield chunk
     except _read_errors() as exc:
         where = f"after {unit} {last}" if last else "at its start"
-        raise DataError(f"{source.path}: cannot be read {where} ({type(exc).__name__}: {exc}); the file is truncated, "
-                        "damaged or not what its name says: re-download or re-create it") from None
+        raise DataError(f"{source.path}: cannot be read {where} ({type(exc).__name__}: {exc}); the "
+                        "file is truncated, damaged or not what its name says: re-download or "
+                        "re-create it") from None
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
-    """What reading a damaged file raises: the standard library's, and the optional readers' when loaded."""
+    """What reading a damaged file raises: the standard library's, and the optional readers' when
+    loaded."""
     errors: list = [EOFError, OSError, zlib.error]
     zstd, arrow = sys.modules.get("zstandard"), sys.modules.get("pyarrow")
     if zstd is not None:
@@ -189,10 +197,12 @@ def _read_chunks(source: Source, keys: Sequence[str], chunk_size: int, text_mode
     elif source.format == "parquet":
         yield from _parquet_chunks(source, keys, chunk_size)
     elif source.format == "text":
-        records = _whole_file(source, len(keys)) if text_mode == "file" else _text_blocks(source, len(keys))
+        records = _whole_file(source, len(keys)) if text_mode == "file" \
+            else _text_blocks(source, len(keys))
         yield from _batched(source, records, chunk_size, chunk_bytes)
     else:
-        raise DataError(f"{source.path}: unknown input format {source.format!r}; valid: {', '.join(FORMATS)}")
+        raise DataError(f"{source.path}: unknown input format {source.format!r}; valid: "
+                        f"{', '.join(FORMATS)}")
 
 
 def _batched(source: Source, records: Iterator[tuple[int, object, int]], chunk_size: int,
@@ -212,12 +222,14 @@ def _batched(source: Source, records: Iterator[tuple[int, object, int]], chunk_s
 
 
 def _lines(source: Source) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number within the range, line) for the lines that start in the source's range."""
+    """(1-based line number within the range, line) for the lines that start in the source's
+    range."""
     with open_binary(source.path) as f:
         position = source.start
         if source.start > 0:
             f.seek(source.start - 1)
-            if f.read(1) != b"\n":  # the range starts inside a line: it belongs to the previous range
+            # the range starts inside a line: it belongs to the previous range
+            if f.read(1) != b"\n":
                 position += len(f.readline())
         for number, line in enumerate(f, 1):
             if source.end is not None and position >= source.end:
@@ -279,8 +291,9 @@ def _parquet_chunks(source: Source, keys: Sequence[str], chunk_size: int) -> Ite
     table = pq.ParquetFile(source.path)
     missing = [k for k in keys if k not in table.schema_arrow.names]
     if missing:
-        raise DataError(f"{source.path}: no column {missing[0]!r} (columns: {', '.join(table.schema_arrow.names)}); "
-                         "choose the text column with --json-keys")
+        raise DataError(f"{source.path}: no column {missing[0]!r} (columns: "
+                        f"{', '.join(table.schema_arrow.names)}); choose the text column with "
+                        "--json-keys")
     row = 0
     for batch in table.iter_batches(batch_size=chunk_size, columns=list(keys)):
         columns = [batch.column(k).to_pylist() for k in keys]
@@ -290,7 +303,8 @@ def _parquet_chunks(source: Source, keys: Sequence[str], chunk_size: int) -> Ite
         row += len(items)
 
 
-def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int, streaming: bool = False,
+def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int,
+                   streaming: bool = False,
                    data_files: Sequence[str] | None = None) -> Iterator[Chunk]:
     """Records of a Hugging Face dataset: a ``save_to_disk`` directory, or a builder (``json``,
     ``parquet``, ``text``, a local script or dataset directory) loaded with ``load_dataset``."""
@@ -301,7 +315,8 @@ def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int, 
         dataset = datasets.load_from_disk(name)
         if isinstance(dataset, datasets.DatasetDict):
             if split not in dataset:
-                raise DataError(f"--hf-dataset {name}: no split {split!r} (splits: {', '.join(dataset)})")
+                raise DataError(f"--hf-dataset {name}: no split {split!r} (splits: "
+                                f"{', '.join(dataset)})")
             dataset = dataset[split]
         if streaming:
             dataset = dataset.to_iterable_dataset()
@@ -312,8 +327,8 @@ def read_hf_chunks(name: str, split: str, keys: Sequence[str], chunk_size: int, 
     if columns is not None:
         missing = [k for k in keys if k not in columns]
         if missing:
-            raise DataError(f"--hf-dataset {name}: no column {missing[0]!r} (columns: {', '.join(columns)}); "
-                             "choose the text column with --json-keys")
+            raise DataError(f"--hf-dataset {name}: no column {missing[0]!r} (columns: "
+                            f"{', '.join(columns)}); choose the text column with --json-keys")
     source = Source(f"{name}[{split}]", "hf")
     row = 0
     for batch in dataset.iter(batch_size=chunk_size):

@@ -1,11 +1,11 @@
 """Which samples each rank reads, and a loader that has them ready before the step asks.
 
 Data order is a pure function of (seed, consumed samples): the dataset's sample ``i`` is fixed by
-the seed, and the global batch of a step is the ``global_batch_size`` consecutive sample ids starting
-at the number of samples consumed before it. Data-parallel rank ``r`` takes the r-th contiguous slice
-of it, cut into micro-batches. So the samples of a step do not depend on dp, tp, pp or the
-micro-batch size; resuming from ``consumed_samples`` continues the exact sequence; and a global batch
-size that changes between steps (a ramp-up) only moves where the next batch starts.
+the seed, and the global batch of a step is the ``global_batch_size`` consecutive sample ids
+starting at the number of samples consumed before it. Data-parallel rank ``r`` takes the r-th
+contiguous slice of it, cut into micro-batches. So the samples of a step do not depend on dp, tp, pp
+or the micro-batch size; resuming from ``consumed_samples`` continues the exact sequence; and a
+global batch size that changes between steps (a ramp-up) only moves where the next batch starts.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
 def micro_batch_ranges(consumed_samples: int, global_batch_size: int, micro_batch_size: int,
                        dp_rank: int, dp_size: int) -> list[range]:
-    """Sample-id ranges of this rank's micro-batches for the global batch after ``consumed_samples``."""
+    """Sample-id ranges of this rank's micro-batches for the global batch after
+    ``consumed_samples``."""
     per_rank = global_batch_size // dp_size
     start = consumed_samples + dp_rank * per_rank
-    return [range(s, s + micro_batch_size) for s in range(start, start + per_rank, micro_batch_size)]
+    return [range(s, s + micro_batch_size)
+            for s in range(start, start + per_rank, micro_batch_size)]
 
 
 def collate(dataset, ids: range, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,19 +54,22 @@ class BatchLoader:
     synchronously, or waiting for the prefetch to finish); ``total_wait_s`` sums them.
     """
 
-    def __init__(self, dataset, dp_rank: int, dp_size: int, micro_batch_size: int, device, prefetch: bool = True):
+    def __init__(self, dataset, dp_rank: int, dp_size: int, micro_batch_size: int, device,
+                 prefetch: bool = True):
         if not 0 <= dp_rank < dp_size or micro_batch_size < 1:
-            raise ValueError(f"BatchLoader: dp_rank={dp_rank} must lie in [0, dp_size={dp_size}) and "
-                             f"micro_batch_size={micro_batch_size} must be >= 1")
+            raise ValueError(f"BatchLoader: dp_rank={dp_rank} must lie in [0, dp_size={dp_size}) "
+                             f"and micro_batch_size={micro_batch_size} must be >= 1")
         self.dataset, self.dp_rank, self.dp_size = dataset, dp_rank, dp_size
         self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
         self.pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch") if prefetch else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-prefetch") if prefetch \
+            else None
         self._pending: tuple[tuple[int, int], Future] | None = None
         self.wait_s = 0.0
         self.total_wait_s = 0.0
 
-    def get(self, consumed_samples: int, global_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, consumed_samples: int,
+            global_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The micro-batches of the step that starts after ``consumed_samples`` samples."""
         key = (int(consumed_samples), int(global_batch_size))
         start = time.perf_counter()
@@ -109,15 +114,17 @@ class BatchLoader:
         """Host batches of (micro_batch_size, seq_length + 1) tokens, pinned when going to CUDA."""
         per_rank = global_batch_size // self.dp_size
         if global_batch_size % self.dp_size or per_rank % self.micro_batch_size:
-            raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of micro_batch_size="
-                             f"{self.micro_batch_size} x dp={self.dp_size}")
+            raise ValueError(f"global_batch_size={global_batch_size} must be a multiple of "
+                             f"micro_batch_size={self.micro_batch_size} x dp={self.dp_size}")
         if consumed_samples + global_batch_size > len(self.dataset):
             raise IndexError(f"the step after {consumed_samples} samples needs samples up to "
-                             f"{consumed_samples + global_batch_size}, but the dataset has {len(self.dataset)}")
+                             f"{consumed_samples + global_batch_size}, but the dataset has "
+                             f"{len(self.dataset)}")
         host = []
         for ids in micro_batch_ranges(consumed_samples, global_batch_size, self.micro_batch_size,
                                       self.dp_rank, self.dp_size):
-            batch = torch.from_numpy(np.stack([self.dataset[i] for i in ids]).astype(np.int64, copy=False))
+            batch = torch.from_numpy(np.stack([self.dataset[i] for i in ids]).astype(np.int64,
+                                                                                     copy=False))
             host.append(batch.pin_memory() if self.pin else batch)
         return host
 
@@ -148,21 +155,23 @@ def run_length(t: TrainConfig) -> tuple[int, int]:
     if t.rampup_batch_size is None and t.train_tokens is None:
         return t.iters, t.iters * t.global_batch_size
     steps = samples = 0
-    while (samples * t.seq_length < t.train_tokens) if t.train_tokens is not None else steps < t.iters:
+    while (samples * t.seq_length < t.train_tokens) if t.train_tokens is not None \
+            else steps < t.iters:
         samples += batch_size_at(samples, t.global_batch_size, t.rampup_batch_size)
         steps += 1
     return steps, samples
 
 
 def _check_length(t: TrainConfig) -> None:
-    """The run's length is set once: train.iters, or train.train_tokens (train.iters null, or left at
-    its default where no config sets it)."""
+    """The run's length is set once: train.iters, or train.train_tokens (train.iters null, or left
+    at its default where no config sets it)."""
     require(t.iters is not None or t.train_tokens is not None,
             "train.iters and train.train_tokens are both null: set one (e.g. --train.iters 1000 or "
             "--train.train_tokens 2_000_000_000)")
     require(t.train_tokens is None or t.iters is None or t.iters == type(t).iters,
-            f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other is derived "
-            f"(over a config that sets train.iters: --train.iters null --train.train_tokens {t.train_tokens})")
+            f"set one of train.iters={t.iters} and train.train_tokens={t.train_tokens}: the other "
+            "is derived (over a config that sets train.iters: --train.iters null "
+            f"--train.train_tokens {t.train_tokens})")
 
 
 def check_batches(t: TrainConfig, dp: int) -> list[int]:
@@ -180,14 +189,16 @@ def check_batches(t: TrainConfig, dp: int) -> list[int]:
         return [t.global_batch_size]
     require(len(r) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
             and r[0] >= 1 and r[1] >= 1 and r[2] >= 0,
-            f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, ramp_samples >= 0]")
+            f"train.rampup_batch_size={r} must be three integers [start >= 1, increment >= 1, "
+            "ramp_samples >= 0]")
     start, increment, _ = r
     require(start <= t.global_batch_size and (t.global_batch_size - start) % increment == 0,
-            f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus start={start} "
-            f"must be a non-negative multiple of increment={increment}")
+            f"train.rampup_batch_size={r}: train.global_batch_size={t.global_batch_size} minus "
+            f"start={start} must be a non-negative multiple of increment={increment}")
     ramp = list(range(start, t.global_batch_size, increment))
     for batch in ramp:
-        require(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is not a multiple of "
-                                      f"micro_batch_size × dp = {per_step}; choose start and increment as multiples")
+        require(batch % per_step == 0, f"train.rampup_batch_size={r}: the ramp's batch {batch} is "
+                                       f"not a multiple of micro_batch_size × dp = {per_step}; "
+                                       "choose start and increment as multiples")
     return [t.global_batch_size, *ramp]
 

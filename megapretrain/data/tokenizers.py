@@ -26,7 +26,8 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
 
 class Tokenizer:
-    """Base class: subclasses set ``name``, ``vocab_size`` and ``eod`` and implement tokenize/detokenize."""
+    """Base class: subclasses set ``name``, ``vocab_size`` and ``eod`` and implement
+    tokenize/detokenize."""
 
     name: str = ""
     vocab_size: int = 0
@@ -48,7 +49,8 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as ids 0..255 and ``eod`` = 256: needs no model file, so tests and demos use it."""
+    """UTF-8 bytes as ids 0..255 and ``eod`` = 256: needs no model file, so tests and demos use
+    it."""
 
     name = "ByteTokenizer"
     vocab_size = 257
@@ -67,7 +69,8 @@ class ByteTokenizer(Tokenizer):
 
 
 class _HFBackedTokenizer(Tokenizer):
-    """Shared code for tokenizers built on the ``tokenizers`` library (HuggingFace and GPT-2 BPE)."""
+    """Shared code for tokenizers built on the ``tokenizers`` library (HuggingFace and GPT-2
+    BPE)."""
 
     def __init__(self, backend, eod: int):
         self._backend = backend
@@ -87,38 +90,44 @@ class _HFBackedTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(_HFBackedTokenizer):
-    """A ``tokenizer.json`` (or a directory holding one) loaded with ``tokenizers.Tokenizer.from_file``."""
+    """A ``tokenizer.json`` (or a directory holding one) loaded with
+    ``tokenizers.Tokenizer.from_file``."""
 
     name = "HuggingFaceTokenizer"
 
     def __init__(self, model: str | None):
         tokenizers = _import_optional("tokenizers", "HuggingFaceTokenizer")
-        path = _require_path(model, "HuggingFaceTokenizer", "a tokenizer.json file or a directory holding one")
+        path = _require_path(model, "HuggingFaceTokenizer",
+                             "a tokenizer.json file or a directory holding one")
         if os.path.isdir(path):
             path = _require_path(os.path.join(path, "tokenizer.json"), "HuggingFaceTokenizer",
                                  "a tokenizer.json file or a directory holding one")
         backend = tokenizers.Tokenizer.from_file(path)
-        eod = next((backend.token_to_id(t) for t in EOD_CANDIDATES if backend.token_to_id(t) is not None), None)
+        eod = next((backend.token_to_id(t) for t in EOD_CANDIDATES
+                    if backend.token_to_id(t) is not None), None)
         if eod is None:
             raise DataError(f"HuggingFaceTokenizer {path}: none of the end-of-document tokens "
-                             f"{', '.join(EOD_CANDIDATES)} is in the vocabulary; add one as a special token")
+                             f"{', '.join(EOD_CANDIDATES)} is in the vocabulary; add one as a "
+                             "special token")
         super().__init__(backend, eod)
 
 
 class GPT2BPETokenizer(Tokenizer):
-    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt``; ``eod`` is ``<|endoftext|>``.
+    """Byte-level BPE from GPT-2 style ``vocab.json`` + ``merges.txt``; ``eod`` is
+    ``<|endoftext|>``.
 
     Text is encoded as ordinary text, the way GPT-2's ``encoder.py`` (and so Megatron-LM's
-    GPT2BPETokenizer) does: a literal ``<|endoftext|>`` in a document is spelled out, not mapped to eod.
-    Backend: ``tiktoken`` where installed (7x faster than ``tokenizers`` on the stdlib corpus, and it
-    releases the GIL); the BPE ranks are the merge order of merges.txt, so its output is GPT-2's
-    (tools/bench_data.py --verify-gpt2 checks every token of a corpus against ``tokenizers``).
-    ``backend="tokenizers"`` forces the HuggingFace implementation.
+    GPT2BPETokenizer) does: a literal ``<|endoftext|>`` in a document is spelled out, not mapped to
+    eod. Backend: ``tiktoken`` where installed (7x faster than ``tokenizers`` on the stdlib corpus,
+    and it releases the GIL); the BPE ranks are the merge order of merges.txt, so its output is
+    GPT-2's (tools/bench_data.py --verify-gpt2 checks every token of a corpus against
+    ``tokenizers``). ``backend="tokenizers"`` forces the HuggingFace implementation.
     """
 
     name = "GPT2BPETokenizer"
 
-    def __init__(self, model: str | None, vocab_file: str | None, merge_file: str | None, backend: str = "auto"):
+    def __init__(self, model: str | None, vocab_file: str | None, merge_file: str | None,
+                 backend: str = "auto"):
         what = "a directory with vocab.json and merges.txt (or --vocab-file and --merge-file)"
         if vocab_file is None and merge_file is None:
             directory = _require_path(model, "GPT2BPETokenizer", what)
@@ -129,7 +138,8 @@ class GPT2BPETokenizer(Tokenizer):
         with open(vocab_file, encoding="utf-8") as f:
             vocab: dict[str, int] = json.load(f)
         if "<|endoftext|>" not in vocab:
-            raise DataError(f"GPT2BPETokenizer {vocab_file}: '<|endoftext|>' is not in the vocabulary")
+            raise DataError(f"GPT2BPETokenizer {vocab_file}: '<|endoftext|>' is not in the "
+                            "vocabulary")
         self.eod = vocab["<|endoftext|>"]
         self.vocab_size = max(vocab.values()) + 1
         self._id_to_bytes = {i: _bytes_of_token(t) for t, i in vocab.items()}
@@ -138,11 +148,12 @@ class GPT2BPETokenizer(Tokenizer):
             self._tiktoken = _gpt2_tiktoken(vocab, merge_file)
         if self._tiktoken is None:
             if backend == "tiktoken":
-                raise MissingPackageError("GPT2BPETokenizer backend='tiktoken' needs the 'tiktoken' package and "
-                                          "merges.txt "
+                raise MissingPackageError("GPT2BPETokenizer backend='tiktoken' needs the "
+                                          "'tiktoken' package and merges.txt "
                                   "tokens that are all in vocab.json")
             tokenizers = _import_optional("tokenizers", "GPT2BPETokenizer")
-            self._hf = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file, add_prefix_space=False)
+            self._hf = tokenizers.ByteLevelBPETokenizer(vocab_file, merge_file,
+                                                        add_prefix_space=False)
         self.backend = "tiktoken" if self._tiktoken is not None else "tokenizers"
 
     def tokenize(self, text: str) -> list[int]:
@@ -152,10 +163,11 @@ class GPT2BPETokenizer(Tokenizer):
         return b"".join(self._id_to_bytes[int(i)] for i in ids).decode("utf-8", errors="replace")
 
     def tokenize_batch(self, texts: Sequence[str], threads: int = 1) -> list[np.ndarray]:
-        """Ids per text; ``threads`` > 1 encodes in that many threads (tiktoken releases the GIL)."""
+        """Ids per text; ``threads`` > 1 encodes in that many threads (tiktoken releases the
+        GIL)."""
         if self._tiktoken is None:
-            return [np.asarray(e.ids, dtype=np.int64) for e in self._hf.encode_batch(list(texts),
-                                                                                   add_special_tokens=False)]
+            return [np.asarray(e.ids, dtype=np.int64)
+                    for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
         encoding, rank_to_id = self._tiktoken
         if threads > 1:
             batch = encoding.encode_ordinary_batch(list(texts), num_threads=threads)
@@ -189,14 +201,16 @@ _BYTE_ENCODER = {b: c for c, b in _BYTE_DECODER.items()}
 
 
 def _bytes_of_token(token: str) -> bytes:
-    """The bytes a vocab.json token stands for (special tokens such as <|endoftext|> as their UTF-8)."""
+    """The bytes a vocab.json token stands for (special tokens such as <|endoftext|> as their
+    UTF-8)."""
     if all(c in _BYTE_DECODER for c in token):
         return bytes(_BYTE_DECODER[c] for c in token)
     return token.encode("utf-8")
 
 
 def _gpt2_tiktoken(vocab: dict[str, int], merge_file: str):
-    """(tiktoken Encoding, rank->id table or None) for GPT-2 style files, or None if they do not map.
+    """(tiktoken Encoding, rank->id table or None) for GPT-2 style files, or None if they do not
+    map.
 
     Ranks: the 256 single bytes, then each merge's result in merges.txt order (merge priority, what
     tiktoken needs); a table maps ranks to vocab.json ids unless they already coincide.
@@ -204,7 +218,8 @@ def _gpt2_tiktoken(vocab: dict[str, int], merge_file: str):
     import tiktoken
 
     byte_ids = [vocab.get(_token_of_bytes(bytes([b]))) for b in range(256)]
-    if sorted(i for i in byte_ids if i is not None) == list(range(256)):  # GPT-2's layout: rank = id
+    # GPT-2's layout: rank = id
+    if sorted(i for i in byte_ids if i is not None) == list(range(256)):
         ranks: dict[bytes, int] = {bytes([b]): byte_ids[b] for b in range(256)}
         ids = list(range(256))  # ids[rank]
     else:
@@ -222,8 +237,10 @@ def _gpt2_tiktoken(vocab: dict[str, int], merge_file: str):
             ranks[token] = len(ids)
             ids.append(vocab.get(merged))
     if any(i is None for i in ids):
-        return None  # a byte or merge result missing from vocab.json: leave these files to `tokenizers`
-    encoding = tiktoken.Encoding(name="gpt2-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        # a byte or merge result missing from vocab.json: leave these files to `tokenizers`
+        return None
+    encoding = tiktoken.Encoding(name="gpt2-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens={})
     table = np.asarray(ids, dtype=np.int64)
     return encoding, (None if np.array_equal(table, np.arange(table.size)) else table)
 
@@ -244,7 +261,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise DataError(f"SentencePieceTokenizer {path}: the model defines no EOS piece (eos_id = -1)")
+            raise DataError(f"SentencePieceTokenizer {path}: the model defines no EOS piece "
+                            "(eos_id = -1)")
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text, add_bos=False, add_eos=False)
@@ -269,7 +287,8 @@ TIKTOKEN_SPECIALS = ("<unk>", "<s>", "</s>")
 
 
 class TikTokenizer(Tokenizer):
-    """A ``.tiktoken`` rank file (base64 token, rank per line) run by ``tiktoken``; ``eod`` is ``</s>``."""
+    """A ``.tiktoken`` rank file (base64 token, rank per line) run by ``tiktoken``; ``eod`` is
+    ``</s>``."""
 
     name = "TikTokenizer"
 
@@ -280,7 +299,8 @@ class TikTokenizer(Tokenizer):
         self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERN,
                                       mergeable_ranks=ranks, special_tokens={})
         self._specials = list(TIKTOKEN_SPECIALS) + [f"<SPECIAL_{i}>" for i in
-                                                    range(len(TIKTOKEN_SPECIALS), NUM_TIKTOKEN_SPECIALS)]
+                                                    range(len(TIKTOKEN_SPECIALS),
+                                                          NUM_TIKTOKEN_SPECIALS)]
         self.vocab_size = NUM_TIKTOKEN_SPECIALS + len(ranks)
         self.eod = TIKTOKEN_SPECIALS.index("</s>")
 
@@ -308,7 +328,8 @@ class TikTokenizer(Tokenizer):
 
 
 def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
-    """Read ``base64-token rank`` lines (the .tiktoken format) into tiktoken's mergeable-ranks dict."""
+    """Read ``base64-token rank`` lines (the .tiktoken format) into tiktoken's mergeable-ranks
+    dict."""
     ranks = {}
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -318,7 +339,8 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token)] = int(rank)
             except ValueError:
-                raise DataError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:60]!r}") from None
+                raise DataError(f"{path}:{lineno}: expected '<base64 token> <rank>', got "
+                                f"{line[:60]!r}") from None
     return ranks
 
 
@@ -332,14 +354,16 @@ def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: s
     README, "Tokenizer types"). A file the chosen type would not read is refused, never ignored."""
     if tokenizer_type == "ByteTokenizer" and (model or vocab_file or merge_file):
         given = ", ".join(str(p) for p in (model, vocab_file, merge_file) if p)
-        raise DataError(f"ByteTokenizer reads no tokenizer file, but {given} was given; drop --tokenizer-model / "
-                        "data.tokenizer.model (set it to null), or choose the tokenizer type that file is for")
+        raise DataError(f"ByteTokenizer reads no tokenizer file, but {given} was given; drop "
+                        "--tokenizer-model / data.tokenizer.model (set it to null), or choose the "
+                        "tokenizer type that file is for")
     if tokenizer_type not in ("ByteTokenizer", "GPT2BPETokenizer") and (vocab_file or merge_file):
-        raise DataError(f"--vocab-file / --merge-file are GPT2BPETokenizer's; {tokenizer_type} reads only "
-                        "--tokenizer-model: drop them")
+        raise DataError(f"--vocab-file / --merge-file are GPT2BPETokenizer's; {tokenizer_type} "
+                        "reads only --tokenizer-model: drop them")
     if tokenizer_type == "GPT2BPETokenizer" and model and (vocab_file or merge_file):
-        raise DataError(f"GPT2BPETokenizer: give either --tokenizer-model {model} (a directory with vocab.json and "
-                        "merges.txt) or --vocab-file and --merge-file, not both")
+        raise DataError(f"GPT2BPETokenizer: give either --tokenizer-model {model} (a directory "
+                        "with vocab.json and merges.txt) or --vocab-file and --merge-file, not "
+                        "both")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     make = {"HuggingFaceTokenizer": lambda: HuggingFaceTokenizer(model),
@@ -347,22 +371,25 @@ def build_tokenizer(tokenizer_type: str, model: str | None = None, vocab_file: s
             "SentencePieceTokenizer": lambda: SentencePieceTokenizer(model),
             "TikTokenizer": lambda: TikTokenizer(model)}.get(tokenizer_type)
     if make is None:
-        raise DataError(f"unknown tokenizer type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+        raise DataError(f"unknown tokenizer type {tokenizer_type!r}; valid types: "
+                        f"{', '.join(TOKENIZER_TYPES)}")
     try:
         return make()
     except UserError:
         raise
     except Exception as exc:  # the backend's own parse error for a damaged or foreign file
         files = ", ".join(str(p) for p in (model, vocab_file, merge_file) if p)
-        raise DataError(f"{tokenizer_type} cannot load {files} ({type(exc).__name__}: {str(exc)[:200]}); check "
-                        "that it is a tokenizer file of this type (data.tokenizer.model / --tokenizer-model)") from None
+        raise DataError(f"{tokenizer_type} cannot load {files} ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}); check that it is a tokenizer file of this type "
+                        "(data.tokenizer.model / --tokenizer-model)") from None
 
 
 def _require_path(path: str | None, tokenizer_type: str, expected: str) -> str:
-    """Return ``path`` if it exists, else fail with one line naming the path and what was expected."""
+    """Return ``path`` if it exists, else fail with one line naming the path and what was
+    expected."""
     if not path:
-        raise MissingFileError(f"{tokenizer_type} needs a model path: {expected} (--tokenizer-model / "
-                                "data.tokenizer.model)")
+        raise MissingFileError(f"{tokenizer_type} needs a model path: {expected} "
+                               "(--tokenizer-model / data.tokenizer.model)")
     if not os.path.exists(path):
         raise MissingFileError(f"{tokenizer_type}: {path} does not exist; expected {expected}")
     return path
@@ -373,5 +400,6 @@ def _import_optional(module: str, tokenizer_type: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingPackageError(f"{tokenizer_type} needs the '{module}' package: pip install {module}") from None
+        raise MissingPackageError(f"{tokenizer_type} needs the '{module}' package: pip install "
+                                  f"{module}") from None
 

@@ -30,7 +30,8 @@ def kv_heads(m: ModelConfig) -> int:
 
 def ffn_hidden_size(m: ModelConfig) -> int:
     """``model.ffn_hidden_size`` resolved (null: Llama's rule)."""
-    return default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None else m.ffn_hidden_size
+    return default_ffn_hidden_size(m.hidden_size) if m.ffn_hidden_size is None \
+        else m.ffn_hidden_size
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -57,9 +58,11 @@ class ModelArgs:
     init_std: float = 0.02
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    rope_scaling: tuple | None = None  # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
+    # model.rope_scaling as sorted (key, value) pairs (hashable); None: none
+    rope_scaling: tuple | None = None
     mlp: str = "swiglu"  # or "gelu": the two-matrix MLP with exact GELU (GPT-NeoX, GPT-3)
-    family: str = "llama"  # the decoder's layer choices and its Hugging Face adapter (model/families.py)
+    # the decoder's layer choices and its Hugging Face adapter (model/families.py)
+    family: str = "llama"
     qkv_bias: bool = False  # llama family: biases on q, k, v (Qwen2)
     qk_norm: bool = False  # llama family: RMSNorm over each head's q and k before RoPE (Qwen3)
     kv_channels: int | None = None  # per-head size when not hidden/heads (model.head_dim)
@@ -73,25 +76,30 @@ class ModelArgs:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that RoPE rotates (all of them but for partial rotary), as HF counts them."""
+        """Dims of each head that RoPE rotates (all of them but for partial rotary), as HF counts
+        them."""
         return int(self.head_dim * self.rotary_pct)
 
     def padded_vocab(self, tp: int) -> int:
-        """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned slice."""
+        """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned
+        slice."""
         return padded_vocab_size(self.vocab_size, self.vocab_divisible_by, tp)
 
 
 def model_args(cfg: Config) -> ModelArgs:
-    """The architecture of ``cfg.model`` with its nulls resolved (``model.vocab_size`` must be set)."""
+    """The architecture of ``cfg.model`` with its nulls resolved (``model.vocab_size`` must be
+    set)."""
     m = cfg.model
     return ModelArgs(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
                      num_kv_heads=kv_heads(m), ffn_hidden_size=ffn_hidden_size(m),
                      vocab_size=m.vocab_size, vocab_divisible_by=m.make_vocab_size_divisible_by,
                      rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings,
-                     init_std=m.init_std, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-                     mlp=m.mlp, rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None,
-                     family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm, kv_channels=m.head_dim,
-                     rotary_pct=m.rotary_pct, parallel_residual=m.parallel_residual)
+                     init_std=m.init_std, attention_dropout=m.attention_dropout,
+                     hidden_dropout=m.hidden_dropout, mlp=m.mlp,
+                     rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None,
+                     family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+                     kv_channels=m.head_dim, rotary_pct=m.rotary_pct,
+                     parallel_residual=m.parallel_residual)
 
 
 # the fields whose null means "the family's value": each family's Family.defaults gives them all
@@ -103,23 +111,27 @@ def head_dim(m: ModelConfig) -> int:
     return m.head_dim or m.hidden_size // m.num_heads
 
 
-ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
 
 
 
 def check_rope_scaling(rs: Any, where: str) -> None:
-    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four numbers."""
+    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four
+    numbers."""
     if rs is None:
         return
     kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
-    require(kind in ("llama3", "default"), f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; "
-                                          "other variants would not compute the same function")
+    require(kind in ("llama3", "default"),
+            f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; other variants "
+            "would not compute the same function")
     if kind == "default":
         return
     missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
     require(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
     require(rs["low_freq_factor"] < rs["high_freq_factor"],
-            f"{where}: low_freq_factor={rs['low_freq_factor']} must be below high_freq_factor={rs['high_freq_factor']}")
+            f"{where}: low_freq_factor={rs['low_freq_factor']} must be below "
+            f"high_freq_factor={rs['high_freq_factor']}")
 
 
 def check_shape(m: ModelConfig, tp: int) -> None:
@@ -134,18 +146,22 @@ def check_shape(m: ModelConfig, tp: int) -> None:
     require(0 < m.rotary_pct <= 1, f"model.rotary_pct={m.rotary_pct} must be in (0, 1]")
     rotary = int(head_dim(m) * m.rotary_pct)
     require(rotary >= 2 and rotary % 2 == 0,
-            f"rotary dims head_dim·rotary_pct={head_dim(m)}·{m.rotary_pct} → {rotary} must be even and at least 2 "
-            "for RoPE (change model.rotary_pct or the head size)")
+            f"rotary dims head_dim·rotary_pct={head_dim(m)}·{m.rotary_pct} → {rotary} must be even "
+            "and at least 2 for RoPE (change model.rotary_pct or the head size)")
     require(m.num_heads % kv == 0,
             f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} "
             f"(valid: {divisors(m.num_heads)})")
     require(m.num_heads % tp == 0,
-            f"parallel.tp={tp} must divide model.num_heads={m.num_heads} (valid: {divisors(m.num_heads)})")
-    require(kv % tp == 0, f"parallel.tp={tp} must divide model.num_kv_heads={kv} (valid: {divisors(kv)})")
+            f"parallel.tp={tp} must divide model.num_heads={m.num_heads} (valid: "
+            f"{divisors(m.num_heads)})")
+    require(kv % tp == 0, f"parallel.tp={tp} must divide model.num_kv_heads={kv} (valid: "
+                          f"{divisors(kv)})")
     ffn = ffn_hidden_size(m)
-    require(ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={ffn} (valid: {divisors(ffn)})")
+    require(ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={ffn} (valid: "
+                           f"{divisors(ffn)})")
     require(m.vocab_size is not None and m.vocab_size >= 1,
-            "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the tokenizer")
+            "model.vocab_size is unset: set it, or set data.tokenizer so it can be read from the "
+            "tokenizer")
     for name in ("attention_dropout", "hidden_dropout"):
         require(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
     check_rope_scaling(m.rope_scaling, "model.rope_scaling")

@@ -43,13 +43,15 @@ from .blockwise import TilePlan, blockwise_attention
 ATTENTION = ("sdpa", "flex", "blockwise")  # model.attention once resolved
 FLEX_BLOCK = 128  # FlexAttention's block (its default), rows and columns
 # blockwise's tile, rows and columns. fwd + bwd at seq 4096 on one CPU thread (8/2 heads of 64):
-# two long documents 2.6 / 2.3 / 3.3 s at tiles 128 / 256 / 512, documents of 64-448 tokens 1.0 / 1.5 / 3.0 s
+# two long documents 2.6 / 2.3 / 3.3 s at tiles 128 / 256 / 512, documents of 64-448 tokens 1.0 /
+# 1.5 / 3.0 s
 TILE = 256
 LARGE_SCORES = 256 * 2**20  # sdpa with documents warns above this many bytes of scores per layer
 
 
 def _bounds(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of each run of ``size`` entries along the last dimension (the last may be shorter)."""
+    """Min and max of each run of ``size`` entries along the last dimension (the last may be
+    shorter)."""
     pad = -x.shape[-1] % size
     if pad:  # repeating the last entry changes no minimum or maximum
         x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1)
@@ -84,7 +86,8 @@ class DocumentMask:
         """The mask of every query of the sample, keys in global order (all-to-all context
         parallelism: each rank attends over the whole sequence for its share of the heads);
         made once."""
-        return self.cached("whole", lambda: DocumentMask(self.k_doc, self.k_doc, self.key_positions()))
+        return self.cached("whole",
+                           lambda: DocumentMask(self.k_doc, self.k_doc, self.key_positions()))
 
     def cached(self, key, build):
         """``build()``, made once per micro-batch for ``key`` and kept (one kind per model: the
@@ -101,16 +104,23 @@ class DocumentMask:
         q_lo, q_hi = _bounds(self.q_pos, rows)  # (nq,)
         qd_lo, qd_hi = _bounds(self.q_doc, rows)  # (b, nq)
         kd_lo, kd_hi = _bounds(self.k_doc, cols)  # (b, nk)
-        k_first, k_last = _bounds(self.key_positions(), cols)  # (nk,): each block's lowest and highest position
-        overlap = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (qd_lo[:, :, None] <= kd_hi[:, None, :])  # (b, nq, nk)
+        # (nk,): each block's lowest and highest position
+        k_first, k_last = _bounds(self.key_positions(), cols)
+        # (b, nq, nk)
+        overlap = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (qd_lo[:, :, None] <= kd_hi[:, None,
+                                                                                         :])
         some = overlap & (k_first[None, :] <= q_hi[:, None])
-        one_doc = (qd_lo == qd_hi)[:, :, None] & (kd_lo == kd_hi)[:, None, :] & (qd_lo[:, :, None] == kd_lo[:, None, :])
+        one_doc = (qd_lo == qd_hi)[:, :,
+                                   None] & (kd_lo == kd_hi)[:, None,
+                                                            :] & (qd_lo[:, :,
+                                                                        None] == kd_lo[:, None, :])
         return some, one_doc & (k_last[None, :] <= q_lo[:, None])
 
     def prepare(self, kind: str, tile: int = TILE):
         """What the ``kind`` kernel reads (see the module docstring), built once per micro-batch and
         kind: every layer, every chunk of the stage and every recomputation gets the same object."""
-        builders = {"sdpa": lambda: DenseMask(self.dense()), "flex": lambda: FlexMask(self._block_mask()),
+        builders = {"sdpa": lambda: DenseMask(self.dense()),
+                    "flex": lambda: FlexMask(self._block_mask()),
                     "blockwise": lambda: TileMask(self.tile_plan(tile))}
         if kind not in builders:
             raise ValueError(f"attention kind {kind!r} is not one of {ATTENTION}")
@@ -123,8 +133,8 @@ class DocumentMask:
         return causal[None] & (self.q_doc[:, rows, None] == self.k_doc[:, None, cols])
 
     def tile_plan(self, tile: int = TILE) -> TilePlan:
-        """Blockwise's plan: per query tile, the key tiles some sample needs, a tile mask unless every
-        sample's pairs are all allowed (the samples of a micro-batch share one plan)."""
+        """Blockwise's plan: per query tile, the key tiles some sample needs, a tile mask unless
+        every sample's pairs are all allowed (the samples of a micro-batch share one plan)."""
         some, full = self.blocks(tile, tile)  # (b, nq, nk)
         # which tiles to run is a decision of the Python loop over them: the one host read (a sync
         # on a GPU, where flex needs none) of a blockwise micro-batch, both maps in one copy
@@ -136,7 +146,8 @@ class DocumentMask:
             keys = []
             for j in (j for j, hit in enumerate(needed) if hit):
                 k = slice(j * tile, min((j + 1) * tile, s_k))
-                keys.append((k.start, k.stop, None if whole[j] else ~self._allowed(q, k)[:, None, None]))
+                keys.append((k.start, k.stop, None if whole[j]
+                             else ~self._allowed(q, k)[:, None, None]))
             rows.append((q.start, q.stop, tuple(keys)))
         return TilePlan(tuple(rows), s_k)
 
@@ -153,12 +164,15 @@ class DocumentMask:
             position = kv_idx if k_pos is None else k_pos[kv_idx]
             return (q_doc[b, q_idx] == k_doc[b, kv_idx]) & (position <= q_pos[q_idx])
 
-        def indexed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts (b, 1, nq), indices first
-            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)  # (b, nq, nk): listed ones first
+        # counts (b, 1, nq), indices first
+        def indexed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # (b, nq, nk): listed ones first
+            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
             return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
-        return BlockMask.from_kv_blocks(*indexed(partial), *indexed(full), BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
-                                        mask_mod=mask_mod, seq_lengths=(q_doc.shape[1], k_doc.shape[1]))
+        return BlockMask.from_kv_blocks(*indexed(partial), *indexed(full),
+                                        BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
+                                        seq_lengths=(q_doc.shape[1], k_doc.shape[1]))
 
 
 # -- causal attention, without document masking ---------------------------------------------------
@@ -191,33 +205,37 @@ def _simulated_gpu_flash(q: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= FLASH_MAX_HEAD_DIM)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     dropout: float) -> torch.Tensor:
     """Causal attention of (b, n, s_q, d) queries at the last s_q of the (b, k, s_k, d) keys'
     positions -> (b, n, s_q, d), the kv heads unexpanded: query i sees keys up to s_k − s_q + i
     (lower-right; with s_q = s_k the plain causal square, else a context-parallel query chunk).
 
     torch's dispatch picks the kernel. On a GPU, in fp16 or bf16, both forms run its flash kernel
-    without a mask (``CausalBias`` calls the flash op itself for the lower-right one); on a CPU the lower-right
-    form materializes its (s_q, s_k) mask, which the CPU kernel saves for its backward. A
-    simulated GPU rank, whose fake tensors sit on the CPU, calls that flash op directly (its
+    without a mask (``CausalBias`` calls the flash op itself for the lower-right one); on a CPU the
+    lower-right form materializes its (s_q, s_k) mask, which the CPU kernel saves for its backward.
+    A simulated GPU rank, whose fake tensors sit on the CPU, calls that flash op directly (its
     fake implementation gives the output and log-sum-exp the GPU keeps): it holds what the GPU
     holds, not the CPU's masks."""
     if _simulated_gpu_flash(q):
-        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, is_causal=True)
+        out, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout,
+                                                                     is_causal=True)
         return out  # (b, n, s_q, d)
     kw = dict(enable_gqa=True, dropout_p=dropout)
     if q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(q.shape[2], k.shape[2]), **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(q.shape[2], k.shape[2]),
+                                          **kw)
 
 
-# -- the prepared masks: each attends (b, n, s_q, d) queries to (b, k, s_k, d) keys and values ---------
+# -- the prepared masks: each attends (b, n, s_q, d) queries to (b, k, s_k, d) keys and values -----
 
 
 class PreparedMask(Protocol):
     """A micro-batch's document mask in the form one kernel reads (:meth:`DocumentMask.prepare`)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout: float) -> torch.Tensor:
         """(b, n, s_q, d) queries against (b, k, s_k, d) keys and values -> (b, n, s_q, d)."""
 
 
@@ -227,7 +245,8 @@ class DenseMask:
     mask: torch.Tensor
 
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=dropout,
+                                              enable_gqa=True)
 
 
 @functools.cache
@@ -257,10 +276,12 @@ class FlexMask:
     """flex: FlexAttention's block mask of the micro-batch."""
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
 
-    @_eager_in_compiled  # its own compiled kernel, outside a compiled layer's graph (model/build.py)
+    # its own compiled kernel, outside a compiled layer's graph (model/build.py)
+    @_eager_in_compiled
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         if dropout:
-            raise ValueError("FlexAttention has no attention dropout (model.attention resolves to sdpa with it)")
+            raise ValueError("FlexAttention has no attention dropout (model.attention resolves to "
+                             "sdpa with it)")
         if q.device.type == "cuda":
             return _compiled_flex()(q, k, v, block_mask=self.block_mask, enable_gqa=True)
         # CPU: forward only (torch has no FlexAttention backward there; resolve_attention refuses
@@ -278,8 +299,8 @@ class TileMask:
     @_eager_in_compiled  # Python loops over the plan: run eagerly inside a compiled layer
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         if dropout:
-            raise ValueError("blockwise attention has no attention dropout (model.attention resolves to sdpa "
-                             "with it)")
+            raise ValueError("blockwise attention has no attention dropout (model.attention "
+                             "resolves to sdpa with it)")
         return blockwise_attention(q, k, v, self.plan)
 
 
@@ -306,12 +327,13 @@ def resolve_attention(choice: str, device: torch.device, *, dropout: float, docu
             return "sdpa"
         return "flex" if _flex_runs(device.type) is None else "blockwise"
     if choice in ("flex", "blockwise") and dropout:
-        raise ConfigError(f"model.attention={choice} has no attention dropout (model.attention_dropout={dropout}): "
-                          "set model.attention_dropout 0, or model.attention sdpa")
+        raise ConfigError(f"model.attention={choice} has no attention dropout "
+                          f"(model.attention_dropout={dropout}): set model.attention_dropout 0, or "
+                          "model.attention sdpa")
     why = _flex_runs(device.type) if choice == "flex" else None
     if why:
-        raise ConfigError(f"model.attention=flex cannot train on {device.type}: {why}; set model.attention auto "
-                          f"(blockwise off CUDA) or blockwise")
+        raise ConfigError(f"model.attention=flex cannot train on {device.type}: {why}; set "
+                          f"model.attention auto (blockwise off CUDA) or blockwise")
     return choice
 
 
@@ -345,20 +367,26 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
     if not dense_document_mask(cfg) or (m.attention == "sdpa" and scores < LARGE_SCORES):
         return []
     if m.attention == "sdpa":
-        why, fix = "model.attention=sdpa", "model.attention auto (flex on CUDA, blockwise elsewhere) needs neither"
+        why, fix = "model.attention=sdpa", "model.attention auto (flex on CUDA, blockwise " \
+                                           "elsewhere) needs neither"
     else:
-        why = f"model.attention=auto with model.attention_dropout={m.attention_dropout} (only sdpa has dropout)"
-        fix = "with model.attention_dropout 0 auto chooses flex on CUDA or blockwise elsewhere, which need neither"
-    return [f"{why} under data.reset_attention_mask builds a dense (b, 1, s, s) mask ({mask / 2**20:,.0f} MiB per "
-            f"micro-batch) and on CUDA runs SDPA's math kernel: {scores / 2**30:,.1f} GiB of scores per layer at "
+        why = f"model.attention=auto with model.attention_dropout={m.attention_dropout} (only " \
+              "sdpa has dropout)"
+        fix = "with model.attention_dropout 0 auto chooses flex on CUDA or blockwise elsewhere, " \
+              "which need neither"
+    return [f"{why} under data.reset_attention_mask builds a dense (b, 1, s, s) mask "
+            f"({mask / 2**20:,.0f} MiB per micro-batch) and on CUDA runs SDPA's math kernel: "
+            f"{scores / 2**30:,.1f} GiB of scores per layer at "
             f"train.seq_length={cfg.train.seq_length}; {fix}"]
 
 
-def describe_attention(kind: str, documents: bool, context_parallel: bool, cp_comm: str = "allgather") -> str:
+def describe_attention(kind: str, documents: bool, context_parallel: bool,
+                       cp_comm: str = "allgather") -> str:
     """The start-up line saying which kernel attention runs."""
     if context_parallel and cp_comm == "ring":
-        return ("attention: ring over the cp ranks (parallel.cp_comm=ring: K/V blocks passed on under each block's "
-                "attention, blockwise tiles merged by log-sum-exp" + (", document-masked" if documents else "") + ")")
+        return ("attention: ring over the cp ranks (parallel.cp_comm=ring: K/V blocks passed on "
+                "under each block's attention, blockwise tiles merged by log-sum-exp"
+                + (", document-masked" if documents else "") + ")")
     if context_parallel and cp_comm == "a2a":
         context_parallel = False  # whole sequences after the all-to-all
         prefix = "attention: all-to-all over the cp ranks (parallel.cp_comm=a2a), then "
@@ -368,6 +396,7 @@ def describe_attention(kind: str, documents: bool, context_parallel: bool, cp_co
     if not documents:
         return f"{prefix}{causal}"
     how = {"flex": "FlexAttention, compiled; a block mask per micro-batch from the document ids",
-           "blockwise": "tiles with an online softmax; a tile plan per micro-batch from the document ids",
-           "sdpa": "SDPA with a dense (b, 1, s, s) mask per micro-batch"}[kind]
+           "blockwise": "tiles with an online softmax; a tile plan per micro-batch from the "
+                        "document ids", "sdpa": "SDPA with a dense (b, 1, s, s) mask per "
+                                                "micro-batch"}[kind]
     return f"{prefix}model.attention={kind} under document masking ({how})"

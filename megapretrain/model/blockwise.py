@@ -52,19 +52,21 @@ def _grouped(x: torch.Tensor, k_heads: int, rows: slice) -> torch.Tensor:
     return part.reshape(b, k_heads, -1, d).float()  # (b, k, g·t, d)
 
 
-def _scores(qt: torch.Tensor, k: torch.Tensor, k0: int, k1: int, blocked, scale: float, g: int) -> torch.Tensor:
+def _scores(qt: torch.Tensor, k: torch.Tensor, k0: int, k1: int, blocked, scale: float,
+            g: int) -> torch.Tensor:
     """Masked scores of a query tile against keys k0..k1-1: (b, k, g·t, t_k) fp32."""
     s = torch.matmul(qt, k[:, :, k0:k1].float().transpose(-1, -2)).mul_(scale)  # (b, k, g·t, t_k)
     if blocked is not None:
         b, heads, rows, cols = s.shape
-        s.view(b, heads, g, rows // g, cols).masked_fill_(blocked, -math.inf)  # the same mask for every head
+        # the same mask for every head
+        s.view(b, heads, g, rows // g, cols).masked_fill_(blocked, -math.inf)
     return s
 
 
 def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ / √d, masked by ``plan``) v of (b, n, s_q, d) queries against (b, k, s_k, d) keys
-    and values, tile by tile: the output (b, n, s_q, d) and the log-sum-exp of each query's
+    """softmax(q kᵀ / √d, masked by ``plan``) v of (b, n, s_q, d) queries against (b, k, s_k, d)
+    keys and values, tile by tile: the output (b, n, s_q, d) and the log-sum-exp of each query's
     scores (b, n, s_q), both fp32. A query none of whose keys is allowed gets 0 and -inf: the
     neutral element of :func:`merge_partial`, which combines attention over several key blocks."""
     b, n, s_q, d = q.shape
@@ -81,7 +83,8 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         for k0, k1, blocked in keys:
             s = _scores(qt, k, k0, k1, blocked, scale, g)  # (b, k, g·t, t_k)
             new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
-            # a row none of whose keys so far is allowed keeps max -inf: subtract 0 there, not inf - inf
+            # a row none of whose keys so far is allowed keeps max -inf: subtract 0 there, not inf -
+            # inf
             shift = new_max.masked_fill(new_max == -math.inf, 0.0)
             p = s.sub_(shift).exp_()  # (b, k, g·t, t_k) unnormalized probabilities
             rescale = (run_max - shift).exp_()
@@ -89,13 +92,17 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             acc = acc.mul_(rescale).add_(torch.matmul(p, v[:, :, k0:k1].float()))
             run_max = new_max
         t = q1 - q0
-        out[:, :, :, q0:q1] = acc.div_(run_sum.clamp_min(torch.finfo(torch.float32).tiny)).view(b, heads, g, t, d)
-        lse[:, :, :, q0:q1] = run_max.add_(run_sum.log_()).view(b, heads, g, t)  # -inf where nothing is allowed
+        out[:, :, :,
+            q0:q1] = acc.div_(run_sum.clamp_min(torch.finfo(torch.float32).tiny)).view(b, heads, g,
+                                                                                       t, d)
+        # -inf where nothing is allowed
+        lse[:, :, :, q0:q1] = run_max.add_(run_sum.log_()).view(b, heads, g, t)
     return out.view(b, n, s_q, d), lse.view(b, n, s_q)
 
 
-def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
-                  delta: torch.Tensor, plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, delta: torch.Tensor,
+                  plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (fp32) of q (b, n, s_q, d), k and v (b, k, s_k, d) for the keys ``plan`` lists,
     given ``grad_out`` (b, n, s_q, d) and the log-sum-exp ``lse`` (b, n, s_q) and ``delta`` =
     rowsum(dO · O) (b, n, s_q, 1) of the *whole* attention the output came from: the key blocks
@@ -115,8 +122,10 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
         lse_t, delta_t = _grouped(lse, heads, rows), _grouped(delta, heads, rows)  # (b, k, g·t, 1)
         dq = torch.zeros_like(qt)
         for k0, k1, blocked in keys:
-            p = _scores(qt, k, k0, k1, blocked, scale, g).sub_(lse_t).exp_()  # (b, k, g·t, t_k) probabilities
-            grad_v[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)  # (b, k, t_k, d): summed over g·t
+            # (b, k, g·t, t_k) probabilities
+            p = _scores(qt, k, k0, k1, blocked, scale, g).sub_(lse_t).exp_()
+            # (b, k, t_k, d): summed over g·t
+            grad_v[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)
             dp = torch.matmul(dot, v[:, :, k0:k1].float().transpose(-1, -2))  # (b, k, g·t, t_k)
             ds = p.mul_(dp.sub_(delta_t)).mul_(scale)  # d loss / d scores
             dq += torch.matmul(ds, k[:, :, k0:k1].float())
@@ -125,7 +134,8 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     return grad_q.view(b, n, s_q, d), grad_k, grad_v
 
 
-def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor,
+                  part_lse: torch.Tensor) -> None:
     """Fold the attention ``part`` (b, n, s_q, d) over another block of keys, with its log-sum-exp
     ``part_lse`` (b, n, s_q), into ``out`` and ``lse`` in place (fp32): the online softmax across
     blocks. -inf log-sum-exps (no key allowed yet) weigh nothing."""
@@ -149,12 +159,14 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # (b, n, s_q, 1): rowsum(dO · O)
+        # (b, n, s_q, 1): rowsum(dO · O)
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
         grad_q, grad_k, grad_v = tile_backward(q, k, v, grad_out, lse, delta, ctx.plan)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        plan: TilePlan) -> torch.Tensor:
     """(b, n, s_q, d) queries against (b, k, s_k, d) keys and values under ``plan``'s mask ->
     (b, n, s_q, d)."""
     if k.shape[2] != plan.num_keys:

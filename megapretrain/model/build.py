@@ -45,22 +45,25 @@ def _placed_chunks(args: ModelArgs, tp: Group, place: Placement, pp_rank: int, p
     """Stage ``pp_rank``'s chunks under ``place``: the first global chunk embeds, the last holds the
     head (with tied embeddings on the embedding's stage, V placement: through that chunk's
     embedding); ``kw``: the rest of each :class:`DecoderModel`'s arguments."""
-    layer_chunks = chunk_layers(args.num_layers, place.pp, place.vpp, pp_rank, pipeline_layers, place.v_shape)
+    layer_chunks = chunk_layers(args.num_layers, place.pp, place.vpp, pp_rank, pipeline_layers,
+                                place.v_shape)
     head_on_stage = place.stage_of(place.chunks - 1) == pp_rank and place.stage_of(0) == pp_rank
     chunks: list[ModelChunk] = []
     for v, layer_ids in enumerate(layer_chunks):
         g = place.global_chunk(pp_rank, v)
         pre, post = g == 0, g == place.chunks - 1
-        shared = chunks[0].embed_tokens if post and not pre and head_on_stage and args.tie_embeddings else None
-        chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre, post_process=post,
-                                   head_on_stage=head_on_stage and pre, stage_embedding=shared, **kw))
+        shared = chunks[0].embed_tokens \
+            if post and not pre and head_on_stage and args.tie_embeddings else None
+        chunks.append(DecoderModel(args, tp, layer_ids=layer_ids, pre_process=pre,
+                                   post_process=post, head_on_stage=head_on_stage and pre,
+                                   stage_embedding=shared, **kw))
     return chunks
 
 
 def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     """Stage ``pp_rank``'s chunks where the pipeline schedule places them (interleaved, or in a V:
-    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head; their FP8 linears
-    turned on (``model.fp8``)."""
+    ``parallel/pipeline.py``'s Placement); the first global chunk embeds, the last holds the head;
+    their FP8 linears turned on (``model.fp8``)."""
     args, p = model_args(cfg), cfg.parallel
     place = named_schedule(p.pp_schedule, p.pp, p.vpp).placement(p.pp, p.vpp)
     chunks = _placed_chunks(args, tp, place, pp_rank, p.pipeline_layers,
@@ -68,8 +71,8 @@ def _chunks(cfg: Config, tp: Group, pp_rank: int, **kw) -> list[ModelChunk]:
     if cfg.model.fp8 != "none":
         weights = WeightCasts()  # one per rank: ZeRO-3's FP8-gathered weights of all its chunks
         for chunk in chunks:
-            convert_to_fp8(chunk, cfg.model.fp8, cfg.model.fp8_skip, allgather=p.fp8_allgather, zero=p.zero,
-                           weights=weights)
+            convert_to_fp8(chunk, cfg.model.fp8, cfg.model.fp8_skip, allgather=p.fp8_allgather,
+                           zero=p.zero, weights=weights)
     return chunks
 
 
@@ -79,8 +82,8 @@ def resolve_kernels(choice: str, device: torch.device) -> str:
     kind = device_type(device)
     runs = use_triton(kind)
     if choice == "triton" and not runs:
-        raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, or "
-                          "TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
+        raise ConfigError(f"model.kernels=triton cannot run on {kind}: it needs triton and CUDA, "
+                          "or TRITON_INTERPRET=1 on CPU (or set model.kernels=auto)")
     return "triton" if choice == "triton" or (choice == "auto" and runs) else "torch"
 
 
@@ -119,8 +122,8 @@ def compile_layers(chunk: ModelChunk, device: torch.device) -> None:
     run eagerly as the layer starts (see :func:`_pre_hooks_run_eagerly`). Parameter names are
     unchanged."""
     if device.type == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (install g++ or set CXX), "
-                          "or set train.compile=false")
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (install "
+                          "g++ or set CXX), or set train.compile=false")
     compiled = {}  # layer class -> its compiled forward, shared by the chunk's layers
     for layer in chunk.layers.values():
         cls = type(layer)
@@ -129,7 +132,8 @@ def compile_layers(chunk: ModelChunk, device: torch.device) -> None:
         layer.forward = MethodType(compiled[cls], layer)
 
 
-def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk], dict[str, ParamSpec]]:
+def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk],
+                                                                dict[str, ParamSpec]]:
     """This rank's ``vpp`` model chunks, on its device, with their layout-invariant initial weights,
     and their parameter-spec table.
 
@@ -141,24 +145,28 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
     equal (same name, same seed), their grads are summed over the embedding group, and the copy on
     the last stage is left out of the grad norm (its spec says so).
     """
-    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)  # dropout inside tp regions
+    # dropout inside tp regions
+    rng = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device, cp_rank=ps.cp_rank)
     deferred = cfg.parallel.zero == 3
     kernels = resolve_kernels(cfg.model.kernels, ps.device)
     if cfg.model.fp8 != "none":
         check_fp8_device(ps.device)
     torch_only = family(cfg.model.family).torch_only_layers(model_args(cfg))
     if kernels == "triton" and torch_only and ps.rank == 0:
-        print(f"model.kernels=triton: {' and '.join(torch_only)} of model.family={cfg.model.family} have no Triton "
-              "kernel and run torch's ops", flush=True)
+        print(f"model.kernels=triton: {' and '.join(torch_only)} of "
+              f"model.family={cfg.model.family} have no Triton kernel and run torch's ops",
+              flush=True)
     documents = cfg.data.reset_attention_mask
-    attention = resolve_attention(cfg.model.attention, ps.device, dropout=cfg.model.attention_dropout,
-                                  documents=documents)
+    attention = resolve_attention(cfg.model.attention, ps.device,
+                                  dropout=cfg.model.attention_dropout, documents=documents)
     if ps.rank == 0:
-        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm), flush=True)
+        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm),
+              flush=True)
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
-                     z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm, dtype=DTYPES[cfg.train.precision],
-                     device="meta" if deferred else ps.device)
-    overlap_tp_comm(chunks, cfg.parallel.tp_comm_overlap)  # parallel/tp_overlap.py (sequence parallelism)
+                     z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm,
+                     dtype=DTYPES[cfg.train.precision], device="meta" if deferred else ps.device)
+    # parallel/tp_overlap.py (sequence parallelism)
+    overlap_tp_comm(chunks, cfg.parallel.tp_comm_overlap)
     for chunk in chunks:
         if deferred:
             _placeholders(chunk, ps.device)
@@ -200,8 +208,8 @@ def rank_param_specs(cfg: Config, pp_rank: int, tp_rank: int) -> dict[str, Param
     chunks built on the meta device (nothing is allocated); dp and cp ranks hold the same table."""
     tp = Group("tp", list(range(cfg.parallel.tp)), None, tp_rank)  # no communication on meta
     with torch.device("meta"):
-        chunks = _chunks(cfg, tp, pp_rank, rng=RNGTracker(0, tp_rank, "cpu"), dtype=DTYPES[cfg.train.precision],
-                         device="meta")
+        chunks = _chunks(cfg, tp, pp_rank, rng=RNGTracker(0, tp_rank, "cpu"),
+                         dtype=DTYPES[cfg.train.precision], device="meta")
     return table_of(chunks)
 
 
@@ -210,20 +218,24 @@ def one_layer_specs(args: ModelArgs) -> dict[str, ParamSpec]:
     norm and the head, built on the meta device: per-layer and per-stage parameter counts for the
     planner, read off the model itself."""
     with torch.device("meta"):
-        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"), device="meta")
+        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0],
+                             rng=RNGTracker(0, 0, "cpu"), device="meta")
     return model.param_specs()
 
 
 def stage_parameters(args: ModelArgs, layout: Layout, pp_rank: int,
-                     dtype: torch.dtype = torch.bfloat16) -> list[list[tuple[torch.nn.Parameter, ParamSpec]]]:
+                     dtype: torch.dtype = torch.bfloat16) -> list[list[tuple[torch.nn.Parameter,
+                                                                             ParamSpec]]]:
     """A rank of stage ``pp_rank`` of ``layout``: each of its chunks' parameters (on the meta
     device: shapes only) with their specs, in ``named_parameters`` order — the trainer's order,
     which its data-parallel buffers are cut into buckets from (``parallel/data.py``)."""
     tp = Group("tp", list(range(layout.tp)), None, 0)  # no communication on meta
     place = layout_schedule(layout).placement(layout.pp, layout.vpp)
     with torch.device("meta"):
-        chunks = _placed_chunks(args, tp, place, pp_rank, list(layout.pipeline_layers) if layout.pipeline_layers
-                                else None, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                                rng=RNGTracker(0, 0, "cpu"), dtype=dtype, device="meta")
+        chunks = _placed_chunks(args, tp, place, pp_rank, list(layout.pipeline_layers)
+                                if layout.pipeline_layers
+                                else None, sequence_parallel=layout.sequence_parallel,
+                                recompute=layout.recompute, rng=RNGTracker(0, 0, "cpu"),
+                                dtype=dtype, device="meta")
     specs = table_of(chunks)
     return [[(p, specs[name]) for name, p in chunk.named_parameters()] for chunk in chunks]

@@ -38,7 +38,8 @@ from ..parallel.state import Group
 from .attention import TILE, DocumentMask
 from .blockwise import TilePlan, merge_partial, tile_backward, tile_forward
 
-KV_TAG, GRAD_TAG = 16, 32  # the ring's point-to-point tags: K/V blocks, their gradients' accumulators
+# the ring's point-to-point tags: K/V blocks, their gradients' accumulators
+KV_TAG, GRAD_TAG = 16, 32
 
 
 def ring_plans(cp: Group, seq: int, device, q_doc: torch.Tensor | None = None,
@@ -68,7 +69,8 @@ class _RingAttention(torch.autograd.Function):
         heads = k.shape[1]
         kv = torch.cat([k, v], dim=1)  # (b, 2k, s/cp, d): one message per step
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (b, n, s/cp, d)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)  # (b, n, s/cp)
+        # (b, n, s/cp)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(cp.size):
             last = step == cp.size - 1
             if not last:  # the next block travels while this one computes
@@ -88,7 +90,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp, plans, heads = ctx.cp, ctx.plans, k.shape[1]
-        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # (b, n, s/cp, 1): rowsum(dO · O)
+        # (b, n, s/cp, 1): rowsum(dO · O)
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
         kv = torch.cat([k, v], dim=1)  # (b, 2k, s/cp, d)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         pending = None  # the accumulator sent on last step: (its arrival here, handle)
@@ -97,14 +100,18 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 (incoming,), work = cp.shift_async([kv], KV_TAG)
             source = (cp.rank - step) % cp.size
-            dq, dk, dv = tile_backward(q, kv[:, :heads], kv[:, heads:], grad_out, lse, delta, plans[source])
+            dq, dk, dv = tile_backward(q, kv[:, :heads], kv[:, heads:], grad_out, lse, delta,
+                                       plans[source])
             grad_q += dq
-            block = torch.cat([dk, dv], dim=1)  # (b, 2k, s/cp, d) fp32: this rank's share for the source's keys
-            if pending is not None:  # the source's accumulator, from the ranks that saw its block before
+            # (b, 2k, s/cp, d) fp32: this rank's share for the source's keys
+            block = torch.cat([dk, dv], dim=1)
+            # the source's accumulator, from the ranks that saw its block before
+            if pending is not None:
                 (arrived,), done = pending
                 done.wait()
                 block += arrived
-            pending = cp.shift_async([block], GRAD_TAG)  # on to the rank whose turn with this source is next
+            # on to the rank whose turn with this source is next
+            pending = cp.shift_async([block], GRAD_TAG)
             if not last:
                 work.wait()
                 kv = incoming
@@ -125,7 +132,8 @@ class RingMask:
         """(b, n, s/cp, d) queries against this rank's (b, k, s/cp, d) keys and values and, around
         the ring, every other rank's -> (b, n, s/cp, d)."""
         if dropout:
-            raise ValueError("ring attention has no attention dropout (parallel/context.py: check_cp_comm)")
+            raise ValueError("ring attention has no attention dropout (parallel/context.py: "
+                             "check_cp_comm)")
         return _RingAttention.apply(q, k, v, self.cp, self.plans)
 
 

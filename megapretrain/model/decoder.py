@@ -74,7 +74,8 @@ class ModelChunk(Protocol):
     fp8_weights: WeightCasts | None
     deferred: DeferredGrads | None
 
-    def __call__(self, x: torch.Tensor, targets: torch.Tensor | None = None, docs: Documents | None = None, *,
+    def __call__(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                 docs: Documents | None = None, *,
                  loss_grad_scale: float | None = None) -> torch.Tensor: ...
 
     def param_specs(self) -> dict[str, ParamSpec]: ...
@@ -88,11 +89,13 @@ class ModelChunk(Protocol):
 
 @dataclass
 class Documents:
-    """The documents packed into a micro-batch (``data.reset_position_ids`` / ``reset_attention_mask``):
-    each token's position inside its document, and which tokens it may attend to — as document
-    ids and positions, O(s) per sample. Under context parallelism both are this rank's share: its
-    tokens' positions, its queries' documents and global positions (against every key)."""
-    position_ids: torch.Tensor | None  # (b, s) int64: positions restarting at each document, or None
+    """The documents packed into a micro-batch (``data.reset_position_ids`` /
+    ``reset_attention_mask``): each token's position inside its document, and which tokens it may
+    attend to — as document ids and positions, O(s) per sample. Under context parallelism both are
+    this rank's share: its tokens' positions, its queries' documents and global positions (against
+    every key)."""
+    position_ids: torch.Tensor | None  # (b, s) int64: positions restarting at each document, or
+    #                                    None
     mask: DocumentMask | None          # causal and within the document, or None (causal only)
 
 
@@ -104,17 +107,21 @@ def documents(tokens: torch.Tensor, eod: int, reset_attention_mask: bool, reset_
     its global position and document, against every key in global order."""
     b, s = tokens.shape
     is_eod = tokens == eod
-    doc = torch.cumsum(is_eod, dim=1, dtype=torch.int32) - is_eod.int()  # (b, s): EODs before each token
-    queries = local_positions(s, cp, tokens.device) if cp is not None else torch.arange(s, device=tokens.device)
+    # (b, s): EODs before each token
+    doc = torch.cumsum(is_eod, dim=1, dtype=torch.int32) - is_eod.int()
+    queries = local_positions(s, cp, tokens.device) if cp is not None \
+        else torch.arange(s, device=tokens.device)
     positions = mask = None
     if reset_position_ids:
         idx = torch.arange(s, device=tokens.device).expand(b, s)
         starts = torch.ones_like(is_eod)
         starts[:, 1:] = is_eod[:, :-1]  # a token after an EOD starts a document
-        positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+        positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)),
+                                       dim=1).values
         positions = positions[:, queries]  # (b, s/cp): this rank's tokens
     if reset_attention_mask:
-        mask = DocumentMask(q_doc=doc[:, queries], k_doc=doc, q_pos=queries)  # (b, s/cp), (b, s), (s/cp,)
+        # (b, s/cp), (b, s), (s/cp,)
+        mask = DocumentMask(q_doc=doc[:, queries], k_doc=doc, q_pos=queries)
     return Documents(positions, mask)
 
 
@@ -131,23 +138,29 @@ class DecoderModel(nn.Module):
     """
 
     def __init__(self, args: ModelArgs, tp: Group, *, layer_ids: list[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", rng: RNGTracker | None = None, kernels: str = "torch",
-                 z_loss: float = 0.0, cp: Group | None = None, cp_comm: str = "allgather", attention: str = "sdpa",
-                 head_on_stage: bool = False, stage_embedding: Embedding | None = None, dtype=torch.float32,
-                 device=None):
+                 pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, recompute: str = "none",
+                 rng: RNGTracker | None = None, kernels: str = "torch", z_loss: float = 0.0,
+                 cp: Group | None = None, cp_comm: str = "allgather", attention: str = "sdpa",
+                 head_on_stage: bool = False, stage_embedding: Embedding | None = None,
+                 dtype=torch.float32, device=None):
         super().__init__()
         if kernels not in KERNELS:
-            raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py resolves auto)")
+            raise ValueError(f"kernels={kernels!r} must be one of {KERNELS} (model/build.py "
+                             "resolves auto)")
         if attention not in ATTENTION:
-            raise ValueError(f"attention={attention!r} must be one of {ATTENTION} (model/build.py resolves auto)")
+            raise ValueError(f"attention={attention!r} must be one of {ATTENTION} (model/build.py "
+                             "resolves auto)")
         self.attention = attention  # the kernel of document-masked attention (model/attention.py)
         self.args, self.tp = args, tp
         self.cp = cp if cp is not None else Group("cp", [0])
-        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"  # parallel/context.py: how attention meets cp
+        # parallel/context.py: how attention meets cp
+        self.cp_comm = cp_comm if self.cp.size > 1 else "allgather"
         self.kernels, self.z_loss = kernels, z_loss
-        self.grad_sink = None  # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
-        self.deferred = None  # a zero-bubble schedule's W makes the output layer's weight gradient (defer_weight_grads)
+        # weakref to the buffers of the fp32 main grads (MixedPrecisionAdamW.hook_models)
+        self.grad_sink = None
+        # a zero-bubble schedule's W makes the output layer's weight gradient (defer_weight_grads)
+        self.deferred = None
         self.fp8_weights: WeightCasts | None = None  # ZeRO-3's FP8-gathered weights (model/fp8.py)
         # dropout streams (see parallel/random.py); the trainer passes one seeded by train.seed
         self.rng = rng if rng is not None else RNGTracker(0, tp.rank, device or "cpu")
@@ -164,25 +177,28 @@ class DecoderModel(nn.Module):
         # embedding (``stage_embedding``, not this chunk's parameter), and the embedding's chunk
         # knows its weight has a second use there (``head_on_stage``)
         self.head_on_stage = head_on_stage or (pre_process and post_process)
-        self._stage_embedding = weakref.ref(stage_embedding) if stage_embedding is not None else None
+        self._stage_embedding = weakref.ref(stage_embedding) if stage_embedding is not None \
+            else None
         if pre_process or (post_process and args.tie_embeddings and stage_embedding is None):
             self.embed_tokens = Embedding(padded_vocab, args.hidden_size, tp,
                                        init_std=args.init_std, real_vocab=args.vocab_size,
                                        sequence_parallel=self.sequence_parallel, **kw)
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel, recompute=recompute,
-                                 rng=self.rng, saved=self.saved_shards, kernels=kernels, cp=self.cp,
-                                 cp_comm=self.cp_comm, **kw)
+            str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel,
+                                 recompute=recompute, rng=self.rng, saved=self.saved_shards,
+                                 kernels=kernels, cp=self.cp, cp_comm=self.cp_comm, **kw)
             for i in layer_ids})
         if post_process:
-            self.norm = self.spec.norm(args.hidden_size, args.norm_eps, partial_grad=self.sequence_parallel,
-                                       kernels=kernels, **kw)
+            self.norm = self.spec.norm(args.hidden_size, args.norm_eps,
+                                       partial_grad=self.sequence_parallel, kernels=kernels, **kw)
             if not args.tie_embeddings:
-                self.lm_head = ColumnLinear(args.hidden_size, padded_vocab, tp, init_std=args.init_std,
-                                            vocab_rows=args.vocab_size, **kw)
+                self.lm_head = ColumnLinear(args.hidden_size, padded_vocab, tp,
+                                            init_std=args.init_std, vocab_rows=args.vocab_size,
+                                            **kw)
         self._rope_cache: dict = {}
         self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
-        self._ring_cache: dict = {}  # ring attention without documents: its plans, per sequence length
+        # ring attention without documents: its plans, per sequence length
+        self._ring_cache: dict = {}
 
     # -- layout and initialization -----------------------------------------------------------------
 
@@ -200,7 +216,8 @@ class DecoderModel(nn.Module):
                 tied = self.args.tie_embeddings and not self.head_on_stage
                 shared = self.args.tie_embeddings and self.head_on_stage and not self.post_process
                 specs.update(collect_specs(module, tp, prefix=name, tied=tied,
-                                           duplicate=tied and not self.pre_process, uses=2 if shared else 1))
+                                           duplicate=tied and not self.pre_process, uses=2 if shared
+                                           else 1))
             else:
                 specs.update(collect_specs(module, tp, prefix=name))
         return specs
@@ -214,13 +231,14 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()
     def init_parameter(self, name: str, out: torch.Tensor, seed: int, spec: ParamSpec) -> None:
-        """Write parameter ``name``'s initial value into ``out``, a tensor of its shape, as its layer
-        declared (``spec.init``): a constant, or this rank's shard of the global normal tensor drawn
-        by name (``init_shard_``). ``out`` need not be the parameter itself (ZeRO-3 writes each unit
-        straight into its gathered buffer: parallel/data.py)."""
+        """Write parameter ``name``'s initial value into ``out``, a tensor of its shape, as its
+        layer declared (``spec.init``): a constant, or this rank's shard of the global normal tensor
+        drawn by name (``init_shard_``). ``out`` need not be the parameter itself (ZeRO-3 writes
+        each unit straight into its gathered buffer: parallel/data.py)."""
         init = spec.init
         if init is None:
-            raise TypeError(f"parameter '{name}' declares no initialization (Sharding.init, parallel/specs.py)")
+            raise TypeError(f"parameter '{name}' declares no initialization (Sharding.init, "
+                            "parallel/specs.py)")
         if init.kind == "normal":
             init_shard_(out, spec, seed, init.std, self.tp)
         else:
@@ -251,18 +269,20 @@ class DecoderModel(nn.Module):
         """cos, sin of this rank's tokens — (s, d), or (b, 1, s, d) when positions restart per
         document — and the document mask in the form this model's attention kernel reads, built
         once per micro-batch (None: causal by global position)."""
-        seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size  # global length
+        # global length
+        seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size
         cos, sin = self._rope(seq, x)  # (s·cp, d): every global position
         if docs is not None and docs.position_ids is not None:
-            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
+            # (b, 1, s, d)
+            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)
         elif self.cp.size > 1:
             cos, sin = self._context_tables(seq, x)  # (s, d)
         return cos, sin, self._mask(seq, x.device, docs.mask if docs is not None else None)
 
     def _mask(self, seq: int, device, documents: DocumentMask | None):
-        """What attention reads of the micro-batch's mask: the document mask prepared for the model's
-        kernel (all-to-all cp: for every query of the sample), or under ring attention the ring's
-        plans (with or without documents), or None (causal by global position)."""
+        """What attention reads of the micro-batch's mask: the document mask prepared for the
+        model's kernel (all-to-all cp: for every query of the sample), or under ring attention the
+        ring's plans (with or without documents), or None (causal by global position)."""
         if self.cp_comm == "ring":
             if documents is not None:
                 return documents.cached("ring", lambda: ring_mask(self.cp, seq, device, documents))
@@ -276,16 +296,19 @@ class DecoderModel(nn.Module):
 
     def _layer(self, layer: nn.Module, x, cos, sin, mask=None):
         if self.recompute == "full" and self.training:
-            return checkpoint(layer, x, cos, sin, mask, use_reentrant=False, context_fn=self.rng.checkpoint_context)
+            return checkpoint(layer, x, cos, sin, mask, use_reentrant=False,
+                              context_fn=self.rng.checkpoint_context)
         return layer(x, cos, sin, mask)
 
     def output_weight(self) -> torch.Tensor:
         if not self.args.tie_embeddings:
             return self.lm_head.weight
-        return (self._stage_embedding() if self._stage_embedding is not None else self.embed_tokens).weight
+        return (self._stage_embedding() if self._stage_embedding is not None
+                else self.embed_tokens).weight
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                docs: Documents | None = None, *, loss_grad_scale: float | None = None) -> torch.Tensor:
+                docs: Documents | None = None, *,
+                loss_grad_scale: float | None = None) -> torch.Tensor:
         """``docs``: the micro-batch's document structure (positions, attention mask), the same on
         every pipeline chunk, or None for one causal stream per sample. ``loss_grad_scale``: the
         gradient the backward will bring to every per-token loss (the trainer backpropagates
@@ -314,10 +337,12 @@ class DecoderModel(nn.Module):
             x = self._layer(layer, x, cos, sin, mask)  # (b, s, h)
         if not self.post_process:
             return x
-        x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel, self.saved_shards)  # (b, s, h)
+        # (b, s, h)
+        x = enter_tp_region(self.norm(x), self.tp, self.sequence_parallel, self.saved_shards)
         weight = self.output_weight()  # (v/tp, h)
         # a tied weight embedded by this same chunk gets both gradients in one backward: autograd's
-        # (one fold into the main grad, as its spec counts), so the output layer's part is not deferred
+        # (one fold into the main grad, as its spec counts), so the output layer's part is not
+        # deferred
         deferred = None if self.pre_process and self.args.tie_embeddings else self.deferred
         if targets is None:
             return linear(x, weight, None, deferred)  # (b, s, v/tp) logits
@@ -325,14 +350,17 @@ class DecoderModel(nn.Module):
         # chunks of tokens, no (b, s, v/tp) logits at all: the kernels' path, and on CPU the torch
         # reference of the same algorithm (a sixth of the one-buffer loss's working memory, as fast)
         if self.kernels == "triton" or self.z_loss or device_type(x.device) == "cpu":
-            return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start, self.args.vocab_size,
-                                                  z_loss=self.z_loss, reference=self.kernels == "torch",
+            return linear_cross_entropy_per_token(x, weight, targets, self.tp, vocab_start,
+                                                  self.args.vocab_size, z_loss=self.z_loss,
+                                                  reference=self.kernels == "torch",
                                                   grad_sink=self._grad_sink(weight),
-                                                  grad_scale=loss_grad_scale, deferred=deferred)  # (b, s)
+                                                  # (b, s)
+                                                  grad_scale=loss_grad_scale, deferred=deferred)
         # output layer + loss in one op: the (b, s, v/tp) logits stay private, so their buffer can
         # hold their gradient
         return vocab_parallel_linear_cross_entropy(x, weight, targets, self.tp, vocab_start,
-                                                   self.args.vocab_size, deferred=deferred)  # (b, s)
+                                                   # (b, s)
+                                                   self.args.vocab_size, deferred=deferred)
 
 
 @functools.lru_cache(maxsize=256)
@@ -340,8 +368,8 @@ def _parameter_counts(args: ModelArgs) -> tuple[int, int, int]:
     """(embedding and head, one decoder layer, the rest) of ``args``'s model, read off the spec
     table of a one-layer model built on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"),
-                             device="meta")
+        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0],
+                             rng=RNGTracker(0, 0, "cpu"), device="meta")
     vocab = layer = rest = 0
     for spec in model.param_specs().values():
         if spec.vocab:
@@ -362,7 +390,8 @@ def num_parameters(args: ModelArgs, *, embeddings: bool = True) -> int:
 
 def flops_per_token(args: ModelArgs, seq_length: int) -> float:
     """Training FLOPs per token: 6 × (matmul parameters, output layer included) + attention, for
-    every family (its matmuls are read off its spec table; norms and biases, a rounding error, ride along).
+    every family (its matmuls are read off its spec table; norms and biases, a rounding error, ride
+    along).
 
     Attention scores and weighted sums cost 12·layers·hidden·seq per token (forward + backward),
     counted as in PaLM's appendix B without the causal halving.

@@ -34,7 +34,8 @@ def family(name: str) -> Family:
 
 @functools.lru_cache(maxsize=1024)  # the planner asks it for every stage of every layout it weighs
 def layer_spec(args: ModelArgs) -> LayerSpec:
-    """The parts of ``args``'s decoder layers, as its family chooses them (a frozen spec: shared)."""
+    """The parts of ``args``'s decoder layers, as its family chooses them (a frozen spec:
+    shared)."""
     return family(args.family).layer_spec(args)
 
 
@@ -51,12 +52,14 @@ def family_of_hf(hf: dict, where: str) -> Family:
     archs = hf.get("architectures") or []
     if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)) or \
             not isinstance(hf.get("model_type", ""), (str, type(None))):
-        raise ConvertError(f"{where}: model_type={hf.get('model_type')!r}, architectures={archs!r}: expected a "
-                           "string and a list of strings; the file is damaged or hand-edited")
+        raise ConvertError(f"{where}: model_type={hf.get('model_type')!r}, "
+                           f"architectures={archs!r}: expected a string and a list of strings; the "
+                           "file is damaged or hand-edited")
     for fam in FAMILIES.values():
         if hf.get("model_type") in fam.hf.model_types or (not hf.get("model_type") and archs
                                                           and archs[0] in fam.hf.architectures):
             return fam
     known = ", ".join(t for fam in FAMILIES.values() for t in fam.hf.model_types)
-    raise ConvertError(f"{where}: model_type={hf.get('model_type')!r} (architectures {hf.get('architectures')}) "
-                       f"is not a family megapretrain converts (model_type: {known})")
+    raise ConvertError(f"{where}: model_type={hf.get('model_type')!r} (architectures "
+                       f"{hf.get('architectures')}) is not a family megapretrain converts "
+                       f"(model_type: {known})")

@@ -53,9 +53,10 @@ def _one_layer(args: ModelArgs) -> tuple[tuple[str, str, tuple[int, int]], ...]:
     from .decoder import DecoderModel  # the model module imports this one
 
     with torch.device("meta"):
-        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0], rng=RNGTracker(0, 0, "cpu"),
-                             device="meta")
-    return tuple((name, "column" if isinstance(m, ColumnParallelLinear) else "row", tuple(m.weight.shape))
+        model = DecoderModel(args, Group("tp", [0], None, 0), layer_ids=[0],
+                             rng=RNGTracker(0, 0, "cpu"), device="meta")
+    return tuple((name, "column" if isinstance(m, ColumnParallelLinear) else "row",
+                  tuple(m.weight.shape))
                  for name, m in layer_linears(model.layers["0"]).items())
 
 
@@ -70,7 +71,8 @@ def skipped(name: str, skip: list[str]) -> bool:
 
 def unfit_linears(args: ModelArgs, tp: int, skip: list[str]) -> dict[str, tuple[int, int]]:
     """The linears (by name inside a layer) whose weight on a tp rank, (out, in), FP8 GEMMs cannot
-    take: a dimension not a multiple of 16. One that ``skip`` keeps out of FP8 in every layer is fine."""
+    take: a dimension not a multiple of 16. One that ``skip`` keeps out of FP8 in every layer is
+    fine."""
     bad = {}
     for name, kind, (out, inp) in _one_layer(args):
         local = (out // tp, inp) if kind == "column" else (out, inp // tp)
@@ -84,16 +86,18 @@ def check_fp8_fields(cfg: Config) -> None:
     """``model.fp8``'s recipe and ``model.fp8_skip``'s patterns (each must name a linear): the
     rules of any layout (``tools/plan.py`` checks them before its search)."""
     m = cfg.model
-    require(m.fp8 == "none" or m.fp8 in RECIPES, f"model.fp8={m.fp8!r} is not one of: none, {', '.join(RECIPES)}")
+    require(m.fp8 == "none" or m.fp8 in RECIPES, f"model.fp8={m.fp8!r} is not one of: none, "
+                                                 f"{', '.join(RECIPES)}")
     require(isinstance(m.fp8_skip, list) and all(isinstance(p, str) for p in m.fp8_skip),
-            f"model.fp8_skip={m.fp8_skip!r} must be a list of name patterns, e.g. ['layers.0.*', '*.down_proj']")
+            f"model.fp8_skip={m.fp8_skip!r} must be a list of name patterns, e.g. ['layers.0.*', "
+            "'*.down_proj']")
     if m.fp8 == "none":
         return
     names = linear_names(model_args(cfg))
     for pattern in m.fp8_skip:
         require(any(fnmatch.fnmatchcase(n, pattern) for n in names),
-                f"model.fp8_skip pattern {pattern!r} matches no decoder linear (names look like {names[0]}, "
-                f"{names[-1]}; the embedding and output layer never run in FP8)")
+                f"model.fp8_skip pattern {pattern!r} matches no decoder linear (names look like "
+                f"{names[0]}, {names[-1]}; the embedding and output layer never run in FP8)")
 
 
 def check_fp8(cfg: Config, layout: Layout) -> None:
@@ -107,15 +111,17 @@ def check_fp8(cfg: Config, layout: Layout) -> None:
     args = model_args(cfg)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_length // layout.cp
     require(tokens % GEMM_MULTIPLE == 0,
-            f"model.fp8={m.fp8}: a micro-batch's tokens on a rank, train.micro_batch_size × train.seq_length / "
-            f"parallel.cp = {tokens}, must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs' rule)")
-    bad = unfit_linears(args, layout.tp, m.fp8_skip)  # every linear FP8 cannot take, named in one line
+            f"model.fp8={m.fp8}: a micro-batch's tokens on a rank, train.micro_batch_size × "
+            f"train.seq_length / parallel.cp = {tokens}, must be a multiple of {GEMM_MULTIPLE} "
+            "(FP8 GEMMs' rule)")
+    # every linear FP8 cannot take, named in one line
+    bad = unfit_linears(args, layout.tp, m.fp8_skip)
     if bad:
         sizes = ", ".join(f"{name} is {out}×{inp}" for name, (out, inp) in bad.items())
         skip = ", ".join(f"'*.{name}'" for name in bad)
-        raise ConfigError(f"model.fp8={m.fp8}: {sizes} on a tp rank (tp={layout.tp}); FP8 GEMMs need multiples of "
-                          f"{GEMM_MULTIPLE}: change the sizes or tp, or keep them in {cfg.train.precision} with "
-                          f"--model.fp8_skip \"[{skip}]\"")
+        raise ConfigError(f"model.fp8={m.fp8}: {sizes} on a tp rank (tp={layout.tp}); FP8 GEMMs "
+                          f"need multiples of {GEMM_MULTIPLE}: change the sizes or tp, or keep "
+                          f"them in {cfg.train.precision} with --model.fp8_skip \"[{skip}]\"")
 
 
 def fp8_summary(cfg: Config) -> str:
@@ -133,8 +139,8 @@ def fp8_summary(cfg: Config) -> str:
     total = len(kinds) * args.num_layers
     off = ", ".join(m.fp8_skip)
     return (f"fp8={m.fp8}: {count}/{total} linears ({' '.join(parts) or 'none'})"
-            + (f", skipped {off}" if off else "") + f"; embedding, output layer, attention, norms in "
-            f"{cfg.train.precision}")
+            + (f", skipped {off}" if off else "")
+            + f"; embedding, output layer, attention, norms in {cfg.train.precision}")
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -144,12 +150,13 @@ def check_fp8_device(device: torch.device) -> None:
     if device.type != "cuda":
         return
     if torch.version.hip:
-        raise ConfigError("model.fp8 casts to the OCP formats (e4m3fn, e5m2), which ROCm's FP8 GEMMs on MI300 do not "
-                          "take: set --model.fp8 none")
+        raise ConfigError("model.fp8 casts to the OCP formats (e4m3fn, e5m2), which ROCm's FP8 "
+                          "GEMMs on MI300 do not take: set --model.fp8 none")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise ConfigError(f"model.fp8 needs FP8 tensor cores (compute capability 8.9+: L4/L40S, H100, B200); "
-                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}: set --model.fp8 none")
+        raise ConfigError("model.fp8 needs FP8 tensor cores (compute capability 8.9+: L4/L40S, "
+                          f"H100, B200); {torch.cuda.get_device_name(device)} is {major}.{minor}: "
+                          "set --model.fp8 none")
 
 
 def convert_to_fp8(chunk: DecoderModel, recipe: str, skip: list[str], *, allgather: bool, zero: int,
@@ -167,9 +174,11 @@ def convert_to_fp8(chunk: DecoderModel, recipe: str, skip: list[str], *, allgath
     for i, layer in chunk.layers.items():
         for block_name, block in layer.named_children():  # attention, MLP (and norms: no linears)
             linears = layer_linears(block)
-            on = [m for n, m in linears.items() if not skipped(f"layers.{i}.{block_name}.{n}", skip)]
+            on = [m for n, m in linears.items()
+                  if not skipped(f"layers.{i}.{block_name}.{n}", skip)]
             columns = [m for m in linears.values() if isinstance(m, ColumnParallelLinear)]
-            # the block's input (enter_tp_region) is gathered in FP8 only when no bf16 linear reads it
+            # the block's input (enter_tp_region) is gathered in FP8 only when no bf16 linear reads
+            # it
             gathers = inputs is not None and bool(columns) and block.saved is not None and \
                 all(any(c is m for m in on) for c in columns)
             for m in on:

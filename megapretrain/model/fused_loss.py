@@ -61,28 +61,33 @@ def _uniform(scale: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
     """The incoming gradient shared by every kept token, as a 0-d tensor (0 if none is kept), or
     None if they differ. One host read — whether they agree — and no shape that depends on the
     values (so it also runs on the fake tensors of a simulation)."""
-    first = torch.where(keep.any(), scale[keep.to(torch.int8).argmax()], 0.0)  # the first kept token's
+    # the first kept token's
+    first = torch.where(keep.any(), scale[keep.to(torch.int8).argmax()], 0.0)
     return first if bool(((scale == first) | ~keep).all()) else None
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference,
-                grads_in_forward, sink, grad_scale, deferred):
+    def forward(ctx, x, weight, targets, group, vocab_start, real_vocab, ignore_index, z_loss, rows,
+                reference, grads_in_forward, sink, grad_scale, deferred):
         x2d, t1d = x.reshape(-1, x.shape[-1]), targets.reshape(-1)  # (b·s, h), (b·s,)
         need_x = grads_in_forward and ctx.needs_input_grad[0]
-        # with ``deferred`` (a zero-bubble schedule) the weight gradient is made on its own, after the backward
+        # with ``deferred`` (a zero-bubble schedule) the weight gradient is made on its own, after
+        # the backward
         need_w = grads_in_forward and ctx.needs_input_grad[1] and deferred is None
         # the gradient made here: for the incoming one announced, or else for a unit one
-        scale = x2d.new_full(t1d.shape, 1.0 if grad_scale is None else grad_scale, dtype=torch.float32)
+        scale = x2d.new_full(t1d.shape, 1.0 if grad_scale is None else grad_scale,
+                             dtype=torch.float32)
         main = sink.main_grad_for(weight) if need_w and sink is not None else None
-        loss, lse, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, group, vocab_start, real_vocab,
-                                                           ignore_index, z_loss, rows, need_x, need_w, reference,
+        loss, lse, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, group,
+                                                           vocab_start, real_vocab, ignore_index,
+                                                           z_loss, rows, need_x, need_w, reference,
                                                            grad_w_out=main)
         ctx.save_for_backward(x2d, weight, t1d, lse)
         ctx.grads = grad_x, grad_w  # not saved tensors: the backward drops them before it returns
         ctx.args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x.shape)
-        ctx.made = (1.0 if grad_scale is None else grad_scale) if grads_in_forward else None  # its scale
+        # its scale
+        ctx.made = (1.0 if grad_scale is None else grad_scale) if grads_in_forward else None
         ctx.sink, ctx.deferred = sink, deferred
         # the parameter itself: saved tensors come back as other tensors
         ctx.param = weight if sink is not None or deferred is not None else None
@@ -94,15 +99,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         (grad_x, grad_w), ctx.grads = ctx.grads, None  # the only references left are these
         group, vocab_start, real_vocab, ignore_index, z_loss, rows, reference, x_shape = ctx.args
         need_x, need_w = ctx.needs_input_grad[:2]
-        later = need_w and ctx.deferred is not None  # d/dweight made on its own, below (a W op, or now)
+        # d/dweight made on its own, below (a W op, or now)
+        later = need_w and ctx.deferred is not None
         need_w = need_w and not later
-        fused = need_w and ctx.sink is not None  # d/dweight goes into the main grad, not through autograd
+        # d/dweight goes into the main grad, not through autograd
+        fused = need_w and ctx.sink is not None
         scale = grad_loss.reshape(-1).float()  # (b·s,)
         args = (group, vocab_start, real_vocab, ignore_index, z_loss, rows)
         if ctx.made is None:  # nothing made in the forward: the chunks once, with this gradient
             main = ctx.sink.main_grad_for(ctx.param) if fused else None
-            _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w, reference,
-                                                          lse=lse, grad_w_out=main)
+            _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x,
+                                                          need_w, reference, lse=lse,
+                                                          grad_w_out=main)
         elif fused:  # the forward added made · G to the main grad: add (incoming - made) · G
             differs = _differs(scale, t1d != ignore_index, ctx.made)
             checks = ctx.sink.grad_scale_checks
@@ -110,16 +118,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 checks.append(differs)
             elif bool(differs):
                 main = ctx.sink.main_grad_for(ctx.param)
-                _, _, fix_x, _ = chunked_loss_and_grads(x2d, weight, t1d, scale - ctx.made, *args, need_x, True,
-                                                        reference, lse=lse, grad_w_out=main)
+                _, _, fix_x, _ = chunked_loss_and_grads(x2d, weight, t1d, scale - ctx.made, *args,
+                                                        need_x, True, reference, lse=lse,
+                                                        grad_w_out=main)
                 grad_x = grad_x.add_(fix_x) if need_x else None
         else:
             shared = _uniform(scale, t1d != ignore_index)
             ready = (grad_x is not None or not need_x) and (grad_w is not None or not need_w)
-            if shared is None or not ready or not ctx.made:  # recompute the chunks with this gradient
+            # recompute the chunks with this gradient
+            if shared is None or not ready or not ctx.made:
                 grad_x = grad_w = None  # frees the forward's before the new ones are made
-                _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args, need_x, need_w,
-                                                              reference, lse=lse)
+                _, _, grad_x, grad_w = chunked_loss_and_grads(x2d, weight, t1d, scale, *args,
+                                                              need_x, need_w, reference, lse=lse)
             else:
                 factor = shared.double() / ctx.made  # on the device: no read of the value
                 grad_x = grad_x.mul_(factor) if need_x else None
@@ -129,14 +139,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w = None
         if later:
             make = functools.partial(_weight_grad, x2d, weight, t1d, lse, scale, args, reference)
-            grad_w = None if ctx.deferred.defer_call(ctx.param, make) else _weight_grad_now(ctx.sink, ctx.param, make)
+            grad_w = None if ctx.deferred.defer_call(ctx.param, make) \
+                else _weight_grad_now(ctx.sink, ctx.param, make)
         grad_x = grad_x.view(x_shape) if need_x else None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, \
+            None, None, None, None, None, None
 
 
 def _weight_grad(x2d, weight, t1d, lse, scale, args, reference, main):
-    """d loss / d weight (v/tp, h) for the incoming gradient ``scale``, from the chunks of logits made
-    again (the log-sum-exp kept: one matmul more than making it with d/dx) — a zero-bubble
+    """d loss / d weight (v/tp, h) for the incoming gradient ``scale``, from the chunks of logits
+    made again (the log-sum-exp kept: one matmul more than making it with d/dx) — a zero-bubble
     schedule's W op for the output layer, which keeps only the layer's input (b·s, h) from its B.
     Added into ``main`` (its fp32 main grad) chunk by chunk, or returned when that is None."""
     return chunked_loss_and_grads(x2d, weight, t1d, scale, *args, False, True, reference, lse=lse,
@@ -153,9 +165,10 @@ def _weight_grad_now(sink, param, make):
     return None
 
 
-def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group,
-                                   vocab_start: int, real_vocab: int, *, ignore_index: int = -100,
-                                   z_loss: float = 0.0, reference: bool = False, chunk_rows: int | None = None,
+def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                   group: Group, vocab_start: int, real_vocab: int, *,
+                                   ignore_index: int = -100, z_loss: float = 0.0,
+                                   reference: bool = False, chunk_rows: int | None = None,
                                    grads_in_forward: bool | None = None, grad_sink=None,
                                    grad_scale: float | None = None, deferred=None) -> torch.Tensor:
     """Per-token loss (b, s) fp32 of ``F.linear(x, weight)`` against global ``targets`` (b, s).
@@ -187,5 +200,6 @@ def linear_cross_entropy_per_token(x: torch.Tensor, weight: torch.Tensor, target
         grad_sink = None
     if grad_scale is not None:  # as the incoming gradient will hold it (rounded on the host: no op)
         grad_scale = float(np.float32(grad_scale))
-    return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab, ignore_index,
-                                            z_loss, rows, reference, grads_in_forward, grad_sink, grad_scale, deferred)
+    return _ChunkedLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab,
+                                            ignore_index, z_loss, rows, reference, grads_in_forward,
+                                            grad_sink, grad_scale, deferred)

@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     from .args import ModelArgs
 
 # the chunk's names -> GPT-NeoX's: outside the layers by prefix, inside them by the module's part
-TOP = {"embed_tokens.": "gpt_neox.embed_in.", "norm.": "gpt_neox.final_layer_norm.", "lm_head.": "embed_out."}
-IN_LAYER = {".self_attn.qkv_proj.": ".attention.query_key_value.", ".self_attn.o_proj.": ".attention.dense.",
-            ".mlp.up_proj.": ".mlp.dense_h_to_4h.", ".mlp.down_proj.": ".mlp.dense_4h_to_h."}
+TOP = {"embed_tokens.": "gpt_neox.embed_in.", "norm.": "gpt_neox.final_layer_norm.",
+       "lm_head.": "embed_out."}
+IN_LAYER = {".self_attn.qkv_proj.": ".attention.query_key_value.",
+            ".self_attn.o_proj.": ".attention.dense.", ".mlp.up_proj.": ".mlp.dense_h_to_4h.",
+            ".mlp.down_proj.": ".mlp.dense_4h_to_h."}
 
 
 class GPTNeoXAdapter:
@@ -43,46 +45,54 @@ class GPTNeoXAdapter:
         m = cfg.model
         scaling, max_positions = rope_config(cfg)
         if scaling:
-            raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no llama3 rotary scaling; "
-                               "nothing written")
-        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": m.vocab_size,
-                "hidden_size": m.hidden_size, "intermediate_size": args.ffn_hidden_size,
-                "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads, "hidden_act": "gelu",
-                "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,  # transformers < 5 reads these two
+            raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no llama3 "
+                               "rotary scaling; nothing written")
+        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+                "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+                "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+                "num_attention_heads": m.num_heads, "hidden_act": "gelu",
+                # transformers < 5 reads these two
+                "rotary_pct": m.rotary_pct, "rotary_emb_base": m.rope_theta,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
                                     "partial_rotary_factor": m.rotary_pct},
                 "max_position_embeddings": max_positions, "layer_norm_eps": m.norm_eps,
                 "use_parallel_residual": args.parallel_residual, "attention_bias": True,
                 "tie_word_embeddings": False, "attention_dropout": m.attention_dropout,
                 "hidden_dropout": m.hidden_dropout, "initializer_range": m.init_std,
-                "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name, "dtype": dtype_name}
+                "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name,
+                "dtype": dtype_name}
 
     def check(self, hf: dict, where: str) -> None:
-        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                        "num_attention_heads"), (),
+        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size",
+                                        "num_hidden_layers", "num_attention_heads"), (),
                             ("layer_norm_eps", "rotary_pct", "rotary_emb_base"),
                             ("tie_word_embeddings", "use_parallel_residual", "attention_bias"))
-        unsupported = {k: hf[k] for k in ("hidden_act",) if hf.get(k, "gelu") != "gelu"}  # exact GELU only
+        # exact GELU only
+        unsupported = {k: hf[k] for k in ("hidden_act",) if hf.get(k, "gelu") != "gelu"}
         if hf.get("attention_bias") is False:
             unsupported["attention_bias"] = False
         if hf.get("tie_word_embeddings"):
             unsupported["tie_word_embeddings"] = True
         refuse(unsupported, where, "gpt_neox")
         if rope_from_hf(hf, where)[1] is not None:
-            raise ConvertError(f"{where}: rotary scaling {hf.get('rope_scaling') or hf.get('rope_parameters')} is not "
-                               "supported by megapretrain's gpt_neox family; the weights would not compute the same "
-                               "function")
+            raise ConvertError(f"{where}: rotary scaling "
+                               f"{hf.get('rope_scaling') or hf.get('rope_parameters')} is not "
+                               "supported by megapretrain's gpt_neox family; the weights would not "
+                               "compute the same function")
 
     def model_flags(self, hf: dict, where: str) -> dict[str, object]:
         params = hf.get("rope_parameters") or {}
-        rotary_pct = params.get("partial_rotary_factor") or hf.get("rotary_pct") or 0.25  # transformers' default
+        # transformers' default
+        rotary_pct = params.get("partial_rotary_factor") or hf.get("rotary_pct") or 0.25
         heads = hf["num_attention_heads"]
-        return {"family": "gpt_neox", "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
-                "num_heads": heads, "num_kv_heads": heads, "head_dim": None,
-                "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-                "rope_theta": rope_from_hf(hf, where)[0], "norm_eps": hf.get("layer_norm_eps", 1e-5),
-                "tie_embeddings": False, "mlp": "gelu", "rotary_pct": float(rotary_pct),
-                "parallel_residual": bool(hf.get("use_parallel_residual", True)), "qkv_bias": False, "qk_norm": False}
+        return {"family": "gpt_neox", "num_layers": hf["num_hidden_layers"],
+                "hidden_size": hf["hidden_size"], "num_heads": heads, "num_kv_heads": heads,
+                "head_dim": None, "ffn_hidden_size": hf["intermediate_size"],
+                "vocab_size": hf["vocab_size"], "rope_theta": rope_from_hf(hf, where)[0],
+                "norm_eps": hf.get("layer_norm_eps", 1e-5), "tie_embeddings": False, "mlp": "gelu",
+                "rotary_pct": float(rotary_pct),
+                "parallel_residual": bool(hf.get("use_parallel_residual", True)), "qkv_bias": False,
+                "qk_norm": False}
 
 
 ADAPTER = GPTNeoXAdapter()

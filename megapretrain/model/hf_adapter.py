@@ -40,7 +40,8 @@ class HFAdapter(Protocol):
         its shape, the family's defaults filled in)."""
 
     def check(self, hf: dict, where: str) -> None:
-        """Raise :class:`ConvertError` for what of ``hf`` (a config.json) the family cannot compute."""
+        """Raise :class:`ConvertError` for what of ``hf`` (a config.json) the family cannot
+        compute."""
 
     def model_flags(self, hf: dict, where: str) -> dict[str, object]:
         """``model.*`` settings (field → value) describing the checkpoint's architecture."""
@@ -51,18 +52,21 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     wins, as in transformers) or ``rope_parameters`` (transformers 5)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or hf.get("rotary_emb_base") or 10000.0)
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or hf.get("rotary_emb_base") or
+                  10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) \
+        else scaling
     if kind == "default":
         return theta, None
-    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling = {k: v for k, v in scaling.items()
+               if k not in ("rope_theta", "type", "partial_rotary_factor")}
     scaling["rope_type"] = kind
     if kind == "llama3":
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
         extra = sorted(set(scaling) - {"rope_type", *ROPE_LLAMA3_KEYS})
         if extra:
-            raise ConvertError(f"{where}: rope_scaling keys {extra} are not part of rope_type llama3; the weights "
-                               "would not compute the same function")
+            raise ConvertError(f"{where}: rope_scaling keys {extra} are not part of rope_type "
+                               "llama3; the weights would not compute the same function")
     try:
         check_rope_scaling(scaling, f"{where}: rope_scaling")
     except ConfigError as exc:
@@ -77,11 +81,13 @@ def rope_config(cfg: Config) -> tuple[dict | None, int]:
     if not rs or rs.get("rope_type", rs.get("type")) == "default":
         return None, max_positions
     scaling = {"rope_type": "llama3", **{k: rs[k] for k in ROPE_LLAMA3_KEYS}}
-    return scaling, max(max_positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return scaling, max(max_positions,
+                        int(scaling["original_max_position_embeddings"] * scaling["factor"]))
 
 
-def check_config_fields(hf: dict, where: str, counts: tuple[str, ...], optional_counts: tuple[str, ...] = (),
-                        numbers: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> None:
+def check_config_fields(hf: dict, where: str, counts: tuple[str, ...],
+                        optional_counts: tuple[str, ...] = (), numbers: tuple[str, ...] = (),
+                        flags: tuple[str, ...] = ()) -> None:
     """Refuse a ``config.json`` lacking one of ``counts`` (positive integers), or holding one of
     those, ``optional_counts`` (positive integers or null), ``numbers`` (finite, positive) or
     ``flags`` (true/false) of another type: ``hidden_size: "64"`` is named as a string, not
@@ -92,21 +98,22 @@ def check_config_fields(hf: dict, where: str, counts: tuple[str, ...], optional_
     missing = [k for k in counts if k not in hf]
     if missing:
         raise ConvertError(f"{where}: {', '.join(missing)} missing; the config.json of a "
-                           f"{hf.get('model_type') or 'model'} needs {', '.join(counts)} (re-save the model with "
-                           "save_pretrained)")
+                           f"{hf.get('model_type') or 'model'} needs {', '.join(counts)} (re-save "
+                           "the model with save_pretrained)")
     wrong = [k for k in counts if not count(hf[k])]
     wrong += [k for k in optional_counts if hf.get(k) is not None and not count(hf[k])]
     wrong += [k for k in numbers if hf.get(k) is not None and not (isinstance(hf[k], (int, float))
                                                                      and not isinstance(hf[k], bool)
-                                                                     and math.isfinite(hf[k]) and hf[k] > 0)]
+                                                                     and math.isfinite(hf[k]) and
+                                                                   hf[k] > 0)]
     wrong += [k for k in flags if hf.get(k) is not None and not isinstance(hf[k], bool)]
     if wrong:
         shown = ", ".join(f"{k}={hf[k]!r}" for k in wrong)
-        raise ConvertError(f"{where}: {shown}: of the wrong type or range (counts are positive integers, "
-                           "flags true/false); the file is damaged or hand-edited")
+        raise ConvertError(f"{where}: {shown}: of the wrong type or range (counts are positive "
+                           "integers, flags true/false); the file is damaged or hand-edited")
 
 
 def refuse(unsupported: dict, where: str, family: str) -> None:
     if unsupported:
-        raise ConvertError(f"{where}: {unsupported} is not supported by megapretrain's {family} family; the weights "
-                           "would not compute the same function")
+        raise ConvertError(f"{where}: {unsupported} is not supported by megapretrain's {family} "
+                           "family; the weights would not compute the same function")

@@ -1,6 +1,6 @@
 """The decoder's layers, shared by the model families: norms, rotary embeddings, attention, MLPs
-and the decoder block, all tensor-parallel (column/row-parallel linears from ``parallel/tensor.py``),
-sequence-parallel aware and context-parallel aware.
+and the decoder block, all tensor-parallel (column/row-parallel linears from
+``parallel/tensor.py``), sequence-parallel aware and context-parallel aware.
 
 A family chooses among them with a :class:`LayerSpec` (model/llama.py, model/gpt_neox.py): which
 norm, which MLP, which biases, QK-norm, a fused QKV projection, the residual form. Every layer
@@ -47,36 +47,41 @@ from ..parallel.tp_overlap import gather_column_linears, row_linear_reduce_scatt
 from .args import ModelArgs
 from .attention import PreparedMask, causal_attention
 
-KERNELS = ("torch", "triton")  # model.kernels once resolved (model/build.py): today's torch ops, or kernels/
+# model.kernels once resolved (model/build.py): today's torch ops, or kernels/
+KERNELS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """A family's choice of parts for its decoder layers (Megatron-Core's layer submodules, as data)."""
+    """A family's choice of parts for its decoder layers (Megatron-Core's layer submodules, as
+    data)."""
     norm: type[nn.Module]          # RMSNorm | LayerNorm (the final norm too)
     mlp: type[nn.Module]           # SwiGLU | GeluMLP
     qkv_bias: bool = False         # biases on the query, key and value projections
     dense_bias: bool = False       # biases on the attention output and on the MLP's linears
     qk_norm: bool = False          # RMSNorm over each head's q and k before RoPE (Qwen3)
-    fused_qkv: bool = False        # one projection, rows grouped per kv head: [q·n/k, k, v] (GPT-NeoX)
+    fused_qkv: bool = False        # one projection, rows grouped per kv head: [q·n/k, k, v]
+    #                                (GPT-NeoX)
     parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
 
 
-# -- linears with biases, embedding: the parallel layers with their initialization declared ----------
+# -- linears with biases, embedding: the parallel layers with their initialization declared --------
 
 
 class ColumnLinear(ColumnParallelLinear):
     """:class:`ColumnParallelLinear` with an optional bias, split over tp with the output rows."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float, bias: bool = False,
-                 vocab_rows: int | None = None, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
+                 bias: bool = False, vocab_rows: int | None = None, dtype=torch.float32,
+                 device=None):
         super().__init__(in_features, out_features, tp, init_std=init_std, vocab_rows=vocab_rows,
                          dtype=dtype, device=device)
-        self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) \
+            if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, init=Init.normal(self.init_std),
-                                  fp8_gather=fp8_gathered(self))}
+        out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows,
+                                  init=Init.normal(self.init_std), fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
             out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
         return out
@@ -93,28 +98,36 @@ class RowLinear(RowParallelLinear):
     over tp. Under sequence parallelism each rank adds it to its own positions, so its gradient is
     a partial sum over tp."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float, bias: bool = False,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
-        super().__init__(in_features, out_features, tp, init_std=init_std, sequence_parallel=sequence_parallel,
-                         dtype=dtype, device=device)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
+                 bias: bool = False, sequence_parallel: bool = False, dtype=torch.float32,
+                 device=None):
+        super().__init__(in_features, out_features, tp, init_std=init_std,
+                         sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias \
+            else None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std),  # input columns split over tp
+        # input columns split over tp
+        out = {"weight": Sharding(tp_dim=1, init=Init.normal(self.init_std),
                                   fp8_gather=fp8_gathered(self))}
         if self.bias is not None:
-            out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel, init=ZEROS)
+            out["bias"] = Sharding(weight_decay=False, partial_grad_over_tp=self.sequence_parallel,
+                                   init=ZEROS)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:  # FP8 GEMMs: the collective after the whole GEMM
             y = self.matmul(x)  # (b, s, out) partial sums
-            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
-        elif self.sequence_parallel and self.comm_overlap:  # the reduce-scatter under the GEMM's chunks
-            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.comm_overlap, self.deferred)  # (b, s/tp, out)
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel \
+                else reduce_from_tp(y, self.tp)
+        # the reduce-scatter under the GEMM's chunks
+        elif self.sequence_parallel and self.comm_overlap:
+            # (b, s/tp, out)
+            y = row_linear_reduce_scatter(x, self.weight, self.tp, self.comm_overlap, self.deferred)
         else:
             y = linear(x, self.weight, None, self.deferred)  # (b, s, out) partial sums
-            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+            y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel \
+                else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -122,27 +135,30 @@ class Embedding(VocabParallelEmbedding):
     """:class:`VocabParallelEmbedding` declaring its normal(init_std) initialization."""
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab, init=Init.normal(self.init_std))}
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab,
+                                   init=Init.normal(self.init_std))}
 
 
-def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Group, sequence_parallel: bool,
-                   saved: SavedShards | None) -> list[torch.Tensor]:
+def column_outputs(x: torch.Tensor, linears: list[ColumnParallelLinear], tp: Group,
+                   sequence_parallel: bool, saved: SavedShards | None) -> list[torch.Tensor]:
     """The outputs (b, s, outᵢ/tp) of the column-parallel ``linears`` sharing the block's input
     ``x``: entering the tp region once (the sequence-parallel all-gather) and then each GEMM, or
-    under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs (parallel/tp_overlap.py)."""
+    under ``parallel.tp_comm_overlap`` the gather in ring steps under the GEMMs
+    (parallel/tp_overlap.py)."""
     if sequence_parallel and tp.size > 1 and linears[0].comm_overlap and linears[0].fp8 is None:
         return gather_column_linears(x, linears, tp, linears[0].comm_overlap, linears[0].deferred)
     x = enter_tp_region(x, tp, sequence_parallel, saved)  # (b, s, h): the full sequence
     return [m(x) for m in linears]
 
 
-# -- norms ------------------------------------------------------------------------------------------
+# -- norms -----------------------------------------------------------------------------------------
 
 
 class _RMSNormFunction(torch.autograd.Function):
     """y = weight · x / rms(x), computed on an fp32 copy of x. Written out (rather than left to
     autograd) so that it saves only ``x`` and 1/rms, not four activation-sized temporaries, and
-    converts each tensor between bf16 and fp32 once (mixed-dtype elementwise ops are slow on CPU)."""
+    converts each tensor between bf16 and fp32 once (mixed-dtype elementwise ops are slow on
+    CPU)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
@@ -150,7 +166,8 @@ class _RMSNormFunction(torch.autograd.Function):
         mean_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
         rstd = mean_sq.add_(eps).rsqrt_()  # (..., 1) fp32
         ctx.save_for_backward(x, weight, rstd)
-        return xf.mul_(rstd).to(x.dtype).mul_(weight)  # rounded to x's dtype, then scaled (as HF does)
+        # rounded to x's dtype, then scaled (as HF does)
+        return xf.mul_(rstd).to(x.dtype).mul_(weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -171,14 +188,15 @@ class RMSNorm(nn.Module):
     rank normalizes other rows (other positions under sequence parallelism, other heads for
     QK-norm), so the weight's grads are partial sums over tp."""
 
-    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False, kernels: str = "torch",
-                 dtype=torch.float32, device=None):
+    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False,
+                 kernels: str = "torch", dtype=torch.float32, device=None):
         super().__init__()
         self.eps, self.partial_grad, self.kernels = eps, partial_grad, kernels
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(weight_decay=False, partial_grad_over_tp=self.partial_grad, init=ONES)}
+        return {"weight": Sharding(weight_decay=False, partial_grad_over_tp=self.partial_grad,
+                                   init=ONES)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels == "triton":
@@ -190,8 +208,8 @@ class LayerNorm(nn.Module):
     """(x - mean) / std · weight + bias (GPT-NeoX), torch's op (no Triton kernel: the same on every
     device). Grads partial over tp under sequence parallelism, as for :class:`RMSNorm`."""
 
-    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False, kernels: str = "torch",
-                 dtype=torch.float32, device=None):
+    def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False,
+                 kernels: str = "torch", dtype=torch.float32, device=None):
         super().__init__()
         self.eps, self.partial_grad = eps, partial_grad
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
@@ -205,11 +223,12 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-# -- rotary embeddings --------------------------------------------------------------------------------
+# -- rotary embeddings -----------------------------------------------------------------------------
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                    original_max_position_embeddings: int, **_) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: int,
+                    **_) -> torch.Tensor:
     """Llama 3.1's rotary scaling, as transformers computes it: wavelengths longer than the original
     context / low_freq_factor are stretched by ``factor``, shorter than context / high_freq_factor
     kept, and those in between interpolated smoothly."""
@@ -217,7 +236,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: floa
     high_wavelen = original_max_position_embeddings / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor
+                                                                               - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -228,9 +248,11 @@ def rope_tables(seq: int, rotary_dim: int, theta: float, device, dtype,
     """cos and sin of shape (s, r) for positions 0..seq-1 (the rotate-half layout) over the
     ``rotary_dim`` = r rotated dims of a head (all d of them but for partial rotary); ``scaling``:
     ``model.rope_scaling`` (rope_type llama3, or none)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2,
+                                             dtype=torch.int64).float() / rotary_dim))
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
+        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items()
+                                                if k not in ("rope_type", "type")})
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (s, r/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (s, r)
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
@@ -255,11 +277,13 @@ class _RoPEFunction(torch.autograd.Function):
         half = grad.shape[-1] // 2
         dx = grad * cos
         dx[..., :half].addcmul_(grad[..., half:], sin[..., half:])  # dx1 = g1 c1 + g2 s2
-        dx[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)  # dx2 = g2 c2 - g1 s1
+        # dx2 = g2 c2 - g1 s1
+        dx[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1.0)
         return dx, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kernels: str = "torch") -> torch.Tensor:
     """Rotate (b, n, s, d) query/key vectors by their position's angle; cos, sin: (s, r), or
     (b, 1, s, r) when each token has its own position (document masking). With r < d (partial
     rotary, GPT-NeoX) the first r dims of each head turn and the rest pass through.
@@ -267,7 +291,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: s
     the torch ops)."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin, kernels), x[..., r:]], dim=-1)  # (b, n, s, d)
+        # (b, n, s, d)
+        return torch.cat([apply_rope(x[..., :r], cos, sin, kernels), x[..., r:]], dim=-1)
     if kernels == "triton" and cos.dim() == 2:
         return rope(x, cos, sin)
     return _RoPEFunction.apply(x, cos, sin)
@@ -282,13 +307,14 @@ class Attention(nn.Module):
     context parallelism (``parallel/context.py``, ``cp_comm``) the keys and values are all-gathered
     over cp, or passed around the cp ranks (ring: the micro-batch's prepared mask is a
     ``RingMask``, ``model/context_attention.py``), or heads and sequence are swapped by
-    all-to-alls (a2a). Causal attention runs ``model/attention.py``'s :func:`causal_attention`; under document
-    masking the kernel the micro-batch's prepared mask stands for (``model/attention.py``: flex,
-    blockwise or sdpa), with the kv heads unexpanded either way."""
+    all-to-alls (a2a). Causal attention runs ``model/attention.py``'s :func:`causal_attention`;
+    under document masking the kernel the micro-batch's prepared mask stands for
+    (``model/attention.py``: flex, blockwise or sdpa), with the kv heads unexpanded either way."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
-                 selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
-                 cp: Group | None = None, cp_comm: str = "allgather", dtype, device):
+                 selective_recompute: bool, rng: RNGTracker, saved: SavedShards | None,
+                 kernels: str = "torch", cp: Group | None = None, cp_comm: str = "allgather", dtype,
+                 device):
         super().__init__()
         self.rng, self.saved, self.kernels = rng, saved, kernels
         self.cp = cp if cp is not None else Group("cp", [0])
@@ -296,13 +322,15 @@ class Attention(nn.Module):
         d, out_std = args.head_dim, args.init_std / math.sqrt(2 * args.num_layers)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.selective_recompute = selective_recompute
-        self.n_local, self.k_local, self.d = args.num_heads // tp.size, args.num_kv_heads // tp.size, d
+        self.n_local, self.k_local, self.d = \
+            args.num_heads // tp.size, args.num_kv_heads // tp.size, d
         self.dropout = args.attention_dropout
         self.fused = spec.fused_qkv
         kw = dict(dtype=dtype, device=device)
         h, n, k = args.hidden_size, args.num_heads, args.num_kv_heads
         lin = dict(init_std=args.init_std, bias=spec.qkv_bias, **kw)
-        if self.fused:  # rows per kv head: its n/k queries, its key, its value (tp splits whole groups)
+        # rows per kv head: its n/k queries, its key, its value (tp splits whole groups)
+        if self.fused:
             self.qkv_proj = ColumnLinear(h, (n + 2 * k) * d, tp, **lin)
         else:
             self.q_proj = ColumnLinear(h, n * d, tp, **lin)
@@ -312,13 +340,15 @@ class Attention(nn.Module):
                                 sequence_parallel=sequence_parallel, **kw)
         if spec.qk_norm:  # one weight for every head, and tp ranks hold other heads: partial grads
             norm = dict(partial_grad=tp.size > 1, kernels=kernels, **kw)
-            self.q_norm, self.k_norm = RMSNorm(d, args.norm_eps, **norm), RMSNorm(d, args.norm_eps, **norm)
+            self.q_norm, self.k_norm = RMSNorm(d, args.norm_eps, **norm), RMSNorm(d, args.norm_eps,
+                                                                                  **norm)
         else:
             self.q_norm = self.k_norm = None
 
     def _core(self, q, k, v, mask=None):
         dropout = self.dropout if self.training else 0.0
-        if not dropout:  # no random numbers drawn: no stream to fork (and no graph break under compile)
+        # no random numbers drawn: no stream to fork (and no graph break under compile)
+        if not dropout:
             return self._attend(q, k, v, mask, 0.0)
         with self.rng.fork():  # heads differ per tp (and cp) rank, so must their dropout masks
             return self._attend(q, k, v, mask, dropout)
@@ -340,7 +370,8 @@ class Attention(nn.Module):
         """q (b, s, n/tp, d), k and v (b, s, k/tp, d) of the block's input x (b, s, h), or its
         sequence shard (b, s/tp, h) under sequence parallelism (gathered here)."""
         if not self.fused:
-            q, k, v = column_outputs(x, [self.q_proj, self.k_proj, self.v_proj], self.tp, self.sequence_parallel,
+            q, k, v = column_outputs(x, [self.q_proj, self.k_proj, self.v_proj], self.tp,
+                                     self.sequence_parallel,
                                      self.saved)  # (b, s, n/tp·d), (b, s, k/tp·d) × 2
             b, s, _ = q.shape
             return (q.view(b, s, self.n_local, self.d), k.view(b, s, self.k_local, self.d),
@@ -360,14 +391,16 @@ class Attention(nn.Module):
         b, s = q.shape[:2]
         if self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, n/tp, s, d), (b, k/tp, s, d)
+        # (b, n/tp, s, d), (b, k/tp, s, d)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin, self.kernels), apply_rope(k, cos, sin, self.kernels)
         if self.cp_comm == "ring":
             # the ring's own function saves only q, k, v, the output and the log-sum-exp, which is
             # what selective recomputation would keep: nothing to recompute
             y = mask.attend(q, k, v, 0.0)  # (b, n/tp, s, d): mask is the micro-batch's RingMask
         else:
-            if self.cp_comm == "a2a":  # (b, n/(tp·cp), s·cp, d), (b, k/(tp·cp), s·cp, d): the whole sequence
+            # (b, n/(tp·cp), s·cp, d), (b, k/(tp·cp), s·cp, d): the whole sequence
+            if self.cp_comm == "a2a":
                 q, k, v = heads_from_cp(q, k, v, self.cp)
             else:  # (b, k/tp, s·cp, d): every cp rank's keys, in global order
                 k, v = gather_kv_from_cp(k, v, self.cp)
@@ -379,8 +412,8 @@ class Attention(nn.Module):
     def _attention(self, q, k, v, mask):
         """The attention core, checkpointed under selective recomputation."""
         if self.selective_recompute and self.training:
-            # no dropout: no random stream to restore, and no context_fn argument at all (torch.compile
-            # traces a checkpoint only without one, even the no-op)
+            # no dropout: no random stream to restore, and no context_fn argument at all
+            # (torch.compile traces a checkpoint only without one, even the no-op)
             context = dict(context_fn=self.rng.checkpoint_context) if self.dropout else {}
             return checkpoint(self._core, q, k, v, mask, use_reentrant=False, **context)
         return self._core(q, k, v, mask)  # (b, n/tp, s, d)
@@ -396,17 +429,21 @@ class SwiGLU(nn.Module):
                  saved: SavedShards | None, kernels: str = "torch", dtype, device):
         super().__init__()
         out_std = args.init_std / math.sqrt(2 * args.num_layers)
-        self.tp, self.sequence_parallel, self.saved, self.kernels = tp, sequence_parallel, saved, kernels
+        self.tp, self.sequence_parallel, self.saved, self.kernels = \
+            tp, sequence_parallel, saved, kernels
         kw = dict(bias=bias, dtype=dtype, device=device)
         h, f = args.hidden_size, args.ffn_hidden_size
         self.gate_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
         self.up_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
-        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
+        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel,
+                                   **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_outputs(x, [self.gate_proj, self.up_proj], self.tp, self.sequence_parallel,
+        gate, up = column_outputs(x, [self.gate_proj, self.up_proj], self.tp,
+                                  self.sequence_parallel,
                                   self.saved)  # (b, s, f/tp) each
-        act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up  # kernels/swiglu.py
+        # kernels/swiglu.py
+        act = swiglu(gate, up) if self.kernels == "triton" else F.silu(gate) * up
         return self.down_proj(act)  # (b, s, h)
 
 
@@ -422,23 +459,25 @@ class GeluMLP(nn.Module):
         kw = dict(bias=bias, dtype=dtype, device=device)
         h, f = args.hidden_size, args.ffn_hidden_size
         self.up_proj = ColumnLinear(h, f, tp, init_std=args.init_std, **kw)
-        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel, **kw)
+        self.down_proj = RowLinear(f, h, tp, init_std=out_std, sequence_parallel=sequence_parallel,
+                                   **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (up,) = column_outputs(x, [self.up_proj], self.tp, self.sequence_parallel, self.saved)  # (b, s, f/tp)
+        # (b, s, f/tp)
+        (up,) = column_outputs(x, [self.up_proj], self.tp, self.sequence_parallel, self.saved)
         return self.down_proj(F.gelu(up))  # (b, s, h)
 
 
-# -- the decoder block -------------------------------------------------------------------------------
+# -- the decoder block -----------------------------------------------------------------------------
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream one after the other, or both
     from the same input (``spec.parallel_residual``, GPT-NeoX)."""
 
-    def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool, recompute: str,
-                 rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch", cp: Group | None = None,
-                 cp_comm: str = "allgather", dtype, device):
+    def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
+                 recompute: str, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
+                 cp: Group | None = None, cp_comm: str = "allgather", dtype, device):
         super().__init__()
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
@@ -446,10 +485,11 @@ class DecoderLayer(nn.Module):
         norm = dict(partial_grad=sequence_parallel, **kw)
         self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, spec, tp, sequence_parallel=sequence_parallel,
-                                   selective_recompute=recompute == "selective", rng=rng, saved=saved, cp=cp,
-                                   cp_comm=cp_comm, **kw)
+                                   selective_recompute=recompute == "selective", rng=rng,
+                                   saved=saved, cp=cp, cp_comm=cp_comm, **kw)
         self.post_attention_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
-        self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel, saved=saved, **kw)
+        self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel,
+                            saved=saved, **kw)
         self.dropout = args.hidden_dropout
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,45 +36,53 @@ class LlamaAdapter:
     def variant(self, cfg: Config) -> str:
         m = cfg.model
         if m.mlp != "swiglu":
-            raise ConvertError(f"model.mlp={m.mlp}: no Hugging Face Llama-family architecture has a {m.mlp} MLP; "
-                               "only model.mlp=swiglu converts")
+            raise ConvertError(f"model.mlp={m.mlp}: no Hugging Face Llama-family architecture has "
+                               f"a {m.mlp} MLP; only model.mlp=swiglu converts")
         for model_type, (_, options) in VARIANTS.items():
             if options == dict(qkv_bias=m.qkv_bias, qk_norm=m.qk_norm):
                 return model_type
-        raise ConvertError("model.qkv_bias=true with model.qk_norm=true matches no Hugging Face architecture "
-                           "(Qwen2 has the biases, Qwen3 the QK-norm); nothing written")
+        raise ConvertError("model.qkv_bias=true with model.qk_norm=true matches no Hugging Face "
+                           "architecture (Qwen2 has the biases, Qwen3 the QK-norm); nothing "
+                           "written")
 
     def hf_config(self, cfg: Config, args: ModelArgs, dtype_name: str, bos: int | None,
                   eos: int | None) -> dict:
         m = cfg.model
         model_type = self.variant(cfg)
         scaling, max_positions = rope_config(cfg)
-        out = {"architectures": [VARIANTS[model_type][0]], "model_type": model_type, "vocab_size": m.vocab_size,
-               "hidden_size": m.hidden_size, "intermediate_size": args.ffn_hidden_size,
-               "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-               "num_key_value_heads": args.num_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
+        out = {"architectures": [VARIANTS[model_type][0]], "model_type": model_type,
+               "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+               "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+               "num_attention_heads": m.num_heads, "num_key_value_heads": args.num_kv_heads,
+               "head_dim": args.head_dim, "hidden_act": "silu",
                "max_position_embeddings": max_positions, "rms_norm_eps": m.norm_eps,
-               "rope_theta": m.rope_theta, "rope_scaling": scaling,  # transformers < 5 reads these two
-               "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": m.rope_theta},
-               "tie_word_embeddings": bool(m.tie_embeddings), "attention_dropout": m.attention_dropout,
-               "initializer_range": m.init_std, "bos_token_id": bos, "eos_token_id": eos,
-               "torch_dtype": dtype_name, "dtype": dtype_name}
+               # transformers < 5 reads these two
+               "rope_theta": m.rope_theta, "rope_scaling": scaling,
+               "rope_parameters": {**(scaling or {"rope_type": "default"}),
+                                   "rope_theta": m.rope_theta},
+               "tie_word_embeddings": bool(m.tie_embeddings),
+               "attention_dropout": m.attention_dropout, "initializer_range": m.init_std,
+               "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name,
+               "dtype": dtype_name}
         if model_type == "llama":
             out.update(attention_bias=False, mlp_bias=False)
         else:
-            out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
+            out.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=m.num_layers)
             if model_type == "qwen3":
                 out["attention_bias"] = False
         return out
 
     def model_type(self, hf: dict) -> str:
         """The variant of a config.json (its model_type, or the one of its architecture)."""
-        return hf.get("model_type") or self.model_types[self.architectures.index(hf["architectures"][0])]
+        return hf.get("model_type") \
+            or self.model_types[self.architectures.index(hf["architectures"][0])]
 
     def check(self, hf: dict, where: str) -> None:
-        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                        "num_attention_heads"), ("num_key_value_heads", "head_dim"),
-                            ("rms_norm_eps", "rope_theta"), ("tie_word_embeddings", "attention_bias", "mlp_bias"))
+        check_config_fields(hf, where, ("vocab_size", "hidden_size", "intermediate_size",
+                                        "num_hidden_layers", "num_attention_heads"),
+                            ("num_key_value_heads", "head_dim"), ("rms_norm_eps", "rope_theta"),
+                            ("tie_word_embeddings", "attention_bias", "mlp_bias"))
         model_type = self.model_type(hf)
         unsupported = {}
         if hf.get("hidden_act", "silu") != "silu":
@@ -82,7 +90,8 @@ class LlamaAdapter:
         if hf.get("mlp_bias"):
             unsupported["mlp_bias"] = True
         if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
-            unsupported["attention_bias"] = True  # on q, k, v and o: the family has q, k, v biases only
+            # on q, k, v and o: the family has q, k, v biases only
+            unsupported["attention_bias"] = True
         if hf.get("use_sliding_window"):
             unsupported["use_sliding_window"] = True
         refuse(unsupported, where, "llama")
@@ -93,13 +102,14 @@ class LlamaAdapter:
         heads = hf["num_attention_heads"]
         d = hf.get("head_dim") or hf["hidden_size"] // heads
         model_type = self.model_type(hf)
-        flags = {"family": "llama", "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
-                 "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
-                 "head_dim": d if d * heads != hf["hidden_size"] else None,
-                 "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"], "rope_theta": theta,
-                 "norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-                 "mlp": "swiglu", "rotary_pct": 1.0, "parallel_residual": False,
-                 **VARIANTS[model_type][1]}
+        flags = {"family": "llama", "num_layers": hf["num_hidden_layers"],
+                 "hidden_size": hf["hidden_size"], "num_heads": heads,
+                 "num_kv_heads": hf.get("num_key_value_heads") or heads, "head_dim": d
+                 if d * heads != hf["hidden_size"] else None,
+                 "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+                 "rope_theta": theta, "norm_eps": hf.get("rms_norm_eps", 1e-6),
+                 "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "mlp": "swiglu",
+                 "rotary_pct": 1.0, "parallel_residual": False, **VARIANTS[model_type][1]}
         if scaling:
             flags["rope_scaling"] = scaling
         return flags

@@ -5,8 +5,8 @@ A condition raises an alert when it starts and another when it clears — never 
 it lasts — so a long stall or a bad stretch is two lines, not thousands:
 
     non_finite    loss or grad norm NaN/Inf
-    grad_norm     grad norm above alerts.grad_norm_max (not judged at iteration 1: the gradient of the
-                  random initialization, before any update, is large by nature)
+    grad_norm     grad norm above alerts.grad_norm_max (not judged at iteration 1: the gradient of
+                  the random initialization, before any update, is large by nature)
     loss_ratio    loss above alerts.loss_ratio × its rolling average (alerts.window healthy steps)
     throughput    tokens/s (the median of the last few steps, so one slow step is not a drop) more
                   than alerts.throughput_drop below the rolling median of the steps before them
@@ -61,7 +61,8 @@ class AlertMonitor:
         if finite and len(self.losses) >= MIN_HISTORY:
             mean = sum(self.losses) / len(self.losses)
             if loss > c.loss_ratio * mean:
-                found["loss_ratio"] = {"loss": loss, "rolling_mean": round(mean, 6), "ratio": round(loss / mean, 3)}
+                found["loss_ratio"] = {"loss": loss, "rolling_mean": round(mean, 6),
+                                       "ratio": round(loss / mean, 3)}
         if self.steps > self.quiet_until:
             if len(self.recent) == RECENT and "throughput" not in self.active:
                 self.throughput.append(self.recent[0])  # the oldest recent step joins the baseline
@@ -69,7 +70,8 @@ class AlertMonitor:
         if len(self.recent) == RECENT and len(self.throughput) >= MIN_HISTORY:
             median, now = statistics.median(self.throughput), statistics.median(self.recent)
             if now < (1.0 - c.throughput_drop) * median:
-                found["throughput"] = {"tokens_per_sec": round(now, 1), "rolling_median": round(median, 1),
+                found["throughput"] = {"tokens_per_sec": round(now, 1),
+                                       "rolling_median": round(median, 1),
                                        "drop": round(1.0 - now / median, 3)}
         if data_wait_s > c.data_wait_s:
             found["data_wait"] = {"data_wait_s": round(data_wait_s, 3), "threshold": c.data_wait_s}
@@ -90,7 +92,8 @@ class AlertMonitor:
                 out.append(self.active[kind])
         for kind in [k for k in self.active if k not in found]:
             started = self.active.pop(kind)
-            out.append({"kind": kind, "state": "clear", "iter": iteration, "since": started["iter"]})
+            out.append({"kind": kind, "state": "clear", "iter": iteration,
+                        "since": started["iter"]})
         return out
 
 
@@ -102,11 +105,12 @@ def describe_alert(alert: dict) -> str:
     detail = {
         "non_finite": lambda a: f"loss {a['loss']}, grad norm {a['grad_norm']}",
         "grad_norm": lambda a: f"grad norm {a['grad_norm']:.3g} above {a['threshold']:g}",
-        "loss_ratio": lambda a: f"loss {a['loss']:.4f} is {a['ratio']}× its rolling mean {a['rolling_mean']:.4f}",
-        "throughput": lambda a: f"{a['tokens_per_sec']:,.0f} tokens/s, {a['drop']:.0%} below the rolling median "
-                                f"{a['rolling_median']:,.0f}",
-        "data_wait": lambda a: f"waited {a['data_wait_s']:.2f} s for data (threshold {a['threshold']:g} s)",
-    }[kind](alert)
+        "loss_ratio": lambda a: f"loss {a['loss']:.4f} is {a['ratio']}× its rolling mean "
+                                f"{a['rolling_mean']:.4f}",
+        "throughput": lambda a: f"{a['tokens_per_sec']:,.0f} tokens/s, {a['drop']:.0%} below the "
+                                f"rolling median {a['rolling_median']:,.0f}",
+        "data_wait": lambda a: f"waited {a['data_wait_s']:.2f} s for data (threshold "
+                               f"{a['threshold']:g} s)", }[kind](alert)
     return f"alert at iteration {it}: {kind}: {detail}"
 
 
@@ -116,7 +120,8 @@ class Stragglers:
 
     def __init__(self, ratio: float, steps: int):
         self.ratio = ratio
-        self.own: deque[float] = deque(maxlen=steps)   # this rank's step time without the gradient wait
+        self.own: deque[float] = deque(maxlen=steps)   # this rank's step time without the gradient
+        #                                                wait
         self.data: deque[float] = deque(maxlen=steps)  # and its data wait
         self.active: dict[int, dict] = {}  # rank -> the alert that started it
 
@@ -129,25 +134,27 @@ class Stragglers:
         all ranks step together) and return the stragglers that started or cleared."""
         if len(self.own) < self.own.maxlen:
             return []
-        mine = torch.tensor([statistics.median(self.own), statistics.median(self.data)], dtype=torch.float64,
-                            device=ps.device)
+        mine = torch.tensor([statistics.median(self.own), statistics.median(self.data)],
+                            dtype=torch.float64, device=ps.device)
         times = [torch.zeros_like(mine) for _ in range(ps.world_size)]
         dist.all_gather(times, mine)
         steps = [float(t[0]) for t in times]
         median = statistics.median(steps)
-        slow = {rank for rank in range(ps.world_size) if median > 0 and steps[rank] >= self.ratio * median}
+        slow = {rank for rank in range(ps.world_size) if median > 0 and
+                steps[rank] >= self.ratio * median}
         out = []
         for rank in sorted(slow - set(self.active)):
-            self.active[rank] = {"kind": "straggler", "state": "start", "iter": iteration, "rank": rank,
-                                 "host": hosts[rank], "step_time": steps[rank], "data_time": float(times[rank][1]),
-                                 "median_step_time": median, "ratio": steps[rank] / median,
-                                 "steps": self.own.maxlen}
+            self.active[rank] = {"kind": "straggler", "state": "start", "iter": iteration,
+                                 "rank": rank, "host": hosts[rank], "step_time": steps[rank],
+                                 "data_time": float(times[rank][1]), "median_step_time": median,
+                                 "ratio": steps[rank] / median, "steps": self.own.maxlen}
             out.append(self.active[rank])
         for rank in sorted(set(self.active) - slow):
             started = self.active.pop(rank)
             out.append({"kind": "straggler", "state": "clear", "iter": iteration, "rank": rank,
                         "host": hosts[rank], "since": started["iter"], "step_time": steps[rank],
-                        "median_step_time": median, "ratio": steps[rank] / median if median > 0 else None})
+                        "median_step_time": median, "ratio": steps[rank] / median if median > 0
+                        else None})
         return out
 
 
@@ -155,8 +162,8 @@ def describe_straggler(alert: dict) -> str:
     """One console line for a straggler's start or clear."""
     who = f"rank {alert['rank']} on {alert['host']}"
     if alert["state"] == "clear":
-        return (f"straggler cleared at iteration {alert['iter']}: {who} (since iteration {alert['since']}) is back "
-                f"to {alert['step_time']:.3f} s per step")
-    return (f"straggler: {who} took {alert['step_time']:.3f} s per step (the median of its last {alert['steps']}), "
-            f"{alert['ratio']:.2f}× the median rank's {alert['median_step_time']:.3f} s "
-            f"(data wait {alert['data_time']:.3f} s)")
+        return (f"straggler cleared at iteration {alert['iter']}: {who} (since iteration "
+                f"{alert['since']}) is back to {alert['step_time']:.3f} s per step")
+    return (f"straggler: {who} took {alert['step_time']:.3f} s per step (the median of its last "
+            f"{alert['steps']}), {alert['ratio']:.2f}× the median rank's "
+            f"{alert['median_step_time']:.3f} s (data wait {alert['data_time']:.3f} s)")

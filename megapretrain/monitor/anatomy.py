@@ -29,8 +29,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SCALAR_READ = torch.ops.aten._local_scalar_dense.default
-COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.to.dtype_layout)
-HOST_READS = ("tolist", "numpy")  # Tensor methods reading a CPU tensor's values without dispatching an op
+COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default,
+          torch.ops.aten.to.dtype_layout)
+# Tensor methods reading a CPU tensor's values without dispatching an op
+HOST_READS = ("tolist", "numpy")
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -43,7 +45,8 @@ def _device_to_host(func, args, out) -> bool:
         return False
     src = args[1] if func is torch.ops.aten.copy_.default else args[0]
     dst = args[0] if func is torch.ops.aten.copy_.default else out
-    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type != "cpu"
+    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and
+            src.device.type != "cpu"
             and dst.device.type == "cpu")
 
 
@@ -88,7 +91,8 @@ class DispatchCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.ops = self.allocations = self.scalar_reads = self.host_copies = 0
-        self.op_seconds = 0.0  # inside the ops themselves (kernels and their own dispatch below this mode)
+        # inside the ops themselves (kernels and their own dispatch below this mode)
+        self.op_seconds = 0.0
         self.scoped_ops = 0  # ops while ``scope`` > 0 (see :func:`count_in_module`)
         self.scope = 0
         self.by_op: Counter = Counter()
@@ -112,7 +116,8 @@ class DispatchCounter(TorchDispatchMode):
             if self.where:
                 self.sync_sites[_caller()] += 1
         inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        self.allocations += sum(1 for t in _tensors(out) if t.untyped_storage()._cdata not in inputs)
+        self.allocations += sum(1 for t in _tensors(out)
+                                if t.untyped_storage()._cdata not in inputs)
         return out
 
 
@@ -134,7 +139,8 @@ def count_in_module(counter: DispatchCounter, module: torch.nn.Module) -> list:
         counter.scope -= 1
 
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave),
-            module.register_full_backward_pre_hook(enter), module.register_full_backward_hook(leave)]
+            module.register_full_backward_pre_hook(enter),
+            module.register_full_backward_hook(leave)]
 
 
 def process_age_s() -> float | None:

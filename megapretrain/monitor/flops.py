@@ -6,9 +6,9 @@ figure (``fp32_tflops``) with TF32 off. ``fp8_tflops`` is the dense FP8 figure (
 Ada, Hopper and Blackwell; 0: no FP8 tensor cores that ``model.fp8``'s e4m3fn/e5m2 run on — MI300
 has them for its fnuz formats only): the planner runs ``model.fp8``'s GEMMs
 at it, while a run's logged MFU stays a fraction of the bf16 peak, as NVIDIA and torchtitan report
-FP8 runs (so FP8 and bf16 runs compare on one scale). Memory bandwidths are the datasheets' HBM figures.
-Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within a
-node) and of its usual fabric per GPU (between nodes: 200 Gb/s HDR InfiniBand per A100, 400 Gb/s
+FP8 runs (so FP8 and bf16 runs compare on one scale). Memory bandwidths are the datasheets' HBM
+figures. Bandwidths between GPUs are NCCL bus bandwidths typical of each device's usual node (within
+a node) and of its usual fabric per GPU (between nodes: 200 Gb/s HDR InfiniBand per A100, 400 Gb/s
 NDR per H100), for estimates.
 
 The planner's kernel figures: ``efficiency`` is the fraction of the peak that large bf16 GEMMs
@@ -35,7 +35,8 @@ class Device:
     gpus_per_node: int = 8
     efficiency: float = 0.75  # fraction of peak large matmuls sustain (planner)
     hbm_gbs: float = 2000.0  # memory bandwidth, GB/s (planner: memory-bound kernels)
-    attention_efficiency: float = 0.5  # fraction of peak a flash-attention kernel sustains (planner)
+    # fraction of peak a flash-attention kernel sustains (planner)
+    attention_efficiency: float = 0.5
     overhead_gb: float = 4.0  # CUDA context, NCCL buffers, allocator slack (planner)
     spare: float = 0.05  # fraction of memory a layout must leave free (planner)
     fp32_tflops: float = 0.0  # plain fp32 (no tensor cores: train.tf32 false); 0: unknown
@@ -46,14 +47,14 @@ class Device:
 # (longest key first, so "a100-40gb" is tried before "a100")
 _HOPPER = dict(efficiency=0.66, attention_efficiency=0.35)
 DEVICES = {
-    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER, fp32_tflops=67.0,
-                   fp8_tflops=1979.0),
-    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER, fp32_tflops=67.0,
-                   fp8_tflops=1979.0),
-    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER, fp32_tflops=51.0,
-                        fp8_tflops=1513.0),
-    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER, fp32_tflops=67.0,
-                    fp8_tflops=1979.0),
+    "h200": Device("H200 141GB", 989.0, 141.0, 360.0, 45.0, hbm_gbs=4800.0, **_HOPPER,
+                   fp32_tflops=67.0, fp8_tflops=1979.0),
+    "h100": Device("H100 SXM 80GB", 989.0, 80.0, 360.0, 45.0, hbm_gbs=3350.0, **_HOPPER,
+                   fp32_tflops=67.0, fp8_tflops=1979.0),
+    "h100-pcie": Device("H100 PCIe 80GB", 756.0, 80.0, 200.0, 45.0, hbm_gbs=2000.0, **_HOPPER,
+                        fp32_tflops=51.0, fp8_tflops=1513.0),
+    "gh200": Device("GH200 96GB", 989.0, 96.0, 360.0, 45.0, hbm_gbs=4000.0, **_HOPPER,
+                    fp32_tflops=67.0, fp8_tflops=1979.0),
     "a100": Device("A100 SXM 80GB", 312.0, 80.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=2039.0,
                    attention_efficiency=0.45, fp32_tflops=19.5),
     "a100-40gb": Device("A100 SXM 40GB", 312.0, 40.0, 230.0, 22.0, efficiency=0.8, hbm_gbs=1555.0,
@@ -61,13 +62,14 @@ DEVICES = {
     "b200": Device("B200 180GB", 2250.0, 180.0, 720.0, 45.0, efficiency=0.6, hbm_gbs=8000.0,
                    attention_efficiency=0.35, fp32_tflops=80.0, fp8_tflops=4500.0),
     "mi300x": Device("MI300X 192GB", 1307.0, 192.0, 300.0, 45.0, efficiency=0.5, hbm_gbs=5300.0,
-                     attention_efficiency=0.3, fp32_tflops=163.4),  # FP8 2615 dense, in fnuz formats only
+                     # FP8 2615 dense, in fnuz formats only
+                     attention_efficiency=0.3, fp32_tflops=163.4),
     "mi250x": Device("MI250X 128GB", 383.0, 128.0, 150.0, 22.0, efficiency=0.6, hbm_gbs=3277.0,
                      attention_efficiency=0.35, fp32_tflops=47.9),
-    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0, fp32_tflops=91.6,
-                   fp8_tflops=733.0),
-    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7, hbm_gbs=600.0,
-                   fp32_tflops=31.2),
+    "l40s": Device("L40S 48GB", 362.0, 48.0, 20.0, 12.0, efficiency=0.7, hbm_gbs=864.0,
+                   fp32_tflops=91.6, fp8_tflops=733.0),
+    "a10g": Device("A10G 24GB", 125.0, 24.0, 12.0, 6.0, gpus_per_node=4, efficiency=0.7,
+                   hbm_gbs=600.0, fp32_tflops=31.2),
     "l4": Device("L4 24GB", 121.0, 24.0, 12.0, 6.0, efficiency=0.7, hbm_gbs=300.0, fp32_tflops=30.3,
                  fp8_tflops=242.5),
 }
@@ -76,7 +78,8 @@ DEVICES = {
 def find_device(cuda_name: str) -> Device | None:
     """The table's entry for a CUDA device name (``torch.cuda.get_device_name``), or None."""
     name = cuda_name.upper()
-    for key in sorted(DEVICES, key=len, reverse=True):  # "GH200" before "H200", "A100-40GB" before "A100"
+    # "GH200" before "H200", "A100-40GB" before "A100"
+    for key in sorted(DEVICES, key=len, reverse=True):
         if all(part in name for part in key.upper().split("-")):
             return DEVICES[key]
     return None
@@ -84,7 +87,8 @@ def find_device(cuda_name: str) -> Device | None:
 
 def peak_for(found: Device, precision: str, tf32: bool = True) -> float | None:
     """``found``'s datasheet peak at ``precision``: the bf16/fp16 tensor-core figure, half of it for
-    fp32 on TF32 tensor cores, or the plain fp32 figure with TF32 off (None when not in the table)."""
+    fp32 on TF32 tensor cores, or the plain fp32 figure with TF32 off (None when not in the
+    table)."""
     if precision in ("bf16", "fp16"):
         return found.peak_tflops
     return found.peak_tflops / 2 if tf32 else (found.fp32_tflops or None)
@@ -100,7 +104,8 @@ def device_peak_tflops(device: torch.device, precision: str, tf32: bool = True) 
 
 
 def cpu_matmul_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:
-    """GFLOP/s of an n×n matmul on this CPU in ``dtype`` (a few milliseconds; best of ``repeats``)."""
+    """GFLOP/s of an n×n matmul on this CPU in ``dtype`` (a few milliseconds; best of
+    ``repeats``)."""
     import time
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -139,9 +144,9 @@ def slow_half_precision_warning(precision: str) -> str | None:
     full = cpu_matmul_gflops(torch.float32)
     if half >= full / 4:
         return None
-    return (f"train.precision={precision} on this CPU: a {precision} matmul runs at {half:.1f} GFLOP/s against "
-            f"{full:.1f} in fp32 ({full / half:.0f}x slower; no native {precision} instructions); "
-            "use --train.precision fp32 on this machine")
+    return (f"train.precision={precision} on this CPU: a {precision} matmul runs at {half:.1f} "
+            f"GFLOP/s against {full:.1f} in fp32 ({full / half:.0f}x slower; no native {precision} "
+            "instructions); use --train.precision fp32 on this machine")
 
 
 def with_device(device: Device, **changes) -> Device:

@@ -57,7 +57,8 @@ class MemoryTrace(TorchDispatchMode):
     which they were, and the phase then."""
 
     def __init__(self, device: torch.device | str = "cpu"):
-        """``device``: the device whose tensors count (those on others, meta ones among them, do not)."""
+        """``device``: the device whose tensors count (those on others, meta ones among them, do
+        not)."""
         super().__init__()
         self.device_type = torch.device(device).type
         self.segments: list[Segment] = []
@@ -71,7 +72,7 @@ class MemoryTrace(TorchDispatchMode):
         self._current: dict[int, Segment | None] = {}  # storage address -> its live allocation
         self._resize = None
 
-    # -- what the caller says about the program -----------------------------------------------------
+    # -- what the caller says about the program ----------------------------------------------------
 
     @contextlib.contextmanager
     def tagged(self, tag: str):
@@ -83,7 +84,8 @@ class MemoryTrace(TorchDispatchMode):
             self._tags.pop()
 
     def label(self, tensor: torch.Tensor, tag: str) -> None:
-        """Tag the live allocation behind ``tensor`` (persistent buffers, named after they are made)."""
+        """Tag the live allocation behind ``tensor`` (persistent buffers, named after they are
+        made)."""
         segment = self._current.get(tensor.untyped_storage()._cdata)
         if segment is not None:
             segment.tag = tag
@@ -98,7 +100,8 @@ class MemoryTrace(TorchDispatchMode):
 
     def _open(self, key: int, nbytes: int) -> None:
         self.clock += 1
-        segment = Segment(nbytes, self.clock, None, self._tags[-1] if self._tags else None, self.phase)
+        segment = Segment(nbytes, self.clock, None, self._tags[-1] if self._tags else None,
+                          self.phase)
         self.segments.append(segment)
         self._current[key] = segment
         self.live_bytes += nbytes
@@ -136,7 +139,8 @@ class MemoryTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == self.device_type:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided \
+                    and t.device.type == self.device_type:
                 self._see(t.untyped_storage())
         return out
 

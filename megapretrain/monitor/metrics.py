@@ -29,9 +29,9 @@ TENSORBOARD_LAYOUT = {
         "tokens/s": ["Multiline", [r"^tokens_per_sec$"]],
         "MFU": ["Multiline", [r"^mfu$"]],
         "memory (MB)": ["Multiline", [r"^memory_mb$"]],
-        "time breakdown (s)": ["Multiline", [r"^[a-z_.]*_time$", r"^(?!elapsed_s$|eta_s$)[a-z_.]*_s$"]],
-        "elapsed and left (s)": ["Multiline", [r"^elapsed_s$", r"^eta_s$"]],
-    },
+        "time breakdown (s)": ["Multiline",
+                               [r"^[a-z_.]*_time$", r"^(?!elapsed_s$|eta_s$)[a-z_.]*_s$"]],
+        "elapsed and left (s)": ["Multiline", [r"^elapsed_s$", r"^eta_s$"]], },
 }
 
 
@@ -54,7 +54,8 @@ class MetricsLogger:
         """Write one record; numeric fields other than ``iter`` also go to TensorBoard/wandb."""
         if not self.enabled:
             return
-        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k,
+                  v in record.items()}
         self._jsonl.write(json.dumps(record) + "\n")
         step = record.get("iter")
         scalars = {k: v for k, v in record.items()
@@ -94,13 +95,15 @@ def _init_wandb(run_dir: str, run_name: str, config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise MissingPackageError("logging.wandb=true needs wandb: pip install 'megapretrain[wandb]'") from None
+        raise MissingPackageError("logging.wandb=true needs wandb: pip install "
+                                  "'megapretrain[wandb]'") from None
     id_path = os.path.join(run_dir, "wandb_id")
     if os.path.exists(id_path):
         with open(id_path) as fh:
             run_id = fh.read().strip()
     else:
-        run_id = secrets.token_hex(4)  # any letters and digits do (wandb's own helper moved between releases)
+        # any letters and digits do (wandb's own helper moved between releases)
+        run_id = secrets.token_hex(4)
         with open(id_path, "w") as fh:
             fh.write(run_id + "\n")
     return wandb.init(project="megapretrain", name=run_name or None, config=config, dir=run_dir,
@@ -126,8 +129,8 @@ def read_metrics(path: str) -> list[dict]:
         except json.JSONDecodeError:
             if number >= len(lines) - 1:  # the last line: cut short by a crash
                 break
-            raise DataError(f"{path} line {number} is not JSON; metrics.jsonl holds one JSON object "
-                            "per line") from None
+            raise DataError(f"{path} line {number} is not JSON; metrics.jsonl holds one JSON "
+                            "object per line") from None
         if isinstance(record, dict):
             records.append(record)
     return records

@@ -25,23 +25,27 @@ from typing import NamedTuple
 # line colours of the data, in the order a panel's series take them
 DATA_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:brown", "tab:olive", "tab:cyan", "navy",
                 "darkgoldenrod")
-# event name -> (colour, line style, line width) of its vertical mark; none of these colours is a data colour
+# event name -> (colour, line style, line width) of its vertical mark; none of these colours is a
+# data colour
 EVENT_STYLES = {"checkpoint_saved": ("0.6", ":", 1.0), "resumed": ("black", "-.", 1.3),
                 "rollback": ("tab:red", "-", 1.6), "alert start": ("magenta", "-", 1.1),
                 "alert clear": ("magenta", ":", 1.4), "skipped_step": ("tab:purple", "--", 1.0),
-                "straggler": ("tab:pink", ":", 1.2), "hang": ("black", "-", 2.2), "oom": ("darkred", "-", 2.2)}
+                "straggler": ("tab:pink", ":", 1.2), "hang": ("black", "-", 2.2),
+                "oom": ("darkred", "-", 2.2)}
 OTHER_EVENT = ("0.35", "--", 1.0)
 NOT_MARKED = {"memory"}  # the start-up memory report, not something that happened during the run
-SUPERSEDED = {"linestyle": "--", "alpha": 0.45, "linewidth": 1.0}  # steps a rollback or resume trained again
-# a reference line drawn wide and pale under the line compared with it (preflight: the full run under the
-# resumed one, the expected LR under the logged one), so that where they are equal both stay visible
+# steps a rollback or resume trained again
+SUPERSEDED = {"linestyle": "--", "alpha": 0.45, "linewidth": 1.0}
+# a reference line drawn wide and pale under the line compared with it (preflight: the full run
+# under the resumed one, the expected LR under the logged one), so that where they are equal both
+# stay visible
 UNDER = {"linewidth": 5.0, "alpha": 0.3}
 OVER = {"linewidth": 1.2, "marker": "o", "markersize": 2.5}
 
 
 class Mark(NamedTuple):
-    """An event drawn on the iteration axis; ``span``: the iterations it concerns, shaded (a rollback:
-    the steps trained again; an alert's clearing: the steps it was active)."""
+    """An event drawn on the iteration axis; ``span``: the iterations it concerns, shaded (a
+    rollback: the steps trained again; an alert's clearing: the steps it was active)."""
     iter: int
     name: str
     span: tuple[int, int] | None = None
@@ -106,12 +110,13 @@ def flat_numbers(record: dict) -> dict:
     return out
 
 
-CLOCK_FIELDS = ("elapsed_s", "eta_s")  # the run's clock, not parts of a step: minutes beside milliseconds
+# the run's clock, not parts of a step: minutes beside milliseconds
+CLOCK_FIELDS = ("elapsed_s", "eta_s")
 
 
 def time_fields(records: list[dict]) -> list[str]:
-    """Time-breakdown fields of the training lines: data_time, step_time and any ``*_s`` / ``*_time``
-    but the run's clock (TensorBoard's layout leaves it out of its breakdown too)."""
+    """Time-breakdown fields of the training lines: data_time, step_time and any ``*_s`` /
+    ``*_time`` but the run's clock (TensorBoard's layout leaves it out of its breakdown too)."""
     seen: dict[str, None] = {}
     for r in records:
         for key in flat_numbers(r):
@@ -121,9 +126,9 @@ def time_fields(records: list[dict]) -> list[str]:
 
 
 def events(records: list[dict]) -> list[Mark]:
-    """Every event line worth marking: alerts as ``alert start`` / ``alert clear`` (an alert without a
-    state — a recovery verdict — starts; a clearing spans back to its start), a rollback with the span
-    from the iteration it restored to the one it left."""
+    """Every event line worth marking: alerts as ``alert start`` / ``alert clear`` (an alert without
+    a state — a recovery verdict — starts; a clearing spans back to its start), a rollback with the
+    span from the iteration it restored to the one it left."""
     marks = []
     for r in records:
         name = r.get("event")
@@ -145,19 +150,22 @@ def _style(name: str) -> tuple:
 
 
 def mark_events(ax, marks: list[Mark], label: bool = False) -> None:
-    """A vertical line at each event (``label``: one legend entry per event name), its span shaded."""
+    """A vertical line at each event (``label``: one legend entry per event name), its span
+    shaded."""
     labelled = set()
     for mark in marks:
         colour, style, width = _style(mark.name)
         text = mark.name if label and mark.name not in labelled else None
         labelled.add(mark.name)
-        ax.axvline(mark.iter, color=colour, linestyle=style, linewidth=width, alpha=0.85, label=text)
+        ax.axvline(mark.iter, color=colour, linestyle=style, linewidth=width, alpha=0.85,
+                   label=text)
         if mark.span is not None and mark.span[1] > mark.span[0]:
             ax.axvspan(*mark.span, color=colour, alpha=0.08, linewidth=0)
 
 
 def draw_series(ax, label: str, xs: list, ys: list, colour: str, **style) -> None:
-    """One series: the kept line solid, steps trained again (after a rollback or resume) dashed and faded."""
+    """One series: the kept line solid, steps trained again (after a rollback or resume) dashed and
+    faded."""
     (kx, ky), dropped = trajectory(xs, ys)
     ax.plot(kx, ky, color=colour, label=label, **{"linewidth": 1.2, **style})
     for dx, dy in dropped:
@@ -182,8 +190,8 @@ def _event_legend(fig, marks: list[Mark], superseded: bool) -> None:
     if superseded:
         handles.append(Line2D([], [], color="0.3", label="superseded steps", **SUPERSEDED))
     if handles:
-        fig.legend(handles=handles, loc="upper right", ncol=min(len(handles), 4), fontsize=8, title="events",
-                   title_fontsize=8, frameon=False)
+        fig.legend(handles=handles, loc="upper right", ncol=min(len(handles), 4), fontsize=8,
+                   title="events", title_fontsize=8, frameon=False)
 
 
 def _span(ys: list) -> str:
@@ -204,9 +212,10 @@ def _panels(train: list[dict], records: list[dict]) -> list[tuple[str, list, dic
         loss.append(("valid_loss", *valid))
     panels.append(("loss", loss, {}))
     measured = {"zero": True, "span": True}
-    wanted = (("grad norm (before clipping)", "grad_norm", {"log": True}), ("learning rate", "lr", {"zero": True}),
-              ("tokens/s", "tokens_per_sec", measured), ("MFU", "mfu", measured),
-              ("memory (MB)", "memory_mb", measured), ("loss scale", "loss_scale", {"log": True}))
+    wanted = (("grad norm (before clipping)", "grad_norm", {"log": True}),
+              ("learning rate", "lr", {"zero": True}), ("tokens/s", "tokens_per_sec", measured),
+              ("MFU", "mfu", measured), ("memory (MB)", "memory_mb", measured),
+              ("loss scale", "loss_scale", {"log": True}))
     for title, key, options in wanted:
         xs, ys = series(train, key)
         if xs:
@@ -234,7 +243,8 @@ def _draw_panel(ax, name: str, lines: list, options: dict, marks: list[Mark]) ->
         ax.set_ylim(bottom=0, top=max(values) * 1.08 or 1)
     mark_events(ax, marks)
     _integer_iterations(ax)
-    ax.set_title(f"{name}: {_span(values)}" if options.get("span") and values else name, fontsize=10)
+    ax.set_title(f"{name}: {_span(values)}" if options.get("span") and values else name,
+                 fontsize=10)
     ax.set_xlabel("iteration", fontsize=8)
     ax.grid(alpha=0.3)
     if len(lines) > 1:
@@ -267,19 +277,23 @@ def dashboard_figure(records: list[dict], title: str):
 
 
 def plot_lines(path: str, title: str, lines: list[tuple], *, ylabel: str = "",
-               log: bool = False, band: tuple[float, float] | None = None, hline: float | None = None,
-               marks: list[Mark] = (), xlabel: str = "iteration") -> str:
+               log: bool = False, band: tuple[float, float] | None = None,
+               hline: float | None = None, marks: list[Mark] = (),
+               xlabel: str = "iteration") -> str:
     """One panel of labelled lines ``(label, xs, ys)`` or ``(label, xs, ys, style)`` (matplotlib
     keywords, e.g. :data:`UNDER` / :data:`OVER`), optionally a shaded allowed band, a threshold line
     and event marks; written to ``path`` (PNG)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for i, (label, xs, ys, *style) in enumerate(lines):
-        draw_series(ax, label, xs, ys, DATA_COLOURS[i % len(DATA_COLOURS)], **(style[0] if style else {}))
+        draw_series(ax, label, xs, ys, DATA_COLOURS[i % len(DATA_COLOURS)],
+                    **(style[0] if style else {}))
     if band is not None:
-        ax.axhspan(*band, color="tab:green", alpha=0.08, label=f"allowed [{band[0]:g}, {band[1]:g}]")
+        ax.axhspan(*band, color="tab:green", alpha=0.08,
+                   label=f"allowed [{band[0]:g}, {band[1]:g}]")
     if hline is not None:
-        ax.axhline(hline, color="tab:red", linestyle="--", linewidth=1, label=f"required {hline:,.4g}")
+        ax.axhline(hline, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"required {hline:,.4g}")
     if log:
         ax.set_yscale("log")
     mark_events(ax, list(marks), label=True)
@@ -294,7 +308,8 @@ def plot_lines(path: str, title: str, lines: list[tuple], *, ylabel: str = "",
 
 
 def plot_schedule_curves(path: str, title: str, iters: list[int], lrs: list[float],
-                         batch: list[int] | None = None, warmup_iters: int = 0, min_lr: float | None = None) -> str:
+                         batch: list[int] | None = None, warmup_iters: int = 0,
+                         min_lr: float | None = None) -> str:
     """The LR over iterations (and the batch size, when it ramps up) of a config, into ``path``."""
     return _save(schedule_figure(title, iters, lrs, batch, warmup_iters, min_lr), path)
 
@@ -310,11 +325,13 @@ def schedule_figure(title: str, iters: list[int], lrs: list[float], batch: list[
     ax = axes[0][0]
     ax.plot(iters, lrs, color=DATA_COLOURS[0], linewidth=1.5, label="lr")
     if warmup_iters:
-        ax.axvspan(0, warmup_iters, color=DATA_COLOURS[1], alpha=0.12, label=f"warmup ({warmup_iters} iters)")
+        ax.axvspan(0, warmup_iters, color=DATA_COLOURS[1], alpha=0.12,
+                   label=f"warmup ({warmup_iters} iters)")
     if min_lr is not None:
         ax.axhline(min_lr, color="0.5", linestyle=":", label=f"min_lr {min_lr:g}")
     ax.set_ylim(bottom=0)
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # no offset text under the title
+    # no offset text under the title
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=10)
     ax.set_xlabel("iteration")
     ax.set_ylabel("learning rate")
@@ -346,17 +363,19 @@ def plot_pipeline(path: str, title: str, panels: list[tuple[str, list[list[tuple
     for ax, (name, stages) in zip(axes[:, 0], panels):
         for r, stage in enumerate(stages):
             for s, e, kind, label in stage:
-                ax.barh(r, e - s, left=s, height=0.8, color=OP_COLOURS[kind], edgecolor="white", linewidth=0.5)
+                ax.barh(r, e - s, left=s, height=0.8, color=OP_COLOURS[kind], edgecolor="white",
+                        linewidth=0.5)
                 if e - s >= 0.6:
-                    ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=6, color="white")
+                    ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=6,
+                            color="white")
         ax.set_yticks(range(len(stages)), [f"stage {r}" for r in range(len(stages))], fontsize=8)
         ax.set_ylim(len(stages) - 0.5, -0.5)
         ax.set_xlim(0, end)
         ax.set_title(name, fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in OP_COLOURS.values()]
-    fig.legend(handles, ["forward", "backward (input gradient, or whole)", "weight gradient"], fontsize=7,
-               loc="upper right", ncol=3)
+    fig.legend(handles, ["forward", "backward (input gradient, or whole)", "weight gradient"],
+               fontsize=7, loc="upper right", ncol=3)
     axes[-1, 0].set_xlabel("time (one stage's forward = 1)")
     fig.suptitle(title, fontsize=10, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))

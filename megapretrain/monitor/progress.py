@@ -64,7 +64,8 @@ class Progress:
         eta = self.eta_s
         if eta is None:
             return f"elapsed {human_duration(self.elapsed_s)}"
-        finish = time.strftime("%a %H:%M" if eta > 20 * 3600 else "%H:%M", time.localtime(time.time() + eta))
+        finish = time.strftime("%a %H:%M" if eta > 20 * 3600 else "%H:%M",
+                               time.localtime(time.time() + eta))
         return f"elapsed {human_duration(self.elapsed_s)} | ETA {human_duration(eta)} ({finish})"
 
 
@@ -75,8 +76,8 @@ def describe_summary(s: dict) -> str:
     if not trained:
         line = f"done: no step trained (iteration {s['iter']})"
     else:
-        line = (f"done: {trained:,} steps (iterations {s['first_iter'] + 1}-{s['iter']}), {s['trained_tokens']:,} "
-                f"tokens in {human_duration(s['seconds'])}")
+        line = (f"done: {trained:,} steps (iterations {s['first_iter'] + 1}-{s['iter']}), "
+                f"{s['trained_tokens']:,} tokens in {human_duration(s['seconds'])}")
     if trained and s["seconds"] > 0:
         line += f" ({s['trained_tokens'] / s['seconds']:,.0f} tokens/s)"
     if s["first_iter"]:  # resumed: what the whole run has trained
@@ -86,7 +87,10 @@ def describe_summary(s: dict) -> str:
         if s["best_valid_iter"] != s["last_valid_iter"]:
             line += f" (best {s['best_valid_loss']:.4f} at iteration {s['best_valid_iter']})"
     saved = s["checkpoints_written"]
-    line += f"; {len(saved)} checkpoint{'s' * (len(saved) != 1)} written" + (f", the last {saved[-1]}" if saved else "")
-    where = [("run directory", s["run_dir"]), ("metrics", s["metrics"]), ("tensorboard", s["tensorboard"]),
-             ("checkpoints", s["checkpoints"]), ("config", s["config"])]
+    line += f"; {len(saved)} checkpoint{'s' * (len(saved) != 1)} written" + (", the last "
+                                                                             f"{saved[-1]}" if saved
+                                                                             else "")
+    where = [("run directory", s["run_dir"]), ("metrics", s["metrics"]),
+             ("tensorboard", s["tensorboard"]), ("checkpoints", s["checkpoints"]),
+             ("config", s["config"])]
     return "\n".join([line] + [f"  {name:<14} {path}" for name, path in where if path])

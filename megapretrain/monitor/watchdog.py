@@ -45,7 +45,8 @@ class Watchdog:
 
     def start(self) -> None:
         if self.enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="megapretrain-watchdog", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name="megapretrain-watchdog",
+                                            daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -82,7 +83,8 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
-                elapsed, limit, phase, it = time.monotonic() - self.started, self.limit(), self.phase, self.iteration
+                elapsed, limit, phase, it = \
+                    time.monotonic() - self.started, self.limit(), self.phase, self.iteration
             if elapsed > limit:
                 self.report(phase, it, elapsed, limit)
                 os._exit(HANG_EXIT)
@@ -91,15 +93,17 @@ class Watchdog:
         """Write this rank's hang report: what it was doing, its last collective, every stack."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         last = getattr(self.activity, "last", None)  # the collective tracker is optional
-        facts = {"event": "hang", "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                 "phase": phase, "iter": iteration, "elapsed_s": round(elapsed, 1), "limit_s": round(limit, 1),
+        facts = {"event": "hang", "rank": self.rank, "host": socket.gethostname(),
+                 "pid": os.getpid(), "phase": phase, "iter": iteration,
+                 "elapsed_s": round(elapsed, 1), "limit_s": round(limit, 1),
                  "last_collective": last, "time": time.time()}
         with open(self.path, "w") as fh:
             fh.write(json.dumps(facts) + "\n\n")
-            fh.write(f"rank {self.rank} on {facts['host']}: {phase} of iteration {iteration} has run {elapsed:.0f} s "
-                     f"(limit {limit:.0f} s); last collective entered: {last or 'none recorded'}\n\n")
+            fh.write(f"rank {self.rank} on {facts['host']}: {phase} of iteration {iteration} has "
+                     f"run {elapsed:.0f} s (limit {limit:.0f} s); last collective entered: "
+                     f"{last or 'none recorded'}\n\n")
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
-        print(f"error: hang: rank {self.rank} ({phase} of iteration {iteration}) ran {elapsed:.0f} s, past the "
-              f"watchdog's {limit:.0f} s; stacks in {self.path}; exiting with status {HANG_EXIT} so the "
-              "launcher restarts from the last checkpoint", flush=True)
+        print(f"error: hang: rank {self.rank} ({phase} of iteration {iteration}) ran {elapsed:.0f} "
+              f"s, past the watchdog's {limit:.0f} s; stacks in {self.path}; exiting with status "
+              f"{HANG_EXIT} so the launcher restarts from the last checkpoint", flush=True)

@@ -31,9 +31,11 @@ class LRSchedule:
     decay_iters: int
     decay: str = "cosine"
     wsd_decay_fraction: float = 0.2
-    start: int = 0                         # the iteration this schedule takes over after (0: the run's start)
+    start: int = 0                         # the iteration this schedule takes over after (0: the
+    #                                        run's start)
     start_lr: float = 0.0                  # the rate its warmup starts from
-    before: LRSchedule | None = None       # the schedule of iterations up to ``start`` (a re-warm's first)
+    before: LRSchedule | None = None       # the schedule of iterations up to ``start`` (a re-warm's
+    #                                        first)
 
     def __call__(self, it: int) -> float:
         """Learning rate of optimizer step ``it``, counted from 1 like ``iter`` in metrics.jsonl.
@@ -52,7 +54,8 @@ class LRSchedule:
             return self.min_lr
         if self.decay == "wsd":
             length = self.decay_iters - self.start
-            decay_start = max(self.decay_iters - max(1, round(self.wsd_decay_fraction * length)), warm_end)
+            decay_start = max(self.decay_iters - max(1, round(self.wsd_decay_fraction * length)),
+                              warm_end)
             if it < decay_start:
                 return self.lr
             progress = (it - decay_start) / max(1, self.decay_iters - decay_start)
@@ -87,12 +90,14 @@ class LRSchedule:
         return cls(**{**data, "before": None if before is None else cls.from_dict(before)})
 
     def describe(self) -> str:
-        """One phrase: ``cosine 2e-03 → 2e-04 at 300 (warmup 15)``, with a re-warm's first schedule."""
+        """One phrase: ``cosine 2e-03 → 2e-04 at 300 (warmup 15)``, with a re-warm's first
+        schedule."""
         shape = f"{self.decay} {self.lr:.3g} → {self.min_lr:.3g} at {self.decay_iters}" \
             if self.decay != "constant" else f"constant {self.lr:.3g}"
         if self.before is None:
             return f"{shape} (warmup {self.warmup_iters})"
-        return f"{self.before.describe()}, then from iteration {self.start} re-warmed over {self.warmup_iters} " \
+        return f"{self.before.describe()}, then from iteration {self.start} re-warmed over " \
+               f"{self.warmup_iters} " \
                f"steps to {shape}"
 
 
@@ -103,21 +108,24 @@ def resolve_decay_iters(cfg: Config, iters: int) -> tuple[int, list[str]]:
     s, o = cfg.schedule, cfg.optim
     decay_iters = s.decay_iters if s.decay_iters is not None else iters
     if decay_iters < s.warmup_iters:
-        raise ConfigError(f"schedule.decay_iters={decay_iters} must be ≥ schedule.warmup_iters={s.warmup_iters}")
+        raise ConfigError(f"schedule.decay_iters={decay_iters} must be ≥ "
+                          f"schedule.warmup_iters={s.warmup_iters}")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must be between 0 and optim.lr={o.lr}")
     warnings = []
     if s.warmup_iters > 0.05 * iters:
-        warnings.append(f"schedule.warmup_iters={s.warmup_iters} is more than 5% of the run's {iters} steps")
+        warnings.append(f"schedule.warmup_iters={s.warmup_iters} is more than 5% of the run's "
+                        f"{iters} steps")
     if s.decay != "constant" and decay_iters > iters and o.min_lr < o.lr:
-        warnings.append(f"optim.min_lr={o.min_lr} is not reached: schedule.decay_iters={decay_iters} "
-                        f"> the run's {iters} steps")
+        warnings.append(f"optim.min_lr={o.min_lr} is not reached: "
+                        f"schedule.decay_iters={decay_iters} > the run's {iters} steps")
     return decay_iters, warnings
 
 
-def resumed_schedule(cfg: Config, saved: LRSchedule | None, iteration: int, iters: int) -> tuple[LRSchedule, str]:
-    """The schedule a run resumed at ``iteration`` of ``iters`` trains with, and a note on it ("" when
-    there is nothing to say). ``saved``: the schedule its checkpoint was trained with (None: a
+def resumed_schedule(cfg: Config, saved: LRSchedule | None, iteration: int,
+                     iters: int) -> tuple[LRSchedule, str]:
+    """The schedule a run resumed at ``iteration`` of ``iters`` trains with, and a note on it (""
+    when there is nothing to say). ``saved``: the schedule its checkpoint was trained with (None: a
     checkpoint that kept none: the config's).
 
     - ``schedule.decay_iters`` given: the config's schedule, whole.
@@ -135,13 +143,15 @@ def resumed_schedule(cfg: Config, saved: LRSchedule | None, iteration: int, iter
     if iters <= end or s.decay == "constant":
         return kept, ""
     if s.rewarm_iters == 0:
-        return kept, (f"schedule: the run is extended past its schedule's end at iteration {end} and continues at "
-                      f"{kept(end + 1):.3g} (--schedule.rewarm_iters N re-warms to optim.lr and decays again to "
-                      f"the new train.iters; --schedule.decay_iters M sets one decay for the whole run)")
+        return kept, (f"schedule: the run is extended past its schedule's end at iteration {end} "
+                      f"and continues at {kept(end + 1):.3g} (--schedule.rewarm_iters N re-warms "
+                      "to optim.lr and decays again to the new train.iters; "
+                      "--schedule.decay_iters M sets one decay for the whole run)")
     start = max(end, iteration)
     if iters - start < s.rewarm_iters:
-        raise ConfigError(f"schedule.rewarm_iters={s.rewarm_iters} does not fit in the {iters - start} steps from "
-                          f"iteration {start} to train.iters={iters}: lower it or raise train.iters")
+        raise ConfigError(f"schedule.rewarm_iters={s.rewarm_iters} does not fit in the "
+                          f"{iters - start} steps from iteration {start} to train.iters={iters}: "
+                          "lower it or raise train.iters")
     rewarm = replace(config, warmup_iters=s.rewarm_iters, decay_iters=iters, start=start,
                      start_lr=kept(start), before=kept)
     return rewarm, f"schedule: re-warming from iteration {start}: {rewarm.describe()}"
@@ -150,6 +160,7 @@ def resumed_schedule(cfg: Config, saved: LRSchedule | None, iteration: int, iter
 def _with_rates(saved: LRSchedule, config: LRSchedule) -> LRSchedule:
     """``saved``'s iterations (decay end, re-warm starts) with ``config``'s rates and shape."""
     before = None if saved.before is None else _with_rates(saved.before, config)
-    warmup = config.warmup_iters if saved.before is None else saved.warmup_iters  # a re-warm keeps its own
+    # a re-warm keeps its own
+    warmup = config.warmup_iters if saved.before is None else saved.warmup_iters
     return replace(config, warmup_iters=warmup, decay_iters=saved.decay_iters, start=saved.start,
                    start_lr=0.0 if before is None else before(saved.start), before=before)

@@ -11,7 +11,8 @@ Per parameter and rank (bf16 model, N parameters, plus alignment padding)::
     0      2       4        4        8
     1      2       4        4/dp     8/dp
     2      2       4/dp     4/dp     8/dp
-    3      2/dp    4/dp     4/dp     8/dp     + the layers gathered at the moment (parallel/zero3.py)
+    3      2/dp    4/dp     4/dp     8/dp     + the layers gathered at the moment
+                                              (parallel/zero3.py)
 
 fp32 parameters are their own master (no extra copy) unless ``optim.offload`` keeps the masters
 and moments in host memory, where they are stepped. A shard covers pieces (*fragments*) of
@@ -19,7 +20,8 @@ parameters; weight decay follows each fragment's parameter spec (``parallel/spec
 norm weights) and checkpoints key state by parameter name and fragment range. The global grad norm
 sums squares over the owned fragments of the parameters whose spec counts them on this rank
 (replicated ones only on tp rank 0, a tied embedding's second copy never), over dp (when sharded)
-and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss scale.
+and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss
+scale.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def check_optim(o: OptimConfig) -> None:
     if not (len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas)):
         raise ConfigError(f"optim.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
     if o.initial_loss_scale < o.min_loss_scale:
-        raise ConfigError(f"optim.initial_loss_scale={o.initial_loss_scale} must be ≥ optim.min_loss_scale="
-                          f"{o.min_loss_scale} > 0")
+        raise ConfigError(f"optim.initial_loss_scale={o.initial_loss_scale} must be ≥ "
+                          f"optim.min_loss_scale={o.min_loss_scale} > 0")
     if o.impl == "apex" and importlib.util.find_spec("apex") is None:
-        raise ConfigError("optim.impl=apex: apex is not importable (install NVIDIA apex with its CUDA extensions, "
-                          "or optim.impl=auto)")
+        raise ConfigError("optim.impl=apex: apex is not importable (install NVIDIA apex with its "
+                          "CUDA extensions, or optim.impl=auto)")
     if o.impl not in ("auto", "torch") and o.offload:
-        raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set optim.impl=auto "
-                          "or torch")
+        raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set "
+                          "optim.impl=auto or torch")
 
 
 class LossScaler:
@@ -68,7 +70,8 @@ class LossScaler:
 
     def __init__(self, initial: float = 1.0, window: int = 1000, min_scale: float = 1.0,
                  dynamic: bool = False):
-        self.scale, self.window, self.min_scale, self.dynamic = float(initial), window, min_scale, dynamic
+        self.scale, self.window, self.min_scale, self.dynamic = float(
+            initial), window, min_scale, dynamic
         self.clean_steps = 0
 
     def update(self, found_inf: bool) -> None:
@@ -137,8 +140,8 @@ def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
 class ShardState:
     """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
 
-    def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState, offload: bool,
-                 impl: str = "torch"):
+    def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState,
+                 offload: bool, impl: str = "torch"):
         self.bucket = bucket
         self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
                           for p, start, end, off in bucket.fragments()]
@@ -153,17 +156,21 @@ class ShardState:
             self.master.copy_(self.param_shard)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from a GPU
+        # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from
+        # a GPU
         self.grad_staging = torch.empty_like(self.master) if offload and on_gpu else None
         # AdamW's operands as per-fragment views, by whether the parameter decays
         self.adam = {decay: [[f.of(t) for f in self.fragments if f.spec.weight_decay == decay]
                              for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
                      for decay in (True, False)}
-        # impl=triton: one kernel pass per shard, decaying by a bit mask, writing the model's copy too
+        # impl=triton: one kernel pass per shard, decaying by a bit mask, writing the model's copy
+        # too
         self.decay_mask = self.param_out = None
         if impl == "triton":
-            ranges = [(f.offset, f.offset + f.end - f.start, f.spec.weight_decay) for f in self.fragments]
-            self.decay_mask = decay_mask(bucket.shard_size, ranges, self.master.device)  # (shard/32,) int32
+            ranges = [(f.offset, f.offset + f.end - f.start, f.spec.weight_decay)
+                      for f in self.fragments]
+            # (shard/32,) int32
+            self.decay_mask = decay_mask(bucket.shard_size, ranges, self.master.device)
             self.param_out = None if self.master is self.param_shard else self.param_shard
         self.params_current = False  # the fused step already wrote the model's parameters
         counted = [f for f in self.fragments if f.spec.counts_in_grad_norm(ps.tp_rank)]
@@ -198,21 +205,26 @@ def _sum_of_squares(flat: torch.Tensor, row: int = 1 << 14) -> torch.Tensor:
     return total
 
 
-def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay, skip) -> None:
-    """apex's multi-tensor AdamW, its capturable kernel (``apex.optimizers.FusedAdam(capturable=True)``'s:
-    adam_w_mode, bias correction) whose step count, learning rate and skip flag are device tensors:
-    a step skipped for a non-finite grad norm is skipped by the kernel, with nothing read on the
-    host. ``step``: the 0-d step count as the torch path counts it, ``skip``: the 0-d skip flag."""
+def _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay,
+                skip) -> None:
+    """apex's multi-tensor AdamW, its capturable kernel
+    (``apex.optimizers.FusedAdam(capturable=True)``'s: adam_w_mode, bias correction) whose step
+    count, learning rate and skip flag are device tensors: a step skipped for a non-finite grad norm
+    is skipped by the kernel, with nothing read on the host. ``step``: the 0-d step count as the
+    torch path counts it, ``skip``: the 0-d skip flag."""
     import amp_C
     from apex.multi_tensor_apply import multi_tensor_applier
 
     device = params[0].device
-    noop = skip.to(device=device, dtype=torch.int32).reshape(1)  # the kernel returns at once where it is 1
+    # the kernel returns at once where it is 1
+    noop = skip.to(device=device, dtype=torch.int32).reshape(1)
     lr_t = torch.full((1,), lr, dtype=torch.float32, device=device)
-    one = torch.ones((1,), dtype=torch.float32, device=device)  # the grads' inverse scale: unscaled already
-    multi_tensor_applier(amp_C.multi_tensor_adam_capturable, noop, [grads, params, exp_avg, exp_avg_sq], lr_t,
-                         beta1, beta2, eps, step.to(device=device, dtype=torch.int32).reshape(1), 1, 1,
-                         weight_decay, one)
+    # the grads' inverse scale: unscaled already
+    one = torch.ones((1,), dtype=torch.float32, device=device)
+    multi_tensor_applier(amp_C.multi_tensor_adam_capturable, noop,
+                         [grads, params, exp_avg, exp_avg_sq], lr_t, beta1, beta2, eps,
+                         step.to(device=device, dtype=torch.int32).reshape(1), 1, 1, weight_decay,
+                         one)
 
 
 class MixedPrecisionAdamW:
@@ -221,27 +233,32 @@ class MixedPrecisionAdamW:
     initial value of a parameter built without storage (zero=3: ``deferred_initializer``). See the
     module docstring."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], optim_cfg,
-                 precision: str, ps: ParallelState, *, zero: int = 0, bucket_size_mb: float = 32.0,
-                 overlap_grad_reduce: bool = True, initialize=None):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec],
+                 optim_cfg, precision: str, ps: ParallelState, *, zero: int = 0,
+                 bucket_size_mb: float = 32.0, overlap_grad_reduce: bool = True, initialize=None):
         named_params = [(n, p) for n, p in named_params if p.requires_grad]  # frozen ones: not ours
         names = [n for n, _ in named_params]
         if len(set(names)) != len(names):
-            raise ValueError(f"parameter names must be unique (checkpoints are keyed by them): {names}")
+            raise ValueError("parameter names must be unique (checkpoints are keyed by them): "
+                             f"{names}")
         for n, p in named_params:
             if n not in specs or specs[n].local_shape != tuple(p.shape):
                 raise ValueError(f"parameter '{n}' of shape {tuple(p.shape)} has no matching spec "
-                                 f"({specs.get(n)}): build the specs with the model (model/build.py)")
+                                 f"({specs.get(n)}): build the specs with the model "
+                                 "(model/build.py)")
         self.ps, self.zero, self.cfg = ps, zero, optim_cfg
         self.offload = optim_cfg.offload
-        self.buffers = DataParallelBuffers(named_params, specs, ps.dp_cp, ps.tp, ps.embedding, zero=zero,
-                                           bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
-                                           shard=ps.dp_shard, replicas=ps.dp_replicas, initialize=initialize)
+        self.buffers = DataParallelBuffers(named_params, specs, ps.dp_cp, ps.tp, ps.embedding,
+                                           zero=zero, bucket_size_mb=bucket_size_mb,
+                                           overlap=overlap_grad_reduce, shard=ps.dp_shard,
+                                           replicas=ps.dp_replicas, initialize=initialize)
         self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
-        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl) for b in self.buffers.buckets]
+        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl)
+                       for b in self.buffers.buckets]
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
         self.step_count = 0  # steps taken, less the skipped ones settled (read on the host)
-        # steps skipped and not yet settled (a device count: the torch AdamW's step is exact meanwhile)
+        # steps skipped and not yet settled (a device count: the torch AdamW's step is exact
+        # meanwhile)
         self._unsettled_skips = torch.zeros((), dtype=torch.int64, device=ps.device)
         self.scaler = LossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
                                  optim_cfg.min_loss_scale, dynamic=precision == "fp16")
@@ -266,8 +283,8 @@ class MixedPrecisionAdamW:
         also summed over tp."""
         self.buffers.reduce_grads()
 
-    def hook_models(self, chunks: list[nn.Module], *, keep_gathered: bool = False, prefetch: bool = True,
-                    trace: bool = False) -> None:
+    def hook_models(self, chunks: list[nn.Module], *, keep_gathered: bool = False,
+                    prefetch: bool = True, trace: bool = False) -> None:
         """Attach the parameter gathers to the model ``chunks``: under zero=3 each unit's gather
         and release around its use (parallel/zero3.py); under zero 1/2 the post-step all-gather
         running under the next forward (``overlap_param_gather``). Each chunk is also told the
@@ -277,11 +294,15 @@ class MixedPrecisionAdamW:
             chunk.grad_sink = weakref.ref(self.buffers)
         casts = {id(c.fp8_weights): c.fp8_weights for c in chunks if c.fp8_weights is not None}
         if len(casts) > 1:
-            raise ValueError("the model chunks of a rank must share one fp8_weights (model/build.py makes one)")
-        self.buffers.fp8_weights = next(iter(casts.values()), None)  # zero=3: FP8-gathered weights go there
-        if self.zero == 3:  # one chunk and no pipeline: its backward follows its forward (keep the last layer)
-            self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered, prefetch=prefetch,
-                                      keep_last=len(chunks) == 1 and self.ps.pp.size == 1, trace=trace)
+            raise ValueError("the model chunks of a rank must share one fp8_weights "
+                             "(model/build.py makes one)")
+        # zero=3: FP8-gathered weights go there
+        self.buffers.fp8_weights = next(iter(casts.values()), None)
+        # one chunk and no pipeline: its backward follows its forward (keep the last layer)
+        if self.zero == 3:
+            self.units = ShardedUnits(self.buffers, chunks, keep_gathered=keep_gathered,
+                                      prefetch=prefetch, keep_last=len(chunks) == 1 and
+                                      self.ps.pp.size == 1, trace=trace)
         else:
             self.overlap_param_gather(chunks)
 
@@ -301,8 +322,9 @@ class MixedPrecisionAdamW:
         self._async_param_gather = True
 
     def grad_norm(self, scale: float = 1.0) -> float:
-        """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once, divided
-        by ``scale`` (grads still multiplied by the fp16 loss scale); inf when not finite."""
+        """Global L2 norm of the reduced grads over tp, pp and dp, each element counted once,
+        divided by ``scale`` (grads still multiplied by the fp16 loss scale); inf when not
+        finite."""
         return float(self._norm(scale))
 
     def _norm(self, scale: float = 1.0) -> torch.Tensor:
@@ -317,7 +339,8 @@ class MixedPrecisionAdamW:
         elif views:
             sq = torch.stack(torch._foreach_norm(views)).pow(2).sum()
         if self.zero >= 1:
-            self.ps.dp_shard.all_reduce(sq)  # shards are disjoint: their squares add up (replicas hold copies)
+            # shards are disjoint: their squares add up (replicas hold copies)
+            self.ps.dp_shard.all_reduce(sq)
         self.ps.mp.all_reduce(sq)
         sq = sq.double()
         return torch.where(torch.isfinite(sq), sq.sqrt() / scale, math.inf)
@@ -326,15 +349,18 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
-        """Unscale, clip and apply one AdamW step; returns (grad norm, whether the step was skipped),
-        read on the host (this waits for the device): :meth:`step_on_device` and :meth:`settle`."""
+        """Unscale, clip and apply one AdamW step; returns (grad norm, whether the step was
+        skipped), read on the host (this waits for the device): :meth:`step_on_device` and
+        :meth:`settle`."""
         norm, found_inf = self.step_on_device(lr)
         skipped = bool(found_inf)
         self.settle(skipped)
         return float(norm), skipped
 
     @torch.no_grad()
-    def step_on_device(self, lr: float, grad_factor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_on_device(self, lr: float,
+                       grad_factor: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
         """Unscale, clip and apply one AdamW step without waiting for the device: returns the grad
         norm (0-d float64, inf when not finite) and whether the step is skipped (0-d bool), both
         device tensors. A non-finite grad norm (NaN/Inf in the reduced grads) skips the update on
@@ -352,7 +378,8 @@ class MixedPrecisionAdamW:
         fused = self.impl == "triton"  # unscaling and clipping happen inside the AdamW pass
         scale = self.scaler.scale
         if fused and grad_factor is not None:
-            scale = scale / grad_factor.float()  # (,) on the device: the kernel multiplies by its inverse
+            # (,) on the device: the kernel multiplies by its inverse
+            scale = scale / grad_factor.float()
         elif grad_factor is not None and grads:
             torch._foreach_mul_(grads, grad_factor.float() / scale)
         elif scale != 1.0 and not fused:
@@ -360,8 +387,10 @@ class MixedPrecisionAdamW:
         norm = self._norm(scale if fused else 1.0)
         found_inf = ~torch.isfinite(norm)
         clip_grad = self.cfg.clip_grad
-        # clip_grad / (norm + 1e-6) where the norm exceeds clip_grad, else 1 (a multiply by 1 is exact)
-        clip = torch.where(norm > clip_grad, clip_grad / (norm + 1e-6), 1.0) if clip_grad > 0 else None
+        # clip_grad / (norm + 1e-6) where the norm exceeds clip_grad, else 1 (a multiply by 1 is
+        # exact)
+        clip = torch.where(norm > clip_grad, clip_grad / (norm + 1e-6), 1.0) if clip_grad > 0 \
+            else None
         if clip is not None and not fused:
             torch._foreach_mul_(grads, clip.float())
         staged = [s for s in self.shards if s.grad_staging is not None]
@@ -373,7 +402,8 @@ class MixedPrecisionAdamW:
         self._adamw(lr, found_inf, grad_scale=grad_scale)
         for s in self.shards:
             s.write_back()
-        self._refresh_params(async_op=self._async_param_gather)  # zero 3: a unit still gathered would go stale
+        # zero 3: a unit still gathered would go stale
+        self._refresh_params(async_op=self._async_param_gather)
         return norm, found_inf
 
     def settle(self, skipped: bool) -> None:
@@ -385,7 +415,8 @@ class MixedPrecisionAdamW:
             self.step_count -= 1
             self._unsettled_skips -= 1
 
-    def _adamw(self, lr: float, found_inf: torch.Tensor, grad_scale: float | torch.Tensor = 1.0) -> None:
+    def _adamw(self, lr: float, found_inf: torch.Tensor,
+               grad_scale: float | torch.Tensor = 1.0) -> None:
         """One decoupled-weight-decay Adam step over every shard, skipped where ``found_inf`` is
         set (on the device). ``optim.impl`` torch: torch's fused
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
@@ -397,9 +428,10 @@ class MixedPrecisionAdamW:
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
             for s in self.shards:
-                fused_adamw_(s.grad, s.master, s.exp_avg, s.exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                             weight_decay=self.cfg.weight_decay, step=self.step_count, param_out=s.param_out,
-                             decay=s.decay_mask, grad_scale=grad_scale, found_inf=found_inf)
+                fused_adamw_(s.grad, s.master, s.exp_avg, s.exp_avg_sq, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=self.cfg.weight_decay,
+                             step=self.step_count, param_out=s.param_out, decay=s.decay_mask,
+                             grad_scale=grad_scale, found_inf=found_inf)
                 s.params_current = s.param_out is not None
             return
         # the step as counted once every skipped one is settled: skips not read yet counted here
@@ -414,10 +446,13 @@ class MixedPrecisionAdamW:
                 _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                             self.cfg.weight_decay if decay else 0.0, found_inf)
                 continue
-            where = params[0].device  # the host, with optim.offload: the flags follow (a copy that waits)
-            torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [], [step.to(where)] * len(params), lr=lr,
-                                beta1=beta1, beta2=beta2, weight_decay=self.cfg.weight_decay if decay else 0.0,
-                                eps=eps, amsgrad=False, maximize=False, found_inf=found_inf.float().to(where))
+            # the host, with optim.offload: the flags follow (a copy that waits)
+            where = params[0].device
+            torch._fused_adamw_(params, grads, exp_avg, exp_avg_sq, [],
+                                [step.to(where)] * len(params), lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=self.cfg.weight_decay if decay else 0.0, eps=eps,
+                                amsgrad=False, maximize=False,
+                                found_inf=found_inf.float().to(where))
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -427,7 +462,8 @@ class MixedPrecisionAdamW:
         self.buffers.wait_params()
 
         def storage_bytes(tensors, exclude=frozenset()) -> dict:
-            out = {}  # by storage (its address: tensors without data, fake ones, all have data pointer 0)
+            # by storage (its address: tensors without data, fake ones, all have data pointer 0)
+            out = {}
             for t in tensors:
                 st = t.untyped_storage()
                 if st._cdata not in exclude:
@@ -438,9 +474,10 @@ class MixedPrecisionAdamW:
         report = {
             "params": sum(params.values()),
             "grads": sum(storage_bytes(self.buffers.grad_buffers).values()),
-            "master": sum(storage_bytes([s.master for s in self.shards], exclude=params.keys()).values()),
-            "moments": sum(storage_bytes([t for s in self.shards for t in (s.exp_avg, s.exp_avg_sq)]).values()),
-        }
+            "master": sum(storage_bytes([s.master for s in self.shards],
+                                        exclude=params.keys()).values()),
+            "moments": sum(storage_bytes([t for s in self.shards
+                                          for t in (s.exp_avg, s.exp_avg_sq)]).values()), }
         staging = [s.grad_staging for s in self.shards if s.grad_staging is not None]
         if staging:
             report["grad_staging"] = sum(storage_bytes(staging).values())

@@ -11,8 +11,8 @@ Attention all-gathers K and V over the cp group (as Llama 3 did): each rank's qu
 key, masked by each token's *global* position (and document, with document masking). Rotary
 embeddings rotate each token by its global position, so the function is exactly that of one process.
 
-    gather_kv_from_cp   forward: all-gather K and V along seq,   backward: put the grads back in rank
-                        then put them in global order            order, reduce-scatter them
+    gather_kv_from_cp   forward: all-gather K and V along seq,   backward: put the grads back in
+                        rank then put them in global order            order, reduce-scatter them
 
 ``parallel.cp_comm`` chooses how the queries meet the other ranks' keys:
 
@@ -48,7 +48,8 @@ HEAD_SEQ_DIM = 2  # of (b, heads, s, d) queries, keys and values
 
 def _chunks(seq: int, cp: int) -> int:
     if seq % (2 * cp):
-        raise ValueError(f"a sequence of {seq} tokens does not cut into 2·cp = {2 * cp} equal chunks")
+        raise ValueError(f"a sequence of {seq} tokens does not cut into 2·cp = {2 * cp} equal "
+                         "chunks")
     return seq // (2 * cp)
 
 
@@ -110,7 +111,8 @@ class _GatherKVFromCP(torch.autograd.Function):
 
     Forward: all-gather along seq, then reorder. Backward: every rank's queries used every key, so
     each key's gradient is the sum of the ranks' contributions: back in rank order, a
-    reduce-scatter along seq returns to each rank the summed gradients of its own keys and values."""
+    reduce-scatter along seq returns to each rank the summed gradients of its own keys and
+    values."""
 
     @staticmethod
     def forward(ctx, k, v, group):
@@ -123,12 +125,14 @@ class _GatherKVFromCP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_k, grad_v):
-        grad = torch.cat([grad_k, grad_v], dim=1).index_select(HEAD_SEQ_DIM, ctx.ranked)  # (b, 2·k, s, d), rank order
+        # (b, 2·k, s, d), rank order
+        grad = torch.cat([grad_k, grad_v], dim=1).index_select(HEAD_SEQ_DIM, ctx.ranked)
         local = ctx.group.reduce_scatter(grad, HEAD_SEQ_DIM)  # (b, 2·k, s/cp, d), summed over cp
         return local[:, :ctx.k_heads], local[:, ctx.k_heads:], None
 
 
-def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
     """(b, k, s/cp, d) keys and values of this rank -> (b, k, s, d) of all ranks, in global order
     (see the class)."""
     if cp.size == 1:
@@ -136,24 +140,29 @@ def gather_kv_from_cp(k: torch.Tensor, v: torch.Tensor, cp: Group) -> tuple[torc
     return _GatherKVFromCP.apply(k, v, cp)
 
 
-def check_cp_comm(cp_comm: str, cp: int, tp: int, num_heads: int, num_kv_heads: int, attention_dropout: float) -> None:
+def check_cp_comm(cp_comm: str, cp: int, tp: int, num_heads: int, num_kv_heads: int,
+                  attention_dropout: float) -> None:
     """``parallel.cp_comm`` against the model: all-to-all gives each cp rank whole heads (of those
-    its tp rank holds), ring attention computes its blocks without dropout. ConfigError otherwise."""
+    its tp rank holds), ring attention computes its blocks without dropout. ConfigError
+    otherwise."""
     if cp == 1 or cp_comm == "allgather":
         return
     if cp_comm == "a2a":
         for field, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if heads % (tp * cp):
-                raise ConfigError(f"parallel.cp_comm=a2a splits the heads over tp × cp = {tp} × {cp} = {tp * cp}, "
-                                  f"which must divide model.{field}={heads}; use parallel.cp_comm ring or allgather, "
-                                  f"or a cp dividing {heads // tp if heads % tp == 0 else heads} / tp")
+                raise ConfigError(f"parallel.cp_comm=a2a splits the heads over tp × cp = {tp} × "
+                                  f"{cp} = {tp * cp}, which must divide model.{field}={heads}; use "
+                                  "parallel.cp_comm ring or allgather, or a cp dividing "
+                                  f"{heads // tp if heads % tp == 0 else heads} / tp")
     elif attention_dropout:
-        raise ConfigError(f"parallel.cp_comm=ring has no attention dropout (model.attention_dropout="
-                          f"{attention_dropout}): set model.attention_dropout 0, or parallel.cp_comm allgather or a2a")
+        raise ConfigError("parallel.cp_comm=ring has no attention dropout "
+                          f"(model.attention_dropout={attention_dropout}): set "
+                          "model.attention_dropout 0, or parallel.cp_comm allgather or a2a")
 
 
 def _rank_order(seq: int, cp: Group, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global position of each slot of a rank-order sequence, rank-order slot of each global position)."""
+    """(global position of each slot of a rank-order sequence, rank-order slot of each global
+    position)."""
     ranked = gathered_positions(seq, cp, device)  # rank order -> global
     in_order = torch.empty_like(ranked)
     in_order[ranked] = torch.arange(len(ranked), device=device)  # global -> rank order
@@ -164,17 +173,23 @@ def _seq_to_heads(x: torch.Tensor, cp: Group) -> torch.Tensor:
     """(b, H, s/cp, d) of this rank's tokens -> (b, H/cp, s, d): head group ``cp.rank`` of every
     token, in global order."""
     b, heads, local, d = x.shape
-    parts = x.view(b, cp.size, heads // cp.size, local, d).transpose(0, 1)  # (cp, b, H/cp, s/cp, d): to rank j
+    # (cp, b, H/cp, s/cp, d): to rank j
+    parts = x.view(b, cp.size, heads // cp.size, local, d).transpose(0, 1)
     got = cp.all_to_all(parts)  # (cp, b, H/cp, s/cp, d): [j] = rank j's tokens
-    ranked = got.permute(1, 2, 0, 3, 4).reshape(b, heads // cp.size, cp.size * local, d)  # (b, H/cp, s, d)
-    return ranked.index_select(HEAD_SEQ_DIM, _rank_order(cp.size * local, cp, x.device)[1])  # global order
+    # (b, H/cp, s, d)
+    ranked = got.permute(1, 2, 0, 3, 4).reshape(b, heads // cp.size, cp.size * local, d)
+    # global order
+    return ranked.index_select(HEAD_SEQ_DIM, _rank_order(cp.size * local, cp, x.device)[1])
 
 
 def _heads_to_seq(y: torch.Tensor, cp: Group) -> torch.Tensor:
-    """(b, H/cp, s, d) of every token in global order -> (b, H, s/cp, d): every head of this rank's tokens."""
+    """(b, H/cp, s, d) of every token in global order -> (b, H, s/cp, d): every head of this rank's
+    tokens."""
     b, heads, seq, d = y.shape
-    ranked = y.index_select(HEAD_SEQ_DIM, _rank_order(seq, cp, y.device)[0])  # (b, H/cp, s, d), rank order
-    parts = ranked.view(b, heads, cp.size, seq // cp.size, d).permute(2, 0, 1, 3, 4)  # (cp, b, H/cp, s/cp, d)
+    # (b, H/cp, s, d), rank order
+    ranked = y.index_select(HEAD_SEQ_DIM, _rank_order(seq, cp, y.device)[0])
+    # (cp, b, H/cp, s/cp, d)
+    parts = ranked.view(b, heads, cp.size, seq // cp.size, d).permute(2, 0, 1, 3, 4)
     got = cp.all_to_all(parts)  # [j] = this rank's tokens of rank j's heads
     return got.transpose(0, 1).reshape(b, heads * cp.size, seq // cp.size, d)  # (b, H, s/cp, d)
 
@@ -206,8 +221,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def heads_from_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group):
-    """All-to-all attention's first exchange, one all-to-all for q, k and v together: (b, n, s/cp, d)
-    queries and (b, k, s/cp, d) keys and values of this rank's tokens -> (b, n/cp, s, d) and
+    """All-to-all attention's first exchange, one all-to-all for q, k and v together: (b, n, s/cp,
+    d) queries and (b, k, s/cp, d) keys and values of this rank's tokens -> (b, n/cp, s, d) and
     (b, k/cp, s, d) of the whole sequence in global order, for head group ``cp.rank`` (query head
     group g pairs with kv head group g, as grouped-query attention pairs them)."""
     if cp.size == 1:
@@ -215,14 +230,15 @@ def heads_from_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group):
     b, n, local, d = q.shape
     kv = k.shape[1]
     grouped = [t.reshape(b, cp.size, t.shape[1] // cp.size, local, d) for t in (q, k, v)]
-    qkv = torch.cat(grouped, dim=2).view(b, -1, local, d)  # (b, n + 2k, s/cp, d): per group [q, k, v]
+    # (b, n + 2k, s/cp, d): per group [q, k, v]
+    qkv = torch.cat(grouped, dim=2).view(b, -1, local, d)
     full = _SeqToHeads.apply(qkv, cp)  # (b, (n + 2k)/cp, s, d)
     return full.split([n // cp.size, kv // cp.size, kv // cp.size], dim=1)
 
 
 def heads_to_cp(y: torch.Tensor, cp: Group) -> torch.Tensor:
-    """All-to-all attention's second exchange: (b, n/cp, s, d) over the whole sequence -> (b, n, s/cp, d)
-    of every head for this rank's tokens."""
+    """All-to-all attention's second exchange: (b, n/cp, s, d) over the whole sequence -> (b, n,
+    s/cp, d) of every head for this rank's tokens."""
     if cp.size == 1:
         return y
     return _HeadsToSeq.apply(y, cp)

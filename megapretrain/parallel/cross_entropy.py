@@ -59,14 +59,16 @@ class BufferPool:
 def _softmax_forward(logits: torch.Tensor, exps: torch.Tensor, targets: torch.Tensor, group: Group,
                      vocab_start: int, real_vocab: int, ignore_index: int):
     """Per-row loss from (rows, v/tp) logits and (rows,) targets. Writes exp(logit - row max) into
-    ``exps`` (may be ``logits`` itself) for the backward; returns the loss and per-row statistics."""
+    ``exps`` (may be ``logits`` itself) for the backward; returns the loss and per-row
+    statistics."""
     rows, width = logits.shape
     valid = min(width, max(real_vocab - vocab_start, 0))  # this rank's non-padding columns
     local = targets - vocab_start
     ignored = targets == ignore_index
     not_mine = (local < 0) | (local >= valid) | ignored
     local = local.masked_fill(not_mine, 0)
-    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # before exps overwrites
+    # before exps overwrites
+    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()
 
     row_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
     sum_exp = logits.new_zeros((rows,), dtype=torch.float32)
@@ -102,7 +104,8 @@ def _softmax_backward(exps: torch.Tensor, grad_loss: torch.Tensor, stats) -> tor
         work = torch.empty(min(step, rows), valid, dtype=torch.float32, device=exps.device)
         for i in range(0, rows, step):
             w = work[: min(step, rows - i)]
-            w.copy_(exps[i:i + step, :valid]).mul_(scale[i:i + step])  # fp32 (mixed-dtype ops are slow)
+            # fp32 (mixed-dtype ops are slow)
+            w.copy_(exps[i:i + step, :valid]).mul_(scale[i:i + step])
             exps[i:i + step, :valid].copy_(w)
     # the target's entry grad_loss · (p - 1), from its fp32 logit (no cancellation in low precision)
     mine = (~not_mine).nonzero().squeeze(-1)
@@ -113,7 +116,8 @@ def _softmax_backward(exps: torch.Tensor, grad_loss: torch.Tensor, stats) -> tor
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group: Group, vocab_start: int, real_vocab: int, ignore_index: int):
+    def forward(ctx, logits, targets, group: Group, vocab_start: int, real_vocab: int,
+                ignore_index: int):
         logits2d = logits.reshape(-1, logits.shape[-1])  # (b·s, v/tp)
         exps = torch.empty_like(logits2d)  # becomes the gradient
         loss, ctx.stats = _softmax_forward(logits2d, exps, targets.reshape(-1), group, vocab_start,
@@ -136,7 +140,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         shape = (x2d.shape[0], weight.shape[0])
         logits = pool.take(shape, x.dtype, x.device) if pool else x.new_empty(shape)
         torch.mm(x2d, weight.t(), out=logits)  # (b·s, v/tp)
-        loss, stats = _softmax_forward(logits, logits, targets.reshape(-1), group, vocab_start, real_vocab,
+        loss, stats = _softmax_forward(logits, logits, targets.reshape(-1), group, vocab_start,
+                                       real_vocab,
                                        ignore_index)  # logits -> exps, in place
         if any(ctx.needs_input_grad[:2]):
             ctx.save_for_backward(x2d, weight)
@@ -153,8 +158,10 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         del ctx.exps
         grad_x = grad_logits.mm(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = None
-        # a zero-bubble schedule's W makes d/dweight later: it keeps the gradient of the logits until then
-        later = ctx.needs_input_grad[1] and ctx.deferred is not None and ctx.deferred.defer(ctx.param, x2d, grad_logits)
+        # a zero-bubble schedule's W makes d/dweight later: it keeps the gradient of the logits
+        # until then
+        later = ctx.needs_input_grad[1] and ctx.deferred is not None \
+            and ctx.deferred.defer(ctx.param, x2d, grad_logits)
         if ctx.needs_input_grad[1] and not later:
             grad_w = grad_logits.t().mm(x2d)  # (v/tp, h)
         if ctx.pool and not later:
@@ -165,18 +172,21 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group,
                                  vocab_start: int = 0, real_vocab: int | None = None,
                                  ignore_index: int = -100) -> torch.Tensor:
-    """Per-token loss (b, s) in fp32 from vocab-sharded ``logits`` (b, s, v/tp) and global ``targets``.
+    """Per-token loss (b, s) in fp32 from vocab-sharded ``logits`` (b, s, v/tp) and global
+    ``targets``.
 
     Targets equal to ``ignore_index`` get loss 0 and no gradient.
     """
     if real_vocab is None:
         real_vocab = logits.shape[-1] * group.size
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, real_vocab,
+                                            ignore_index)
 
 
-def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                        group: Group, vocab_start: int = 0, real_vocab: int | None = None,
-                                        ignore_index: int = -100, pool: BufferPool | None = None,
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor,
+                                        targets: torch.Tensor, group: Group, vocab_start: int = 0,
+                                        real_vocab: int | None = None, ignore_index: int = -100,
+                                        pool: BufferPool | None = None,
                                         deferred=None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(x, weight), ...)`` with the logits kept private.
 
@@ -188,5 +198,5 @@ def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, t
     """
     if real_vocab is None:
         real_vocab = weight.shape[0] * group.size
-    return _VocabParallelLinearCrossEntropy.apply(x, weight, targets, group, vocab_start, real_vocab,
-                                                  ignore_index, pool, deferred)
+    return _VocabParallelLinearCrossEntropy.apply(x, weight, targets, group, vocab_start,
+                                                  real_vocab, ignore_index, pool, deferred)

@@ -68,7 +68,8 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], numel: int,
                  shard_start: int, shard_end: int, fp8_gather: bool = False):
         self.index, self.params, self.offsets, self.numel = index, params, offsets, numel
-        self.fp8_gather = fp8_gather  # zero=3: FP8 linears' weights, gathered as FP8 (spec fp8_gather)
+        # zero=3: FP8 linears' weights, gathered as FP8 (spec fp8_gather)
+        self.fp8_gather = fp8_gather
         self.fp8_data: torch.Tensor | None = None  # (numel,) e4m3 while gathered as FP8
         self.shapes = [p.shape for p in params]  # fixed here: a zero=3 param's storage may be freed
         self.shard_start, self.shard_end = shard_start, shard_end
@@ -76,7 +77,8 @@ class Bucket:
         # (shard,) model dtype, what the optimizer writes: a view of param_data, or under zero=3 the
         # only persistent copy (param_data's storage then exists only while gathered)
         self.param_shard: torch.Tensor | None = None
-        self.gathered = True        # param_data holds the full, current parameters (zero=3: or is being gathered)
+        # param_data holds the full, current parameters (zero=3: or is being gathered)
+        self.gathered = True
         self.grad_data: torch.Tensor | None = None   # (numel,) fp32; transient under zero=2
         self.grad_shard: torch.Tensor | None = None  # (shard,) fp32: what the optimizer steps on
         self.launched = False       # the reduction of the current grads has started
@@ -104,7 +106,8 @@ class Bucket:
 
     def set_main_grads(self) -> None:
         for p, shape, off in zip(self.params, self.shapes, self.offsets):
-            p.main_grad = None if self.grad_data is None else self.grad_data[off:off + shape.numel()].view(shape)
+            p.main_grad = None if self.grad_data is None \
+                else self.grad_data[off:off + shape.numel()].view(shape)
 
 
 def bucket_split(params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float,
@@ -154,12 +157,13 @@ class DataParallelBuffers:
     shards over, ``replicas`` the groups holding the same shard (hybrid sharding), over which the
     reduce-scattered shard is then all-reduced."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec], dp: Group,
-                 tp: Group, embedding: Group | None = None, *, zero: int = 0, bucket_size_mb: float = 32.0,
-                 overlap: bool = True, shard: Group | None = None, replicas: Group | None = None,
-                 initialize=None):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], specs: dict[str, ParamSpec],
+                 dp: Group, tp: Group, embedding: Group | None = None, *, zero: int = 0,
+                 bucket_size_mb: float = 32.0, overlap: bool = True, shard: Group | None = None,
+                 replicas: Group | None = None, initialize=None):
         self.dp, self.tp, self.embedding, self.zero, self.overlap = dp, tp, embedding, zero, overlap
-        self.initialize = initialize  # (param, out) -> None: the initial value of a storage-less param
+        # (param, out) -> None: the initial value of a storage-less param
+        self.initialize = initialize
         self.shard = shard or dp
         self.replicas = replicas
         self.names = {id(p): n for n, p in named_params}
@@ -170,31 +174,40 @@ class DataParallelBuffers:
         self._bucket_of: dict[int, Bucket] = {}
         self._context: str | None = None  # None, "last" or "accumulate" inside grad_sync
         self._gathers: collections.deque = collections.deque()  # buckets with a pending all-gather
-        self._reducing: collections.deque = collections.deque()  # zero >= 2: launched, not completed yet
+        # zero >= 2: launched, not completed yet
+        self._reducing: collections.deque = collections.deque()
         self._learning: dict[int, set] = {}  # model -> modules called in its first forward so far
         self._early_of: dict[int, list[Bucket]] = {}  # model -> buckets used without a module call
         self._early: set[Bucket] = set()  # gathered first
         # zero=3: one bucket per unit, whatever its size (a unit is gathered whole anyway)
-        bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 else float("inf")
-        self.after_grads = None  # zero=3: called with a bucket once a micro-batch's grads are all folded
+        bucket_numel = bucket_size_mb * 2**20 / 4 if bucket_size_mb > 0 and zero < 3 \
+            else float("inf")
+        # zero=3: called with a bucket once a micro-batch's grads are all folded
+        self.after_grads = None
         # a list when the caller's backward always brings the gradient it announced to a fused loss
-        # (model/fused_loss.py): each backward's check that it did lands here, a device flag, for the
-        # caller to read with the step's other values instead of waiting for the device there and then
+        # (model/fused_loss.py): each backward's check that it did lands here, a device flag, for
+        # the caller to read with the step's other values instead of waiting for the device there
+        # and then
         self.grad_scale_checks: list[torch.Tensor] | None = None
-        self._split_folds: dict = {}  # a split backward's key -> what its B folded, per bucket (grad_sync)
-        self.after_split_backward = None  # zero=3: called as a split backward's B ends (its W needs no params)
-        self.fp8_weights: WeightCasts | None = None  # zero=3: where FP8-gathered weights go (hook_models)
+        # a split backward's key -> what its B folded, per bucket (grad_sync)
+        self._split_folds: dict = {}
+        # zero=3: called as a split backward's B ends (its W needs no params)
+        self.after_split_backward = None
+        # zero=3: where FP8-gathered weights go (hook_models)
+        self.fp8_weights: WeightCasts | None = None
         layout = [p for _, p in reversed(named_params)]
         if zero == 3:
             layout = fp8_first(layout, self.spec_of)
         for dtype in dict.fromkeys(p.dtype for p in layout):
-            self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype], bucket_numel)
+            self._build(dtype, [(p, self.spec_of[id(p)]) for p in layout if p.dtype == dtype],
+                        bucket_numel)
         for _, p in named_params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.zero_grad()
 
     @torch.no_grad()
-    def _build(self, dtype: torch.dtype, params: list[tuple[nn.Parameter, ParamSpec]], bucket_numel: float) -> None:
+    def _build(self, dtype: torch.dtype, params: list[tuple[nn.Parameter, ParamSpec]],
+               bucket_numel: float) -> None:
         splits = bucket_split(params, bucket_numel, self.shard.size, by_unit=self.zero == 3)
         total = sum(numel for _, _, numel in splits)
         device = params[0][0].device
@@ -202,7 +215,8 @@ class DataParallelBuffers:
         param_buffer = torch.zeros(total, dtype=dtype, device=device) if self.zero < 3 else None
         grad_buffer = torch.zeros(total // (self.shard.size if self.zero >= 2 else 1),
                                   dtype=torch.float32, device=device)
-        param_shards = torch.empty(total // self.shard.size, dtype=dtype, device=device) if self.zero == 3 else None
+        param_shards = torch.empty(total // self.shard.size, dtype=dtype, device=device) \
+            if self.zero == 3 else None
         start = shard_start = 0
         for bucket_params, offsets, numel in splits:
             shard = numel // self.shard.size if self.zero >= 1 else numel
@@ -213,10 +227,12 @@ class DataParallelBuffers:
                             else torch.zeros(numel, dtype=dtype, device=device))
             for p, off in zip(bucket_params, offsets):
                 view = b.param_data[off:off + p.numel()].view(p.shape)
-                if p.untyped_storage().nbytes() == 0 and p.numel():  # a ZeRO-3 placeholder (model/build.py)
+                # a ZeRO-3 placeholder (model/build.py)
+                if p.untyped_storage().nbytes() == 0 and p.numel():
                     if self.initialize is None:
-                        raise ValueError(f"parameter '{self.names[id(p)]}' has no storage and no initializer "
-                                         "was given (model/build.py: deferred_initializer)")
+                        raise ValueError(f"parameter '{self.names[id(p)]}' has no storage and no "
+                                         "initializer was given (model/build.py: "
+                                         "deferred_initializer)")
                     self.initialize(p, view)
                 else:
                     view.copy_(p.data)
@@ -285,7 +301,8 @@ class DataParallelBuffers:
             self._reduce_all()  # only the shard accumulators outlive a micro-batch
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        """Fold autograd's ``p.grad`` into ``p.main_grad``; launch the bucket once it is complete."""
+        """Fold autograd's ``p.grad`` into ``p.main_grad``; launch the bucket once it is
+        complete."""
         if p.grad is None:  # the op added it itself (main_grad_for) and has said so (grad_added)
             return
         self.main_grad_for(p).add_(p.grad)
@@ -299,9 +316,10 @@ class DataParallelBuffers:
         of returning it to autograd then calls :meth:`grad_added`."""
         b = self._bucket_of[id(p)]
         if b.launched:
-            raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its bucket's "
-                               "data-parallel reduction started: was it used after its last micro-batch, "
-                               "or was zero_grad() not called after reduce_grads()?")
+            raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its "
+                               "bucket's data-parallel reduction started: was it used after its "
+                               "last micro-batch, or was zero_grad() not called after "
+                               "reduce_grads()?")
         if b.grad_data is None:  # zero=2: the bucket's first grad of this micro-batch
             b.grad_data = torch.zeros(b.numel, dtype=torch.float32, device=p.device)
             b.set_main_grads()
@@ -334,7 +352,8 @@ class DataParallelBuffers:
     def folded(self, b: Bucket, last: bool) -> bool:
         """Whether bucket ``b``'s grads of the current micro-batch are all folded (``last``: of the
         step's last micro-batch)."""
-        return not b.final if last else all(b.fresh.get(id(p), 0) >= self.spec_of[id(p)].uses for p in b.params)
+        return not b.final if last else all(b.fresh.get(id(p), 0) >= self.spec_of[id(p)].uses
+                                            for p in b.params)
 
     def _launch(self, b: Bucket) -> None:
         if self.zero >= 2:  # free the full gradients of all but the latest reduction in flight
@@ -351,13 +370,15 @@ class DataParallelBuffers:
         if self.zero == 0:
             b.work = self.dp.all_reduce_async(b.grad_data)
         else:  # in place: our shard of the sum lands in our slice of the bucket
-            b.work = self.shard.reduce_scatter_async(b.grad_data[b.shard_start:b.shard_end], b.grad_data)
+            b.work = self.shard.reduce_scatter_async(b.grad_data[b.shard_start:b.shard_end],
+                                                     b.grad_data)
 
     def _complete(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
             b.work = None
-        if self.zero >= 1 and self.replicas is not None:  # hybrid: the shard's sum over the other replicas
+        # hybrid: the shard's sum over the other replicas
+        if self.zero >= 1 and self.replicas is not None:
             self.replicas.all_reduce(b.grad_data[b.shard_start:b.shard_end])
         if self.zero >= 2:
             b.grad_shard.add_(b.grad_data[b.shard_start:b.shard_end])
@@ -398,8 +419,10 @@ class DataParallelBuffers:
             return
         self.wait_params()
         forward_order = list(reversed(self.buckets))  # the first layers' bucket first
-        for b in [b for b in forward_order if b in self._early] + [b for b in forward_order if b not in self._early]:
-            b.param_work = self.shard.all_gather_async(b.param_data, b.param_data[b.shard_start:b.shard_end])
+        for b in [b for b in forward_order if b in self._early] + [b for b in forward_order
+                                                                   if b not in self._early]:
+            b.param_work = self.shard.all_gather_async(b.param_data,
+                                                       b.param_data[b.shard_start:b.shard_end])
             self._gathers.append(b)
         if not async_op:
             self.wait_params()
@@ -426,7 +449,8 @@ class DataParallelBuffers:
         own forward starts."""
         owned = {}
         for module in model.modules():
-            buckets = list(dict.fromkeys(self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+            buckets = list(dict.fromkeys(self._bucket_of[id(p)]
+                                         for p in module.parameters(recurse=False)
                                          if id(p) in self._bucket_of))
             if buckets:
                 owned[id(module)] = buckets
@@ -481,18 +505,21 @@ class DataParallelBuffers:
         (one scale for the whole weight, as one process casts it), each rank casts its shard, the
         bytes are all-gathered, and each weight's cast is published in ``fp8_weights``."""
         if self.fp8_weights is None:
-            raise RuntimeError("an FP8 bucket was gathered before hook_models() gave the buffers the model's "
-                               "fp8_weights")
+            raise RuntimeError("an FP8 bucket was gathered before hook_models() gave the buffers "
+                               "the model's fp8_weights")
         index = {id(p): i for i, p in enumerate(b.params)}
         pieces = [(index[id(p)], off, end - start) for p, start, end, off in b.fragments()]
         amaxes = fragment_amaxes(b.param_shard, pieces, len(b.params))
         self.shard.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
-        self.tp.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)  # the weights are split over tp
+        # the weights are split over tp
+        self.tp.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX)
         b.fp8_data = torch.empty(b.numel, dtype=E4M3, device=b.param_shard.device)
-        b.param_work = self.shard.all_gather_async(b.fp8_data, cast_fragments(b.param_shard, pieces, amaxes))
+        b.param_work = self.shard.all_gather_async(b.fp8_data,
+                                                   cast_fragments(b.param_shard, pieces, amaxes))
         scales = amax_to_scale(amaxes, E4M3, pow2=False)
         for i, (p, shape, off) in enumerate(zip(b.params, b.shapes, b.offsets)):
-            self.fp8_weights.put(p, Cast(b.fp8_data[off:off + shape.numel()].view(shape), scales[i]))
+            self.fp8_weights.put(p, Cast(b.fp8_data[off:off + shape.numel()].view(shape),
+                                         scales[i]))
 
     def wait(self, b: Bucket) -> None:
         if b.param_work is not None:
@@ -514,7 +541,8 @@ class DataParallelBuffers:
         """Bytes of full parameter buffers (and FP8 copies) alive now (zero=3)."""
         if self.zero != 3:
             return 0
-        return sum(b.param_data.untyped_storage().nbytes() + (b.numel if b.fp8_data is not None else 0)
+        return sum(b.param_data.untyped_storage().nbytes() + (b.numel if b.fp8_data is not None
+                                                              else 0)
                    for b in self.buckets)
 
     def gathered_element_size(self, b: Bucket) -> int:

@@ -7,10 +7,10 @@ The recipes (``model.fp8``) compute what ``torchao.float8``'s recipes of the sam
 
     recipe      x and W   g = dL/dy   scales
     tensorwise  e4m3      e5m2        one per tensor, fp32: max₈ / amax
-    rowwise     e4m3      e4m3        one per row of each GEMM operand, rounded down to a power of two:
-                                      forward x per token, W per output row; data gradient g per
-                                      token, W per input column; weight gradient g and x per column
-                                      (over the tokens)
+    rowwise     e4m3      e4m3        one per row of each GEMM operand, rounded down to a power of
+                                      two: forward x per token, W per output row; data gradient g
+                                      per token, W per input column; weight gradient g and x per
+                                      column (over the tokens)
 
 A cast is ``x₈ = saturate(x · s)`` with ``s = max₈ / amax`` (448 for e4m3, 57344 for e5m2); the
 GEMM dequantizes by ``1/s`` of each operand. Power-of-two scales make that exact, so the rowwise
@@ -98,7 +98,8 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
-def amax(x: torch.Tensor, dim: int | None = None, groups: tuple[Group | None, ...] = ()) -> torch.Tensor:
+def amax(x: torch.Tensor, dim: int | None = None,
+         groups: tuple[Group | None, ...] = ()) -> torch.Tensor:
     """max |x| in fp32, over all of ``x`` or along ``dim`` (kept, size 1); ``groups``: all-reduced
     (max) over each one's ranks, which hold other parts of the reduced dimensions (None: none)."""
     found = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=dim is not None).float()
@@ -132,7 +133,8 @@ def scaled_mm(a: Cast, b: Cast, out_dtype: torch.dtype, fast_accum: bool) -> tor
         return torch._scaled_mm(a.data, b.data, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
     one = inv_a.new_ones(())
-    out = torch._scaled_mm(a.data, b.data, scale_a=one, scale_b=one, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    out = torch._scaled_mm(a.data, b.data, scale_a=one, scale_b=one, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
     return out.mul_(inv_a).mul_(inv_b)
 
 
@@ -158,8 +160,9 @@ class FP8Linear:
     input again; ``weights``: ZeRO-3's weights gathered in FP8, whose casts replace the weight's;
     ``cp``: the context-parallel group, whose ranks hold the sequence's other tokens."""
 
-    def __init__(self, recipe: Recipe, tp: Group, split: str, *, inputs: GatheredInputs | None = None,
-                 weights: WeightCasts | None = None, cp: Group | None = None):
+    def __init__(self, recipe: Recipe, tp: Group, split: str, *,
+                 inputs: GatheredInputs | None = None, weights: WeightCasts | None = None,
+                 cp: Group | None = None):
         if split not in ("in", "out"):
             raise ValueError(f"split={split!r}: 'out' (column-parallel) or 'in' (row-parallel)")
         self.recipe, self.tp, self.split, self.cp = recipe, tp, split, cp
@@ -171,7 +174,8 @@ class FP8Linear:
 
     def _activation(self, split: str) -> tuple[Group | None, ...]:
         """The groups an activation's amax is all-reduced over: tp where its features are W's
-        ``split`` dimension, split over tp; and, for a tensorwise scale (over the tokens too), cp."""
+        ``split`` dimension, split over tp; and, for a tensorwise scale (over the tokens too),
+        cp."""
         return (self._over(split), None if self.recipe.rowwise else self.cp)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -187,26 +191,31 @@ class FP8Linear:
         if scale is not None:
             return Cast(to_fp8(x, scale, E4M3), scale)
         r = self.recipe
-        return cast(x, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales, groups=self._activation("in"))
+        return cast(x, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
+                    groups=self._activation("in"))
 
     def cast_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Cast:
         """W (n, k) for the forward: per output row (rowwise) or whole (every tp rank's shard:
         all-reduced); ``scale``: the one to use. ZeRO-3's FP8 gather's cast when it has one."""
-        if self.weights is not None:  # ZeRO-3 gathers it as FP8: the bf16 parameter has no storage now
+        # ZeRO-3 gathers it as FP8: the bf16 parameter has no storage now
+        if self.weights is not None:
             gathered = self.weights.get(weight)
             if gathered is None:
-                raise RuntimeError(f"an FP8 weight {tuple(weight.shape)} was used outside its ZeRO-3 unit's gather "
-                                   "(parallel/zero3.py gathers a layer around its forward and backward)")
+                raise RuntimeError(f"an FP8 weight {tuple(weight.shape)} was used outside its "
+                                   "ZeRO-3 unit's gather (parallel/zero3.py gathers a layer around "
+                                   "its forward and backward)")
             return gathered
         if scale is not None:
             return Cast(to_fp8(weight, scale, E4M3), scale)
-        r = self.recipe  # rowwise: per output row, over the input columns; tensorwise: all of this rank's shard
+        # rowwise: per output row, over the input columns; tensorwise: all of this rank's shard
+        r = self.recipe
         return cast(weight, E4M3, dim=-1 if r.rowwise else None, pow2=r.pow2_scales,
                     groups=(self._over("in" if r.rowwise else self.split),))
 
-    # -- the three GEMMs ----------------------------------------------------------------------------
+    # -- the three GEMMs ---------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, pre: Cast | None) -> tuple[torch.Tensor, Saved]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor,
+                pre: Cast | None) -> tuple[torch.Tensor, Saved]:
         """y (m, n) of x (m, k) and W (n, k); ``pre``: x's cast already made (a gathered input)."""
         xc = pre if pre is not None else self.cast_input(x)
         wc = self.cast_weight(weight)
@@ -219,7 +228,8 @@ class FP8Linear:
     def _input_for_grad(self, saved: Saved) -> Cast:
         """x (m, k) as the weight gradient's second operand (column-major)."""
         if self.recipe.rowwise:
-            return column_major(cast(saved.x, E4M3, dim=0, pow2=True, groups=(self.cp,)))  # per column, over tokens
+            # per column, over tokens
+            return column_major(cast(saved.x, E4M3, dim=0, pow2=True, groups=(self.cp,)))
         if saved.x.dtype in FP8_DTYPES:
             return column_major(Cast(saved.x, saved.x_scale))
         return column_major(self.cast_input(saved.x, saved.x_scale))
@@ -235,7 +245,8 @@ class FP8Linear:
         """dx (m, k) = g (m, n) W (n, k); ``gc``: g's cast when the caller has it."""
         gc = gc if gc is not None else self.cast_grad(g)
         if self.recipe.rowwise:  # W per input column: its amax runs over the output rows
-            wc = cast(saved.weight, E4M3, dim=0, pow2=True, groups=(self._over("out"),))  # scale (1, k)
+            # scale (1, k)
+            wc = cast(saved.weight, E4M3, dim=0, pow2=True, groups=(self._over("out"),))
         else:
             wc = self.cast_weight(saved.weight, saved.w_scale)
         return scaled_mm(gc, column_major(wc), g.dtype, fast_accum=False)  # (m, k)
@@ -244,7 +255,8 @@ class FP8Linear:
         """dW (n, k) = gᵀ (n, m) x (m, k); ``gc``: g's per-tensor cast when the caller has it
         (rowwise casts g again, per column)."""
         if self.recipe.rowwise:
-            gc = cast(g, E4M3, dim=0, pow2=True, groups=(self.cp,))  # per column, over the tokens: scale (1, n)
+            # per column, over the tokens: scale (1, n)
+            gc = cast(g, E4M3, dim=0, pow2=True, groups=(self.cp,))
         elif gc is None:
             gc = self.cast_grad(g)
         a = Cast(gc.data.t().contiguous(), gc.scale.t())  # (n, m) row-major
@@ -258,7 +270,8 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, linear: FP8Linear, pre_data, pre_scale):
         k = x.shape[-1]
-        pre = Cast(pre_data.reshape(-1, k), pre_scale.reshape(-1, 1) if pre_scale.dim() else pre_scale) \
+        pre = Cast(pre_data.reshape(-1, k), pre_scale.reshape(-1, 1) if pre_scale.dim()
+                   else pre_scale) \
             if pre_data is not None else None
         y, saved = linear.forward(x.reshape(-1, k), weight, pre)  # (m, n)
         ctx.linear, ctx.shape = linear, x.shape
@@ -279,7 +292,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             saved = saved._replace(weight=ctx.weight)
         linear = ctx.linear
         g = grad.reshape(-1, grad.shape[-1])  # (m, n)
-        gc = None if linear.recipe.rowwise else linear.cast_grad(g)  # tensorwise: one cast serves both
+        # tensorwise: one cast serves both
+        gc = None if linear.recipe.rowwise else linear.cast_grad(g)
         dx = linear.grad_input(g, saved, gc).view(ctx.shape) if ctx.needs_input_grad[0] else None
         dw = linear.grad_weight(g, saved, gc) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
@@ -317,7 +331,8 @@ class GatheredInputs:
 
     def __init__(self, recipe: Recipe, cp: Group | None = None):
         self.recipe, self.cp = recipe, cp  # cp: the ranks holding the sequence's other tokens
-        self._casts: dict[int, tuple[weakref.ref, Cast]] = {}  # storage of a live gathered input -> its cast
+        # storage of a live gathered input -> its cast
+        self._casts: dict[int, tuple[weakref.ref, Cast]] = {}
 
     def gather(self, x: torch.Tensor, tp: Group, saved: SavedShards | None) -> torch.Tensor:
         """The full-sequence (b, s, h) input from this rank's (b, s/tp, h) shard."""
@@ -328,7 +343,8 @@ class GatheredInputs:
         scale = tp.all_gather(shard.scale, SEQ_DIM) if r.rowwise else shard.scale  # (b, s, 1) or ()
         full = _FromGathered.apply(x, data, scale, tp)
         self._register(full, Cast(data, scale))
-        if saved is not None and torch.is_grad_enabled():  # backward keeps shards (SavedShards) of what it reads
+        # backward keeps shards (SavedShards) of what it reads
+        if saved is not None and torch.is_grad_enabled():
             if r.rowwise:
                 saved.register(x.detach(), tp, full)
             else:
@@ -367,7 +383,8 @@ class WeightCasts:
         return self._casts.get(id(weight))
 
 
-def cast_fragments(shard: torch.Tensor, fragments: list[tuple[int, int, int]], amaxes: torch.Tensor) -> torch.Tensor:
+def cast_fragments(shard: torch.Tensor, fragments: list[tuple[int, int, int]],
+                   amaxes: torch.Tensor) -> torch.Tensor:
     """A ZeRO-3 bucket's shard (flat, hp) in e4m3, each parameter's elements with its scale from
     its global ``amaxes`` (fp32, one per parameter); ``fragments``: (parameter index, offset in
     the shard, length). Elements of no parameter (padding) are zero."""
@@ -378,7 +395,8 @@ def cast_fragments(shard: torch.Tensor, fragments: list[tuple[int, int, int]], a
     return out
 
 
-def fragment_amaxes(shard: torch.Tensor, fragments: list[tuple[int, int, int]], count: int) -> torch.Tensor:
+def fragment_amaxes(shard: torch.Tensor, fragments: list[tuple[int, int, int]],
+                    count: int) -> torch.Tensor:
     """max |x| (fp32) of each of ``count`` parameters over its elements in ``shard`` (0 where it
     has none here), to be all-reduced (max) over the ranks holding the other shards."""
     out = torch.zeros(count, dtype=torch.float32, device=shard.device)

@@ -49,13 +49,16 @@ class Layout:
     micro_batch: int = 1
     zero: int = 1
     recompute: str = "none"  # none | selective | full
-    pipeline_layers: tuple | None = None  # layers per chunk (pp × vpp, chunk order); None: an even split
+    # layers per chunk (pp × vpp, chunk order); None: an even split
+    pipeline_layers: tuple | None = None
     sp: bool = True  # sequence parallelism whenever tp > 1 (False: Megatron 2021's all-reduces)
     cp: int = 1  # context parallel: ranks that split each sequence
     shard: int | None = None  # hybrid sharding: ZeRO over groups of this many of the dp × cp ranks
-    cp_comm: str = "allgather"  # how attention meets the other cp ranks' keys: allgather | ring | a2a
+    # how attention meets the other cp ranks' keys: allgather | ring | a2a
+    cp_comm: str = "allgather"
     tp_comm_overlap: bool = False  # sequence-parallel collectives chunked under their GEMMs
-    pp_schedule: str = "auto"  # the pipeline schedule asked for (parallel/pipeline.py resolves auto)
+    # the pipeline schedule asked for (parallel/pipeline.py resolves auto)
+    pp_schedule: str = "auto"
 
     # -- built from a config ----------------------------------------------------------------------
 
@@ -67,49 +70,57 @@ class Layout:
         parallelism can cut. Raises :class:`ConfigError` with one line naming the fields."""
         p, m, t = cfg.parallel, cfg.model, cfg.train
         mp = p.tp * p.cp * p.pp
-        named = f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1 else "") + f"parallel.pp={p.pp}"
+        named = f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1
+                                            else "") + f"parallel.pp={p.pp}"
         require(world_size % mp == 0,
-                f"{named} = {mp} must divide the world size {world_size} (launch {mp}·k processes with torchrun, "
-                f"or pick tp×{'cp×' if p.cp > 1 else ''}pp from: {divisors(world_size)})")
+                f"{named} = {mp} must divide the world size {world_size} (launch {mp}·k processes "
+                f"with torchrun, or pick tp×{'cp×' if p.cp > 1 else ''}pp from: "
+                f"{divisors(world_size)})")
         dp = world_size // mp
         require(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
         require(p.zero_shard_size is None or p.zero >= 1,
-                f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs parallel.zero 1, 2 or 3")
+                f"parallel.zero_shard_size={p.zero_shard_size} shards the optimizer: it needs "
+                "parallel.zero 1, 2 or 3")
         require(p.zero_shard_size is None or (dp * p.cp) % p.zero_shard_size == 0,
                 f"parallel.zero_shard_size={p.zero_shard_size} must divide dp × cp = {dp * p.cp} "
                 f"(valid: {divisors(dp * p.cp)})")
         shard = p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None
-        layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size, zero=p.zero,
-                     recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                     sp=p.sequence_parallel, cp=p.cp, shard=shard, cp_comm=p.cp_comm,
-                     tp_comm_overlap=p.tp_comm_overlap, pp_schedule=p.pp_schedule)
+        layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size,
+                     zero=p.zero, recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers)
+                     if p.pipeline_layers else None, sp=p.sequence_parallel, cp=p.cp, shard=shard,
+                     cp_comm=p.cp_comm, tp_comm_overlap=p.tp_comm_overlap,
+                     pp_schedule=p.pp_schedule)
         require(not p.tp_comm_overlap or layout.sequence_parallel,
-                f"parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters with "
-                f"their GEMMs: it needs parallel.tp > 1 (is {p.tp}) and parallel.sequence_parallel true (is "
-                f"{str(p.sequence_parallel).lower()}); set them, or parallel.tp_comm_overlap false")
+                "parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and "
+                f"reduce-scatters with their GEMMs: it needs parallel.tp > 1 (is {p.tp}) and "
+                f"parallel.sequence_parallel true (is {str(p.sequence_parallel).lower()}); set "
+                "them, or parallel.tp_comm_overlap false")
         layout.check_pipeline_split(m.num_layers)
         layout.check_sequence(t.seq_length)
         return layout
 
     def check_pipeline_split(self, num_layers: int) -> None:
-        """``num_layers`` split over the pp × vpp model chunks: evenly, or as ``pipeline_layers`` lists."""
+        """``num_layers`` split over the pp × vpp model chunks: evenly, or as ``pipeline_layers``
+        lists."""
         chunks = self.chunks
         if self.pipeline_layers is None:
             require(num_layers % chunks == 0,
-                    f"parallel.pp={self.pp} × parallel.vpp={self.vpp} = {chunks} must divide model.num_layers="
-                    f"{num_layers} (valid pp×vpp: {divisors(num_layers)})")
+                    f"parallel.pp={self.pp} × parallel.vpp={self.vpp} = {chunks} must divide "
+                    f"model.num_layers={num_layers} (valid pp×vpp: {divisors(num_layers)})")
         else:
             pl = list(self.pipeline_layers)
-            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and sum(pl) == num_layers,
-                    f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts (pp × vpp) "
-                    f"summing to model.num_layers={num_layers}")
+            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and
+                    sum(pl) == num_layers, f"parallel.pipeline_layers={pl} must list {chunks} "
+                                           "positive layer counts (pp × vpp) summing to "
+                                           f"model.num_layers={num_layers}")
 
     def check_sequence(self, seq: int) -> None:
         """A sequence of ``seq`` tokens cut as the layout cuts it: over tp by sequence parallelism,
         and under cp into 2·cp equal chunks (each cp rank takes two: the causal load balance),
         each split again over tp when sequence-parallel."""
         require(not (self.sp and self.tp > 1 and seq % self.tp),
-                f"parallel.sequence_parallel needs parallel.tp={self.tp} to divide train.seq_length={seq}")
+                f"parallel.sequence_parallel needs parallel.tp={self.tp} to divide "
+                f"train.seq_length={seq}")
         if self.cp == 1:
             return
         unit = 2 * self.cp * (self.tp if self.sequence_parallel else 1)
@@ -117,7 +128,8 @@ class Layout:
                 f"train.seq_length={seq} must be a multiple of 2 × parallel.cp"
                 + (" × parallel.tp" if self.sequence_parallel else "")
                 + f" = {unit} (each cp rank takes 2 of {2 * self.cp} equal chunks"
-                + (", split again over tp by sequence parallelism" if self.sequence_parallel else "")
+                + (", split again over tp by sequence parallelism" if self.sequence_parallel
+                   else "")
                 + f"); e.g. train.seq_length={unit * max(1, round(seq / unit))}")
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -177,7 +189,8 @@ class Layout:
         spans = _chunk_spans(num_layers, self.pp, self.vpp, pp_rank, uneven, v_shape)
         return tuple(count for _, count in spans)
 
-    # -- as a checkpoint records it -----------------------------------------------------------------
+    # -- as a checkpoint records it
+    # -----------------------------------------------------------------
 
     def meta(self, *, v_shape: bool) -> dict:
         """The layout as checkpoint metadata records it: what decides which tensors a rank file
@@ -197,10 +210,12 @@ class Layout:
 
     @classmethod
     def from_meta(cls, meta: dict) -> Layout:
-        """The layout a checkpoint's metadata records (cp 1 where absent: saved before cp existed)."""
-        return cls(tp=int(meta["tp"]), pp=int(meta["pp"]), dp=int(meta["dp"]), cp=int(meta.get("cp", 1)))
+        """The layout a checkpoint's metadata records (cp 1 where absent: saved before cp
+        existed)."""
+        return cls(tp=int(meta["tp"]), pp=int(meta["pp"]), dp=int(meta["dp"]),
+                   cp=int(meta.get("cp", 1)))
 
-    # -- as text ------------------------------------------------------------------------------------
+    # -- as text -----------------------------------------------------------------------------------
 
     def flags(self) -> str:
         """The command-line overrides that give this layout."""
@@ -209,21 +224,25 @@ class Layout:
                   if self.pipeline_layers else " --parallel.pipeline_layers null")
         return (f"--parallel.tp {self.tp} --parallel.cp {self.cp} --parallel.pp {self.pp} "
                 f"--parallel.vpp {self.vpp}{uneven} "
-                f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} --parallel.zero {self.zero} "
+                f"--parallel.sequence_parallel {str(self.sequence_parallel).lower()} "
+                f"--parallel.zero {self.zero} "
                 + (f"--parallel.zero_shard_size {self.shard} " if self.shard else "")
                 + (f"--parallel.cp_comm {self.cp_comm} " if self.cp > 1 else "")
                 + ("--parallel.tp_comm_overlap true " if self.tp_comm_overlap else "")
                 + (f"--parallel.pp_schedule {self.pp_schedule} "
                    if self.pp_schedule != Layout.pp_schedule else "")  # said unless the default
-                + f"--parallel.recompute {self.recompute} --train.micro_batch_size {self.micro_batch}")
+                + f"--parallel.recompute {self.recompute} --train.micro_batch_size "
+                  f"{self.micro_batch}")
 
     def describe(self) -> str:
-        cp = f" cp={self.cp}" + (f":{self.cp_comm}" if self.cp_comm != "allgather" else "") if self.cp > 1 else ""
+        cp = f" cp={self.cp}" + (f":{self.cp_comm}" if self.cp_comm != "allgather" else "") \
+            if self.cp > 1 else ""
         return f"world={self.world_size} (tp={self.tp}{cp} pp={self.pp} dp={self.dp})"
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
-                 layers_per_chunk: list[int] | None = None, v_shape: bool = False) -> list[list[int]]:
+                 layers_per_chunk: list[int] | None = None,
+                 v_shape: bool = False) -> list[list[int]]:
     """Global layer ids of each of stage ``pp_rank``'s ``vpp`` chunks: global chunks ``v·pp +
     pp_rank``, or with ``v_shape`` (ZB-V's placement, vpp 2) ``pp_rank`` and ``2·pp − 1 − pp_rank``.
 
@@ -239,7 +258,8 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
 def _chunk_spans(num_layers: int, pp: int, vpp: int, pp_rank: int,
                  layers_per_chunk: tuple[int, ...] | None,
                  v_shape: bool) -> tuple[tuple[int, int], ...]:
-    """(first layer, layer count) of each of stage ``pp_rank``'s chunks (see :func:`chunk_layers`)."""
+    """(first layer, layer count) of each of stage ``pp_rank``'s chunks (see
+    :func:`chunk_layers`)."""
     n_chunks = pp * vpp
     if layers_per_chunk is None:
         if num_layers % n_chunks:
@@ -248,8 +268,8 @@ def _chunk_spans(num_layers: int, pp: int, vpp: int, pp_rank: int,
         layers_per_chunk = (num_layers // n_chunks,) * n_chunks
     if (len(layers_per_chunk) != n_chunks or sum(layers_per_chunk) != num_layers
             or min(layers_per_chunk) < 1):
-        raise PipelineError(f"parallel.pipeline_layers={list(layers_per_chunk)} must list {n_chunks} "
-                            f"positive layer counts (pp × vpp) summing to "
+        raise PipelineError(f"parallel.pipeline_layers={list(layers_per_chunk)} must list "
+                            f"{n_chunks} positive layer counts (pp × vpp) summing to "
                             f"model.num_layers={num_layers}")
     starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
     mine = (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else (v * pp + pp_rank for v in range(vpp))
@@ -258,11 +278,13 @@ def _chunk_spans(num_layers: int, pp: int, vpp: int, pp_rank: int,
 
 def split_layers(layers: int, chunks: int) -> tuple | None:
     """Layers per pipeline chunk when ``chunks`` does not divide ``layers``: as even as possible,
-    the first and last chunk (which also hold the embedding and the output layer) the lighter ones."""
+    the first and last chunk (which also hold the embedding and the output layer) the lighter
+    ones."""
     if layers % chunks == 0:
         return None
     base, extra = divmod(layers, chunks)
-    order = list(range(1, chunks - 1)) + [0, chunks - 1]  # middle chunks take the extra layers first
+    # middle chunks take the extra layers first
+    order = list(range(1, chunks - 1)) + [0, chunks - 1]
     counts = [base] * chunks
     for i in order[:extra]:
         counts[i] += 1

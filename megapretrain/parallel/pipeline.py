@@ -49,7 +49,8 @@ _TAGS = {"act": 1, "grad": 2}
 
 @dataclass(frozen=True)
 class Op:
-    kind: str    # "F" forward, "B" backward (input gradient only when the order has W ops), "W" weight gradient
+    kind: str    # "F" forward, "B" backward (input gradient only when the order has W ops), "W"
+    #              weight gradient
     micro: int   # micro-batch index
     chunk: int   # virtual chunk index on this stage (0..vpp-1)
 
@@ -151,21 +152,26 @@ def _zb_h1(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
     """ZB-H1 (Qi et al., 2024): 1F1B's forwards and input-gradient backwards, each weight gradient
     deferred by ``pp_rank`` micro-batches: a stage's last ``pp_rank`` W ops fill the cooldown that
     1F1B leaves idle there, where the gradient has yet to travel back to the earlier stages. Every
-    stage holds at most ``pp`` micro-batches whose W has not run: 1F1B's peak (its first stage's)."""
+    stage holds at most ``pp`` micro-batches whose W has not run: 1F1B's peak (its first
+    stage's)."""
     warmup, lag = min(pp - pp_rank - 1, m), min(pp_rank, m)
-    order = [Op("F", i, 0) for i in range(warmup)]                            # warmup: forwards only
+    # warmup: forwards only
+    order = [Op("F", i, 0) for i in range(warmup)]
     deferred = 0  # W ops issued so far, in micro-batch order
-    for i in range(m - warmup):                                               # steady: F, B, then a W
+    # steady: F, B, then a W
+    for i in range(m - warmup):
         order += [Op("F", warmup + i, 0), Op("B", i, 0)]
         if i >= lag:
             order.append(Op("W", deferred, 0))
             deferred += 1
-    for i in range(m - warmup, m):                                            # cooldown: B, then a W
+    # cooldown: B, then a W
+    for i in range(m - warmup, m):
         order.append(Op("B", i, 0))
         if i >= lag:
             order.append(Op("W", deferred, 0))
             deferred += 1
-    return order + [Op("W", i, 0) for i in range(deferred, m)]                # the deferred W ops fill the tail
+    # the deferred W ops fill the tail
+    return order + [Op("W", i, 0) for i in range(deferred, m)]
 
 
 def _zbv(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
@@ -183,21 +189,27 @@ def _zbv(pp_rank: int, pp: int, vpp: int, m: int) -> list[Op]:
             order.append(Op(kind, count[kind, c], c))
             count[kind, c] += 1
 
-    for _ in range(2 * (pp - r) - 1):                                         # warmup: chunk 0 fills the V
+    # warmup: chunk 0 fills the V
+    for _ in range(2 * (pp - r) - 1):
         run(("F", 0))
-    for _ in range(r):                                                        # chunk 1's first forwards join
+    # chunk 1's first forwards join
+    for _ in range(r):
         run(("F", 1), ("F", 0))
     for _ in range(pp - r):                                                   # chunk 1 turns around
         run(("F", 1), ("B", 1), ("W", 1))
-    while count["F", 1] < count["F", 0] or count["F", 0] < n:                # steady: both chunks, F B W
+    # steady: both chunks, F B W
+    while count["F", 1] < count["F", 0] or count["F", 0] < n:
         if count["F", 0] < n:
             run(("F", 0))
         run(("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
-    for _ in range(r):                                                        # cooldown: backwards first,
+    # cooldown: backwards first,
+    for _ in range(r):
         run(("B", 0), ("B", 1))
-    for _ in range(pp - r):                                                   # their W ops in the gaps
+    # their W ops in the gaps
+    for _ in range(pp - r):
         run(("B", 0), ("W", 0))
-    run(*[("W", 1)] * (count["B", 1] - count["W", 1]), *[("W", 0)] * (count["B", 0] - count["W", 0]))
+    run(*[("W", 1)] * (count["B", 1] - count["W", 1]),
+        *[("W", 0)] * (count["B", 0] - count["W", 0]))
     return [op for op in order if op.micro < m]
 
 
@@ -209,7 +221,8 @@ def forward_only_order(pp: int, vpp: int, num_micro: int, v_shape: bool = False)
     if v_shape:
         return [Op("F", i, c) for c in range(vpp) for i in range(num_micro)]
     full = -(-num_micro // pp) * pp  # as in the training order: the missing micro-batches left out
-    return [op for op in (_interleaved_op("F", k, pp, vpp) for k in range(full * vpp)) if op.micro < num_micro]
+    return [op for op in (_interleaved_op("F", k, pp, vpp) for k in range(full * vpp))
+            if op.micro < num_micro]
 
 
 def has_weight_ops(orders: list[list[Op]]) -> bool:
@@ -228,9 +241,11 @@ def peak_in_flight(order: list[Op]) -> int:
     return peak
 
 
-def op_costs(orders: list[list[Op]], f_cost: float, b_cost: float, w_cost: float = 0.0) -> dict[str, float]:
+def op_costs(orders: list[list[Op]], f_cost: float, b_cost: float,
+             w_cost: float = 0.0) -> dict[str, float]:
     """Seconds (or units) of each op kind: ``b_cost`` is a chunk's whole backward and ``w_cost``
-    the weight-gradient part of it, which a W op runs where the orders have them (their B the rest)."""
+    the weight-gradient part of it, which a W op runs where the orders have them (their B the
+    rest)."""
     if has_weight_ops(orders):
         return {"F": f_cost, "B": b_cost - w_cost, "W": w_cost}
     return {"F": f_cost, "B": b_cost, "W": 0.0}
@@ -246,8 +261,8 @@ def _dependency(op: Op, g: int, chunks: int) -> tuple | None:
     return ("B", op.micro, g)
 
 
-def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float, w_cost: float = 0.0,
-           v_shape: bool = False) -> list[list[float]]:
+def replay(orders: list[list[Op]], pp: int, vpp: int, f_cost: float, b_cost: float,
+           w_cost: float = 0.0, v_shape: bool = False) -> list[list[float]]:
     """Start time of every op of every stage, each starting once its stage is free and its input
     exists; raises PipelineError if the orders deadlock."""
     place, cost = Placement(pp, vpp, v_shape), op_costs(orders, f_cost, b_cost, w_cost)
@@ -507,31 +522,36 @@ def input_transfer(op: Op, stage: int, pp: int, vpp: int, v_shape: bool = False)
     if op.kind == "F":
         return Transfer("act", op.micro, g, place.stage_of(g - 1), stage) if g > 0 else None
     if op.kind == "B":
-        return Transfer("grad", op.micro, g, place.stage_of(g + 1), stage) if g < place.chunks - 1 else None
+        return Transfer("grad", op.micro, g, place.stage_of(g + 1), stage) if g < place.chunks - 1 \
+            else None
     return None
 
 
-def output_transfer(op: Op, stage: int, pp: int, vpp: int, v_shape: bool = False) -> Transfer | None:
+def output_transfer(op: Op, stage: int, pp: int, vpp: int,
+                    v_shape: bool = False) -> Transfer | None:
     """What ``op`` on ``stage`` sends: a forward's output to the next chunk (none from the head),
     a backward's input gradient to the previous chunk (none from the embedding's chunk), nothing
     from a W."""
     place = Placement(pp, vpp, v_shape)
     g = place.global_chunk(stage, op.chunk)
     if op.kind == "F":
-        return Transfer("act", op.micro, g + 1, stage, place.stage_of(g + 1)) if g < place.chunks - 1 else None
+        return Transfer("act", op.micro, g + 1, stage, place.stage_of(g + 1)) \
+            if g < place.chunks - 1 else None
     if op.kind == "B":
         return Transfer("grad", op.micro, g - 1, stage, place.stage_of(g - 1)) if g > 0 else None
     return None
 
 
-def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int, v_shape: bool = False) -> list[list[Step]]:
+def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int,
+                    v_shape: bool = False) -> list[list[Step]]:
     """Every stage's steps: the round's batched sends and receives, then the op to compute.
 
     With unit costs each stage runs one op per slot, so a stage sends at most one tensor and
     receives at most one from each neighbour per round; a stage joins only the rounds it has a
     part in. Each op's input arrives in a round no later than its slot (asserted by the tests).
     A transfer from a stage to itself (V placement's turn) is no communication: it is left out."""
-    starts = replay(orders, pp, vpp, 1.0, 1.0 + has_weight_ops(orders), 1.0, v_shape)  # every op one slot
+    # every op one slot
+    starts = replay(orders, pp, vpp, 1.0, 1.0 + has_weight_ops(orders), 1.0, v_shape)
     slots = [{int(t): op for t, op in zip(starts[r], orders[r])} for r in range(pp)]
     rounds = 1 + max((max(s, default=-1) for s in slots), default=-1)
 
@@ -545,7 +565,8 @@ def transfer_rounds(orders: list[list[Op]], pp: int, vpp: int, v_shape: bool = F
         steps = []
         for t in range(rounds + 1):
             send = produced(r, t - 1)
-            recvs = tuple(x for x in (produced(src, t - 1) for src in sorted({(r - 1) % pp, (r + 1) % pp} - {r}))
+            recvs = tuple(x for x in (produced(src, t - 1)
+                                      for src in sorted({(r - 1) % pp, (r + 1) % pp} - {r}))
                           if x is not None and x.dst == r)
             op = slots[r].get(t)
             if send is not None or recvs or op is not None:
@@ -568,17 +589,21 @@ class P2P:
         # a round may involve only two stages, so make that first call here, on all of them.
         pp.all_reduce(torch.zeros(1, device=device))
 
-    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]], recvs: tuple[Transfer, ...]) -> dict:
-        """Post this stage's part of a round in one batch, wait for all of it, return what arrived."""
+    def exchange(self, sends: list[tuple[Transfer, torch.Tensor]],
+                 recvs: tuple[Transfer, ...]) -> dict:
+        """Post this stage's part of a round in one batch, wait for all of it, return what
+        arrived."""
         ops, arrived = [], {}
         for t, tensor in sends:
             tensor = tensor.detach().contiguous()
             self.pp._record("send", tensor)
-            ops.append(dist.P2POp(dist.isend, tensor, self.pp.ranks[t.dst], self.pp.pg, _TAGS[t.kind]))
+            ops.append(dist.P2POp(dist.isend, tensor, self.pp.ranks[t.dst], self.pp.pg,
+                                  _TAGS[t.kind]))
         for t in recvs:
             arrived[t] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             self.pp._record("recv", arrived[t])
-            ops.append(dist.P2POp(dist.irecv, arrived[t], self.pp.ranks[t.src], self.pp.pg, _TAGS[t.kind]))
+            ops.append(dist.P2POp(dist.irecv, arrived[t], self.pp.ranks[t.src], self.pp.pg,
+                                  _TAGS[t.kind]))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return arrived
@@ -591,13 +616,14 @@ class PipelineExecutor:
 
     ``forward_fn(chunk, micro, input)`` returns the chunk's output activation, or — on the chunk
     that holds the head — the scalar to backpropagate. ``input`` is None on the chunk holding the
-    embedding. ``grad_sync(last, split)`` wraps every backward and weight-gradient op (the data-parallel
-    overlap hook); ``last`` is true for each chunk's ops of the final micro-batch, ``split`` is
-    ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. A schedule whose
-    backward splits needs ``deferred`` (``parallel/tensor.py``'s :class:`DeferredGrads` of this
-    stage's chunks): a B runs inside ``deferred.capture((micro, chunk))``, which keeps its
-    linears' weight gradients back, and the W runs them, ``deferred.flush((micro, chunk))``. With
-    ``record`` set, ``trace`` keeps the ops of the latest run.
+    embedding. ``grad_sync(last, split)`` wraps every backward and weight-gradient op (the
+    data-parallel overlap hook); ``last`` is true for each chunk's ops of the final micro-batch,
+    ``split`` is ("B" | "W", (micro, chunk)) for the two halves of a split backward, else None. A
+    schedule whose backward splits needs ``deferred`` (``parallel/tensor.py``'s
+    :class:`DeferredGrads` of this stage's chunks): a B runs inside ``deferred.capture((micro,
+    chunk))``, which keeps its linears' weight gradients back, and the W runs them,
+    ``deferred.flush((micro, chunk))``. With ``record`` set, ``trace`` keeps the ops of the latest
+    run.
     """
     pp_rank: int
     pp: int
@@ -615,15 +641,19 @@ class PipelineExecutor:
         return self.schedule.v_shape
 
     def steps_for(self, orders: list[list[Op]]) -> list[Step]:
-        """This stage's steps for ``orders`` (one per stage), computed once per distinct schedule."""
+        """This stage's steps for ``orders`` (one per stage), computed once per distinct
+        schedule."""
         key = tuple(map(tuple, orders))
         if key not in self._rounds:
-            self._rounds[key] = transfer_rounds(orders, self.pp, self.vpp, self.v_shape)[self.pp_rank]
+            self._rounds[key] = transfer_rounds(orders, self.pp, self.vpp,
+                                                self.v_shape)[self.pp_rank]
         return self._rounds[key]
 
-    def run(self, orders: list[list[Op]], num_micro: int, forward_fn: Callable, backward: bool = True) -> None:
+    def run(self, orders: list[list[Op]], num_micro: int, forward_fn: Callable,
+            backward: bool = True) -> None:
         stage = self.pp_rank
-        saved: dict[tuple, tuple] = {}      # (micro, chunk) -> (input, output) kept for the backward
+        # (micro, chunk) -> (input, output) kept for the backward
+        saved: dict[tuple, tuple] = {}
         inbox: dict[Transfer, torch.Tensor] = {}
         outbox: dict[Transfer, torch.Tensor] = {}
         split = self.schedule.split_backward
@@ -666,7 +696,8 @@ class PipelineExecutor:
             else:
                 with self.grad_sync(last, ("W", key)):
                     self.deferred.flush(key)
-        assert not (inbox or outbox or saved), "pipeline step ended with transfers or activations left over"
+        assert not (inbox or outbox or saved), "pipeline step ended with transfers or " \
+                                               "activations left over"
 
 
 def _release(activation: torch.Tensor) -> None:

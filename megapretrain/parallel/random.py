@@ -24,7 +24,8 @@ import contextlib
 import torch
 
 TP_SEED_OFFSET = 2718
-CP_SEED_STRIDE = 1 << 20  # seeds of cp rank c start c × this further on (above any tp rank and pp offset)
+# seeds of cp rank c start c × this further on (above any tp rank and pp offset)
+CP_SEED_STRIDE = 1 << 20
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -41,7 +42,8 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
 class RNGTracker:
     """Named RNG states that can be swapped in for a region, on the device of the activations."""
 
-    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu", *, cp_rank: int = 0):
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu", *,
+                 cp_rank: int = 0):
         self.device = torch.device(device)
         self.states: dict[str, torch.Tensor] = {}
         self.add("tensor_parallel", seed + TP_SEED_OFFSET + tp_rank + CP_SEED_STRIDE * cp_rank)

@@ -45,11 +45,14 @@ ONES, ZEROS = Init("ones"), Init("zeros")
 class Sharding:
     """What a layer declares about one of its parameters."""
     tp_dim: int | None = None        # dimension split across tp ranks; None: replicated over tp
-    vocab_rows: int | None = None    # dim 0 is the vocabulary: this many real rows, padding after them
+    vocab_rows: int | None = None    # dim 0 is the vocabulary: this many real rows, padding after
+    #                                  them
     weight_decay: bool = True        # AdamW's decoupled decay applies (not to norm weights)
     partial_grad_over_tp: bool = False  # replicated, but each tp rank's grad covers part of the
-    #                                     sequence (sequence-parallel norms): grads are summed over tp
-    init: Init | None = None         # how the parameter starts (None: a module outside the model's layers)
+    #                                     sequence (sequence-parallel norms): grads are summed over
+    #                                     tp
+    init: Init | None = None         # how the parameter starts (None: a module outside the model's
+    #                                  layers)
     fp8_gather: bool = False         # an FP8 linear's weight with one scale per tensor: ZeRO-3 may
     #                                  all-gather it as FP8 (parallel/fp8.py)
 
@@ -57,7 +60,8 @@ class Sharding:
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter of one rank, as every module that handles parameters sees it."""
-    name: str                        # global, layout-invariant name, e.g. "layers.3.mlp.up_proj.weight"
+    name: str                        # global, layout-invariant name, e.g.
+    #                                  "layers.3.mlp.up_proj.weight"
     shape: tuple[int, ...]           # the global tensor (vocabulary unpadded)
     local_shape: tuple[int, ...]     # this rank's tensor (vocabulary padded for tp, split over tp)
     dtype: torch.dtype
@@ -67,11 +71,13 @@ class ParamSpec:
     partial_grad_over_tp: bool       # grads summed over tp before the dp reduction
     layer: int | None                # global decoder layer index; None: embedding, final norm, head
     tied: bool = False               # the embedding tied to the output layer, held by the first and
-    #                                  the last pipeline stage: grads summed over the embedding group
-    duplicate: bool = False          # this rank's copy of a tied embedding is the last stage's second
-    #                                  copy: not counted in the grad norm
-    uses: int = 1                    # backward passes adding to its gradient per micro-batch: 2 for an
-    #                                  embedding its stage's head (another chunk: V placement) shares
+    #                                  the last pipeline stage: grads summed over the embedding
+    #                                  group
+    duplicate: bool = False          # this rank's copy of a tied embedding is the last stage's
+    #                                  second copy: not counted in the grad norm
+    uses: int = 1                    # backward passes adding to its gradient per micro-batch: 2 for
+    #                                  an embedding its stage's head (another chunk: V placement)
+    #                                  shares
     init: Init | None = None         # how the parameter starts (its layer's declaration)
     fp8_gather: bool = False         # ZeRO-3 all-gathers it as FP8 and a scale (parallel/fp8.py)
 
@@ -86,7 +92,8 @@ class ParamSpec:
 
 
 def collect_specs(module: nn.Module, tp_size: int, *, prefix: str = "", layer: int | None = None,
-                  tied: bool = False, duplicate: bool = False, uses: int = 1) -> dict[str, ParamSpec]:
+                  tied: bool = False, duplicate: bool = False,
+                  uses: int = 1) -> dict[str, ParamSpec]:
     """Specs of every parameter under ``module`` from the shardings its layers declare
     (``param_shardings()``); ``tied`` / ``duplicate`` / ``uses`` apply to all of them."""
     specs = {}
@@ -95,8 +102,9 @@ def collect_specs(module: nn.Module, tp_size: int, *, prefix: str = "", layer: i
         if not own:
             continue
         if not hasattr(mod, "param_shardings"):
-            raise TypeError(f"{type(mod).__name__} at '{mod_name}' owns parameters {sorted(own)} but has no "
-                            "param_shardings() declaring how they are laid out (see parallel/specs.py)")
+            raise TypeError(f"{type(mod).__name__} at '{mod_name}' owns parameters {sorted(own)} "
+                            "but has no param_shardings() declaring how they are laid out (see "
+                            "parallel/specs.py)")
         shardings = mod.param_shardings()
         if set(shardings) != set(own):
             raise TypeError(f"{type(mod).__name__}.param_shardings() declares {sorted(shardings)}, "
@@ -108,17 +116,18 @@ def collect_specs(module: nn.Module, tp_size: int, *, prefix: str = "", layer: i
     return specs
 
 
-def make_spec(name: str, param: torch.Tensor, s: Sharding, tp_size: int, **model_facts) -> ParamSpec:
+def make_spec(name: str, param: torch.Tensor, s: Sharding, tp_size: int,
+              **model_facts) -> ParamSpec:
     """The spec of ``param`` (this rank's tensor) laid out as ``s`` says over ``tp_size`` ranks."""
     shape = list(param.shape)
     if s.tp_dim is not None:
         shape[s.tp_dim] *= tp_size
     if s.vocab_rows is not None:
         shape[0] = s.vocab_rows
-    return ParamSpec(name=name, shape=tuple(shape), local_shape=tuple(param.shape), dtype=param.dtype,
-                     tp_dim=s.tp_dim, vocab=s.vocab_rows is not None, weight_decay=s.weight_decay,
-                     partial_grad_over_tp=s.partial_grad_over_tp, init=s.init, fp8_gather=s.fp8_gather,
-                     **model_facts)
+    return ParamSpec(name=name, shape=tuple(shape), local_shape=tuple(param.shape),
+                     dtype=param.dtype, tp_dim=s.tp_dim, vocab=s.vocab_rows is not None,
+                     weight_decay=s.weight_decay, partial_grad_over_tp=s.partial_grad_over_tp,
+                     init=s.init, fp8_gather=s.fp8_gather, **model_facts)
 
 
 def plain_specs(named_params) -> dict[str, ParamSpec]:

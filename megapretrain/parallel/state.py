@@ -171,7 +171,8 @@ class Group:
             return tensor
         self._record("all_gather", tensor)
         tensor = tensor.contiguous()
-        wire = tensor.view(torch.uint8) if tensor.dtype in FLOAT8 else tensor  # gloo has no float8: send bytes
+        # gloo has no float8: send bytes
+        wire = tensor.view(torch.uint8) if tensor.dtype in FLOAT8 else tensor
         parts = [torch.empty_like(wire) for _ in range(self.size)]
         with self._blocking("all_gather"):
             dist.all_gather(parts, wire, group=self.pg)
@@ -189,7 +190,8 @@ class Group:
             dist.all_to_all_single(out, tensor, group=self.pg)
         return out
 
-    def shift_async(self, sends: list[torch.Tensor], tag: int = 0, into: list[torch.Tensor] | None = None):
+    def shift_async(self, sends: list[torch.Tensor], tag: int = 0,
+                    into: list[torch.Tensor] | None = None):
         """Start sending each of ``sends`` to the next rank of the group (rank + 1, around) and
         receiving tensors of the same shapes from the previous one (into ``into``, or new
         buffers): one step of a ring. Returns (the receive buffers, a handle whose ``wait()``
@@ -210,7 +212,8 @@ class Group:
         """Sum over ranks, then keep this rank's 1/size slice along ``dim``."""
         if self.size == 1:
             return tensor
-        if torch.compiler.is_compiling():  # inside a compiled layer: a functional collective, traced
+        # inside a compiled layer: a functional collective, traced
+        if torch.compiler.is_compiling():
             return funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, self.pg)
         chunks = tensor.chunk(self.size, dim=dim)
         flat = torch.cat([c.reshape(-1) for c in chunks])  # the ranks' slices, one after another
@@ -228,7 +231,8 @@ class Group:
         if self.size == 1:
             return None
         self._record("all_reduce", tensor)
-        return self._timed(dist.all_reduce(tensor, op=op, group=self.pg, async_op=True), "all_reduce")
+        return self._timed(dist.all_reduce(tensor, op=op, group=self.pg, async_op=True),
+                           "all_reduce")
 
     def reduce_scatter_async(self, output: torch.Tensor, tensor: torch.Tensor):
         """Start summing flat ``tensor`` over ranks into ``output``, this rank's 1/size slice of it
@@ -250,7 +254,8 @@ class Group:
                     raise
                 self._native_reduce_scatter = False  # older gloo: all-reduce, keep our slice
         work = dist.all_reduce(tensor, group=self.pg, async_op=True)
-        return self._timed(_CopyAfter(work, tensor.chunk(self.size)[self.rank], output), "reduce_scatter")
+        return self._timed(_CopyAfter(work, tensor.chunk(self.size)[self.rank], output),
+                           "reduce_scatter")
 
     def all_gather_async(self, output: torch.Tensor, shard: torch.Tensor):
         """Start gathering every rank's flat ``shard`` into ``output`` (rank order); ``shard`` may
@@ -262,7 +267,8 @@ class Group:
         self._record("all_gather", shard)
         if shard.dtype in FLOAT8:  # gloo has no float8 types: the same bytes as uint8
             output, shard = output.view(torch.uint8), shard.view(torch.uint8)
-        return self._timed(_all_gather_single(output, shard, group=self.pg, async_op=True), "all_gather")
+        return self._timed(_all_gather_single(output, shard, group=self.pg, async_op=True),
+                           "all_gather")
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's 1/size slice of ``tensor`` along ``dim`` (no communication)."""
@@ -287,7 +293,8 @@ def grid_groups(grid: np.ndarray) -> dict[str, list[np.ndarray]]:
     if cp > 1:  # the ranks holding the same parameters: dp-major, cp-minor
         groups["dp_cp"] = [grid[i, :, :, k].ravel() for i in P for k in T]
     groups["mp"] = [grid[:, j, c, :].ravel() for j in D for c in C]
-    groups["embedding"] = [np.unique([grid[0, j, c, k], grid[-1, j, c, k]]) for j in D for c in C for k in T]
+    groups["embedding"] = [np.unique([grid[0, j, c, k], grid[-1, j, c, k]]) for j in D for c in C
+                           for k in T]
     return groups
 
 
@@ -297,7 +304,8 @@ def shard_groups(grid: np.ndarray, n: int) -> dict[str, list[np.ndarray]]:
     pp, _, _, tp = grid.shape
     replicas = grid.transpose(0, 3, 1, 2).reshape(pp, tp, -1)  # [i, k]: the dp_cp group's ranks
     P, T, runs = range(pp), range(tp), replicas.shape[-1] // n
-    return {"dp_shard": [replicas[i, k, s * n:(s + 1) * n] for i in P for k in T for s in range(runs)],
+    return {"dp_shard": [replicas[i, k, s * n:(s + 1) * n] for i in P for k in T
+                         for s in range(runs)],
             "dp_replicas": [replicas[i, k, w::n] for i in P for k in T for w in range(n)]}
 
 
@@ -320,8 +328,8 @@ class ParallelState:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world_size % (tp * cp * pp):
-            raise ConfigError(f"parallel.tp={tp} × parallel.cp={cp} × parallel.pp={pp} must divide the world "
-                              f"size {self.world_size}")
+            raise ConfigError(f"parallel.tp={tp} × parallel.cp={cp} × parallel.pp={pp} must divide "
+                              f"the world size {self.world_size}")
         dp = self.world_size // (tp * cp * pp)
         n = zero_shard_size or dp * cp
         if (dp * cp) % n:
@@ -336,12 +344,15 @@ class ParallelState:
         self._make_shards(grid, zero_shard_size)
 
     @classmethod
-    def of(cls, layout: Layout, *, device: torch.device | str = "cpu", comm_stats: bool = False) -> ParallelState:
-        """The groups of ``layout`` (which must span the world); ``self.layout`` is then that layout."""
-        ps = cls(layout.tp, layout.pp, cp=layout.cp, device=device, comm_stats=comm_stats, zero_shard_size=layout.shard)
+    def of(cls, layout: Layout, *, device: torch.device | str = "cpu",
+           comm_stats: bool = False) -> ParallelState:
+        """The groups of ``layout`` (which must span the world); ``self.layout`` is then that
+        layout."""
+        ps = cls(layout.tp, layout.pp, cp=layout.cp, device=device, comm_stats=comm_stats,
+                 zero_shard_size=layout.shard)
         if ps.world_size != layout.world_size:
-            raise ConfigError(f"the layout {layout.describe()} needs {layout.world_size} ranks, the world has "
-                              f"{ps.world_size}")
+            raise ConfigError(f"the layout {layout.describe()} needs {layout.world_size} ranks, "
+                              f"the world has {ps.world_size}")
         ps.layout = layout
         return ps
 
@@ -383,10 +394,12 @@ class ParallelState:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp.size} "
-                f"cp {self.cp_rank}/{self.cp.size} dp {self.dp_rank}/{self.dp.size} pp {self.pp_rank}/{self.pp.size}")
+                f"cp {self.cp_rank}/{self.cp.size} dp {self.dp_rank}/{self.dp.size} pp "
+                f"{self.pp_rank}/{self.pp.size}")
 
 
-def init_distributed(backend: str = "auto", device_type: str = "cpu", timeout_s: float | None = None) -> None:
+def init_distributed(backend: str = "auto", device_type: str = "cpu",
+                     timeout_s: float | None = None) -> None:
     """Join the process group torchrun describes through its environment (no-op for one process).
     ``timeout_s``: a collective that never completes fails after this long instead of hanging."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -408,7 +421,8 @@ def _restart_store() -> dict:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     world_size = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"megapretrain/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": world_size}
+    return {"store": dist.PrefixStore(f"megapretrain/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": world_size}

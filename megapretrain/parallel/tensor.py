@@ -217,7 +217,8 @@ class SavedShards:
         weakref.finalize(full, self._live.pop, key, None)
 
     def hooks(self):
-        """Context for the model's forward: autograd's saved-tensor hooks that swap in the shards."""
+        """Context for the model's forward: autograd's saved-tensor hooks that swap in the
+        shards."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
@@ -267,7 +268,8 @@ class DeferredGrads:
             self._key = None
 
     def defer(self, weight: nn.Parameter, x: torch.Tensor, grad_out: torch.Tensor) -> bool:
-        """Queue d loss / d ``weight`` = ``grad_out``ᵀ ``x`` if a capture is open; False otherwise."""
+        """Queue d loss / d ``weight`` = ``grad_out``ᵀ ``x`` if a capture is open; False
+        otherwise."""
         return self.defer_call(weight, partial(_weight_grad, x, grad_out))
 
     def defer_call(self, weight: nn.Parameter, make: Callable) -> bool:
@@ -293,7 +295,8 @@ class DeferredGrads:
         queue = deque(self._queued.pop(key))
         sink = self.sink() if isinstance(self.sink, weakref.ref) else self.sink
         while queue:
-            weight, make = queue.popleft()  # the last reference to its operands: freed once it has run
+            # the last reference to its operands: freed once it has run
+            weight, make = queue.popleft()
             if sink is not None and sink.holds(weight):
                 main = sink.main_grad_for(weight)
                 grad = make(main)
@@ -310,7 +313,8 @@ class DeferredGrads:
                 weight.grad.add_(grad)
 
 
-def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, main: torch.Tensor | None) -> torch.Tensor:
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor,
+                 main: torch.Tensor | None) -> torch.Tensor:
     """A linear's weight gradient ``grad_out``ᵀ ``x`` in the operands' dtype, as autograd makes it
     (a wider ``main`` then adds it)."""
     return grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
@@ -332,7 +336,8 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1] and not ctx.deferred.defer(ctx.param, x, grad):
             grad_w = _weight_grad(x, grad, None)  # (out, in)
-        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) \
+            if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -388,15 +393,19 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.init_std, self.vocab_rows = tp, init_std, vocab_rows
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, dtype=dtype,
                                                device=device))
-        self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
-        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
+        # a zero-bubble schedule's W computes the weight gradient
+        self.deferred: DeferredGrads | None = None
+        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this
+        # side stream
         self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
-        self.fp8: LinearGEMMs | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        self.fp8: LinearGEMMs | None = None
 
     def param_shardings(self) -> dict[str, Sharding]:
         """Output rows split over tp; an output layer's rows are the (padded) vocabulary."""
-        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows, fp8_gather=fp8_gathered(self))}
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows,
+                                   fp8_gather=fp8_gathered(self))}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
@@ -420,29 +429,36 @@ class RowParallelLinear(nn.Module):
         self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, dtype=dtype,
                                                device=device))
-        self.deferred: DeferredGrads | None = None  # a zero-bubble schedule's W computes the weight gradient
-        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this side stream
+        # a zero-bubble schedule's W computes the weight gradient
+        self.deferred: DeferredGrads | None = None
+        # parallel.tp_comm_overlap: the sequence-parallel collective in GEMM chunks, sent on this
+        # side stream
         self.comm_overlap: RingStream | None = None
         self.bias: nn.Parameter | None = None
-        self.fp8: LinearGEMMs | None = None  # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        # its GEMMs in FP8 (model/fp8.py sets it), else F.linear
+        self.fp8: LinearGEMMs | None = None
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(tp_dim=1, fp8_gather=fp8_gathered(self))}  # input columns split over tp
+        # input columns split over tp
+        return {"weight": Sharding(tp_dim=1, fp8_gather=fp8_gathered(self))}
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ: the layer's GEMMs, bf16 (F.linear) or FP8 (``self.fp8``, parallel/fp8.py)."""
         return F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x) if self.fp8 is not None else linear(x, self.weight, None, self.deferred)  # (b, s, out)
-        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        # (b, s, out)
+        y = self.matmul(x) if self.fp8 is not None else linear(x, self.weight, None, self.deferred)
+        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel \
+            else reduce_from_tp(y, self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split across tp; each rank looks up the ids it owns."""
 
-    def __init__(self, padded_vocab: int, hidden: int, tp: Group, *, init_std: float, real_vocab: int,
-                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+    def __init__(self, padded_vocab: int, hidden: int, tp: Group, *, init_std: float,
+                 real_vocab: int, sequence_parallel: bool = False, dtype=torch.float32,
+                 device=None):
         super().__init__()
         self.tp, self.sequence_parallel, self.init_std = tp, sequence_parallel, init_std
         self.real_vocab = real_vocab
@@ -451,7 +467,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype, device=device))
 
     def param_shardings(self) -> dict[str, Sharding]:
-        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab)}  # vocabulary rows split over tp
+        # vocabulary rows split over tp
+        return {"weight": Sharding(tp_dim=0, vocab_rows=self.real_vocab)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -460,4 +477,5 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (b, s, h) partial: only owned ids
-        return reduce_scatter_to_sp(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
+        return reduce_scatter_to_sp(out, self.tp) if self.sequence_parallel \
+            else reduce_from_tp(out, self.tp)

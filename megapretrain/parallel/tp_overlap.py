@@ -53,7 +53,8 @@ class RingStream:
         self._side = None  # made at the first step, on the current device of the tensors' type
 
     def shift(self, tp: Group, sends: list[torch.Tensor]) -> tuple[list[torch.Tensor], _RingStep]:
-        """``tp.shift_async(sends)`` on the side stream: (the receive buffers, the step's handle)."""
+        """``tp.shift_async(sends)`` on the side stream: (the receive buffers, the step's
+        handle)."""
         device = sends[0].device
         module = torch.get_device_module(device)
         if self._side is None:
@@ -67,16 +68,19 @@ class RingStream:
 
 
 class _RingStep:
-    """One ring step in flight on the side stream, and the tensors it uses, kept until it is waited for."""
+    """One ring step in flight on the side stream, and the tensors it uses, kept until it is waited
+    for."""
 
     def __init__(self, work, module, current, side, keep: tuple):
-        self.work, self.module, self.current, self.side, self.keep = work, module, current, side, keep
+        self.work, self.module, self.current, self.side, self.keep = \
+            work, module, current, side, keep
 
     def wait(self) -> None:
         with self.module.stream(self.side):
             self.work.wait()  # NCCL: the side stream waits for the transfer; gloo: the host does
         self.current.wait_stream(self.side)
-        self.keep = None  # what the step used may be freed: later kernels on the current stream run after it
+        # what the step used may be freed: later kernels on the current stream run after it
+        self.keep = None
 
 
 def _rows(t: torch.Tensor, chunk: int, size: int) -> torch.Tensor:
@@ -85,8 +89,8 @@ def _rows(t: torch.Tensor, chunk: int, size: int) -> torch.Tensor:
 
 
 def _ring_gather(shard: torch.Tensor, tp: Group, stream: RingStream, each) -> None:
-    """Pass ``shard`` (b, s/tp, ...) around the tp ring; ``each(chunk, tensor)`` runs on every rank's
-    shard as it is held, while the next one travels (on ``stream``)."""
+    """Pass ``shard`` (b, s/tp, ...) around the tp ring; ``each(chunk, tensor)`` runs on every
+    rank's shard as it is held, while the next one travels (on ``stream``)."""
     cur = shard.contiguous()
     for k in range(tp.size):
         if k < tp.size - 1:
@@ -99,7 +103,8 @@ def _ring_gather(shard: torch.Tensor, tp: Group, stream: RingStream, each) -> No
 
 def _ring_reduce_scatter(partial, tp: Group, stream: RingStream) -> torch.Tensor:
     """Sum over tp of ``partial(chunk)`` (this rank's partial sums of sequence chunk ``chunk``) for
-    this rank's own chunk, each chunk's partial computed while the previous sums travel (on ``stream``)."""
+    this rank's own chunk, each chunk's partial computed while the previous sums travel (on
+    ``stream``)."""
     received, handle = None, None
     for k in range(tp.size):
         acc = partial((tp.rank - 1 - k) % tp.size)
@@ -137,8 +142,10 @@ class _GatherColumnLinears(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         need_w = [ctx.needs_input_grad[5 + i] for i in range(ctx.n)]
         defer = ctx.deferred is not None and ctx.deferred.capturing()
-        grad_w = [torch.zeros_like(w) if need and not defer else None for w, need in zip(weights, need_w)]
-        full = x.new_empty(x.shape[0], s_local * tp.size, x.shape[2]) if defer else None  # (b, s, h)
+        grad_w = [torch.zeros_like(w) if need and not defer else None for w,
+                  need in zip(weights, need_w)]
+        # (b, s, h)
+        full = x.new_empty(x.shape[0], s_local * tp.size, x.shape[2]) if defer else None
 
         def each(chunk, x_chunk):  # the weight gradients, one sequence chunk at a time
             if defer:
@@ -147,7 +154,9 @@ class _GatherColumnLinears(torch.autograd.Function):
             for gw, g in zip(grad_w, grads):
                 if gw is not None:
                     g_rows = _rows(g, chunk, s_local)
-                    gw.add_(g_rows.reshape(-1, g.shape[-1]).t().mm(x_chunk.reshape(-1, x.shape[-1])))  # (oᵢ/tp, h)
+                    # (oᵢ/tp, h)
+                    gw.add_(g_rows.reshape(-1,
+                                           g.shape[-1]).t().mm(x_chunk.reshape(-1, x.shape[-1])))
         _ring_gather(x, tp, ctx.stream, each)
         if defer:
             for w, g, need in zip(ctx.params, grads, need_w):
@@ -157,13 +166,15 @@ class _GatherColumnLinears(torch.autograd.Function):
         def partial(chunk):  # (b, s/tp, h) this rank's share of the input gradient of one chunk
             return sum(_rows(g, chunk, s_local).matmul(w) for g, w in zip(grads, weights))
         grad_x = _ring_reduce_scatter(partial, tp, ctx.stream) if need_x else None
-        grad_b = [g.reshape(-1, g.shape[-1]).sum(0) if has and ctx.needs_input_grad[5 + ctx.n + i] else None
+        grad_b = [g.reshape(-1, g.shape[-1]).sum(0) if has and ctx.needs_input_grad[5 + ctx.n + i]
+                  else None
                   for i, (g, has) in enumerate(zip(grads, ctx.has_bias))]
         return (grad_x, None, None, None, None, *grad_w, *grad_b)
 
 
 class _RowLinearReduceScatter(torch.autograd.Function):
-    """reduce-scatter over seq of (x @ Wᵀ), each chunk's GEMM under the previous chunk's transfer."""
+    """reduce-scatter over seq of (x @ Wᵀ), each chunk's GEMM under the previous chunk's
+    transfer."""
 
     @staticmethod
     def forward(ctx, x, weight, tp, stream, deferred):
@@ -181,13 +192,16 @@ class _RowLinearReduceScatter(torch.autograd.Function):
         defer = ctx.needs_input_grad[1] and ctx.deferred is not None and ctx.deferred.capturing()
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None  # (b, s, f/tp)
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] and not defer else None
-        full = grad.new_empty(grad.shape[0], s_local * tp.size, grad.shape[2]) if defer else None  # (b, s, h)
+        # (b, s, h)
+        full = grad.new_empty(grad.shape[0], s_local * tp.size, grad.shape[2]) if defer else None
 
         def each(chunk, g):  # the output gradient of one sequence chunk, gathered
             if grad_x is not None:
                 _rows(grad_x, chunk, s_local).copy_(g.matmul(weight))
             if grad_w is not None:
-                grad_w.add_(g.reshape(-1, g.shape[-1]).t().mm(_rows(x, chunk, s_local).reshape(-1, x.shape[-1])))
+                grad_w.add_(g.reshape(-1,
+                                      g.shape[-1]).t().mm(_rows(x, chunk,
+                                                                s_local).reshape(-1, x.shape[-1])))
             if full is not None:
                 _rows(full, chunk, s_local).copy_(g)
         _ring_gather(grad, tp, ctx.stream, each)
@@ -203,7 +217,8 @@ def gather_column_linears(x: torch.Tensor, linears: list, tp: Group, stream: Rin
     steps on ``stream``): a list of (b, s, outᵢ/tp)."""
     weights = [m.weight for m in linears]
     biases = [m.bias for m in linears]
-    return list(_GatherColumnLinears.apply(x, tp, stream, deferred, len(weights), *weights, *biases))
+    return list(_GatherColumnLinears.apply(x, tp, stream, deferred, len(weights), *weights,
+                                           *biases))
 
 
 def row_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, tp: Group, stream: RingStream,

@@ -8,7 +8,8 @@ released again; its gradients are reduce-scattered into the shard as soon as its
 
     forward of layer i     wait gather(i) · start gather(i+1) (prefetch) · compute · free(i)
                            (the last layer is kept for its backward when that comes next)
-    backward of layer i    wait gather(i) · start gather(i-1) · compute · reduce-scatter(i) · free(i)
+    backward of layer i    wait gather(i) · start gather(i-1) · compute · reduce-scatter(i) ·
+                           free(i)
 
 The backward gather is started by a hook on the layer's output, which fires when the gradient
 w.r.t. that output exists — just before the layer's own backward. Full recomputation re-runs the
@@ -53,9 +54,11 @@ class ShardedUnits:
     """Gathers and frees the units of ``chunks`` (whose parameters ``buffers`` holds, with
     ``zero=3``) through module hooks. ``trace``: record (time, event, unit) for tests."""
 
-    def __init__(self, buffers: DataParallelBuffers, chunks: list[nn.Module], *, keep_gathered: bool = False,
-                 prefetch: bool = True, keep_last: bool = False, trace: bool = False):
-        self.buffers, self.keep, self.prefetch, self.keep_last = buffers, keep_gathered, prefetch, keep_last
+    def __init__(self, buffers: DataParallelBuffers, chunks: list[nn.Module], *,
+                 keep_gathered: bool = False, prefetch: bool = True, keep_last: bool = False,
+                 trace: bool = False):
+        self.buffers, self.keep, self.prefetch, self.keep_last = \
+            buffers, keep_gathered, prefetch, keep_last
         self.events: list[tuple[float, str, str]] | None = [] if trace else None
         self.units: list[Unit] = []
         self._unit_of: dict[int, Unit] = {}  # bucket index -> unit
@@ -67,12 +70,14 @@ class ShardedUnits:
         buffers.after_split_backward = self._after_split_backward
 
     def _buckets(self, params) -> list[Bucket]:
-        return list(dict.fromkeys(self.buffers._bucket_of[id(p)] for p in params if id(p) in self.buffers._bucket_of))
+        return list(dict.fromkeys(self.buffers._bucket_of[id(p)] for p in params
+                                  if id(p) in self.buffers._bucket_of))
 
     def _hook_chunk(self, c: int, chunk: nn.Module) -> None:
         layers = dict(chunk.layers.items()) if hasattr(chunk, "layers") else {}
         in_layers = {id(p) for layer in layers.values() for p in layer.parameters()}
-        root = Unit(f"chunk{c}.root", self._buckets(p for p in chunk.parameters() if id(p) not in in_layers), True)
+        root = Unit(f"chunk{c}.root",
+                    self._buckets(p for p in chunk.parameters() if id(p) not in in_layers), True)
         previous = None
         for name, layer in layers.items():
             unit = Unit(f"layers.{name}", self._buckets(layer.parameters()), False)

@@ -28,6 +28,6 @@ from .model import (
     state_bytes_per_param,
 )
 
-__all__ = ["ATTENTION", "GIB", "Estimate", "Layout", "activation_bytes_per_token", "context_gather_bytes",
-           "context_sizes", "estimate", "estimate_run", "gemm_s", "layer_params", "layouts", "search", "split_layers",
-           "state_bytes_per_param"]
+__all__ = ["ATTENTION", "GIB", "Estimate", "Layout", "activation_bytes_per_token",
+           "context_gather_bytes", "context_sizes", "estimate", "estimate_run", "gemm_s",
+           "layer_params", "layouts", "search", "split_layers", "state_bytes_per_param"]

@@ -8,13 +8,16 @@ bytes) for one decoder layer and one micro-batch on one rank.
 Context parallelism (per layer and micro-batch; ``kv`` = this tp rank's kv heads, ``b·s`` the
 micro-batch's tokens, bf16 values):
 
-==========  ======================================  =================================  ==============
-cp_comm     forward traffic                         backward traffic                   K/V kept
-==========  ======================================  =================================  ==============
-allgather   all-gather of K, V: 2·b·s·kv·d          reduce-scatter of their grads      all s positions
-ring        cp − 1 blocks of 2·b·(s/cp)·kv·d        cp − 1 blocks + cp fp32 grad blocks own s/cp
-a2a         all-to-all of q, k, v + one of the out  the same two, reversed             own share
-==========  ======================================  =================================  ==============
+==========  ======================================  =================================
+============== cp_comm     forward traffic                         backward traffic
+K/V kept
+==========  ======================================  =================================
+============== allgather   all-gather of K, V: 2·b·s·kv·d          reduce-scatter of their grads
+all s positions ring        cp − 1 blocks of 2·b·(s/cp)·kv·d        cp − 1 blocks + cp fp32 grad
+blocks own s/cp a2a         all-to-all of q, k, v + one of the out  the same two, reversed
+own share
+==========  ======================================  =================================
+==============
 
 The all-gather and the all-to-alls sit on the critical path; the ring's exchanges run under the
 previous block's attention, so only what a step's transfer takes beyond its block's attention
@@ -48,7 +51,8 @@ def context_traffic_bytes(model: ModelArgs, layout: Layout, seq: int) -> tuple[f
     if layout.cp_comm == "a2a":
         heads, kv = model.num_heads // layout.tp, model.num_kv_heads // layout.tp
         tokens = layout.micro_batch * seq // cp
-        qkv, out = tokens * (heads + 2 * kv) * model.head_dim * BF16, tokens * heads * model.head_dim * BF16
+        qkv, out = tokens * (
+            heads + 2 * kv) * model.head_dim * BF16, tokens * heads * model.head_dim * BF16
         moved = (qkv + out) * (cp - 1) / cp  # a rank keeps 1/cp of what it all-to-alls
         return moved, moved
     gathered = (cp - 1) * block  # an all-gather's ring sends every other rank's block on
@@ -84,7 +88,8 @@ def context_comm_s(model: ModelArgs, layout: Layout, seq: int, attn_f: float, at
         hop, grad_hop = block / bw + latency, 2 * block / bw + latency
         step_f, step_b = attn_f / cp, attn_b / cp  # a block's share of the attention
         forward = (cp - 1) * max(0.0, hop - step_f)
-        backward = (cp - 1) * max(0.0, hop + grad_hop - step_b) + grad_hop  # the last hop home shows
+        # the last hop home shows
+        backward = (cp - 1) * max(0.0, hop + grad_hop - step_b) + grad_hop
         return forward, backward
     forward, backward = context_traffic_bytes(model, layout, seq)
     collectives = 2 if layout.cp_comm == "a2a" else 1

@@ -34,8 +34,9 @@ def _open_new(path: str, overwrite: bool):
 def layout_config(plan: dict, s: dict) -> dict:
     """The config with the plan's layout (and token budget) as a plain dict."""
     tree, L = to_dict(plan["cfg"]), s["layout"]
-    tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"], recompute=L["recompute"],
-                            sequence_parallel=L["sequence_parallel"], pipeline_layers=L["pipeline_layers"],
+    tree["parallel"].update(tp=L["tp"], cp=L["cp"], pp=L["pp"], vpp=L["vpp"], zero=L["zero"],
+                            recompute=L["recompute"], sequence_parallel=L["sequence_parallel"],
+                            pipeline_layers=L["pipeline_layers"],
                             zero_shard_size=L["zero_shard_size"], cp_comm=L["cp_comm"],
                             tp_comm_overlap=L["tp_comm_overlap"], pp_schedule=L["pp_schedule"])
     tree["train"]["micro_batch_size"] = L["micro_batch_size"]
@@ -47,8 +48,9 @@ def layout_config(plan: dict, s: dict) -> dict:
 
 
 def layout_line(cfg, gpus: int, gpus_per_node: int = 8, device: str = "H100") -> str:
-    """The layout of ``cfg`` on ``gpus`` GPUs in words, as the shipped configs' first line states it:
-    ``layout for 512 GPUs (64 nodes × 8 H100): tp 4 (sp) × pp 4 (vpp 5) × dp 32, zero 2, ...``."""
+    """The layout of ``cfg`` on ``gpus`` GPUs in words, as the shipped configs' first line states
+    it: ``layout for 512 GPUs (64 nodes × 8 H100): tp 4 (sp) × pp 4 (vpp 5) × dp 32, zero 2,
+    ...``."""
     p, t = cfg.parallel, cfg.train
     dp = gpus // (p.tp * p.cp * p.pp)
     nodes = math.ceil(gpus / gpus_per_node)
@@ -56,16 +58,17 @@ def layout_line(cfg, gpus: int, gpus_per_node: int = 8, device: str = "H100") ->
     parts += [f"cp {p.cp}"] if p.cp > 1 else []
     parts += [f"pp {p.pp}" + (f" (vpp {p.vpp})" if p.vpp > 1 else ""), f"dp {dp}"]
     return (f"layout for {gpus} GPUs ({nodes} node{'s' * (nodes > 1)} × {gpus_per_node} {device}): "
-            f"{' × '.join(parts)}, zero {p.zero}, recompute {p.recompute}, micro-batch {t.micro_batch_size}")
+            f"{' × '.join(parts)}, zero {p.zero}, recompute {p.recompute}, micro-batch "
+            f"{t.micro_batch_size}")
 
 
 def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
     tree = layout_config(plan, s)
     L = s["layout"]
     with _open_new(path, overwrite) as fh:
-        fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} nodes), "
-                 f"tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp {L['vpp']}); "
-                 f"estimated {s['step_s']:.2f} s/step, "
+        fh.write(f"# Written by tools/plan.py from {s['config']}: {s['gpus']} GPUs ({s['nodes']} "
+                 f"nodes), tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × dp {L['dp']} (vpp "
+                 f"{L['vpp']}); estimated {s['step_s']:.2f} s/step, "
                  f"MFU {s['mfu']:.1%}, {human_duration(s['days'] * 86400)}\n")
         yaml.safe_dump(tree, fh, sort_keys=False)
 
@@ -74,8 +77,10 @@ def write_launch(path: str, s: dict, config: str, flags: str, overwrite: bool) -
     name = os.path.splitext(os.path.basename(path))[0]
     per_node = s["gpus"] // s["nodes"]
     script = f"""#!/usr/bin/env bash
-# Written by tools/plan.py: {s['gpus']} GPUs = {s['nodes']} nodes × {per_node}, {s['layout']['flags']}
-# Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps, {s['days']:.1f} days.
+# Written by tools/plan.py: {s['gpus']} GPUs = {s['nodes']} nodes × {per_node}
+# Layout: {s['layout']['flags']}
+# Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps,
+# {s['days']:.1f} days.
 # SLURM:   sbatch {path}
 # By hand: NNODES={s['nodes']} NODE_RANK=<i> MASTER_ADDR=<node 0> bash {path}   (on every node)
 # Check first: bash {path} --dry-run
@@ -86,9 +91,11 @@ def write_launch(path: str, s: dict, config: str, flags: str, overwrite: bool) -
 #SBATCH --exclusive
 set -euo pipefail
 ROOT={shlex.quote(ROOT)}
-[ -f "$ROOT/run_scripts/launch.sh" ] || ROOT="${{SLURM_SUBMIT_DIR:?submit from the repository root}}"
+[ -f "$ROOT/run_scripts/launch.sh" ] \\
+  || ROOT="${{SLURM_SUBMIT_DIR:?submit from the repository root}}"
 export DEFAULT_NNODES={s['nodes']} DEFAULT_NPROC_PER_NODE={per_node}
-exec bash "$ROOT/run_scripts/launch.sh" {shlex.quote(os.path.abspath(config))}{" " + flags if flags else ""} "$@"
+exec bash "$ROOT/run_scripts/launch.sh" \\
+  {shlex.quote(os.path.abspath(config))}{" " + flags if flags else ""} "$@"
 """
     with _open_new(path, overwrite) as fh:
         fh.write(script)
@@ -98,33 +105,40 @@ exec bash "$ROOT/run_scripts/launch.sh" {shlex.quote(os.path.abspath(config))}{"
 def _no_hybrid(L: dict, target: str) -> None:
     """DeepSpeed shards over all data-parallel ranks: hybrid sharding has no equivalent there."""
     if L["zero_shard_size"]:
-        raise ConfigError(f"parallel.zero_shard_size={L['zero_shard_size']}: {target} has no hybrid sharding (shard "
-                          "inside groups, replicate across them); emit with --parallel.zero_shard_size null, or use "
-                          "--accelerate-plugin fsdp (HYBRID_SHARD)")
+        raise ConfigError(f"parallel.zero_shard_size={L['zero_shard_size']}: {target} has no "
+                          "hybrid sharding (shard inside groups, replicate across them); emit with "
+                          "--parallel.zero_shard_size null, or use --accelerate-plugin fsdp "
+                          "(HYBRID_SHARD)")
 
 
 def _no_rampup(t, target: str) -> None:
     """A batch-size ramp-up has no equivalent where the batch (or the accumulation) is fixed."""
     if t.rampup_batch_size:
-        raise ConfigError(f"train.rampup_batch_size={t.rampup_batch_size}: {target} has no batch-size ramp-up (its "
-                          f"batch is fixed from the first step); emit with --train.rampup_batch_size null to train at "
-                          f"the full {t.global_batch_size} samples from step 1, or ramp up in the training script")
+        raise ConfigError(f"train.rampup_batch_size={t.rampup_batch_size}: {target} has no "
+                          "batch-size ramp-up (its batch is fixed from the first step); emit with "
+                          "--train.rampup_batch_size null to train at the full "
+                          f"{t.global_batch_size} samples from step 1, or ramp up in the training "
+                          "script")
 
 
 def deepspeed_config(plan: dict, s: dict) -> dict:
-    """The recipe as a DeepSpeed config: the same batch, precision, ZeRO stage, optimizer, schedule."""
+    """The recipe as a DeepSpeed config: the same batch, precision, ZeRO stage, optimizer,
+    schedule."""
     cfg, L = plan["cfg"], s["layout"]
     o, sch, t = cfg.optim, cfg.schedule, cfg.train
     _no_rampup(t, "DeepSpeed's config")
     accum = t.global_batch_size // (L["micro_batch_size"] * L["dp"])
-    ds = {"train_batch_size": t.global_batch_size, "train_micro_batch_size_per_gpu": L["micro_batch_size"],
+    ds = {"train_batch_size": t.global_batch_size,
+          "train_micro_batch_size_per_gpu": L["micro_batch_size"],
           "gradient_accumulation_steps": accum, "gradient_clipping": o.clip_grad,
           "steps_per_print": cfg.logging.interval, "wall_clock_breakdown": False}
     if t.precision == "bf16":
         ds["bf16"] = {"enabled": True}
     elif t.precision == "fp16":
-        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": int(math.log2(o.initial_loss_scale)),
-                      "loss_scale_window": o.loss_scale_window, "min_loss_scale": o.min_loss_scale, "hysteresis": 2}
+        ds["fp16"] = {"enabled": True, "loss_scale": 0,
+                      "initial_scale_power": int(math.log2(o.initial_loss_scale)),
+                      "loss_scale_window": o.loss_scale_window, "min_loss_scale": o.min_loss_scale,
+                      "hysteresis": 2}
     zero = {"stage": L["zero"], "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": int(cfg.parallel.bucket_size_mb * 2**20)}
     _no_hybrid(L, "DeepSpeed")
@@ -139,16 +153,18 @@ def deepspeed_config(plan: dict, s: dict) -> dict:
             "total_num_steps": total, "warmup_num_steps": sch.warmup_iters, "warmup_min_ratio": 0.0,
             "cos_min_ratio": o.min_lr / o.lr, "warmup_type": "linear"}}
     elif sch.decay == "constant":
-        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
-                                                          "warmup_num_steps": sch.warmup_iters,
-                                                          "warmup_type": "linear"}}
+        ds["scheduler"] = {"type": "WarmupLR",
+                           "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                                      "warmup_num_steps": sch.warmup_iters,
+                                      "warmup_type": "linear"}}
     elif sch.decay == "linear" and o.min_lr == 0:
         ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
             "total_num_steps": total, "warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
             "warmup_num_steps": sch.warmup_iters, "warmup_type": "linear"}}
     else:
-        raise ConfigError(f"schedule.decay={sch.decay} with optim.min_lr={o.min_lr} has no DeepSpeed scheduler; "
-                          "use schedule.decay cosine or constant (or linear with optim.min_lr 0) for --emit deepspeed")
+        raise ConfigError(f"schedule.decay={sch.decay} with optim.min_lr={o.min_lr} has no "
+                          "DeepSpeed scheduler; use schedule.decay cosine or constant (or linear "
+                          "with optim.min_lr 0) for --emit deepspeed")
     if L["tp"] > 1:
         ds["tensor_parallel"] = {"autotp_size": L["tp"]}
     if L["pp"] > 1:
@@ -156,7 +172,8 @@ def deepspeed_config(plan: dict, s: dict) -> dict:
                           "activation_checkpoint_interval": 1 if L["recompute"] == "full" else 0}
     if L["recompute"] != "none":
         ds["activation_checkpointing"] = {"partition_activations": L["sequence_parallel"],
-                                          "contiguous_memory_optimization": False, "cpu_checkpointing": False}
+                                          "contiguous_memory_optimization": False,
+                                          "cpu_checkpointing": False}
     return ds
 
 
@@ -167,7 +184,8 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
            "mixed_precision": {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no"),
            "num_machines": s["nodes"], "num_processes": s["gpus"], "machine_rank": 0,
            "main_process_ip": "127.0.0.1", "main_process_port": 29500, "rdzv_backend": "static",
-           "same_network": True, "main_training_function": "main", "use_cpu": False, "downcast_bf16": False}
+           "same_network": True, "main_training_function": "main", "use_cpu": False,
+           "downcast_bf16": False}
     if plugin == "deepspeed":
         _no_hybrid(L, "Accelerate's DeepSpeed plugin")
         _no_rampup(cfg.train, "Accelerate's DeepSpeed plugin (a fixed gradient_accumulation_steps)")
@@ -176,29 +194,35 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
         # zero 3: each process builds only its shard (deepspeed.zero.Init), never the whole model
         acc["deepspeed_config"] = {"zero_stage": L["zero"], "gradient_accumulation_steps": accum,
                                    "gradient_clipping": cfg.optim.clip_grad,
-                                   "offload_optimizer_device": "cpu" if cfg.optim.offload else "none",
-                                   "offload_param_device": "none", "zero3_init_flag": L["zero"] == 3}
-    else:  # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less), 3 to FULL_SHARD
+                                   "offload_optimizer_device": "cpu" if cfg.optim.offload
+                                   else "none", "offload_param_device": "none",
+                                   "zero3_init_flag": L["zero"] == 3}
+    # FSDP has no ZeRO-1: ZeRO 1 and 2 map to SHARD_GRAD_OP (2's memory or less), 3 to FULL_SHARD
+    else:
         acc["distributed_type"] = "FSDP"
         hybrid = "HYBRID_SHARD" if L["zero"] == 3 else "HYBRID_SHARD_ZERO2"  # shard inside a node
-        strategy = "NO_SHARD" if L["zero"] == 0 else "FULL_SHARD" if L["zero"] == 3 else "SHARD_GRAD_OP"
-        acc["fsdp_config"] = {"fsdp_sharding_strategy": hybrid if L["zero_shard_size"] and L["zero"] else strategy,
-                              "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        strategy = "NO_SHARD" if L["zero"] == 0 else "FULL_SHARD" if L["zero"] == 3 \
+            else "SHARD_GRAD_OP"
+        acc["fsdp_config"] = {"fsdp_sharding_strategy": hybrid if L["zero_shard_size"] and L["zero"]
+                              else strategy, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                               "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-                              "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                              "fsdp_offload_params": bool(cfg.optim.offload), "fsdp_use_orig_params": True,
-                              "fsdp_sync_module_states": True, "fsdp_cpu_ram_efficient_loading": True,
+                              "fsdp_backward_prefetch": "BACKWARD_PRE",
+                              "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                              "fsdp_offload_params": bool(cfg.optim.offload),
+                              "fsdp_use_orig_params": True, "fsdp_sync_module_states": True,
+                              "fsdp_cpu_ram_efficient_loading": True,
                               "fsdp_activation_checkpointing": L["recompute"] != "none"}
     return acc
 
 
 def render(fmt: str, path: str, plan: dict, s: dict, args) -> tuple[str, str]:
-    """(the file's text, a note for the user) of ``--emit fmt path``; a recipe the format cannot hold
-    is refused here, before any file is written."""
+    """(the file's text, a note for the user) of ``--emit fmt path``; a recipe the format cannot
+    hold is refused here, before any file is written."""
     if fmt == "deepspeed":
         return json.dumps(deepspeed_config(plan, s), indent=2) + "\n", ""
     acc = accelerate_config(plan, s, args.accelerate_plugin)
-    return yaml.safe_dump(acc, sort_keys=False), accelerate_note(path, plan, s, args.accelerate_plugin)
+    return yaml.safe_dump(acc, sort_keys=False), accelerate_note(path, plan, s,
+                                                                 args.accelerate_plugin)
 
 
 def write_text(path: str, text: str, overwrite: bool) -> None:
@@ -211,14 +235,16 @@ def accelerate_note(path: str, plan: dict, s: dict, plugin: str) -> str:
     schedule, the batch (and its ramp-up), and tensor or pipeline parallelism."""
     cfg, L = plan["cfg"], s["layout"]
     o, sch, t = cfg.optim, cfg.schedule, cfg.train
-    batch = f"micro-batch {L['micro_batch_size']} per GPU, global batch {t.global_batch_size} samples"
+    batch = f"micro-batch {L['micro_batch_size']} per GPU, global batch {t.global_batch_size} " \
+            "samples"
     if t.rampup_batch_size:
         batch += f" ramped up as train.rampup_batch_size={t.rampup_batch_size}"
-    lines = [f"note: {path} holds the launch, precision and sharding; set in the training script: AdamW lr {o.lr:g} "
-             f"betas {list(o.betas)} eps {o.eps:g} weight decay {o.weight_decay:g}; warmup {sch.warmup_iters} steps "
-             f"then {sch.decay} to {o.min_lr:g} at step {sch.decay_iters or plan['steps']}; {batch}"
+    lines = [f"note: {path} holds the launch, precision and sharding; set in the training script: "
+             f"AdamW lr {o.lr:g} betas {list(o.betas)} eps {o.eps:g} weight decay "
+             f"{o.weight_decay:g}; warmup {sch.warmup_iters} steps then {sch.decay} to "
+             f"{o.min_lr:g} at step {sch.decay_iters or plan['steps']}; {batch}"
              + (f"; clip the grad norm to {o.clip_grad:g}" if plugin == "fsdp" else "")]
     if L["tp"] * L["pp"] > 1:
-        lines.append(f"note: Accelerate's {plugin} plugin has no tensor or pipeline parallelism; set them up in "
-                     f"the model code (tp {L['tp']}, pp {L['pp']})")
+        lines.append(f"note: Accelerate's {plugin} plugin has no tensor or pipeline parallelism; "
+                     f"set them up in the model code (tp {L['tp']}, pp {L['pp']})")
     return "\n".join(lines)

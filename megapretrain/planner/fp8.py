@@ -55,14 +55,15 @@ def _linears(args: ModelArgs, tp: int) -> list[tuple[int, int, int]]:
     n, kv = args.num_heads // tp, args.num_kv_heads // tp
     mlp_in = 1 if args.mlp == "gelu" else 2
     fused = layer_spec(args).fused_qkv  # one q/k/v linear reading the input once
-    return [((n + 2 * kv) * d, h, 1 if fused else 3), (h, n * d, 1), (mlp_in * f // tp, h, mlp_in), (h, f // tp, 1)]
+    return [((n + 2 * kv) * d, h, 1 if fused else 3), (h, n * d, 1), (mlp_in * f // tp, h, mlp_in),
+            (h, f // tp, 1)]
 
 
 def check_fp8_peak(device: Device, recipe: str) -> None:
     """A device of the table without FP8 tensor cores cannot plan ``recipe``: one line."""
     if recipe != "none" and device.fp8_tflops <= 0:
-        raise ConfigError(f"model.fp8={recipe}: the {device.name} has no FP8 tensor cores (set --model.fp8 none, "
-                          "or plan for H100/H200/B200/L40S/L4)")
+        raise ConfigError(f"model.fp8={recipe}: the {device.name} has no FP8 tensor cores (set "
+                          "--model.fp8 none, or plan for H100/H200/B200/L40S/L4)")
 
 
 def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int, tp: int, cp: int,
@@ -75,8 +76,8 @@ def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int
     if unfit or micro * seq // cp % GEMM_MULTIPLE:
         sizes = ", ".join(f"{name} {out}×{inp}" for name, (out, inp) in unfit.items()) or \
             f"{micro * seq // cp} tokens a micro-batch"
-        raise ConfigError(f"model.fp8={recipe} at tp {tp}, cp {cp}: {sizes} on a rank, not multiples of "
-                          f"{GEMM_MULTIPLE} (FP8 GEMMs' rule)")
+        raise ConfigError(f"model.fp8={recipe} at tp {tp}, cp {cp}: {sizes} on a rank, not "
+                          f"multiples of {GEMM_MULTIPLE} (FP8 GEMMs' rule)")
     # gemm_s counts 2 bytes an operand element: twice the bandwidth stands for FP8's 1
     fp8_device = replace(device, peak_tflops=device.fp8_tflops, hbm_gbs=device.hbm_gbs * 2)
     tokens = micro * seq // cp
@@ -85,7 +86,8 @@ def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int
     for i, (out, inp, readers) in enumerate(_linears(args, tp)):
         matmul_f += gemm_s(fp8_device, tokens, out, inp)
         matmul_b += gemm_s(fp8_device, tokens, inp, out) + gemm_s(fp8_device, out, inp, tokens)
-        column = i in (0, 2)  # q/k/v and gate/up: under SP their input is cast once, as a shard, and gathered
+        # q/k/v and gate/up: under SP their input is cast once, as a shard, and gathered
+        column = i in (0, 2)
         x = tokens * inp / tp if column and sp else readers * tokens * inp
         w, g = out * inp, tokens * out
         cast_f += (x + w) * CAST_BYTES
@@ -98,16 +100,18 @@ def fp8_delta(args: ModelArgs, device: Device, recipe: str, micro: int, seq: int
     # six, the two re-gathers (tensorwise: FP8, rowwise: bf16, as the weight gradient needs x)
     tp_f = 1.0 - 0.5 * 2 / 4 if sp else 1.0
     tp_b = 1.0 - (0.0 if rowwise else 0.5 * 2 / 6) if sp else 1.0
-    saved = 2.0 * args.hidden_size / tp if sp and not rowwise else 0.0  # two inputs: 2 → 1 byte each
+    # two inputs: 2 → 1 byte each
+    saved = 2.0 * args.hidden_size / tp if sp and not rowwise else 0.0
     split = sum(out * inp for out, inp, _ in _linears(args, tp))
-    layer = split + 4 * args.hidden_size  # the layer's parameters on a tp rank (norms: a rounding error)
+    # the layer's parameters on a tp rank (norms: a rounding error)
+    layer = split + 4 * args.hidden_size
     gathered = 1.0 - (0.0 if rowwise else 0.5 * split / layer)
-    return FP8Delta(matmul_f, matmul_b, memory_s(device, cast_f, 14), memory_s(device, cast_b, 24), tp_f, tp_b,
-                    transient, saved, gathered)
+    return FP8Delta(matmul_f, matmul_b, memory_s(device, cast_f, 14), memory_s(device, cast_b, 24),
+                    tp_f, tp_b, transient, saved, gathered)
 
 
-def fp8_memory(delta: FP8Delta, memory: dict, *, tokens: int, in_flight: int, per_chunk: int, zero: int,
-               gathered_bytes: float) -> dict:
+def fp8_memory(delta: FP8Delta, memory: dict, *, tokens: int, in_flight: int, per_chunk: int,
+               zero: int, gathered_bytes: float) -> dict:
     """The bf16 estimate's ``memory`` with FP8's copies (see the module docstring): ``tokens`` of
     a micro-batch on a rank, ``in_flight`` micro-batch chunks of ``per_chunk`` layers each holding
     activations, ``gathered_bytes`` of layers ZeRO-3 holds gathered at once."""
@@ -115,7 +119,8 @@ def fp8_memory(delta: FP8Delta, memory: dict, *, tokens: int, in_flight: int, pe
     change = delta.transient_bytes - in_flight * per_chunk * tokens * delta.saved_bytes_per_token
     out["activations"] += change
     if zero == 3:  # never more than the estimate holds gathered
-        saved = min(gathered_bytes, memory["parts"]["zero3_gathered"]) * (1.0 - delta.gathered_fraction)
+        saved = min(gathered_bytes,
+                    memory["parts"]["zero3_gathered"]) * (1.0 - delta.gathered_fraction)
         out["params"] -= saved
         out["state"] -= saved
         change -= saved

@@ -30,8 +30,8 @@ from ..parallel.layout import Layout
 from ..parallel.pipeline import Placement, Schedule, layout_schedule, resolve_schedule
 from .pipeline import deferred_bytes_per_token
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
-         "comm_buffers", "temporary")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight",
+         "zero3_gathered", "comm_buffers", "temporary")
 HEAD_CHUNK_BYTES = 512 << 20  # kernels/linear_cross_entropy.py: one chunk of logits on a GPU
 
 
@@ -86,12 +86,12 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     Without recomputation (flash attention): the layer's input, its attention norm's output, the
     residual after attention and the MLP norm's output (sequence-parallel: the rank's 1/tp of the
     tokens; else whole on every tp rank); q and the attention output, k and v (heads split over
-    tp; under cp the keys and values of every cp rank, and the output twice); the MLP's inner activations (the Triton
-    SwiGLU keeps gate, up and their product; torch's also the SiLU; GELU its input and output);
-    fp32 norm statistics and attention log-sum-exp, dropout masks. Unfused attention (Megatron
-    before flash attention) also keeps its softmax, and its dropout mask, unless recomputed
-    selectively; selective recomputation drops the log-sum-exp; full recomputation keeps the
-    layer's input only."""
+    tp; under cp the keys and values of every cp rank, and the output twice); the MLP's inner
+    activations (the Triton SwiGLU keeps gate, up and their product; torch's also the SiLU; GELU its
+    input and output); fp32 norm statistics and attention log-sum-exp, dropout masks. Unfused
+    attention (Megatron before flash attention) also keeps its softmax, and its dropout mask, unless
+    recomputed selectively; selective recomputation drops the log-sum-exp; full recomputation keeps
+    the layer's input only."""
     w, tp, cp = weight_bytes(precision), layout.tp, layout.cp
     sp = tp if layout.sequence_parallel or tp == 1 else 1
     h, d = model.hidden_size, model.head_dim
@@ -104,11 +104,14 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     # under cp the two query chunks' outputs are kept by their attention and, concatenated, by the
     # output projection: the attention output twice
     kv_and_q = (2 if cp == 1 else 3) * q + 2 * kv * cp + (q + kv if model.qk_norm else 0)
-    stats = 4 * 2 * (2 if model.mlp == "gelu" else 1) / sp  # rstd per norm (LayerNorm: mean and rstd)
-    lse = 4 * model.num_heads / tp if attention == "flash" and layout.recompute != "selective" else 0
+    # rstd per norm (LayerNorm: mean and rstd)
+    stats = 4 * 2 * (2 if model.mlp == "gelu" else 1) / sp
+    lse = 4 * model.num_heads / tp if attention == "flash" and layout.recompute != "selective" \
+        else 0
     dropout = 2 * h / sp if model.hidden_dropout > 0 else 0  # a bool mask per residual branch
     scores = 0.0
-    if attention == "unfused" and layout.recompute != "selective":  # softmax (+ dropout mask and output)
+    # softmax (+ dropout mask and output)
+    if attention == "unfused" and layout.recompute != "selective":
         scores = (w + 3 * (model.attention_dropout > 0)) * model.num_heads / tp * seq
     return w * (stream * h / sp + kv_and_q + mlp) + stats + lse + dropout + scores
 
@@ -139,8 +142,9 @@ def _backward_start(schedule: Schedule, pp_rank: int, pp: int, vpp: int, micro_b
     return best
 
 
-def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: bool, precision: str,
-                      kernels: str, attention: str, chunk_bytes: int) -> tuple[float, float]:
+def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: bool,
+                      precision: str, kernels: str, attention: str,
+                      chunk_bytes: int) -> tuple[float, float]:
     """(activations made again, temporaries) of what a backward computes with, at the larger of two
     moments: on the stage with the head, its backward (a chunk of logits and the gradient of its
     input); then a layer's MLP backward — the gradients in and out of the layer and those of the
@@ -153,7 +157,8 @@ def _backward_working(model: ModelArgs, L: Layout, seq: int, tokens: int, head: 
     head_backward = min(tokens * vocab_rows * w, chunk_bytes) + 2 * tokens * h * w if head else 0.0
     if L.recompute != "full":
         return 0.0, max(grads + 3 * f * tokens * w, head_backward)
-    redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision, kernels, attention)
+    redo = tokens * saved_bytes_per_token(model, L.replace(recompute="none"), seq, precision,
+                                          kernels, attention)
     mlp_backward = grads + 2 * f * tokens * w
     return (redo, mlp_backward) if redo + mlp_backward > head_backward else (0.0, head_backward)
 
@@ -190,23 +195,29 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
         / (n_shard if L.zero >= 1 else 1)
     steady = kind.memory_micro(L.pp, micro_batches)
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
-    # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left out)
+    # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left
+    # out)
     deferred = tokens * deferred_bytes_per_token(model, L.tp, w)
     own, others, waiting, head = _backward_start(kind, pp_rank, L.pp, L.vpp, steady, chunks,
-                                                 head_chunk(L, pp_rank, kind), round(64 * deferred / per_layer) / 64)
+                                                 head_chunk(L, pp_rank, kind),
+                                                 round(64 * deferred / per_layer) / 64)
     out["activations"] = own * per_layer
     out["pipeline_in_flight"] = others * per_layer + waiting * deferred
-    if L.zero >= 2:  # the full fp32 gradients of the bucket filling and of the one reducing: a layer's
-        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)  # (zero 3) or a parameter's
-        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else bucket))  # (the output layer's own)
+    # the full fp32 gradients of the bucket filling and of the one reducing: a layer's
+    if L.zero >= 2:
+        # (zero 3) or a parameter's
+        bucket = layer_params if L.zero == 3 else max(bucket_mb * 2**20 / 4, f * h)
+        # (the output layer's own)
+        out["gradients"] += 4.0 * (bucket + (vocab_rows * h if head else bucket))
     if L.zero == 3:  # every chunk's root, the layer computing and the next one, prefetched (the one
-        # that follows the chunk's second layer is its first: by its backward, the second has been freed)
+        # that follows the chunk's second layer is its first: by its backward, the second has been
+        # freed)
         roots = params - sum(chunks) * layer_params
         out["zero3_gathered"] = (max(1, min(2, max(chunks) - 1)) * layer_params + roots) * w
     if L.sequence_parallel:  # an input gathered (again) for the weight gradients, and its pieces
         out["comm_buffers"] = 2.0 * tokens * h * w
-    redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels, attention,
-                                                 chunk_bytes)
+    redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels,
+                                                 attention, chunk_bytes)
     out["activations"] += redone
     out["total"] = sum(out[k] for k in PARTS)
     return out

@@ -19,8 +19,9 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   plus a fixed per-kernel overhead, so narrow or short matmuls fall below the device's large-GEMM
   ``efficiency`` by themselves;
 - attention: a fused (flash) kernel on its causal FLOPs at ``attention_efficiency``, its backward
-  2.5× its forward; or, as Megatron ran before flash attention (``attention="unfused"``), two batched
-  matmuls per head plus the softmax (and dropout) passes over the ``s × s`` scores in memory;
+  2.5× its forward; or, as Megatron ran before flash attention (``attention="unfused"``), two
+  batched matmuls per head plus the softmax (and dropout) passes over the ``s × s`` scores in
+  memory;
 - memory-bound kernels (norms, residual adds, dropout, activation function, RoPE, the loss) as bytes
   moved over 80% of the HBM bandwidth; the backward moves twice the forward's;
 - recomputation re-runs the forward (full) or the attention core (selective) before the backward;
@@ -41,8 +42,8 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   reduce-scatter / all-gather (they overlap the last backward and the next forward), and the
   optimizer step (memory-bound over its shard).
 
-MFU counts the model's FLOPs (``model/decoder.py``'s ``flops_per_token``, PaLM's convention); HFU also
-counts what recomputation runs again, as Megatron's papers report "achieved TFLOP/s". Parameter
+MFU counts the model's FLOPs (``model/decoder.py``'s ``flops_per_token``, PaLM's convention); HFU
+also counts what recomputation runs again, as Megatron's papers report "achieved TFLOP/s". Parameter
 counts come from the model's own spec table (``model/build.py``), devices from ``monitor/flops.py``.
 ``tests/test_planner.py`` checks the estimates against published runs (Megatron-LM on A100s, Llama 3
 on H100s); they are estimates to choose a layout with, to be checked with ``tools/bench_train.py``.
@@ -79,8 +80,8 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 KERNEL_S = 2e-6        # fixed cost of every kernel (launch gap, ramp-up and tail of its waves)
-GEMM_S = 6e-6          # a matmul's: its first and last waves of tiles run part-empty (A100: a 1024³ bf16
-#                        matmul reaches about half of what a 4096³ one does)
+GEMM_S = 6e-6          # a matmul's: its first and last waves of tiles run part-empty (A100: a 1024³
+#                        bf16 matmul reaches about half of what a 4096³ one does)
 HBM_EFFICIENCY = 0.8   # fraction of the HBM bandwidth memory-bound kernels reach
 LATENCY_INTRA_S = 10e-6  # per collective, NVLink
 LATENCY_INTER_S = 30e-6  # per collective, between nodes
@@ -98,17 +99,20 @@ def layer_params(args: ModelArgs) -> tuple[int, int, int]:
     return split, replicated, head
 
 
-def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool, recompute: str = "none",
-                               seq: int = 0, attention: str = "flash", cp: int = 1) -> float:
+def activation_bytes_per_token(args: ModelArgs, tp: int, sequence_parallel: bool,
+                               recompute: str = "none", seq: int = 0, attention: str = "flash",
+                               cp: int = 1) -> float:
     """What autograd keeps per token of one decoder layer in bf16 (see the module docstring); with
     ``cp`` per token of a rank's share, its attention keeping the gathered K/V of all ``seq``."""
     h, kvd, f = args.hidden_size, args.num_kv_heads * args.head_dim, args.ffn_hidden_size
     if recompute == "full":
         return 2.0 * h / (tp if sequence_parallel else 1)
     if args.mlp == "gelu":
-        f = f * 3 / 4  # the activation saves one f-wide input instead of SwiGLU's two (8·f = 2 bytes × 4)
+        # the activation saves one f-wide input instead of SwiGLU's two (8·f = 2 bytes × 4)
+        f = f * 3 / 4
     full = 12 * h + 4 * kvd * cp + 8 * f
-    if attention == "unfused" and recompute != "selective":  # softmax output (+ dropout mask, output)
+    # softmax output (+ dropout mask, output)
+    if attention == "unfused" and recompute != "selective":
         full += (2 + 3 * (args.attention_dropout > 0)) * args.num_heads * seq
     if sequence_parallel or tp == 1:
         return full / tp
@@ -137,12 +141,14 @@ def gemm_s(device: Device, m: int, n: int, k: int, batch: int = 1) -> float:
     per-kernel overhead."""
     flops = 2.0 * m * n * k * batch
     moved = 2.0 * (m * k + k * n + m * n) * batch
-    return max(flops / (device.peak_tflops * 1e12 * device.efficiency), moved / (device.hbm_gbs * 1e9)) + GEMM_S
+    return max(flops / (device.peak_tflops * 1e12 * device.efficiency),
+               moved / (device.hbm_gbs * 1e9)) + GEMM_S
 
 
 def gemm_fwd_bwd_s(device: Device, m: int, n: int, k: int, batch: int = 1) -> tuple[float, float]:
     """Forward, and backward (data gradient (m × n)·(n × k), weight gradient (k × m)·(m × n))."""
-    return gemm_s(device, m, n, k, batch), gemm_s(device, m, k, n, batch) + gemm_s(device, k, n, m, batch)
+    return gemm_s(device, m, n, k, batch), gemm_s(device, m, k, n, batch) + gemm_s(device, k, n, m,
+                                                                                   batch)
 
 
 def memory_s(device: Device, moved: float, kernels: int) -> float:
@@ -158,7 +164,8 @@ class LayerTime:
     memory_b: float
     attn_f: float = 0.0  # the attention core, recomputed under selective recompute
     attn_b: float = 0.0
-    weight_b: float = 0.0  # the weight-gradient matmuls (part of matmul_b): a zero-bubble schedule's W
+    # the weight-gradient matmuls (part of matmul_b): a zero-bubble schedule's W
+    weight_b: float = 0.0
 
     @property
     def forward(self) -> float:
@@ -169,27 +176,31 @@ class LayerTime:
         return self.matmul_b + self.memory_b + self.attn_b
 
 
-def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int, sequence_parallel: bool,
-               attention: str, cp: int = 1) -> LayerTime:
+def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int,
+               sequence_parallel: bool, attention: str, cp: int = 1) -> LayerTime:
     """One decoder layer's kernels (see the module docstring); ``cp``: the rank's queries are
     s/cp of each sample's ``seq``, against all ``seq`` keys."""
     h, d, f = args.hidden_size, args.head_dim, args.ffn_hidden_size
     n, kv = args.num_heads // tp, args.num_kv_heads // tp  # heads on this rank
     tokens, queries = micro * seq // cp, seq // cp
     fc1 = f if args.mlp == "gelu" else 2 * f  # GELU's fc1, or SwiGLU's gate and up fused
-    shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]  # (out, in) on this rank
+    # (out, in) on this rank
+    shapes = [((n + 2 * kv) * d, h), (h, n * d), (fc1 // tp, h), (h, f // tp)]
     mm = [gemm_fwd_bwd_s(device, tokens, out, inp) for out, inp in shapes]
     matmul_f, matmul_b = sum(a for a, _ in mm), sum(b for _, b in mm)
-    weight_b = sum(gemm_s(device, inp, out, tokens) for out, inp in shapes)  # (in × tokens)·(tokens × out)
+    # (in × tokens)·(tokens × out)
+    weight_b = sum(gemm_s(device, inp, out, tokens) for out, inp in shapes)
 
     # memory-bound kernels: norms and residual adds (+ dropout) run on s/tp tokens under SP, on
     # all of them otherwise; activation function, q/k/v layout copies and RoPE on h/tp features
     whole = 8 * h + 2 * (6 * h + (5 * h if args.hidden_dropout > 0 else 0))
     split = (4 if args.mlp == "gelu" else 6) * f / tp + 4 * (n + 2 * kv) * d + 4 * (n + kv) * d
-    moved = tokens * (whole / (tp if sequence_parallel else 1) + split)  # bytes: reads + writes of bf16 values
+    # bytes: reads + writes of bf16 values
+    moved = tokens * (whole / (tp if sequence_parallel else 1) + split)
     memory_f, memory_b = memory_s(device, moved, 8), memory_s(device, 2 * moved, 14)
 
-    if attention == "flash":  # causal: half the score matrix is computed, 1/cp of it on each cp rank
+    # causal: half the score matrix is computed, 1/cp of it on each cp rank
+    if attention == "flash":
         causal = 2.0 * micro * n * seq * seq * d / cp  # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
         attn_f = causal / (device.peak_tflops * 1e12 * device.attention_efficiency) + KERNEL_S
         attn_b = 2.5 * attn_f
@@ -207,7 +218,8 @@ def head_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int) ->
     """The output layer and the vocab-parallel loss (fp32 logits written, read, their gradient)."""
     tokens, rows = micro * seq, args.padded_vocab(tp) // tp
     f, b = gemm_fwd_bwd_s(device, tokens, rows, args.hidden_size)
-    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3), memory_s(device, tokens * rows * 8.0, 2),
+    return LayerTime(f, b, memory_s(device, tokens * rows * 8.0, 3),
+                     memory_s(device, tokens * rows * 8.0, 2),
                      weight_b=gemm_s(device, args.hidden_size, rows, tokens))
 
 
@@ -218,8 +230,10 @@ def head_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int) ->
 @dataclass
 class Estimate:
     layout: Layout
-    memory: dict          # bytes on the busiest stage: params, state, activations, overhead, total, capacity
-    time: dict            # seconds per step: compute, memory, tensor, bubble, p2p, data, optimizer, total
+    memory: dict          # bytes on the busiest stage: params, state, activations, overhead, total,
+    #                       capacity
+    # seconds per step: compute, memory, tensor, bubble, p2p, data, optimizer, total
+    time: dict
     mfu: float
     tokens_per_gpu_s: float
     hfu: float = 0.0      # hardware FLOPs (recomputation counted) over the peak
@@ -236,7 +250,8 @@ class Estimate:
 
     @property
     def hw_tflops_per_gpu(self) -> float:
-        """Hardware FLOPs per second per GPU: recomputation counted (Megatron's "achieved TFLOP/s")."""
+        """Hardware FLOPs per second per GPU: recomputation counted (Megatron's "achieved
+        TFLOP/s")."""
         return self.hfu * self.peak_tflops
 
 
@@ -258,19 +273,20 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
     return passes * ((size - 1) / size * nbytes / bw + latency)
 
 
-def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str, micro_batches: int,
-            schedule: Schedule, attention: str) -> tuple[dict, float]:
+def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str,
+            micro_batches: int, schedule: Schedule, attention: str) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
     measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
     stage's parameters."""
     layer = layer_params(model)
-    stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision, schedule=schedule,
-                           attention=attention) for r in range(layout.pp)]
+    stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision,
+                           schedule=schedule, attention=attention) for r in range(layout.pp)]
     busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
     parts = stages[busiest]
     weights = parts["parameters"] + parts["zero3_gathered"]
     memory = {"params": weights, "state": weights + parts["gradients"] + parts["optimizer"],
-              "activations": sum(parts[k] for k in ("activations", "pipeline_in_flight", "comm_buffers", "temporary")),
+              "activations": sum(parts[k] for k in ("activations", "pipeline_in_flight",
+                                                    "comm_buffers", "temporary")),
               "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts}
     memory["total"] = parts["total"] + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
@@ -279,11 +295,13 @@ def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precisio
 
 def _check(seq: int, L: Layout, global_batch: int, attention: str) -> None:
     """What makes a layout impossible before any estimate: the attention kind, the batch's split
-    over dp, the sequence's into 2·cp chunks (each split again over tp with sequence parallelism)."""
+    over dp, the sequence's into 2·cp chunks (each split again over tp with sequence
+    parallelism)."""
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r} is not one of: {', '.join(ATTENTION)}")
     if global_batch % (L.micro_batch * L.dp):
-        raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch {L.micro_batch} × dp {L.dp}")
+        raise ConfigError(f"global batch {global_batch} is not a multiple of micro batch "
+                          f"{L.micro_batch} × dp {L.dp}")
     if seq % (2 * L.cp * (L.tp if L.sequence_parallel else 1)):
         raise ConfigError(f"seq {seq} does not cut into 2 × cp {L.cp} chunks"
                           + (f" × tp {L.tp}" if L.sequence_parallel else ""))
@@ -293,12 +311,14 @@ def context_gather_bytes(model: ModelArgs, layout: Layout, seq: int) -> float:
     """Bytes of K and V (bf16) one layer all-gathers over the cp ranks for one micro-batch: all
     ``seq`` positions of the rank's kv heads (each rank contributes its 1/cp)."""
     kv_heads = model.num_kv_heads // layout.tp
-    return 0.0 if layout.cp == 1 else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
+    return 0.0 if layout.cp == 1 \
+        else 2.0 * layout.micro_batch * seq * kv_heads * model.head_dim * 2.0
 
 
 def _overlapped(comm: float, gemm: float, tp: int) -> float:
     """The exposed part of a sequence-parallel collective of ``comm`` seconds run as tp − 1 ring
-    steps, each under one of the tp chunks of a ``gemm``-second GEMM (``parallel/tp_overlap.py``)."""
+    steps, each under one of the tp chunks of a ``gemm``-second GEMM
+    (``parallel/tp_overlap.py``)."""
     return (tp - 1) * max(0.0, comm / (tp - 1) - gemm / tp)
 
 
@@ -308,7 +328,8 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run. ``fp8``, ``fp8_skip``: ``model.fp8``'s recipe and the linears
     it leaves out (planner/fp8.py)."""
-    L, tp, pp, dp, vpp, mb, cp = layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
+    L, tp, pp, dp, vpp, mb, cp = \
+        layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
     m = global_batch // (mb * dp)
     kind = resolve_schedule(schedule, pp, vpp, m, default=L.pp_schedule)
@@ -318,45 +339,52 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     slow = 1.0 if precision in ("bf16", "fp16") else 2.0  # fp32 matmuls run on tf32 units
 
     # one micro-batch: a layer, the head, and the tensor-parallel collectives of each
-    lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb, seq // cp, tp)
-    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s, memory_s,
-                                                  tuple(fp8_skip))
+    lt, ht = layer_time(model, device, mb, seq, tp, sp, attention, cp), head_time(model, device, mb,
+                                                                                  seq // cp, tp)
+    delta = None if fp8 == "none" else fp8_delta(model, device, fp8, mb, seq, tp, cp, sp, gemm_s,
+                                                 memory_s, tuple(fp8_skip))
     if delta is not None:  # the linears' GEMMs in FP8, their casts memory-bound
-        lt = replace(lt, matmul_f=delta.matmul_f, matmul_b=delta.matmul_b, memory_f=lt.memory_f + delta.cast_f,
-                     memory_b=lt.memory_b + delta.cast_b)
+        lt = replace(lt, matmul_f=delta.matmul_f, matmul_b=delta.matmul_b,
+                     memory_f=lt.memory_f + delta.cast_f, memory_b=lt.memory_b + delta.cast_b)
     act_bytes = mb * seq // cp * hidden * 2.0  # this rank's (b, s/cp, h)
     ring = _ring_s(device, tp, 1, act_bytes)  # one all-gather or reduce-scatter of (b, s, h)
     # SP forward 2 all-gathers + 2 reduce-scatters, backward the reverse plus 2 re-gathers; without
     # SP 2 all-reduces each way (2 passes each); a full recompute repeats the forward's
     tp_f, tp_b = 4 * ring, (6 if sp else 4) * ring
     if L.tp_comm_overlap:  # each collective in tp − 1 ring steps, each under 1/tp of its GEMMs
-        tp_f, tp_b = 4 * _overlapped(ring, lt.matmul_f / 4, tp), 6 * _overlapped(ring, lt.matmul_b / 6, tp)
+        tp_f, tp_b = 4 * _overlapped(ring, lt.matmul_f / 4,
+                                     tp), 6 * _overlapped(ring, lt.matmul_b / 6, tp)
     if delta is not None:  # the input all-gathers send FP8
         tp_f, tp_b = tp_f * delta.tp_fraction_f, tp_b * delta.tp_fraction_b
-    # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or all-to-all
+    # K/V all-gathered (grads reduce-scattered back), passed around a ring under attention, or
+    # all-to-all
     cp_f, cp_b = context_comm_s(model, L, seq, lt.attn_f, lt.attn_b, _bandwidth(device, cp, tp))
-    # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor, context)
+    # what recomputation runs again before each backward: (matmul + attention, memory-bound, tensor,
+    # context)
     redo = {"none": (0.0, 0.0, 0.0, 0.0), "selective": (lt.attn_f, 0.0, 0.0, 0.0),
             "full": (lt.matmul_f + lt.attn_f, lt.memory_f, tp_f, cp_f)}[L.recompute]
 
-    # a zero-bubble schedule's W makes the output layer's chunks of logits again (model/fused_loss.py)
+    # a zero-bubble schedule's W makes the output layer's chunks of logits again
+    # (model/fused_loss.py)
     head_redo = ht.matmul_f if kind.split_backward else 0.0
 
     def stage(r: int) -> tuple[float, float]:
         head = r == last
         f = layers_on[r] * (lt.forward + tp_f + cp_f) + head * (ht.forward + 2 * ring)
-        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + head_redo + 2 * ring)
+        b = layers_on[r] * (lt.backward + tp_b + cp_b + sum(redo)) + head * (ht.backward + head_redo
+                                                                             + 2 * ring)
         return f * slow, b * slow
 
     busiest = max(range(pp), key=lambda r: sum(stage(r)))
     f, b = stage(busiest)
     n, head = layers_on[busiest], busiest == last
-    w = (n * lt.weight_b + head * (ht.weight_b + head_redo)) * slow  # what a zero-bubble schedule's W ops run
+    # what a zero-bubble schedule's W ops run
+    w = (n * lt.weight_b + head * (ht.weight_b + head_redo)) * slow
     per_token = activation_bytes_per_token(model, tp, sp, L.recompute, seq, attention, kv_copies(L))
     deferred = deferred_bytes_per_token(model, tp) / per_token  # what waits for a W, in activations
     # ratios to 1/4 (deferred to 1/8): the replay is cached
-    stretch, in_flight = pipeline_model(kind, pp, vpp, m, round(4 * b / f) / 4, round(4 * w / f) / 4,
-                                        round(8 * deferred) / 8)
+    stretch, in_flight = pipeline_model(kind, pp, vpp, m, round(4 * b / f) / 4,
+                                        round(4 * w / f) / 4, round(8 * deferred) / 8)
     compute = n * (lt.matmul_f + lt.matmul_b + lt.attn_f + lt.attn_b + redo[0]) \
         + head * (ht.matmul_f + ht.matmul_b + head_redo)
     memory_bound = n * (lt.memory_f + lt.memory_b + redo[1]) + head * (ht.memory_f + ht.memory_b)
@@ -368,19 +396,23 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     mem, params = _memory(model, seq, L, device, precision, m, kind, attention)
     if delta is not None:
         split, replicated, _ = layer_params(model)
-        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight, per_chunk=per_chunk, zero=L.zero,
+        mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight,
+                         per_chunk=per_chunk, zero=L.zero,
                          gathered_bytes=min(3, max(layers_on)) * (split / tp + replicated) * 2)
     data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
     total = busy + bubble + p2p + data + optimizer
-    time = {"compute": m * compute * slow, "memory": m * memory_bound * slow, "tensor": m * tensor * slow,
-            "context": m * context * slow, "bubble": bubble, "p2p": p2p, "data": data, "optimizer": optimizer,
-            "total": total, "recompute": m * n * sum(redo) * slow}  # (part of compute, memory, tensor, context)
+    time = {"compute": m * compute * slow, "memory": m * memory_bound * slow,
+            "tensor": m * tensor * slow, "context": m * context * slow, "bubble": bubble,
+            "p2p": p2p, "data": data, "optimizer": optimizer,
+            # (part of compute, memory, tensor, context)
+            "total": total, "recompute": m * n * sum(redo) * slow}
 
     tokens = global_batch * seq
     model_flops = flops_per_token(model, seq) * tokens
-    hw_flops = model_flops + tokens * model.num_layers * recompute_flops_per_token(model, seq, L.recompute)
+    hw_flops = model_flops + tokens * model.num_layers * recompute_flops_per_token(model, seq,
+                                                                                   L.recompute)
     peak = device.peak_tflops * 1e12
     return Estimate(L, mem, time, model_flops / (total * world * peak), tokens / total / world,
                     hw_flops / (total * world * peak), device.peak_tflops)
@@ -413,14 +445,17 @@ def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float,
         data = max(0.0, _ring_s(device, dp, tp, grad_bytes, 2) - b)
     else:  # reduce-scatter and all-gather inside the shard group (consecutive ranks, tp apart)
         reduce, gather = _ring_s(device, n, tp, grad_bytes), _ring_s(device, n, tp, params * 2.0)
-        if L.zero == 3:  # every micro-batch, per layer: gather under the forward, gather + reduce under backward
+        # every micro-batch, per layer: gather under the forward, gather + reduce under backward
+        if L.zero == 3:
             units = max(1, layers)
-            reduce, gather = (units * _ring_s(device, n, tp, x / units) for x in (grad_bytes, params * 2.0))
+            reduce, gather = (units * _ring_s(device, n, tp, x / units)
+                              for x in (grad_bytes, params * 2.0))
             data = m * (max(0.0, gather - f) + max(0.0, gather + reduce - b))
         else:
             data = max(0.0, reduce - b) if L.zero == 1 else m * max(0.0, reduce - b)
             data += max(0.0, gather - f)
-        if n < dp:  # hybrid: each shard's sum over the replicas (n·tp apart), after the last backward
+        # hybrid: each shard's sum over the replicas (n·tp apart), after the last backward
+        if n < dp:
             data += _ring_s(device, dp // n, n * tp, grad_bytes / n, 2)
     return data, memory_s(device, params * 4.0 / (n if L.zero >= 2 else 1) + params / n * 34.0, 4)
 
@@ -452,20 +487,23 @@ def context_sizes(seq: int, tp: int, world: int) -> list[int]:
     return sizes
 
 
-def layouts(model: ModelArgs, world: int, global_batch: int, device: Device, seq: int = 0) -> list[Layout]:
+def layouts(model: ModelArgs, world: int, global_batch: int, device: Device,
+            seq: int = 0) -> list[Layout]:
     """Every layout worth estimating: tp within a node dividing the heads, cp for sequences of
     ``seq`` long enough (:func:`context_sizes`), any pp (layers split as evenly as they go),
     interleaving where it applies, micro batches 1-4, ZeRO 0-3 (sharded over all of dp × cp, or
     hybrid: over a node's ranks), recompute none, selective or full."""
     out = []
     for tp in (1, 2, 4, 8):
-        if tp > device.gpus_per_node or world % tp or model.num_heads % tp or model.num_kv_heads % tp:
+        if tp > device.gpus_per_node or world % tp or model.num_heads % tp \
+                or model.num_kv_heads % tp:
             continue
         for cp in context_sizes(seq, tp, world):
             for pp in range(1, min(world // (tp * cp), model.num_layers) + 1):
                 if (world // (tp * cp)) % pp:
                     continue
-                out += _stage_layouts(model, global_batch, tp, cp, pp, world // (tp * cp * pp), device.gpus_per_node)
+                out += _stage_layouts(model, global_batch, tp, cp, pp, world // (tp * cp * pp),
+                                      device.gpus_per_node)
     return out
 
 
@@ -490,10 +528,13 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
                 continue
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 for recompute, shard, cp_comm, schedule, overlap in itertools.product(
-                        ("none", "selective", "full"), _shard_sizes(zero, tp, dp * cp, gpus_per_node),
-                        context_modes(model, tp, cp), schedules(pp, vpp), (False, True) if tp > 1 else (False,)):
-                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp, shard=shard,
-                                      cp_comm=cp_comm, pp_schedule=schedule, tp_comm_overlap=overlap))
+                        ("none", "selective", "full"),
+                        _shard_sizes(zero, tp, dp * cp, gpus_per_node),
+                        context_modes(model, tp, cp), schedules(pp, vpp), (False, True) if tp > 1
+                        else (False,)):
+                    out.append(Layout(tp, pp, dp, vpp, mb, zero, recompute, uneven, cp=cp,
+                                      shard=shard, cp_comm=cp_comm, pp_schedule=schedule,
+                                      tp_comm_overlap=overlap))
     return out
 
 
@@ -506,8 +547,9 @@ def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: De
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
-            found.append(estimate(model, seq, layout, global_batch, device, precision, attention=attention, fp8=fp8,
-                                  fp8_skip=fp8_skip))
+            found.append(estimate(model, seq, layout, global_batch, device, precision,
+                                  attention=attention, fp8=fp8, fp8_skip=fp8_skip))
         except UserError:
             continue
-    return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits else e.memory["total"]))
+    return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits
+                                        else e.memory["total"]))

@@ -44,14 +44,17 @@ def deferred_bytes_per_token(model: ModelArgs, tp: int, bytes_per_value: float =
     h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
     n, kv = model.num_heads / tp, model.num_kv_heads / tp
     fc1 = f if model.mlp == "gelu" else 2 * f
-    inputs = 2 * h + n * d + f / tp  # attention's and the MLP's (shared), the output projection's, down's
-    grads = (n + 2 * kv) * d + h + fc1 / tp + h  # q/k/v's, the output projection's, gate/up's, down's
+    # attention's and the MLP's (shared), the output projection's, down's
+    inputs = 2 * h + n * d + f / tp
+    # q/k/v's, the output projection's, gate/up's, down's
+    grads = (n + 2 * kv) * d + h + fc1 / tp + h
     return bytes_per_value * (inputs + grads)
 
 
 def weighted_peak(order: list[Op], deferred: float) -> float:
     """The most chunks' worth of activations ``order`` holds at once: a chunk between its F and B
-    counts 1, between its B and W ``deferred`` (the fraction the W keeps); without W ops a B ends it."""
+    counts 1, between its B and W ``deferred`` (the fraction the W keeps); without W ops a B ends
+    it."""
     split = any(op.kind == "W" for op in order)
     full = waiting = peak = 0
     for op in order:

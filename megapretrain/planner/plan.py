@@ -35,9 +35,11 @@ _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
 def tokens(text: str) -> int:
     """A token count: 2000000000000, 2e12, 2T, 300B, 1.5T."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*",
+                         str(text))
     if not match or float(match[1]) * _SUFFIX[match[2].upper()] < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive token count like 2T, 300B or 2e12, got {text!r}")
+        raise argparse.ArgumentTypeError("expected a positive token count like 2T, 300B or 2e12, "
+                                         f"got {text!r}")
     return int(round(float(match[1]) * _SUFFIX[match[2].upper()]))
 
 
@@ -48,7 +50,8 @@ def split_train_tokens(overrides: list[str]) -> tuple[list[str], int | None]:
     while i < len(overrides):
         arg = overrides[i]
         if arg == "--train.train_tokens" or arg.startswith("--train.train_tokens="):
-            value = arg.split("=", 1)[1] if "=" in arg else (overrides[i + 1] if i + 1 < len(overrides) else "")
+            value = arg.split("=", 1)[1] if "=" in arg \
+                else (overrides[i + 1] if i + 1 < len(overrides) else "")
             i += 1 if "=" in arg else 2
             try:
                 found = tokens(value)
@@ -64,7 +67,8 @@ def run_samples(t, budget: int | None) -> tuple[int, int]:
     """(steps, samples) of the run: ``budget`` tokens (or the config's train.train_tokens, else
     train.iters steps), batch-size ramp-up included where the config has one."""
     budget = budget or t.train_tokens
-    return run_length(dataclasses.replace(t, train_tokens=budget, iters=TrainConfig.iters) if budget else t)
+    return run_length(dataclasses.replace(t, train_tokens=budget, iters=TrainConfig.iters) if budget
+                      else t)
 
 
 def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -75,16 +79,17 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
     check_fields(cfg)  # every size positive and finite before the search divides by any of them
     check_model(m, 1)  # the model's own shape; each layout's tp is checked by the search
-    check_fp8_fields(cfg)  # the recipe and fp8_skip's patterns; each layout's FP8 shapes by the search
-    device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
-                         hbm_gbs=args.hbm_gbs, intra_gbs=args.intra_gbs, inter_gbs=args.inter_gbs,
-                         efficiency=args.efficiency)
+    # the recipe and fp8_skip's patterns; each layout's FP8 shapes by the search
+    check_fp8_fields(cfg)
+    device = with_device(DEVICES[args.device], peak_tflops=args.peak_tflops,
+                         memory_gb=args.memory_gb, hbm_gbs=args.hbm_gbs, intra_gbs=args.intra_gbs,
+                         inter_gbs=args.inter_gbs, efficiency=args.efficiency)
     model = model_args(cfg)
     if args.check:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
-        found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision, args.attention,
-                       m.fp8, tuple(m.fp8_skip))
+        found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision,
+                       args.attention, m.fp8, tuple(m.fp8_skip))
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,
@@ -95,23 +100,26 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
 def summary(plan: dict, e, args) -> dict:
     """The plan as plain numbers (``--json``)."""
     L, mem, t, cfg = e.layout, e.memory, e.time, plan["cfg"]
-    days = plan["full_steps"] * t["total"] / 86400  # a ramp-up's smaller steps take proportionally less
+    # a ramp-up's smaller steps take proportionally less
+    days = plan["full_steps"] * t["total"] / 86400
     return {
-        "config": args.config, "gpus": args.gpus, "nodes": math.ceil(args.gpus / plan["device"].gpus_per_node),
-        "device": plan["device"].name,
+        "config": args.config, "gpus": args.gpus,
+        "nodes": math.ceil(args.gpus / plan["device"].gpus_per_node), "device": plan["device"].name,
         "params": num_parameters(plan["model"]),
-        "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp, "micro_batch_size": L.micro_batch,
-                   "zero": L.zero, "zero_shard_size": L.shard, "recompute": L.recompute,
-                   "sequence_parallel": L.sequence_parallel, "cp_comm": L.cp_comm,
-                   "tp_comm_overlap": L.tp_comm_overlap, "pp_schedule": L.pp_schedule,
-                   "pipeline_layers": list(L.pipeline_layers) if L.pipeline_layers else None,
-                   "flags": L.flags()},
+        "layout": {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp, "vpp": L.vpp,
+                   "micro_batch_size": L.micro_batch, "zero": L.zero, "zero_shard_size": L.shard,
+                   "recompute": L.recompute, "sequence_parallel": L.sequence_parallel,
+                   "cp_comm": L.cp_comm, "tp_comm_overlap": L.tp_comm_overlap,
+                   "pp_schedule": L.pp_schedule, "pipeline_layers": list(L.pipeline_layers)
+                   if L.pipeline_layers else None, "flags": L.flags()},
         "fits": e.fits,
-        "memory_gb": {"weights": mem["params"] / GIB, "grads_optimizer": (mem["state"] - mem["params"]) / GIB,
+        "memory_gb": {"weights": mem["params"] / GIB,
+                      "grads_optimizer": (mem["state"] - mem["params"]) / GIB,
                       "activations": mem["activations"] / GIB, "overhead": mem["overhead"] / GIB,
                       "total": mem["total"] / GIB, "capacity": mem["capacity"] / GIB},
         "time_s": dict(t),
-        "cp_kv_gather_mib_per_layer": context_gather_bytes(plan["model"], L, cfg.train.seq_length) / 2**20,
+        "cp_kv_gather_mib_per_layer": context_gather_bytes(plan["model"], L,
+                                                           cfg.train.seq_length) / 2**20,
         "cp_traffic_mib_per_step": context_step_bytes(plan["model"], L, cfg.train.seq_length,
                                                       cfg.train.global_batch_size) / 2**20,
         "step_s": t["total"], "mfu": e.mfu, "hfu": e.hfu, "tflops_per_gpu": e.tflops_per_gpu,
@@ -119,5 +127,5 @@ def summary(plan: dict, e, args) -> dict:
         "tokens_per_s": e.tokens_per_gpu_s * args.gpus,
         "global_batch_size": cfg.train.global_batch_size, "seq_length": cfg.train.seq_length,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_length,
-        "steps": plan["steps"], "train_tokens": plan["tokens"], "days": days, "gpu_hours": days * 24 * args.gpus,
-    }
+        "steps": plan["steps"], "train_tokens": plan["tokens"], "days": days,
+        "gpu_hours": days * 24 * args.gpus, }

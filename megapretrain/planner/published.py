@@ -18,13 +18,15 @@ from .model import Layout, estimate, split_layers
 def _gpt(layers: int, hidden: int, heads: int) -> ModelArgs:
     """A GPT-3-style model as Megatron-LM ran them: GELU MLP of 4h, multi-head attention, vocabulary
     51,200, tied embeddings, dropout 0.1."""
-    return ModelArgs(layers, hidden, heads, heads, 4 * hidden, 51200, tie_embeddings=True, mlp="gelu",
-                     attention_dropout=0.1, hidden_dropout=0.1)
+    return ModelArgs(layers, hidden, heads, heads, 4 * hidden, 51200, tie_embeddings=True,
+                     mlp="gelu", attention_dropout=0.1, hidden_dropout=0.1)
 
 
 _L3_405B = ModelArgs(126, 16384, 128, 8, 53248, 128256, rope_theta=500000.0)
-N21 = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1: A100 80GB, full recompute, TFLOP/s counting it"
-K22 = "Korthikanti et al. 2022 (arXiv 2205.05198), end-to-end results: A100 80GB, selective recompute + SP, MFU"
+N21 = "Narayanan et al. 2021 (arXiv 2104.04473), Table 1: A100 80GB, full recompute, TFLOP/s " \
+      "counting it"
+K22 = "Korthikanti et al. 2022 (arXiv 2205.05198), end-to-end results: A100 80GB, selective " \
+      "recompute + SP, MFU"
 L3 = "Dubey et al. 2024 (arXiv 2407.21783), Table 4: H100, BF16 MFU"
 
 
@@ -46,8 +48,8 @@ class Published:
         return self.layout.world_size
 
 
-def _row(name, source, model, seq, tp, pp, gpus, batch, recompute, sp, device, attention, metric, value, vpp=1,
-         layers=None, zero=0, cp=1):
+def _row(name, source, model, seq, tp, pp, gpus, batch, recompute, sp, device, attention, metric,
+         value, vpp=1, layers=None, zero=0, cp=1):
     layout = Layout(tp, pp, gpus // (tp * cp * pp), vpp, 1, zero, recompute,
                     layers or split_layers(model.num_layers, pp * vpp), sp, cp)
     return Published(name, source, model, seq, layout, batch, device, attention, metric, value)
@@ -58,42 +60,42 @@ PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, m
          "hw_tflops_per_gpu", 137),
     _row("GPT 3.6B", N21, _gpt(30, 3072, 32), 2048, 2, 1, 64, 512, "full", False, "a100", "unfused",
          "hw_tflops_per_gpu", 138),
-    _row("GPT 7.5B", N21, _gpt(36, 4096, 32), 2048, 4, 1, 128, 512, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 142),
-    _row("GPT 18.4B", N21, _gpt(40, 6144, 48), 2048, 8, 1, 256, 1024, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 135),
-    _row("GPT 39.1B", N21, _gpt(48, 8192, 64), 2048, 8, 2, 512, 1536, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 138),
-    _row("GPT 76.1B", N21, _gpt(60, 10240, 80), 2048, 8, 4, 1024, 1792, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 140),
-    _row("GPT 145.6B", N21, _gpt(80, 12288, 96), 2048, 8, 8, 1536, 2304, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 148),
-    _row("GPT 310.1B", N21, _gpt(96, 16384, 128), 2048, 8, 16, 1920, 2160, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 155),
-    _row("GPT 529.6B", N21, _gpt(105, 20480, 128), 2048, 8, 35, 2520, 2520, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 163),
-    _row("GPT 1008B", N21, _gpt(128, 25600, 160), 2048, 8, 64, 3072, 3072, "full", False, "a100", "unfused",
-         "hw_tflops_per_gpu", 163),
+    _row("GPT 7.5B", N21, _gpt(36, 4096, 32), 2048, 4, 1, 128, 512, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 142),
+    _row("GPT 18.4B", N21, _gpt(40, 6144, 48), 2048, 8, 1, 256, 1024, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 135),
+    _row("GPT 39.1B", N21, _gpt(48, 8192, 64), 2048, 8, 2, 512, 1536, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 138),
+    _row("GPT 76.1B", N21, _gpt(60, 10240, 80), 2048, 8, 4, 1024, 1792, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 140),
+    _row("GPT 145.6B", N21, _gpt(80, 12288, 96), 2048, 8, 8, 1536, 2304, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 148),
+    _row("GPT 310.1B", N21, _gpt(96, 16384, 128), 2048, 8, 16, 1920, 2160, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 155),
+    _row("GPT 529.6B", N21, _gpt(105, 20480, 128), 2048, 8, 35, 2520, 2520, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 163),
+    _row("GPT 1008B", N21, _gpt(128, 25600, 160), 2048, 8, 64, 3072, 3072, "full", False, "a100",
+         "unfused", "hw_tflops_per_gpu", 163),
     # Megatron-LM 2022: sequence parallelism + selective recompute, one data-parallel replica
-    _row("GPT 22B sel", K22, _gpt(48, 6144, 64), 2048, 8, 1, 8, 4, "selective", True, "a100", "unfused",
-         "tflops_per_gpu", 0.415 * 312),
-    _row("GPT 175B sel", K22, _gpt(96, 12288, 96), 2048, 8, 8, 64, 64, "selective", True, "a100", "unfused",
-         "tflops_per_gpu", 0.514 * 312),
-    _row("GPT 530B sel", K22, _gpt(105, 20480, 128), 2048, 8, 35, 280, 280, "selective", True, "a100", "unfused",
-         "tflops_per_gpu", 0.560 * 312),
-    _row("GPT 1T sel", K22, _gpt(128, 25600, 160), 2048, 8, 64, 512, 512, "selective", True, "a100", "unfused",
-         "tflops_per_gpu", 0.563 * 312),
-    # Llama 3 405B: 16M-token batches, interleaved 1F1B (8 layers a stage in chunks of 2 -- the paper
-    # gives pp only) with a layer less on the first and the last stage (§3.3.2)
+    _row("GPT 22B sel", K22, _gpt(48, 6144, 64), 2048, 8, 1, 8, 4, "selective", True, "a100",
+         "unfused", "tflops_per_gpu", 0.415 * 312),
+    _row("GPT 175B sel", K22, _gpt(96, 12288, 96), 2048, 8, 8, 64, 64, "selective", True, "a100",
+         "unfused", "tflops_per_gpu", 0.514 * 312),
+    _row("GPT 530B sel", K22, _gpt(105, 20480, 128), 2048, 8, 35, 280, 280, "selective", True,
+         "a100", "unfused", "tflops_per_gpu", 0.560 * 312),
+    _row("GPT 1T sel", K22, _gpt(128, 25600, 160), 2048, 8, 64, 512, 512, "selective", True, "a100",
+         "unfused", "tflops_per_gpu", 0.563 * 312),
+    # Llama 3 405B: 16M-token batches, interleaved 1F1B (8 layers a stage in chunks of 2 -- the
+    # paper gives pp only) with a layer less on the first and the last stage (§3.3.2)
     _row("Llama 3 405B", L3, _L3_405B, 8192, 8, 16, 8192, 2048, "none", True, "h100", "flash",
          "tflops_per_gpu", 430, vpp=4, zero=1),
     _row("Llama 3 405B 16k", L3, _L3_405B, 8192, 8, 16, 16384, 2048, "none", True, "h100", "flash",
          "tflops_per_gpu", 400, vpp=4, zero=1),
-    # its long-context stage: 131,072-token sequences over context parallelism 16, the same 16M-token
-    # batches (dp 8); the throughput is estimated as published (the memory model puts this layout's
-    # activations above 80 GB without recomputation, which the paper does not detail)
-    _row("Llama 3 405B 128k", L3, _L3_405B, 131072, 8, 16, 16384, 128, "none", True, "h100", "flash",
-         "tflops_per_gpu", 380, vpp=4, zero=1, cp=16),
+    # its long-context stage: 131,072-token sequences over context parallelism 16, the same
+    # 16M-token batches (dp 8); the throughput is estimated as published (the memory model puts this
+    # layout's activations above 80 GB without recomputation, which the paper does not detail)
+    _row("Llama 3 405B 128k", L3, _L3_405B, 131072, 8, 16, 16384, 128, "none", True, "h100",
+         "flash", "tflops_per_gpu", 380, vpp=4, zero=1, cp=16),
 ]
 
 
@@ -101,20 +103,21 @@ def published_estimates() -> list[tuple[Published, float]]:
     """Every published run with the planner's figure for it (the same metric)."""
     out = []
     for row in PUBLISHED:
-        e = estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16", "auto",
-                     row.attention)
+        e = estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16",
+                     "auto", row.attention)
         out.append((row, getattr(e, row.metric)))
     return out
 
 
 def published_table() -> str:
-    lines = ["| run | GPUs | layout (tp/cp/pp/dp, recompute) | metric | estimate | published | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | GPUs | layout (tp/cp/pp/dp, recompute) | metric | estimate | published | "
+             "error |", "|---|---|---|---|---|---|---|"]
     for row, got in published_estimates():
         L = row.layout
-        metric = "TFLOP/s/GPU incl. recompute" if row.metric == "hw_tflops_per_gpu" else "model TFLOP/s/GPU"
-        lines.append(f"| {row.name} ({row.device.upper()}) | {row.gpus:,} | {L.tp}/{L.cp}/{L.pp}/{L.dp}, "
-                     f"{L.recompute} | "
+        metric = "TFLOP/s/GPU incl. recompute" if row.metric == "hw_tflops_per_gpu" \
+            else "model TFLOP/s/GPU"
+        lines.append(f"| {row.name} ({row.device.upper()}) | {row.gpus:,} | "
+                     f"{L.tp}/{L.cp}/{L.pp}/{L.dp}, {L.recompute} | "
                      f"{metric} | {got:.0f} | {row.value:.0f} | {got / row.value - 1:+.1%} |")
     sources = sorted({row.source for row in PUBLISHED})
     return "\n".join(lines + [""] + [f"- {s}" for s in sources])

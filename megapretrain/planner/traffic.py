@@ -57,7 +57,8 @@ class Traffic:
             self.calls[group][op] += calls
 
     def as_dicts(self) -> tuple[dict, dict]:
-        return ({g: dict(ops) for g, ops in self.bytes.items()}, {g: dict(ops) for g, ops in self.calls.items()})
+        return ({g: dict(ops) for g, ops in self.bytes.items()},
+                {g: dict(ops) for g, ops in self.calls.items()})
 
 
 def group_names(layout: Layout) -> dict:
@@ -67,10 +68,10 @@ def group_names(layout: Layout) -> dict:
 
 
 def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
-                  precision: str = "bf16", schedule: str = "auto", device: str = "cuda", bucket_mb: float = 32.0,
-                  keep_gathered: bool = False) -> Traffic:
-    """A rank of stage ``pp_rank``: ``micro_batches`` per step and dp rank; ``device``: the program's
-    (its loss chunks)."""
+                  precision: str = "bf16", schedule: str = "auto", device: str = "cuda",
+                  bucket_mb: float = 32.0, keep_gathered: bool = False) -> Traffic:
+    """A rank of stage ``pp_rank``: ``micro_batches`` per step and dp rank; ``device``: the
+    program's (its loss chunks)."""
     out = Traffic()
     L, micro = layout, micro_batches
     kind = resolve_schedule(schedule, L.pp, L.vpp, micro, default=L.pp_schedule)
@@ -83,8 +84,9 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
     return out
 
 
-def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, chunks: list[int],
-                     micro: int, precision: str, device: str, schedule: Schedule) -> None:
+def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int,
+                     chunks: list[int], micro: int, precision: str, device: str,
+                     schedule: Schedule) -> None:
     if L.tp == 1:
         return
     place = chunk_placement(L, schedule)
@@ -93,22 +95,26 @@ def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_ran
     full, shard = tokens * h * w, tokens * h * w // L.tp
     layers = sum(chunks) * micro
     full_recompute = L.recompute == "full"
-    # a full recomputation stops once it has remade what the backward needs (torch.utils.checkpoint's
-    # early stop): not the MLP's output, so the MLP's reduce-scatter (or all-reduce) is not run again
+    # a full recomputation stops once it has remade what the backward needs
+    # (torch.utils.checkpoint's early stop): not the MLP's output, so the MLP's reduce-scatter (or
+    # all-reduce) is not run again
     if L.sequence_parallel:
-        gathers = 6  # forward 2, backward 2, then the 2 inputs gathered again (redone, or for the weight grads)
+        # forward 2, backward 2, then the 2 inputs gathered again (redone, or for the weight grads)
+        gathers = 6
         scatters = 2 + 2 + (1 if full_recompute else 0)
         out.add("tp", "all_gather", shard, gathers * layers)
         out.add("tp", "reduce_scatter", full, scatters * layers)
     else:
         out.add("tp", "all_reduce", full, (4 + (1 if full_recompute else 0)) * layers)
-    if place.stage_of(0) == pp_rank:  # the embedding: partial rows summed forward (its backward is a gather under SP)
+    # the embedding: partial rows summed forward (its backward is a gather under SP)
+    if place.stage_of(0) == pp_rank:
         if L.sequence_parallel:
             out.add("tp", "reduce_scatter", full, micro)
             out.add("tp", "all_gather", shard, micro)
         else:
             out.add("tp", "all_reduce", full, micro)
-    if place.stage_of(place.chunks - 1) == pp_rank:  # the output layer's input: gathered (and again for its
+    # the output layer's input: gathered (and again for its
+    if place.stage_of(place.chunks - 1) == pp_rank:
         # backward), or its grad summed
         if L.sequence_parallel:
             out.add("tp", "all_gather", shard, 2 * micro)
@@ -117,22 +123,24 @@ def _tensor_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_ran
             out.add("tp", "all_reduce", full, micro)
         vocab = model.padded_vocab(L.tp) // L.tp
         rows = default_chunk_rows(tokens, vocab, DTYPES[precision], torch.device(device))
-        for start in range(0, tokens, rows):  # the loss statistics of each chunk: max, sum of exp, target
+        # the loss statistics of each chunk: max, sum of exp, target
+        for start in range(0, tokens, rows):
             out.add("tp", "all_reduce", 4 * min(rows, tokens - start), 3 * micro)
 
 
-def _context_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, chunks: list[int], micro: int,
-                      precision: str) -> None:
+def _context_parallel(out: Traffic, model: ModelArgs, seq: int, L: Layout, chunks: list[int],
+                      micro: int, precision: str) -> None:
     if L.cp == 1:
         return
-    kv = L.micro_batch * 2 * model.num_kv_heads // L.tp * seq * model.head_dim * weight_bytes(precision)
+    kv = L.micro_batch * 2 * model.num_kv_heads // L.tp * seq * model.head_dim * weight_bytes(
+        precision)
     layers = sum(chunks) * micro
     out.add("cp", "all_gather", kv // L.cp, layers * (2 if L.recompute == "full" else 1))
     out.add("cp", "reduce_scatter", kv, layers)
 
 
-def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, micro: int, precision: str,
-              schedule: Schedule) -> None:
+def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int, micro: int,
+              precision: str, schedule: Schedule) -> None:
     if L.pp == 1:
         return
     tokens = L.micro_batch * seq // L.cp // (L.tp if L.sequence_parallel else 1)
@@ -140,26 +148,29 @@ def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int,
     place = chunk_placement(L, schedule)
     last = place.chunks - 1
 
-    def remote(g: int) -> bool:  # global chunk g exists and sits on another stage (V's turn stays here)
+    # global chunk g exists and sits on another stage (V's turn stays here)
+    def remote(g: int) -> bool:
         return 0 <= g <= last and place.stage_of(g) != pp_rank
     for op in schedule.order(pp_rank, L.pp, L.vpp, micro):
         if op.kind == "W":  # weight gradients: nothing moves
             continue
         g = place.global_chunk(pp_rank, op.chunk)
-        takes, gives = (remote(g - 1), remote(g + 1)) if op.kind == "F" else (remote(g + 1), remote(g - 1))
+        takes, gives = (remote(g - 1), remote(g + 1)) if op.kind == "F" \
+            else (remote(g + 1), remote(g - 1))
         out.add("pp", "recv", act, int(takes))
         out.add("pp", "send", act, int(gives))
     out.add("pp", "all_reduce", 4)  # the step's loss, held by the last stage
 
 
-def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precision: str, bucket_mb: float,
-                   keep_gathered: bool) -> None:
+def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precision: str,
+                   bucket_mb: float, keep_gathered: bool) -> None:
     names, w = group_names(L), weight_bytes(precision)
     replicated = L.dp * L.cp  # ranks holding the same parameters
     n = L.shard or replicated  # buckets are padded for this many shards, whatever the ZeRO stage
     bucket_numel = bucket_mb * 2**20 / 4 if bucket_mb > 0 and L.zero < 3 else float("inf")
     params = [ps for chunk in by_chunk for ps in chunk]
-    buckets = bucket_split(list(reversed(params)), bucket_numel, n, by_unit=L.zero == 3)  # as the buffers cut them
+    # as the buffers cut them
+    buckets = bucket_split(list(reversed(params)), bucket_numel, n, by_unit=L.zero == 3)
     chunk_of = {id(p): c for c, chunk in enumerate(by_chunk) for p, _ in chunk}
     spec_of = {id(p): s for p, s in params}
     reduce = "all_reduce" if L.zero == 0 else "reduce_scatter"
@@ -182,8 +193,8 @@ def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precisio
         if L.zero in (1, 2) and n > 1:
             out.add(names["shard"], "all_gather", numel // n * w)
         if L.zero == 3 and n > 1:
-            out.add(names["shard"], "all_gather", numel // n * w, _zero3_gathers(bucket, spec_of, L, micro,
-                                                                                   keep_gathered))
+            out.add(names["shard"], "all_gather", numel // n * w,
+                    _zero3_gathers(bucket, spec_of, L, micro, keep_gathered))
     if L.zero and n > 1:
         out.add(names["shard"], "all_reduce", 4)  # the grad norm's sum of squares
     if L.pp * L.tp > 1:
@@ -199,6 +210,7 @@ def _zero3_gathers(bucket: list, spec_of: dict, L: Layout, micro: int, keep_gath
     layer = spec_of[id(bucket[0])].layer
     if layer is None or keep_gathered:
         return 1
-    last_kept = L.vpp == 1 and L.pp == 1 and layer == max(s.layer for s in spec_of.values() if s.layer is not None)
+    last_kept = L.vpp == 1 and L.pp == 1 and layer == max(s.layer for s in spec_of.values()
+                                                          if s.layer is not None)
     return micro * (1 if last_kept else 2)
 

@@ -40,8 +40,8 @@ from torch.utils.flop_counter import flop_registry
 from ..monitor.memtrace import MemoryTrace, Segment
 from ..parallel.state import Group
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight", "zero3_gathered",
-              "comm_buffers", "temporary", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight",
+              "zero3_gathered", "comm_buffers", "temporary", "other")
 _TAGGED = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer",
            "zero3": "zero3_gathered", "comm": "comm_buffers", "pipeline": "pipeline_in_flight"}
 _FORWARD = ("forward", "recompute")
@@ -129,7 +129,8 @@ class ProgramTrace(MemoryTrace):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor):
-            return args[0].fake_device  # asked of fake tensors at every op (most calls): answered here
+            # asked of fake tensors at every op (most calls): answered here
+            return args[0].fake_device
         kwargs = kwargs or {}
         if func is _aten._local_scalar_dense.default and isinstance(args[0], FakeTensor) \
                 and args[0].constant is None:  # (a constant, from torch.tensor(3.0), has its value)
@@ -211,13 +212,16 @@ class Measurement:
             chunk.register_forward_hook(self._chunk_done)
             for name, layer in chunk.layers.items():
                 layer.register_forward_pre_hook(partial(self._layer_start, name=f"layers.{name}"))
-                # always: a recomputation stops with an exception once it has what the backward needs
-                layer.register_forward_hook(partial(self._layer_done, name=f"layers.{name}"), always_call=True)
+                # always: a recomputation stops with an exception once it has what the backward
+                # needs
+                layer.register_forward_hook(partial(self._layer_done, name=f"layers.{name}"),
+                                            always_call=True)
 
     # -- regions ---------------------------------------------------------------------------------
 
     def _enter(self, kind: str, parent: Region | None = None, **where) -> Region:
-        region = Region(self.step, kind, self.trace.clock, parent=parent, previous=self.region, **where)
+        region = Region(self.step, kind, self.trace.clock, parent=parent, previous=self.region,
+                        **where)
         self.region = self.trace.phase = region
         return region
 
@@ -242,7 +246,8 @@ class Measurement:
     def _chunk_done(self, module, args, output) -> None:
         region = self.region
         if region is not None and region.op.kind == "forward":
-            while region is not None and region is not region.op:  # a layer left open (none normally)
+            # a layer left open (none normally)
+            while region is not None and region is not region.op:
                 self._leave(region)
                 region = self.region
             self._leave(region)
@@ -328,7 +333,8 @@ def breakdown(trace: MemoryTrace, clock: int, now: Region | None, steps: list[St
     return out
 
 
-def largest(trace: MemoryTrace, clock: int, now: Region | None, steps: list[StepRecord], n: int = 8) -> list[dict]:
+def largest(trace: MemoryTrace, clock: int, now: Region | None, steps: list[StepRecord],
+            n: int = 8) -> list[dict]:
     """The ``n`` largest allocations alive at event ``clock``: bytes, category, and where made."""
     current = now.op if now is not None else None
     alive = sorted(trace.alive_at(clock), key=lambda s: -s.bytes)[:n]
@@ -352,12 +358,14 @@ def _category(s: Segment, current: Region | None, steps: list[StepRecord]) -> st
     if scope.end is not None and s.end is not None and s.end <= scope.end:
         return "temporary"
     op = scope.op if scope.kind != "recompute" else scope.parent
-    same = current is not None and (op.step, op.micro, op.chunk) == (current.step, current.micro, current.chunk)
+    same = current is not None and (op.step, op.micro, op.chunk) == (current.step, current.micro,
+                                                                     current.chunk)
     return "activations" if same else "pipeline_in_flight"
 
 
 def comm_by_group(summary: dict) -> tuple[dict, dict]:
-    """``CommStats.summary()`` ({"tp.all_gather": {calls, bytes}}) as bytes and calls by group and op."""
+    """``CommStats.summary()`` ({"tp.all_gather": {calls, bytes}}) as bytes and calls by group and
+    op."""
     nbytes, calls = defaultdict(dict), defaultdict(dict)
     for key, value in summary.items():
         group, op = key.split(".", 1)

@@ -32,7 +32,8 @@ def role_ranks(layout: Layout) -> list[tuple[int, str]]:
     """(rank, role) of one rank per distinct role (see the module docstring), first stage first,
     each stage at cp positions 0 and cp − 1."""
     pp = layout.pp
-    stages = {0: "first stage", min(1, pp - 1): "second stage", pp // 2: "middle stage", pp - 1: "last stage"}
+    stages = {0: "first stage", min(1, pp - 1): "second stage", pp // 2: "middle stage",
+              pp - 1: "last stage"}
     if pp == 1:
         stages = {0: "the only stage"}
     grid = layout.grid()  # [pp, dp, cp, tp]
@@ -52,8 +53,9 @@ def role_of(layout: Layout, rank: int) -> str:
 
 def layout_json(layout: Layout, run) -> dict:
     return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "vpp": layout.vpp,
-            "micro_batch_size": layout.micro_batch, "zero": layout.zero, "zero_shard_size": layout.shard,
-            "recompute": layout.recompute, "sequence_parallel": layout.sequence_parallel,
+            "micro_batch_size": layout.micro_batch, "zero": layout.zero,
+            "zero_shard_size": layout.shard, "recompute": layout.recompute,
+            "sequence_parallel": layout.sequence_parallel,
             "pipeline_layers": list(layout.pipeline_layers) if layout.pipeline_layers else None,
             "schedule": run.sizes.schedule.name, "micro_batches": run.sizes.grad_accum}
 
@@ -78,13 +80,17 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header] + rows)
 
 
 def memory_table(doc: dict, markdown: bool = False) -> str:
-    header = ["rank", "role", "pp", "peak GiB", "planned GiB"] + [SHORT[k] for k in BREAKDOWN] + ["peak at", "s"]
-    rows = [[str(r["rank"]), r["role"], str(r["coords"]["pp"]), _gib(r["peak_bytes"]), _gib(r["planned_peak_bytes"])]
-            + [_gib(r["breakdown"][k]) for k in BREAKDOWN] + [_where(r["peak_at"]), f"{r['seconds']:.0f}"]
+    header = ["rank", "role", "pp", "peak GiB",
+              "planned GiB"] + [SHORT[k] for k in BREAKDOWN] + ["peak at", "s"]
+    rows = [[str(r["rank"]), r["role"], str(r["coords"]["pp"]), _gib(r["peak_bytes"]),
+             _gib(r["planned_peak_bytes"])]
+            + [_gib(r["breakdown"][k]) for k in BREAKDOWN]
+            + [_where(r["peak_at"]), f"{r['seconds']:.0f}"]
             for r in doc["ranks"]]
     return _table(header, rows, markdown)
 
@@ -98,36 +104,41 @@ def traffic_table(doc: dict, markdown: bool = False) -> str:
 
 
 def compute_table(doc: dict, markdown: bool = False) -> str:
-    header = ["rank", "FLOPs/step (dispatched)", "model FLOPs/step (MFU formula's share)", "ratio", "checkpoint GiB",
-              "host reads in the step"]
+    header = ["rank", "FLOPs/step (dispatched)", "model FLOPs/step (MFU formula's share)", "ratio",
+              "checkpoint GiB", "host reads in the step"]
     rows = [[str(r["rank"]), f"{r['flops']:.4g}", f"{r['model_flops']:.4g}",
-             f"{r['flops'] / r['model_flops']:.3f}" if r["model_flops"] else "-", _gib(r["checkpoint_bytes"]),
-             "; ".join(r["host_reads"]) or "none"] for r in doc["ranks"]]
+             f"{r['flops'] / r['model_flops']:.3f}" if r["model_flops"] else "-",
+             _gib(r["checkpoint_bytes"]), "; ".join(r["host_reads"]) or "none"]
+            for r in doc["ranks"]]
     return _table(header, rows, markdown)
 
 
 def title(doc: dict) -> str:
     L = doc["layout"]
-    return (f"{doc['config']} on {doc['world_size']:,} ranks: tp {L['tp']} × cp {L['cp']} × pp {L['pp']} × "
-            f"dp {L['dp']} (vpp {L['vpp']}, {L['schedule']} schedule, {L['micro_batches']} micro-batches of "
-            f"{L['micro_batch_size']}, "
+    return (f"{doc['config']} on {doc['world_size']:,} ranks: tp {L['tp']} × cp {L['cp']} × pp "
+            f"{L['pp']} × dp {L['dp']} (vpp {L['vpp']}, {L['schedule']} schedule, "
+            f"{L['micro_batches']} micro-batches of {L['micro_batch_size']}, "
             f"zero {L['zero']}" + (f" over {L['zero_shard_size']}" if L["zero_shard_size"] else "")
-            + f", recompute {L['recompute']}, sequence parallel {str(L['sequence_parallel']).lower()}); "
-            f"{doc['steps']} steps of the {doc['device']} program"
+            + f", recompute {L['recompute']}, sequence parallel "
+              f"{str(L['sequence_parallel']).lower()}); {doc['steps']} steps of the "
+              f"{doc['device']} program"
             + "".join(f"\nwarning: {w}" for w in doc.get("warnings", ())))
 
 
-NOTES = ("Memory is what the program holds in tensors (the allocator's rounding and cache, the CUDA context "
-         "and NCCL's buffers come on top: the planner's allowance). Traffic is per step and rank: an "
-         "all-reduce, all-gather or send counts the tensor the rank gives, a reduce-scatter its whole input. "
-         "The simulation measures memory, traffic and FLOPs, not time.")
+NOTES = ("Memory is what the program holds in tensors (the allocator's rounding and cache, the "
+         "CUDA context and NCCL's buffers come on top: the planner's allowance). Traffic is per "
+         "step and rank: an all-reduce, all-gather or send counts the tensor the rank gives, a "
+         "reduce-scatter its whole input. The simulation measures memory, traffic and FLOPs, not "
+         "time.")
 
 
 def text(doc: dict) -> str:
-    return "\n\n".join([title(doc), memory_table(doc), traffic_table(doc), compute_table(doc), NOTES])
+    return "\n\n".join([title(doc), memory_table(doc), traffic_table(doc), compute_table(doc),
+                        NOTES])
 
 
 def markdown(doc: dict) -> str:
-    return "\n\n".join([f"# Simulated ranks\n\n{title(doc)}", "## Memory (GiB; the breakdown at the peak)",
-                        memory_table(doc, True), "## Traffic per step", traffic_table(doc, True),
-                        "## FLOPs and checkpoint", compute_table(doc, True), NOTES]) + "\n"
+    return "\n\n".join([f"# Simulated ranks\n\n{title(doc)}",
+                        "## Memory (GiB; the breakdown at the peak)", memory_table(doc, True),
+                        "## Traffic per step", traffic_table(doc, True), "## FLOPs and checkpoint",
+                        compute_table(doc, True), NOTES]) + "\n"

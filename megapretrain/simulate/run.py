@@ -66,8 +66,8 @@ class ShapedSamples:
         return self._sample
 
     def describe(self) -> list[dict]:
-        return [{"split": "train", "prefix": "(simulated samples)", "documents": 0, "tokens": 0, "weight": 1.0,
-                 "samples": self.num_samples, "epochs": 0.0}]
+        return [{"split": "train", "prefix": "(simulated samples)", "documents": 0, "tokens": 0,
+                 "weight": 1.0, "samples": self.num_samples, "epochs": 0.0}]
 
 
 @dataclass
@@ -86,7 +86,8 @@ class RankResult:
     host_reads: list
     steps: int
     seconds: float
-    peak_allocations: list = dataclasses.field(default_factory=list)  # the largest alive at the peak
+    # the largest alive at the peak
+    peak_allocations: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,20 +98,25 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
     (``planner/memory.py``) and traffic (``planner/traffic.py``) — {"planned_peak_bytes",
     "planned_breakdown", "planned_comm_bytes", "planned_comm_calls"}."""
     triton = use_triton(device)  # what model.kernels / optim.impl auto choose on the device
-    kernels = cfg.model.kernels if cfg.model.kernels != "auto" else ("triton" if triton else "torch")
+    kernels = cfg.model.kernels if cfg.model.kernels != "auto" \
+        else ("triton" if triton else "torch")
     p, t = cfg.parallel, cfg.train
-    fused_adamw = cfg.optim.impl == "triton" or (cfg.optim.impl == "auto" and device == "cuda" and triton
+    fused_adamw = cfg.optim.impl == "triton" or (cfg.optim.impl == "auto" and device == "cuda" and
+                                                 triton
                                                  and not cfg.optim.offload)
-    attention = "unfused" if dense_document_mask(cfg) else "flash"  # as planner/model.py: estimate_run
+    # as planner/model.py: estimate_run
+    attention = "unfused" if dense_document_mask(cfg) else "flash"
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
-                       kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention, fused_adamw=fused_adamw)
-    traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum, precision=t.precision,
-                            schedule=p.pp_schedule, device=device, bucket_mb=p.bucket_size_mb,
-                            keep_gathered=p.zero3_keep_gathered)
+                       kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention,
+                       fused_adamw=fused_adamw)
+    traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
+                            precision=t.precision, schedule=p.pp_schedule, device=device,
+                            bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered)
     nbytes, calls = traffic.as_dicts()
-    return {"planned_peak_bytes": int(est.pop("total")), "planned_breakdown": {k: int(v) for k, v in est.items()},
-            "planned_comm_bytes": nbytes, "planned_comm_calls": calls}
+    return {"planned_peak_bytes": int(est.pop("total")),
+            "planned_breakdown": {k: int(v) for k, v in est.items()}, "planned_comm_bytes": nbytes,
+            "planned_comm_calls": calls}
 
 
 def simulation_config(cfg: Config, run_dir: str) -> Config:
@@ -142,9 +148,11 @@ def resolve_for_simulation(cfg: Config, world_size: int) -> Resolved:
     (the steps of a batch-size ramp-up are not simulated; :func:`rampup_refusal` checks them), with
     the one field a run reads from its data set."""
     if cfg.model.vocab_size is None:
-        raise ConfigError("model.vocab_size is null (a run reads it from the tokenizer): set it for the simulation, "
-                          "e.g. --model.vocab_size 128256")
-    return resolve(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rampup_batch_size=None)), world_size)
+        raise ConfigError("model.vocab_size is null (a run reads it from the tokenizer): set it "
+                          "for the simulation, e.g. --model.vocab_size 128256")
+    return resolve(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                      rampup_batch_size=None)),
+                   world_size)
 
 
 def rampup_refusal(cfg: Config, world_size: int) -> str | None:
@@ -160,7 +168,8 @@ def rampup_refusal(cfg: Config, world_size: int) -> str | None:
     return None
 
 
-def simulate_rank(cfg: Config, world_size: int, rank: int, steps: int = 2, device: str = "cuda") -> RankResult:
+def simulate_rank(cfg: Config, world_size: int, rank: int, steps: int = 2,
+                  device: str = "cuda") -> RankResult:
     """Rank ``rank`` of ``cfg`` on ``world_size`` ranks for ``steps`` training steps (see the
     module docstring); ``device``: "cuda" (a GPU run's program) or "cpu"."""
     run = resolve_for_simulation(cfg, world_size)
@@ -177,7 +186,8 @@ def simulate_rank(cfg: Config, world_size: int, rank: int, steps: int = 2, devic
             if device != "cpu":
                 stack.enter_context(simulated_device(device))
             stack.enter_context(warnings.catch_warnings())
-            warnings.simplefilter("ignore")  # fake tensors' data pointers, deprecations of the fake backend
+            # fake tensors' data pointers, deprecations of the fake backend
+            warnings.simplefilter("ignore")
             log = stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
             stack.enter_context(contextlib.redirect_stderr(log))
             ps = ParallelState.of(run.layout, device="cpu", comm_stats=True)
@@ -190,10 +200,12 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
     """Build this rank's trainer for ``cfg`` (as :func:`simulation_config` left it) on the groups
     ``ps`` and measure ``steps`` training steps: on fake tensors inside :func:`simulate_rank`, or
     on real ones in a real process group (what the simulation is checked against)."""
-    samples = ShapedSamples(run.sizes.train_samples + steps * cfg.train.global_batch_size, cfg.train.seq_length)
+    samples = ShapedSamples(run.sizes.train_samples + steps * cfg.train.global_batch_size,
+                            cfg.train.seq_length)
     trace = ProgramTrace(ps.device)
     with trace:
-        trainer = Trainer(cfg, run.sizes, ps, datasets={"train": samples}, eod=run.model.vocab_size - 1)
+        trainer = Trainer(cfg, run.sizes, ps, datasets={"train": samples},
+                          eod=run.model.vocab_size - 1)
         records = Measurement(trainer, trace).run(steps)
         checkpoint_bytes = rank_state_size(trainer.run.checkpoint_state())
         parts = breakdown(trace, trace.peak_clock, trace.peak_phase, records)
@@ -205,11 +217,13 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
     comm_bytes, comm_calls = comm_by_group(last.comm)
     tokens = trainer._batch_size(trainer.consumed_samples) * cfg.train.seq_length
     coords = {"tp": ps.tp_rank, "cp": ps.cp_rank, "dp": ps.dp_rank, "pp": ps.pp_rank}
-    return RankResult(rank=ps.rank, coords=coords, peak_bytes=trace.peak, breakdown=parts, peak_at=peak_at,
-                      comm_bytes=comm_bytes, comm_calls=comm_calls, flops=last.flops,
-                      model_flops=flops_per_token(run.model, cfg.train.seq_length) * tokens / ps.world_size,
-                      checkpoint_bytes=checkpoint_bytes, host_reads=sorted(set(last.host_reads)), steps=steps,
-                      seconds=0.0, peak_allocations=top)
+    return RankResult(rank=ps.rank, coords=coords, peak_bytes=trace.peak, breakdown=parts,
+                      peak_at=peak_at, comm_bytes=comm_bytes, comm_calls=comm_calls,
+                      flops=last.flops,
+                      model_flops=flops_per_token(run.model,
+                                                  cfg.train.seq_length) * tokens / ps.world_size,
+                      checkpoint_bytes=checkpoint_bytes, host_reads=sorted(set(last.host_reads)),
+                      steps=steps, seconds=0.0, peak_allocations=top)
 
 
 def check_layout(cfg: Config, world_size: int, steps: int = 1, device: str = "cuda") -> dict:
