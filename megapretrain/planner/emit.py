@@ -76,11 +76,12 @@ def write_config(path: str, plan: dict, s: dict, overwrite: bool) -> None:
 def write_launch(path: str, s: dict, config: str, flags: str, overwrite: bool) -> None:
     name = os.path.splitext(os.path.basename(path))[0]
     per_node = s["gpus"] // s["nodes"]
+    estimated = (f"Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps, "
+                 f"{s['days']:.1f} days.")
     script = f"""#!/usr/bin/env bash
 # Written by tools/plan.py: {s['gpus']} GPUs = {s['nodes']} nodes × {per_node}
 # Layout: {s['layout']['flags']}
-# Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps,
-# {s['days']:.1f} days.
+# {estimated}
 # SLURM:   sbatch {path}
 # By hand: NNODES={s['nodes']} NODE_RANK=<i> MASTER_ADDR=<node 0> bash {path}   (on every node)
 # Check first: bash {path} --dry-run
