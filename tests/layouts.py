@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from helpers import NEOX, QWEN
+
 
 @dataclass(frozen=True)
 class Case:
@@ -124,6 +126,15 @@ CASES: tuple[Case, ...] = (
     Case("pp2_dp2_interleaved_zero3", 4, (*Z3, *PP2, *VPP2), slow=True),
     Case("dp4_shard2_zero3", 4, (*Z3, "--parallel.zero_shard_size", "2"), slow=True),
     Case("cp2_dp2_zero3", 4, (*Z3, *CP2), slow=True, note="sharded over dp × cp"),
+    # -- document masking (attention inside each document of a packed sample) under tp + sp and pp
+    Case("tp2_sp_documents", 2, TP2_SP, DOCS),
+    Case("pp2_documents", 2, PP2, DOCS),
+    # -- the other model families (helpers.QWEN: the Llama family's Qwen options; helpers.NEOX)
+    *(Case(f"{family}_{name}", 2, layout, flags)
+      for family, flags in (("qwen", QWEN), ("gpt_neox", NEOX))
+      for name, layout in (("tp2_sp", TP2_SP), ("pp2", PP2), ("dp2_zero3", Z3), ("cp2", CP2),
+                           ("pp2_vpp2_selective", (*PP2, *VPP2, *_recompute("selective"))),
+                           ("dp2_zero1_full", (*_zero(1), *_recompute("full"))))),
 )
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
