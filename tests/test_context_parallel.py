@@ -1,11 +1,10 @@
 """Context parallelism: each sequence split over the cp ranks, attention over all of it.
 
 The pieces (the load-balanced split, the masks by global position and document, the K/V
-all-gather) and then the real trainer under cp layouts against one process — the same per-step
-losses and grad norms (fp32, 1e-5 relative) and the same final weights — alone and with tp + sp,
-pp, dp + ZeRO-1, full and selective recomputation, grouped-query attention and document masking;
-a cp=2 checkpoint resumes at cp=1 on the single-process curve and the other way round; the
-validation, the planner's model of cp, and the Triton kernels under cp.
+all-gather, ring and all-to-all attention), then the real trainer under cp: its ranks' dropout
+streams, evaluation against one process, a cp=2 checkpoint resuming at cp=1 on the
+single-process curve and the other way round; the validation, the planner's model of cp, and the
+Triton kernels under cp. The cp layouts against one process are cases of tests/layouts.py.
 """
 
 from __future__ import annotations
@@ -39,18 +38,8 @@ from megapretrain.resolve import resolve
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import (
-    BASE,
-    TORCH,
-    TRITON,
-    build,
-    check,
-    losses_close,
-    reference_for,
-    tiny_args,
-    train_layout,
-    train_losses,
-)
+from helpers import BASE, TORCH, TRITON, build, losses_close, tiny_args, train_losses
+from layouts import BY_NAME
 
 EOD = 7
 
@@ -241,42 +230,22 @@ def test_cp_comm_that_cannot_work_is_a_one_line_error(flags, message):
 
 CP2 = ["--parallel.cp", "2"]
 DOCS = ["--data.reset_attention_mask", "true", "--data.reset_position_ids", "true", "--data.eod_mask_loss", "true"]
-# name: (ranks, layout flags, model and data flags of the one-process reference too); every model
-# has grouped-query attention (BASE: 4 query heads sharing 2 kv heads), so the K/V all-gather moves
-# the kv heads only and attention expands them
-LAYOUTS = {
-    "cp2": (2, CP2, ()),
-    "cp2_full_recompute": (2, [*CP2, "--parallel.recompute", "full"], ()),
-    "cp2_selective_recompute": (2, [*CP2, "--parallel.recompute", "selective"], ()),
-    "cp2_documents": (2, CP2, tuple(DOCS)),
-    "cp2_documents_full_recompute": (2, [*CP2, "--parallel.recompute", "full"], tuple(DOCS)),
-    "cp4": (4, ["--parallel.cp", "4"], ()),
-    "tp2_cp2_sp": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *CP2], ()),
-    "cp2_pp2": (4, ["--parallel.pp", "2", *CP2], ()),
-    "cp2_dp2_zero1": (4, ["--parallel.zero", "1", *CP2], ()),
-    # the other two ways to reach the other rank's keys (parallel.cp_comm)
-    "cp2_ring_documents": (2, [*CP2, "--parallel.cp_comm", "ring"], tuple(DOCS)),
-    "cp2_a2a_selective_recompute": (2, [*CP2, "--parallel.cp_comm", "a2a", "--parallel.recompute", "selective"], ()),
-    "tp2_cp2_sp_ring": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", *CP2,
-                            "--parallel.cp_comm", "ring"], ()),
-}
-SLOW_CP = {"tp2_cp2_sp_ring"}
+# the cp layouts against one process (alone and with tp + sp, pp, dp + ZeRO-1, recompute, document
+# masking, ring and a2a) are cases of tests/layouts.py, run by test_parallel_equivalence.py
 
 
-def _train_seeded(rank, world, run_dir, corpus, flags):
-    """``train_layout``, plus this rank's cp coordinate and the seed of its default dropout stream."""
-    out = train_layout(rank, world, run_dir, corpus, flags)
-    return {**out, "default_seed": torch.initial_seed()}
+def _default_seed(rank, world, run_dir, corpus, flags):
+    """The seed of this rank's default (dropout) stream once the trainer is set up."""
+    setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
+    return torch.initial_seed()
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CP else n for n in LAYOUTS])
-def test_cp_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
-    world, layout, model_flags = LAYOUTS[name]
-    reference = reference_for(model_flags, corpus, tmp_path_factory)
-    results = run_distributed(_train_seeded, world, str(tmp_path), corpus, [*model_flags, *layout], timeout=300)
-    check(reference, results)
-    if name == "cp2":  # each cp rank drops out other tokens: its streams start elsewhere
-        assert results[0]["default_seed"] != results[1]["default_seed"]
+def test_cp_ranks_seed_their_default_streams_apart(corpus, tmp_path):
+    """Each cp rank drops out other tokens (outside tp regions too): its stream starts elsewhere."""
+    case = BY_NAME["cp2"]
+    flags = [*case.model, *case.layout]
+    seeds = run_distributed(_default_seed, case.world, str(tmp_path), corpus, flags, timeout=300)
+    assert seeds[0] != seeds[1]
 
 
 def _tracker_draws(rank, world):

@@ -3,9 +3,9 @@ Qwen2, ``model.qk_norm`` + ``model.head_dim``: Qwen3) and GPT-NeoX (Pythia).
 
 For each: a random transformers model converts here and back bit for bit, our logits are
 transformers' (fp32), 20 steps of the real trainer from it equal transformers + torch.optim.AdamW
-on the same batches, and tp2+sp, pp2, dp2 with ZeRO-3 and cp2 equal one process. The spec table
-gives the parameter count (Pythia's published figures), the initializations and the weight decay
-(none on biases and norm weights)."""
+on the same batches (and under tp2+sp, pp2, dp2 with ZeRO-3 and cp2 they equal one process: cases
+of tests/layouts.py). The spec table gives the parameter count (Pythia's published figures), the
+initializations and the weight decay (none on biases and norm weights)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from megapretrain.model.build import model_args, rank_param_specs
 from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
-from distributed import run_distributed
-from helpers import BASE, NEOX, QWEN, check, reference_for, safetensors_of, train_layout
+from helpers import BASE, NEOX, QWEN, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,26 +145,8 @@ def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, corpus, tmp_pat
     assert theirs[-1] < theirs[0]
 
 
-# -- parallel layouts against one process -------------------------------------------------------------
-
-TINY = ["--model.num_layers", "2"]
-LAYOUTS = {
-    "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
-    "pp2": (2, ["--parallel.pp", "2"]),
-    "dp2_zero3": (2, ["--parallel.zero", "3"]),
-    "cp2": (2, ["--parallel.cp", "2"]),
-    "pp2_vpp2_selective": (2, ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.recompute", "selective"]),
-    "dp2_zero1_full": (2, ["--parallel.zero", "1", "--parallel.recompute", "full"]),
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("model", ["qwen", "gpt_neox"])
-def test_layout_matches_single_process(model, layout, corpus, tmp_path, tmp_path_factory):
-    flags = QWEN if model == "qwen" else NEOX
-    world, parallel = LAYOUTS[layout]
-    reference = reference_for(flags, corpus, tmp_path_factory)
-    check(reference, run_distributed(train_layout, world, str(tmp_path), corpus, [*flags, *parallel], timeout=300))
+# the families under parallel layouts against one process: the qwen_* and gpt_neox_* cases of
+# tests/layouts.py
 
 
 # -- the spec table: counts, initialization, weight decay -----------------------------------------------

@@ -12,50 +12,84 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import pytest
 
+from megapretrain.config import ConfigError, ParallelConfig, load_config
+from megapretrain.parallel.layout import Coords
+from megapretrain.parallel.pipeline import SCHEDULES
+from megapretrain.resolve import resolve
 from megapretrain.train import setup
 
 from distributed import run_distributed
 from helpers import BASE, check, reference_for, resume_run, train_layout
-
-LAYOUTS = {
-    "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
-    # the sequence-parallel collectives as ring steps under their GEMMs (parallel.tp_comm_overlap)
-    "tp2_sp_overlap": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-                           "--parallel.tp_comm_overlap", "true"]),
-    "dp2": (2, []),
-    "dp2_zero1": (2, ["--parallel.zero", "1"]),
-    "pp2": (2, ["--parallel.pp", "2"]),
-    "pp2_vpp2": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
-    # 3 micro-batches on 2 stages: the interleaved order's last group is one micro-batch
-    "pp2_vpp2_3_micro": (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
-    "pp2_gpipe_tied": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]),
-    "tp2_dp2_zero1": (4, ["--parallel.tp", "2", "--parallel.zero", "1"]),
-    "pp4": (4, ["--parallel.pp", "4"]),
-    "dp4_zero2": (4, ["--parallel.zero", "2"]),
-    # hybrid sharding: ZeRO over pairs of dp ranks, the pairs replicas of each other
-    "dp4_zero1_shard2": (4, ["--parallel.zero", "1", "--parallel.zero_shard_size", "2"]),
-    "dp4_zero2_shard2": (4, ["--parallel.zero", "2", "--parallel.zero_shard_size", "2"]),
-    "dp2_zero1_shard1": (2, ["--parallel.zero", "1", "--parallel.zero_shard_size", "1"]),
-}
-SLOW = {"tp2_dp2_zero1", "pp4", "dp4_zero2", "tp2_pp2_dp2", "dp4_zero1_shard2", "dp4_zero2_shard2"}
-LAYOUTS["tp2_pp2_dp2"] = (8, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
-                              "--parallel.zero", "1"])
+from layouts import BY_NAME, CASES
 
 
-MODEL_FLAGS = {"pp2_gpipe_tied": ("--model.tie_embeddings", "true"),
-               "pp2_vpp2_3_micro": ("--train.global_batch_size", "6")}  # the reference at the same batch
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
-def test_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
-    world, layout = LAYOUTS[name]
-    flags = MODEL_FLAGS.get(name, ())
-    reference = reference_for(flags, corpus, tmp_path_factory)
-    results = run_distributed(train_layout, world, str(tmp_path), corpus, [*flags, *layout], timeout=300)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] * c.slow)
+                                  for c in CASES])
+def test_layout_matches_single_process(case, corpus, tmp_path, tmp_path_factory):
+    """A case of tests/layouts.py: its per-step losses and grad norms and its final parameters
+    equal those of one process on the case's model flags."""
+    reference = reference_for(case.model, corpus, tmp_path_factory)
+    flags = [*case.model, *case.layout]
+    results = run_distributed(train_layout, case.world, str(tmp_path), corpus, flags, timeout=300)
     check(reference, results)
+
+
+TRAITS = ("sequence_parallel", "tp_comm_overlap", "shard")  # Layout fields a case turns on
+
+
+def _config(*flags):
+    return load_config(None, ["--model.vocab_size", "300", *BASE, *flags])
+
+
+def _features(case) -> set[str]:
+    """What a case runs, read off the layout it resolves to (ConfigError: one its world size
+    cannot run): its schedule, cp_comm mode (cp > 1), ZeRO stage (dp × cp > 1: ranks to shard
+    over), every dimension over 1 and every trait turned on."""
+    resolved = resolve(_config(*case.model, *case.layout), case.world)
+    layout = resolved.layout
+    found = {f"schedule {resolved.sizes.schedule.name}"}
+    if layout.cp > 1:
+        found.add(f"cp_comm {layout.cp_comm}")
+    if layout.dp * layout.cp > 1:
+        found.add(f"zero {layout.zero}")
+    found.update(dim for dim in (*Coords._fields, "vpp") if getattr(layout, dim) > 1)
+    found.update(trait for trait in TRAITS if getattr(layout, trait))
+    return found
+
+
+def _registered() -> list[str]:
+    """What the package runs: its pipeline schedules, parallel.cp_comm's choices, the ZeRO stages
+    the config accepts, the dimensions of the rank grid (and vpp), the traits."""
+    cp_modes = {f.name: f for f in fields(ParallelConfig)}["cp_comm"].metadata["choices"]
+    stages = []
+    for stage in range(8):
+        try:
+            resolve(_config("--parallel.zero", str(stage)), 2)
+        except ConfigError:
+            continue
+        stages.append(f"zero {stage}")
+    return [*(f"schedule {name}" for name in SCHEDULES), *(f"cp_comm {mode}" for mode in cp_modes),
+            *stages, *Coords._fields, "vpp", *TRAITS]
+
+
+def test_the_cases_cover_what_the_package_registers():
+    """tests/layouts.py: unique names; every case a layout its world size runs, every flag that
+    changes the numbers run by the reference too; and every schedule, cp_comm mode, ZeRO stage,
+    dimension and trait the package accepts in a case CI runs (not slow)."""
+    names = [case.name for case in CASES]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice and len(BY_NAME) == len(CASES), f"case names used twice: {twice}"
+    for case in CASES:
+        shared = [f for f in case.layout if f.startswith(("--model.", "--train.", "--data."))]
+        assert not shared, f"{case.name}: the reference must run {shared} too: put them in model"
+    features = {case.name: _features(case) for case in CASES}
+    in_ci = set().union(*(features[case.name] for case in CASES if not case.slow))
+    missing = [feature for feature in _registered() if feature not in in_ci]
+    assert not missing, f"no case of tests/layouts.py that CI runs (not slow) covers: {missing}"
 
 
 def _traced(rank, world, run_dir, corpus):
@@ -71,8 +105,6 @@ def _traced(rank, world, run_dir, corpus):
 def test_recorded_1f1b_trace(pp, corpus, tmp_path):
     """The trainer runs the published 1F1B order (6 micro-batches) and never holds more than pp
     micro-batches' activations — read from the trace each rank writes."""
-    from megapretrain.parallel.pipeline import SCHEDULES
-
     traces = run_distributed(_traced, pp, str(tmp_path), corpus, timeout=300)
     for rank, records in enumerate(traces):
         assert [r["iter"] for r in records] == [1, 2]

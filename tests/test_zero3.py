@@ -1,10 +1,10 @@
 """ZeRO-3 (``parallel.zero 3``): fully sharded parameters reproduce one process, layout by layout.
 
-The trainer runs on spawned gloo ranks exactly as in ``test_parallel_equivalence.py`` (same
-config, seed and data, same tolerance: per-step losses and grad norms within 1e-5 relative, final
-parameters equal); on top of that: resume, checkpoints across zero stages, the memory each rank
-holds against the analytic formula, the number of layers gathered at once, and the order of the
-gathers and reductions (prefetch, reduce-scatter during backward).
+The layouts against one process (dp 2 and 4, kept gathered, no prefetch, recompute, tied
+embeddings, offload, with tp + sp, pp, hybrid sharding and cp) are cases of ``tests/layouts.py``,
+run by ``test_parallel_equivalence.py``. Here: resume, checkpoints across zero stages, the memory
+each rank holds against the analytic formula, the number of layers gathered at once, and the
+order of the gathers and reductions (prefetch, reduce-scatter during backward).
 """
 
 from __future__ import annotations
@@ -12,34 +12,9 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_distributed
-from helpers import check, reference_for, resume_run, train_layout
+from helpers import resume_run
 
 Z3 = ["--parallel.zero", "3"]
-LAYOUTS = {
-    "dp2": (2, Z3),
-    "dp2_keep": (2, [*Z3, "--parallel.zero3_keep_gathered", "true"]),
-    "dp2_no_prefetch": (2, [*Z3, "--parallel.zero3_prefetch", "false"]),
-    "dp2_full_recompute": (2, [*Z3, "--parallel.recompute", "full"]),
-    "dp2_selective_recompute": (2, [*Z3, "--parallel.recompute", "selective"]),
-    "dp2_tied": (2, [*Z3, "--model.tie_embeddings", "true"]),
-    "dp2_offload": (2, [*Z3, "--optim.offload", "true"]),
-    "dp4": (4, Z3),
-    "tp2_dp2_sp": (4, [*Z3, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
-    "pp2_dp2_1f1b": (4, [*Z3, "--parallel.pp", "2"]),
-    "pp2_dp2_interleaved": (4, [*Z3, "--parallel.pp", "2", "--parallel.vpp", "2"]),
-    "dp4_shard2_zero3": (4, [*Z3, "--parallel.zero_shard_size", "2"]),
-    "cp2_dp2": (4, [*Z3, "--parallel.cp", "2"]),  # sharded over dp × cp
-}
-SLOW = {"dp4", "tp2_dp2_sp", "pp2_dp2_1f1b", "pp2_dp2_interleaved", "dp4_shard2_zero3", "cp2_dp2"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
-def test_zero3_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
-    world, layout = LAYOUTS[name]
-    flags = ("--model.tie_embeddings", "true") if "--model.tie_embeddings" in layout else ()
-    reference = reference_for(flags, corpus, tmp_path_factory)
-    results = run_distributed(train_layout, world, str(tmp_path), corpus, layout, timeout=300)
-    check(reference, results)
 
 
 # -- the mechanism, on a bare model and optimizer ---------------------------------------------------
