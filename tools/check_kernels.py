@@ -18,6 +18,7 @@ error, any spill, or shared memory over the target's limit.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import os
 import re
@@ -287,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="configs", help="folder of config YAML files (searched recursively)")
     parser.add_argument("--targets", default="80,90,100", help="compute capabilities (100: ptxas 12.8 or later)")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compiles run at once (default: one per CPU)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("check_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
@@ -303,12 +306,16 @@ def main(argv=None) -> int:
     print(f"{'kernel':<17} {'target':<6} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8} {'ld bits':>7}  "
           f"{'first case (of n)':<26} specialisation (pointer dtype, constexprs, D: 16-aligned / divisible)")
     failures, kernels, start = [], set(), time.perf_counter()
-    for cc in targets:
-        for variant, cases in capture(shapes, dtypes, cc).values():
+    work = [(cc, variant, cases) for cc in targets
+            for variant, cases in capture(shapes, dtypes, cc).values()]
+    # ptxas runs as its own process: compiles overlap on threads (results printed in order)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        results = [pool.submit(compile_variant, variant, cc) for cc, variant, _ in work]
+        for (cc, variant, cases), future in zip(work, results):
             name = variant.kernel.fn.__name__
             kernels.add(name)
             try:
-                r = compile_variant(variant, cc)
+                r = future.result()
             except Exception as e:  # reported; the exit status says so
                 failures.append(f"{name} sm_{cc} {describe(variant)}: {type(e).__name__}: {str(e)[:400]}")
                 print(f"{name:<17} sm_{cc:<3} COMPILE ERROR  {cases[0]} ({len(cases)})  {describe(variant)}")
