@@ -70,8 +70,8 @@ class Layout:
         parallelism can cut. Raises :class:`ConfigError` with one line naming the fields."""
         p, m, t = cfg.parallel, cfg.model, cfg.train
         mp = p.tp * p.cp * p.pp
-        named = f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1
-                                            else "") + f"parallel.pp={p.pp}"
+        named = (f"parallel.tp={p.tp} × " + (f"parallel.cp={p.cp} × " if p.cp > 1 else "")
+                 + f"parallel.pp={p.pp}")
         require(world_size % mp == 0,
                 f"{named} = {mp} must divide the world size {world_size} (launch {mp}·k processes "
                 f"with torchrun, or pick tp×{'cp×' if p.cp > 1 else ''}pp from: "
@@ -86,10 +86,10 @@ class Layout:
                 f"(valid: {divisors(dp * p.cp)})")
         shard = p.zero_shard_size if p.zero_shard_size and p.zero_shard_size < dp * p.cp else None
         layout = cls(tp=p.tp, pp=p.pp, dp=dp, vpp=p.vpp, micro_batch=t.micro_batch_size,
-                     zero=p.zero, recompute=p.recompute, pipeline_layers=tuple(p.pipeline_layers)
-                     if p.pipeline_layers else None, sp=p.sequence_parallel, cp=p.cp, shard=shard,
-                     cp_comm=p.cp_comm, tp_comm_overlap=p.tp_comm_overlap,
-                     pp_schedule=p.pp_schedule)
+                     zero=p.zero, recompute=p.recompute,
+                     pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
+                     sp=p.sequence_parallel, cp=p.cp, shard=shard, cp_comm=p.cp_comm,
+                     tp_comm_overlap=p.tp_comm_overlap, pp_schedule=p.pp_schedule)
         require(not p.tp_comm_overlap or layout.sequence_parallel,
                 "parallel.tp_comm_overlap overlaps the sequence-parallel all-gathers and "
                 f"reduce-scatters with their GEMMs: it needs parallel.tp > 1 (is {p.tp}) and "
@@ -109,10 +109,10 @@ class Layout:
                     f"model.num_layers={num_layers} (valid pp×vpp: {divisors(num_layers)})")
         else:
             pl = list(self.pipeline_layers)
-            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl) and
-                    sum(pl) == num_layers, f"parallel.pipeline_layers={pl} must list {chunks} "
-                                           "positive layer counts (pp × vpp) summing to "
-                                           f"model.num_layers={num_layers}")
+            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl)
+                    and sum(pl) == num_layers,
+                    f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts "
+                    f"(pp × vpp) summing to model.num_layers={num_layers}")
 
     def check_sequence(self, seq: int) -> None:
         """A sequence of ``seq`` tokens cut as the layout cuts it: over tp by sequence parallelism,
@@ -189,8 +189,7 @@ class Layout:
         spans = _chunk_spans(num_layers, self.pp, self.vpp, pp_rank, uneven, v_shape)
         return tuple(count for _, count in spans)
 
-    # -- as a checkpoint records it
-    # -----------------------------------------------------------------
+    # -- as a checkpoint records it ----------------------------------------------------------------
 
     def meta(self, *, v_shape: bool) -> dict:
         """The layout as checkpoint metadata records it: what decides which tensors a rank file
