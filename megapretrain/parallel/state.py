@@ -59,30 +59,84 @@ class _AllOf:
             work.wait()
 
 
+class HostClock:
+    """Marks in host time: where the work runs on the host (CPU tensors, gloo), the time a rank is
+    blocked is the time its host thread waits."""
+
+    @staticmethod
+    def mark() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(start: float, end: float) -> float:
+        return end - start
+
+
+class StreamClock:
+    """Marks in a device stream's time: timing events recorded on the current stream, so the span
+    between two marks is how long the compute stream stalled there (a ``wait()`` on NCCL returns at
+    once on the host and makes the stream wait instead). Read lazily: :meth:`seconds` waits for the
+    end mark, so CommStats resolves its spans only when read, never once per collective."""
+
+    def __init__(self, event=None):
+        """``event``: the event class (``torch.cuda.Event``, or one with the same methods)."""
+        self.event = event or torch.cuda.Event
+
+    def mark(self):
+        mark = self.event(enable_timing=True)
+        mark.record()  # on the current stream
+        return mark
+
+    @staticmethod
+    def seconds(start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0  # milliseconds
+
+
+def clock_for(device: torch.device | str) -> HostClock | StreamClock:
+    """The clock that times blocking on ``device``: its stream's on CUDA, the host's elsewhere."""
+    return StreamClock() if torch.device(device).type == "cuda" else HostClock()
+
+
 @dataclass
 class CommStats:
     """Per-collective call and byte counts (bytes = the tensor each rank contributes), and the
     seconds this rank was blocked on them (``exposed_s``): the whole of a synchronous collective,
     only the ``wait()`` of an asynchronous one — what overlapping communication with compute
-    hides does not count."""
+    hides does not count. Blocked time is measured by ``clock`` (:func:`clock_for` the device:
+    the compute stream's stall on CUDA, host time on CPU); its spans are resolved when read."""
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
-    exposed: dict = field(default_factory=lambda: defaultdict(float))
+    clock: HostClock | StreamClock = field(default_factory=HostClock)
+    # (kind, start mark, end mark) not yet resolved, and the seconds of those resolved
+    _spans: list = field(default_factory=list, init=False, repr=False)
+    _exposed: dict = field(default_factory=lambda: defaultdict(float), init=False, repr=False)
 
     def record(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
 
-    def blocked(self, kind: str, seconds: float) -> None:
-        self.exposed[kind] += seconds
+    def blocked(self, kind: str, start, end) -> None:
+        """``kind`` blocked this rank from mark ``start`` to mark ``end`` (of ``clock``)."""
+        self._spans.append((kind, start, end))
+
+    @property
+    def exposed(self) -> dict:
+        """Seconds blocked, by collective (resolves the spans recorded since the last read)."""
+        for kind, start, end in self._spans:
+            self._exposed[kind] += self.clock.seconds(start, end)
+        self._spans.clear()
+        return self._exposed
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
-        self.exposed.clear()
+        self._spans.clear()
+        self._exposed.clear()
 
     def summary(self) -> dict:
-        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "exposed_s": self.exposed[k]}
+        exposed = self.exposed
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "exposed_s": exposed[k]}
                 for k in sorted(self.calls)}
 
 
@@ -93,9 +147,9 @@ class _Timed:
         self.work, self.stats, self.kind = work, stats, kind
 
     def wait(self) -> None:
-        start = time.perf_counter()
+        start = self.stats.clock.mark()
         self.work.wait()
-        self.stats.blocked(self.kind, time.perf_counter() - start)
+        self.stats.blocked(self.kind, start, self.stats.clock.mark())
 
 
 class CommActivity:
@@ -146,9 +200,9 @@ class Group:
         if self.stats is None or torch.compiler.is_compiling():
             yield
             return
-        start = time.perf_counter()
+        start = self.stats.clock.mark()
         yield
-        self.stats.blocked(f"{self.name}.{kind}", time.perf_counter() - start)
+        self.stats.blocked(f"{self.name}.{kind}", start, self.stats.clock.mark())
 
     def _timed(self, work, kind: str):
         """An asynchronous collective's handle, its ``wait()`` counted as exposed time."""
@@ -270,6 +324,17 @@ class Group:
         return self._timed(_all_gather_single(output, shard, group=self.pg, async_op=True),
                            "all_gather")
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group got here."""
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """In place: every rank's ``tensor`` becomes group rank ``src``'s; returns ``tensor``."""
+        if self.size > 1:
+            dist.broadcast(tensor, self.ranks[src], group=self.pg)
+        return tensor
+
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's 1/size slice of ``tensor`` along ``dim`` (no communication)."""
         if self.size == 1:
@@ -309,6 +374,22 @@ def shard_groups(grid: np.ndarray, n: int) -> dict[str, list[np.ndarray]]:
             "dp_replicas": [replicas[i, k, w::n] for i in P for k in T for w in range(n)]}
 
 
+CHECKPOINT_TIMEOUT_S = 3600.0  # config.CheckpointConfig.timeout_s's default
+
+
+def side_group(name: str, world_size: int, rank: int, timeout_s: float) -> Group:
+    """A group of the whole world on gloo with its own ``timeout_s``, for agreement that waits on
+    something slower than a collective (the file system a checkpoint is written to): a slow save
+    then trips neither the training group's timeout nor, on NCCL, its watchdog, and its tensors
+    stay on the host (reading them is no device sync). Collective: every rank creates it, in the
+    same order as the other groups."""
+    ranks = list(range(world_size))
+    pg = None
+    if world_size > 1:
+        pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
+    return Group(name, ranks, pg, rank)
+
+
 class ParallelState:
     """The tp / cp / dp / pp groups of this rank, the model-parallel group and the embedding group.
 
@@ -322,9 +403,11 @@ class ParallelState:
     ``dp_replicas`` groups of the ranks holding the same shard in every one of them."""
 
     def __init__(self, tp: int = 1, pp: int = 1, *, cp: int = 1, device: torch.device | str = "cpu",
-                 comm_stats: bool = False, zero_shard_size: int | None = None):
-        """The groups of tp × cp × pp (× the dp that the world size leaves) ranks; :meth:`of`
-        builds them from a resolved :class:`Layout`."""
+                 comm_stats: bool = False, zero_shard_size: int | None = None,
+                 checkpoint_timeout_s: float = CHECKPOINT_TIMEOUT_S):
+        """The groups of tp × cp × pp (× the dp that the world size leaves) ranks, and the
+        ``checkpoint`` group (:func:`side_group`, ``checkpoint_timeout_s``); :meth:`of` builds them
+        from a resolved :class:`Layout`."""
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.world_size % (tp * cp * pp):
@@ -336,20 +419,21 @@ class ParallelState:
             raise ConfigError(f"parallel.zero_shard_size={n} must divide dp × cp = {dp * cp}")
         self.layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, shard=n if n < dp * cp else None)
         self.device = torch.device(device)
-        self.stats = CommStats() if comm_stats else None
+        self.stats = CommStats(clock=clock_for(device)) if comm_stats else None
         self.activity = CommActivity()
         grid = self.layout.grid()
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = self.layout.coords(self.rank)
         self._make_groups(grid)
         self._make_shards(grid, zero_shard_size)
+        self.checkpoint = side_group("checkpoint", self.world_size, self.rank, checkpoint_timeout_s)
 
     @classmethod
-    def of(cls, layout: Layout, *, device: torch.device | str = "cpu",
-           comm_stats: bool = False) -> ParallelState:
+    def of(cls, layout: Layout, *, device: torch.device | str = "cpu", comm_stats: bool = False,
+           checkpoint_timeout_s: float = CHECKPOINT_TIMEOUT_S) -> ParallelState:
         """The groups of ``layout`` (which must span the world); ``self.layout`` is then that
         layout."""
         ps = cls(layout.tp, layout.pp, cp=layout.cp, device=device, comm_stats=comm_stats,
-                 zero_shard_size=layout.shard)
+                 zero_shard_size=layout.shard, checkpoint_timeout_s=checkpoint_timeout_s)
         if ps.world_size != layout.world_size:
             raise ConfigError(f"the layout {layout.describe()} needs {layout.world_size} ranks, "
                               f"the world has {ps.world_size}")
