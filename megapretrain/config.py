@@ -297,6 +297,10 @@ class CheckpointConfig:
                         "Start a new run from checkpoint.load's weights: fresh optimizer, schedule "
                         "and data position (continued pretraining); the run's own checkpoints "
                         "resume as usual.")
+    timeout_s: float = _f(3600.0, "How long the ranks wait for each other while saving or loading "
+                                  "a checkpoint (seconds): their agreement runs on a process "
+                                  "group of its own, so a slow file system trips this limit, not "
+                                  "watchdog.collective_timeout_s.", positive=True)
 
 
 @dataclass

@@ -67,7 +67,8 @@ class RunState:
                                              async_save=c.async_save, tensors=self.model_shapes,
                                              device=self.device,
                                              prune_rolled_back=cfg.recovery.prune_rolled_back,
-                                             sharding=self._sharding())
+                                             sharding=self._sharding(),
+                                             group=ps.checkpoint)
         self.lr_schedule = LRSchedule.from_config(cfg, sizes.decay_iters)
         self.lr_scale = 1.0  # recovery.lr_factor per rollback, compounding; saved in checkpoints
         self.rollbacks = 0

@@ -132,7 +132,8 @@ def setup(argv: list[str]):
             warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
         init_distributed(cfg.parallel.backend, device.type,
                          timeout_s=cfg.watchdog.collective_timeout_s)
-        ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats)
+        ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats,
+                              checkpoint_timeout_s=cfg.checkpoint.timeout_s)
         if ps.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)

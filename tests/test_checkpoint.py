@@ -400,3 +400,64 @@ def test_kill_9_of_one_rank_during_an_async_save(corpus, tmp_path):
     assert not os.path.exists(os.path.join(ck, "iter_0000004"))
     assert run_distributed(_resume, 2, run, corpus, argv, timeout=300) == [(2, 6), (2, 6)]
     assert not os.path.exists(os.path.join(ck, ".iter_0000004")) and problem(ckpt_dir(run, 6)) is None
+
+
+def _side_group_save_and_load(rank, world, run):
+    """Save and load under 2 ranks, recording the group of every collective the checkpoint code
+    calls and the options of every group created."""
+    import torch.distributed as dist
+
+    from megapretrain.checkpoint import manager as manager_module
+    from megapretrain.checkpoint.format import rank_state
+    from megapretrain.parallel.state import ParallelState
+
+    created, used = [], []
+    new_group = dist.new_group
+
+    def recording_new_group(*args, **kwargs):
+        pg = new_group(*args, **kwargs)
+        created.append((pg, kwargs.get("backend"), kwargs.get("timeout")))
+        return pg
+
+    def recording(fn):
+        def call(*args, group=None, **kwargs):
+            used.append(group)
+            return fn(*args, group=group, **kwargs)
+        return call
+
+    dist.new_group = recording_new_group
+    ps = ParallelState(checkpoint_timeout_s=1234.0)
+    dist.new_group = new_group
+    originals = {name: getattr(dist, name) for name in ("barrier", "all_reduce", "broadcast")}
+    for name, fn in originals.items():
+        setattr(manager_module.dist, name, recording(fn))
+    try:
+        manager = manager_module.CheckpointManager(run, rank=rank, world_size=world,
+                                                   layout={"tp": 1, "pp": 1, "dp": world},
+                                                   vocab_size=8, padded_vocab=8,
+                                                   group=ps.checkpoint)
+        manager.save(3, rank_state(iteration=3, consumed_samples=10 + rank, model={},
+                                   optimizer_step=3, moments={}, scaler=None))
+        path, warnings = manager.choose()
+        loaded = manager.load(path)["consumed_samples"]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    side = [(backend, timeout) for pg, backend, timeout in created if pg is ps.checkpoint.pg]
+    return {"side": side, "used": {g is ps.checkpoint.pg for g in used}, "calls": len(used),
+            "loaded": loaded, "path": os.path.basename(path), "warnings": warnings}
+
+
+def test_checkpoint_agreement_runs_on_a_gloo_group_of_its_own(tmp_path):
+    """Every barrier and vote of a save and a load goes through ParallelState.checkpoint, a gloo
+    group created with checkpoint.timeout_s — never the default group."""
+    import datetime
+
+    from distributed import run_distributed
+
+    results = run_distributed(_side_group_save_and_load, 2, str(tmp_path / "run"), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["side"] == [("gloo", datetime.timedelta(seconds=1234.0))], r
+        assert r["used"] == {True} and r["calls"] >= 4, r  # all on the side group
+        assert r["loaded"] == 10 + rank and r["path"] == "iter_0000003"
+        assert r["warnings"] == []

@@ -94,3 +94,62 @@ def test_reading_late_logs_what_reading_each_step_logs(flags, corpus, tmp_path):
     every = run_distributed(_count, 1, str(tmp_path / "every"), corpus, flags, 1, timeout=300)
     assert len(every[0]["rows"]) == STEPS
     assert late[0]["rows"][-1] == pytest.approx(every[0]["rows"][-1], rel=1e-12)
+
+
+def _count_during_async_save(rank, world, run_dir, corpus):
+    """Train with an async save at iteration 3 whose write is held back until step 6 starts; count
+    the syncs of steps 4 to 6 (the save in flight: every step boundary agrees on it), up to the
+    read point at 6."""
+    import threading
+
+    from megapretrain.checkpoint import manager
+
+    release, write = threading.Event(), manager.write_rank_state
+
+    def held_write(*args, **kwargs):
+        release.wait(timeout=120)
+        return write(*args, **kwargs)
+
+    manager.write_rank_state = held_write
+    trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE,
+                     "--checkpoint.async", "true", "--checkpoint.interval", "3",
+                     "--logging.interval", str(STEPS)])
+    counter, seen = DispatchCounter(where=True), {"steps": 0, "in_flight": 0}
+    step, read = trainer._guarded_step, trainer._read_steps
+
+    def counted_step():
+        if trainer.iteration == 3:  # the save at 3 is in flight from here on
+            counter.__enter__()
+            seen["counting"] = True
+        if seen.get("counting"):
+            seen["steps"] += 1
+            seen["in_flight"] += trainer.run.checkpoints._pending is not None
+        if trainer.iteration == 5:
+            release.set()
+        return step()
+
+    def stop_counting(logged):
+        if seen.pop("counting", False):
+            counter.__exit__(None, None, None)
+        return read(logged)
+
+    trainer._guarded_step, trainer._read_steps = counted_step, stop_counting
+    try:
+        trainer.fit()
+    finally:
+        release.set()
+        manager.write_rank_state = write
+    return {"syncs": counter.syncs, "sites": dict(counter.sync_sites), "steps": seen["steps"],
+            "in_flight": seen["in_flight"], "saved": trainer.run.saved}
+
+
+def test_no_host_sync_per_step_while_an_async_save_is_in_flight(corpus, tmp_path):
+    """While an async save is being written, each step boundary's agreement on it (and its
+    finishing) reads nothing from a device: it is a vote on a host value over the checkpoint
+    group."""
+    results = run_distributed(_count_during_async_save, 2, str(tmp_path / "run"), corpus,
+                              timeout=300)
+    for rank, r in enumerate(results):
+        assert r["steps"] == 3 and r["in_flight"] == 3, (rank, r)  # steps 4 to 6, save pending
+        assert r["syncs"] == 0, (rank, r["sites"])
+        assert r["saved"] == [3, 6, 9, STEPS], (rank, r)

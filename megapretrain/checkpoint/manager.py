@@ -15,9 +15,12 @@ happens on a background thread as soon as the last rank finished writing, while 
 the thread first copies the live state into host buffers (:class:`SnapshotBuffers`) while the next
 forward and backward run — they only read it — and the training loop waits, if at all, only
 before its next optimizer step would change it (:meth:`CheckpointManager.wait_snapshot`). At every
-step boundary the ranks agree (one small all-reduce, only while a save is in flight) whether every
-rank's writer is done, and then finish the save together (errors raised on every rank); at most
-one save is in flight (the next one waits for it). A crash at any point leaves either the
+step boundary the ranks agree (one small all-reduce of a host value, only while a save is in flight:
+no device sync) whether every rank's writer is done, and then finish the save together (errors
+raised on every rank); at most one save is in flight (the next one waits for it). All of the
+ranks' agreement runs on their ``checkpoint`` group (``ParallelState.checkpoint``: gloo, with
+``checkpoint.timeout_s``), never on the training's: a save slowed by its file system cannot trip
+the training collectives' timeout. A crash at any point leaves either the
 previous checkpoint or the new one, never a half-written one under a final name; an existing
 directory of the same name is moved aside, not overwritten. A save that fails on any rank (a full
 disk, say) removes its temporary directory and raises on every rank — a full disk as one line
@@ -39,11 +42,13 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..errors import FULL_DISK, CheckpointError, DiskFullError, disk_full
 from ..optim.optimizer import FragmentState, MixedPrecisionAdamW
+from ..parallel.state import Group
 from .directories import candidates, iter_dir_name, iteration_of, latest_checkpoint
 from .format import (
     METADATA,
@@ -67,9 +72,13 @@ _DONE = ".done.json"
 _FAILED = ".failed"  # beside a rank file whose done record could not be written
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _reduced(group: Group, value: float, op=dist.ReduceOp.MAX) -> float:
+    """Every rank's ``value`` reduced by ``op`` (collective over ``group``, a gloo one): the
+    collective writes host memory, read here without a tensor read, so this waits for the other
+    ranks' hosts and never for a device."""
+    host = np.array([value], dtype=np.float64)
+    group.all_reduce(torch.from_numpy(host), op=op)
+    return float(host[0])
 
 
 class SnapshotBuffers:
@@ -174,13 +183,20 @@ class CheckpointManager:
                  padded_vocab: int, keep_last: int = 3, keep_every: int = 0,
                  milestones: list[float] = (), async_save: bool = False,
                  tensors: dict | None = None, device: torch.device | str = "cpu",
-                 prune_rolled_back: bool = True, sharding: dict | None = None):
+                 prune_rolled_back: bool = True, sharding: dict | None = None,
+                 group: Group | None = None):
         """``layout`` ({tp, pp, dp, cp}; cp 1 when absent), the vocabulary (real and padded) and
         ``tensors`` (every parameter's global shape) go into ``metadata.json``; ``milestones`` are
         iterations whose newest checkpoint at or before them retention keeps (see :func:`retained`);
         ``prune_rolled_back``: retention also removes set-aside checkpoints past the newest
         ``keep_last`` of them (false: they are all kept); ``sharding``: how the optimizer state was
-        cut into ZeRO ranges (loading under another one takes the resharding path)."""
+        cut into ZeRO ranges (loading under another one takes the resharding path); ``group``: the
+        whole world's group the ranks agree on (``ParallelState.checkpoint``; one process: none).
+        """
+        if group is None and world_size > 1:
+            raise TypeError("a CheckpointManager of several ranks needs their group "
+                            "(ParallelState.checkpoint)")
+        self.group = group or Group("checkpoint", [rank], rank_in_group=0)
         self.device = torch.device(device)
         self.root = os.path.join(run_dir, "checkpoints")
         self.rank, self.world_size = rank, world_size
@@ -195,7 +211,7 @@ class CheckpointManager:
         os.makedirs(self.root, exist_ok=True)
         if rank == 0:
             self.cleanup()
-        _barrier()
+        self.group.barrier()
 
     def cleanup(self) -> list[str]:
         """Remove what interrupted saves left behind (``.iter_*`` directories, ``*.part`` files).
@@ -224,7 +240,7 @@ class CheckpointManager:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)  # leftovers of an interrupted save; never a complete checkpoint
             os.makedirs(tmp)
-        _barrier()
+        self.group.barrier()
         errors: list = []
         if self.async_save:
             self._copied = threading.Event()
@@ -265,10 +281,7 @@ class CheckpointManager:
         flight, agree whether every rank's writer is done, and if so finish it (see finalize())."""
         if self._pending is None:
             return
-        done = torch.tensor([0.0 if self.poll() else 1.0], device=self.device)  # 1: still writing
-        if dist.is_initialized():
-            dist.all_reduce(done)
-        if done.item() == 0:
+        if _reduced(self.group, 0.0 if self.poll() else 1.0) == 0:  # 1: a rank is still writing
             self.finalize()
 
     def _write(self, iteration: int, state: dict, tmp: str, errors: list,
@@ -374,21 +387,19 @@ class CheckpointManager:
             thread.join()
         # 0: saved; 1: a rank failed; 2: a rank found no space (every rank then says so in one line)
         kind = 2 if any(isinstance(e, DiskFullError) for e in errors) else 1 if errors else 0
-        failed = torch.tensor([float(kind)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() > 0:
-            _barrier()  # every rank's writer is done with the temporary directory
+        failed = _reduced(self.group, float(kind))
+        if failed > 0:
+            self.group.barrier()  # every rank's writer is done with the temporary directory
             if self.rank == 0:
                 shutil.rmtree(os.path.join(self.root, "." + iter_dir_name(iteration)),
                               ignore_errors=True)
-            _barrier()
-            if failed.item() == 2:
+            self.group.barrier()
+            if failed == 2:
                 raise next((e for e in errors if isinstance(e, DiskFullError)), None) or \
                     _as_full_disk(OSError(errno.ENOSPC, "on another rank"), iteration, self.root)
             reason = errors[0] if errors else "another rank failed"
             raise RuntimeError(f"checkpoint {iteration} was not saved: {reason}")
-        _barrier()
+        self.group.barrier()
         return iter_dir_name(iteration)
 
     def complete(self) -> list[int]:
@@ -428,7 +439,7 @@ class CheckpointManager:
         self.finalize()
         moved = sorted(d for d in os.listdir(self.root) if (i := iteration_of(d)) is not None and
                        i >= iteration)
-        _barrier()  # every rank has read what it needs before anything moves
+        self.group.barrier()  # every rank has read what it needs before anything moves
         if self.rank == 0:
             stamp = int(time.time())
             for d in moved:
@@ -436,7 +447,7 @@ class CheckpointManager:
                           os.path.join(self.root, f"{d}.rolled-back-{stamp}"))
             fsync_dir(self.root)
             self._point_latest(os.path.basename(keep))
-        _barrier()
+        self.group.barrier()
         return moved
 
     def usable(self, path: str) -> str | None:
@@ -448,7 +459,7 @@ class CheckpointManager:
             found = str(exc)
         else:
             found = problem(path, range(self.rank, saved_world, self.world_size))
-        return _first_problem(found, self.rank, self.world_size, self.device)
+        return _first_problem(found, self.group)
 
     def choose(self, explicit: str | None = None) -> tuple[str | None, list[str]]:
         """The checkpoint to resume from, and warnings about unusable ones passed over (collective):
@@ -519,18 +530,17 @@ def _as_full_disk(exc: BaseException, iteration: int, root: str,
                      "checkpoint.keep_last, or move run.dir")
 
 
-def _first_problem(found: str | None, rank: int, world_size: int, device) -> str | None:
-    """The problem of the lowest rank that found one (every rank returns the same), or None."""
-    if not dist.is_initialized() or world_size == 1:
+def _first_problem(found: str | None, group: Group) -> str | None:
+    """The problem of the lowest rank of ``group`` that found one (every rank returns the same), or
+    None."""
+    if group.size == 1:
         return found
-    first = torch.tensor([rank if found else world_size], device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    src = int(first.item())
-    if src == world_size:
+    src = int(_reduced(group, group.rank if found else group.size, dist.ReduceOp.MIN))
+    if src == group.size:
         return None
-    text = torch.zeros(1024, dtype=torch.uint8, device=device)
-    if rank == src:
+    text = torch.zeros(1024, dtype=torch.uint8)
+    if group.rank == src:
         raw = found.encode()[:1024]
         text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    dist.broadcast(text, src)
-    return bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    group.broadcast(text, src)
+    return bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
