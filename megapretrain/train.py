@@ -103,6 +103,7 @@ def setup(argv: list[str]):
     """Parse, validate and build the trainer; raises user-facing errors before any training."""
     from .host_memory import keep_freed_host_memory
     from .model.decoder import num_parameters
+    from .parallel import flight_recorder
     from .parallel.state import ParallelState, init_distributed
     from .runtime import pinned_host_warning, set_numerics
     from .trainer import Trainer
@@ -130,6 +131,8 @@ def setup(argv: list[str]):
     try:
         if lock is not None:
             warnings += rebuilt_data_warnings(cfg.run.dir, data_files)
+        # before the NCCL group exists: it reads them when created
+        flight_recorder.enable(cfg.parallel.backend, device.type, cfg.run.dir)
         init_distributed(cfg.parallel.backend, device.type,
                          timeout_s=cfg.watchdog.collective_timeout_s)
         ps = ParallelState.of(run.layout, device=device, comm_stats=cfg.parallel.comm_stats,

@@ -293,3 +293,55 @@ def test_a_spiked_batch_keeps_the_targets_left_out_of_the_loss_left_out(tmp_path
     assert spiked.tolist() == [[150, 155, -100, 149]]
     assert faults.corrupt(3, 16, [(None, targets)], vocab_size=301)[0][1] is targets
     assert faults.corrupt(4, 8, [(None, targets)], vocab_size=301)[0][1].tolist() == spiked.tolist()  # replayed
+
+
+def test_the_flight_recorder_is_turned_on_for_nccl_only_and_keeps_a_users_settings():
+    from megapretrain.parallel import flight_recorder
+
+    env = flight_recorder.environment("nccl", "/runs/a", {})
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": "/runs/a/flight_recorder/rank_"}
+    assert flight_recorder.environment("gloo", "/runs/a", {}) == {}
+    # a user's own settings, under either name, are kept
+    mine = {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}
+    assert flight_recorder.environment("nccl", "/runs/a", mine) == {}
+    assert flight_recorder.read_hint(mine).startswith("NCCL flight recorder: each rank's last "
+                                                      "collectives are in /scratch/fr_<rank>")
+    assert flight_recorder.read_hint({}) is None  # off
+    assert flight_recorder.read_hint({**env, "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) is None
+
+
+def test_the_flight_recorder_is_set_before_the_group_on_cuda(tmp_path, monkeypatch):
+    from megapretrain.parallel import flight_recorder
+
+    for name in (*flight_recorder.BUFFER_VARS, *flight_recorder.PREFIX_VARS,
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert flight_recorder.enable("auto", "cpu", str(tmp_path)) == {}  # gloo
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    added = flight_recorder.enable("auto", "cuda", str(tmp_path))
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and len(added) == 3
+    assert os.path.isdir(tmp_path / "flight_recorder")
+
+
+def test_the_hang_report_names_the_flight_recorder_files(tmp_path, monkeypatch):
+    """With the recorder on, the watchdog writes this rank's buffer (NCCL's dump of it) beside the
+    others' and its report says where they are and how to read them."""
+    from megapretrain.config import WatchdogConfig
+    from megapretrain.monitor.watchdog import Watchdog
+
+    prefix = str(tmp_path / "flight_recorder" / "rank_")
+    os.makedirs(os.path.dirname(prefix))
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", prefix)
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"trace",
+                        raising=False)
+    dog = Watchdog(WatchdogConfig(), str(tmp_path), rank=1)
+    dog.report("step", 7, 400.0, 300.0)
+    with open(tmp_path / "hang" / "rank1.txt") as fh:
+        facts, text = json.loads(fh.readline()), fh.read()
+    assert facts["flight_recorder"] == prefix + "1"
+    assert open(prefix + "1", "rb").read() == b"trace"
+    assert f"{prefix}<rank>" in text
+    assert f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path}/flight_recorder" in text

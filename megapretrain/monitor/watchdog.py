@@ -4,8 +4,9 @@ A rank stuck in a collective (a peer died, a link flapped) or in a deadlocked da
 error; the job just stops making progress. The trainer calls :meth:`Watchdog.beat` as each phase
 starts (a training step, an evaluation, a checkpoint save) and :meth:`Watchdog.done` when a step
 ends. If a phase outlasts its limit, the watchdog writes every thread's Python stack
-(``faulthandler``) and the last collective this rank entered to ``RUN_DIR/hang/rankN.txt`` and exits
-the process with :data:`HANG_EXIT`, so a launcher restarts the job from its last checkpoint.
+(``faulthandler``) and the last collective this rank entered to ``RUN_DIR/hang/rankN.txt`` — on NCCL
+with the flight recorder's file of this rank, and how to read every rank's together — and exits the
+process with :data:`HANG_EXIT`, so a launcher restarts the job from its last checkpoint.
 
 The limit is ``watchdog.timeout_s`` when set, else ``watchdog.multiple`` × the rolling median step
 time, never below ``watchdog.floor_s``; the first steps, evaluations and saves get at least
@@ -22,6 +23,8 @@ import statistics
 import threading
 import time
 from collections import deque
+
+from ..parallel import flight_recorder
 
 HANG_EXIT = 5  # the exit status of a rank the watchdog stopped
 STARTUP_STEPS = 3
@@ -90,18 +93,24 @@ class Watchdog:
                 os._exit(HANG_EXIT)
 
     def report(self, phase: str, iteration: int, elapsed: float, limit: float) -> None:
-        """Write this rank's hang report: what it was doing, its last collective, every stack."""
+        """Write this rank's hang report: what it was doing, its last collective, where the NCCL
+        flight recorder's files are (when it is on), every stack."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         last = getattr(self.activity, "last", None)  # the collective tracker is optional
         facts = {"event": "hang", "rank": self.rank, "host": socket.gethostname(),
                  "pid": os.getpid(), "phase": phase, "iter": iteration,
                  "elapsed_s": round(elapsed, 1), "limit_s": round(limit, 1),
                  "last_collective": last, "time": time.time()}
+        recorder = flight_recorder.read_hint(os.environ)
+        if recorder:
+            facts["flight_recorder"] = flight_recorder.dump(self.rank, os.environ)
         with open(self.path, "w") as fh:
             fh.write(json.dumps(facts) + "\n\n")
             fh.write(f"rank {self.rank} on {facts['host']}: {phase} of iteration {iteration} has "
                      f"run {elapsed:.0f} s (limit {limit:.0f} s); last collective entered: "
                      f"{last or 'none recorded'}\n\n")
+            if recorder:
+                fh.write(recorder + "\n\n")
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
         print(f"error: hang: rank {self.rank} ({phase} of iteration {iteration}) ran {elapsed:.0f} "
