@@ -391,7 +391,9 @@ def side_group(name: str, world_size: int, rank: int, timeout_s: float) -> Group
 
 
 class ParallelState:
-    """The tp / cp / dp / pp groups of this rank, the model-parallel group and the embedding group.
+    """The tp / cp / dp / pp groups of this rank, the model-parallel group, the embedding group, and
+    ``checkpoint``: the whole world on gloo with a timeout of its own (:func:`side_group`), which
+    checkpoint saves and loads agree on.
 
     Parameters are replicated over cp as over dp, so gradients are reduced (and ZeRO shards the
     optimizer) over ``dp_cp``, the dp × cp ranks holding the same parameters: the ``dp`` Group
