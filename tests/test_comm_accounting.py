@@ -103,8 +103,9 @@ def test_exposed_time_is_the_streams_stall_read_lazily():
     assert "synchronize" not in FakeEvent.log  # nothing waited for until read
     assert FakeEvent.log == ["record"] * 6
     summary = stats.summary()
-    assert summary == {"dp.all_gather": {"calls": 1, "bytes": 16, "exposed_s": pytest.approx(0.002)},
-                       "dp.all_reduce": {"calls": 2, "bytes": 16, "exposed_s": pytest.approx(0.008)}}
+    approx = pytest.approx
+    assert summary == {"dp.all_gather": {"calls": 1, "bytes": 16, "exposed_s": approx(0.002)},
+                       "dp.all_reduce": {"calls": 2, "bytes": 16, "exposed_s": approx(0.008)}}
     assert FakeEvent.log.count("synchronize") == 3  # one per span, when read
     assert stats.summary() == summary  # read again: the same, nothing resolved twice
 

@@ -344,4 +344,5 @@ def test_the_hang_report_names_the_flight_recorder_files(tmp_path, monkeypatch):
     assert facts["flight_recorder"] == prefix + "1"
     assert open(prefix + "1", "rb").read() == b"trace"
     assert f"{prefix}<rank>" in text
-    assert f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path}/flight_recorder" in text
+    reader = "python -m torch.distributed.flight_recorder.fr_trace"
+    assert f"{reader} {tmp_path}/flight_recorder" in text
