@@ -8,24 +8,23 @@ Layout under ``RUN_DIR/checkpoints``::
 
 Saving: every rank writes its file into ``.iter_0000100`` (fsynced), then a small
 ``rank_NNNNN.done.json`` with the file's size and CRC-32 (or the error that stopped it). Rank 0,
-once every rank's ``done`` file is there — that is the agreement, through the shared file system
-the checkpoint lives on — writes ``metadata.json`` (with every size and checksum), fsyncs, renames
-the directory into place, moves ``latest`` and applies retention. With ``checkpoint.async`` this
-happens on a background thread as soon as the last rank finished writing, while training goes on:
-the thread first copies the live state into host buffers (:class:`SnapshotBuffers`) while the next
-forward and backward run — they only read it — and the training loop waits, if at all, only
-before its next optimizer step would change it (:meth:`CheckpointManager.wait_snapshot`). At every
-step boundary the ranks agree (one small all-reduce of a host value, only while a save is in flight:
-no device sync) whether every rank's writer is done, and then finish the save together (errors
-raised on every rank); at most one save is in flight (the next one waits for it). All of the
-ranks' agreement runs on their ``checkpoint`` group (``ParallelState.checkpoint``: gloo, with
-``checkpoint.timeout_s``), never on the training's: a save slowed by its file system cannot trip
-the training collectives' timeout. A crash at any point leaves either the
-previous checkpoint or the new one, never a half-written one under a final name; an existing
-directory of the same name is moved aside, not overwritten. A save that fails on any rank (a full
-disk, say) removes its temporary directory and raises on every rank — a full disk as one line
-naming the directory, the bytes needed and free. Leftovers of an interrupted save are removed when
-the next run starts.
+once every rank's ``done`` file is there — that is the agreement, through the shared file system the
+checkpoint lives on — writes ``metadata.json`` (with every size and checksum), fsyncs, renames the
+directory into place, moves ``latest`` and applies retention. With ``checkpoint.async`` this happens
+on a background thread as soon as the last rank finished writing, while training goes on: the thread
+first copies the live state into host buffers (:class:`SnapshotBuffers`) while the next forward and
+backward run — they only read it — and the training loop waits, if at all, only before its next
+optimizer step would change it (:meth:`CheckpointManager.wait_snapshot`). At every step boundary the
+ranks agree (one small all-reduce of a host value, only while a save is in flight: no device sync)
+whether every rank's writer is done, and then finish the save together (errors raised on every
+rank); at most one save is in flight (the next one waits for it). All of the ranks' agreement runs
+on their ``checkpoint`` group (``ParallelState.checkpoint``: gloo, with ``checkpoint.timeout_s``),
+never on the training's: a save slowed by its file system cannot trip the training collectives'
+timeout. A crash at any point leaves either the previous checkpoint or the new one, never a
+half-written one under a final name; an existing directory of the same name is moved aside, not
+overwritten. A save that fails on any rank (a full disk, say) removes its temporary directory and
+raises on every rank — a full disk as one line naming the directory, the bytes needed and free.
+Leftovers of an interrupted save are removed when the next run starts.
 
 Loading: :meth:`CheckpointManager.choose` checks candidates newest first (metadata, every rank's
 file present at its recorded size, the checksums — each rank checks a share of the files) and falls
