@@ -206,15 +206,15 @@ def goodput_lines(s: dict) -> list[str]:
     (planner/goodput.py)."""
     g = s["goodput"]
     longer = human_duration(g["days_with_failures"] * 86400) if g["days_with_failures"] \
-        else "never"
-    rate, restart = g["failures_per_gpu_hour"], g["restart_s"] / 60
-    return [f"  goodput     {g['goodput']:.2%} expected: a failure every {g['mtbf_hours']:.1f} h "
-            f"({rate:.3g} per GPU-hour), restart {restart:g} min; {longer} wall-clock with "
-            "failures",
+        else "never done"
+    return [f"  goodput     {g['goodput']:.2%} expected: {longer} wall-clock with failures, at "
+            f"--checkpoint.interval {g['interval_iters']}",
+            f"  failures    one every {g['mtbf_hours']:.1f} h "
+            f"({g['failures_per_gpu_hour']:.3g} per GPU-hour), restart {g['restart_s'] / 60:g} min",
             f"  checkpoint  {g['checkpoint_bytes'] / 1e12:,.2f} TB "
             f"({g['checkpoint_rank_bytes'] / 1e9:,.2f} GB a rank) in {g['checkpoint_s']:.1f} s at "
-            f"{g['checkpoint_write_gbps']:,.0f} GB/s; best every "
-            f"{human_duration(g['interval_s'])}: --checkpoint.interval {g['interval_iters']}"]
+            f"{g['checkpoint_write_gbps']:,.0f} GB/s; best every {human_duration(g['interval_s'])} "
+            "(Young/Daly)"]
 
 
 # ----------------------------------------------------------------------------------------------
