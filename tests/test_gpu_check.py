@@ -52,20 +52,22 @@ def test_results_stream_and_the_status_counts_every_failure(tmp_path, monkeypatc
     assert by_phase["bad"]["status"] == "fail" and by_phase["bad"]["exit"] == 3 and "boom" in by_phase["bad"]["tail"]
     assert by_phase["slow"]["status"] == "timeout"
     assert by_phase["absent"]["status"] == "skip"  # a phase that did not run has not passed
-    assert (by_phase["end"]["passed"], by_phase["end"]["failed"], by_phase["end"]["skipped"]) == (1, 3, 1)
+    end = by_phase["end"]
+    assert (end["passed"], end["failed"], end["skipped"]) == (1, 3, 1)
     assert "PASS 1 / FAIL 3 (1 of them skipped)" in capsys.readouterr().out
     monkeypatch.setattr(gpu_check, "phases", lambda out_dir, python: fake[:1])
     assert gpu_check.main(["--output", str(tmp_path / "again")]) == 0
     # phases left out with --only are not run, and not failures
     monkeypatch.setattr(gpu_check, "phases", lambda out_dir, python: fake)
     assert gpu_check.main(["--output", str(tmp_path / "only"), "--only", "good"]) == 0
-    assert [json.loads(line)["phase"] for line in open(tmp_path / "only" / "gpu_check.jsonl")] == \
-        ["start", "good", "end"]
+    lines = [json.loads(line) for line in open(tmp_path / "only" / "gpu_check.jsonl")]
+    assert [r["phase"] for r in lines] == ["start", "good", "end"]
 
 
 def test_a_phase_the_time_budget_left_out_fails(tmp_path):
     results = gpu_check.Results(str(tmp_path / "r.jsonl"))
-    assert gpu_check.run_phase(gpu_check.Phase("late", 30, "", [sys.executable, "-c", "pass"]), results, 2) == {}
+    late = gpu_check.Phase("late", 30, "", [sys.executable, "-c", "pass"])
+    assert gpu_check.run_phase(late, results, 2) == {}
     results.close()
     (record,) = [json.loads(line) for line in open(tmp_path / "r.jsonl")]
     assert record["status"] == "skip" and "budget" in record["why"]
@@ -75,15 +77,17 @@ def test_a_phase_the_time_budget_left_out_fails(tmp_path):
 THROUGHPUT_ROW = "megapretrain     812.5   (801.0-830.2)     10,082    350000.0        35%"
 
 
-def test_a_throughput_phase_cut_off_keeps_its_figures_and_the_mfu(tmp_path, monkeypatch, capsys):
+def test_a_throughput_phase_cut_off_keeps_its_figures_and_the_mfu(tmp_path, monkeypatch):
     """The figures printed before the limit (unbuffered, though the phase does not flush) are
     recorded, and the MFU is derived from them; the peak-memory check reads the same output."""
     check = gpu_check.PeakMemoryCheck(gpu_check.THROUGHPUT)
     planned = check.planned_bytes()
-    printed = f"print({THROUGHPUT_ROW!r}); print('peak memory: x GiB ({int(planned * 1.05):,} bytes, y)')"
-    fake = [gpu_check.Phase("env", 30, "", [sys.executable, "-c", "print('FIGURES {\"device\": \"NVIDIA H100\"}')"],
-                            gpu_check._probe_figures),
-            gpu_check.Phase("throughput", 8, "", [sys.executable, "-c", printed + "; import time; time.sleep(60)"],
+    peak = int(planned * 1.05)
+    printed = f"print({THROUGHPUT_ROW!r}); print('peak memory: x GiB ({peak:,} bytes, y)')"
+    env = "print('FIGURES {\"device\": \"NVIDIA H100\"}')"
+    fake = [gpu_check.Phase("env", 30, "", [sys.executable, "-c", env], gpu_check._probe_figures),
+            gpu_check.Phase("throughput", 8, "", [sys.executable, "-c", printed + "; import time; "
+                                                  "time.sleep(60)"],
                             gpu_check._bench_train_figures, check=check)]
     monkeypatch.setattr(gpu_check, "phases", lambda out_dir, python: fake)
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the phase's own environment sets it
@@ -92,7 +96,7 @@ def test_a_throughput_phase_cut_off_keeps_its_figures_and_the_mfu(tmp_path, monk
     throughput = by_phase["throughput"]
     assert throughput["status"] == "timeout"
     assert throughput["figures"] == {"step_ms": 812.5, "tokens_per_s": 10082.0, "tflops": 350.0,
-                                     "peak_bytes": int(planned * 1.05)}
+                                     "peak_bytes": peak}
     assert by_phase["mfu"]["mfu_datasheet"] == pytest.approx(350 / 989)
     memory = by_phase["memory"]
     assert memory["status"] == "pass" and memory["planned_bytes"] == planned
@@ -108,7 +112,8 @@ def test_peak_memory_is_held_to_the_planner_s_within_its_band():
     over = check({"peak_bytes": 1200})
     assert over["status"] == "fail" and over["ratio"] == 1.2 and "outside 0.5-1.15" in over["why"]
     assert check({"peak_bytes": 400})["status"] == "fail"
-    assert check({"tokens_per_s": 1.0})["status"] == "skip"  # no peak printed: not checked, so failed
+    # no peak printed: not checked, so failed
+    assert check({"tokens_per_s": 1.0})["status"] == "skip"
 
 
 def test_the_planned_peak_is_the_simulated_program_s():
@@ -117,26 +122,28 @@ def test_the_planned_peak_is_the_simulated_program_s():
     from megapretrain.simulate.run import simulate_rank
 
     planned = gpu_check.PeakMemoryCheck(gpu_check.THROUGHPUT).planned_bytes()
-    simulated = simulate_rank(gpu_check._load(gpu_check.THROUGHPUT), 1, 0, steps=2, device="cuda").peak_bytes
+    cfg = gpu_check._load(gpu_check.THROUGHPUT)
+    simulated = simulate_rank(cfg, 1, 0, steps=2, device="cuda").peak_bytes
     assert abs(planned - simulated) <= 0.05 * simulated, (planned, simulated)
 
 
 def test_the_throughput_phase_runs_bench_train_s_flags_and_reads_its_figures(tmp_path):
     """One round, no start-up runs, unbuffered; the same flags on configs/tiny.yaml on this CPU
     give the figures the phase records."""
-    (phase,) = [p for p in gpu_check.phases(str(tmp_path), sys.executable) if p.name == "throughput"]
+    phase = {p.name: p for p in gpu_check.phases(str(tmp_path), sys.executable)}["throughput"]
     command = phase.command
     assert command[1] == "-u" and command[2].endswith("bench_train.py")
     flags = command[3:command.index("--config")]
     assert "--no-startup" in flags and flags[flags.index("--rounds") + 1] == "1"
-    done = subprocess.run([sys.executable, command[2], *flags, "--steps", "1", "--warmup", "0", "--threads", "1",
-                           "--config", os.path.join(ROOT, "configs", "tiny.yaml")],
+    tiny = ["--steps", "1", "--warmup", "0", "--threads", "1",
+            "--config", os.path.join(ROOT, "configs", "tiny.yaml")]
+    done = subprocess.run([sys.executable, command[2], *flags, *tiny],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "start-up" not in done.stdout
     figures = phase.parse(done.stdout)
-    assert figures["step_ms"] > 0 and figures["tokens_per_s"] > 0 and figures["tflops"] > 0, done.stdout
-    assert "peak_bytes" not in figures  # on CUDA only
+    assert figures["step_ms"] > 0 and figures["tokens_per_s"] > 0, done.stdout
+    assert figures["tflops"] > 0 and "peak_bytes" not in figures  # the peak: on CUDA only
 
 
 def _ring_on_gloo(rank: int, world: int) -> dict:
@@ -155,7 +162,8 @@ def _one_rank_collectives(rank: int, world: int) -> dict:
 def test_the_nccl_phase_s_code_runs_on_gloo():
     """The NCCL phase's collectives on one gloo rank, and its batched send/recv (Group.shift_async)
     on a ring of two: gloo cannot send to itself, so the ring of one is the GPU's to run."""
-    assert run_distributed(_one_rank_collectives, 1) == [{"float32": "ok", "bfloat16": "ok", "float16": "ok"}]
+    ok = {"float32": "ok", "bfloat16": "ok", "float16": "ok"}
+    assert run_distributed(_one_rank_collectives, 1) == [ok]
     assert run_distributed(_ring_on_gloo, 2) == [{"batched_send_recv": "ok (ring of 2)"}] * 2
 
 
@@ -164,7 +172,8 @@ def test_a_batched_send_recv_that_delivers_other_values_fails():
         rank, size = 0, 1
 
         def shift_async(self, sends):
-            return [torch.zeros_like(t) for t in sends], type("Done", (), {"wait": lambda self: None})()
+            done = type("Done", (), {"wait": lambda self: None})()
+            return [torch.zeros_like(t) for t in sends], done
 
     with pytest.raises(SystemExit, match="batched send/recv of torch.float32 on a ring of 1"):
         gpu_check.ring_step(Lost(), torch.device("cpu"))

@@ -254,7 +254,7 @@ def interleaved(systems: dict, rounds: int, warmup: int, steps: int, device) -> 
     names, times = list(systems), {name: [] for name in systems}
     for name in names:
         time_steps(systems[name], warmup, 0, device)
-    if device.type == "cuda":  # the peak of the timed steps (the state built and warmed up included)
+    if device.type == "cuda":  # the timed steps' peak (the state built and warmed up included)
         torch.cuda.reset_peak_memory_stats(device)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:

@@ -15,15 +15,15 @@ moment it is known, so a run cut short keeps everything before the cut:
  6. ``attention``   attention at seq 8192 with grouped-query heads: SDPA causal, and document-masked
                     through the trainer's own path (model.attention auto: FlexAttention), then
                     through sdpa's dense mask for comparison
- 7. ``nccl``        one NCCL rank: every collective and dtype the project uses, and a batched send/recv
-                    to itself (``Group.shift_async``: the ring step of context parallelism)
+ 7. ``nccl``        one NCCL rank: every collective and dtype the project uses, and a batched
+                    send/recv to itself (``Group.shift_async``: context parallelism's ring step)
  8. ``resume``      a bf16 training run with async checkpoints, killed and resumed, against an
                     uninterrupted run: the same losses, bit for bit
  9. ``throughput``  2 layers of Llama-3-8B at seq 8192, bf16, the Triton kernels: tokens/s, MFU
                     against the datasheet peak and against the measured GEMM rate (one round of
                     bench_train's timed steps, no start-up runs: what fits its limit); then
-    ``memory``      the peak memory of those steps against the planner's estimate for the same layout
-                    (:class:`PeakMemoryCheck`: the ratio and its band)
+    ``memory``      the peak memory of those steps against the planner's estimate for the same
+                    layout (:class:`PeakMemoryCheck`: the ratio and its band)
 10. ``fp8``         FP8 training (``model.fp8``): every linear of Llama-3 8B and 70B forward + backward
                     in bf16 and each recipe (tools/bench_fp8.py's cases), then 2 layers of Llama-3-8B
                     at seq 4096 trained a few steps in bf16 and in each recipe: tokens/s, the speed-up
@@ -66,7 +66,7 @@ class Phase:
     parse: object = None  # (stdout) -> figures dict, for commands
     config: list[str] = field(default_factory=list)  # --config PATH and overrides its run resolves (checked in
     #                                                 a dry run, on any machine)
-    check: object = None  # (figures) -> the record of a check of the phase's figures, written after it
+    check: object = None  # (figures) -> the record of a check of its figures, written after it
 
     def describe(self) -> str:
         return f"{self.name:<14} {self.limit_s:>4}s  {self.what}" + (
@@ -104,12 +104,14 @@ class Results:
 
 
 def _bench_train_figures(out: str) -> dict:
-    """bench_train's throughput row (``megapretrain  STEP_MS  (MIN-MAX)  TOKENS/S  GFLOP/S  N%``) and
+    """bench_train's throughput row (``megapretrain STEP_MS (MIN-MAX) TOKENS/S GFLOP/S N%``) and
     its ``peak memory: ... (N bytes ...)`` line, whichever it printed before it ended."""
     figures = {}
-    found = re.search(r"^megapretrain\s+([\d.]+)\s+\([\d.]+-[\d.]+\)\s+([\d,]+)\s+([\d.]+)\s", out, re.M)
+    row = r"^megapretrain\s+([\d.]+)\s+\([\d.]+-[\d.]+\)\s+([\d,]+)\s+([\d.]+)\s"
+    found = re.search(row, out, re.M)
     if found:
-        figures.update(step_ms=float(found.group(1)), tokens_per_s=float(found.group(2).replace(",", "")),
+        figures.update(step_ms=float(found.group(1)),
+                       tokens_per_s=float(found.group(2).replace(",", "")),
                        tflops=float(found.group(3)) / 1e3)
     peak = re.search(r"^peak memory: .*?\(([\d,]+) bytes", out, re.M)
     if peak:
@@ -119,14 +121,16 @@ def _bench_train_figures(out: str) -> dict:
 
 @dataclass
 class PeakMemoryCheck:
-    """The peak memory of a phase's training steps (bench_train's ``torch.cuda.max_memory_allocated``
-    over its timed steps) against the planner's peak for the same config and layout
+    """The peak memory of a phase's training steps (bench_train's
+    ``torch.cuda.max_memory_allocated`` over its timed steps) against the planner's peak for the
+    same config and layout
     (``planner/memory.py`` through ``simulate/run.py: planned``, as on CUDA: the tensors, without
     the planner's allowance for the CUDA context and allocator slack).
 
-    The band, measured / planned: above 1.15 fails — the planner is held within 5% of the trainer's
-    own program at Llama 3 widths (tests/test_simulate_planner.py) and that program within 2% of real
-    runs (tests/test_simulate_vs_real.py); what CUDA adds beyond the program's tensors (cuBLAS
+    The band, measured / planned: above 1.15 fails — the planner is held within 5% of the
+    trainer's own program at Llama 3 widths (tests/test_simulate_planner.py; this run's layout in
+    tests/test_gpu_check.py: 0.3% apart) and that program within 2% of real runs
+    (tests/test_simulate_vs_real.py); what CUDA adds beyond the program's tensors (cuBLAS
     workspaces, kernel scratch) is a few hundred MiB, about 1% of this run's ~28 GiB; more than 15%
     over means plans would put layouts where they do not fit. Below 0.5 fails too: an estimate
     above the real peak only leaves memory spare, but twice the real one means the measurement
@@ -141,8 +145,8 @@ class PeakMemoryCheck:
         return planned(cfg, resolve_for_simulation(cfg, 1), 0, "cuda")["planned_peak_bytes"]
 
     def describe(self) -> str:
-        return (f"memory: planned peak {self.planned_bytes() / 2**30:.2f} GiB; the measured must be "
-                f"{self.band[0]:g}-{self.band[1]:g} × it")
+        return (f"memory: planned peak {self.planned_bytes() / 2**30:.2f} GiB; the measured must "
+                f"be {self.band[0]:g}-{self.band[1]:g} × it")
 
     def __call__(self, figures: dict) -> dict:
         planned = self.planned_bytes()
@@ -154,8 +158,9 @@ class PeakMemoryCheck:
         record.update(measured_bytes=measured, ratio=round(ratio, 4))
         if self.band[0] <= ratio <= self.band[1]:
             return {**record, "status": "pass"}
-        return {**record, "status": "fail", "why": f"measured {measured / 2**30:.2f} GiB is {ratio:.2f} × the "
-                f"planned {planned / 2**30:.2f} GiB, outside {self.band[0]:g}-{self.band[1]:g}"}
+        why = (f"measured {measured / 2**30:.2f} GiB is {ratio:.2f} × the planned "
+               f"{planned / 2**30:.2f} GiB, outside {self.band[0]:g}-{self.band[1]:g}")
+        return {**record, "status": "fail", "why": why}
 
 
 def _pytest_figures(out: str) -> dict:
@@ -219,17 +224,17 @@ def phases(out_dir: str, python: str) -> list[Phase]:
         Phase("attention", 35, "seq 8192, GQA 32/8 heads: SDPA causal; document-masked as the trainer runs it "
               "(model.attention auto, compiled on first use), and with sdpa's dense mask",
               me + ["--probe", "attention"], _probe_figures),
-        Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group, and a "
-              "batched send/recv to itself (Group.shift_async)",
+        Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group, "
+              "and a batched send/recv to itself (Group.shift_async)",
               [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                os.path.join(TOOLS, "gpu_check.py"), "--probe", "nccl"], _probe_figures),
         Phase("resume", 80, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
               "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
               config=resume_argv(os.path.join(tiny, "corpus"))),
-        Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s, MFU, and "
-              "the steps' peak memory against the planner's",
-              [python, "-u", os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2",
-               "--rounds", "1", "--no-startup", *THROUGHPUT],
+        Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): "
+              "tokens/s, MFU, and the steps' peak memory against the planner's",
+              [python, "-u", os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4",
+               "--warmup", "2", "--rounds", "1", "--no-startup", *THROUGHPUT],
               _bench_train_figures, config=THROUGHPUT, check=PeakMemoryCheck(THROUGHPUT)),
         Phase("fp8", 60, "FP8 linears of Llama-3 8B/70B against bf16, then 2 layers of Llama-3-8B at seq 4096 in "
               "bf16, tensorwise and rowwise: tokens/s, speed-up, loss", me + ["--probe", "fp8"], _probe_figures,
@@ -330,7 +335,8 @@ def _probe_nccl() -> dict:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")  # torchrun's world of one: init_distributed would skip it
     pg = dist.new_group([0])
-    figures = {"backend": dist.get_backend(pg), "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+    figures = {"backend": dist.get_backend(pg),
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                **one_rank_collectives(pg, device)}
     # after the collectives: the group's communicator exists before its first batched send/recv
     figures.update(ring_step(Group("self", [0], pg), device))
@@ -386,8 +392,8 @@ def ring_step(group, device) -> dict:
                 torch.full((4096,), float(prev), device=device, dtype=torch.bfloat16)]
     for got, want in zip(received, expected):
         if not torch.equal(got, want):
-            raise SystemExit(f"batched send/recv of {want.dtype} on a ring of {group.size} delivered "
-                             f"other values (expected rank {prev}'s)")
+            raise SystemExit(f"batched send/recv of {want.dtype} on a ring of {group.size} "
+                             f"delivered other values (expected rank {prev}'s)")
     return {"batched_send_recv": f"ok (ring of {group.size})"}
 
 
@@ -497,15 +503,17 @@ def run_phase(phase: Phase, results: Results, left_s: float) -> dict:
     results.write(record)
     print(f"{phase.name:<14} {status:<8} {record['seconds']:>6.1f}s  {json.dumps(record.get('figures', {}))[:150]}",
           flush=True)
-    return record.get("figures", {})  # what it printed before a timeout or a failure is measured too
+    return record.get("figures", {})  # printed before a timeout or a failure: measured too
 
 
 def run_check(phase: Phase, figures: dict, results: Results) -> None:
     """The check of a phase's figures (:class:`PeakMemoryCheck`), as one more result."""
     record = phase.check(figures)
     results.write(record)
-    shown = {k: record[k] for k in ("measured_bytes", "planned_bytes", "ratio", "why") if k in record}
-    print(f"{record['phase']:<14} {record['status']:<8} {'':>7}  {json.dumps(shown)[:150]}", flush=True)
+    shown = {k: record[k] for k in ("measured_bytes", "planned_bytes", "ratio", "why")
+             if k in record}
+    print(f"{record['phase']:<14} {record['status']:<8} {'':>7}  {json.dumps(shown)[:150]}",
+          flush=True)
 
 
 def _load(argv: list[str]):
@@ -587,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         missing = [c for p in todo for c in p.command if c.startswith(ROOT) and c.endswith(".py")
                    and not os.path.exists(c)]
         for path in missing:
-            print(f"note: {os.path.relpath(path, ROOT)} is not in this checkout; its phase will be skipped "
-                  "(a failure)")
+            print(f"note: {os.path.relpath(path, ROOT)} is not in this checkout; its phase will be "
+                  "skipped (a failure)")
         return 0
     results = Results(os.path.join(out_dir, "gpu_check.jsonl"))
     start = time.perf_counter()
@@ -604,10 +612,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mfu: {json.dumps(derived(figures))}")
     finally:
         results.write({"phase": "end", "passed": results.passed, "failed": results.failed,
-                       "skipped": results.skipped, "seconds": round(time.perf_counter() - start, 1)})
+                       "skipped": results.skipped,
+                       "seconds": round(time.perf_counter() - start, 1)})
         results.close()
     skipped = f" ({results.skipped} of them skipped)" if results.skipped else ""
-    print(f"PASS {results.passed} / FAIL {results.failed}{skipped}  ({os.path.join(out_dir, 'gpu_check.jsonl')})")
+    print(f"PASS {results.passed} / FAIL {results.failed}{skipped}  "
+          f"({os.path.join(out_dir, 'gpu_check.jsonl')})")
     return 1 if results.failed else 0
 
 
