@@ -2,10 +2,13 @@
 # Every check and figure one GPU can give, in one call, under 8 minutes, offline:
 #   bash run_scripts/gpu_check.sh [--output DIR] [--only PHASE ...] [--dry-run]
 # The phases (environment, ahead-of-time kernel compile, CUDA kernel tests, GEMM rate, kernel
-# bandwidth, attention at seq 8192, NCCL collectives, bf16 training with async checkpoints and a
-# resume, 8B-shaped throughput and MFU) are tools/gpu_check.py's; each result is
-# streamed to DIR/gpu_check.jsonl ($OUT when set) as it comes. The run ends with PASS n / FAIL m and
-# exits non-zero when anything failed. --dry-run prints the plan and runs nothing (any machine).
+# bandwidth, attention at seq 8192, NCCL collectives and a batched send/recv to itself, bf16
+# training with async checkpoints and a resume, 8B-shaped throughput and MFU with its peak memory
+# against the planner's, FP8) are tools/gpu_check.py's; each result is streamed to
+# DIR/gpu_check.jsonl ($OUT when set) as it comes, each phase's output unbuffered. The run ends with
+# PASS n / FAIL m and exits non-zero when anything failed; a phase that could not run counts as
+# failed (--only is the way to leave phases out). --dry-run prints the plan and runs nothing (any
+# machine).
 # Environment: PYTHON (default: .venv/bin/python when it has CUDA, else python3).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

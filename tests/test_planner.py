@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import subprocess
 
@@ -21,8 +22,10 @@ from megapretrain.monitor.flops import DEVICES, with_device
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 from megapretrain.planner import GIB, Layout, estimate, layer_params, search, split_layers, state_bytes_per_param
+from megapretrain.planner import goodput as gp
 from megapretrain.planner.published import PUBLISHED, published_estimates
 from megapretrain.resolve import resolve
+from megapretrain.simulate.run import resolve_for_simulation, simulate_rank
 
 from helpers import build, tiny_args
 
@@ -346,6 +349,12 @@ def test_the_plan_in_words(capsys):
     (["--efficiency", "1.5"], "--efficiency"), (["--train-tokens", "lots"], "--train-tokens"),
     (["--train.train_tokens", "-5"], "train_tokens"), (["--top", "0"], "--top"), (["--memory-gb", "nan"], "memory"),
     (["--emit", "megatron", "x.json"], "--emit"), (["--device", "tpu"], "--device"),
+    (["--failures-per-gpu-hour", "0"], "--failures-per-gpu-hour"),
+    (["--failures-per-gpu-hour", "often"], "--failures-per-gpu-hour"),
+    (["--checkpoint-write-gbps", "-5"], "--checkpoint-write-gbps"),
+    (["--checkpoint-write-gbps", "inf"], "--checkpoint-write-gbps"),
+    (["--restart-minutes", "-1"], "--restart-minutes"),
+    (["--restart-minutes", "nan"], "--restart-minutes"),
 ])
 def test_bad_flags_are_one_line(capsys, flags, words):
     config = os.path.join(ROOT, "configs", "llama3_8b.yaml")
@@ -369,6 +378,7 @@ def test_the_plan_writes_a_config_and_a_launch_script_it_will_not_overwrite(tmp_
     assert "256 GPUs" in open(out_cfg).readline()
     script = open(out_sh).read()
     assert "#SBATCH --nodes=32" in script and out_cfg in script and os.access(out_sh, os.X_OK)
+    assert re.search(r"^# Goodput [\d.]+% expected .*--checkpoint\.interval \d+", script, re.M)
     assert subprocess.run(["bash", "-n", out_sh]).returncode == 0
     dry = subprocess.run(["bash", out_sh, "--dry-run"], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES"))})
@@ -529,3 +539,90 @@ def test_tp_comm_overlap_is_modelled_and_ranked():
     found = search(m, seq, 64, 128, h100)
     assert any(e.layout.tp_comm_overlap for e in found if e.layout.tp > 1)
     assert not any(e.layout.tp_comm_overlap for e in found if e.layout.tp == 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Goodput under failures (megapretrain/planner/goodput.py). Dubey et al. 2024, "The Llama 3 Herd of
+# Models", section 3.3.4: 419 unexpected interruptions in a 54-day snapshot on 16,384 H100 GPUs,
+# and over 90% effective training time.
+
+
+def test_the_default_failure_rate_is_llama3_s():
+    assert gp.LLAMA3_FAILURES_PER_GPU_HOUR == 419 / (54 * 24 * 16384)
+    args, _ = plan_tool.parse_args(["--config", "c.yaml", "--gpus", "8"])
+    assert args.failures_per_gpu_hour == 419 / (54 * 24 * 16384)
+    # one failure every ~3 hours for the whole 16,384-GPU job
+    assert 1 / (16384 * args.failures_per_gpu_hour) == pytest.approx(54 * 24 / 419)
+
+
+@pytest.mark.parametrize("checkpoint_s,restart_s,mtbf_s",
+                         [(2.4, 600, 11_000), (60, 300, 86_400), (0.05, 0, 3e6)])
+def test_young_s_interval_is_the_optimum_of_the_goodput_model(checkpoint_s, restart_s, mtbf_s):
+    best = gp.young_interval(checkpoint_s, mtbf_s)
+    assert best == pytest.approx((2 * checkpoint_s * mtbf_s) ** 0.5)
+    grid = [best * 10 ** (k / 500) for k in range(-500, 501)]  # a tenth to ten times, 1001 points
+    lost = [gp.lost_fraction(t, checkpoint_s, restart_s, mtbf_s) for t in grid]
+    assert gp.lost_fraction(best, checkpoint_s, restart_s, mtbf_s) <= min(lost) + 1e-15
+    # the grid's own minimum is at (or next to) Young's interval
+    assert abs(lost.index(min(lost)) - 500) <= 1
+    # the model's terms: the saves' share, half an interval and the restart per failure
+    assert gp.lost_fraction(100.0, 2.0, 50.0, 1000.0) == pytest.approx(2 / 100 + (50 + 50) / 1000)
+
+
+def test_goodput_falls_as_failures_rise_and_the_checkpoint_interval_shortens(capsys):
+    rates = [1e-6, 1e-5, gp.LLAMA3_FAILURES_PER_GPU_HOUR, 1e-4, 1e-3]
+    plans = [gp.plan_goodput(16384, 10.0, 5e12, failures_per_gpu_hour=r) for r in rates]
+    assert all(a["goodput"] > b["goodput"] for a, b in zip(plans, plans[1:]))
+    assert all(a["interval_s"] > b["interval_s"] for a, b in zip(plans, plans[1:]))
+    llama3 = plans[2]
+    slow_disk = gp.plan_goodput(16384, 10.0, 5e12, write_gbps=20.0)
+    assert slow_disk["goodput"] < llama3["goodput"] < 1
+    assert slow_disk["interval_s"] > llama3["interval_s"]
+    assert gp.plan_goodput(16384, 10.0, 5e12, restart_minutes=30)["goodput"] < llama3["goodput"]
+    # through the tool: Llama 3 405B at its layout on 16,384 GPUs, Llama 3's rate and ten times it
+    config = os.path.join(ROOT, "configs", "llama3_405b.yaml")
+    argv = ["--config", config, "--gpus", "16384", "--check"]
+    rc, plan = _json(capsys, argv)
+    g = plan["goodput"]
+    assert rc == 0 and g["failures_per_gpu_hour"] == gp.LLAMA3_FAILURES_PER_GPU_HOUR
+    assert 0.9 < g["goodput"] < 0.97  # Llama 3 kept over 90% effective training time
+    assert g["mtbf_hours"] == pytest.approx(54 * 24 / 419)
+    assert g["checkpoint_s"] == pytest.approx(g["checkpoint_bytes"] / 2000e9)
+    assert g["interval_iters"] == round(g["interval_s"] / plan["step_s"])
+    assert g["days_with_failures"] == pytest.approx(plan["days"] / g["goodput"])
+    assert plan["mfu"] > 0 and plan["hfu"] > 0 and plan["tflops_per_gpu"] > 0  # DESIGN.md's
+    ten_times = str(10 * gp.LLAMA3_FAILURES_PER_GPU_HOUR)
+    _, often = _json(capsys, argv + ["--failures-per-gpu-hour", ten_times])
+    assert often["goodput"]["goodput"] < g["goodput"]
+    assert often["goodput"]["interval_iters"] < g["interval_iters"]
+    assert plan_tool.main(argv) == 0
+    out = capsys.readouterr().out
+    expected = (rf"^  goodput     9\d\.\d\d% expected: .* wall-clock with failures, at "
+                rf"--checkpoint\.interval {g['interval_iters']}\n  failures    one every 3\.1 h ")
+    assert re.search(expected, out, re.M), out
+
+
+TINY = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_size", "64",
+        "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128",
+        "--train.seq_length", "64", "--train.micro_batch_size", "1",
+        "--train.global_batch_size", "8"]
+
+
+@pytest.mark.parametrize("flags,world", [
+    ([], 1),
+    (["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1",
+      "--train.precision", "bf16"], 8),
+    (["--parallel.pp", "2", "--parallel.zero", "0"], 4),
+])
+def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
+    """Each stage's rank file as tools/simulate.py sizes it from the trainer's own state, to its
+    header and RNG state (a few KiB); the whole checkpoint: every rank's file."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TINY + flags)
+    run = resolve_for_simulation(cfg, world)
+    grid = run.layout.grid()  # [pp, dp, cp, tp]
+    simulated = [simulate_rank(cfg, world, int(grid[s, 0, 0, 0]), steps=1).checkpoint_bytes
+                 for s in range(run.layout.pp)]
+    rank_bytes, total = gp.checkpoint_bytes(run.model, run.layout)
+    assert 0 <= max(simulated) - rank_bytes < 64 << 10, (simulated, rank_bytes)
+    per_stage = world // run.layout.pp
+    assert 0 <= sum(simulated) * per_stage - total < per_stage * run.layout.pp * (64 << 10)

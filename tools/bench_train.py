@@ -23,7 +23,9 @@ It prints:
 - **throughput**: the systems timed in interleaved rounds (each round runs ``--steps`` steps of
   each, in a rotated order, so that a change of load hits them alike), the median step, tokens/s,
   achieved GFLOP/s (by the Llama FLOPs formula of ``model/decoder.py``) and their share of the
-  ceiling; with peers, each ratio's median over the rounds and its spread (lowest–highest);
+  ceiling; with peers, each ratio's median over the rounds and its spread (lowest–highest); on a
+  GPU without peers, the **peak memory** of the timed steps (``torch.cuda.max_memory_allocated``,
+  what ``tools/gpu_check.py`` holds against the planner's estimate);
 - the **start-up**: seconds from process start to the first step of ``python -m megapretrain.train``
   on this config (a small generated corpus in a temporary directory), with its data indices
   built (cold) and then cached (warm); ``--no-startup`` leaves it out.
@@ -252,6 +254,8 @@ def interleaved(systems: dict, rounds: int, warmup: int, steps: int, device) -> 
     names, times = list(systems), {name: [] for name in systems}
     for name in names:
         time_steps(systems[name], warmup, 0, device)
+    if device.type == "cuda":  # the timed steps' peak (the state built and warmed up included)
+        torch.cuda.reset_peak_memory_stats(device)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(time_steps(systems[name], 0, steps, device)[0])
@@ -342,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"throughput: {args.rounds} interleaved rounds of {args.steps} steps each "
           f"(after {args.warmup} warm-up steps); medians over all the rounds' steps")
     for line in describe_throughput(times, plan.tokens_per_batch, {"megapretrain": flops, **peer_flops}, ceiling):
-        print(line)
+        print(line, flush=True)
+    if device.type == "cuda" and len(systems) == 1:
+        peak = torch.cuda.max_memory_allocated(device)
+        print(f"peak memory: {peak / 2**30:.2f} GiB allocated in the timed steps ({peak:,} bytes, "
+              "torch.cuda.max_memory_allocated)", flush=True)
     print("anatomy of a megapretrain step:")
     for line in describe_anatomy(*anatomy(step, model), plan.grad_accum):
         print(line)

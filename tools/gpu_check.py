@@ -15,20 +15,27 @@ moment it is known, so a run cut short keeps everything before the cut:
  6. ``attention``   attention at seq 8192 with grouped-query heads: SDPA causal, and document-masked
                     through the trainer's own path (model.attention auto: FlexAttention), then
                     through sdpa's dense mask for comparison
- 7. ``nccl``        one NCCL rank: every collective and dtype the project uses, through its own Group
+ 7. ``nccl``        one NCCL rank: every collective and dtype the project uses, and a batched
+                    send/recv to itself (``Group.shift_async``: context parallelism's ring step)
  8. ``resume``      a bf16 training run with async checkpoints, killed and resumed, against an
                     uninterrupted run: the same losses, bit for bit
  9. ``throughput``  2 layers of Llama-3-8B at seq 8192, bf16, the Triton kernels: tokens/s, MFU
-                    against the datasheet peak and against the measured GEMM rate
+                    against the datasheet peak and against the measured GEMM rate (one round of
+                    bench_train's timed steps, no start-up runs: what fits its limit); then
+    ``memory``      the peak memory of those steps against the planner's estimate for the same
+                    layout (:class:`PeakMemoryCheck`: the ratio and its band)
 10. ``fp8``         FP8 training (``model.fp8``): every linear of Llama-3 8B and 70B forward + backward
                     in bf16 and each recipe (tools/bench_fp8.py's cases), then 2 layers of Llama-3-8B
                     at seq 4096 trained a few steps in bf16 and in each recipe: tokens/s, the speed-up
                     and the loss
 
-The run ends with ``PASS n / FAIL m`` and exits non-zero when anything failed. One GPU cannot test
-multi-rank NCCL (tensor, pipeline and data parallelism across devices): ``tools/smoke_test.py``
-does that on a real cluster, every layout against one process. ``--dry-run`` walks every phase's
-setup on any machine and prints the plan without running it.
+Each phase's output is unbuffered, so a phase cut off at its limit keeps the figures it printed.
+The run ends with ``PASS n / FAIL m`` and exits non-zero when anything failed — a phase that did not
+run (its tool missing, the time budget spent) or a check without its figure counts as failed: only
+``--only`` leaves phases out. One GPU cannot test multi-rank NCCL (tensor, pipeline and data
+parallelism across devices): ``tools/smoke_test.py`` does that on a real cluster, every layout
+against one process. ``--dry-run`` walks every phase's setup on any machine and prints the plan
+without running it.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class Phase:
     parse: object = None  # (stdout) -> figures dict, for commands
     config: list[str] = field(default_factory=list)  # --config PATH and overrides its run resolves (checked in
     #                                                 a dry run, on any machine)
+    check: object = None  # (figures) -> the record of a check of its figures, written after it
 
     def describe(self) -> str:
         return f"{self.name:<14} {self.limit_s:>4}s  {self.what}" + (
@@ -66,10 +74,13 @@ class Phase:
 
 
 class Results:
-    """The JSON lines file, written (and flushed) a result at a time."""
+    """The JSON lines file, written (and flushed) a result at a time. A phase that did not run
+    (``skip``: the time budget spent, its tool missing, the figures it checks not printed) counts
+    as failed: a check that gave no figure has not passed. Phases left out with ``--only`` are not
+    run at all."""
 
     def __init__(self, path: str):
-        self.path, self.passed, self.failed = path, 0, 0
+        self.path, self.passed, self.failed, self.skipped = path, 0, 0, 0
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._fh = open(path, "a")
 
@@ -81,8 +92,9 @@ class Results:
         status = record.get("status")
         if status == "pass":
             self.passed += 1
-        elif status in ("fail", "timeout"):
+        elif status in ("fail", "timeout", "skip"):
             self.failed += 1
+            self.skipped += status == "skip"
 
     def close(self) -> None:
         self._fh.close()
@@ -92,12 +104,63 @@ class Results:
 
 
 def _bench_train_figures(out: str) -> dict:
-    """bench_train's ``megapretrain step ... tokens/s | ... TFLOP/s`` line."""
-    found = re.search(r"^megapretrain\s+step\s+([\d.]+) ms.*?\|\s*([\d,]+) tokens/s \|\s*([\d.]+) TFLOP/s", out, re.M)
-    if not found:
-        return {}
-    return {"step_ms": float(found.group(1)), "tokens_per_s": float(found.group(2).replace(",", "")),
-            "tflops": float(found.group(3))}
+    """bench_train's throughput row (``megapretrain STEP_MS (MIN-MAX) TOKENS/S GFLOP/S N%``) and
+    its ``peak memory: ... (N bytes ...)`` line, whichever it printed before it ended."""
+    figures = {}
+    row = r"^megapretrain\s+([\d.]+)\s+\([\d.]+-[\d.]+\)\s+([\d,]+)\s+([\d.]+)\s"
+    found = re.search(row, out, re.M)
+    if found:
+        figures.update(step_ms=float(found.group(1)),
+                       tokens_per_s=float(found.group(2).replace(",", "")),
+                       tflops=float(found.group(3)) / 1e3)
+    peak = re.search(r"^peak memory: .*?\(([\d,]+) bytes", out, re.M)
+    if peak:
+        figures["peak_bytes"] = int(peak.group(1).replace(",", ""))
+    return figures
+
+
+@dataclass
+class PeakMemoryCheck:
+    """The peak memory of a phase's training steps (bench_train's
+    ``torch.cuda.max_memory_allocated`` over its timed steps) against the planner's peak for the
+    same config and layout
+    (``planner/memory.py`` through ``simulate/run.py: planned``, as on CUDA: the tensors, without
+    the planner's allowance for the CUDA context and allocator slack).
+
+    The band, measured / planned: above 1.15 fails — the planner is held within 5% of the
+    trainer's own program at Llama 3 widths (tests/test_simulate_planner.py; this run's layout in
+    tests/test_gpu_check.py: 0.3% apart) and that program within 2% of real runs
+    (tests/test_simulate_vs_real.py); what CUDA adds beyond the program's tensors (cuBLAS
+    workspaces, kernel scratch) is a few hundred MiB, about 1% of this run's ~28 GiB; more than 15%
+    over means plans would put layouts where they do not fit. Below 0.5 fails too: an estimate
+    above the real peak only leaves memory spare, but twice the real one means the measurement
+    missed the step's state or the model counts a part twice — the comparison is void."""
+    config: list[str]
+    band: tuple[float, float] = (0.5, 1.15)
+    name: str = "memory"
+
+    def planned_bytes(self) -> int:
+        from megapretrain.simulate.run import planned, resolve_for_simulation
+        cfg = _load(self.config)
+        return planned(cfg, resolve_for_simulation(cfg, 1), 0, "cuda")["planned_peak_bytes"]
+
+    def describe(self) -> str:
+        return (f"memory: planned peak {self.planned_bytes() / 2**30:.2f} GiB; the measured must "
+                f"be {self.band[0]:g}-{self.band[1]:g} × it")
+
+    def __call__(self, figures: dict) -> dict:
+        planned = self.planned_bytes()
+        record = {"phase": self.name, "planned_bytes": planned, "band": list(self.band)}
+        measured = figures.get("peak_bytes")
+        if measured is None:
+            return {**record, "status": "skip", "why": "the phase printed no peak memory"}
+        ratio = measured / planned
+        record.update(measured_bytes=measured, ratio=round(ratio, 4))
+        if self.band[0] <= ratio <= self.band[1]:
+            return {**record, "status": "pass"}
+        why = (f"measured {measured / 2**30:.2f} GiB is {ratio:.2f} × the planned "
+               f"{planned / 2**30:.2f} GiB, outside {self.band[0]:g}-{self.band[1]:g}")
+        return {**record, "status": "fail", "why": why}
 
 
 def _pytest_figures(out: str) -> dict:
@@ -161,15 +224,18 @@ def phases(out_dir: str, python: str) -> list[Phase]:
         Phase("attention", 35, "seq 8192, GQA 32/8 heads: SDPA causal; document-masked as the trainer runs it "
               "(model.attention auto, compiled on first use), and with sdpa's dense mask",
               me + ["--probe", "attention"], _probe_figures),
-        Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group",
+        Phase("nccl", 20, "one NCCL rank: every collective and dtype of parallel/state.py's Group, "
+              "and a batched send/recv to itself (Group.shift_async)",
               [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                os.path.join(TOOLS, "gpu_check.py"), "--probe", "nccl"], _probe_figures),
         Phase("resume", 80, "bf16 training, async checkpoints, killed at step 15 and resumed: losses equal to "
               "an uninterrupted run", me + ["--probe", "resume", "--output", tiny], _resume_figures,
               config=resume_argv(os.path.join(tiny, "corpus"))),
-        Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): tokens/s and MFU",
-              [python, os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4", "--warmup", "2", *THROUGHPUT],
-              _bench_train_figures, config=THROUGHPUT),
+        Phase("throughput", 75, "2 layers of Llama-3-8B at seq 8192 (bf16, Triton kernels): "
+              "tokens/s, MFU, and the steps' peak memory against the planner's",
+              [python, "-u", os.path.join(ROOT, "tools", "bench_train.py"), "--steps", "4",
+               "--warmup", "2", "--rounds", "1", "--no-startup", *THROUGHPUT],
+              _bench_train_figures, config=THROUGHPUT, check=PeakMemoryCheck(THROUGHPUT)),
         Phase("fp8", 60, "FP8 linears of Llama-3 8B/70B against bf16, then 2 layers of Llama-3-8B at seq 4096 in "
               "bf16, tensorwise and rowwise: tokens/s, speed-up, loss", me + ["--probe", "fp8"], _probe_figures,
               config=FP8_RUN),
@@ -259,17 +325,37 @@ def _probe_attention() -> dict:
 
 def _probe_nccl() -> dict:
     """Each collective parallel/state.py issues, by the same torch.distributed calls, in every
-    dtype it sends, on a one-rank NCCL group (a world of one still goes through NCCL)."""
+    dtype it sends, on a one-rank NCCL group (a world of one still goes through NCCL); then the
+    batched send/recv of a ring step to itself (:func:`ring_step`)."""
+    import torch
+    import torch.distributed as dist
+
+    from megapretrain.parallel.state import Group
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")  # torchrun's world of one: init_distributed would skip it
+    pg = dist.new_group([0])
+    figures = {"backend": dist.get_backend(pg),
+               "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+               **one_rank_collectives(pg, device)}
+    # after the collectives: the group's communicator exists before its first batched send/recv
+    figures.update(ring_step(Group("self", [0], pg), device))
+    dist.barrier()
+    dist.destroy_process_group()
+    return figures
+
+
+def one_rank_collectives(pg, device) -> dict:
+    """all_reduce, reduce-scatter and all-gather (parallel/state.py's helpers, async), all_gather,
+    broadcast and a MAX all_reduce of fp32, bf16 and fp16 tensors on the one-rank group ``pg``:
+    each must leave the values as they were."""
     import torch
     import torch.distributed as dist
 
     from megapretrain.parallel import state
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")  # torchrun's world of one: init_distributed would skip it
-    pg = dist.new_group([0])
-    figures = {"backend": dist.get_backend(pg), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    figures = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.arange(1 << 20, device="cuda").to(dtype)
+        x = torch.arange(1 << 20, device=device).to(dtype)
         out = torch.empty_like(x)
         works = [dist.all_reduce(x, group=pg, async_op=True),
                  state._reduce_scatter_single(out, x.clone(), group=pg, async_op=True),
@@ -280,13 +366,35 @@ def _probe_nccl() -> dict:
         dist.all_gather(parts, x, group=pg)
         dist.broadcast(x, src=0, group=pg)
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=pg)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if not torch.equal(parts[0], x):
             raise SystemExit(f"all_gather of {dtype} returned other values")
         figures[str(dtype).replace("torch.", "")] = "ok"
-    dist.barrier()
-    dist.destroy_process_group()
     return figures
+
+
+def ring_step(group, device) -> dict:
+    """One step of a ring through ``Group.shift_async`` — the batched send/recv
+    (``dist.batch_isend_irecv``) context parallelism's ring runs — with an fp32 and a bf16 tensor:
+    each rank sends to the next and receives what the previous one sent. On a group of one that is
+    a send to itself, which NCCL (2.7+) runs inside a batch; gloo does not (its tests run the same
+    code on a ring of two)."""
+    import torch
+    sends = [torch.arange(1 << 20, device=device, dtype=torch.float32) + group.rank,
+             torch.full((4096,), float(group.rank), device=device, dtype=torch.bfloat16)]
+    received, work = group.shift_async(sends)
+    work.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prev = (group.rank - 1) % group.size
+    expected = [torch.arange(1 << 20, device=device, dtype=torch.float32) + prev,
+                torch.full((4096,), float(prev), device=device, dtype=torch.bfloat16)]
+    for got, want in zip(received, expected):
+        if not torch.equal(got, want):
+            raise SystemExit(f"batched send/recv of {want.dtype} on a ring of {group.size} "
+                             f"delivered other values (expected rank {prev}'s)")
+    return {"batched_send_recv": f"ok (ring of {group.size})"}
 
 
 def _probe_resume(out_dir: str) -> dict:
@@ -376,6 +484,7 @@ def run_phase(phase: Phase, results: Results, left_s: float) -> dict:
         return {}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiled kernels
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"  # a phase cut off at its limit keeps every line it printed
     start = time.perf_counter()
     try:
         done = subprocess.run(phase.command, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
@@ -394,20 +503,35 @@ def run_phase(phase: Phase, results: Results, left_s: float) -> dict:
     results.write(record)
     print(f"{phase.name:<14} {status:<8} {record['seconds']:>6.1f}s  {json.dumps(record.get('figures', {}))[:150]}",
           flush=True)
-    return record.get("figures", {}) if status == "pass" else {}
+    return record.get("figures", {})  # printed before a timeout or a failure: measured too
+
+
+def run_check(phase: Phase, figures: dict, results: Results) -> None:
+    """The check of a phase's figures (:class:`PeakMemoryCheck`), as one more result."""
+    record = phase.check(figures)
+    results.write(record)
+    shown = {k: record[k] for k in ("measured_bytes", "planned_bytes", "ratio", "why")
+             if k in record}
+    print(f"{record['phase']:<14} {record['status']:<8} {'':>7}  {json.dumps(shown)[:150]}",
+          flush=True)
+
+
+def _load(argv: list[str]):
+    """A phase's config (``--config PATH`` and overrides), its vocabulary set as its run sets it."""
+    from megapretrain.config import load_config
+    at = argv.index("--config")
+    cfg = load_config(argv[at + 1], argv[:at] + argv[at + 2:])
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 257  # the byte tokenizer's, as the run reads it from the tokenizer
+    return cfg
 
 
 def check_config(argv: list[str]) -> str:
     """What a phase's training run resolves to: its layout and sizes, or the error it would stop on."""
-    from megapretrain.config import load_config
     from megapretrain.errors import UserError
     from megapretrain.resolve import resolve
-    at = argv.index("--config")
-    path, overrides = argv[at + 1], argv[:at] + argv[at + 2:]
     try:
-        cfg = load_config(path, overrides)
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = 257  # the byte tokenizer's, as the run reads it from the tokenizer
+        cfg = _load(argv)
         run = resolve(cfg, 1)
     except UserError as exc:
         raise UserError(f"gpu_check: a phase's config does not resolve: {exc}") from None
@@ -466,10 +590,13 @@ def main(argv: list[str] | None = None) -> int:
             print(p.describe())
             if p.config:
                 print(f"{'':<21}config: {check_config(p.config)}")
+            if p.check:
+                print(f"{'':<21}{p.check.describe()}")
         missing = [c for p in todo for c in p.command if c.startswith(ROOT) and c.endswith(".py")
                    and not os.path.exists(c)]
         for path in missing:
-            print(f"note: {os.path.relpath(path, ROOT)} is not in this checkout; its phase will be skipped")
+            print(f"note: {os.path.relpath(path, ROOT)} is not in this checkout; its phase will be "
+                  "skipped (a failure)")
         return 0
     results = Results(os.path.join(out_dir, "gpu_check.jsonl"))
     start = time.perf_counter()
@@ -478,14 +605,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for p in todo:
             figures[p.name] = run_phase(p, results, BUDGET_S - (time.perf_counter() - start))
+            if p.check:
+                run_check(p, figures[p.name], results)
         if derived(figures):
             results.write({"phase": "mfu", **derived(figures)})
             print(f"mfu: {json.dumps(derived(figures))}")
     finally:
         results.write({"phase": "end", "passed": results.passed, "failed": results.failed,
+                       "skipped": results.skipped,
                        "seconds": round(time.perf_counter() - start, 1)})
         results.close()
-    print(f"PASS {results.passed} / FAIL {results.failed}  ({os.path.join(out_dir, 'gpu_check.jsonl')})")
+    skipped = f" ({results.skipped} of them skipped)" if results.skipped else ""
+    print(f"PASS {results.passed} / FAIL {results.failed}{skipped}  "
+          f"({os.path.join(out_dir, 'gpu_check.jsonl')})")
     return 1 if results.failed else 0
 
 

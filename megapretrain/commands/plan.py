@@ -20,18 +20,25 @@ none/selective/full, sequence parallelism with tp; ranks tp × cp × pp × dp) i
 with the model of ``megapretrain/planner/``; those that fit in memory are ranked by step time and
 the fastest becomes the plan: memory per GPU by part, step time by part, tokens/s, MFU and HFU,
 the token budget (``--train-tokens`` or ``train.train_tokens``; else ``train.iters`` steps),
-wall-clock time and GPU-hours. ``--layout config`` (or ``--check``) plans the layout the config
-already has. ``--simulate K`` then simulates the busiest pipeline stage of the top K layouts with
-the trainer's own program (``tools/simulate.py``) and prints the planner's figures beside the
-simulated ones: peak memory, and whether every group's traffic is equal. ``--json``
-prints the plan as one JSON object. ``--write-config`` / ``--write-launch`` write the plan's layout
-as a config and a launch script, ``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed
-JSON or an Accelerate YAML (none overwrites a file without ``--overwrite``; what a format cannot
-hold — a batch-size ramp-up where the batch is fixed, hybrid sharding in DeepSpeed, cp — is refused
-in one line before anything is written, and what an Accelerate YAML leaves to the training script
-is printed). Device figures can be
-overridden (``--peak-tflops``, ``--memory-gb``, ``--hbm-gbs``, ``--intra-gbs``, ``--inter-gbs``,
-``--efficiency``). Any other ``--section.key VALUE`` overrides the config.
+wall-clock time and GPU-hours, and the goodput expected under failures with the checkpoint
+interval that maximises it (``megapretrain/planner/goodput.py``: Young/Daly): from a failure rate
+(``--failures-per-gpu-hour``, default Llama 3's published interruption rate — 419 in 54 days on
+16,384 H100s, Dubey et al. 2024, "The Llama 3 Herd of Models"), the layout's checkpoint bytes
+written at ``--checkpoint-write-gbps`` (the file system's aggregate rate; default Llama 3's
+Tectonic, 2 TB/s sustained; an async save hides most of the write) and a restart cost
+(``--restart-minutes``: detection, restart, reload). ``--layout config`` (or ``--check``)
+plans the layout the config already has. ``--simulate K`` then simulates the busiest pipeline
+stage of the top K layouts with the trainer's own program (``tools/simulate.py``) and prints the
+planner's figures beside the simulated ones: peak memory, and whether every group's traffic is
+equal. ``--json`` prints the plan as one JSON object (the goodput figures under ``goodput``).
+``--write-config`` / ``--write-launch`` write the plan's layout as a config and a launch script,
+``--emit deepspeed|accelerate PATH`` the same recipe as a DeepSpeed JSON or an Accelerate YAML
+(none overwrites a file without ``--overwrite``; what a format cannot hold — a batch-size ramp-up
+where the batch is fixed, hybrid sharding in DeepSpeed, cp — is refused in one line before
+anything is written, and what an Accelerate YAML leaves to the training script is printed).
+Device figures can be overridden (``--peak-tflops``, ``--memory-gb``, ``--hbm-gbs``,
+``--intra-gbs``, ``--inter-gbs``, ``--efficiency``). Any other ``--section.key VALUE`` overrides
+the config.
 """
 
 
@@ -43,7 +50,14 @@ import os
 import shlex
 import sys
 
-from megapretrain.cli import fraction, positive_float, positive_int, print_error, user_errors
+from megapretrain.cli import (
+    fraction,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    print_error,
+    user_errors,
+)
 from megapretrain.config import load_config
 from megapretrain.monitor.flops import DEVICES
 from megapretrain.monitor.progress import human_duration
@@ -54,6 +68,11 @@ from megapretrain.planner.emit import (
     write_config,
     write_launch,
     write_text,
+)
+from megapretrain.planner.goodput import (
+    CHECKPOINT_WRITE_GBPS,
+    LLAMA3_FAILURES_PER_GPU_HOUR,
+    RESTART_MINUTES,
 )
 from megapretrain.planner.plan import PlanArgumentError, make_plan, summary, tokens
 from megapretrain.planner.published import published_table
@@ -98,6 +117,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                "bandwidth per GPU between nodes, GB/s"),
                               ("efficiency", fraction, "fraction of peak large matmuls reach")):
         ap.add_argument(f"--{name}", type=kind, help=help_)
+    ap.add_argument("--failures-per-gpu-hour", type=positive_float,
+                    default=LLAMA3_FAILURES_PER_GPU_HOUR,
+                    help="interruptions per GPU-hour (default: Llama 3's, 419 in 54 days on 16,384 "
+                         f"GPUs = {LLAMA3_FAILURES_PER_GPU_HOUR:.3g}; Dubey et al. 2024)")
+    ap.add_argument("--checkpoint-write-gbps", type=positive_float, default=CHECKPOINT_WRITE_GBPS,
+                    help="the file system's aggregate write rate, GB/s (default "
+                         f"{CHECKPOINT_WRITE_GBPS:g}: Llama 3's Tectonic, sustained)")
+    ap.add_argument("--restart-minutes", type=non_negative_float, default=RESTART_MINUTES,
+                    help="a failure's detection + restart + reload, minutes (default "
+                         f"{RESTART_MINUTES:g})")
     ap.add_argument("--write-config", metavar="PATH",
                     help="write the config with the plan's layout")
     ap.add_argument("--write-launch", metavar="PATH",
@@ -168,8 +197,24 @@ def report(s: dict, checked: bool) -> str:
         f"{s['tokens_per_step']:,} tokens ({s['train_tokens'] / s['params']:.0f} tokens/parameter, "
         f"{s['params'] / 1e9:.2f}B parameters)",
         f"  time        {human_duration(s['days'] * 86400)} wall-clock, {s['gpu_hours']:,.0f} "
-        "GPU-hours", "  estimates: check them with tools/bench_train.py on the real machines "
-                     "before the run"])
+        "GPU-hours", *goodput_lines(s),
+        "  estimates: check them with tools/bench_train.py on the real machines before the run"])
+
+
+def goodput_lines(s: dict) -> list[str]:
+    """The expected goodput under failures and the checkpoint interval that maximises it
+    (planner/goodput.py)."""
+    g = s["goodput"]
+    longer = human_duration(g["days_with_failures"] * 86400) if g["days_with_failures"] \
+        else "never done"
+    return [f"  goodput     {g['goodput']:.2%} expected: {longer} wall-clock with failures, at "
+            f"--checkpoint.interval {g['interval_iters']}",
+            f"  failures    one every {g['mtbf_hours']:.1f} h "
+            f"({g['failures_per_gpu_hour']:.3g} per GPU-hour), restart {g['restart_s'] / 60:g} min",
+            f"  checkpoint  {g['checkpoint_bytes'] / 1e12:,.2f} TB "
+            f"({g['checkpoint_rank_bytes'] / 1e9:,.2f} GB a rank) in {g['checkpoint_s']:.1f} s at "
+            f"{g['checkpoint_write_gbps']:,.0f} GB/s; best every {human_duration(g['interval_s'])} "
+            "(Young/Daly)"]
 
 
 # ----------------------------------------------------------------------------------------------

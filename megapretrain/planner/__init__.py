@@ -4,6 +4,8 @@
   :func:`~.model.search`, every layout of a GPU count ranked;
 - :mod:`.plan`: a config's plan on a GPU count (its layouts searched or its own checked, the
   run's length), as ``tools/plan.py`` prints it;
+- :mod:`.goodput`: the goodput expected under failures and the checkpoint interval that
+  maximises it (Young/Daly), from the layout's checkpoint bytes;
 - :mod:`.published`: the published runs the model is checked against;
 - :mod:`.emit`: a plan written as a config, a launch script, a DeepSpeed or Accelerate config.
 

@@ -78,10 +78,15 @@ def write_launch(path: str, s: dict, config: str, flags: str, overwrite: bool) -
     per_node = s["gpus"] // s["nodes"]
     estimated = (f"Estimated {s['step_s']:.2f} s/step, MFU {s['mfu']:.1%}, {s['steps']:,} steps, "
                  f"{s['days']:.1f} days.")
+    g = s["goodput"]
+    goodput = (f"Goodput {g['goodput']:.1%} expected with a checkpoint every "
+               f"{g['interval_iters']:,} steps (Young/Daly: --checkpoint.interval "
+               f"{g['interval_iters']}).")
     script = f"""#!/usr/bin/env bash
 # Written by tools/plan.py: {s['gpus']} GPUs = {s['nodes']} nodes × {per_node}
 # Layout: {s['layout']['flags']}
 # {estimated}
+# {goodput}
 # SLURM:   sbatch {path}
 # By hand: NNODES={s['nodes']} NODE_RANK=<i> MASTER_ADDR=<node 0> bash {path}   (on every node)
 # Check first: bash {path} --dry-run

@@ -23,6 +23,7 @@ from ..model.fp8 import check_fp8_fields
 from ..monitor.flops import DEVICES, with_device
 from ..resolve import resolve
 from .comm import context_step_bytes
+from .goodput import checkpoint_bytes, plan_goodput
 from .model import GIB, context_gather_bytes, estimate_run, search
 
 
@@ -98,10 +99,18 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def summary(plan: dict, e, args) -> dict:
-    """The plan as plain numbers (``--json``)."""
+    """The plan as plain numbers (``--json``); ``goodput``: failures and checkpoints
+    (:mod:`.goodput`) at ``args``' failure rate, write rate and restart time."""
     L, mem, t, cfg = e.layout, e.memory, e.time, plan["cfg"]
     # a ramp-up's smaller steps take proportionally less
     days = plan["full_steps"] * t["total"] / 86400
+    rank_bytes, total_bytes = checkpoint_bytes(plan["model"], L)
+    goodput = {**plan_goodput(args.gpus, t["total"], total_bytes,
+                              failures_per_gpu_hour=args.failures_per_gpu_hour,
+                              write_gbps=args.checkpoint_write_gbps,
+                              restart_minutes=args.restart_minutes),
+               "checkpoint_rank_bytes": rank_bytes}
+    goodput["days_with_failures"] = days / goodput["goodput"] if goodput["goodput"] else None
     return {
         "config": args.config, "gpus": args.gpus,
         "nodes": math.ceil(args.gpus / plan["device"].gpus_per_node), "device": plan["device"].name,
@@ -128,4 +137,4 @@ def summary(plan: dict, e, args) -> dict:
         "global_batch_size": cfg.train.global_batch_size, "seq_length": cfg.train.seq_length,
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_length,
         "steps": plan["steps"], "train_tokens": plan["tokens"], "days": days,
-        "gpu_hours": days * 24 * args.gpus, }
+        "gpu_hours": days * 24 * args.gpus, "goodput": goodput}
