@@ -65,6 +65,11 @@ class Attempt:
         return self.reason is not None and self.reason not in CLEAN + ("crash_loop",)
 
     @property
+    def phase(self) -> str:
+        """Where it got to: its training loop, or only its start-up (building, loading)."""
+        return "start-up" if self.training is None else "training"
+
+    @property
     def sign_of_life(self) -> float | None:
         """When it was last known alive: its last step's end, else the latest start-up mark."""
         marks = [t for t in (self.last_alive, self.training, self.group_up, self.process_start)
@@ -234,10 +239,11 @@ def goodput(attempts: list[Attempt], now: float | None = None) -> dict:
 
 def crash_loop(attempts: list[Attempt], cur: Attempt) -> str | None:
     """Why ``cur`` must not train, or None. A crash loop: the two attempts before it, restarts of
-    one launch as ``cur`` is, both failed at the same iteration (the last one they completed), and
-    either resumed from the same checkpoint or ended the same way — the same failure again, which
-    a third attempt would repeat. Failures at different iterations never make one, nor clean ends;
-    a new launch (a new torchrun, a run by hand) starts afresh."""
+    one launch as ``cur`` is, both failed at the same iteration (the last one they completed) in
+    the same phase (training, or start-up), and either resumed from the same checkpoint or ended
+    the same way — the same failure again, which a third attempt would repeat. Failures at
+    different iterations never make one, nor a failed start-up after a failed step, nor clean
+    ends; a new launch (a new torchrun, a run by hand) starts afresh."""
     if not attempts or not same_launch(attempts[-1], cur):
         return None
     last = attempts[-1]
@@ -247,14 +253,15 @@ def crash_loop(attempts: list[Attempt], cur: Attempt) -> str | None:
         return None
     before = attempts[-2]
     if not (before.failed and last.failed and same_launch(before, last)) \
-            or before.reached != last.reached:
+            or (before.reached, before.phase) != (last.reached, last.phase):
         return None
     if before.resumed_iter != last.resumed_iter and before.reason != last.reason:
         return None
     how = last.reason if before.reason == last.reason else f"{before.reason}, then {last.reason}"
-    return (f"attempts {before.number} and {last.number} both failed after iteration "
-            f"{last.reached} ({how}; resumed from iteration {before.resumed_iter} and "
-            f"{last.resumed_iter})")
+    where = f"after iteration {last.reached}" if last.phase == "training" \
+        else f"starting at iteration {last.reached}"
+    return (f"attempts {before.number} and {last.number} both failed {where} ({how}; resumed "
+            f"from iteration {before.resumed_iter} and {last.resumed_iter})")
 
 
 def end_reason(exc: BaseException | None, stop: str | None) -> tuple[str, str | None]:

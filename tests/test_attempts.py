@@ -107,9 +107,9 @@ def test_the_same_failure_twice_stops_the_next_attempt_until_a_new_launch(tmp_pa
 
 
 def test_the_crash_loop_rule():
-    def failed(number, resumed, reached, reason="crash", launch="agent", restart=1):
+    def failed(number, resumed, reached, reason="crash", launch="agent", restart=1, training=1.0):
         return Attempt(number, launch=launch, restart_count=restart, resumed_iter=resumed,
-                       last_iter=reached, reason=reason)
+                       last_iter=reached, reason=reason, training=training)
 
     now = Attempt(3, launch="agent", restart_count=2)
     assert crash_loop([failed(1, 0, 4, restart=0), failed(2, 3, 4)], now)  # same iteration, way
@@ -117,6 +117,10 @@ def test_the_crash_loop_rule():
     assert not crash_loop([failed(1, 0, 4, "hang"), failed(2, 3, 4)], now)
     assert not crash_loop([failed(1, 0, 2), failed(2, 0, 5)], now)  # different iterations
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4, "finished")], now)
+    # a step failed after the checkpoint at 4, then the restart failed in its start-up
+    assert not crash_loop([failed(1, 0, 4), failed(2, 4, None, training=None)], now)
+    assert "starting at iteration 4" in crash_loop([failed(1, 4, None, training=None),
+                                                    failed(2, 4, None, training=None)], now)
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4)], Attempt(3, launch=""))  # by hand
     relaunch = Attempt(3, launch="other", restart_count=0)
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4)], relaunch)
