@@ -9,7 +9,8 @@ from, the checkpoint and the seconds reading it took), ``training`` (its trainin
 ``first_step`` (its first step ended) and ``end`` (how it ended: ``finished``, ``stopped`` by a
 signal, ``interrupted``, ``exception``, ``recovery``, ``oom``, ``crash_loop``, ``hang``, ``crash``).
 Its last sign of life — the last step it completed and when — is ``RUN_DIR/attempts.alive.json``,
-overwritten in place at every step's end (one small write, no read of the device). A crash
+overwritten in place at every step's end (one small write, no read of the device: on a GPU the
+host's step end, which runs ahead of the device up to the next read point). A crash
 (``os._exit``, SIGKILL, a lost node) writes no ``end`` record: the next attempt writes it for it
 (``inferred``) from that file and the watchdog's hang reports.
 
@@ -302,8 +303,8 @@ class AttemptLog:
 
             age = process_age_s()
             self.attempts = read_ledger(run_dir)
-            self.cur = Attempt(len(self.attempts) and self.attempts[-1].number + 1 or 1,
-                               launch=launch_id(),
+            number = self.attempts[-1].number + 1 if self.attempts else 1
+            self.cur = Attempt(number, launch=launch_id(),
                                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                                                  or 0),
                                process_start=None if age is None else time.time() - age,

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from megapretrain.attempts import Attempt, crash_loop, goodput, read_ledger, restart_lost, same_launch
+from megapretrain.attempts import Attempt, crash_loop, end_reason, goodput, read_ledger, restart_lost, same_launch
 from megapretrain.cli import CRASH_LOOP_EXIT
 
 from helpers import TINY, records
@@ -125,6 +125,19 @@ def test_the_crash_loop_rule():
     relaunch = Attempt(3, launch="other", restart_count=0)
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4)], relaunch)
     assert same_launch(failed(1, 0, 4, launch="a"), Attempt(2, launch="b", restart_count=1))
+
+
+def test_how_an_attempt_ended():
+    from megapretrain.oom import OOM_EXIT
+    from megapretrain.recovery import RecoveryError
+
+    assert end_reason(None, None) == ("finished", None)
+    assert end_reason(None, "SIGTERM") == ("stopped", "SIGTERM")
+    assert end_reason(SystemExit(OOM_EXIT), None)[0] == "oom"
+    assert end_reason(RecoveryError("too many rollbacks"), None)[0] == "recovery"
+    assert end_reason(KeyboardInterrupt(), None)[0] == "interrupted"
+    assert end_reason(RuntimeError("Connection closed by peer"), None) == \
+        ("exception", "RuntimeError: Connection closed by peer")
 
 
 def test_lost_time_and_goodput_from_the_ledger():
