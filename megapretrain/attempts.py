@@ -55,6 +55,7 @@ class Attempt:
     load_s: float = 0.0  # reading the checkpoint
     training: float | None = None  # its training loop started
     last_iter: int | None = None  # the last step it completed
+    trained: int | None = None  # the steps it trained (a rollback's trained again among them)
     last_alive: float | None = None  # when
     end: float | None = None  # when it ended, or when its end was noticed
     reason: str | None = None  # how it ended (None: not yet)
@@ -84,9 +85,9 @@ class Attempt:
 
     @property
     def step_s(self) -> float | None:
-        """Its mean wall time per iteration in the training loop (evaluations and saves among
-        them, as a straight run has them), or None before two marks."""
-        steps = (self.last_iter or 0) - (self.resumed_iter or 0)
+        """Its mean wall time per step in the training loop (evaluations and saves among them, as
+        a straight run has them), or None before two marks."""
+        steps = self.trained or (self.last_iter or 0) - (self.resumed_iter or 0)
         if self.training is None or self.last_alive is None or steps <= 0:
             return None
         return max(0.0, self.last_alive - self.training) / steps
@@ -101,14 +102,23 @@ class Attempt:
             self.resumed_iter, self.load_s = record.get("iter"), record.get("load_s", 0.0)
         elif kind == "training":
             self.training = record.get("time")
-        elif kind in ("first_step", "alive"):
+        elif kind == "first_step":
             self.last_iter, self.last_alive = record.get("iter"), record.get("time")
+            self.trained = 1
         elif kind == "end":
             self.reason, self.end = record.get("reason"), record.get("time")
             self.noticed_by = record.get("noticed_by", "end_record")
             self.detail = record.get("detail")
             if record.get("last_iter") is not None:
                 self.last_iter, self.last_alive = record["last_iter"], record.get("last_alive")
+                self.trained = record.get("trained")
+
+    def take_alive(self, alive: dict | None) -> None:
+        """Its last sign of life from ``RUN_DIR/attempts.alive.json``, when that is this
+        attempt's."""
+        if alive and alive.get("attempt") == self.number:
+            self.last_iter, self.last_alive = alive.get("iter"), alive.get("time")
+            self.trained = alive.get("trained")
 
 
 def read_ledger(run_dir: str) -> list[Attempt]:
@@ -145,9 +155,8 @@ def run_goodput(run_dir: str) -> dict | None:
     attempts = read_ledger(run_dir)
     if not attempts:
         return None
-    last, alive = attempts[-1], read_alive(run_dir)
-    if last.reason is None and alive and alive.get("attempt") == last.number:
-        last.last_iter, last.last_alive = alive.get("iter"), alive.get("time")
+    if attempts[-1].reason is None:
+        attempts[-1].take_alive(read_alive(run_dir))
     return goodput(attempts)
 
 
@@ -206,8 +215,8 @@ def restart_lost(prev: Attempt, cur: Attempt) -> dict:
 
 def goodput(attempts: list[Attempt], now: float | None = None) -> dict:
     """The effective training time of a run's ``attempts``: productive step time (each attempt's
-    training loop, for the steps whose results were kept — not those a later attempt trained
-    again) over the wall time (every attempt from its process start to its end, and the time
+    training loop, for the steps whose results were kept — not those a later attempt or a rollback
+    trained again) over the wall time (every attempt from its process start to its end, and the time
     between attempts of one launch; not the time between launches). ``now``: the end of an
     attempt still running."""
     productive = wall = lost = 0.0
@@ -331,16 +340,15 @@ class AttemptLog:
         if not self.attempts or self.attempts[-1].reason is not None:
             return
         prev = self.attempts[-1]
-        alive = read_alive(self.run_dir)
-        if alive and alive.get("attempt") == prev.number:
-            prev.last_iter, prev.last_alive = alive["iter"], alive["time"]
+        prev.take_alive(read_alive(self.run_dir))
         hang = hang_report_time(self.run_dir, prev.sign_of_life)
         start = self.cur.process_start if self.cur.process_start is not None else self.cur.group_up
         prev.reason, prev.noticed_by, prev.end = ("hang", "hang_report", hang) if hang \
             else ("crash", "next_start", max(start, prev.sign_of_life or start))
         record = {"attempt": prev.number, "record": "end", "reason": prev.reason,
                   "time": prev.end, "noticed_by": prev.noticed_by, "inferred": True,
-                  "last_iter": prev.last_iter, "last_alive": prev.last_alive}
+                  "last_iter": prev.last_iter, "last_alive": prev.last_alive,
+                  "trained": prev.trained}
         with open(os.path.join(self.run_dir, LEDGER), "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -392,7 +400,9 @@ class AttemptLog:
         now = time.time()
         first = self.cur.last_iter is None
         self.cur.last_iter, self.cur.last_alive = iteration, now
-        record = {"attempt": self.cur.number, "iter": iteration, "time": now}
+        self.cur.trained = (self.cur.trained or 0) + 1
+        record = {"attempt": self.cur.number, "iter": iteration, "time": now,
+                  "trained": self.cur.trained}
         if self._alive_fd is None:
             self._alive_fd = os.open(os.path.join(self.run_dir, ALIVE), os.O_WRONLY | os.O_CREAT,
                                      0o644)
@@ -409,7 +419,8 @@ class AttemptLog:
         self.cur.end = time.time()
         self._write({"record": "end", "reason": self.cur.reason, "detail": detail,
                      "time": self.cur.end, "last_iter": self.cur.last_iter,
-                     "last_alive": self.cur.last_alive, "iter": iteration})
+                     "last_alive": self.cur.last_alive, "trained": self.cur.trained,
+                     "iter": iteration})
         if self._alive_fd is not None:
             os.close(self._alive_fd)
             self._alive_fd = None

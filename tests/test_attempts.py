@@ -8,6 +8,7 @@ torchrun's agent starts them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -155,3 +156,6 @@ def test_lost_time_and_goodput_from_the_ledger():
     # productive: 6 kept steps of the first (6 s) and 14 of the second (14 s); wall 0 → 36
     assert (g["productive_s"], g["wall_s"], g["restarts"]) == (20, 36, 1)
     assert g["effective_training"] == round(20 / 36, 4) and g["restart_lost_s"] == 14
+    # a rollback in the second attempt: 16 steps in its 16 s loop, 2 of them trained again, 14 kept
+    rolled = dataclasses.replace(cur, training=20, trained=16)
+    assert goodput([prev, rolled])["productive_s"] == 6 + 14
