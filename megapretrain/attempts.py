@@ -37,6 +37,7 @@ from .recovery import RecoveryError
 # imported where it is used: the readers of the ledger, tools/plot_run.py, import no torch)
 
 LEDGER = "attempts.jsonl"
+FORMAT = "megapretrain-attempts-v1"  # in each start record
 ALIVE = "attempts.alive.json"
 ALIVE_BYTES = 256  # the sign-of-life record, padded: each write replaces the whole of it
 # endings that are no failure: they never make a crash loop
@@ -319,12 +320,12 @@ class AttemptLog:
                                process_start=None if age is None else time.time() - age,
                                group_up=time.time())
             self._close_previous()
-            self._write({"record": "start", "launch": self.cur.launch,
+            self._write({"record": "start", "format": FORMAT, "launch": self.cur.launch,
                          "restart_count": self.cur.restart_count, "host": socket.gethostname(),
                          "pid": os.getpid(), "process_start": self.cur.process_start,
                          "time": self.cur.group_up})
             loop = crash_loop(self.attempts, self.cur)
-        if _agree(loop is not None, ps):
+        if _from_rank0(loop is not None, ps):
             self._stop(loop)
 
     def _write(self, record: dict, sync: bool = True) -> None:
@@ -432,7 +433,7 @@ class AttemptLog:
         return goodput(self.attempts + [self.cur], now=time.time())
 
 
-def _agree(flag: bool, ps) -> bool:
+def _from_rank0(flag: bool, ps) -> bool:
     """Rank 0's ``flag`` on every rank (a simulation's fake process group: this rank's)."""
     import torch
     import torch.distributed as dist
