@@ -536,8 +536,7 @@ class Trainer:
                 os.path.join(cfg.run.dir, "data_cache"))
         builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
         datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
-        if dist.is_initialized():
-            dist.barrier()
+        self.ps.checkpoint.barrier()  # on gloo with its own timeout: a large index takes long
         return datasets if builder else build_gpt_datasets(*args, build_indices=False)
 
     @torch.no_grad()
@@ -641,9 +640,10 @@ class Trainer:
         self._stop_requested = signal.Signals(signum).name
 
     def _agree(self, flag: bool) -> bool:
-        """True on every rank when it is true on any (so all ranks save at the same step)."""
+        """True on every rank when it is true on any (so all ranks save at the same step): on the
+        host, over the gloo checkpoint group (no device sync)."""
         if self.ps.world_size == 1:
             return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        value = torch.tensor([1.0 if flag else 0.0])
+        self.ps.checkpoint.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())

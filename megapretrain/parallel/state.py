@@ -382,11 +382,13 @@ def side_group(name: str, world_size: int, rank: int, timeout_s: float) -> Group
     something slower than a collective (the file system a checkpoint is written to): a slow save
     then trips neither the training group's timeout nor, on NCCL, its watchdog, and its tensors
     stay on the host (reading them is no device sync). Collective: every rank creates it, in the
-    same order as the other groups."""
+    same order as the other groups. Under the simulator's ``fake`` process group it is fake too
+    (its collectives complete at once, as every other)."""
     ranks = list(range(world_size))
     pg = None
     if world_size > 1:
-        pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
+        backend = "fake" if dist.get_backend() == "fake" else "gloo"
+        pg = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
     return Group(name, ranks, pg, rank)
 
 
