@@ -239,3 +239,38 @@ def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resum
     finally:
         again.close()
     assert events(tmp_path / "run", "resumed")
+
+
+def _launchers(script, port: int, **env) -> list[subprocess.Popen]:
+    """Two nodes of megapretrain.launcher running ``script`` (one process each)."""
+    base = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env)
+    return [subprocess.Popen(
+        [sys.executable, "-m", "megapretrain.launcher", "--nnodes", "2", "--nproc_per_node", "1",
+         "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", f"test{port}", "--rdzv-conf", "join_timeout=60", str(script)],
+        cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for _ in range(2)]
+
+
+def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_path):
+    """Rank 0's worker finishes, rank 1's fails on its way out (its first attempt only): the job
+    is done: rank 1's node does not restart into a rendezvous its peer never joins (that peer
+    waits at torch's exit barrier, 300 s), both launchers exit 0 at once."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] "
+                      "== '0':\n"
+                      "    time.sleep(3)\n"
+                      "    sys.exit(1)\n")
+    start = time.monotonic()
+    procs = _launchers(script, _free_port())
+    try:
+        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    took = time.monotonic() - start
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
+    assert "after another node's finished the training: not restarted" in "".join(outs)
