@@ -274,3 +274,38 @@ def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_pat
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
     assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
     assert "after another node's finished the training: not restarted" in "".join(outs)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            caught = next(line for line in fh if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+def test_a_stop_signal_during_start_up_stops_the_job_before_its_first_step(tmp_path, corpus):
+    """SIGTERM to node 0's launcher while its worker is still setting up (its early handler in
+    place, no step taken): every worker stops before the first step, nothing restarts, both
+    launchers exit 0."""
+    nodes = Nodes(tmp_path / "run", corpus)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline, worker = time.monotonic() + JOB_S, None
+        while worker is None and time.monotonic() < deadline:
+            worker = next((p for p in _worker_pids(nodes.procs[0].pid)
+                           if _catches(p, signal.SIGTERM)), None)
+            time.sleep(0.02)
+        assert worker is not None, nodes.log(0)
+        assert not (metrics.exists() and losses(tmp_path / "run")), "too late: a step was taken"
+        nodes.procs[0].send_signal(signal.SIGTERM)  # launch.sh hands it to its workers
+        statuses = nodes.wait_all()
+    finally:
+        nodes.close()
+    logs = nodes.log(0) + "\n----\n" + nodes.log(1)
+    assert statuses == [0, 0], logs
+    assert "during start-up: stopping before the first step" in logs
+    assert "failed (exitcode" not in logs and "fired already" not in logs  # no restart
+    assert not (metrics.exists() and losses(tmp_path / "run"))  # no training step
