@@ -151,6 +151,10 @@ def _agent_class():
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.launcher import api
 
     if not hasattr(api, "LocalElasticAgent"):  # a torch that builds its agent elsewhere
@@ -163,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     except FinalExit as exc:
         print(f"launch: {exc}", file=sys.stderr, flush=True)
         return exc.status
+    except RendezvousTimeoutError:  # (the agent's log above has the details)
+        print("launch: the nodes did not all join the rendezvous within its join timeout "
+              "(launch.sh: RDZV_JOIN_TIMEOUT): a node is lost or did not start; launch the job "
+              "again on healthy nodes (it resumes from its latest checkpoint)", file=sys.stderr)
+        return 1
+    except RendezvousConnectionError:
+        print("launch: the rendezvous store (on MASTER_ADDR:MASTER_PORT) is gone: the node that "
+              "held it is lost; launch the job again on healthy nodes (it resumes from its "
+              "latest checkpoint)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -230,6 +230,7 @@ def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resum
     finally:
         nodes.close()
     assert status != 0, nodes.log(0)
+    assert "launch the job again on healthy nodes" in nodes.log(0)
     # the failure seen (seconds), the workers stopped, the join timeout: never torch's 600 s
     assert took < join_s + 90, f"node 0 out {took:.0f} s after node 1 was lost\n{nodes.log(0)}"
     print(f"node 0 out {took:.1f} s after node 1 was lost (join timeout {join_s} s)")
