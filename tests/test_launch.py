@@ -34,7 +34,7 @@ def fake_bin(tmp_path):
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {log}\n')
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        f'if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then echo "torchrun $*" >> {log}; exit 0; fi\n'
+        f'if [ "$1" = "-m" ] && [ "$2" = "megapretrain.launcher" ]; then echo "torchrun $*" >> {log}; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -110,6 +110,8 @@ def test_a_dry_run_under_slurm_reads_its_nodes(fake_bin, corpus):
     assert rc == 0, err
     assert "--nnodes 3 --nproc_per_node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint gpu-a07:29500" \
         in log.read_text()
+    assert "--rdzv-conf join_timeout=120,last_call_timeout=30,close_timeout=30 -m megapretrain.train" \
+        in log.read_text()
 
 
 def test_by_hand_with_nnodes_node_rank_and_master_addr(fake_bin, corpus):
@@ -145,6 +147,8 @@ def test_a_dry_run_refuses_a_world_size_the_config_cannot_use(fake_bin, corpus):
     (dict(MASTER_PORT="99999"), "MASTER_PORT=99999 must be a whole number from 1 to 65535"),
     (dict(MAX_RESTARTS="many"), "MAX_RESTARTS=many must be a whole number from 0 up"),
     (dict(OMP_NUM_THREADS="0"), "OMP_NUM_THREADS=0 must be a whole number from 1 up"),
+    (dict(RDZV_JOIN_TIMEOUT="0"), "RDZV_JOIN_TIMEOUT=0 must be a whole number from 1 up"),
+    (dict(RDZV_CLOSE_TIMEOUT="30s"), "RDZV_CLOSE_TIMEOUT=30s must be a whole number from 1 up"),
     (dict(DEFAULT_NNODES="x"), "DEFAULT_NNODES=x must be a whole number from 1 up"),
     (dict(NNODES=""), "NNODES is set but empty"),
     (dict(MASTER_ADDR="node 0"), "MASTER_ADDR='node 0' must be node 0's host name or address"),
@@ -195,7 +199,7 @@ def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job
                                       '[ "$1 $2" != "show hostnames" ] || echo "$3"\n')
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        'if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then\n'
+        'if [ "$1" = "-m" ] && [ "$2" = "megapretrain.launcher" ]; then\n'
         f'  bash -c \'trap "echo worker got USR1 >> {log}; exit 0" USR1; echo worker up >> {log}; '
         "while :; do sleep 0.1; done' &\n"
         "  wait $!; exit $?\n"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ConfigError
+from ..launcher import ROUND_ENV
 from .layout import Layout
 
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
@@ -466,8 +467,13 @@ class ParallelState:
         mine = None
         for ranks in rank_lists:
             ranks = [int(r) for r in ranks]
-            # a one-rank group never communicates: no process group (every rank skips the same ones)
-            pg = dist.new_group(ranks) if self.world_size > 1 and len(ranks) > 1 else None
+            # a one-rank group never communicates: no process group (every rank skips the same).
+            # Local synchronization: only the members meet in the store (not the whole world, for
+            # each group); the others return at once. Its group names count the groups a rank has
+            # made, so the members of a group must have made the same ones before it: every kind
+            # but the embedding partitions the world, and the groups after it lie in one stage.
+            pg = dist.new_group(ranks, use_local_synchronization=True) \
+                if self.world_size > 1 and len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats, self.activity)
         return mine
@@ -494,9 +500,11 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu",
         return
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        # bound to its GPU: the communicators are made here, not lazily inside the first step
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs, **_restart_store())
 
 
@@ -504,13 +512,18 @@ def _restart_store() -> dict:
     """Under torchrun, the store of this attempt: torchrun keeps one store for the whole job and
     restarts the processes in it, so a restarted rank would read the keys of the attempt before
     (the dead ranks' addresses, the barrier counts) as its own — gloo connects to a process that
-    is gone, or waits forever. A prefix per attempt keeps the attempts apart. Elsewhere: none
-    (init_process_group's own env:// rendezvous)."""
+    is gone, or waits forever. A prefix per attempt keeps the attempts apart: the rendezvous round
+    megapretrain.launcher gives the workers (the same on every node), else torchrun's restart count
+    (which counts only the restarts of the node whose worker failed: right on one node only).
+    Elsewhere: none (init_process_group's own env:// rendezvous)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     world_size = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"megapretrain/attempt_{attempt}", store),
+    if os.environ.get(ROUND_ENV):
+        attempt = f"round_{os.environ[ROUND_ENV]}"
+    else:
+        attempt = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return {"store": dist.PrefixStore(f"megapretrain/{attempt}", store),
             "rank": int(os.environ["RANK"]), "world_size": world_size}
