@@ -15,6 +15,9 @@ from collections.abc import Callable
 from .errors import UserError
 
 USER_ERROR_EXIT = 2  # the exit status of bad input
+# a training that would repeat the same failure at the same iteration once more (attempts.py): a
+# launcher does not restart it
+CRASH_LOOP_EXIT = 6
 
 
 def print_error(message: object) -> None:

@@ -398,6 +398,9 @@ class FaultsConfig:
     oom_at: Optional[int] = _f(None, "Fault drill: an out-of-memory error at this iteration.",
                                min=1)
     rank: int = _f(-1, "The global rank the faults apply to (-1: every rank).", min=-1)
+    every_attempt: bool = _f(False, "Fire the drills again in every process on the run directory "
+                                    "(each restart: a crash loop), instead of once per run "
+                                    "directory.")
 
 
 @dataclass

@@ -19,7 +19,10 @@ A drill fires once per run directory: as it fires, the rank records it in
 ``RUN_DIR/faults/NAME.rankR.json``, and a later process on the same run directory — a restart by
 the launcher after the drill's exit or hang, a resume — does not inject it again (it says so). So a
 restarted run goes on past its drill, as it would past a real fault. Inside one process a drill
-stays what it is (a rollback that trains the spiked batch again sees it spiked).
+stays what it is (a rollback that trains the spiked batch again sees it spiked). With
+``faults.every_attempt`` a drill is neither recorded nor looked up: it fires again in every process
+on the run directory, after each restart — the same failure at the same iteration every attempt, a
+crash loop.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ class Faults:
         self.mine = cfg.rank in (-1, rank)
         self.corrupt_sample: int | None = None  # where the corrupt batch starts in the data
         self.dir = os.path.join(run_dir, "faults")
-        self.fired = {name for name in self.NAMES
-                      if getattr(cfg, name) is not None and os.path.exists(self._record(name))}
+        self.fired = set() if cfg.every_attempt else \
+            {name for name in self.NAMES
+             if getattr(cfg, name) is not None and os.path.exists(self._record(name))}
         self.now: set[str] = set()  # the drills this process fired (they stay in force for it)
 
     def already_fired(self) -> list[str]:
@@ -60,14 +64,14 @@ class Faults:
         if not self.mine or name in self.fired or at is None or not at <= iteration < at + steps:
             return False
         # recorded before it strikes: an exit or a hang leaves no later chance
-        if name not in self.now:
+        if name not in self.now and not self.cfg.every_attempt:
             os.makedirs(self.dir, exist_ok=True)
             with open(self._record(name), "w") as fh:
                 json.dump({"fault": name, "iter": iteration, "rank": self.rank,
                            "time": time.time()}, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
-            self.now.add(name)
+        self.now.add(name)
         return True
 
     def before_step(self, iteration: int) -> None:

@@ -46,6 +46,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .attempts import AttemptLog
 from .config import Config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader, batch_size_at
@@ -108,6 +109,8 @@ class Trainer:
         self._unread: list[dict] = []
         self._started = False  # whether fit() ran (the start-up to the first step is logged once)
         os.makedirs(cfg.run.dir, exist_ok=True)
+        # this start's record (attempts.jsonl); a crash loop stops here
+        self.attempt = AttemptLog(cfg.run.dir, ps)
 
         # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded
         # by name
@@ -172,7 +175,9 @@ class Trainer:
         self.faults = Faults(cfg.faults, ps.rank, cfg.run.dir)
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.progress = Progress(sizes.iters)
+        self.attempt.loading()
         resumed_from = self.run.resume()
+        self.attempt.loaded(self.iteration, resumed_from)
         drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired \
             else None
         if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)
@@ -239,6 +244,11 @@ class Trainer:
             else {}
         try:
             self._fit()
+        except BaseException as exc:
+            self.attempt.ended(self.iteration, exc)
+            raise
+        else:
+            self.attempt.ended(self.iteration, stop=self._stop_requested)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -259,6 +269,8 @@ class Trainer:
         self.progress.start(self.iteration)
         saved = False  # whether the pass that ended last saved its iteration
         startup_s = None if self._started else process_age_s()  # this launch's first step
+        if not self._started:  # after an earlier attempt: the restart event, its lost time
+            self.attempt.training(self.iteration, self.metrics)
         self._started = True
         if startup_s is not None:  # interpreter, imports, data indices, model build, resume
             # the CPU time of it: what a machine shared with others does not inflate
@@ -278,6 +290,7 @@ class Trainer:
             self.progress.step(self.iteration)
             if self.lock is not None:
                 self.lock.heartbeat()
+            self.attempt.alive(self.iteration)
             if self.pipeline.record:
                 self._write_trace()
             self.consumed_samples += stats["global_batch_size"]
@@ -312,8 +325,9 @@ class Trainer:
             if not saved:  # (by the interval, or by the clock)
                 self.run.save(self.metrics)
         self.run.checkpoints.finalize()
-        summary = self.watch.summary(first_iter, first_samples, self.consumed_samples,
-                                     self.progress.elapsed_s, self.run.saved)
+        summary = {**self.watch.summary(first_iter, first_samples, self.consumed_samples,
+                                        self.progress.elapsed_s, self.run.saved),
+                   **self.attempt.goodput()}  # effective training time over every attempt
         self.metrics.event("summary", self.iteration, **summary)
         self.metrics.close()
         for loader in self.loaders.values():

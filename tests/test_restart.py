@@ -47,4 +47,12 @@ def test_a_hang_under_launch_sh_restarts_and_ends_on_the_uninterrupted_losses(tm
     with open(hung / "metrics.jsonl") as fh:
         resumed = [json.loads(line)["iter"] for line in fh if '"event": "resumed"' in line]
     assert resumed == [4]
+    with open(hung / "metrics.jsonl") as fh:
+        rows = [json.loads(line) for line in fh if '"event": "restart"' in line or '"event": "summary"' in line]
+    (restart,), (summary,) = ([r for r in rows if r["event"] == name] for name in ("restart", "summary"))
+    # rank 0 hung too (its watchdog's report) or saw its peer's exit (an error it caught)
+    assert restart["attempt"] == 2 and restart["after"] in ("hang", "exception"), restart
+    assert restart["resumed_iter"] == 4 and restart["recomputed_iters"] == restart["previous_last_iter"] - 4
+    assert restart["same_launch"] and min(restart[k] for k in ("detection_s", "restart_s", "reload_s")) >= 0
+    assert summary["restarts"] == 1 and 0 < summary["effective_training"] < 1
     assert sorted(_losses(hung)) == list(range(1, 9)) and _losses(hung) == _losses(straight)

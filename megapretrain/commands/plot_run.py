@@ -7,9 +7,11 @@ Panels (those the run logged): loss and validation loss, grad norm (before clipp
 rate, tokens/s, MFU, memory, loss scale (fp16) and the time breakdown (data_time, step_time and
 any other ``*_s`` / ``*_time`` field). Events — checkpoint_saved, resumed, alert start and clear,
 rollback, skipped_step, ... — are vertical lines on every panel, in colours no data line uses; a
-rollback shades the steps it trained again, and the steps a rollback or resume superseded are drawn
-dashed beside the line the run kept. Memory, throughput, MFU and times are drawn from zero, their
-range in the panel's title. Works on a run still in progress.
+rollback or a restart shades the steps it trained again, and the steps a rollback or resume
+superseded are drawn dashed beside the line the run kept. Under the title: the effective training
+time over every attempt on the run directory (productive step time / wall time, from
+RUN_DIR/attempts.jsonl), its restarts and the time they lost. Memory, throughput, MFU and times are
+drawn from zero, their range in the panel's title. Works on a run still in progress.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import argparse
 import os
 import sys
 
+from megapretrain.attempts import run_goodput
 from megapretrain.cli import user_errors
 from megapretrain.errors import DataError, UserError
 from megapretrain.monitor.metrics import read_metrics, training_records
+from megapretrain.monitor.progress import describe_goodput
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,6 +36,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output", help="PNG to write (default: RUN_DIR/dashboard.png)")
     ap.add_argument("--title", help="figure title (default: the run directory)")
     return ap.parse_args(argv)
+
+
+def goodput_note(run_dir: str, records: list[dict]) -> str | None:
+    """The effective training time over the run's attempts: from its ledger, else its last
+    ``summary`` event that carries it (a run from before the ledger: none)."""
+    g = run_goodput(run_dir)
+    if g is None:
+        g = next((r for r in reversed(records)
+                  if r.get("event") == "summary" and "effective_training" in r), None)
+    return None if g is None else describe_goodput(g)
 
 
 @user_errors
@@ -47,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--output {output}: the dashboard is a PNG; give a name ending in .png")
     from megapretrain.monitor.plots import plot_dashboard
 
-    plot_dashboard(records, output, args.title or os.path.abspath(run_dir))
+    plot_dashboard(records, output, args.title or os.path.abspath(run_dir), goodput_note(run_dir,
+                                                                                       records))
     print(f"wrote {output}")
     return 0
 

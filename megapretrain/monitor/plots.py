@@ -31,7 +31,7 @@ EVENT_STYLES = {"checkpoint_saved": ("0.6", ":", 1.0), "resumed": ("black", "-."
                 "rollback": ("tab:red", "-", 1.6), "alert start": ("magenta", "-", 1.1),
                 "alert clear": ("magenta", ":", 1.4), "skipped_step": ("tab:purple", "--", 1.0),
                 "straggler": ("tab:pink", ":", 1.2), "hang": ("black", "-", 2.2),
-                "oom": ("darkred", "-", 2.2)}
+                "oom": ("darkred", "-", 2.2), "restart": ("chocolate", "-", 2.0)}
 OTHER_EVENT = ("0.35", "--", 1.0)
 NOT_MARKED = {"memory"}  # the start-up memory report, not something that happened during the run
 # steps a rollback or resume trained again
@@ -141,6 +141,8 @@ def events(records: list[dict]) -> list[Mark]:
                 span = (int(r["since"]), it)
         elif name == "rollback" and _is_number(r.get("from_iter")):
             span = (it, int(r["from_iter"]))
+        elif name == "restart" and _is_number(r.get("previous_last_iter")):
+            span = (it, int(r["previous_last_iter"]))  # what the attempt before had trained
         marks.append(Mark(it, str(name), span))
     return marks
 
@@ -185,6 +187,7 @@ def _event_legend(fig, marks: list[Mark], superseded: bool) -> None:
     for name in dict.fromkeys(m.name for m in marks):
         colour, style, width = _style(name)
         text = {"rollback": "rollback (shaded: steps trained again)",
+                "restart": "restart (shaded: steps trained again)",
                 "alert clear": "alert clear (shaded: active)"}.get(name, name)
         handles.append(Line2D([], [], color=colour, linestyle=style, linewidth=width, label=text))
     if superseded:
@@ -251,12 +254,13 @@ def _draw_panel(ax, name: str, lines: list, options: dict, marks: list[Mark]) ->
         ax.legend(fontsize=8)
 
 
-def plot_dashboard(records: list[dict], path: str, title: str) -> str:
-    """Every panel the run logged, events marked, into one PNG at ``path``."""
-    return _save(dashboard_figure(records, title), path)
+def plot_dashboard(records: list[dict], path: str, title: str, note: str | None = None) -> str:
+    """Every panel the run logged, events marked, into one PNG at ``path``; ``note``: a line
+    under the title (the effective training time)."""
+    return _save(dashboard_figure(records, title, note), path)
 
 
-def dashboard_figure(records: list[dict], title: str):
+def dashboard_figure(records: list[dict], title: str, note: str | None = None):
     """The dashboard as a matplotlib figure (see :func:`plot_dashboard`)."""
     plt = pyplot()
     train = [r for r in records if "loss" in r and "iter" in r and "event" not in r]
@@ -271,7 +275,8 @@ def dashboard_figure(records: list[dict], title: str):
         ax.axis("off")
     superseded = any(trajectory(xs, ys)[1] for _, lines, _ in panels for _, xs, ys in lines)
     _event_legend(fig, marks, superseded)
-    fig.suptitle(title, fontsize=12, x=0.02, ha="left")
+    fig.suptitle(title if note is None else f"{title}\n{note}", fontsize=12 if note is None
+                 else 10, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.4 * rows + 0.6)))
     return fig
 

@@ -69,6 +69,20 @@ class Progress:
         return f"elapsed {human_duration(self.elapsed_s)} | ETA {human_duration(eta)} ({finish})"
 
 
+def describe_goodput(g: dict) -> str:
+    """The effective training time of a run over its attempts (``attempts.goodput``'s fields),
+    for the closing lines and the dashboard."""
+    if g.get("effective_training") is None:
+        return "effective training time: not measured (no step timed)"
+    line = (f"effective training time {100 * g['effective_training']:.1f}% (productive steps "
+            f"{human_duration(g['productive_s'])} of {human_duration(g['wall_s'])} over "
+            f"{g['attempts']} attempt{'s' * (g['attempts'] != 1)})")
+    if g["restarts"]:
+        line += (f"; {g['restarts']} restart{'s' * (g['restarts'] != 1)} lost "
+                 f"{human_duration(g['restart_lost_s'])}")
+    return line
+
+
 def describe_summary(s: dict) -> str:
     """The closing lines of a run from its ``summary`` event: what it trained, how long it took,
     its validation loss, its checkpoints, and where everything it wrote is."""
@@ -90,6 +104,8 @@ def describe_summary(s: dict) -> str:
     line += f"; {len(saved)} checkpoint{'s' * (len(saved) != 1)} written" + (", the last "
                                                                              f"{saved[-1]}" if saved
                                                                              else "")
+    if "effective_training" in s:  # over every attempt on the run directory
+        line += "\n" + describe_goodput(s)
     where = [("run directory", s["run_dir"]), ("metrics", s["metrics"]),
              ("tensorboard", s["tensorboard"]), ("checkpoints", s["checkpoints"]),
              ("config", s["config"])]
