@@ -146,7 +146,7 @@ if [ "$NNODES" = 1 ]; then
 else
   RENDEZVOUS=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")
 fi
-TORCHRUN=(-m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE"
+TORCHRUN=(-m megapretrain.launcher --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE"
           --max-restarts "$MAX_RESTARTS" "${RENDEZVOUS[@]}"
           -m megapretrain.train --config "$CONFIG" ${ARGS[@]+"${ARGS[@]}"})
 

@@ -34,7 +34,7 @@ def fake_bin(tmp_path):
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {log}\n')
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        f'if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then echo "torchrun $*" >> {log}; exit 0; fi\n'
+        f'if [ "$1" = "-m" ] && [ "$2" = "megapretrain.launcher" ]; then echo "torchrun $*" >> {log}; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -195,7 +195,7 @@ def test_a_stop_signal_reaches_the_training_processes_and_slurm_requeues_the_job
                                       '[ "$1 $2" != "show hostnames" ] || echo "$3"\n')
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        'if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then\n'
+        'if [ "$1" = "-m" ] && [ "$2" = "megapretrain.launcher" ]; then\n'
         f'  bash -c \'trap "echo worker got USR1 >> {log}; exit 0" USR1; echo worker up >> {log}; '
         "while :; do sleep 0.1; done' &\n"
         "  wait $!; exit $?\n"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ConfigError
+from ..launcher import ROUND_ENV
 from .layout import Layout
 
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
@@ -416,13 +417,18 @@ def _restart_store() -> dict:
     """Under torchrun, the store of this attempt: torchrun keeps one store for the whole job and
     restarts the processes in it, so a restarted rank would read the keys of the attempt before
     (the dead ranks' addresses, the barrier counts) as its own — gloo connects to a process that
-    is gone, or waits forever. A prefix per attempt keeps the attempts apart. Elsewhere: none
-    (init_process_group's own env:// rendezvous)."""
+    is gone, or waits forever. A prefix per attempt keeps the attempts apart: the rendezvous round
+    megapretrain.launcher gives the workers (the same on every node), else torchrun's restart count
+    (which counts only the restarts of the node whose worker failed: right on one node only).
+    Elsewhere: none (init_process_group's own env:// rendezvous)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     world_size = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"megapretrain/attempt_{attempt}", store),
+    if os.environ.get(ROUND_ENV):
+        attempt = f"round_{os.environ[ROUND_ENV]}"
+    else:
+        attempt = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return {"store": dist.PrefixStore(f"megapretrain/{attempt}", store),
             "rank": int(os.environ["RANK"]), "world_size": world_size}

@@ -1,0 +1,188 @@
+"""Two nodes on one machine: two run_scripts/launch.sh launchers (NNODES=2, one CPU process each,
+a c10d rendezvous on 127.0.0.1), each in its own process session as on its own node. A crash on
+either node, at any iteration and in any order, ends in a restart on the same losses as a run
+without one, and every launcher exits by itself once the job is done or cannot go on."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(ROOT, "run_scripts", "launch.sh")
+TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
+        "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--train.seq_length", "32",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+        "--logging.tensorboard", "false", "--train.eval_interval", "0", "--train.iters", "8",
+        "--checkpoint.interval", "2", "--schedule.warmup_iters", "2", "--logging.interval", "1",
+        "--watchdog.timeout_s", "25"]
+JOB_S = 300  # a job of this file, crashes and restarts included, on a loaded machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """The launchers of one two-node job, one process session each."""
+
+    def __init__(self, run_dir, corpus, *extra, port: int | None = None, **env):
+        self.run_dir, self.port = run_dir, port or _free_port()
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith("SLURM_") and k not in ("NODE_RANK", "NPROC_PER_NODE")}
+        base.update(PYTHON=sys.executable, PYTHONPATH=ROOT, NNODES="2", NPROC_PER_NODE="1",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), MAX_RESTARTS="3",
+                    OMP_NUM_THREADS="1", RDZV_ID=f"test{self.port}", **env)
+        self.logs = [open(f"{run_dir}.node{n}.log", "w") for n in range(2)]
+        self.start = time.monotonic()
+        self.procs = [subprocess.Popen(
+            ["bash", LAUNCH, os.path.join(ROOT, "configs", "tiny.yaml"), "--run.dir", str(run_dir),
+             "--data.paths", f"[{corpus}]", *TINY, *extra], cwd=ROOT, env=dict(base, NODE_RANK=str(n)),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for n, log in enumerate(self.logs)]
+        self.ended: dict[int, float] = {}
+
+    def wait(self, node: int, timeout: float = JOB_S) -> int:
+        """Node ``node``'s launcher's exit status (its exit time kept in ``ended``)."""
+        try:
+            rc = self.procs[node].wait(timeout=max(1.0, self.start + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"node {node} still running after {timeout} s:\n{self.log(node)}") from None
+        self.ended.setdefault(node, time.monotonic())
+        return rc
+
+    def wait_all(self, timeout: float = JOB_S) -> list[int]:
+        return [self.wait(n, timeout) for n in range(2)]
+
+    def kill(self, node: int | None = None) -> None:
+        """SIGKILL every process of node ``node`` (launcher, agent, workers): a lost node."""
+        for n in range(2) if node is None else [node]:
+            for pid in tree(self.procs[n].pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.procs[n].wait()
+
+    def log(self, node: int) -> str:
+        self.logs[node].flush()
+        with open(self.logs[node].name) as fh:
+            return fh.read()[-4000:]
+
+    def close(self) -> None:
+        self.kill()
+        for log in self.logs:
+            log.close()
+
+
+def losses(run_dir) -> dict[int, float]:
+    """Each iteration's loss (the later one where a restart trained it again)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    return {r["iter"]: r["loss"] for r in rows if "loss" in r and "event" not in r}
+
+
+def events(run_dir, name: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r.get("event") == name]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus) -> dict[int, float]:
+    """The losses of the two-node job without a failure."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    nodes = Nodes(run_dir, corpus)
+    try:
+        assert nodes.wait_all() == [0, 0], nodes.log(0) + nodes.log(1)
+    finally:
+        nodes.close()
+    assert sorted(losses(run_dir)) == list(range(1, 9))
+    return losses(run_dir)
+
+
+def _finishes_on(nodes: Nodes, straight) -> None:
+    """Both launchers exit 0, close together (neither waits out a barrier), on the straight
+    run's losses."""
+    assert nodes.wait_all() == [0, 0], nodes.log(0) + "\n----\n" + nodes.log(1)
+    assert abs(nodes.ended[0] - nodes.ended[1]) < 30, nodes.log(0) + nodes.log(1)
+    assert losses(nodes.run_dir) == straight
+
+
+def _children() -> dict[int, list[int]]:
+    """Each process's children."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (torchrun starts each worker in a session of its own)."""
+    children, out = _children(), [pid]
+    for p in out:
+        out.extend(children.get(p, []))
+    return out
+
+
+def _worker_pids(launcher: int) -> list[int]:
+    """The training processes under the launcher ``launcher`` (not the launcher's check)."""
+    pids = []
+    for pid in tree(launcher):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"megapretrain.train" in argv and b"--check" not in argv \
+                and b"megapretrain.launcher" not in argv:
+            pids.append(pid)
+    return pids
+
+
+def _kill_worker_after_resume(nodes: Nodes) -> None:
+    """SIGKILL the worker of the node the first crash was not on (the rendezvous, not NODE_RANK,
+    places the ranks) once the job has resumed from that crash."""
+    deadline = time.monotonic() + JOB_S
+    while time.monotonic() < deadline:
+        resumed = os.path.exists(os.path.join(nodes.run_dir, "metrics.jsonl")) \
+            and events(nodes.run_dir, "resumed")
+        node = 1 if "exit_at=3: exiting" in nodes.log(0) else 0
+        pids = _worker_pids(nodes.procs[node].pid) if resumed else []
+        if pids:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the job never resumed:\n{nodes.log(0)}")
+
+
+# a crash on rank 1's node (whose restart count alone goes up), early and late; a crash on one
+# node, then one on the other (restart counts 1 and 0, then 1 and 1: one number for different
+# attempts)
+@pytest.mark.parametrize("crash", ["rank1_at3", "rank1_at6", "one_node_then_the_other"])
+def test_a_crash_on_any_node_restarts_every_node_on_the_same_losses(tmp_path, corpus, straight,
+                                                                     crash):
+    at, rank = {"rank1_at3": ("3", "1"), "rank1_at6": ("6", "1"),
+                "one_node_then_the_other": ("3", "0")}[crash]
+    nodes = Nodes(tmp_path / "run", corpus, "--faults.exit_at", at, "--faults.rank", rank)
+    try:
+        if crash == "one_node_then_the_other":
+            _kill_worker_after_resume(nodes)
+        _finishes_on(nodes, straight)
+    finally:
+        nodes.close()
+    assert events(tmp_path / "run", "resumed")
