@@ -69,6 +69,22 @@ def workers(pid: int) -> list[int]:
     return found
 
 
+def listening(port: int) -> set[str]:
+    """The sockets (``socket:[INODE]``, as /proc/PID/fd names them) listening on TCP ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
 class Node:
     """One node's launcher: ``bash run_scripts/launch.sh CONFIG ARGS`` in a session of its own,
     its output appended to ``log`` and kept as ``(time, line)`` pairs."""
@@ -133,6 +149,23 @@ class Node:
         """Clean-up: whatever of this node still runs (a drill that did not end by itself)."""
         if self.proc.poll() is None:
             self.lose()
+
+    def listens_on(self, port: int) -> bool:
+        """Whether a process of this node listens on ``port``: the one whose agent hosts the
+        rendezvous's store (on one machine, whichever bound the port first)."""
+        sockets = listening(port)
+        for p in descendants(self.proc.pid):
+            try:
+                fds = os.listdir(f"/proc/{p}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{p}/fd/{fd}") in sockets:
+                        return True
+                except OSError:
+                    continue
+        return False
 
     def workers_up(self) -> bool:
         return bool(workers(self.proc.pid))

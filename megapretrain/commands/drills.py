@@ -17,7 +17,7 @@ import re
 import signal
 import time
 
-from .drill_cluster import Job, free_port
+from .drill_cluster import Job, free_port, workers
 
 ITER_LINE = re.compile(r"^iter\s+(\d+)/\d+ \|")
 START_LINE = re.compile(r"^start-up: ")  # an attempt's first step begins
@@ -69,7 +69,7 @@ class Rehearsal:
         self.jobs.append(job)
         return job
 
-    def until(self, ready, timeout: float | None = None, poll: float = 0.002) -> bool:
+    def until(self, ready, timeout: float | None = None, poll: float = 0.05) -> bool:
         """Wait until ``ready()`` is true (True), or the last job's launchers all ended or
         ``timeout`` (default: the drill's) passed (False)."""
         deadline = time.time() + (timeout or self.s.timeout)
@@ -166,7 +166,7 @@ class Rehearsal:
                 "exit_statuses": statuses, "exit_after_s": _round(exit_after),
                 "attempts_launched": len(self.jobs), "wall_s": _round(wall),
                 "goodput": round(productive / wall, 4) if wall > 0 else None,
-                "logs": sorted({os.path.dirname(n.log) for j in self.jobs for n in j.nodes})}
+                "logs": [n.log for j in self.jobs for n in j.nodes]}
 
 
 def _round(x: float | None) -> float | None:
@@ -247,44 +247,44 @@ class CrashTwice(WorkerCrash):
 
     def play(self, r: Rehearsal) -> None:
         job = r.launch()
-        if not r.until(lambda: r.record("exit_at", r.s.nproc) is not None):
+        fired = f"faults.exit_at={self.at}: exiting"
+        if not r.until(lambda: any(fired in n.text() for n in job.nodes)):
             return
         r.failed_at = r.record("exit_at", r.s.nproc)["time"]
-        crashed = next((n for n in job.nodes if "faults.exit_at=4: exiting" in n.text()), None)
-        if crashed is None:
-            r.until(lambda: any("faults.exit_at=4: exiting" in n.text() for n in job.nodes), 10)
-            crashed = next((n for n in job.nodes if "faults.exit_at=4: exiting" in n.text()),
-                           job.nodes[-1])
+        crashed = next(n for n in job.nodes if fired in n.text())
         other = next(n for n in job.nodes if n is not crashed)
-        if r.until(lambda: r.last_iter() >= 7, ) and other.workers_up():
-            from .drill_cluster import workers
-
-            for pid in workers(other.proc.pid):
-                os.kill(pid, signal.SIGKILL)
-            r.notes.append(f"second crash: node {other.rank}'s workers killed after iteration "
-                           f"{r.last_iter()}")
-        else:
-            r.check("the second crash", False, "the job never reached iteration 7 after the "
-                    "first crash")
+        if not r.until(lambda: r.last_iter() >= 7):
+            r.check("the second crash", False, "the job never reached iteration 7 after the first")
+            return
+        killed = workers(other.proc.pid)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        r.notes.append(f"second crash: {len(killed)} worker(s) of node {other.rank} killed after "
+                       f"iteration {r.last_iter()}")
 
 
 class NodeLoss(Drill):
     name = "node-loss"
-    what = ("node 1's whole process tree is killed after iteration 5; once node 0 is out, the job "
-            "is relaunched")
+    what = ("a node's whole process tree is killed after iteration 5 (one that does not host the "
+            "rendezvous); once the others are out, the job is relaunched")
     survivor_within = 150.0
 
     def play(self, r: Rehearsal) -> None:
         job = r.launch()
         if not r.until(lambda: r.last_iter() >= 5):
             return
+        # on a cluster the store lives on MASTER_ADDR's node; here on whichever bound it first
+        host = next((n for n in job.nodes if n.listens_on(job.port)), job.nodes[0])
+        lost = next(n for n in reversed(job.nodes) if n is not host)
         r.failed_at = time.time()
-        job.nodes[1].lose()
-        survivors = [n for n in job.nodes if n is not job.nodes[1]]
-        statuses = [n.wait(self.survivor_within) for n in survivors]
-        r.notes.append(f"survivors exited {statuses}"
-                       + "".join(f", node {n.rank} after {n.ended - r.failed_at:.1f} s"
-                                 for n in survivors if n.ended))
+        lost.lose()
+        survivors = [n for n in job.nodes if n is not lost]
+        deadline = time.time() + self.survivor_within
+        statuses = [n.wait(deadline - time.time()) for n in survivors]
+        r.notes.append(f"lost node {lost.rank} (node {host.rank} hosts the rendezvous); survivors "
+                       f"exited {statuses}" + "".join(f", node {n.rank} after "
+                                                      f"{n.ended - r.failed_at:.1f} s"
+                                                      for n in survivors if n.ended))
         if not r.check(f"the surviving nodes exit within {self.survivor_within:.0f} s of the "
                        "loss", None not in statuses, "still running: killed"):
             job.kill()
@@ -331,7 +331,7 @@ class Stop(Drill):
         ready = {"startup": lambda: all(n.workers_up() for n in first.nodes),
                  "mid-step": lambda: r.record("slow_data_at", 0) is not None,
                  "mid-save": lambda: self._saving(r)}[self.moment]
-        if not r.until(ready):
+        if not r.until(ready, poll=0.001 if self.moment == "mid-save" else 0.05):
             r.check(f"{self.moment} reached", False, "the job ended before the moment came")
             return
         r.failed_at = time.time()
