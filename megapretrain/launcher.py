@@ -1,19 +1,48 @@
 """torchrun with what a job of many nodes needs: ``python -m megapretrain.launcher ARGS``, where
 ARGS are torchrun's (``run_scripts/launch.sh`` builds them).
 
-It runs ``torch.distributed.run`` with its own agent, which names each attempt by the rendezvous
-round it started in, the same number on every node (``MEGAPRETRAIN_RDZV_ROUND`` in the workers'
-environment; parallel/state.py names the attempt's store by it). torchrun's own
-``TORCHELASTIC_RESTART_COUNT`` counts a restart only on the node whose worker failed, so after a
-crash the nodes would disagree on the attempt and wait for each other in different stores.
+It runs ``torch.distributed.run`` with its own agent, which adds two things:
+
+- Each attempt is named by the rendezvous round it started in, the same number on every node
+  (``MEGAPRETRAIN_RDZV_ROUND`` in the workers' environment; parallel/state.py names the attempt's
+  store by it). torchrun's own ``TORCHELASTIC_RESTART_COUNT`` counts a restart only on the node
+  whose worker failed, so after a crash the nodes would disagree on the attempt and wait for each
+  other in different stores.
+- A worker's exit status that no restart can change (:data:`FINAL_EXITS`: bad input, recovery
+  gave up, out of memory, a crash loop) ends the job on every node: the node where it happened
+  records it in the rendezvous store and closes the rendezvous; every node's launcher stops its
+  workers and exits with that status, without waiting for a join timeout.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+
+from .cli import USER_ERROR_EXIT
 
 ROUND_ENV = "MEGAPRETRAIN_RDZV_ROUND"  # the rendezvous round of this attempt, for the workers
+
+# a worker's exit status -> what it means; the launcher restarts nothing after one of these
+FINAL_EXITS = {
+    USER_ERROR_EXIT: "bad input",
+    3: "recovery gave up",  # train.py, on a RecoveryError
+    4: "out of memory",  # oom.OOM_EXIT
+    6: "a crash loop",  # the same failure at the same iteration on consecutive attempts
+}
+
+FINAL_KEY = "megapretrain/final_exit"  # in the rendezvous's store: the status that ended the job
+CLOSED_POLL_S = 1.0  # how often a node with running workers asks whether the job has ended
+
+
+class FinalExit(Exception):
+    """The job ended with a final worker exit status, here or on another node."""
+
+    def __init__(self, status: int, where: str):
+        super().__init__(f"exit status {status} ({FINAL_EXITS.get(status, 'final')}) {where}: "
+                         "the job is not restarted")
+        self.status = status
 
 
 def rendezvous_round(handler) -> int | None:
@@ -24,19 +53,64 @@ def rendezvous_round(handler) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _job_store(store):
+    """The store the whole job shares: the rendezvous's store without its per-round prefix."""
+    return getattr(store, "underlying_store", store)
+
+
 def _agent_class():
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
     class Agent(LocalElasticAgent):
-        """torchrun's agent, naming each attempt by its rendezvous round."""
+        """torchrun's agent, naming attempts by rendezvous round and ending the job on a final
+        exit status (see the module's docstring)."""
+
+        _next_poll = 0.0
 
         def _rendezvous(self, worker_group) -> None:
-            super()._rendezvous(worker_group)
+            try:
+                super()._rendezvous(worker_group)
+            except RendezvousClosedError:
+                self._raise_if_final()
+                raise
             round_ = rendezvous_round(worker_group.spec.rdzv_handler)
             if round_ is None:  # the workers fall back on torchrun's restart count
                 os.environ.pop(ROUND_ENV, None)
             else:  # the workers' environment is a copy of the agent's
                 os.environ[ROUND_ENV] = str(round_)
+
+        def _monitor_workers(self, worker_group) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                statuses = [f.exitcode for f in result.failures.values()]
+                final = next((s for s in statuses if s in FINAL_EXITS), None)
+                if final is not None:
+                    self._end_job(final)
+                    raise FinalExit(final, f"on node {worker_group.group_rank}")
+            if result.state in (WorkerState.HEALTHY, WorkerState.FAILED,
+                                WorkerState.UNHEALTHY) and time.monotonic() >= self._next_poll:
+                self._next_poll = time.monotonic() + CLOSED_POLL_S
+                if worker_group.spec.rdzv_handler.is_closed():
+                    self._raise_if_final()
+            return result
+
+        def _end_job(self, status: int) -> None:
+            """Record the final status for the other nodes and close the rendezvous, so that
+            none of them waits for this node in a next round."""
+            if self._store is not None:
+                _job_store(self._store).set(FINAL_KEY, str(status))
+            self._worker_group.spec.rdzv_handler.set_closed()
+
+        def _raise_if_final(self) -> None:
+            """Raise :class:`FinalExit` when another node ended the job with a final status."""
+            if self._store is None:
+                return
+            store = _job_store(self._store)
+            if store.check([FINAL_KEY]):
+                status = int(store.get(FINAL_KEY))
+                raise FinalExit(status, "on another node")
 
     return Agent
 
@@ -50,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
               "running plain torchrun (attempts named by restart count)", file=sys.stderr)
     else:
         api.LocalElasticAgent = _agent_class()
-    torchrun.main(argv)
+    try:
+        torchrun.main(argv)
+    except FinalExit as exc:
+        print(f"launch: {exc}", file=sys.stderr, flush=True)
+        return exc.status
     return 0
 
 

@@ -74,7 +74,8 @@ class Nodes:
             self.procs[n].wait()
 
     def log(self, node: int) -> str:
-        self.logs[node].flush()
+        if not self.logs[node].closed:
+            self.logs[node].flush()
         with open(self.logs[node].name) as fh:
             return fh.read()[-4000:]
 
@@ -186,3 +187,18 @@ def test_a_crash_on_any_node_restarts_every_node_on_the_same_losses(tmp_path, co
     finally:
         nodes.close()
     assert events(tmp_path / "run", "resumed")
+
+
+def test_a_final_exit_status_ends_the_job_on_every_node_without_a_restart(tmp_path, corpus):
+    """Out of memory (status 4, like 2, 3 and 6) cannot be fixed by a restart: both launchers
+    exit 4 at once, the job is not started again."""
+    nodes = Nodes(tmp_path / "run", corpus, "--faults.oom_at", "5", "--faults.rank", "1")
+    try:
+        statuses = nodes.wait_all()
+    finally:
+        nodes.close()
+    assert statuses == [4, 4], nodes.log(0) + "\n----\n" + nodes.log(1)
+    assert abs(nodes.ended[0] - nodes.ended[1]) < 30  # no join timeout on either node
+    logs = nodes.log(0) + nodes.log(1)
+    assert "exit status 4 (out of memory) on node" in logs and "on another node" in logs
+    assert not events(tmp_path / "run", "resumed") and max(losses(tmp_path / "run")) == 4
