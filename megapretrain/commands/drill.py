@@ -62,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="seconds a launch may take before the drill fails and is stopped")
     ap.add_argument("--exit-within", type=positive_float, default=60.0,
                     help="seconds the launchers may take to exit after the last iteration")
+    ap.add_argument("--join-timeout", type=positive_int, default=30,
+                    help="RDZV_JOIN_TIMEOUT of the launchers: how long the nodes left after a "
+                         "node loss wait for it in the next rendezvous (seconds)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     if not args.list and not args.drill:
@@ -102,6 +105,8 @@ class Settings:
         self.nodes, self.nproc, self.config = args.nodes, args.procs_per_node, args.config
         self.output, self.timeout, self.exit_within = output, args.timeout, args.exit_within
         self.iters, self.checkpoint_interval = ITERS, CHECKPOINT_INTERVAL
+        self.join_timeout = args.join_timeout
+        self.env = {"MAX_RESTARTS": "3", "RDZV_JOIN_TIMEOUT": str(args.join_timeout)}
         self.base = ["--data.paths", f"[{data}]", *SMALL,
                      "--train.global_batch_size", str(2 * args.nodes * args.procs_per_node),
                      "--train.iters", str(ITERS), "--checkpoint.interval",
@@ -116,7 +121,7 @@ def straight_run(s: Settings) -> dict:
     run_dir = os.path.join(s.output, "straight")
     started = time.time()
     job = Job(list(range(s.nodes)), s.nproc, free_port(), s.config, s.argv(run_dir, []),
-              os.path.join(s.output, "straight"))
+              os.path.join(s.output, "straight"), s.env)
     try:
         statuses = job.wait(s.timeout)
     finally:
