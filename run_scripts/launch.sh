@@ -9,9 +9,18 @@
 # Restarts: torchrun restarts every process of the job, up to MAX_RESTARTS times (default 3), when
 # one fails (a crash, an exit, the hang watchdog's exit 5); the training resumes from its latest
 # checkpoint. The rendezvous (c10d, on MASTER_ADDR:MASTER_PORT; one node: torchrun --standalone)
-# survives a restart. Under SLURM, submit with `#SBATCH --requeue --signal=B:USR1@300`: on that
-# signal (or SIGTERM) the training saves at its next step boundary and stops, and the job is
-# requeued (REQUEUE=0: not); it resumes from that checkpoint when it starts again.
+# survives a restart. Each node runs torchrun through megapretrain/launcher.py, which names every
+# attempt by its rendezvous round (the same on every node, where torchrun's restart count is not)
+# and ends the job on every node, with no restart, when a worker exits with a status no restart
+# can change: 2 bad input, 3 recovery gave up, 4 out of memory, 6 a crash loop (every launcher
+# exits with that status). A lost node: the others' workers fail, their agents wait for it in a
+# new rendezvous for RDZV_JOIN_TIMEOUT seconds (default 120; raise it where the nodes of a large
+# job take longer than that to start), then exit non-zero: relaunch the job on healthy nodes.
+# RDZV_LAST_CALL_TIMEOUT (default 30) and RDZV_CLOSE_TIMEOUT (default 30) are the rendezvous's
+# other timeouts (torch's dynamic rendezvous: --rdzv-conf).
+# Under SLURM, submit with `#SBATCH --requeue --signal=B:USR1@300`: on that signal (or SIGTERM)
+# the training saves at its next step boundary and stops, and the job is requeued (REQUEUE=0:
+# not); it resumes from that checkpoint when it starts again.
 #
 # --dry-run launches nothing: it checks that the python it would use ($PYTHON, default
 # .venv/bin/python) has torch, validates the config, its data paths and its tokenizer at the world
@@ -96,7 +105,7 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_STEP_ID:-}" ] && [ "$DRY_RUN" = 0
 fi
 
 for name in NNODES NODE_RANK NPROC_PER_NODE DEFAULT_NNODES DEFAULT_NPROC_PER_NODE MAX_RESTARTS MASTER_PORT \
-            OMP_NUM_THREADS; do
+            OMP_NUM_THREADS RDZV_JOIN_TIMEOUT RDZV_LAST_CALL_TIMEOUT RDZV_CLOSE_TIMEOUT; do
   [ -z "${!name+set}" ] || [ -n "${!name}" ] || die "$name is set but empty: give it a value or unset it"
 done
 [ -z "${DEFAULT_NNODES:-}" ] || whole DEFAULT_NNODES "$DEFAULT_NNODES" 1 "" "the nodes a dry run assumes"
@@ -122,10 +131,17 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-megapretrain}}"
+RDZV_JOIN_TIMEOUT="${RDZV_JOIN_TIMEOUT:-120}"
+RDZV_LAST_CALL_TIMEOUT="${RDZV_LAST_CALL_TIMEOUT:-30}"
+RDZV_CLOSE_TIMEOUT="${RDZV_CLOSE_TIMEOUT:-30}"
 whole NNODES "$NNODES" 1 "" "the nodes of the job"
 whole NODE_RANK "$NODE_RANK" 0 "$((10#$NNODES - 1))" "this node's place among the NNODES=$NNODES nodes"
 whole MASTER_PORT "$MASTER_PORT" 1 65535 "the rendezvous port on MASTER_ADDR"
 whole MAX_RESTARTS "$MAX_RESTARTS" 0 "" "how often torchrun restarts a failed job"
+whole RDZV_JOIN_TIMEOUT "$RDZV_JOIN_TIMEOUT" 1 "" "seconds every node has to join a rendezvous"
+whole RDZV_LAST_CALL_TIMEOUT "$RDZV_LAST_CALL_TIMEOUT" 1 "" \
+  "seconds a rendezvous waits for more nodes once it has enough"
+whole RDZV_CLOSE_TIMEOUT "$RDZV_CLOSE_TIMEOUT" 1 "" "seconds a rendezvous has to close"
 [[ "$MASTER_ADDR" =~ ^[A-Za-z0-9_.:-]+$ ]] || die "MASTER_ADDR='$MASTER_ADDR' must be node 0's host name or address"
 [[ "$RDZV_ID" =~ ^[A-Za-z0-9_.-]+$ ]] || die "RDZV_ID='$RDZV_ID' must be letters, digits, '.', '_' or '-' (the same on every node)"
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # (checked before any python here loads OpenMP, which rejects a bad one)
@@ -144,7 +160,8 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 if [ "$NNODES" = 1 ]; then
   RENDEZVOUS=(--standalone)
 else
-  RENDEZVOUS=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")
+  RENDEZVOUS=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+              --rdzv-conf "join_timeout=$((10#$RDZV_JOIN_TIMEOUT)),last_call_timeout=$((10#$RDZV_LAST_CALL_TIMEOUT)),close_timeout=$((10#$RDZV_CLOSE_TIMEOUT))")
 fi
 TORCHRUN=(-m megapretrain.launcher --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE"
           --max-restarts "$MAX_RESTARTS" "${RENDEZVOUS[@]}"

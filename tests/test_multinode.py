@@ -43,7 +43,7 @@ class Nodes:
         base.update(PYTHON=sys.executable, PYTHONPATH=ROOT, NNODES="2", NPROC_PER_NODE="1",
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), MAX_RESTARTS="3",
                     OMP_NUM_THREADS="1", RDZV_ID=f"test{self.port}", **env)
-        self.logs = [open(f"{run_dir}.node{n}.log", "w") for n in range(2)]
+        self.logs = [open(f"{run_dir}.node{n}.log", "a") for n in range(2)]  # (a relaunch: after)
         self.start = time.monotonic()
         self.procs = [subprocess.Popen(
             ["bash", LAUNCH, os.path.join(ROOT, "configs", "tiny.yaml"), "--run.dir", str(run_dir),
@@ -202,3 +202,40 @@ def test_a_final_exit_status_ends_the_job_on_every_node_without_a_restart(tmp_pa
     logs = nodes.log(0) + nodes.log(1)
     assert "exit status 4 (out of memory) on node" in logs and "on another node" in logs
     assert not events(tmp_path / "run", "resumed") and max(losses(tmp_path / "run")) == 4
+
+
+def _wait_for_iteration(nodes: Nodes, iteration: int) -> None:
+    metrics = os.path.join(nodes.run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + JOB_S
+    while time.monotonic() < deadline:
+        if os.path.exists(metrics) and max(losses(nodes.run_dir), default=0) >= iteration:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"iteration {iteration} never logged:\n{nodes.log(0)}\n{nodes.log(1)}")
+
+
+def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resumes(
+        tmp_path, corpus, straight):
+    """Node 1 lost as a whole (launcher, agent and worker killed) mid-training: node 0's launcher
+    exits non-zero within RDZV_JOIN_TIMEOUT and a little; launching both again resumes from the
+    latest checkpoint and ends on the straight run's losses."""
+    join_s = 20
+    nodes = Nodes(tmp_path / "run", corpus, RDZV_JOIN_TIMEOUT=str(join_s))
+    try:
+        _wait_for_iteration(nodes, 3)
+        nodes.kill(1)
+        lost = time.monotonic()
+        status = nodes.wait(0)
+        took = nodes.ended[0] - lost
+    finally:
+        nodes.close()
+    assert status != 0, nodes.log(0)
+    # the failure seen (seconds), the workers stopped, the join timeout: never torch's 600 s
+    assert took < join_s + 90, f"node 0 out {took:.0f} s after node 1 was lost\n{nodes.log(0)}"
+    print(f"node 0 out {took:.1f} s after node 1 was lost (join timeout {join_s} s)")
+    again = Nodes(tmp_path / "run", corpus)
+    try:
+        _finishes_on(again, straight)
+    finally:
+        again.close()
+    assert events(tmp_path / "run", "resumed")
