@@ -9,7 +9,8 @@ from, the checkpoint and the seconds reading it took), ``training`` (its trainin
 ``first_step`` (its first step ended) and ``end`` (how it ended: ``finished``, ``stopped`` by a
 signal, ``interrupted``, ``exception``, ``recovery``, ``oom``, ``crash_loop``, ``hang``, ``crash``).
 Its last sign of life — the last step it completed and when — is ``RUN_DIR/attempts.alive.json``,
-overwritten in place at every step's end (one small write, no read of the device). A crash
+overwritten in place at every step's end (one small write, no read of the device: on a GPU the
+host's step end, which runs ahead of the device up to the next read point). A crash
 (``os._exit``, SIGKILL, a lost node) writes no ``end`` record: the next attempt writes it for it
 (``inferred``) from that file and the watchdog's hang reports.
 
@@ -36,6 +37,7 @@ from .recovery import RecoveryError
 # imported where it is used: the readers of the ledger, tools/plot_run.py, import no torch)
 
 LEDGER = "attempts.jsonl"
+FORMAT = "megapretrain-attempts-v1"  # in each start record
 ALIVE = "attempts.alive.json"
 ALIVE_BYTES = 256  # the sign-of-life record, padded: each write replaces the whole of it
 # endings that are no failure: they never make a crash loop
@@ -54,6 +56,7 @@ class Attempt:
     load_s: float = 0.0  # reading the checkpoint
     training: float | None = None  # its training loop started
     last_iter: int | None = None  # the last step it completed
+    trained: int | None = None  # the steps it trained (a rollback's trained again among them)
     last_alive: float | None = None  # when
     end: float | None = None  # when it ended, or when its end was noticed
     reason: str | None = None  # how it ended (None: not yet)
@@ -63,6 +66,11 @@ class Attempt:
     @property
     def failed(self) -> bool:
         return self.reason is not None and self.reason not in CLEAN + ("crash_loop",)
+
+    @property
+    def phase(self) -> str:
+        """Where it got to: its training loop, or only its start-up (building, loading)."""
+        return "start-up" if self.training is None else "training"
 
     @property
     def sign_of_life(self) -> float | None:
@@ -78,9 +86,9 @@ class Attempt:
 
     @property
     def step_s(self) -> float | None:
-        """Its mean wall time per iteration in the training loop (evaluations and saves among
-        them, as a straight run has them), or None before two marks."""
-        steps = (self.last_iter or 0) - (self.resumed_iter or 0)
+        """Its mean wall time per step in the training loop (evaluations and saves among them, as
+        a straight run has them), or None before two marks."""
+        steps = self.trained or (self.last_iter or 0) - (self.resumed_iter or 0)
         if self.training is None or self.last_alive is None or steps <= 0:
             return None
         return max(0.0, self.last_alive - self.training) / steps
@@ -95,14 +103,23 @@ class Attempt:
             self.resumed_iter, self.load_s = record.get("iter"), record.get("load_s", 0.0)
         elif kind == "training":
             self.training = record.get("time")
-        elif kind in ("first_step", "alive"):
+        elif kind == "first_step":
             self.last_iter, self.last_alive = record.get("iter"), record.get("time")
+            self.trained = 1
         elif kind == "end":
             self.reason, self.end = record.get("reason"), record.get("time")
             self.noticed_by = record.get("noticed_by", "end_record")
             self.detail = record.get("detail")
             if record.get("last_iter") is not None:
                 self.last_iter, self.last_alive = record["last_iter"], record.get("last_alive")
+                self.trained = record.get("trained")
+
+    def take_alive(self, alive: dict | None) -> None:
+        """Its last sign of life from ``RUN_DIR/attempts.alive.json``, when that is this
+        attempt's."""
+        if alive and alive.get("attempt") == self.number:
+            self.last_iter, self.last_alive = alive.get("iter"), alive.get("time")
+            self.trained = alive.get("trained")
 
 
 def read_ledger(run_dir: str) -> list[Attempt]:
@@ -139,9 +156,8 @@ def run_goodput(run_dir: str) -> dict | None:
     attempts = read_ledger(run_dir)
     if not attempts:
         return None
-    last, alive = attempts[-1], read_alive(run_dir)
-    if last.reason is None and alive and alive.get("attempt") == last.number:
-        last.last_iter, last.last_alive = alive.get("iter"), alive.get("time")
+    if attempts[-1].reason is None:
+        attempts[-1].take_alive(read_alive(run_dir))
     return goodput(attempts)
 
 
@@ -200,8 +216,8 @@ def restart_lost(prev: Attempt, cur: Attempt) -> dict:
 
 def goodput(attempts: list[Attempt], now: float | None = None) -> dict:
     """The effective training time of a run's ``attempts``: productive step time (each attempt's
-    training loop, for the steps whose results were kept — not those a later attempt trained
-    again) over the wall time (every attempt from its process start to its end, and the time
+    training loop, for the steps whose results were kept — not those a later attempt or a rollback
+    trained again) over the wall time (every attempt from its process start to its end, and the time
     between attempts of one launch; not the time between launches). ``now``: the end of an
     attempt still running."""
     productive = wall = lost = 0.0
@@ -234,10 +250,11 @@ def goodput(attempts: list[Attempt], now: float | None = None) -> dict:
 
 def crash_loop(attempts: list[Attempt], cur: Attempt) -> str | None:
     """Why ``cur`` must not train, or None. A crash loop: the two attempts before it, restarts of
-    one launch as ``cur`` is, both failed at the same iteration (the last one they completed), and
-    either resumed from the same checkpoint or ended the same way — the same failure again, which
-    a third attempt would repeat. Failures at different iterations never make one, nor clean ends;
-    a new launch (a new torchrun, a run by hand) starts afresh."""
+    one launch as ``cur`` is, both failed at the same iteration (the last one they completed) in
+    the same phase (training, or start-up), and either resumed from the same checkpoint or ended
+    the same way — the same failure again, which a third attempt would repeat. Failures at
+    different iterations never make one, nor a failed start-up after a failed step, nor clean
+    ends; a new launch (a new torchrun, a run by hand) starts afresh."""
     if not attempts or not same_launch(attempts[-1], cur):
         return None
     last = attempts[-1]
@@ -247,14 +264,15 @@ def crash_loop(attempts: list[Attempt], cur: Attempt) -> str | None:
         return None
     before = attempts[-2]
     if not (before.failed and last.failed and same_launch(before, last)) \
-            or before.reached != last.reached:
+            or (before.reached, before.phase) != (last.reached, last.phase):
         return None
     if before.resumed_iter != last.resumed_iter and before.reason != last.reason:
         return None
     how = last.reason if before.reason == last.reason else f"{before.reason}, then {last.reason}"
-    return (f"attempts {before.number} and {last.number} both failed after iteration "
-            f"{last.reached} ({how}; resumed from iteration {before.resumed_iter} and "
-            f"{last.resumed_iter})")
+    where = f"after iteration {last.reached}" if last.phase == "training" \
+        else f"starting at iteration {last.reached}"
+    return (f"attempts {before.number} and {last.number} both failed {where} ({how}; resumed "
+            f"from iteration {before.resumed_iter} and {last.resumed_iter})")
 
 
 def end_reason(exc: BaseException | None, stop: str | None) -> tuple[str, str | None]:
@@ -295,19 +313,19 @@ class AttemptLog:
 
             age = process_age_s()
             self.attempts = read_ledger(run_dir)
-            self.cur = Attempt(len(self.attempts) and self.attempts[-1].number + 1 or 1,
-                               launch=launch_id(),
+            number = self.attempts[-1].number + 1 if self.attempts else 1
+            self.cur = Attempt(number, launch=launch_id(),
                                restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                                                  or 0),
                                process_start=None if age is None else time.time() - age,
                                group_up=time.time())
             self._close_previous()
-            self._write({"record": "start", "launch": self.cur.launch,
+            self._write({"record": "start", "format": FORMAT, "launch": self.cur.launch,
                          "restart_count": self.cur.restart_count, "host": socket.gethostname(),
                          "pid": os.getpid(), "process_start": self.cur.process_start,
                          "time": self.cur.group_up})
             loop = crash_loop(self.attempts, self.cur)
-        if _agree(loop is not None, ps):
+        if _from_rank0(loop is not None, ps):
             self._stop(loop)
 
     def _write(self, record: dict, sync: bool = True) -> None:
@@ -323,16 +341,15 @@ class AttemptLog:
         if not self.attempts or self.attempts[-1].reason is not None:
             return
         prev = self.attempts[-1]
-        alive = read_alive(self.run_dir)
-        if alive and alive.get("attempt") == prev.number:
-            prev.last_iter, prev.last_alive = alive["iter"], alive["time"]
+        prev.take_alive(read_alive(self.run_dir))
         hang = hang_report_time(self.run_dir, prev.sign_of_life)
         start = self.cur.process_start if self.cur.process_start is not None else self.cur.group_up
         prev.reason, prev.noticed_by, prev.end = ("hang", "hang_report", hang) if hang \
             else ("crash", "next_start", max(start, prev.sign_of_life or start))
         record = {"attempt": prev.number, "record": "end", "reason": prev.reason,
                   "time": prev.end, "noticed_by": prev.noticed_by, "inferred": True,
-                  "last_iter": prev.last_iter, "last_alive": prev.last_alive}
+                  "last_iter": prev.last_iter, "last_alive": prev.last_alive,
+                  "trained": prev.trained}
         with open(os.path.join(self.run_dir, LEDGER), "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -384,7 +401,9 @@ class AttemptLog:
         now = time.time()
         first = self.cur.last_iter is None
         self.cur.last_iter, self.cur.last_alive = iteration, now
-        record = {"attempt": self.cur.number, "iter": iteration, "time": now}
+        self.cur.trained = (self.cur.trained or 0) + 1
+        record = {"attempt": self.cur.number, "iter": iteration, "time": now,
+                  "trained": self.cur.trained}
         if self._alive_fd is None:
             self._alive_fd = os.open(os.path.join(self.run_dir, ALIVE), os.O_WRONLY | os.O_CREAT,
                                      0o644)
@@ -401,7 +420,8 @@ class AttemptLog:
         self.cur.end = time.time()
         self._write({"record": "end", "reason": self.cur.reason, "detail": detail,
                      "time": self.cur.end, "last_iter": self.cur.last_iter,
-                     "last_alive": self.cur.last_alive, "iter": iteration})
+                     "last_alive": self.cur.last_alive, "trained": self.cur.trained,
+                     "iter": iteration})
         if self._alive_fd is not None:
             os.close(self._alive_fd)
             self._alive_fd = None
@@ -413,7 +433,7 @@ class AttemptLog:
         return goodput(self.attempts + [self.cur], now=time.time())
 
 
-def _agree(flag: bool, ps) -> bool:
+def _from_rank0(flag: bool, ps) -> bool:
     """Rank 0's ``flag`` on every rank (a simulation's fake process group: this rank's)."""
     import torch
     import torch.distributed as dist

@@ -8,12 +8,13 @@ torchrun's agent starts them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-from megapretrain.attempts import Attempt, crash_loop, goodput, read_ledger, restart_lost, same_launch
+from megapretrain.attempts import Attempt, crash_loop, end_reason, goodput, read_ledger, restart_lost, same_launch
 from megapretrain.cli import CRASH_LOOP_EXIT
 
 from helpers import TINY, records
@@ -107,9 +108,9 @@ def test_the_same_failure_twice_stops_the_next_attempt_until_a_new_launch(tmp_pa
 
 
 def test_the_crash_loop_rule():
-    def failed(number, resumed, reached, reason="crash", launch="agent", restart=1):
+    def failed(number, resumed, reached, reason="crash", launch="agent", restart=1, training=1.0):
         return Attempt(number, launch=launch, restart_count=restart, resumed_iter=resumed,
-                       last_iter=reached, reason=reason)
+                       last_iter=reached, reason=reason, training=training)
 
     now = Attempt(3, launch="agent", restart_count=2)
     assert crash_loop([failed(1, 0, 4, restart=0), failed(2, 3, 4)], now)  # same iteration, way
@@ -117,10 +118,27 @@ def test_the_crash_loop_rule():
     assert not crash_loop([failed(1, 0, 4, "hang"), failed(2, 3, 4)], now)
     assert not crash_loop([failed(1, 0, 2), failed(2, 0, 5)], now)  # different iterations
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4, "finished")], now)
+    # a step failed after the checkpoint at 4, then the restart failed in its start-up
+    assert not crash_loop([failed(1, 0, 4), failed(2, 4, None, training=None)], now)
+    assert "starting at iteration 4" in crash_loop([failed(1, 4, None, training=None),
+                                                    failed(2, 4, None, training=None)], now)
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4)], Attempt(3, launch=""))  # by hand
     relaunch = Attempt(3, launch="other", restart_count=0)
     assert not crash_loop([failed(1, 0, 4), failed(2, 0, 4)], relaunch)
     assert same_launch(failed(1, 0, 4, launch="a"), Attempt(2, launch="b", restart_count=1))
+
+
+def test_how_an_attempt_ended():
+    from megapretrain.oom import OOM_EXIT
+    from megapretrain.recovery import RecoveryError
+
+    assert end_reason(None, None) == ("finished", None)
+    assert end_reason(None, "SIGTERM") == ("stopped", "SIGTERM")
+    assert end_reason(SystemExit(OOM_EXIT), None)[0] == "oom"
+    assert end_reason(RecoveryError("too many rollbacks"), None)[0] == "recovery"
+    assert end_reason(KeyboardInterrupt(), None)[0] == "interrupted"
+    assert end_reason(RuntimeError("Connection closed by peer"), None) == \
+        ("exception", "RuntimeError: Connection closed by peer")
 
 
 def test_lost_time_and_goodput_from_the_ledger():
@@ -138,3 +156,6 @@ def test_lost_time_and_goodput_from_the_ledger():
     # productive: 6 kept steps of the first (6 s) and 14 of the second (14 s); wall 0 → 36
     assert (g["productive_s"], g["wall_s"], g["restarts"]) == (20, 36, 1)
     assert g["effective_training"] == round(20 / 36, 4) and g["restart_lost_s"] == 14
+    # a rollback in the second attempt: 16 steps in its 16 s loop, 2 of them trained again, 14 kept
+    rolled = dataclasses.replace(cur, training=20, trained=16)
+    assert goodput([prev, rolled])["productive_s"] == 6 + 14
