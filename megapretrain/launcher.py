@@ -32,7 +32,8 @@ FINAL_EXITS = {
     6: "a crash loop",  # the same failure at the same iteration on consecutive attempts
 }
 
-FINAL_KEY = "megapretrain/final_exit"  # in the rendezvous's store: the status that ended the job
+# in the rendezvous's store: the status that ended the job; that a node's workers finished it
+FINAL_KEY, FINISHED_KEY = "megapretrain/final_exit", "megapretrain/finished"
 CLOSED_POLL_S = 1.0  # how often a node with running workers asks whether the job has ended
 
 
@@ -43,6 +44,10 @@ class FinalExit(Exception):
         super().__init__(f"exit status {status} ({FINAL_EXITS.get(status, 'final')}) {where}: "
                          "the job is not restarted")
         self.status = status
+
+
+class JobFinished(Exception):
+    """Another node's workers finished the training while this node was about to restart."""
 
 
 def rendezvous_round(handler) -> int | None:
@@ -59,7 +64,7 @@ def _job_store(store):
 
 
 def _agent_class():
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
@@ -69,11 +74,20 @@ def _agent_class():
 
         _next_poll = 0.0
 
+        def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+            try:
+                return super().run(role)
+            except JobFinished:  # (its workers are stopped): the others wait at the barrier
+                self._exit_barrier()
+                return self._succeeded()
+
         def _rendezvous(self, worker_group) -> None:
             try:
                 super()._rendezvous(worker_group)
             except RendezvousClosedError:
                 self._raise_if_final()
+                if self._finished():
+                    raise JobFinished() from None
                 raise
             round_ = rendezvous_round(worker_group.spec.rdzv_handler)
             if round_ is None:  # the workers fall back on torchrun's restart count
@@ -83,12 +97,20 @@ def _agent_class():
 
         def _monitor_workers(self, worker_group) -> RunResult:
             result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.SUCCEEDED:
+                self._end_job(None)  # nothing to restart for: no node waits for this one
+                return result
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 statuses = [f.exitcode for f in result.failures.values()]
                 final = next((s for s in statuses if s in FINAL_EXITS), None)
                 if final is not None:
                     self._end_job(final)
                     raise FinalExit(final, f"on node {worker_group.group_rank}")
+                if self._finished():  # failed on the way out, the training done
+                    print(f"launch: node {worker_group.group_rank}: a worker failed (exit "
+                          f"statuses {statuses}) after another node's finished the training: "
+                          "not restarted", file=sys.stderr, flush=True)
+                    return self._succeeded()
             if result.state in (WorkerState.HEALTHY, WorkerState.FAILED,
                                 WorkerState.UNHEALTHY) and time.monotonic() >= self._next_poll:
                 self._next_poll = time.monotonic() + CLOSED_POLL_S
@@ -96,12 +118,24 @@ def _agent_class():
                     self._raise_if_final()
             return result
 
-        def _end_job(self, status: int) -> None:
-            """Record the final status for the other nodes and close the rendezvous, so that
-            none of them waits for this node in a next round."""
+        def _succeeded(self) -> RunResult:
+            """The result of a job whose training is done, whatever this node's workers did."""
+            workers = self._worker_group.workers
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.global_rank: None for w in workers})
+
+        def _end_job(self, status: int | None) -> None:
+            """Record the final status (None: that this node's workers finished the training)
+            for the other nodes and close the rendezvous, so that none of them waits for this
+            node in a next round."""
             if self._store is not None:
-                _job_store(self._store).set(FINAL_KEY, str(status))
+                key, value = (FINISHED_KEY, "1") if status is None else (FINAL_KEY, str(status))
+                _job_store(self._store).set(key, value)
             self._worker_group.spec.rdzv_handler.set_closed()
+
+        def _finished(self) -> bool:
+            """Whether a node's workers finished the training (every rank took the last step)."""
+            return self._store is not None and _job_store(self._store).check([FINISHED_KEY])
 
         def _raise_if_final(self) -> None:
             """Raise :class:`FinalExit` when another node ended the job with a final status."""
@@ -117,6 +151,10 @@ def _agent_class():
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.launcher import api
 
     if not hasattr(api, "LocalElasticAgent"):  # a torch that builds its agent elsewhere
@@ -129,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     except FinalExit as exc:
         print(f"launch: {exc}", file=sys.stderr, flush=True)
         return exc.status
+    except RendezvousTimeoutError:  # (the agent's log above has the details)
+        print("launch: the nodes did not all join the rendezvous within its join timeout "
+              "(launch.sh: RDZV_JOIN_TIMEOUT): a node is lost or did not start; launch the job "
+              "again on healthy nodes (it resumes from its latest checkpoint)", file=sys.stderr)
+        return 1
+    except RendezvousConnectionError:
+        print("launch: the rendezvous store (on MASTER_ADDR:MASTER_PORT) is gone: the node that "
+              "held it is lost; launch the job again on healthy nodes (it resumes from its "
+              "latest checkpoint)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -272,6 +272,14 @@ class Trainer:
         if not self._started:  # after an earlier attempt: the restart event, its lost time
             self.attempt.training(self.iteration, self.metrics)
         self._started = True
+        if startup_s is not None and self._agree(self._stop_requested is not None):
+            # asked during start-up (train.py keeps it): nothing trained, nothing to save
+            self.log(f"{self._stop_requested or 'a stop signal on another rank'} during start-up: "
+                     f"stopping before the first step (at iteration {self.iteration})")
+            self.metrics.close()
+            for loader in self.loaders.values():
+                loader.close()
+            return
         if startup_s is not None:  # interpreter, imports, data indices, model build, resume
             # the CPU time of it: what a machine shared with others does not inflate
             cpu_s = time.process_time()
@@ -631,6 +639,11 @@ class Trainer:
             return
         self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
         self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
+
+    def request_stop(self, name: str) -> None:
+        """Stop as the stop signal ``name`` asks (one received before :meth:`fit`: before the
+        first step)."""
+        self._stop_requested = self._stop_requested or name
 
     def _on_stop_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT:

@@ -110,6 +110,8 @@ def test_a_dry_run_under_slurm_reads_its_nodes(fake_bin, corpus):
     assert rc == 0, err
     assert "--nnodes 3 --nproc_per_node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint gpu-a07:29500" \
         in log.read_text()
+    assert "--rdzv-conf join_timeout=120,last_call_timeout=30,close_timeout=30 -m megapretrain.train" \
+        in log.read_text()
 
 
 def test_by_hand_with_nnodes_node_rank_and_master_addr(fake_bin, corpus):
@@ -145,6 +147,8 @@ def test_a_dry_run_refuses_a_world_size_the_config_cannot_use(fake_bin, corpus):
     (dict(MASTER_PORT="99999"), "MASTER_PORT=99999 must be a whole number from 1 to 65535"),
     (dict(MAX_RESTARTS="many"), "MAX_RESTARTS=many must be a whole number from 0 up"),
     (dict(OMP_NUM_THREADS="0"), "OMP_NUM_THREADS=0 must be a whole number from 1 up"),
+    (dict(RDZV_JOIN_TIMEOUT="0"), "RDZV_JOIN_TIMEOUT=0 must be a whole number from 1 up"),
+    (dict(RDZV_CLOSE_TIMEOUT="30s"), "RDZV_CLOSE_TIMEOUT=30s must be a whole number from 1 up"),
     (dict(DEFAULT_NNODES="x"), "DEFAULT_NNODES=x must be a whole number from 1 up"),
     (dict(NNODES=""), "NNODES is set but empty"),
     (dict(MASTER_ADDR="node 0"), "MASTER_ADDR='node 0' must be node 0's host name or address"),

@@ -230,6 +230,7 @@ def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resum
     finally:
         nodes.close()
     assert status != 0, nodes.log(0)
+    assert "launch the job again on healthy nodes" in nodes.log(0)
     # the failure seen (seconds), the workers stopped, the join timeout: never torch's 600 s
     assert took < join_s + 90, f"node 0 out {took:.0f} s after node 1 was lost\n{nodes.log(0)}"
     print(f"node 0 out {took:.1f} s after node 1 was lost (join timeout {join_s} s)")
@@ -239,3 +240,73 @@ def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resum
     finally:
         again.close()
     assert events(tmp_path / "run", "resumed")
+
+
+def _launchers(script, port: int, **env) -> list[subprocess.Popen]:
+    """Two nodes of megapretrain.launcher running ``script`` (one process each)."""
+    base = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **env)
+    return [subprocess.Popen(
+        [sys.executable, "-m", "megapretrain.launcher", "--nnodes", "2", "--nproc_per_node", "1",
+         "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", f"test{port}", "--rdzv-conf", "join_timeout=60", str(script)],
+        cwd=ROOT, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for _ in range(2)]
+
+
+def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_path):
+    """Rank 0's worker finishes, rank 1's fails on its way out (its first attempt only): the job
+    is done: rank 1's node does not restart into a rendezvous its peer never joins (that peer
+    waits at torch's exit barrier, 300 s), both launchers exit 0 at once."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] "
+                      "== '0':\n"
+                      "    time.sleep(3)\n"
+                      "    sys.exit(1)\n")
+    start = time.monotonic()
+    procs = _launchers(script, _free_port())
+    try:
+        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    took = time.monotonic() - start
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
+    assert "after another node's finished the training: not restarted" in "".join(outs)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            caught = next(line for line in fh if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+def test_a_stop_signal_during_start_up_stops_the_job_before_its_first_step(tmp_path, corpus):
+    """SIGTERM to node 0's launcher while its worker is still setting up (its early handler in
+    place, no step taken): every worker stops before the first step, nothing restarts, both
+    launchers exit 0."""
+    nodes = Nodes(tmp_path / "run", corpus)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline, worker = time.monotonic() + JOB_S, None
+        while worker is None and time.monotonic() < deadline:
+            worker = next((p for p in _worker_pids(nodes.procs[0].pid)
+                           if _catches(p, signal.SIGTERM)), None)
+            time.sleep(0.02)
+        assert worker is not None, nodes.log(0)
+        assert not (metrics.exists() and losses(tmp_path / "run")), "too late: a step was taken"
+        nodes.procs[0].send_signal(signal.SIGTERM)  # launch.sh hands it to its workers
+        statuses = nodes.wait_all()
+    finally:
+        nodes.close()
+    logs = nodes.log(0) + "\n----\n" + nodes.log(1)
+    assert statuses == [0, 0], logs
+    assert "during start-up: stopping before the first step" in logs
+    assert "failed (exitcode" not in logs and "fired already" not in logs  # no restart
+    assert not (metrics.exists() and losses(tmp_path / "run"))  # no training step
