@@ -8,11 +8,11 @@ when its process group was up, which launch it belongs to), ``loaded`` (the iter
 from, the checkpoint and the seconds reading it took), ``training`` (its training loop starts),
 ``first_step`` (its first step ended) and ``end`` (how it ended: ``finished``, ``stopped`` by a
 signal, ``interrupted``, ``exception``, ``recovery``, ``oom``, ``crash_loop``, ``hang``, ``crash``).
-Its last sign of life — the last step it completed and when — is ``RUN_DIR/attempts.alive.json``,
-overwritten in place at every step's end (one small write, no read of the device: on a GPU the
-host's step end, which runs ahead of the device up to the next read point). A crash
-(``os._exit``, SIGKILL, a lost node) writes no ``end`` record: the next attempt writes it for it
-(``inferred``) from that file and the watchdog's hang reports.
+Its last sign of life — the last step it completed and when — is
+``RUN_DIR/attempts.alive.json``, overwritten in place at every step's end (one small write, no
+read of the device: on a GPU the host's step end, which runs ahead of the device up to the next
+read point). A crash (``os._exit``, SIGKILL, a lost node) writes no ``end`` record: the next
+attempt writes it for it (``inferred``) from that file and the watchdog's hang reports.
 
 From the ledger come the ``restart`` event of each attempt after the first (its lost time split
 into detection, restart, reload and recomputed iterations), the run's effective training time
@@ -199,9 +199,10 @@ def launch_id() -> str:
 
 def restart_lost(prev: Attempt, cur: Attempt) -> dict:
     """What the restart from ``prev`` to ``cur`` cost, in seconds: ``detection_s`` (prev's last
-    sign of life → its end noticed), ``restart_s`` (→ cur's process group up), ``reload_s`` (→ its
-    training loop starts: building, reading the checkpoint), and the ``recomputed_iters`` that
-    prev had completed past cur's checkpoint, ``recomputed_s`` at prev's step time."""
+    sign of life → its end noticed), ``restart_s`` (→ cur's process group up), ``reload_s``
+    (→ its training loop starts: building, reading the checkpoint), and the
+    ``recomputed_iters`` that prev had completed past cur's checkpoint, ``recomputed_s`` at
+    prev's step time."""
     alive = prev.sign_of_life or 0.0
     noticed = max(alive, prev.end if prev.end is not None else alive)
     up = max(noticed, cur.group_up if cur.group_up is not None else noticed)

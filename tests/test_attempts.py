@@ -1,8 +1,8 @@
 """The attempts on one run directory: a training that crashes and is started again records a
 ``restart`` event with its lost time, the closing summary gives the effective training time over
 every attempt, and the same failure at the same iteration on consecutive restarts stops the next
-attempt (exit 6) — while failures at different iterations, and a new launch, go on. Each attempt is
-a process of its own (``faults.exit_at`` ends it with ``os._exit``); a launcher's restart is one
+attempt (exit 6) — while failures at different iterations, and a new launch, go on. Each attempt
+is a process of its own (``faults.exit_at`` ends it with ``os._exit``); a launcher's restart is one
 with ``TORCHELASTIC_RESTART_COUNT`` set, started by the same parent process (this one), as
 torchrun's agent starts them."""
 
@@ -14,7 +14,8 @@ import os
 import subprocess
 import sys
 
-from megapretrain.attempts import Attempt, crash_loop, end_reason, goodput, read_ledger, restart_lost, same_launch
+from megapretrain.attempts import Attempt, crash_loop, end_reason, goodput, read_ledger, same_launch
+from megapretrain.attempts import restart_lost as lost_between
 from megapretrain.cli import CRASH_LOOP_EXIT
 
 from helpers import TINY, records
@@ -149,7 +150,7 @@ def test_lost_time_and_goodput_from_the_ledger():
     cur = Attempt(2, launch="a", restart_count=1, process_start=17, group_up=20, resumed_iter=6,
                   training=22, last_iter=20, last_alive=36, end=36, reason="finished",
                   noticed_by="end_record")
-    lost = restart_lost(prev, cur)
+    lost = lost_between(prev, cur)
     assert lost == {"detection_s": 5, "restart_s": 3, "reload_s": 2, "recomputed_s": 4,
                     "recomputed_iters": 4, "lost_s": 14}
     g = goodput([prev, cur])

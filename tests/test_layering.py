@@ -20,8 +20,8 @@ LEVELS = {
     "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
     "optim": 3,
     "checkpoint": 4,
-    "planner": 5, "attempts": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "run_watch": 5,
-    "resolve": 5, "runtime": 5,
+    "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "run_watch": 5,
+    "resolve": 5, "runtime": 5, "attempts": 5,
     "trainer": 6,
     "train": 7, "simulate": 7,  # simulate: runs the trainer's steps on fake tensors
     "commands": 8,  # what users run on a job: may drive the trainer; nothing below imports it

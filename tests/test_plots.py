@@ -252,16 +252,19 @@ def test_plot_run_marks_restarts_and_gives_the_effective_training_time(tmp_path)
     over the run's attempts (from RUN_DIR/attempts.jsonl)."""
     run = tmp_path / "run"
     records = write_metrics(run, steps=12)
-    restart = {"iter": 4, "event": "restart", "attempt": 2, "resumed_iter": 4, "previous_last_iter": 6,
-               "recomputed_iters": 2, "lost_s": 9.0}
+    restart = {"iter": 4, "event": "restart", "attempt": 2, "resumed_iter": 4,
+               "previous_last_iter": 6, "recomputed_iters": 2, "lost_s": 9.0}
     with open(run / "metrics.jsonl", "w") as fh:  # (the cut last line dropped: a finished run)
         fh.write("".join(json.dumps(r) + "\n" for r in records + [restart]))
     ledger = [{"attempt": 1, "record": "start", "launch": "a", "process_start": 0, "time": 1},
-              {"attempt": 1, "record": "loaded", "iter": 0}, {"attempt": 1, "record": "training", "time": 2},
-              {"attempt": 1, "record": "end", "reason": "crash", "time": 12, "noticed_by": "next_start",
-               "last_iter": 6, "last_alive": 8},
-              {"attempt": 2, "record": "start", "launch": "a", "restart_count": 1, "process_start": 12, "time": 14},
-              {"attempt": 2, "record": "loaded", "iter": 4}, {"attempt": 2, "record": "training", "time": 15},
+              {"attempt": 1, "record": "loaded", "iter": 0},
+              {"attempt": 1, "record": "training", "time": 2},
+              {"attempt": 1, "record": "end", "reason": "crash", "time": 12,
+               "noticed_by": "next_start", "last_iter": 6, "last_alive": 8},
+              {"attempt": 2, "record": "start", "launch": "a", "restart_count": 1,
+               "process_start": 12, "time": 14},
+              {"attempt": 2, "record": "loaded", "iter": 4},
+              {"attempt": 2, "record": "training", "time": 15},
               {"attempt": 2, "record": "end", "reason": "finished", "time": 23, "last_iter": 12,
                "last_alive": 23}]
     with open(run / "attempts.jsonl", "w") as fh:
@@ -269,7 +272,8 @@ def test_plot_run_marks_restarts_and_gives_the_effective_training_time(tmp_path)
     assert plots.Mark(4, "restart", (4, 6)) in plots.events(records + [restart])
     note = plot_run.goodput_note(str(run), records)
     # productive: 4 of the first attempt's 6 steps (1 s each) and the second's 8 s; wall 0 → 23 s
-    assert note.startswith("effective training time 52.2% (productive steps 12 s of 23 s over 2 attempts)")
+    assert note.startswith("effective training time 52.2% (productive steps 12 s of 23 s over 2 "
+                           "attempts)")
     assert "1 restart lost" in note
     assert plot_run.main([str(run)]) == 0
     assert_png(run / "dashboard.png")

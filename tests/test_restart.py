@@ -1,6 +1,7 @@
 """A run that restarts itself: a rank that hangs under run_scripts/launch.sh is stopped by the
 watchdog, torchrun restarts the job, the drill does not fire again, and the run ends on the losses of
-an uninterrupted run (2 CPU ranks)."""
+an uninterrupted run (2 CPU ranks); the same crash on every attempt stops the third (a crash
+loop)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,32 @@ def test_a_hang_under_launch_sh_restarts_and_ends_on_the_uninterrupted_losses(tm
         resumed = [json.loads(line)["iter"] for line in fh if '"event": "resumed"' in line]
     assert resumed == [4]
     with open(hung / "metrics.jsonl") as fh:
-        rows = [json.loads(line) for line in fh if '"event": "restart"' in line or '"event": "summary"' in line]
-    (restart,), (summary,) = ([r for r in rows if r["event"] == name] for name in ("restart", "summary"))
+        rows = [r for r in map(json.loads, fh) if r.get("event") in ("restart", "summary")]
+    (restart,), (summary,) = ([r for r in rows if r["event"] == name]
+                              for name in ("restart", "summary"))
     # rank 0 hung too (its watchdog's report) or saw its peer's exit (an error it caught)
     assert restart["attempt"] == 2 and restart["after"] in ("hang", "exception"), restart
-    assert restart["resumed_iter"] == 4 and restart["recomputed_iters"] == restart["previous_last_iter"] - 4
-    assert restart["same_launch"] and min(restart[k] for k in ("detection_s", "restart_s", "reload_s")) >= 0
+    assert restart["resumed_iter"] == 4
+    assert restart["recomputed_iters"] == restart["previous_last_iter"] - 4
+    assert restart["same_launch"]
+    assert min(restart[k] for k in ("detection_s", "restart_s", "reload_s")) >= 0
     assert summary["restarts"] == 1 and 0 < summary["effective_training"] < 1
     assert sorted(_losses(hung)) == list(range(1, 9)) and _losses(hung) == _losses(straight)
+
+
+@pytest.mark.slow  # three attempts under torchrun: about 40 s
+def test_the_same_crash_on_every_attempt_stops_the_third_with_status_6(tmp_path, corpus):
+    run = tmp_path / "loop"
+    proc = _launch(run, corpus, "--faults.exit_at", "5", "--faults.rank", "1",
+                   "--faults.every_attempt", "true")
+    out, err = proc.communicate(timeout=900)
+    (tmp_path / "loop.log").write_text(out + err)
+    assert proc.returncode != 0
+    assert "error: crash loop: attempts 1 and 2 both failed after iteration 4" in out + err
+    with open(run / "attempts.jsonl") as fh:
+        ledger = [json.loads(line) for line in fh]
+    ends = {r["attempt"]: r["reason"] for r in ledger if r["record"] == "end"}
+    assert not [r for r in ledger if r["attempt"] >= 3 and r["record"] not in ("start", "end")]
+    # rank 0 sees its peer's exit as an error it catches, or is stopped by torchrun first
+    assert ends[1] in ("exception", "crash") and ends[2] in ("exception", "crash")
+    assert ends[3] == "crash_loop"
