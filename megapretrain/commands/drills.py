@@ -350,9 +350,12 @@ class Stop(Drill):
         r.check("no training after the stop", stopped_at <= self.signalled_after + 1,
                 f"signalled after iteration {self.signalled_after}, trained to {stopped_at}")
         restarted = sum(bool(START_LINE.match(line)) for n in first.nodes for _, line in n.lines)
-        r.check("no restart after the stop", restarted <= 1 and not any(
-            re.search(r"failed \(exitcode", n.text()) for n in first.nodes),
-            f"{restarted} attempts began")
+        died = sorted({m.group(1) for n in first.nodes
+                       for m in re.finditer(r"failed \(exitcode: (-?\d+)\)", n.text())})
+        r.check("no restart after the stop", restarted <= 1 and not died,
+                f"{restarted} attempts began; workers exited {', '.join(died) or '-'} and were "
+                "restarted" + (f" (-{int(self.sig)}: killed by {self.sig.name}, before a handler "
+                               "was installed)" if f"-{int(self.sig)}" in died else ""))
         if stopped_at >= r.s.iters:
             r.notes.append("trained to the end despite the stop: nothing to relaunch")
             return
