@@ -317,7 +317,7 @@ class Stop(Drill):
         self.sig, self.moment = sig, moment
         self.name = f"{sig.name.lower()}-{moment}"
         self.what = f"{sig.name} to every launcher " + {
-            "startup": "while the workers start (before the first step)",
+            "startup": "0.5 s after the workers start (importing, before the first step)",
             "mid-step": "during step 5 (a 4 s data wait)",
             "mid-save": "while a checkpoint is being written"}[moment]
         self.noticed = re.compile(rf"^(?!launch:).*({sig.name}|a stop signal)")
@@ -336,6 +336,8 @@ class Stop(Drill):
         if not r.until(ready, poll=0.001 if self.moment == "mid-save" else 0.05):
             r.check(f"{self.moment} reached", False, "the job ended before the moment came")
             return
+        if self.moment == "startup":
+            time.sleep(0.5)  # past the interpreter's own start: in the imports
         r.failed_at = time.time()
         for n in first.nodes:
             n.signal(self.sig)
