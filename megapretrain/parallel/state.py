@@ -379,8 +379,13 @@ class ParallelState:
         mine = None
         for ranks in rank_lists:
             ranks = [int(r) for r in ranks]
-            # a one-rank group never communicates: no process group (every rank skips the same ones)
-            pg = dist.new_group(ranks) if self.world_size > 1 and len(ranks) > 1 else None
+            # a one-rank group never communicates: no process group (every rank skips the same).
+            # Local synchronization: only the members meet in the store (not the whole world, for
+            # each group); the others return at once. Its group names count the groups a rank has
+            # made, so the members of a group must have made the same ones before it: every kind
+            # but the embedding partitions the world, and the groups after it lie in one stage.
+            pg = dist.new_group(ranks, use_local_synchronization=True) \
+                if self.world_size > 1 and len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = Group(name, ranks, pg, ranks.index(self.rank), self.stats, self.activity)
         return mine
@@ -407,9 +412,11 @@ def init_distributed(backend: str = "auto", device_type: str = "cpu",
         return
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        # bound to its GPU: the communicators are made here, not lazily inside the first step
+        kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs, **_restart_store())
 
 
