@@ -1,0 +1,13 @@
+"""Rehearse the failures of a multi-node run on one machine: megapretrain.commands.drill."""
+
+import sys
+
+try:
+    from megapretrain.commands.drill import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .",
+          file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())
