@@ -18,6 +18,9 @@ USER_ERROR_EXIT = 2  # the exit status of bad input
 # a training that would repeat the same failure at the same iteration once more (attempts.py): a
 # launcher does not restart it
 CRASH_LOOP_EXIT = 6
+# set by megapretrain.launcher in its workers' environment: the rendezvous round of the attempt,
+# the same on every node (parallel/state.py names the attempt's store by it)
+ROUND_ENV = "MEGAPRETRAIN_RDZV_ROUND"
 
 
 def print_error(message: object) -> None:

@@ -20,9 +20,7 @@ import os
 import sys
 import time
 
-from .cli import USER_ERROR_EXIT
-
-ROUND_ENV = "MEGAPRETRAIN_RDZV_ROUND"  # the rendezvous round of this attempt, for the workers
+from .cli import ROUND_ENV, USER_ERROR_EXIT
 
 # a worker's exit status -> what it means; the launcher restarts nothing after one of these
 FINAL_EXITS = {

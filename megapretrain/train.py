@@ -9,10 +9,12 @@ traceback.
 
 from __future__ import annotations
 
+# first, before torch loads: a stop signal during start-up is kept, not fatal (early_stop.py)
+from .early_stop import PENDING, EarlyStop
+
+# isort: split
 import os
-import signal
 import sys
-import threading
 
 import torch
 
@@ -151,35 +153,10 @@ def setup(argv: list[str]):
         raise
 
 
-class EarlyStop:
-    """SIGTERM and SIGUSR1 (SLURM's pre-emption warning) from its creation until the trainer's own
-    handler takes over in ``fit()``: while the process imports, builds and joins the process
-    group, a stop signal is kept instead of killing it (which torchrun would answer with a
-    restart); the trainer gets it and stops before its first step, exit 0."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self):
-        self.name: str | None = None
-        self.trainer = None
-        if threading.current_thread() is threading.main_thread():  # where signals can be caught
-            for s in self.SIGNALS:
-                signal.signal(s, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.trainer is not None:
-            self.trainer.request_stop(signal.Signals(signum).name)
-        self.name = self.name or signal.Signals(signum).name
-
-    def hand_over(self, trainer) -> None:
-        """From now on a stop signal (and the one kept, if any) is ``trainer``'s."""
-        self.trainer = trainer
-        if self.name is not None:
-            trainer.request_stop(self.name)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if PENDING is not None and (set(argv) & {"-h", "--help", "--check"}):
+        PENDING.release()  # no training: a stop signal ends it as any other program
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + help_text())
         return 0
@@ -197,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({', '.join(prefix for _, prefix in parse_data_paths(cfg.data.paths))}) and its "
               f"tokenizer ({cfg.data.tokenizer.type}) are ready at {run.layout.describe()}")
         return 0
-    early = EarlyStop()  # before setup's imports, builds and the process group's join
+    # kept since this module's first line (python -m megapretrain.train), else from here on
+    early = PENDING or EarlyStop()
     try:
         trainer = setup(argv)
     except UserError as exc:

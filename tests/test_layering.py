@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a module may import its own level and the levels below it
 # (a module's own entry, e.g. "parallel.layout", comes before its package's)
 LEVELS = {
-    "errors": 0, "config": 0, "cli": 0, "host_memory": 0, "user_files": 0,
+    "errors": 0, "config": 0, "cli": 0, "host_memory": 0, "user_files": 0, "early_stop": 0,
     "parallel.layout": 1, "model.args": 1,
     "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
     "optim": 3,
@@ -23,7 +23,7 @@ LEVELS = {
     "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "run_watch": 5,
     "resolve": 5, "runtime": 5, "attempts": 5,
     "trainer": 6,
-    "train": 7, "simulate": 7,  # simulate: runs the trainer's steps on fake tensors
+    "train": 7, "launcher": 7, "simulate": 7,  # simulate: runs the trainer's steps on fake tensors
     "commands": 8,  # what users run on a job: may drive the trainer; nothing below imports it
 }
 DRIVERS = {"smoke_test"}  # commands whose job is to run the real trainer in-process

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from ..cli import ROUND_ENV
 from ..errors import ConfigError
-from ..launcher import ROUND_ENV
 from .layout import Layout
 
 # torch ≥ 2.13 renamed the flat collectives; older releases only have the old names
