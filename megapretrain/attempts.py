@@ -21,6 +21,7 @@ into detection, restart, reload and recomputed iterations), the run's effective 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -309,6 +310,9 @@ class AttemptLog:
         self._alive_fd: int | None = None
         self._load_started = time.time()
         loop = None
+        ledger = os.path.join(run_dir, LEDGER)
+        # the ledger's size before this attempt wrote to it (None: there was none): withdraw()
+        self._ledger_size = os.path.getsize(ledger) if os.path.exists(ledger) else None
         if self.writes:
             from .monitor.anatomy import process_age_s
 
@@ -366,6 +370,18 @@ class AttemptLog:
                   f"{os.path.join(self.run_dir, LEDGER)} lists the attempts)", file=sys.stderr,
                   flush=True)
         sys.exit(CRASH_LOOP_EXIT)
+
+    def withdraw(self) -> None:
+        """Bad input refused this start before it loaded anything (a user error): the ledger
+        becomes again what it was, byte for byte, as every file the user has."""
+        if not self.writes:
+            return
+        ledger = os.path.join(self.run_dir, LEDGER)
+        if self._ledger_size is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(ledger)
+        else:
+            os.truncate(ledger, self._ledger_size)
 
     def loading(self) -> None:
         """The checkpoint is read from now."""

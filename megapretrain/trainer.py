@@ -51,6 +51,7 @@ from .config import Config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
 from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
+from .errors import UserError
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
@@ -176,7 +177,11 @@ class Trainer:
         self.watchdog = Watchdog(cfg.watchdog, cfg.run.dir, ps.rank, ps.activity)
         self.progress = Progress(sizes.iters)
         self.attempt.loading()
-        resumed_from = self.run.resume()
+        try:
+            resumed_from = self.run.resume()
+        except UserError:
+            self.attempt.withdraw()  # refused: no trace of this start in the run directory
+            raise
         self.attempt.loaded(self.iteration, resumed_from)
         drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired \
             else None
