@@ -11,7 +11,12 @@ It runs ``torch.distributed.run`` with its own agent, which adds two things:
 - A worker's exit status that no restart can change (:data:`FINAL_EXITS`: bad input, recovery
   gave up, out of memory, a crash loop) ends the job on every node: the node where it happened
   records it in the rendezvous store and closes the rendezvous; every node's launcher stops its
-  workers and exits with that status, without waiting for a join timeout.
+  workers and exits with that status, without waiting for a join timeout. The node that ends the
+  job keeps its launcher (which may hold the rendezvous's store) up until every node has read the
+  end, for at most :data:`END_SEEN_TIMEOUT_S`.
+
+A node that loses the rendezvous's store (the node that held it is lost) exits with one line
+saying so, whichever of its calls to the store noticed first.
 """
 
 from __future__ import annotations
@@ -30,9 +35,14 @@ FINAL_EXITS = {
     6: "a crash loop",  # the same failure at the same iteration on consecutive attempts
 }
 
-# in the rendezvous's store: the status that ended the job; that a node's workers finished it
+# in the rendezvous's store: the status that ended the job; that a node's workers finished it;
+# how many nodes know of the job's end (the ending node's launcher waits for all of them)
 FINAL_KEY, FINISHED_KEY = "megapretrain/final_exit", "megapretrain/finished"
+END_SEEN_KEY = "megapretrain/end_seen"
 CLOSED_POLL_S = 1.0  # how often a node with running workers asks whether the job has ended
+# how long a node that ended the job waits for the others to read the end (they poll every
+# CLOSED_POLL_S, or read it as they stop their workers for a restart); a lost node costs this once
+END_SEEN_TIMEOUT_S = 30.0
 
 
 class FinalExit(Exception):
@@ -103,7 +113,8 @@ def _agent_class():
                 final = next((s for s in statuses if s in FINAL_EXITS), None)
                 if final is not None:
                     self._end_job(final)
-                    raise FinalExit(final, f"on node {worker_group.group_rank}")
+                    self._await_end_seen(worker_group.group_world_size)
+                    raise FinalExit(final, "on this node")
                 if self._finished():  # failed on the way out, the training done
                     print(f"launch: node {worker_group.group_rank}: a worker failed (exit "
                           f"statuses {statuses}) after another node's finished the training: "
@@ -129,7 +140,23 @@ def _agent_class():
             if self._store is not None:
                 key, value = (FINISHED_KEY, "1") if status is None else (FINAL_KEY, str(status))
                 _job_store(self._store).set(key, value)
+                if status is not None:
+                    _job_store(self._store).add(END_SEEN_KEY, 1)
             self._worker_group.spec.rdzv_handler.set_closed()
+
+        def _await_end_seen(self, nodes: int) -> None:
+            """Wait until every node has read the job's end, so that the store (which this
+            node's launcher may hold) outlives their reading it; at most END_SEEN_TIMEOUT_S."""
+            if self._store is None:
+                return
+            from torch.distributed import DistError
+
+            store, deadline = _job_store(self._store), time.monotonic() + END_SEEN_TIMEOUT_S
+            try:
+                while store.add(END_SEEN_KEY, 0) < nodes and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except DistError:  # the store's holder is gone: nobody is left to read the end here
+                pass
 
         def _finished(self) -> bool:
             """Whether a node's workers finished the training (every rank took the last step)."""
@@ -142,12 +169,19 @@ def _agent_class():
             store = _job_store(self._store)
             if store.check([FINAL_KEY]):
                 status = int(store.get(FINAL_KEY))
+                store.add(END_SEEN_KEY, 1)  # the last use of the store: its holder may now go
                 raise FinalExit(status, "on another node")
 
     return Agent
 
 
+STORE_LOST = ("launch: the rendezvous store (on MASTER_ADDR:MASTER_PORT) is gone: the node that "
+              "held it is lost; launch the job again on healthy nodes (it resumes from its latest "
+              "checkpoint)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousConnectionError,
@@ -170,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
               "(launch.sh: RDZV_JOIN_TIMEOUT): a node is lost or did not start; launch the job "
               "again on healthy nodes (it resumes from its latest checkpoint)", file=sys.stderr)
         return 1
-    except RendezvousConnectionError:
-        print("launch: the rendezvous store (on MASTER_ADDR:MASTER_PORT) is gone: the node that "
-              "held it is lost; launch the job again on healthy nodes (it resumes from its "
-              "latest checkpoint)", file=sys.stderr)
+    except (RendezvousConnectionError, DistNetworkError, DistStoreError):
+        # (the rendezvous's own calls raise the first; the agent's own calls to the store, the
+        # others)
+        print(STORE_LOST, file=sys.stderr)
         return 1
     return 0
 

@@ -36,7 +36,10 @@ def _free_port() -> int:
 class Nodes:
     """The launchers of one two-node job, one process session each."""
 
-    def __init__(self, run_dir, corpus, *extra, port: int | None = None, **env):
+    def __init__(self, run_dir, corpus, *extra, port: int | None = None, host: int | None = None,
+                 **env):
+        """``host``: the node started first, alone until its launcher holds the rendezvous's
+        store (both launchers would hold it on MASTER_ADDR; the first to listen does)."""
         self.run_dir, self.port = run_dir, port or _free_port()
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith("SLURM_") and k not in ("NODE_RANK", "NPROC_PER_NODE")}
@@ -45,12 +48,26 @@ class Nodes:
                     OMP_NUM_THREADS="1", RDZV_ID=f"test{self.port}", **env)
         self.logs = [open(f"{run_dir}.node{n}.log", "a") for n in range(2)]  # (a relaunch: after)
         self.start = time.monotonic()
-        self.procs = [subprocess.Popen(
-            ["bash", LAUNCH, os.path.join(ROOT, "configs", "tiny.yaml"), "--run.dir", str(run_dir),
-             "--data.paths", f"[{corpus}]", *TINY, *extra], cwd=ROOT, env=dict(base, NODE_RANK=str(n)),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            for n, log in enumerate(self.logs)]
+        self.procs: list[subprocess.Popen | None] = [None, None]
+        for n in [0, 1] if host is None else [host, 1 - host]:
+            self.procs[n] = subprocess.Popen(
+                ["bash", LAUNCH, os.path.join(ROOT, "configs", "tiny.yaml"), "--run.dir",
+                 str(run_dir), "--data.paths", f"[{corpus}]", *TINY, *extra], cwd=ROOT,
+                env=dict(base, NODE_RANK=str(n)), stdout=self.logs[n], stderr=subprocess.STDOUT,
+                start_new_session=True)
+            if n == host:
+                self._await_store(n)
         self.ended: dict[int, float] = {}
+
+    def _await_store(self, node: int) -> None:
+        """Wait until node ``node``'s launcher listens on the rendezvous's port."""
+        deadline = time.monotonic() + JOB_S
+        while time.monotonic() < deadline and self.procs[node].poll() is None:
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.connect(("127.0.0.1", self.port))
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"node {node} never held the rendezvous store:\n{self.log(node)}")
 
     def wait(self, node: int, timeout: float = JOB_S) -> int:
         """Node ``node``'s launcher's exit status (its exit time kept in ``ended``)."""
@@ -189,22 +206,43 @@ def test_a_crash_on_any_node_restarts_every_node_on_the_same_losses(tmp_path, co
     assert events(tmp_path / "run", "resumed")
 
 
-# slow: when the node that ends first hosts the rendezvous's store, the other node's agent can
-# lose the store before it reads the job's end, and exits with torch's DistNetworkError traceback
-# (status 1) instead of the one line and the shared status: seen in a full run, not alone
-@pytest.mark.slow
+def _launcher_pid(node_launcher: int) -> int:
+    """The agent's process (``python -m megapretrain.launcher``) under a node's launch.sh."""
+    deadline = time.monotonic() + JOB_S
+    while time.monotonic() < deadline:
+        for pid in tree(node_launcher):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"megapretrain.launcher" in fh.read().split(b"\0"):
+                    return pid
+        time.sleep(0.05)
+    raise AssertionError("no megapretrain.launcher process")
+
+
 def test_a_final_exit_status_ends_the_job_on_every_node_without_a_restart(tmp_path, corpus):
     """Out of memory (status 4, like 2, 3 and 6) cannot be fixed by a restart: both launchers
-    exit 4 at once, the job is not started again."""
-    nodes = Nodes(tmp_path / "run", corpus, "--faults.oom_at", "5", "--faults.rank", "1")
+    exit 4 at once, the job is not started again. The OOM is on rank 0, on node 1 (started
+    first: its agent sorts first in the rendezvous), which holds the rendezvous's store; node 0's
+    agent is held stopped until node 1's worker is gone and a little more (a slow, loaded node):
+    node 1's launcher stays up until node 0 has read the end."""
+    nodes = Nodes(tmp_path / "run", corpus, "--faults.oom_at", "5", "--faults.rank", "0", host=1)
     try:
+        _wait_for_iteration(nodes, 3)
+        agent = _launcher_pid(nodes.procs[0].pid)
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + JOB_S
+            while _worker_pids(nodes.procs[1].pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(3)  # (a launcher that does not wait for the others is gone by now)
+        finally:
+            os.kill(agent, signal.SIGCONT)
         statuses = nodes.wait_all()
     finally:
         nodes.close()
     assert statuses == [4, 4], nodes.log(0) + "\n----\n" + nodes.log(1)
     assert abs(nodes.ended[0] - nodes.ended[1]) < 30  # no join timeout on either node
     logs = nodes.log(0) + nodes.log(1)
-    assert "exit status 4 (out of memory) on node" in logs and "on another node" in logs
+    assert "exit status 4 (out of memory) on this node" in logs and "on another node" in logs
     assert not events(tmp_path / "run", "resumed") and max(losses(tmp_path / "run")) == 4
 
 
@@ -218,27 +256,33 @@ def _wait_for_iteration(nodes: Nodes, iteration: int) -> None:
     raise AssertionError(f"iteration {iteration} never logged:\n{nodes.log(0)}\n{nodes.log(1)}")
 
 
-# slow: when the node that ends first hosts the rendezvous's store, the other node's agent can
-# lose the store before it reads the job's end, and exits with torch's DistNetworkError traceback
-# (status 1) instead of the one line and the shared status: seen in a full run, not alone
-@pytest.mark.slow
+@pytest.mark.slow  # (CI runs the node-loss drill: tests/test_drills.py)
 def test_a_lost_node_ends_the_other_within_the_join_timeout_and_a_relaunch_resumes(
         tmp_path, corpus, straight):
-    """Node 1 lost as a whole (launcher, agent and worker killed) mid-training: node 0's launcher
-    exits non-zero within RDZV_JOIN_TIMEOUT and a little; launching both again resumes from the
-    latest checkpoint and ends on the straight run's losses."""
+    """Node 1 lost as a whole (launcher, agent and worker killed) mid-training, with the
+    rendezvous's store it held: node 0's launcher exits non-zero within RDZV_JOIN_TIMEOUT and a
+    little, with one line saying what to do; launching both again resumes from the latest
+    checkpoint and ends on the straight run's losses."""
     join_s = 20
-    nodes = Nodes(tmp_path / "run", corpus, RDZV_JOIN_TIMEOUT=str(join_s))
+    nodes = Nodes(tmp_path / "run", corpus, RDZV_JOIN_TIMEOUT=str(join_s), host=1)
     try:
         _wait_for_iteration(nodes, 3)
-        nodes.kill(1)
-        lost = time.monotonic()
+        agent = _launcher_pid(nodes.procs[0].pid)
+        os.kill(agent, signal.SIGSTOP)  # (node 0's agent meets the lost store in any of its calls)
+        try:
+            nodes.kill(1)
+            lost = time.monotonic()
+            while _worker_pids(nodes.procs[0].pid) and time.monotonic() < lost + JOB_S:
+                time.sleep(0.05)
+        finally:
+            os.kill(agent, signal.SIGCONT)
         status = nodes.wait(0)
         took = nodes.ended[0] - lost
     finally:
         nodes.close()
     assert status != 0, nodes.log(0)
     assert "launch the job again on healthy nodes" in nodes.log(0)
+    assert nodes.log(0).strip().splitlines()[-1].startswith("launch: "), nodes.log(0)
     # the failure seen (seconds), the workers stopped, the join timeout: never torch's 600 s
     assert took < join_s + 90, f"node 0 out {took:.0f} s after node 1 was lost\n{nodes.log(0)}"
     print(f"node 0 out {took:.1f} s after node 1 was lost (join timeout {join_s} s)")
