@@ -144,3 +144,43 @@ def test_an_existing_output_and_a_single_checkpoint_are_refused(runs, tmp_path, 
     assert snapshot(tmp_path) == before and os.listdir(tmp_path) == ["avg"]
     status = merge.main(["--checkpoints", runs["tp2"], "--output", str(tmp_path / "new")])
     assert_one_line(capsys, status, 2, "--checkpoints", "two or more")
+
+
+# -- checkpoint.average_last: the average of the run's last checkpoints, written when it ends --------
+
+AVERAGED = ["--checkpoint.interval", "2", "--checkpoint.keep_last", "3", "--checkpoint.average_last", "2"]
+
+
+def test_average_last_is_written_beside_the_checkpoints_and_never_resumed_from(corpus, tmp_path):
+    run = str(tmp_path / "run")
+    launch_part(2, run, corpus, 4, ["--parallel.zero", "1", *AVERAGED])  # saves 2 and 4
+    average = os.path.join(run, "checkpoints", "average_last_2_iter_0000004")
+    check_average(average, [ckpt_dir(run, 2), ckpt_dir(run, 4)], [1, 1])
+    meta = json.load(open(os.path.join(average, "metadata.json")))
+    assert meta["iteration"] == 0 and meta["world_size"] == 2 and meta["layout"]["dp"] == 2
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == "iter_0000004"
+    events = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [e["iterations"] for e in events if e.get("event") == "average_saved"] == [[2, 4]]
+
+    # resumed (on one process) from iteration 4, not from the average; at its end 4 and 6 averaged
+    result = train_part(0, 1, run, corpus, 6, AVERAGED)
+    assert [r["iter"] for r in result["resumed"]] == [4]
+    check_average(os.path.join(run, "checkpoints", "average_last_2_iter_0000006"),
+                  [ckpt_dir(run, 4), ckpt_dir(run, 6)], [1, 1])
+    assert os.path.exists(average)  # the earlier average stays, retention leaves it alone
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
+        "average_last_2_iter_0000004", "average_last_2_iter_0000006", "iter_0000002", "iter_0000004",
+        "iter_0000006", "latest"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--checkpoint.average_last", "1"], ["checkpoint.average_last=1", "2 or more"]),
+    (["--checkpoint.average_last", "4", "--checkpoint.keep_last", "3"],
+     ["checkpoint.average_last=4 > checkpoint.keep_last=3"]),
+], ids=["one", "more-than-kept"])
+def test_average_last_that_cannot_be_kept_is_refused(corpus, tmp_path, capsys, flags, words):
+    from megapretrain.train import main
+
+    status = main(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]", "--train.iters", "1",
+                   *flags])
+    assert_one_line(capsys, status, 2, *words)

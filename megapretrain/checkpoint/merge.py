@@ -19,14 +19,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
-from ..config import load_config
-from ..errors import CheckpointError, UserError
+from ..config import load_config, save_config
+from ..errors import CheckpointError, ConfigError, UserError
+from ..model.build import rank_param_specs
 from ..parallel.specs import ParamSpec
-from .format import check_shapes, read_metadata
-from .reshard import SavedShards, global_shapes, saved_config_path, saved_padded_vocab, tp_slice
+from .directories import iter_dir_name, new_directory
+from .format import (
+    Entry,
+    LazyTensor,
+    check_shapes,
+    metadata,
+    rank_state,
+    read_metadata,
+    write_metadata,
+)
+from .reshard import (
+    SavedShards,
+    global_shapes,
+    layout_bytes,
+    saved_config_path,
+    saved_padded_vocab,
+    tp_slice,
+    write_layout,
+)
 
 # model.* settings that change how a model trains or runs, not which function its weights compute:
 # checkpoints that differ only in them are of one model. Every other model.* setting must agree.
@@ -128,3 +147,64 @@ def merged_slice(inputs: list[MergeInput], weights: list[float], spec: ParamSpec
                                   "(nothing written)")
         total.add_(part, alpha=weight)
     return total
+
+
+def write_average(inputs: list[MergeInput], weights: list[float], cfg, sizes, world: int,
+                  output: str, on_bytes=None) -> dict:
+    """Write the average of ``inputs`` with ``weights`` (normalised) as the new checkpoint
+    ``output`` for the layout ``sizes`` (resolve's, of ``cfg`` at ``world`` ranks): every rank file
+    holds the fp32 weights of its place and no optimizer state, at iteration 0; data-parallel
+    replicas are hard links; ``cfg`` is saved beside them. ``on_bytes(n)`` is told the bytes of
+    each slice as it is computed. Returns the metadata written."""
+    shapes = global_shapes(cfg)
+    check_same_model(inputs, shapes)
+    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
+    size = layout_bytes(cfg, sizes.layout, moments=False)
+
+    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
+        out = merged_slice(inputs, weights, spec, tp_rank, sizes.layout.tp)
+        if on_bytes is not None:
+            on_bytes(out.numel() * out.element_size())
+        return out
+
+    def state_at(pp_rank: int, tp_rank: int) -> dict:
+        specs = rank_param_specs(cfg, pp_rank, tp_rank)
+        model = {n: Entry.shards(n, {"master": LazyTensor(
+            torch.float32, tuple(s.local_shape), lambda s=s: read(s, tp_rank))}).tree()
+            for n, s in specs.items()}
+        return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
+                          model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
+
+    with new_directory(output, needed=size) as tmp:
+        files, _ = write_layout(tmp, sizes.layout, state_at)
+        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
+        sources = [{"path": os.path.abspath(one.path), "iteration": one.meta["iteration"],
+                    "weight": w} for one, w in zip(inputs, weights)]
+        meta = metadata(iteration=0, world_size=world, layout=layout,
+                        vocab_size=cfg.model.vocab_size, padded_vocab=sizes.padded_vocab,
+                        files=files, tensors=shapes, merged_from=sources)
+        write_metadata(tmp, meta)
+    return meta
+
+
+# -- the average of a run's last checkpoints (checkpoint.average_last) ---------------------------
+
+
+def average_dir_name(count: int, iteration: int) -> str:
+    """Where the average of the last ``count`` checkpoints, the newest at ``iteration``, goes
+    beside them: ``average_last_4_iter_0001000``. Not an ``iter_*`` name, so resuming, retention
+    and ``latest`` never take it for one of the run's own checkpoints."""
+    return f"average_last_{count}_{iter_dir_name(iteration)}"
+
+
+def check_average_last(checkpoint) -> None:
+    """``checkpoint.average_last`` (a ``CheckpointConfig``) averages two or more checkpoints, all
+    of which retention keeps."""
+    k, keep = checkpoint.average_last, checkpoint.keep_last
+    if k == 1:
+        raise ConfigError("checkpoint.average_last=1 averages a single checkpoint: set 2 or more "
+                          "(or 0: off)")
+    if k and keep and k > keep:
+        raise ConfigError(f"checkpoint.average_last={k} > checkpoint.keep_last={keep}: retention "
+                          f"keeps only {keep} checkpoints to average; raise keep_last to {k} or "
+                          "more (or 0: keep all)")

@@ -24,29 +24,14 @@ temporary directory renamed at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-import torch
-
-from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
-from megapretrain.checkpoint.format import Entry, LazyTensor, metadata, rank_state, write_metadata
-from megapretrain.checkpoint.merge import (
-    MergeInput,
-    check_same_model,
-    merged_slice,
-    normalised_weights,
-)
-from megapretrain.checkpoint.reshard import (
-    global_shapes,
-    layout_bytes,
-    saved_config_path,
-    write_layout,
-)
+from megapretrain.checkpoint.directories import resolve_checkpoint
+from megapretrain.checkpoint.merge import MergeInput, normalised_weights, write_average
+from megapretrain.checkpoint.reshard import layout_bytes, saved_config_path
 from megapretrain.cli import positive_int, progress_bar, user_errors
-from megapretrain.config import load_config, save_config
+from megapretrain.config import load_config
 from megapretrain.errors import UserError
-from megapretrain.model.build import rank_param_specs
 from megapretrain.resolve import resolve
 
 
@@ -89,38 +74,15 @@ def _merge(args: argparse.Namespace, overrides: list[str], inputs: list[MergeInp
     cfg.model.vocab_size = cfg.model.vocab_size or first.cfg.model.vocab_size
     world = args.world_size or first.meta["world_size"]
     sizes = resolve(cfg, world).sizes  # the output's layout, checked as training would
-    shapes = global_shapes(cfg)
-    check_same_model(inputs, shapes)
-    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     size = layout_bytes(cfg, sizes.layout, moments=False)
-    with new_directory(args.output, needed=size) as tmp, progress_bar(size, "merging") as bar:
-        def read(spec, tp_rank: int) -> torch.Tensor:
-            out = merged_slice(inputs, weights, spec, tp_rank, sizes.tp)
-            bar.update(out.numel() * out.element_size())
-            return out
-
-        def state_at(pp_rank: int, tp_rank: int) -> dict:
-            specs = rank_param_specs(cfg, pp_rank, tp_rank)
-            model = {n: Entry.shards(n, {"master": LazyTensor(
-                torch.float32, tuple(s.local_shape), lambda s=s: read(s, tp_rank))}).tree()
-                for n, s in specs.items()}
-            return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
-
-        files, _ = write_layout(tmp, sizes.layout, state_at)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
-        sources = [{"path": os.path.abspath(one.path), "iteration": one.meta["iteration"],
-                    "weight": w} for one, w in zip(inputs, weights)]
-        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
-                                     vocab_size=cfg.model.vocab_size,
-                                     padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,
-                                     merged_from=sources))
+    with progress_bar(size, "merging") as bar:
+        meta = write_average(inputs, weights, cfg, sizes, world, args.output, bar.update)
     parts = ", ".join(f"{one.path} (iteration {one.meta['iteration']}) × {w:.4g}"
                       for one, w in zip(inputs, weights))
-    return (f"wrote {args.output} for {world} ranks (layout {layout}): the average of {parts}\n"
-            "not averaged: the iteration, optimizer state (Adam moments and step, loss scale), "
-            "learning-rate schedule and data position; the output is iteration 0 with none of "
-            f"them, a fine-tune start: train with --checkpoint.load {args.output} "
+    return (f"wrote {args.output} for {world} ranks (layout {meta['layout']}): the average of "
+            f"{parts}\nnot averaged: the iteration, optimizer state (Adam moments and step, loss "
+            "scale), learning-rate schedule and data position; the output is iteration 0 with "
+            f"none of them, a fine-tune start: train with --checkpoint.load {args.output} "
             "--checkpoint.finetune true")
 
 
