@@ -162,6 +162,10 @@ def test_average_last_is_written_beside_the_checkpoints_and_never_resumed_from(c
     events = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [e["iterations"] for e in events if e.get("event") == "average_saved"] == [[2, 4]]
 
+    # what an average interrupted by a kill leaves behind goes at the next start
+    leftover = os.path.join(run, "checkpoints", ".average_last_2_iter_0000006.tmp-x1")
+    os.makedirs(leftover)
+    open(os.path.join(leftover, "rank_00000.safetensors"), "wb").write(b"half")
     # resumed (on one process) from iteration 4, not from the average; at its end 4 and 6 averaged
     result = train_part(0, 1, run, corpus, 6, AVERAGED)
     assert [r["iter"] for r in result["resumed"]] == [4]
