@@ -68,6 +68,7 @@ setup(
         "megapretrain-inspect-data=megapretrain.commands.inspect_data:main",
         "megapretrain-convert=megapretrain.commands.convert_checkpoint:main",
         "megapretrain-reshard=megapretrain.commands.reshard_checkpoint:main",
+        "megapretrain-merge-checkpoints=megapretrain.commands.merge_checkpoints:main",
         "megapretrain-inspect-checkpoint=megapretrain.commands.inspect_checkpoint:main",
         "megapretrain-pipeline-schedule=megapretrain.commands.pipeline_schedule:main",
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",

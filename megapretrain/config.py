@@ -285,6 +285,10 @@ class CheckpointConfig:
     keep_last: int = _f(3, "Keep this many most recent checkpoints (0: keep all).", min=0)
     keep_every: int = _f(0, "Also keep every checkpoint whose iteration is a multiple of this (0: "
                             "none).", min=0)
+    average_last: int = _f(0, "When training ends, also write the uniform average of the last "
+                              "this many checkpoints' weights beside them, as "
+                              "checkpoints/average_last_K_iter_N: a fine-tune start (0: off).",
+                           min=0)
     async_save: bool = _f(False, "Write checkpoints in the background.", name="async")
     load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.")
     milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this "

@@ -15,6 +15,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from .checkpoint.merge import check_average_last
 from .config import Config, check_fields
 from .data.checks import check_split
 from .data.sampler import check_batches, run_length
@@ -152,6 +153,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_split(cfg.data.split)
     decay_iters, warnings = resolve_decay_iters(cfg, iters)
     check_recovery(cfg.recovery.action)
+    check_average_last(cfg.checkpoint)
 
     model = shape
     sizes = RunSizes(layout=layout,

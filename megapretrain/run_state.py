@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import yaml
 
+from .checkpoint.directories import iter_dir_name
 from .checkpoint.format import check_shapes, rank_state, read_metadata
 from .checkpoint.manager import (
     CheckpointManager,
@@ -24,9 +25,10 @@ from .checkpoint.manager import (
     optimizer_views,
     restore_optimizer,
 )
+from .checkpoint.merge import MergeInput, average_dir_name, normalised_weights, write_average
 from .checkpoint.reshard import SavedShards, global_shapes, resharded_state, saved_padded_vocab
 from .config import Config, save_config, to_dict
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .optim.lr_schedule import LRSchedule, resumed_schedule
 from .recovery import RecoveryError
 
@@ -253,6 +255,47 @@ class RunState:
             self.model_chunks[0].rng.set_states(state["rng"]["tracker"])
         if self.device.type == "cuda" and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+    # -- the average of the last checkpoints ------------------------------------------------------
+
+    def write_average(self, metrics) -> str | None:
+        """``checkpoint.average_last`` K: once training has ended and its last checkpoint is
+        published, write the uniform average of the run's newest K complete checkpoints (fewer
+        when fewer were kept, none below two) beside them as ``average_last_K_iter_N`` in this
+        run's layout (a fine-tune start: weights only). The first rank writes it while the others
+        wait (collective). A failure to write it is a warning: the training itself is done."""
+        k = self.cfg.checkpoint.average_last
+        root = self.checkpoints.root
+        done = self.checkpoints.complete()[-k:]
+        path = os.path.join(root, average_dir_name(k, done[-1])) if done else None
+        written = None
+        try:
+            if not self.is_logger:
+                return None
+            if len(done) < 2 or os.path.exists(path):
+                why = (f"{path} exists" if done and os.path.exists(path) else
+                       f"the run has {len(done)} checkpoint(s), an average needs two or more")
+                self.log(f"checkpoint.average_last={k}: no average written ({why})")
+                return None
+            inputs = [MergeInput.open(os.path.join(root, iter_dir_name(i))) for i in done]
+            try:
+                write_average(inputs, normalised_weights(None, len(inputs)), self.cfg,
+                              self.sizes, self.ps.world_size, path)
+            finally:
+                for one in inputs:
+                    one.close()
+            written = path
+            self.log(f"checkpoint.average_last={k}: wrote {path}, the average of iterations "
+                     f"{', '.join(map(str, done))} (weights only: start from it with "
+                     "--checkpoint.load and --checkpoint.finetune true)")
+            metrics.event("average_saved", done[-1], path=os.path.relpath(path, self.cfg.run.dir),
+                          iterations=done)
+        except (UserError, OSError) as exc:
+            print(f"warning: checkpoint.average_last={k}: no average written: {exc}",
+                  file=sys.stderr, flush=True)
+        finally:
+            self.checkpoints.group.barrier()
+        return written
 
     # -- recovery ---------------------------------------------------------------------------------
 

@@ -338,6 +338,8 @@ class Trainer:
             if not saved:  # (by the interval, or by the clock)
                 self.run.save(self.metrics)
         self.run.checkpoints.finalize()
+        if c.average_last and self.iteration >= iters:  # trained to the end, not stopped
+            self.run.write_average(self.metrics)
         summary = {**self.watch.summary(first_iter, first_samples, self.consumed_samples,
                                         self.progress.elapsed_s, self.run.saved),
                    **self.attempt.goodput()}  # effective training time over every attempt

@@ -369,6 +369,8 @@ def test_every_numeric_flag_of_every_tool_goes_through_the_shared_parser():
      ["--max-shard-gb"]),
     (("convert_checkpoint", "from-hf", "--hf", "h", "--output", "o", "--world-size", "0"), ["--world-size"]),
     (("reshard_checkpoint", "--checkpoint", "c", "--output", "o", "--world-size", "0"), ["--world-size"]),
+    (("merge_checkpoints", "--checkpoints", "a", "b", "--output", "o", "--world-size", "0"), ["--world-size"]),
+    (("merge_checkpoints", "--checkpoints", "a", "b", "--output", "o", "--weights", "x", "1"), ["--weights", "'x'"]),
     (("inspect_checkpoint", "c", "--diff", "d", "--rtol", "nan"), ["--rtol"]),
     (("build_demo_corpus", "--output", "o", "--max-mb", "-inf"), ["--max-mb"]),
 ])

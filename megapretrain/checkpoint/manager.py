@@ -213,12 +213,13 @@ class CheckpointManager:
         self.group.barrier()
 
     def cleanup(self) -> list[str]:
-        """Remove what interrupted saves left behind (``.iter_*`` directories, ``*.part`` files).
-        Nothing complete is touched. Returns what was removed."""
+        """Remove what interrupted saves left behind (``.iter_*`` directories, ``*.part`` files,
+        the temporary directories of an interrupted ``checkpoint.average_last``). Nothing complete
+        is touched. Returns what was removed."""
         removed = []
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
-            if name.startswith(".iter_") and os.path.isdir(path):
+            if name.startswith((".iter_", ".average_last_")) and os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             elif name.endswith(".part") or name == ".latest":
                 os.remove(path)

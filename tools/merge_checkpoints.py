@@ -1,0 +1,12 @@
+"""Average checkpoints of one model, saved under any layouts: megapretrain.commands.merge_checkpoints."""
+
+import sys
+
+try:
+    from megapretrain.commands.merge_checkpoints import main
+except ModuleNotFoundError as exc:  # a checkout that is not installed
+    if not (exc.name or "").startswith("megapretrain"):
+        raise
+    print(f"error: {exc}: install the package, from the repository root: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+raise SystemExit(main())
