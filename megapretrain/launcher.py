@@ -8,6 +8,8 @@ It runs ``torch.distributed.run`` with its own agent, which adds two things:
   store by it). torchrun's own ``TORCHELASTIC_RESTART_COUNT`` counts a restart only on the node
   whose worker failed, so after a crash the nodes would disagree on the attempt and wait for each
   other in different stores.
+- A worker ended by a stop signal (SIGTERM, SIGUSR1) before the training's own handler was in
+  place stops the job as the handler would have: no restart, every node exits 0.
 - A worker's exit status that no restart can change (:data:`FINAL_EXITS`: bad input, recovery
   gave up, out of memory, a crash loop) ends the job on every node: the node where it happened
   records it in the rendezvous store and closes the rendezvous; every node's launcher stops its
@@ -22,6 +24,7 @@ saying so, whichever of its calls to the store noticed first.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -35,7 +38,12 @@ FINAL_EXITS = {
     6: "a crash loop",  # the same failure at the same iteration on consecutive attempts
 }
 
-# in the rendezvous's store: the status that ended the job; that a node's workers finished it;
+# a worker's exit status when a stop signal (launch.sh passes SIGTERM and SIGUSR1 on to the
+# workers) ended it before the training's handler was in place -> the signal's name
+STOP_EXITS = {-signal.SIGTERM: "SIGTERM", -signal.SIGUSR1: "SIGUSR1"}
+
+# in the rendezvous's store: the status that ended the job; that a node's workers ended the
+# training (finished it, or stopped on a signal);
 # how many nodes know of the job's end (the ending node's launcher waits for all of them)
 FINAL_KEY, FINISHED_KEY = "megapretrain/final_exit", "megapretrain/finished"
 END_SEEN_KEY = "megapretrain/end_seen"
@@ -55,7 +63,8 @@ class FinalExit(Exception):
 
 
 class JobFinished(Exception):
-    """Another node's workers finished the training while this node was about to restart."""
+    """Another node's workers ended the training (finished it, or stopped) while this node was
+    about to restart."""
 
 
 def rendezvous_round(handler) -> int | None:
@@ -115,10 +124,20 @@ def _agent_class():
                     self._end_job(final)
                     self._await_end_seen(worker_group.group_world_size)
                     raise FinalExit(final, "on this node")
+                stopped = [s for s in statuses if s in STOP_EXITS]
+                if stopped and len(stopped) == len(statuses):
+                    # a stop signal came before the training's handler was in place (the
+                    # interpreter's own start): the job stops as it would with the handler, before
+                    # its first step, on every node (they read it as the job's end), no restart
+                    names = ", ".join(sorted({STOP_EXITS[s] for s in stopped}))
+                    print(f"launch: a worker on this node was stopped by {names} as it started: "
+                          "the job stops, not restarted", file=sys.stderr, flush=True)
+                    self._end_job(None)
+                    return self._succeeded()
                 if self._finished():  # failed on the way out, the training done
-                    print(f"launch: node {worker_group.group_rank}: a worker failed (exit "
-                          f"statuses {statuses}) after another node's finished the training: "
-                          "not restarted", file=sys.stderr, flush=True)
+                    print(f"launch: a worker on this node failed (exit statuses {statuses}) "
+                          "after another node's ended the training: not restarted",
+                          file=sys.stderr, flush=True)
                     return self._succeeded()
             if result.state in (WorkerState.HEALTHY, WorkerState.FAILED,
                                 WorkerState.UNHEALTHY) and time.monotonic() >= self._next_poll:
@@ -159,7 +178,8 @@ def _agent_class():
                 pass
 
         def _finished(self) -> bool:
-            """Whether a node's workers finished the training (every rank took the last step)."""
+            """Whether a node's workers ended the training: every rank took the last step, or a
+            stop signal stopped them."""
             return self._store is not None and _job_store(self._store).check([FINISHED_KEY])
 
         def _raise_if_final(self) -> None:

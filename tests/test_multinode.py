@@ -326,7 +326,35 @@ def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_pat
     took = time.monotonic() - start
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
     assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
-    assert "after another node's finished the training: not restarted" in "".join(outs)
+    assert "after another node's ended the training: not restarted" in "".join(outs)
+
+
+def test_a_worker_killed_by_a_stop_signal_before_its_handler_stops_the_job(tmp_path):
+    """A SIGTERM that reaches a worker before the training's handler is in place (the
+    interpreter's start) kills it: the job stops as it would with the handler, with no restart
+    on either node, and both launchers exit 0 at once."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal, sys, time\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'started_' + os.environ['RANK'] + '_' "
+                      "+ os.environ['TORCHELASTIC_RESTART_COUNT']), 'w').close()\n"
+                      "time.sleep(3)\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    os.kill(os.getpid(), signal.SIGTERM)  # (no handler: the default action)\n"
+                      "time.sleep(3)\n"
+                      "sys.exit(1)  # rank 0: its peer is gone (a collective would fail)\n")
+    start = time.monotonic()
+    procs = _launchers(script, _free_port())
+    try:
+        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    took = time.monotonic() - start
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    assert sorted(f.name for f in tmp_path.glob("started_*")) == ["started_0_0", "started_1_0"]
+    assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
+    assert "was stopped by SIGTERM as it started: the job stops" in "".join(outs)
 
 
 def _catches(pid: int, signum: int) -> bool:
