@@ -237,15 +237,13 @@ def test_a_tp2_run_exports_to_torchtitan_and_comes_back(corpus, tmp_path, capsys
     assert "lm_head.weight" in sd_main and "layers.1.attention.qkv_linear.wk.weight" in sd_main
     assert all(torch.equal(v, sd[k]) for k, v in released_names(sd_main).items())
 
-    back = str(tmp_path / "back")
-    flags = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_heads", "4",
-             "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128", "--model.vocab_size",
-             str(m.vocab_size), "--model.tie_embeddings", "true", "--model.rope_theta",
-             str(m.rope_theta), "--model.rope_scaling", "null", "--parallel.tp", "2"]
-    assert convert.main(["from-torchtitan", "--dcp", main, "--output", back, *flags]) == 0
-    again, _ = ours(back)
+    back = str(tmp_path / "back")  # the run's config sets the rotary: torchtitan's is not assumed
+    assert convert.main(["from-torchtitan", "--dcp", main, "--output", back, "--config",
+                         os.path.join(run, "config.yaml"), "--parallel.tp", "2"]) == 0
+    again, cfg_back = ours(back)
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name  # fp32 weights survive the round trip exactly
+    assert cfg_back.model.rope_scaling is None and cfg_back.model.rope_theta == m.rope_theta
 
 
 # -- bad input -------------------------------------------------------------------------------------

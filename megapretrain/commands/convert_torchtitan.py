@@ -9,7 +9,8 @@ out, streaming one tensor at a time (``checkpoint/torchtitan.py`` holds the form
 
 The model's shape comes from ``--config`` and ``--model.*`` flags (a torchtitan checkpoint records
 tensors, not its model's settings); the rotary settings default to torchtitan's Llama 3 ones
-(``rope_theta`` 500000 with Llama 3.1 scaling), over ``--config``, and flags win over both.
+(``rope_theta`` 500000 with Llama 3.1 scaling) where ``--config`` does not set them, and flags win
+over both.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 
 import torch
+import yaml
 
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import check_shapes, metadata, read_metadata, write_metadata
@@ -95,11 +97,23 @@ def _flag(value) -> str:
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+def _titan_rope(config: str | None) -> list[str]:
+    """Overrides setting torchtitan's Llama 3 rotary (theta, scaling), each unless ``config``
+    sets it: a torchtitan checkpoint does not record its model's settings."""
+    model = {}
+    if config is not None:
+        with open(config, encoding="utf-8-sig") as fh:  # load_config has checked it
+            model = (yaml.safe_load(fh) or {}).get("model") or {}
+    flags = [] if "rope_theta" in model else ["--model.rope_theta", _flag(ROPE_THETA)]
+    return flags + ([] if "rope_scaling" in model else
+                    ["--model.rope_scaling", _flag(ROPE_SCALING)])
+
+
 def from_torchtitan(args: argparse.Namespace, overrides: list[str]) -> str:
     path = find_dcp(args.dcp)
     tensors = DCPTensors(path)
-    rope = ["--model.rope_theta", _flag(ROPE_THETA), "--model.rope_scaling", _flag(ROPE_SCALING)]
-    cfg = load_config(args.config, rope + overrides)
+    load_config(args.config, overrides)  # a missing or bad --config: one line, before reading it
+    cfg = load_config(args.config, _titan_rope(args.config) + overrides)
     m = cfg.model
     check_model(cfg)
     weights = TorchtitanWeights(tensors, (0, 0))
