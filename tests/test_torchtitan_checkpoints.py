@@ -290,3 +290,69 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     assert_one_line(capsys, convert.main(["to-dcp", "--checkpoint", step, "--output",
                                           str(tmp_path / "x"), "--parallel.tp", "2"]), 2,
                     "takes no --parallel.tp")
+
+
+# -- host memory -----------------------------------------------------------------------------------
+
+
+MEASURE = """
+import json, sys
+from megapretrain.commands import convert_checkpoint as tool
+import megapretrain.train, torch.distributed.checkpoint  # noqa: F401 (imported before measuring)
+def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+rc = tool.main(sys.argv[1:])
+print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
+"""
+
+
+def _peak_mib(*argv) -> float:
+    """Peak host memory of one conversion above its imports, in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, proc.stderr
+    return result["extra_mib"]
+
+
+@pytest.mark.slow
+def test_conversions_stream_with_bounded_host_memory(tmp_path):
+    """A ~400 MB torchtitan checkpoint (24 layers, a 31 MB embedding) in to tp 2 and back out: the
+    peak above the imports is a few copies of the largest tensor, far from the model."""
+    from megapretrain.checkpoint.torchtitan import save_dcp
+
+    vocab, dim, ffn, layers, heads, kv = 16000, 512, 1536, 24, 8, 4
+    d = dim // heads
+    shapes = {"tok_embeddings.weight": (vocab, dim), "norm.weight": (dim,),
+              "output.weight": (vocab, dim)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attention.wq.weight": (heads * d, dim),
+                       p + "attention.wk.weight": (kv * d, dim),
+                       p + "attention.wv.weight": (kv * d, dim), p + "attention.wo.weight": (dim, dim),
+                       p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
+                       p + "feed_forward.w1.weight": (ffn, dim), p + "feed_forward.w2.weight": (dim, ffn),
+                       p + "feed_forward.w3.weight": (ffn, dim)})
+    step = str(tmp_path / "step-1")
+    save_dcp(step, {k: (s, torch.float32) for k, s in shapes.items()},
+             lambda k: torch.randn(shapes[k]) * 0.02)
+    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+    largest_mib = 4 * vocab * dim / 2**20
+    flags = ["--model.num_layers", str(layers), "--model.hidden_size", str(dim), "--model.num_heads",
+             str(heads), "--model.num_kv_heads", str(kv), "--model.ffn_hidden_size", str(ffn),
+             "--model.vocab_size", str(vocab)]
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    into = _peak_mib("from-torchtitan", "--dcp", step, "--output", ckpt, *flags, "--parallel.tp", "2",
+                     "--world-size", "2")
+    out = _peak_mib("to-torchtitan", "--checkpoint", ckpt, "--output", back)
+    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
+          f"from-torchtitan {into:.0f} MiB, to-torchtitan {out:.0f} MiB")
+    for extra in (into, out):
+        assert extra < min(0.5 * model_mib, 6 * largest_mib)

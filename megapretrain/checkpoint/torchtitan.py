@@ -270,7 +270,8 @@ def write_checkpoint(directory: str, cfg, layout, weights: TorchtitanWeights, ba
 def save_dcp(directory: str, tensors: dict[str, tuple[tuple, torch.dtype]], produce) -> None:
     """A DCP checkpoint in ``directory`` (one process, no process group) of the tensors
     ``tensors`` (key -> (shape, dtype)), each made by ``produce(key)`` only when it is written:
-    the planner sees shapes only (meta tensors), so one tensor is in memory at a time."""
+    the planner sees shapes only (meta tensors), and each tensor is its own file, so about one
+    tensor is in memory at a time."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -285,8 +286,9 @@ def save_dcp(directory: str, tensors: dict[str, tuple[tuple, torch.dtype]], prod
              for k, (shape, dtype) in tensors.items()}
     try:
         with _one_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
-                     planner=LazySavePlanner(), no_dist=True)
+            # a file per tensor: DCP's writer keeps every tensor of a file until the file ends
+            writer = dcp.FileSystemWriter(directory, single_file_per_rank=False, thread_count=1)
+            dcp.save(state, storage_writer=writer, planner=LazySavePlanner(), no_dist=True)
     except Exception as exc:  # DCP wraps what a rank raised: a user error stays one line
         cause = _user_error_in(exc)
         if cause is None:
