@@ -159,6 +159,8 @@ TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_see
 def test_a_torchtitan_checkpoint_imports_with_the_same_logits(names, prefix, tied, tmp_path,
                                                               capsys):
     sd = titan_state(tied=tied)
+    if names == "main":  # and saved in bf16, as torchtitan's model-only export may be
+        sd = {k: v.bfloat16() for k, v in sd.items()}
     saved = main_names(sd) if names == "main" else dict(sd)
     saved = {prefix + k: v for k, v in saved.items()}
     if prefix:  # a full training checkpoint: the rest of torchtitan's state beside the model
@@ -181,6 +183,7 @@ def test_a_torchtitan_checkpoint_imports_with_the_same_logits(names, prefix, tie
     assert cfg.model.rope_theta == 500000 and cfg.model.rope_scaling["factor"] == 8
     expected = titan_logits(sd, TOKENS, HEADS, KV_HEADS, EPS, 500000.0, LLAMA3_SCALING)
     torch.testing.assert_close(our_logits(model, TOKENS).double(), expected, atol=1e-4, rtol=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def _save_sharded(rank, world, path):
@@ -281,6 +284,13 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     refused(["from-dcp", "--dcp", str(damaged), "--output", out, *FLAGS], str(damaged),
             "cannot be read")
 
+    partial = tmp_path / "partial"  # a .distcp file lost
+    dcp.save(titan_state(), checkpoint_id=str(partial), no_dist=True)
+    os.remove(partial / "__0_0.distcp")
+    before = snapshot(tmp_path)
+    refused(["from-dcp", "--dcp", str(partial), "--output", out, *FLAGS], "tok_embeddings.weight",
+            "cannot be read", "incomplete")
+
     os.makedirs(out)
     (tmp_path / "out" / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
@@ -290,6 +300,19 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     assert_one_line(capsys, convert.main(["to-dcp", "--checkpoint", step, "--output",
                                           str(tmp_path / "x"), "--parallel.tp", "2"]), 2,
                     "takes no --parallel.tp")
+
+
+def test_an_export_that_fails_inside_the_dcp_writer_is_one_line(tmp_path):
+    """A refusal raised while DCP writes (a NaN weight met on the way) reaches the user as itself,
+    not wrapped in DCP's exception."""
+    from megapretrain.checkpoint.torchtitan import save_dcp
+    from megapretrain.errors import UserError
+
+    def produce(key):
+        raise UserError(f"'{key}' holds NaN")
+
+    with pytest.raises(UserError, match="'a' holds NaN"):
+        save_dcp(str(tmp_path / "x"), {"a": ((2, 2), torch.float32)}, produce)
 
 
 # -- host memory -----------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class DCPTensors:
             with _one_process():
                 dcp.load({key: out}, storage_reader=dcp.FileSystemReader(self.path),
                          no_dist=True)
-        except Exception as exc:  # a missing or truncated .distcp file
+        except (Exception, dcp.CheckpointException) as exc:  # a missing or truncated file
             raise ConvertError(f"{self.path}: tensor '{key}' cannot be read ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); the checkpoint "
                                "is incomplete or damaged") from None
@@ -160,10 +160,11 @@ class DCPTensors:
 
 class TorchtitanWeights:
     """A torchtitan Llama 3 checkpoint's weights as our parameters: global fp32 tensors by our
-    names, q/k rows put in rotate-half order. ``heads``: (query heads, key/value heads)."""
+    names, q/k rows put in rotate-half order (:meth:`check` first: it binds the model's heads)."""
 
-    def __init__(self, tensors: DCPTensors, heads: tuple[int, int]):
-        self.dcp, self.heads = tensors, heads
+    def __init__(self, tensors: DCPTensors):
+        self.dcp = tensors
+        self.heads = (0, 0)  # (query heads, key/value heads), from check()
         roots = {k.split(".")[0] for k in tensors.keys}
         self.prefix = "model." if "tok_embeddings.weight" not in tensors.shapes and \
             "model.tok_embeddings.weight" in tensors.shapes else ""
@@ -189,9 +190,11 @@ class TorchtitanWeights:
         return [k for k in self.dcp.keys if k.startswith(self.prefix)
                 and k[n:].split(".")[0] in MODEL_ROOTS and not k.endswith(IGNORED)]
 
-    def check(self, shapes: dict[str, tuple], tied: bool) -> None:
+    def check(self, shapes: dict[str, tuple], tied: bool, heads: tuple[int, int]) -> None:
         """Every one of our parameters (``shapes``: global shapes from the flags) has its tensor, of
-        its shape, and every model tensor of the checkpoint has a place: one line naming both."""
+        its shape, and every model tensor of the checkpoint has a place: one line naming both.
+        ``heads``: the model's (query heads, key/value heads), which q/k rows are permuted by."""
+        self.heads = heads
         fix = "set --model.* (or --config) to the checkpoint's model"
         mine = {self.key(n): n for n in shapes}
         for key in self.model_keys():
@@ -289,7 +292,7 @@ def save_dcp(directory: str, tensors: dict[str, tuple[tuple, torch.dtype]], prod
             # a file per tensor: DCP's writer keeps every tensor of a file until the file ends
             writer = dcp.FileSystemWriter(directory, single_file_per_rank=False, thread_count=1)
             dcp.save(state, storage_writer=writer, planner=LazySavePlanner(), no_dist=True)
-    except Exception as exc:  # DCP wraps what a rank raised: a user error stays one line
+    except dcp.CheckpointException as exc:  # what a rank raised, wrapped: a refusal stays one line
         cause = _user_error_in(exc)
         if cause is None:
             raise
@@ -305,15 +308,12 @@ def _one_process():
 
 
 def _user_error_in(exc: BaseException) -> UserError | None:
-    """The :class:`UserError` a DCP save raised inside its writer, if that is what failed."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return seen
-        for inner in getattr(seen, "failures", {}).values():  # CheckpointException
-            found = _user_error_in(inner if isinstance(inner, BaseException) else
-                                   getattr(inner, "exception", None) or Exception())
-            if found is not None:
-                return found
-        seen = seen.__cause__ or seen.__context__
+    """The :class:`UserError` a DCP save raised inside its writer (DCP reports it wrapped in a
+    ``CheckpointException``: rank -> (error, frames)), if that is what failed."""
+    if isinstance(exc, UserError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, UserError):
+            return error
     return None

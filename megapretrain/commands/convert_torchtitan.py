@@ -116,16 +116,15 @@ def from_torchtitan(args: argparse.Namespace, overrides: list[str]) -> str:
     cfg = load_config(args.config, _titan_rope(args.config) + overrides)
     m = cfg.model
     check_model(cfg)
-    weights = TorchtitanWeights(tensors, (0, 0))
+    weights = TorchtitanWeights(tensors)
     if m.vocab_size is None:  # the embedding's rows
         m.vocab_size = tensors.shapes[weights.key("embed_tokens.weight")][0]
     p = cfg.parallel
     world = args.world_size or p.tp * p.cp * p.pp
     sizes = resolve(cfg, world).sizes
     margs = model_args(cfg)
-    weights.heads = (margs.num_heads, margs.num_kv_heads)
     shapes = global_shapes(cfg)
-    weights.check(shapes, m.tie_embeddings)
+    weights.check(shapes, m.tie_embeddings, (margs.num_heads, margs.num_kv_heads))
     layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     size = layout_bytes(cfg, sizes.layout, moments=False)
     with new_directory(args.output, needed=size) as tmp, \
