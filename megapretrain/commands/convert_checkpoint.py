@@ -83,6 +83,7 @@ from megapretrain.cli import (
     progress_bar,
     user_errors,
 )
+from megapretrain.commands import convert_torchtitan
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
@@ -117,6 +118,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     frm.add_argument("--config", help="YAML config of the run that will train from it (its layout)")
     frm.add_argument("--world-size", type=positive_int,
                      help="ranks of the target run (default: tp × cp × pp)")
+    convert_torchtitan.add_parsers(sub)
     for p in (to, frm):
         p.add_argument("--verify", action="store_true", help="compare our logits with "
                                                              "transformers' (fp32)")
@@ -386,6 +388,9 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command in convert_torchtitan.COMMANDS:
+        print(convert_torchtitan.run(args, overrides))
+        return 0
     print(to_hf(args) if args.command == "to-hf" else from_hf(args, overrides))
     return 0
 
