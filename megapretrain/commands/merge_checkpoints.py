@@ -29,7 +29,7 @@ import sys
 from megapretrain.checkpoint.directories import resolve_checkpoint
 from megapretrain.checkpoint.merge import MergeInput, normalised_weights, write_average
 from megapretrain.checkpoint.reshard import layout_bytes, saved_config_path
-from megapretrain.cli import positive_int, progress_bar, user_errors
+from megapretrain.cli import number, positive_int, progress_bar, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.resolve import resolve
@@ -44,7 +44,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="iter_* directories, or run directories (their latest); two or more")
     ap.add_argument("--output", required=True, help="new checkpoint directory (for "
                                                     "--checkpoint.load)")
-    ap.add_argument("--weights", nargs="+", type=float, metavar="W",
+    # (finite here; >= 0 and a positive sum: checkpoint.merge.normalised_weights)
+    ap.add_argument("--weights", nargs="+", type=number(float), metavar="W",
                     help="one weight per checkpoint, in order (default: uniform); normalised")
     ap.add_argument("--config", help="config of the run that will train from the output (its "
                                      "layout; default: config.yaml of the first checkpoint's run)")
