@@ -191,3 +191,61 @@ def test_average_last_that_cannot_be_kept_is_refused(corpus, tmp_path, capsys, f
     status = main(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]", "--train.iters", "1",
                    *flags])
     assert_one_line(capsys, status, 2, *words)
+
+
+MEASURE = """
+import json, sys
+from megapretrain.commands import merge_checkpoints as tool
+import megapretrain.train  # noqa: F401 (imported before measuring)
+def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+rc = tool.main(sys.argv[1:])
+print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_a_merge_streams_with_bounded_host_memory(tmp_path):
+    """Two ~350 MB checkpoints (24 layers, a 31 MB embedding; one tp 2, one tp 1) merged into
+    tp 2: the peak above the imports is a few copies of the largest tensor, far from a model."""
+    import subprocess
+    import sys
+
+    from megapretrain.checkpoint.torchtitan import save_dcp
+    from megapretrain.commands import convert_checkpoint
+
+    vocab, dim, ffn, layers, heads, kv = 16000, 512, 1536, 24, 8, 4
+    d = dim // heads
+    shapes = {"tok_embeddings.weight": (vocab, dim), "norm.weight": (dim,),
+              "output.weight": (vocab, dim)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attention.wq.weight": (heads * d, dim), p + "attention.wk.weight": (kv * d, dim),
+                       p + "attention.wv.weight": (kv * d, dim), p + "attention.wo.weight": (dim, dim),
+                       p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
+                       p + "feed_forward.w1.weight": (ffn, dim), p + "feed_forward.w2.weight": (dim, ffn),
+                       p + "feed_forward.w3.weight": (ffn, dim)})
+    flags = ["--model.num_layers", str(layers), "--model.hidden_size", str(dim), "--model.num_heads",
+             str(heads), "--model.num_kv_heads", str(kv), "--model.ffn_hidden_size", str(ffn),
+             "--model.vocab_size", str(vocab)]
+    inputs = []
+    for n, tp in enumerate((2, 1)):  # two checkpoints of one model under different layouts
+        step, ckpt = str(tmp_path / f"step-{n}"), str(tmp_path / f"ckpt{n}")
+        save_dcp(step, {k: (s, torch.float32) for k, s in shapes.items()},
+                 lambda k: torch.randn(shapes[k]) * 0.02)
+        assert convert_checkpoint.main(["from-torchtitan", "--dcp", step, "--output", ckpt, *flags,
+                                        "--parallel.tp", str(tp), "--world-size", str(tp)]) == 0
+        inputs.append(ckpt)
+    proc = subprocess.run([sys.executable, "-c", MEASURE, "--checkpoints", *inputs, "--output",
+                           str(tmp_path / "avg"), "--weights", "1", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, proc.stderr
+    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+    largest_mib = 4 * vocab * dim / 2**20
+    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
+          f"merge of 2 {result['extra_mib']:.0f} MiB")
+    assert result["extra_mib"] < min(0.5 * model_mib, 6 * largest_mib)
