@@ -45,6 +45,7 @@ import sys
 import torch
 
 from megapretrain.checkpoint import tensorfile
+from megapretrain.commands import convert_megatron
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
     Entry,
@@ -122,8 +123,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                              "transformers' (fp32)")
         p.add_argument("--tolerance", type=non_negative_float, default=1e-4,
                        help="largest logit difference --verify accepts")
+    convert_megatron.add_parsers(sub)
     args, rest = ap.parse_known_args(argv)
-    if rest and args.command == "to-hf":
+    if rest and args.command in ("to-hf", "to-megatron"):
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return args, rest
 
@@ -386,7 +388,10 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    print(to_hf(args) if args.command == "to-hf" else from_hf(args, overrides))
+    run = {"to-hf": lambda: to_hf(args), "from-hf": lambda: from_hf(args, overrides),
+           "to-megatron": lambda: convert_megatron.to_megatron(args),
+           "from-megatron": lambda: convert_megatron.from_megatron(args, overrides)}
+    print(run[args.command]())
     return 0
 
 

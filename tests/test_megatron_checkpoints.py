@@ -1,0 +1,260 @@
+"""Megatron-LM checkpoints in and out, against megatron-core itself: a small ``GPTModel`` built
+and saved by megatron-core's own ``dist_checkpointing`` (torch_dist) on gloo ranks, imported with
+``from-megatron`` (our logits against megatron-core's forward), exported with ``to-megatron`` and
+loaded back by megatron-core under tp 1 and tp 2 (its logits against the original's).
+
+megatron-core runs a ``GPTModel`` on CPU with three stand-ins, set in its rank processes only
+(:func:`_megatron_on_cpu`): ``torch.cuda.current_device`` gives "cpu" (the rotary embedding moves
+its frequencies there), ``torch.cuda.synchronize`` does nothing (``dist_checkpointing``'s save
+calls it after its host copy), and the CUDA RNG tracker's ``fork`` is a no-op context (attention
+dropout forks it; dropout is 0). One more saves start-up time: the save's results queue is a plain queue, not one
+from a manager process (a synchronous save fills and empties it in the rank's own process). Weights
+are made on the CPU (``use_cpu_initialization``) and the
+causal mask is passed in (its default is made on a CUDA device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megapretrain.checkpoint.hf import our_logits, our_model  # noqa: E402
+from megapretrain.checkpoint.reshard import GlobalWeights  # noqa: E402
+from megapretrain.commands.convert_checkpoint import main  # noqa: E402
+from megapretrain.config import load_config  # noqa: E402
+
+VOCAB, SEQ = 128, 16
+# (name, tp it is saved under, model shape); "args": common.pt carries Megatron's arguments
+CASES = {
+    "gqa_tp2": dict(tp=2, layers=2, hidden=64, heads=4, groups=2, ffn=96, tied=False,
+                    qkv_bias=False, qk_norm=False, args=True),
+    "tied_bias_tp1": dict(tp=1, layers=2, hidden=32, heads=4, groups=4, ffn=64, tied=True,
+                          qkv_bias=True, qk_norm=True, args=False),
+}
+
+
+# -- megatron-core's side, in its own gloo rank processes ----------------------------------------
+
+
+def _megatron_on_cpu() -> None:
+    import contextlib
+    import queue
+    import types
+
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    tracker = types.SimpleNamespace(fork=lambda *a, **k: contextlib.nullcontext())
+    tensor_parallel.get_cuda_rng_tracker = lambda: tracker
+    filesystem_async._results_queue = queue.Queue()  # a save here is synchronous: no manager
+
+
+def _build(case: dict, tp: int, seed: int):
+    """megatron-core's GPTModel of ``case``'s shape under ``tp``, its weights from ``seed`` (norm
+    weights randomised too, so that a misplaced norm shows)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=case["layers"], hidden_size=case["hidden"], ffn_hidden_size=case["ffn"],
+        num_attention_heads=case["heads"], num_query_groups=case["groups"],
+        normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=case["qkv_bias"], qk_layernorm=case["qk_norm"], init_method_std=0.1,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        use_cpu_initialization=True, tensor_model_parallel_size=tp)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=case["qk_norm"])
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type="rope", rotary_base=10000,
+                     share_embeddings_and_output_weights=case["tied"]).eval()
+    gen = torch.Generator().manual_seed(seed + 1)  # the same on every tp rank: norms replicate
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+@torch.no_grad()
+def _logits(model) -> torch.Tensor:
+    """Full-vocabulary logits (b, s, v) of megatron-core's model, gathered over tp."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tokens = _tokens()
+    positions = torch.arange(SEQ).expand(tokens.shape)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]  # True: masked
+    local = model(tokens, positions, mask).float()  # (b, s, v/tp)
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, -1)
+
+
+def _save_rank(rank: int, world: int, root: str) -> dict:
+    """Save every case under its tp the way Megatron-LM lays out a run; its logits."""
+    from megatron.core import dist_checkpointing
+
+    out = {}
+    for name, case in CASES.items():
+        model = _build(case, case["tp"], seed=11)
+        run = os.path.join(root, name)
+        folder = os.path.join(run, "iter_0000003")
+        if rank == 0:
+            os.makedirs(folder)
+        torch.distributed.barrier()
+        state = {"model": model.sharded_state_dict(), "iteration": 3, "checkpoint_version": 3.0}
+        if case["args"]:
+            state["args"] = argparse.Namespace(
+                num_layers=case["layers"], hidden_size=case["hidden"],
+                num_attention_heads=case["heads"], group_query_attention=True,
+                num_query_groups=case["groups"], ffn_hidden_size=case["ffn"],
+                normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                rotary_base=10000, norm_epsilon=1e-5, add_bias_linear=False,
+                padded_vocab_size=VOCAB, tensor_model_parallel_size=case["tp"])
+        dist_checkpointing.save(state, folder)
+        if rank == 0:
+            with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write("3")
+        out[name] = _logits(model)
+    return out
+
+
+def _load_rank(rank: int, world: int, root: str) -> dict:
+    """Every case's export loaded by megatron-core into a fresh model under tp 1 and 2."""
+    from megatron.core import dist_checkpointing
+
+    out = {}
+    for name, case in CASES.items():
+        for tp in (1, 2):
+            model = _build(case, tp, seed=99)  # other weights: the load must replace them all
+            with open(os.path.join(root, name, "latest_checkpointed_iteration.txt")) as fh:
+                folder = os.path.join(root, name, f"iter_{int(fh.read()):07d}")
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+            model.load_state_dict(state["model"])
+            out[(name, tp)] = _logits(model)
+    return out
+
+
+def _rank_main(fn, rank: int, world: int, tmp: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        _megatron_on_cpu()
+        store = torch.distributed.FileStore(os.path.join(tmp, "store"), world)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def _run(fn, tmp: str, *args, world: int = 2, timeout: float = 240) -> dict:
+    """``fn`` on ``world`` gloo ranks (processes that may start their own: megatron-core's save
+    does); rank 0's result."""
+    os.makedirs(tmp)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tmp, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].terminate()
+    errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp))
+              if f.startswith("error")]
+    assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
+        f"ranks hung: {hung}; " + "\n".join(errors)
+    return torch.load(os.path.join(tmp, "result0.pt"))
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    logits = _run(_save_rank, str(root / "save_ranks"), str(root / "runs"))
+    return root, logits
+
+
+def _flags(name: str) -> list[str]:
+    """What a user passes when common.pt has no args: the heads."""
+    case = CASES[name]
+    return [] if case["args"] else ["--model.num_heads", str(case["heads"]),
+                                    "--model.num_kv_heads", str(case["groups"])]
+
+
+def _our_logits(checkpoint: str) -> torch.Tensor:
+    cfg = load_config(os.path.join(checkpoint, "config.yaml"), [])
+    weights = GlobalWeights(checkpoint, cfg)
+    model = our_model(cfg, weights.get)
+    weights.close()
+    return our_logits(model, _tokens())
+
+
+def test_megatron_round_trip(saved, capsys):
+    root, reference = saved
+    for name in CASES:
+        ours = str(root / "ours" / name)
+        assert main(["from-megatron", "--megatron", str(root / "runs" / name), "--output", ours,
+                     "--parallel.tp", "2", "--train.seq_length", str(SEQ)] + _flags(name)) == 0
+        said = capsys.readouterr().out
+        assert "optimizer starts fresh" in said and "iteration 3" in said
+        torch.testing.assert_close(_our_logits(ours), reference[name], rtol=1e-4, atol=1e-4)
+        assert main(["to-megatron", "--checkpoint", ours,
+                     "--output", str(root / "exported" / name)]) == 0
+    loaded = _run(_load_rank, str(root / "load_ranks"), str(root / "exported"))
+    for (name, tp), logits in loaded.items():
+        torch.testing.assert_close(logits, reference[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{name} loaded under tp {tp}: {m}")
+    common = torch.load(root / "exported" / "gqa_tp2" / "iter_0000000" / "common.pt",
+                        weights_only=False)
+    assert common["iteration"] == 0 and common["args"].num_query_groups == 2
+    assert (root / "exported" / "gqa_tp2" / "latest_checkpointed_iteration.txt").read_text() == "0"
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_megatron_bad_input(saved, tmp_path, capsys):
+    root, _ = saved
+    run = str(root / "runs" / "gqa_tp2")
+    err = _one_line_error(capsys, ["from-megatron", "--megatron", run, "--output",
+                                   str(tmp_path / "a"), "--model.ffn_hidden_size", "80"])
+    assert "linear_fc1.weight" in err and "(2, 192, 64)" in err and "(2, 160, 64)" in err
+    err = _one_line_error(capsys, ["from-megatron", "--megatron", str(root / "runs"),
+                                   "--output", str(tmp_path / "b")])
+    assert "not a Megatron-LM torch_dist checkpoint" in err
+    err = _one_line_error(capsys, ["from-megatron", "--megatron",
+                                   str(root / "runs" / "tied_bias_tp1"), "--output",
+                                   str(tmp_path / "c")])
+    assert "--model.num_heads" in err
+    assert not os.listdir(tmp_path)
