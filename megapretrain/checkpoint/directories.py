@@ -112,7 +112,7 @@ def _publish_directory(tmp: str, path: str) -> None:
     permissions, make them durable, and rename it to ``path``."""
     umask = os.umask(0)
     os.umask(umask)
-    for folder, subfolders, files in os.walk(tmp, topdown=False):
+    for folder, _, files in os.walk(tmp, topdown=False):
         for name in files:
             file = os.path.join(folder, name)
             os.chmod(file, 0o666 & ~umask)

@@ -1,18 +1,19 @@
 """Megatron-LM ⇄ megapretrain: ``torch_dist`` checkpoints, read and written tensor by tensor.
 
-A Megatron-LM run saved with ``--ckpt-format torch_dist`` holds ``latest_checkpointed_iteration.txt``
-and ``iter_NNNNNNN/`` directories; each is a PyTorch distributed checkpoint (``.metadata`` +
-``__R_F.distcp`` files) plus ``common.pt`` (the pickled non-tensor state: ``args``, ``iteration``,
-``checkpoint_version``) and ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``).
-The ``.metadata`` records every tensor's global shape and the chunks each rank wrote, so one
-process reads any part of any tensor, whatever tp/pp the run had: :class:`MegatronCheckpoint`
-reads one layer of one tensor at a time (:class:`_ChunkReader`), and :func:`write_megatron` writes
-one layer at a time (:class:`_StreamingSavePlanner`), so memory stays at about one layer's
+A Megatron-LM run saved with ``--ckpt-format torch_dist`` holds
+``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` directories; each is a PyTorch
+distributed checkpoint (``.metadata`` + ``__R_F.distcp`` files) plus ``common.pt`` (the pickled
+non-tensor state: ``args``, ``iteration``, ``checkpoint_version``) and ``metadata.json``
+(``{"sharded_backend": "torch_dist", ...}``). The ``.metadata`` records every tensor's global
+shape and the chunks each rank wrote, so one process reads any part of any tensor, whatever
+tp/pp the run had: :class:`MegatronCheckpoint` reads one layer of one tensor at a time
+(:class:`_ChunkReader`), and :func:`write_megatron` writes one layer at a time
+(:class:`_StreamingSavePlanner`), so memory stays at about one layer's
 tensor.
 
 Megatron-Core's GPT keys (``GPTModel.sharded_state_dict``) name a whole stack of layers: the
-decoder's tensors carry a leading layer dimension (``decoder.layers.self_attention.linear_qkv.weight``
-is ``(L, (q + 2·kv)·d, h)``). Within a layer:
+decoder's tensors carry a leading layer dimension
+(``decoder.layers.self_attention.linear_qkv.weight`` is ``(L, (q + 2·kv)·d, h)``). Within a layer:
 
 - ``linear_qkv`` interleaves per query group: for each of the ``kv`` groups, its ``q/kv`` query
   heads, then its key head, then its value head (the same for its bias);
@@ -163,6 +164,9 @@ def read_common(path: str) -> tuple[dict, str | None]:
         safe += SAFE_GLOBALS
     except ImportError:
         pass
+    # the context removes what it added on exit: add only what is not allowed already (importing
+    # megatron-core allows its classes for the whole process, and must stay so)
+    safe = [g for g in safe if g not in torch.serialization.get_safe_globals()]
     try:
         with torch.serialization.safe_globals(safe):
             common = torch.load(file, map_location="cpu", weights_only=True)
@@ -291,10 +295,11 @@ def _flag(value) -> str:
 
 
 def model_flags(ckpt: MegatronCheckpoint) -> dict[str, object]:
-    """The ``model.*`` settings the checkpoint implies: sizes read off its tensors' shapes, the rest
-    from Megatron's saved ``args`` when ``common.pt`` has them. Architectures megapretrain does not
-    have (LayerNorm, GELU, learned positions, biases on every linear) are refused naming the
-    argument."""
+    """The ``model.*`` settings the checkpoint implies: sizes read off its tensors' shapes (the
+    vocabulary: the embedding's rows, Megatron's padded vocabulary, unless ``args.vocab_size``
+    gives the tokenizer's), the rest from Megatron's saved ``args`` when ``common.pt`` has them.
+    Architectures megapretrain does not have (LayerNorm, GELU, learned positions, biases on every
+    linear) are refused naming the argument."""
     shapes = ckpt.tensors()
     embed = shapes.get(TOP["embed_tokens.weight"])
     qkv = shapes.get(LAYERS + "self_attention.linear_qkv.weight")
@@ -330,6 +335,8 @@ def model_flags(ckpt: MegatronCheckpoint) -> dict[str, object]:
             else heads
         d = a.get("kv_channels")
         flags["head_dim"] = d if d and d * heads != flags["hidden_size"] else None
+    if a.get("vocab_size") and a["vocab_size"] <= embed[0]:  # the tokenizer's, before padding
+        flags["vocab_size"] = a["vocab_size"]
     for ours, theirs in (("rope_theta", "rotary_base"), ("norm_eps", "norm_epsilon"),
                          ("rotary_pct", "rotary_percent")):
         if a.get(theirs) is not None:
@@ -462,7 +469,8 @@ def megatron_args(cfg, padded_vocab: int) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=heads, group_query_attention=groups != heads,
-        num_query_groups=groups, kv_channels=d, padded_vocab_size=padded_vocab,
+        num_query_groups=groups, kv_channels=d, vocab_size=m.vocab_size,
+        padded_vocab_size=padded_vocab,
         normalization="RMSNorm", norm_epsilon=m.norm_eps, swiglu=True, add_bias_linear=False,
         add_qkv_bias=bool(m.qkv_bias), qk_layernorm=bool(m.qk_norm),
         position_embedding_type="rope", rotary_base=m.rope_theta, rotary_percent=m.rotary_pct,

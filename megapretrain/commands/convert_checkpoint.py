@@ -45,7 +45,6 @@ import sys
 import torch
 
 from megapretrain.checkpoint import tensorfile
-from megapretrain.commands import convert_megatron
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
     Entry,
@@ -84,6 +83,7 @@ from megapretrain.cli import (
     progress_bar,
     user_errors,
 )
+from megapretrain.commands import convert_megatron
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs

@@ -97,8 +97,8 @@ def _local(weight, spec, tp_rank: int, bar) -> LazyTensor:
         t = weight(spec.name)
         dim, local = spec.tp_dim, spec.local_shape
         if dim is not None:
-            lo = tp_rank * local[dim]
-            t = t.narrow(dim, lo, max(0, min(local[dim], t.shape[dim] - lo)))
+            lo = min(tp_rank * local[dim], t.shape[dim])  # a rank may hold padding only
+            t = t.narrow(dim, lo, min(local[dim], t.shape[dim] - lo))
         if dim is not None and t.shape[dim] < local[dim]:  # rows past the vocabulary: zeros
             pad = list(local)
             pad[dim] -= t.shape[dim]
