@@ -34,7 +34,10 @@ import argparse
 import io
 import json
 import os
+import pathlib
 import pickle
+import types
+import warnings
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -153,27 +156,38 @@ def _backend(path: str) -> str | None:
 
 def read_common(path: str) -> tuple[dict, str | None]:
     """``common.pt`` of ``path`` and, when it cannot be read, why. It is a pickle: loaded with
-    ``weights_only`` (no code runs), allowing the argument namespace and Megatron-Core's own safe
-    classes when megatron-core is installed — as Megatron-Core loads it."""
+    ``weights_only`` (no code runs), allowing the argument namespace, and when that is not enough
+    Megatron-Core's own safe classes (its enums in ``args``) if megatron-core is installed — as
+    Megatron-Core loads it."""
     file = os.path.join(path, COMMON)
     if not os.path.isfile(file):
         return {}, f"{file} is missing"
-    safe = [argparse.Namespace]
+    problem = ""
+    for extra in (lambda: [], _megatron_safe_globals):
+        safe = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath] + extra()
+        # the context removes what it added on exit: add only what is not allowed already
+        # (importing megatron-core allows its classes for the whole process, and must stay so)
+        safe = [g for g in safe if g not in torch.serialization.get_safe_globals()]
+        try:
+            with torch.serialization.safe_globals(safe):
+                common = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError,
+                ModuleNotFoundError) as err:
+            problem = f"{file} could not be read safely ({str(err).splitlines()[0][:120]})"
+            continue
+        return (common, None) if isinstance(common, dict) else ({}, f"{file} holds no dict")
+    return {}, problem
+
+
+def _megatron_safe_globals() -> list:
+    """The classes megatron-core allows in its own pickles, when it is installed."""
     try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-        safe += SAFE_GLOBALS
+        with warnings.catch_warnings():  # its import warns about optional packages
+            warnings.simplefilter("ignore")
+            from megatron.core.safe_globals import SAFE_GLOBALS
     except ImportError:
-        pass
-    # the context removes what it added on exit: add only what is not allowed already (importing
-    # megatron-core allows its classes for the whole process, and must stay so)
-    safe = [g for g in safe if g not in torch.serialization.get_safe_globals()]
-    try:
-        with torch.serialization.safe_globals(safe):
-            common = torch.load(file, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ModuleNotFoundError) \
-            as err:
-        return {}, f"{file} could not be read safely ({str(err).splitlines()[0][:120]})"
-    return (common, None) if isinstance(common, dict) else ({}, f"{file} holds no dict")
+        return []
+    return list(SAFE_GLOBALS)
 
 
 class _ChunkReader(LoadPlanner):
@@ -509,7 +523,9 @@ def write_megatron(tmp: str, cfg, shapes: dict[str, tuple], weight, dtype: torch
     folder = os.path.join(tmp, f"iter_{iteration:07d}")
     os.makedirs(folder)
     writer = FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
-    dcp_save({}, storage_writer=writer, planner=_StreamingSavePlanner(items), no_dist=True)
+    with warnings.catch_warnings():  # that one process writes it all is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp_save({}, storage_writer=writer, planner=_StreamingSavePlanner(items), no_dist=True)
     torch.save({"args": megatron_args(cfg, padded_vocab), "checkpoint_version": CHECKPOINT_VERSION,
                 "iteration": iteration}, os.path.join(folder, COMMON))
     with open(os.path.join(folder, CONFIG), "w") as fh:

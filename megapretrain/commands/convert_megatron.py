@@ -178,6 +178,7 @@ def to_megatron(args: argparse.Namespace) -> str:
         written = write_megatron(tmp, cfg, shapes, weights.get, dtype, padded, meta["iteration"])
     weights.close()
     return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, "
-            f"{written / 2**20:,.1f} MiB of {dtype} weights under Megatron-Core GPT keys "
+            f"{written / 2**20:,.1f} MiB of {str(dtype).removeprefix('torch.')} weights under "
+            "Megatron-Core GPT keys "
             f"(vocabulary padded to {padded}); weights only: load it in Megatron-LM with "
             "--no-load-optim --no-load-rng (or --finetune)")
