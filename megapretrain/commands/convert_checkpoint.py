@@ -32,6 +32,9 @@ runs both models (ours and transformers') in fp32 on a few random sequences and 
 largest logit difference exceeds ``--tolerance`` (default 1e-4); it holds both models in memory.
 Both refuse to write into a directory that exists and is not empty, and write through a temporary
 directory renamed at the end.
+
+``from-megatron`` / ``to-megatron`` convert Megatron-LM ``torch_dist`` checkpoints
+(``megapretrain.commands.convert_megatron``).
 """
 
 from __future__ import annotations
@@ -388,10 +391,10 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    run = {"to-hf": lambda: to_hf(args), "from-hf": lambda: from_hf(args, overrides),
-           "to-megatron": lambda: convert_megatron.to_megatron(args),
-           "from-megatron": lambda: convert_megatron.from_megatron(args, overrides)}
-    print(run[args.command]())
+    if args.command in convert_megatron.COMMANDS:
+        print(convert_megatron.run(args, overrides))
+        return 0
+    print(to_hf(args) if args.command == "to-hf" else from_hf(args, overrides))
     return 0
 
 

@@ -57,6 +57,7 @@ from megapretrain.model.args import padded_vocab_size
 from megapretrain.model.build import DTYPES, rank_param_specs
 from megapretrain.resolve import resolve
 
+COMMANDS = ("from-megatron", "to-megatron")
 FRESH_OPTIMIZER = ("optimizer state not imported: the optimizer starts fresh (train with "
                    "--checkpoint.finetune true)")
 
@@ -182,3 +183,10 @@ def to_megatron(args: argparse.Namespace) -> str:
             "Megatron-Core GPT keys "
             f"(vocabulary padded to {padded}); weights only: load it in Megatron-LM with "
             "--no-load-optim --no-load-rng (or --finetune)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> str:
+    """Run the ``from-megatron`` or ``to-megatron`` command ``args`` names; its closing line."""
+    if args.command == "to-megatron":
+        return to_megatron(args)
+    return from_megatron(args, overrides)
