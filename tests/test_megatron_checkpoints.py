@@ -32,13 +32,14 @@ from megapretrain.commands.convert_checkpoint import main
 from megapretrain.config import load_config
 
 VOCAB, SEQ = 128, 16  # VOCAB: Megatron's padded vocabulary, the embedding's rows
-# (name, tp it is saved under, model shape); "args": common.pt carries Megatron's arguments, whose
-# vocab_size (the tokenizer's, before padding) is "vocab"
+# (name, the tp and pp it is saved under, model shape); "args": common.pt carries Megatron's
+# arguments, whose vocab_size (the tokenizer's, before padding) is "vocab"
 CASES = {
-    "gqa_tp2": dict(tp=2, layers=2, hidden=64, heads=4, groups=2, ffn=96, tied=False,
-                    qkv_bias=False, qk_norm=False, args=True, vocab=100),
-    "tied_bias_tp1": dict(tp=1, layers=2, hidden=32, heads=4, groups=4, ffn=64, tied=True,
-                          qkv_bias=True, qk_norm=True, args=False, vocab=VOCAB),
+    "gqa_tied_tp2": dict(tp=2, pp=1, layers=2, hidden=64, heads=4, groups=2, ffn=96, tied=True,
+                         qkv_bias=False, qk_norm=False, args=True, vocab=100),
+    # untied: megatron-core ties across stages on a CUDA device only
+    "bias_qknorm_pp2": dict(tp=1, pp=2, layers=2, hidden=32, heads=4, groups=4, ffn=64,
+                            tied=False, qkv_bias=True, qk_norm=True, args=False, vocab=VOCAB),
 }
 
 
@@ -60,16 +61,16 @@ def _megatron_on_cpu() -> None:
     filesystem_async._results_queue = queue.Queue()  # a save here is synchronous: no manager
 
 
-def _build(case: dict, tp: int, seed: int):
-    """megatron-core's GPTModel of ``case``'s shape under ``tp``, its weights from ``seed`` (norm
-    weights randomised too, so that a misplaced norm shows)."""
+def _build(case: dict, tp: int, seed: int, pp: int = 1):
+    """megatron-core's GPTModel of ``case``'s shape under ``tp`` and ``pp`` (this rank's stage),
+    its weights from ``seed`` (norm weights randomised too, so that a misplaced norm shows)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=case["layers"], hidden_size=case["hidden"], ffn_hidden_size=case["ffn"],
@@ -78,11 +79,14 @@ def _build(case: dict, tp: int, seed: int):
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=case["qkv_bias"], qk_layernorm=case["qk_norm"], init_method_std=0.1,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        use_cpu_initialization=True, tensor_model_parallel_size=tp)
+        use_cpu_initialization=True, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=case["qk_norm"])
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="rope", rotary_base=10000,
-                     share_embeddings_and_output_weights=case["tied"]).eval()
+                     share_embeddings_and_output_weights=case["tied"],
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage()).eval()
     gen = torch.Generator().manual_seed(seed + 1)  # the same on every tp rank: norms replicate
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -164,16 +168,18 @@ def _convert(root: str) -> dict:
 
 
 def _megatron_rank(rank: int, world: int, root: str) -> dict:
-    """megatron-core's side of the round trip: save every case under its tp (and its logits),
-    convert both ways with the tool on rank 0, then load every export into a fresh model under tp
-    1 and 2 (and its logits)."""
-    from megatron.core import dist_checkpointing
-
+    """megatron-core's side of the round trip: save every case under its tp and pp, and its logits
+    (of that model, or under pp of megatron-core's own load of it into one stage); convert both
+    ways with the tool on rank 0; then load every export into a fresh model under tp 1 and 2 (and
+    its logits)."""
     out = {"saved": {}, "loaded": {}}
     for name, case in CASES.items():
-        model = _build(case, case["tp"], seed=11)
+        model = _build(case, case["tp"], seed=11, pp=case["pp"])
         _save(rank, root, name, model)
-        out["saved"][name] = _logits(model)
+        if case["pp"] == 1:
+            out["saved"][name] = _logits(model)
+        else:  # no forward without a pipeline schedule: megatron-core reshards it to pp 1
+            out["saved"][name] = _load(case, 1, os.path.join(root, "runs", name))
     if rank == 0:
         out["converted"] = _convert(root)
     torch.distributed.barrier()
@@ -181,14 +187,22 @@ def _megatron_rank(rank: int, world: int, root: str) -> dict:
         run = os.path.join(root, "exported", name)
         if not os.path.exists(run):
             continue  # its conversion failed: the test says why
-        with open(os.path.join(run, "latest_checkpointed_iteration.txt")) as fh:
-            folder = os.path.join(run, f"iter_{int(fh.read()):07d}")
         for tp in (1, 2):
-            model = _build(case, tp, seed=99)  # other weights: the load must replace them all
-            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
-            model.load_state_dict(state["model"])
-            out["loaded"][(name, tp)] = _logits(model)
+            out["loaded"][(name, tp)] = _load(case, tp, run)
     return out
+
+
+def _load(case: dict, tp: int, run: str) -> torch.Tensor:
+    """The logits of a fresh model (other weights: the load must replace them all) under ``tp``
+    after megatron-core's ``dist_checkpointing.load`` of Megatron-LM run ``run``'s latest."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(run, "latest_checkpointed_iteration.txt")) as fh:
+        folder = os.path.join(run, f"iter_{int(fh.read()):07d}")
+    model = _build(case, tp, seed=99)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder)
+    model.load_state_dict(state["model"])
+    return _logits(model)
 
 
 def _rank_main(fn, rank: int, world: int, tmp: str, args: tuple) -> None:
@@ -271,7 +285,7 @@ def test_to_megatron_loads_in_megatron_core_under_tp_1_and_2(megatron):
         torch.testing.assert_close(logits[..., :vocab], results["saved"][name][..., :vocab],
                                    rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name, tp=tp: f"{name} loaded under tp {tp}: {m}")
-    run = root / "exported" / "gqa_tp2"
+    run = root / "exported" / "gqa_tied_tp2"
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "0"
     common = torch.load(run / "iter_0000000" / "common.pt", weights_only=False)
     assert common["iteration"] == 0 and common["args"].num_query_groups == 2
@@ -289,16 +303,16 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 
 def test_megatron_bad_input(megatron, tmp_path, capsys):
     root, _ = megatron
-    run = str(root / "runs" / "gqa_tp2")
+    run = str(root / "runs" / "gqa_tied_tp2")
     err = _one_line_error(capsys, ["from-megatron", "--megatron", run, "--output",
                                    str(tmp_path / "a"), "--model.ffn_hidden_size", "80"])
     assert "linear_fc1.weight" in err and "(2, 192, 64)" in err and "(2, 160, 64)" in err
-    for not_megatron in (root / "runs", root / "ours" / "gqa_tp2"):
+    for not_megatron in (root / "runs", root / "ours" / "gqa_tied_tp2"):
         err = _one_line_error(capsys, ["from-megatron", "--megatron", str(not_megatron),
                                        "--output", str(tmp_path / "b")])
         assert "not a Megatron-LM torch_dist checkpoint" in err
     err = _one_line_error(capsys, ["from-megatron", "--megatron",
-                                   str(root / "runs" / "tied_bias_tp1"), "--output",
+                                   str(root / "runs" / "bias_qknorm_pp2"), "--output",
                                    str(tmp_path / "c")])
     assert "--model.num_heads" in err
     assert not os.listdir(tmp_path)
