@@ -19,6 +19,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
+import time
 import traceback
 
 import pytest
@@ -142,6 +144,7 @@ def _save(rank: int, root: str, name: str, model) -> None:
     if rank == 0:
         with open(os.path.join(run, "latest_checkpointed_iteration.txt"), "w") as fh:
             fh.write("3")
+    torch.distributed.barrier()  # every rank may read the run now
 
 
 def _convert(root: str) -> dict:
@@ -228,11 +231,16 @@ def _run(fn, tmp: str, *args, world: int = 2, timeout: float = 240) -> dict:
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tmp, args)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode for p in procs):  # one failed: the others would wait for it forever
+            break
+        time.sleep(0.2)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for r in hung:
         procs[r].terminate()
+    failed = any(p.exitcode for p in procs)
+    hung = [] if failed else hung  # waiting for a failed rank is not hanging
     errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp))
               if f.startswith("error")]
     assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
@@ -315,7 +323,16 @@ def test_megatron_bad_input(megatron, tmp_path, capsys):
                                    str(root / "runs" / "bias_qknorm_pp2"), "--output",
                                    str(tmp_path / "c")])
     assert "--model.num_heads" in err
-    assert not os.listdir(tmp_path)
+    layernorm = tmp_path / "layernorm"  # the same run, its args naming another architecture
+    shutil.copytree(run, layernorm)
+    common = layernorm / "iter_0000003" / "common.pt"
+    saved = torch.load(common, weights_only=False)
+    saved["args"].normalization = "LayerNorm"
+    torch.save(saved, common)
+    err = _one_line_error(capsys, ["from-megatron", "--megatron", str(layernorm), "--output",
+                                   str(tmp_path / "d")])
+    assert "normalization=LayerNorm" in err
+    assert sorted(os.listdir(tmp_path)) == ["layernorm"]  # nothing written
 
 
 def test_megatron_round_trip_is_exact_across_layouts(megatron, tmp_path, capsys):
