@@ -352,3 +352,58 @@ def test_megatron_round_trip_is_exact_across_layouts(megatron, tmp_path, capsys)
             assert torch.equal(a.get(weight), b.get(weight)), f"{name}: {weight}"
         a.close()
         b.close()
+
+
+MEASURE = """
+import json, sys
+from megapretrain.commands import convert_checkpoint as tool
+import megapretrain.checkpoint.megatron, megapretrain.train  # noqa: F401 (all imported before measuring)
+def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+rc = tool.main(sys.argv[1:])
+print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
+"""
+
+
+def _peak_mib(*argv: str) -> float:
+    """Peak host memory above the imports of one conversion, in a process of its own."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, proc.stderr
+    return result["extra_mib"]
+
+
+@pytest.mark.slow
+def test_megatron_conversions_stream_with_bounded_host_memory(tmp_path):
+    """A ~350 MiB model (24 layers; its largest tensor the 31 MiB embedding) in Megatron-LM's
+    format, written a layer at a time: from-megatron and to-megatron each peak at a few copies of
+    the largest tensor, far from a whole-model copy."""
+    from megapretrain.checkpoint.megatron import write_megatron
+    from megapretrain.checkpoint.reshard import global_shapes
+    from megapretrain.resolve import resolve
+
+    cfg = load_config(None, ["--model.num_layers", "24", "--model.hidden_size", "512",
+                             "--model.num_heads", "8", "--model.num_kv_heads", "4",
+                             "--model.ffn_hidden_size", "1536", "--model.vocab_size", "16000"])
+    resolve(cfg, 1)
+    shapes = global_shapes(cfg)
+    os.makedirs(tmp_path / "megatron")
+    model_mib = write_megatron(str(tmp_path / "megatron"), cfg, shapes,
+                               lambda n: torch.randn(shapes[n]) * 0.02, torch.float32, 16000,
+                               5) / 2**20
+    largest_mib = 16000 * 512 * 4 / 2**20
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    into = _peak_mib("from-megatron", "--megatron", str(tmp_path / "megatron"), "--output", ours,
+                     "--parallel.tp", "2")
+    out = _peak_mib("to-megatron", "--checkpoint", ours, "--output", back)
+    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
+          f"from-megatron {into:.0f} MiB, to-megatron {out:.0f} MiB")
+    for extra in (into, out):
+        assert extra < min(0.5 * model_mib, 6 * largest_mib)
