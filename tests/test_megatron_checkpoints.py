@@ -323,6 +323,10 @@ def test_megatron_bad_input(megatron, tmp_path, capsys):
                                    str(root / "runs" / "bias_qknorm_pp2"), "--output",
                                    str(tmp_path / "c")])
     assert "--model.num_heads" in err
+    err = _one_line_error(capsys, ["from-megatron", "--megatron", str(root / "runs" / "bias_qknorm_pp2"),
+                                   "--output", str(tmp_path / "e"), "--model.tie_embeddings", "true"]
+                          + _flags("bias_qknorm_pp2"))
+    assert "'output_layer.weight'" in err and "--model.tie_embeddings false" in err
     layernorm = tmp_path / "layernorm"  # the same run, its args naming another architecture
     shutil.copytree(run, layernorm)
     common = layernorm / "iter_0000003" / "common.pt"

@@ -389,6 +389,10 @@ def check_against(ckpt: MegatronCheckpoint, cfg, shapes: dict[str, tuple], given
     embedding and output layer may have more rows: Megatron's vocabulary padding); ``given`` says
     where the model's shape came from, for the message."""
     saved = ckpt.tensors()
+    if cfg.model.tie_embeddings and TOP["lm_head.weight"] in saved:
+        raise MegatronError(f"{ckpt.path} has its own '{TOP['lm_head.weight']}' (an untied output "
+                            f"layer), but the model given by {given} has model.tie_embeddings="
+                            "true: it would be dropped; pass --model.tie_embeddings false")
     for name in shapes:
         keys, _, _ = megatron_place(name)
         if ckpt.key_of(keys) is None:
