@@ -108,16 +108,18 @@ def new_directory(path: str, needed: int | None = None):
 
 
 def _publish_directory(tmp: str, path: str) -> None:
-    """Give ``tmp``'s files the usual permissions, make them durable, and rename it to ``path``."""
+    """Give ``tmp``'s files (and folders: a Megatron-LM run nests ``iter_*/``) the usual
+    permissions, make them durable, and rename it to ``path``."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    for name in os.listdir(tmp):
-        file = os.path.join(tmp, name)
-        os.chmod(file, 0o666 & ~umask)
-        with open(file, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
+    for folder, _, files in os.walk(tmp, topdown=False):
+        for name in files:
+            file = os.path.join(folder, name)
+            os.chmod(file, 0o666 & ~umask)
+            with open(file, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(folder, 0o777 & ~umask)
+        fsync_dir(folder)
     if os.path.isdir(path):
         os.rmdir(path)  # empty, checked above
     os.rename(tmp, path)

@@ -1,5 +1,5 @@
-"""Convert between megapretrain checkpoints and Hugging Face directories, streaming: Llama, Qwen2,
-Qwen3 (the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family
+"""Convert between megapretrain checkpoints and Hugging Face directories, Megatron-LM ``torch_dist``
+checkpoints and torchtitan (DCP) checkpoints, streaming. Hugging Face: Llama, Qwen2, Qwen3 (the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family
 gpt_neox``).
 
     python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny \\
@@ -32,6 +32,10 @@ runs both models (ours and transformers') in fp32 on a few random sequences and 
 largest logit difference exceeds ``--tolerance`` (default 1e-4); it holds both models in memory.
 Both refuse to write into a directory that exists and is not empty, and write through a temporary
 directory renamed at the end.
+
+``from-megatron`` / ``to-megatron`` convert Megatron-LM ``torch_dist`` checkpoints
+(``megapretrain.commands.convert_megatron``), ``from-torchtitan`` / ``to-torchtitan`` (also
+``from-dcp`` / ``to-dcp``) torchtitan's (``megapretrain.commands.convert_torchtitan``).
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ from megapretrain.cli import (
     progress_bar,
     user_errors,
 )
-from megapretrain.commands import convert_torchtitan
+from megapretrain.commands import convert_megatron, convert_torchtitan
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import UserError
 from megapretrain.model.build import DTYPES, rank_param_specs
@@ -124,8 +128,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                              "transformers' (fp32)")
         p.add_argument("--tolerance", type=non_negative_float, default=1e-4,
                        help="largest logit difference --verify accepts")
+    convert_megatron.add_parsers(sub)
     args, rest = ap.parse_known_args(argv)
-    if rest and args.command == "to-hf":
+    if rest and args.command in ("to-hf", "to-megatron"):
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return args, rest
 
@@ -388,9 +393,10 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command in convert_torchtitan.COMMANDS:
-        print(convert_torchtitan.run(args, overrides))
-        return 0
+    for stack in (convert_megatron, convert_torchtitan):
+        if args.command in stack.COMMANDS:
+            print(stack.run(args, overrides))
+            return 0
     print(to_hf(args) if args.command == "to-hf" else from_hf(args, overrides))
     return 0
 

@@ -1,0 +1,192 @@
+"""``convert_checkpoint.py from-megatron`` / ``to-megatron``: Megatron-LM ``torch_dist``
+checkpoints in and out (the format itself: ``checkpoint/megatron.py``).
+
+    python tools/convert_checkpoint.py from-megatron --megatron MEGATRON_RUN --output ckpt/m \\
+        [--config CONFIG] [--parallel.tp 2 ...] [--world-size W] [--model.* ...]
+    python tools/convert_checkpoint.py to-megatron --checkpoint runs/tiny --output MEGATRON_RUN \\
+        [--dtype bf16] [--padded-vocab-size N]
+
+``from-megatron`` reads a run directory (its ``latest_checkpointed_iteration.txt``) or one
+``iter_*`` directory saved under any tp/pp, and writes a megapretrain checkpoint for the target
+layout, as ``from-hf`` does: fp32 weights, iteration 0, no optimizer state. The model's shape is
+read off the tensors and Megatron's saved ``args`` (``common.pt``); ``--config`` and ``--model.*``
+flags win over both, and a flag that disagrees with a tensor's shape is one line naming both.
+
+``to-megatron`` writes a Megatron-LM run directory: ``iter_NNNNNNN/`` (the weights under
+Megatron-Core's GPT keys, ``common.pt`` with ``args``, ``metadata.json``) and
+``latest_checkpointed_iteration.txt``, which ``megatron.core.dist_checkpointing.load`` reads into a
+``GPTModel`` of the same shape under any tp/pp. Weights only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
+from megapretrain.checkpoint.format import (
+    Entry,
+    LazyTensor,
+    check_shapes,
+    metadata,
+    rank_state,
+    read_metadata,
+    write_metadata,
+)
+from megapretrain.checkpoint.megatron import (
+    MegatronCheckpoint,
+    MegatronError,
+    check_against,
+    flag_list,
+    model_flags,
+    reader_of,
+    write_megatron,
+)
+from megapretrain.checkpoint.reshard import (
+    GlobalWeights,
+    global_shapes,
+    layout_bytes,
+    saved_config_path,
+    write_layout,
+)
+from megapretrain.cli import positive_int, progress_bar
+from megapretrain.config import load_config, save_config
+from megapretrain.model.args import padded_vocab_size
+from megapretrain.model.build import DTYPES, rank_param_specs
+from megapretrain.resolve import resolve
+
+COMMANDS = ("from-megatron", "to-megatron")
+FRESH_OPTIMIZER = ("optimizer state not imported: the optimizer starts fresh (train with "
+                   "--checkpoint.finetune true)")
+
+
+def add_parsers(sub) -> None:
+    """The ``from-megatron`` and ``to-megatron`` subcommands."""
+    frm = sub.add_parser("from-megatron", help="Megatron-LM torch_dist checkpoint -> megapretrain "
+                                               "checkpoint",
+                         epilog="Other --section.key VALUE arguments set the model (--model.*) and "
+                                "the target layout (--parallel.tp ...).")
+    frm.add_argument("--megatron", required=True,
+                     help="Megatron-LM run directory (latest_checkpointed_iteration.txt) or one of "
+                          "its iter_* directories")
+    frm.add_argument("--output", required=True, help="new checkpoint directory (for "
+                                                     "--checkpoint.load)")
+    frm.add_argument("--config", help="YAML config of the run that will train from it")
+    frm.add_argument("--world-size", type=positive_int,
+                     help="ranks of the target run (default: tp × cp × pp)")
+    to = sub.add_parser("to-megatron", help="megapretrain checkpoint -> Megatron-LM torch_dist "
+                                            "run directory")
+    to.add_argument("--checkpoint", required=True,
+                    help="iter_* directory, or a run directory (its latest)")
+    to.add_argument("--output", required=True, help="new Megatron-LM run directory")
+    to.add_argument("--config",
+                    help="the run's config (default: config.yaml of the run that saved it)")
+    to.add_argument("--dtype", choices=sorted(DTYPES),
+                    help="weights' dtype (default: the run's train.precision)")
+    to.add_argument("--padded-vocab-size", type=positive_int,
+                    help="embedding and output rows, as Megatron-LM pads the vocabulary "
+                         "(default: model.vocab_size rounded up to "
+                         "model.make_vocab_size_divisible_by)")
+
+
+def _local(weight, spec, tp_rank: int, bar) -> LazyTensor:
+    """Rank ``tp_rank``'s fp32 slice of ``spec``'s global weight, vocabulary rows padded, read
+    when it is written."""
+    def read() -> torch.Tensor:
+        t = weight(spec.name)
+        dim, local = spec.tp_dim, spec.local_shape
+        if dim is not None:
+            lo = min(tp_rank * local[dim], t.shape[dim])  # a rank may hold padding only
+            t = t.narrow(dim, lo, min(local[dim], t.shape[dim] - lo))
+        if dim is not None and t.shape[dim] < local[dim]:  # rows past the vocabulary: zeros
+            pad = list(local)
+            pad[dim] -= t.shape[dim]
+            t = torch.cat([t, t.new_zeros(pad)], dim)
+        if not torch.isfinite(t).all():
+            raise MegatronError(f"Megatron weights for '{spec.name}' hold NaN or infinite values; "
+                                "these weights cannot be trained from (nothing written)")
+        bar.update(t.numel() * 4)
+        return t.contiguous()
+    return LazyTensor(torch.float32, tuple(spec.local_shape), read)
+
+
+def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
+    ckpt = MegatronCheckpoint(args.megatron)
+    inferred = model_flags(ckpt)
+    if "num_heads" not in inferred and "--model.num_heads" not in overrides and not args.config:
+        why = ckpt.common_problem or f"{ckpt.path}/common.pt has no args"
+        raise MegatronError(f"{why}, and the number of attention heads cannot be read off the "
+                            "tensors: pass --model.num_heads and --model.num_kv_heads")
+    cfg = load_config(args.config, flag_list(inferred) + overrides)
+    given = "the flags" + (" and the checkpoint's args" if ckpt.args else "")
+    p = cfg.parallel
+    world = args.world_size or p.tp * p.cp * p.pp
+    sizes = resolve(cfg, world).sizes
+    shapes = global_shapes(cfg)
+    check_against(ckpt, cfg, shapes, given)
+    weight = reader_of(ckpt, cfg)
+    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
+    size = layout_bytes(cfg, sizes.layout, moments=False)
+    with new_directory(args.output, needed=size) as tmp, \
+            progress_bar(size, "from-megatron") as bar:
+        def state_at(pp_rank: int, tp_rank: int) -> dict:
+            specs = rank_param_specs(cfg, pp_rank, tp_rank)
+            model = {n: Entry.shards(n, {"master": _local(weight, s, tp_rank, bar)})
+                     for n, s in specs.items()}
+            return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
+                              model={n: e.tree() for n, e in model.items()},
+                              moments={n: Entry.shards(n, {}).tree() for n in specs})
+
+        files, _ = write_layout(tmp, sizes.layout, state_at)
+        save_config(cfg, os.path.join(tmp, "config.yaml"))
+        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
+                                     vocab_size=cfg.model.vocab_size,
+                                     padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,
+                                     converted_from=os.path.abspath(ckpt.path),
+                                     megatron_iteration=ckpt.iteration))
+    note = f" ({ckpt.common_problem}: shape from the tensors and flags)" \
+        if ckpt.common_problem else ""
+    return (f"wrote {args.output} for {world} ranks (layout {layout}) from iteration "
+            f"{ckpt.iteration} of {ckpt.path}{note}; {FRESH_OPTIMIZER}; train from it with "
+            f"--checkpoint.load {args.output} and\n  {' '.join(flag_list(inferred))}")
+
+
+def to_megatron(args: argparse.Namespace) -> str:
+    path = resolve_checkpoint(args.checkpoint)
+    meta = read_metadata(path)
+    cfg = load_config(saved_config_path(path, args.config), [])
+    m = cfg.model
+    if m.vocab_size is None:
+        m.vocab_size = meta.get("vocab_size")
+    if m.family != "llama" or m.mlp != "swiglu" or m.rope_scaling or m.parallel_residual:
+        raise MegatronError(f"model.family={m.family}, mlp={m.mlp}, rope_scaling={m.rope_scaling}"
+                            f", parallel_residual={m.parallel_residual}: to-megatron writes the "
+                            "llama family with swiglu, no rope_scaling, no parallel residual")
+    check_shapes(path, meta, global_shapes(cfg))
+    weights = GlobalWeights(path, cfg)  # resets cfg's layout to one process
+    resolve(cfg, 1)
+    shapes = {n: s.shape for n, s in weights.specs.items()}
+    padded = args.padded_vocab_size or padded_vocab_size(m.vocab_size,
+                                                         m.make_vocab_size_divisible_by, 1)
+    if padded < m.vocab_size:
+        raise MegatronError(f"--padded-vocab-size {padded} is less than model.vocab_size="
+                            f"{m.vocab_size}; pass at least {m.vocab_size}")
+    dtype = DTYPES[args.dtype or cfg.train.precision]
+    size = sum(s.numel for s in weights.specs.values()) * dtype.itemsize
+    with new_directory(args.output, needed=size) as tmp:
+        written = write_megatron(tmp, cfg, shapes, weights.get, dtype, padded, meta["iteration"])
+    weights.close()
+    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, "
+            f"{written / 2**20:,.1f} MiB of {str(dtype).removeprefix('torch.')} weights under "
+            "Megatron-Core GPT keys "
+            f"(vocabulary padded to {padded}); weights only: load it in Megatron-LM with "
+            "--no-load-optim --no-load-rng (or --finetune)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> str:
+    """Run the ``from-megatron`` or ``to-megatron`` command ``args`` names; its closing line."""
+    if args.command == "to-megatron":
+        return to_megatron(args)
+    return from_megatron(args, overrides)
