@@ -1,5 +1,6 @@
 """Convert between megapretrain checkpoints and Hugging Face directories, Megatron-LM ``torch_dist``
-checkpoints and torchtitan (DCP) checkpoints, streaming. Hugging Face: Llama, Qwen2, Qwen3 (the llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family
+checkpoints and torchtitan (DCP) checkpoints, streaming. Hugging Face: Llama, Qwen2, Qwen3 (the
+llama family with ``model.qkv_bias`` / ``model.qk_norm``) and GPT-NeoX (``model.family
 gpt_neox``).
 
     python tools/convert_checkpoint.py to-hf --checkpoint runs/tiny --output hf/tiny \\
