@@ -19,6 +19,7 @@ from .errors import ConfigError, UserError, size_text
 from .host_memory import available_bytes
 from .model.args import model_args
 from .model.attention import dense_document_mask
+from .model.decoder import num_parameters
 from .monitor.flops import DEVICES, find_device
 from .parallel.layout import Layout
 from .planner import GIB, estimate_run
@@ -114,6 +115,26 @@ def device_capacity(device: torch.device) -> tuple[int | None, str]:
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"the {props.name}'s memory"
     return available_bytes(), "the host memory available"
+
+
+def check_model_fits(cfg, layout: Layout, device: torch.device) -> None:
+    """Refuse, before building anything, a model whose weights, gradients and optimizer state
+    alone exceed one rank's memory (``model.num_layers`` 1e6, ``model.vocab_size`` 1e9): the
+    planner's figures for the busiest rank of this layout, in one line naming the size fields."""
+    capacity, what = device_capacity(device)
+    if capacity is None:
+        return
+    e = estimate_run(cfg, layout, advice_device(device))
+    needed = int(e.memory["params"] + e.memory["state"])
+    if needed > capacity:
+        a = model_args(cfg)
+        raise ConfigError(f"model.num_layers={a.num_layers:,}, model.hidden_size={a.hidden_size:,}"
+                          f", model.ffn_hidden_size={a.ffn_hidden_size:,}, model.vocab_size="
+                          f"{a.vocab_size:,}: the model ({num_parameters(a):,} parameters) needs "
+                          f"{size_text(needed)} a rank for its weights, gradients and optimizer "
+                          f"state alone (planner), {what} is {size_text(capacity)}; shrink the "
+                          "model, or split it over more ranks (parallel.tp, parallel.pp, "
+                          "parallel.zero: tools/plan.py finds a layout)")
 
 
 def min_micro_batch_bytes(cfg, layout: Layout) -> int:

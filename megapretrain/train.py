@@ -25,7 +25,7 @@ from .data.checks import changed_datasets, check_data_matches_model, resolve_voc
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
-from .oom import check_micro_batch_fits
+from .oom import check_micro_batch_fits, check_model_fits
 from .resolve import resolve
 from .run_lock import RunLock
 from .runtime import bind_device
@@ -85,6 +85,7 @@ def checked(argv: list[str], verify: bool = True):
         raise ConfigError("data.paths is empty: set it to a prefix written by "
                           "tools/preprocess_data.py, e.g. --data.paths "
                           "'[data/corpus_text_document]'")
+    check_model_fits(cfg, run.layout, device)  # before anything is built
     check_micro_batch_fits(cfg, run.layout, device)  # before any index is read or written
     data_files = check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab,
                                           cfg.model.vocab_size,
