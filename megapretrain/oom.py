@@ -124,15 +124,24 @@ def check_model_fits(cfg, layout: Layout, device: torch.device) -> None:
     capacity, what = device_capacity(device)
     if capacity is None:
         return
-    e = estimate_run(cfg, layout, advice_device(device))
-    needed = int(e.memory["params"] + e.memory["state"])
+    try:
+        e = estimate_run(cfg, layout, advice_device(device))
+    except UserError:  # a layout the planner does not model: the run's own checks decide
+        return
+    parts = e.memory["parts"]
+    # optim.offload keeps masters and moments in host memory, beside the GPU's
+    held = ("parameters", "gradients") + (() if cfg.optim.offload and device.type == "cuda"
+                                          else ("optimizer",))  # the planner's names
+    needed = int(sum(parts[k] for k in held))
     if needed > capacity:
         a = model_args(cfg)
+        words = [{"parameters": "weights", "optimizer": "optimizer state"}.get(k, k) for k in held]
+        what_for = ", ".join(words[:-1]) + " and " + words[-1]
         raise ConfigError(f"model.num_layers={a.num_layers:,}, model.hidden_size={a.hidden_size:,}"
                           f", model.ffn_hidden_size={a.ffn_hidden_size:,}, model.vocab_size="
                           f"{a.vocab_size:,}: the model ({num_parameters(a):,} parameters) needs "
-                          f"{size_text(needed)} a rank for its weights, gradients and optimizer "
-                          f"state alone (planner), {what} is {size_text(capacity)}; shrink the "
+                          f"{size_text(needed)} a rank for its {what_for} alone "
+                          f"(planner), {what} is {size_text(capacity)}; shrink the "
                           "model, or split it over more ranks (parallel.tp, parallel.pp, "
                           "parallel.zero: tools/plan.py finds a layout)")
 
