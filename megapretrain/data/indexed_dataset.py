@@ -75,8 +75,8 @@ class IndexedDatasetBuilder:
     def __init__(self, bin_path: str, dtype=np.uint16):
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF_DTYPE or self.dtype.kind not in TOKEN_KINDS:
-            raise ValueError(f"unsupported token dtype {self.dtype}; use one of "
-                             f"{', '.join(str(d) for d in DTYPE_CODES.values() if d.kind in 'iu')}")
+            ids = [str(d) for d in DTYPE_CODES.values() if d.kind in TOKEN_KINDS]
+            raise ValueError(f"unsupported token dtype {self.dtype}; use one of {', '.join(ids)}")
         self.bin_path = bin_path
         self._file = open(bin_path, "wb", buffering=1 << 22)
         self._lengths_file = open(bin_path + ".lengths.tmp", "w+b", buffering=1 << 20)
