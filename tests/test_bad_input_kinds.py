@@ -214,10 +214,15 @@ SIZES = {"num_layers": 10**7, "hidden_size": 10**6, "ffn_hidden_size": 10**10, "
 
 @pytest.mark.parametrize("field", list(SIZES))
 def test_a_model_larger_than_memory_is_refused_at_resolve_time(field, data, tmp_path, capsys):
-    status = _train(tmp_path / "run", data, f"--model.{field}", str(SIZES[field]), "--check")
+    status = _train(tmp_path / "run", data, f"--model.{field}", str(SIZES[field]))
     err = assert_one_line(capsys, status, 2, f"model.{field}={SIZES[field]:,}", "needs", "a rank",
                           "parallel.tp")
     assert "parameters" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # a dry run on a CPU machine sizes the model against it only when the run trains on the CPU
+    status = _train(tmp_path / "run", data, f"--model.{field}", str(SIZES[field]), "--check", "--train.device",
+                    "cpu")
+    assert_one_line(capsys, status, 2, f"model.{field}={SIZES[field]:,}", "needs")
 
 
 # -- the shipped tiny config: its vocabulary is its tokenizer's ------------------------------------
