@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 
@@ -64,7 +65,9 @@ def require(ok: bool, message: str) -> None:
 def divisors(n: int) -> str:
     """``n``'s divisors, as a message offers them: ``parallel.tp=3 must divide 32 (valid: 1, 2, 4,
     ...)``."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    # pairs (d, n // d) up to the square root: a field of 1e9 is listed at once, not after 1e9 tries
+    small = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
+    return ", ".join(str(d) for d in sorted(set(small) | {n // d for d in small}))
 
 
 def read_json_file(path: str, error: type[UserError], fix: str, missing: str = "not found"):

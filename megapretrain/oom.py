@@ -19,6 +19,7 @@ from .errors import ConfigError, UserError, size_text
 from .host_memory import available_bytes
 from .model.args import model_args
 from .model.attention import dense_document_mask
+from .model.decoder import num_parameters
 from .monitor.flops import DEVICES, find_device
 from .parallel.layout import Layout
 from .planner import GIB, estimate_run
@@ -114,6 +115,35 @@ def device_capacity(device: torch.device) -> tuple[int | None, str]:
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, f"the {props.name}'s memory"
     return available_bytes(), "the host memory available"
+
+
+def check_model_fits(cfg, layout: Layout, device: torch.device) -> None:
+    """Refuse, before building anything, a model whose weights, gradients and optimizer state
+    alone exceed one rank's memory (``model.num_layers`` 1e6, ``model.vocab_size`` 1e9): the
+    planner's figures for the busiest rank of this layout, in one line naming the size fields."""
+    capacity, what = device_capacity(device)
+    if capacity is None:
+        return
+    try:
+        e = estimate_run(cfg, layout, advice_device(device))
+    except UserError:  # a layout the planner does not model: the run's own checks decide
+        return
+    parts = e.memory["parts"]
+    # optim.offload keeps masters and moments in host memory, beside the GPU's
+    held = ("parameters", "gradients") + (() if cfg.optim.offload and device.type == "cuda"
+                                          else ("optimizer",))  # the planner's names
+    needed = int(sum(parts[k] for k in held))
+    if needed > capacity:
+        a = model_args(cfg)
+        words = [{"parameters": "weights", "optimizer": "optimizer state"}.get(k, k) for k in held]
+        what_for = ", ".join(words[:-1]) + " and " + words[-1]
+        raise ConfigError(f"model.num_layers={a.num_layers:,}, model.hidden_size={a.hidden_size:,}"
+                          f", model.ffn_hidden_size={a.ffn_hidden_size:,}, model.vocab_size="
+                          f"{a.vocab_size:,}: the model ({num_parameters(a):,} parameters) needs "
+                          f"{size_text(needed)} a rank for its {what_for} alone "
+                          f"(planner), {what} is {size_text(capacity)}; shrink the "
+                          "model, or split it over more ranks (parallel.tp, parallel.pp, "
+                          "parallel.zero: tools/plan.py finds a layout)")
 
 
 def min_micro_batch_bytes(cfg, layout: Layout) -> int:

@@ -25,7 +25,7 @@ from .data.checks import changed_datasets, check_data_matches_model, resolve_voc
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
-from .oom import check_micro_batch_fits
+from .oom import check_micro_batch_fits, check_model_fits
 from .resolve import resolve
 from .run_lock import RunLock
 from .runtime import bind_device
@@ -66,11 +66,13 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def checked(argv: list[str], verify: bool = True):
+def checked(argv: list[str], verify: bool = True, dry: bool = False):
     """The config of ``argv``, resolved at $WORLD_SIZE ranks, with its data and tokenizer checked
     against the model: everything a launch needs that can be checked without building it. Returns
     the config, the resolved run and the data files' facts. ``verify=False`` (the other ranks of a
-    node) reads the data files' summaries and headers only, not the files through."""
+    node) reads the data files' summaries and headers only, not the files through. ``dry``
+    (``--check``, a dry run: often on a login node without the run's GPUs) sizes the model against
+    this machine's CPU only where ``train.device`` says the run trains on the CPU."""
     config_path, overrides = split_args(argv)
     cfg = load_config(config_path, overrides)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,6 +87,8 @@ def checked(argv: list[str], verify: bool = True):
         raise ConfigError("data.paths is empty: set it to a prefix written by "
                           "tools/preprocess_data.py, e.g. --data.paths "
                           "'[data/corpus_text_document]'")
+    if not (dry and device.type == "cpu" and cfg.train.device != "cpu"):
+        check_model_fits(cfg, run.layout, device)  # before anything is built
     check_micro_batch_fits(cfg, run.layout, device)  # before any index is read or written
     data_files = check_data_matches_model(cfg.data.paths, cfg.data.tokenizer.type, tokenizer_vocab,
                                           cfg.model.vocab_size,
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "--check" in argv:
         try:
-            cfg, run, _ = checked([a for a in argv if a != "--check"])
+            cfg, run, _ = checked([a for a in argv if a != "--check"], dry=True)
         except UserError as exc:
             print_error(exc)
             return USER_ERROR_EXIT

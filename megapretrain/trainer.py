@@ -49,9 +49,11 @@ import torch.distributed as dist
 from .attempts import AttemptLog
 from .config import Config, to_dict
 from .data import build_gpt_datasets, describe_datasets, format_description
+from .data.checks import DataFileWatch
+from .data.gpt_dataset import parse_data_paths
 from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
-from .errors import UserError
+from .errors import DataError, UserError
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
@@ -157,6 +159,9 @@ class Trainer:
                                                                          t.tf32)
 
         self.datasets = self._build_datasets() if datasets is None else datasets
+        # the files of data.paths, checked at each logging step (a simulation's samples have none)
+        self.data_watch = DataFileWatch(p for _, p in parse_data_paths(cfg.data.paths)) \
+            if datasets is None else None
         d = cfg.data
         # every stage needs the token ids
         self.documents = d.reset_attention_mask or d.reset_position_ids
@@ -273,6 +278,7 @@ class Trainer:
         first_iter, first_samples = self.iteration, self.consumed_samples
         self.progress.start(self.iteration)
         saved = False  # whether the pass that ended last saved its iteration
+        changed = None  # what changed in a data file, when that stopped the run
         startup_s = None if self._started else process_age_s()  # this launch's first step
         if not self._started:  # after an earlier attempt: the restart event, its lost time
             self.attempt.training(self.iteration, self.metrics)
@@ -322,15 +328,17 @@ class Trainer:
                 self.watch.alerts.settle()
             timed = c.interval_minutes > 0 \
                 and self._agree(time.monotonic() - last_save > 60 * c.interval_minutes)
-            stop = self._agree(self._stop_requested)
+            changed = self.data_watch.changed() if logged and self.data_watch else None
+            stop = self._agree(self._stop_requested or changed)
             if saves or timed or stop:
                 self.watchdog.beat("save", self.iteration)
                 self.run.save(self.metrics)
                 self.watch.alerts.settle()
                 last_save, saved = time.monotonic(), True
             if stop:
-                self.log(f"{self._stop_requested or 'a stop signal on another rank'}: saved at "
-                         f"iteration {self.iteration}, exiting")
+                why = changed or self._stop_requested or "a stop signal or a data change on " \
+                    "another rank"
+                self.log(f"{why}: saved at iteration {self.iteration}, exiting")
                 break
         else:
             if t.eval_interval and self.iteration % t.eval_interval:
@@ -348,6 +356,11 @@ class Trainer:
         for loader in self.loaders.values():
             loader.close()
         self.log(describe_summary({**summary, "iter": self.iteration}))
+        if changed:
+            raise DataError(f"{changed}: the run stopped at iteration {self.iteration} (saved); "
+                            "restore the file and run the same command to resume, or resume on "
+                            "the new file knowing the steps since the last logging step may have "
+                            "read it")
 
     def _read_now(self, last_save: float) -> bool:
         """Whether the step just taken must be read although nothing scheduled asks for it: every

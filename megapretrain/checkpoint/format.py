@@ -322,6 +322,12 @@ class RankFile:
             self.entries = {section: {name: Entry.from_tree(name, tree, self.path, self._numel)
                                       for name, tree in self._section(section).items()}
                             for section in ("model", "optimizer")}
+            for name in self.entries["model"]:
+                dtype = self.dtype(name)
+                problem = dtype and tensorfile.weight_dtype_problem(name, dtype)
+                if problem:
+                    raise CheckpointError(f"{self.path}: {problem}; load another checkpoint with "
+                                          "--checkpoint.load")
         except CheckpointError:
             self.close()
             raise

@@ -24,7 +24,7 @@ from ..errors import read_json_file
 from ..model.build import model_args
 from ..model.families import FAMILIES, family, family_of_hf
 from ..model.hf_adapter import ConvertError, rope_from_hf
-from .tensorfile import TensorFile
+from .tensorfile import TensorFile, weight_dtype_problem
 
 # defined with the adapters, importable from here as before
 __all__ = ["ConvertError", "rope_from_hf"]
@@ -97,6 +97,10 @@ class HFWeights:
         if weight_map is None:
             weight_map = dict.fromkeys(self._file("model.safetensors").keys(), "model.safetensors")
         self.file_of = {k: v for k, v in weight_map.items() if not k.endswith(IGNORED_SUFFIXES)}
+        for name in self.file_of:  # headers only: no tensor is read
+            problem = weight_dtype_problem(name, self.dtype(name))
+            if problem:
+                raise ConvertError(f"{os.path.join(hf_dir, self.file_of[name])}: {problem}")
 
     def _file(self, name: str) -> TensorFile:
         if name not in self._files:

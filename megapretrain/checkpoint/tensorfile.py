@@ -37,6 +37,16 @@ _MAX_HEADER = 100 * 2**20  # as the safetensors package: a larger header is a da
 _CHUNK = 64 * 2**20
 
 
+def weight_dtype_problem(name: str, dtype: torch.dtype) -> str | None:
+    """Why a stored weight cannot be read as one, or None: weights are floating point. An integer
+    tensor (a quantized export's int8/uint8/int32 codes) has the right size but not the meaning of
+    a weight, so reading it as floats would give a model of garbage without an error."""
+    if dtype.is_floating_point:
+        return None
+    return (f"tensor '{name}' is {str(dtype).removeprefix('torch.')}, but weights must be floating "
+            "point (a quantized export? use the unquantized float16/bfloat16/float32 weights)")
+
+
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a flat uint8 array (no copy for a contiguous CPU tensor)."""
     t = tensor.detach()

@@ -32,6 +32,7 @@ from ..model.build import rank_param_specs
 from ..model.hf_adapter import ConvertError
 from .format import Entry, LazyTensor, rank_state
 from .reshard import write_layout
+from .tensorfile import weight_dtype_problem
 
 METADATA = ".metadata"
 STEP = re.compile(r"step-(\d+)$")
@@ -195,6 +196,10 @@ class TorchtitanWeights:
         its shape, and every model tensor of the checkpoint has a place: one line naming both.
         ``heads``: the model's (query heads, key/value heads), which q/k rows are permuted by."""
         self.heads = heads
+        for key in self.model_keys():
+            problem = weight_dtype_problem(key, self.dcp.dtypes.get(key, torch.float32))
+            if problem:
+                raise ConvertError(f"{self.dcp.path}: {problem}")
         fix = "set --model.* (or --config) to the checkpoint's model"
         mine = {self.key(n): n for n in shapes}
         for key in self.model_keys():

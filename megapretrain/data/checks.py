@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import ConfigError, DataError, MissingFileError, read_json_file
+from ..errors import ConfigError, DataError, MissingFileError, UserError, read_json_file
 from .gpt_dataset import parse_data_paths
 from .indexed_dataset import (
     IndexedDataset,
@@ -243,3 +243,60 @@ def resolve_vocab(cfg) -> int:
                           f"of data.tokenizer ({tok.type}: {tokenizer_vocab}); set it to at least "
                           f"{tokenizer_vocab} or to null")
     return tokenizer_vocab
+
+
+def vocab_without_data(cfg, purpose: str) -> None:
+    """Fill a null ``model.vocab_size`` as :func:`resolve_vocab` does, for a tool that reads no data
+    (the planner, the simulator): the tokenizer fixes the vocabulary when it can be read here
+    (ByteTokenizer's 257 ids, or a tokenizer file that exists). When it cannot, one line asks for
+    the size (never a guess: another model's vocabulary would plan another model)."""
+    if cfg.model.vocab_size is not None:
+        return
+    try:
+        resolve_vocab(cfg)
+    except UserError as exc:  # a missing file, a missing package
+        raise ConfigError(f"model.vocab_size is null and data.tokenizer cannot be read here "
+                          f"({exc}); set --model.vocab_size to the tokenizer's vocabulary size "
+                          f"for the {purpose}") from None
+
+
+class DataFileWatch:
+    """The files of ``data.paths`` as the run opened them, checked again at each logging step: a
+    .bin or .idx rewritten, replaced or removed under a running job changes what its memory maps
+    read (a same-size overwrite in place silently, from the next page read). Only ``os.stat``
+    (size, modification time, inode): a few microseconds a file, never a hash on the training
+    path."""
+
+    def __init__(self, prefixes):
+        self.files = [path for prefix in prefixes
+                      for path in (data_file_path(prefix), index_file_path(prefix))]
+        self.seen = {path: _identity(path) for path in self.files}
+
+    def changed(self) -> str | None:
+        """What changed in the first file found changed since the run opened it, or None."""
+        for path in self.files:
+            before, now = self.seen[path], _identity(path)
+            if now != before:
+                return f"{path} {_difference(before, now)} since the run opened it"
+        return None
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    """(size, modification time in ns, inode) of ``path``, or None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _difference(before, now) -> str:
+    if now is None:
+        return "was removed"
+    if before is None:
+        return "appeared"
+    if now[2] != before[2]:
+        return "was replaced by another file (another inode)"
+    if now[0] != before[0]:
+        return f"changed size from {before[0]:,} to {now[0]:,} bytes"
+    return "was written in place (same size and inode, modification time changed)"

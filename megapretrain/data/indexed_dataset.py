@@ -40,6 +40,7 @@ DTYPE_CODES = {
     5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
 }
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+TOKEN_KINDS = "iu"  # numpy kinds a token id may be stored as: signed or unsigned integers
 _FIX = "re-create it with tools/preprocess_data.py"
 
 
@@ -73,9 +74,9 @@ class IndexedDatasetBuilder:
 
     def __init__(self, bin_path: str, dtype=np.uint16):
         self.dtype = np.dtype(dtype)
-        if self.dtype not in _CODE_OF_DTYPE:
-            raise ValueError(f"unsupported token dtype {self.dtype}; use one of "
-                             f"{', '.join(str(d) for d in DTYPE_CODES.values())}")
+        if self.dtype not in _CODE_OF_DTYPE or self.dtype.kind not in TOKEN_KINDS:
+            ids = [str(d) for d in DTYPE_CODES.values() if d.kind in TOKEN_KINDS]
+            raise ValueError(f"unsupported token dtype {self.dtype}; use one of {', '.join(ids)}")
         self.bin_path = bin_path
         self._file = open(bin_path, "wb", buffering=1 << 22)
         self._lengths_file = open(bin_path + ".lengths.tmp", "w+b", buffering=1 << 20)
@@ -337,6 +338,10 @@ def _read_header(idx_path: str, buf) -> tuple[np.dtype, int, int]:
     if code not in DTYPE_CODES:
         raise DataError(f"{idx_path}: unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); "
                         f"{_FIX}")
+    dtype = DTYPE_CODES[code]
+    if dtype.kind not in TOKEN_KINDS:  # float codes exist in the format, but ids are integers
+        raise DataError(f"{idx_path}: dtype code {code} says {dtype}, but token ids must be "
+                        f"integers (uint16/int32 as preprocess_data.py writes); {_FIX}")
     expected = _HEADER.size + 12 * count + 8 * documents
     # Megatron's multimodal variant appends one int8 mode per sequence; those files are readable
     # too.
@@ -344,7 +349,7 @@ def _read_header(idx_path: str, buf) -> tuple[np.dtype, int, int]:
         raise DataError(f"{idx_path}: size {len(buf)} bytes, but its header ({count} sequences, "
                         f"{documents} documents) needs {expected}; the file is truncated or "
                         f"corrupt; {_FIX}")
-    return DTYPE_CODES[code], count, documents
+    return dtype, count, documents
 
 
 def index_problems(bin_size: int, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray,

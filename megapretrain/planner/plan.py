@@ -14,8 +14,9 @@ import math
 import re
 
 from ..config import TrainConfig, check_fields, load_config
+from ..data.checks import vocab_without_data
 from ..data.sampler import run_length
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..model.build import model_args
 from ..model.decoder import num_parameters
 from ..model.families import check_model
@@ -76,8 +77,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
     overrides, budget = split_train_tokens(overrides)
     cfg = load_config(args.config, overrides)
     m, t = cfg.model, cfg.train
-    if m.vocab_size is None:
-        raise ConfigError("model.vocab_size is null: set it (--model.vocab_size N) for the plan")
+    vocab_without_data(cfg, "plan")
     check_fields(cfg)  # every size positive and finite before the search divides by any of them
     check_model(m, 1)  # the model's own shape; each layout's tp is checked by the search
     # the recipe and fp8_skip's patterns; each layout's FP8 shapes by the search

@@ -35,6 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..checkpoint.format import rank_state_size
 from ..config import Config
+from ..data.checks import vocab_without_data
 from ..errors import ConfigError
 from ..kernels._triton import use_triton
 from ..kernels.dispatch import simulated_device
@@ -147,9 +148,7 @@ def resolve_for_simulation(cfg: Config, world_size: int) -> Resolved:
     """``cfg`` resolved on ``world_size`` ranks as the simulation runs it: at the full global batch
     (the steps of a batch-size ramp-up are not simulated; :func:`rampup_refusal` checks them), with
     the one field a run reads from its data set."""
-    if cfg.model.vocab_size is None:
-        raise ConfigError("model.vocab_size is null (a run reads it from the tokenizer): set it "
-                          "for the simulation, e.g. --model.vocab_size 128256")
+    vocab_without_data(cfg, "simulation")
     return resolve(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                       rampup_batch_size=None)),
                    world_size)
