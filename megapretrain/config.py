@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import difflib
+import functools
 import math
 import re
 import typing
@@ -511,9 +512,10 @@ def _from_dict(cls, data: dict, where: str = ""):
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            prefix = f"{where}." if where else ""
-            hint = f"did you mean '{prefix}{close[0]}'?" if close \
+            close = _elsewhere(path) or [
+                f"{where}.{c}" if where else c
+                for c in difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)]
+            hint = f"did you mean {_either(close, '')}?" if close \
                 else f"valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{path}': {hint}")
         f = fields[key]
@@ -530,8 +532,10 @@ def to_dict(obj) -> dict:
     return out
 
 
-def _all_paths(cls, where: str = "") -> list[str]:
-    paths = []
+@functools.cache  # the schema is fixed; reading its type hints is slow
+def _all_paths(cls, where: str = "") -> tuple[str, ...]:
+    """Every field's dotted name under section ``cls``."""
+    paths: list[str] = []
     hints = typing.get_type_hints(cls)
     for key, f in _fields(cls).items():
         path = f"{where}.{key}" if where else key
@@ -539,15 +543,30 @@ def _all_paths(cls, where: str = "") -> list[str]:
             paths += _all_paths(hints[f.name], path)
         else:
             paths.append(path)
-    return paths
+    return tuple(paths)
+
+
+def _elsewhere(dotted: str) -> list[str]:
+    """Every field named as ``dotted``'s last part in any section (``train.lr`` -> ``optim.lr``),
+    the most alike first: a key put under the wrong section is found where it belongs, before a
+    look-alike of the section it was given in."""
+    name = dotted.rsplit(".", 1)[-1]
+    found = [p for p in _all_paths(Config) if p.rsplit(".", 1)[-1] == name]
+    return sorted(found, key=lambda p: -difflib.SequenceMatcher(None, p, dotted).ratio())
+
+
+def _either(paths: list[str], dashes: str) -> str:
+    return " or ".join(f"'{dashes}{p}'" for p in paths)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Write ``value`` at ``a.b.c`` in a nested dict, checking the path exists in the schema."""
     valid = _all_paths(Config)
     if dotted not in valid:
-        close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
-        hint = f"did you mean '--{close[0]}'?" if close else "run with --help to list the options"
+        close = _elsewhere(dotted) \
+            or difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
+        hint = f"did you mean {_either(close, '--')}?" if close \
+            else "run with --help to list the options"
         raise ConfigError(f"unknown option '--{dotted}': {hint}")
     node = tree
     *parents, leaf = dotted.split(".")
