@@ -64,17 +64,18 @@ def test_a_latest_pointing_out_of_the_run_falls_back_to_the_runs_own(how, runs, 
     assert inspect_checkpoint.main([str(run)]) == 0
     out, err = capsys.readouterr()
     _warned(err, pointer, run)
-    assert out.startswith(f"{ckpt_dir(run, 4)} (checkpoint of {run} (run.dir={run}")
+    assert out.startswith(f"{ckpt_dir(run, 4)}, saved by run {run} (run.dir={run}")
 
     out_dir = str(tmp_path / "hf")
     assert convert_checkpoint.main(["to-hf", "--checkpoint", str(run), "--output", out_dir]) == 0
     out, err = capsys.readouterr()
     _warned(err, pointer, run)
-    assert f"iteration 4 of {ckpt_dir(run, 4)} (checkpoint of {run} (run.dir=" in out
+    assert f"iteration 4 of {ckpt_dir(run, 4)}, saved by run {run} (run.dir=" in out
     assert "model.family=llama" in out
 
 
 def test_a_checkpoint_named_explicitly_says_whose_it_is(runs, capsys):
     """Another run's checkpoint given by hand is used, with its run named in the output."""
     assert inspect_checkpoint.main([ckpt_dir(runs / "other", 6)]) == 0
-    assert f"(checkpoint of {runs / 'other'} (run.dir={runs / 'other'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f", saved by run {runs / 'other'} (run.dir={runs / 'other'}" in out

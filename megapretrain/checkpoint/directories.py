@@ -110,11 +110,14 @@ def resolve_checkpoint(path: str, *, check: bool = True) -> str:
 def owner(path: str) -> str:
     """Whose checkpoint ``path`` is, for a tool's output line: the run directory holding it and
     that run's ``run.dir`` and ``model.family`` from its ``config.yaml`` (or the config a
-    conversion wrote beside it), so a checkpoint of the wrong run is visible at once."""
+    conversion wrote beside it), so a checkpoint of the wrong run is visible at once. The run
+    directory is shown as given unless a symlink leads elsewhere: then where it really is."""
     real = os.path.realpath(path)
     run_dir = os.path.dirname(os.path.dirname(real))
-    for where, config in ((real, os.path.join(real, "config.yaml")),
-                          (run_dir, os.path.join(run_dir, "config.yaml"))):
+    given = os.path.dirname(os.path.dirname(os.path.normpath(path)))
+    shown = given if given and os.path.realpath(given) == run_dir else run_dir
+    for what, config in (("with its config beside it", os.path.join(real, "config.yaml")),
+                         (f"saved by run {shown}", os.path.join(run_dir, "config.yaml"))):
         try:
             with open(config) as fh:
                 tree = yaml.safe_load(fh)
@@ -122,9 +125,9 @@ def owner(path: str) -> str:
             continue
         if isinstance(tree, dict):
             run, model = tree.get("run") or {}, tree.get("model") or {}
-            return (f"checkpoint of {where} (run.dir={run.get('dir')}, "
+            return (f"{what} (run.dir={run.get('dir')}, "
                     f"model.family={model.get('family', 'llama')})")
-    return f"checkpoint of {run_dir} (no config.yaml found: its run is unknown)"
+    return f"saved by run {shown} (no config.yaml found: which run is unknown)"
 
 
 @contextlib.contextmanager

@@ -197,7 +197,7 @@ def to_hf(args: argparse.Namespace) -> str:
     weights.close()
     note = f"; tokenizer: {', '.join(copied)}" if copied else \
         f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} has none to copy)"
-    return (f"wrote {args.output}: iteration {meta['iteration']} of {path} ({owner(path)}), "
+    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {owner(path)}, "
             f"{total / 2**20:,.1f} "
             f"MiB of {HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
 

@@ -108,7 +108,7 @@ def describe(path: str, cfg) -> str:
     meta = read_metadata(path)
     saved = SavedShards(path, meta)
     first = saved.state(0)
-    lines = [f"{path} ({owner(path)})",
+    lines = [f"{path}, {owner(path)}",
              f"  format version {meta.get('format_version', 1)}, iteration "
              f"{meta['iteration']}, world size {meta['world_size']}, layout {meta['layout']}"]
     samples = first.get("consumed_samples", 0)
