@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import difflib
+import functools
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -33,12 +35,17 @@ from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text,
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
        min: float | None = None, positive: bool = False, max: float | None = None,
-       below: float | None = None, choices: tuple = (), output_dir: bool = False):
+       below: float | None = None, choices: tuple = (), output_dir: bool = False,
+       path: bool = False):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
     declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
-    most) or ``below``; a string its ``choices``, or ``output_dir`` for a directory the run writes
-    into (:func:`check_output_dirs`). Null passes (it means the default)."""
+    most) or ``below``; a string its ``choices``, ``path`` for a file system path (or a list of
+    them), whose ``~`` and environment variables are expanded (:func:`expand_paths`), or
+    ``output_dir`` for a directory the run writes into (:func:`check_output_dirs`; a path too).
+    Null passes (it means the default)."""
     meta = {"help": help}
+    if output_dir or path:
+        meta["path"] = True
     if output_dir:
         meta["output_dir"] = True
     for key, value in (("name", name), ("min", min), ("max", max), ("below", below)):
@@ -180,13 +187,13 @@ class TokenizerConfig:
     type: str = _f("ByteTokenizer", "ByteTokenizer | HuggingFaceTokenizer | GPT2BPETokenizer | "
                    "SentencePieceTokenizer | TikTokenizer.")
     model: Optional[str] = _f(None, "Tokenizer file or directory (see the README); ByteTokenizer "
-                                    "needs none.")
+                                    "needs none.", path=True)
 
 
 @dataclass
 class DataConfig:
     paths: list = _f(None, "Dataset prefixes from tools/preprocess_data.py, optionally weighted: "
-                     "[0.3, prefixA, 0.7, prefixB].", factory=list)
+                     "[0.3, prefixA, 0.7, prefixB].", factory=list, path=True)
     split: list = _f(None, "Train/valid/test weights over each dataset's documents.",
                      factory=lambda: [98.0, 2.0, 0.0])
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
@@ -290,7 +297,8 @@ class CheckpointConfig:
                               "checkpoints/average_last_K_iter_N: a fine-tune start (0: off).",
                            min=0)
     async_save: bool = _f(False, "Write checkpoints in the background.", name="async")
-    load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.")
+    load: Optional[str] = _f(None, "Checkpoint directory to start from when run.dir has none.",
+                             path=True)
     milestone_fraction: float = _f(0.0, "Also keep the checkpoint at (or just before) every this "
                                         "fraction of train.iters, e.g. 0.1: every 10% of the run "
                                         "(0: none).", min=0, max=1)
@@ -511,9 +519,10 @@ def _from_dict(cls, data: dict, where: str = ""):
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            prefix = f"{where}." if where else ""
-            hint = f"did you mean '{prefix}{close[0]}'?" if close \
+            close = _elsewhere(path) or [
+                f"{where}.{c}" if where else c
+                for c in difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)]
+            hint = f"did you mean {_either(close, '')}?" if close \
                 else f"valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{path}': {hint}")
         f = fields[key]
@@ -530,8 +539,10 @@ def to_dict(obj) -> dict:
     return out
 
 
-def _all_paths(cls, where: str = "") -> list[str]:
-    paths = []
+@functools.cache  # the schema is fixed; reading its type hints is slow
+def _all_paths(cls, where: str = "") -> tuple[str, ...]:
+    """Every field's dotted name under section ``cls``."""
+    paths: list[str] = []
     hints = typing.get_type_hints(cls)
     for key, f in _fields(cls).items():
         path = f"{where}.{key}" if where else key
@@ -539,15 +550,30 @@ def _all_paths(cls, where: str = "") -> list[str]:
             paths += _all_paths(hints[f.name], path)
         else:
             paths.append(path)
-    return paths
+    return tuple(paths)
+
+
+def _elsewhere(dotted: str) -> list[str]:
+    """Every field named as ``dotted``'s last part in any section (``train.lr`` -> ``optim.lr``),
+    the most alike first: a key put under the wrong section is found where it belongs, before a
+    look-alike of the section it was given in."""
+    name = dotted.rsplit(".", 1)[-1]
+    found = [p for p in _all_paths(Config) if p.rsplit(".", 1)[-1] == name]
+    return sorted(found, key=lambda p: -difflib.SequenceMatcher(None, p, dotted).ratio())
+
+
+def _either(paths: list[str], dashes: str) -> str:
+    return " or ".join(f"'{dashes}{p}'" for p in paths)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Write ``value`` at ``a.b.c`` in a nested dict, checking the path exists in the schema."""
     valid = _all_paths(Config)
     if dotted not in valid:
-        close = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
-        hint = f"did you mean '--{close[0]}'?" if close else "run with --help to list the options"
+        close = _elsewhere(dotted) \
+            or difflib.get_close_matches(dotted, valid, n=1, cutoff=0.6)
+        hint = f"did you mean {_either(close, '--')}?" if close \
+            else "run with --help to list the options"
         raise ConfigError(f"unknown option '--{dotted}': {hint}")
     node = tree
     *parents, leaf = dotted.split(".")
@@ -598,7 +624,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                               "...)")
     for name, value in parse_overrides(overrides or []):
         _set_dotted(tree, name, value)
-    return _from_dict(Config, tree)
+    cfg = _from_dict(Config, tree)
+    expand_paths(cfg)
+    return cfg
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -687,6 +715,37 @@ def _check_range(path: str, value: float, meta, null: str) -> None:
                                                         else f"at least {low}") + null)
     if positive and value <= 0:
         raise ConfigError(f"{path}={value} must be positive{null}")
+
+
+_UNSET = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_paths(node, where: str = "") -> None:
+    """Expand ``~`` and environment variables (``$VAR``, ``${VAR}``) in every path field of
+    ``node`` (``_f(path=True)``; the strings of a list such as ``data.paths``), in place: a path
+    is never taken literally, so ``run.dir: ~/x`` is no directory named ``~``. A variable that is
+    not set is refused naming the field."""
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), f"{where}.{_key(f)}" if where else _key(f)
+        if dataclasses.is_dataclass(value):
+            expand_paths(value, path)
+        elif f.metadata.get("path") and isinstance(value, list):
+            setattr(node, f.name, [expand_path(v, path) if isinstance(v, str) else v
+                                   for v in value])
+        elif f.metadata.get("path") and isinstance(value, str):
+            setattr(node, f.name, expand_path(value, path))
+
+
+def expand_path(value: str, where: str) -> str:
+    """``value`` with ``~`` and environment variables expanded; an unset variable is an error
+    naming ``where`` (a field, or a tool's flag)."""
+    out = os.path.expanduser(os.path.expandvars(value))
+    unset = _UNSET.search(out)
+    if unset:
+        name = unset.group(1).strip("{}")
+        raise ConfigError(f"{where}={value!r}: environment variable {name} is not set; set it "
+                          f"(export {name}=...) or write the path out")
+    return out
 
 
 def check_output_dirs(cfg: Config) -> None:

@@ -42,9 +42,13 @@ python -m megapretrain.train --help                  # these fields, with their 
 python tools/gen_config_reference.py --check         # this page against the schema
 ```
 
-An unknown key is refused with the closest valid name (`--trian.iters` → "did you mean
-'--train.iters'?"); a value outside the range or choices below stops the run before any work with
-one line naming the field, the rule and the fix. Rules between fields (sizes that must divide, the
+An unknown key is refused with the closest valid name: a field of that name in any section first
+(`--train.lr` → "did you mean '--optim.lr'?"), else the nearest spelling (`--trian.iters` → "did you
+mean '--train.iters'?"); a value outside the range or choices below stops the run before any work
+with one line naming the field, the rule and the fix. In a path field (marked below) `~` and
+environment variables (`$VAR`, `${VAR}`) are expanded, in the YAML file and on the command line
+alike, and the expanded path is what the run records in its `config.yaml`; a variable that is not
+set stops the run with one line naming the field. Rules between fields (sizes that must divide, the
 pipeline split, the batch sizes) belong to their owners (see [contributing.md](contributing.md)) and
 are checked the same way.
 """
@@ -64,7 +68,9 @@ def _type(tp) -> str:
 
 
 def _rule(meta: dict) -> str:
-    """The range or choices a field declares."""
+    """The range or choices a field declares, or that it is a path."""
+    if meta.get("path"):
+        return "path (`~`, `$VAR` expanded)"
     if meta.get("choices"):
         return " \\| ".join(f"`{c}`" for c in meta["choices"])
     low, high, below = meta.get("min"), meta.get("max"), meta.get("below")

@@ -12,6 +12,8 @@ import shutil
 import sys
 import tempfile
 
+import yaml
+
 from ..errors import CheckpointError, check_free_space, full_disk_guard
 from .format import METADATA, fsync_dir, problem
 
@@ -26,23 +28,47 @@ def iteration_of(name: str) -> int | None:
     return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
 
 
+def _outside(root: str, name: str) -> str | None:
+    """Why ``root/name`` is not one of this run's checkpoints (an ``iter_*`` directory directly
+    inside ``root`` once every symlink is followed), or None when it is. ``latest`` is trusted to
+    name only such a directory: anything else could make a run resume another run's state."""
+    target = os.path.realpath(os.path.join(root, name))
+    if iteration_of(os.path.normpath(name)) is None:
+        return f"'{name}' ({target}) is not an iter_* directory"
+    if os.path.dirname(target) != os.path.realpath(root) or iteration_of(
+            os.path.basename(target)) is None:
+        return f"'{name}' leads to {target}, outside this run's {root}"
+    return None
+
+
 def candidates(root: str) -> tuple[list[str], str | None]:
     """This run's checkpoints to try, newest first (``latest``'s, then every complete ``iter_*``
-    directory), and a note when ``latest`` could not be followed."""
+    directory inside ``root``), and a note when ``latest`` could not be followed: it names a
+    missing or incomplete checkpoint, or anything but an ``iter_*`` directory of ``root`` itself
+    (an absolute path elsewhere, ``../other_run/...``, a symlink leading out), which is never
+    followed, so a run never resumes another run's checkpoint."""
     out, note = [], None
     pointer = os.path.join(root, "latest")
-    if os.path.exists(pointer):
-        try:
-            with open(pointer) as fh:
-                name = fh.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            name, note = "", f"{pointer} cannot be read ({exc})"
-        if name and os.path.exists(os.path.join(root, name, METADATA)):
-            out.append(os.path.join(root, name))
+    if os.path.lexists(pointer):
+        name = ""
+        if os.path.islink(pointer) and os.path.dirname(os.path.realpath(pointer)) \
+                != os.path.realpath(root):
+            note = f"{pointer} is a symlink to {os.path.realpath(pointer)}, outside {root}; ignored"
+        else:
+            try:
+                with open(pointer) as fh:
+                    name = fh.read().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                note = f"{pointer} cannot be read ({exc})"
+        away = _outside(root, name) if name else None
+        if away:
+            note = f"{pointer} names {away}; ignored (only this run's own checkpoints are resumed)"
+        elif name and os.path.exists(os.path.join(root, name, METADATA)):
+            out.append(os.path.join(root, os.path.normpath(name)))
         elif note is None:
             note = f"{pointer} names '{name}', which is missing or incomplete"
     done = sorted((i, d) for d in os.listdir(root) if (i := iteration_of(d)) is not None
-                  and os.path.exists(os.path.join(root, d, METADATA)))
+                  and os.path.exists(os.path.join(root, d, METADATA)) and not _outside(root, d))
     out += [p for p in (os.path.join(root, d) for _, d in reversed(done)) if p not in out]
     return out, note
 
@@ -79,6 +105,29 @@ def resolve_checkpoint(path: str, *, check: bool = True) -> str:
     raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
                           "directory with a usable one; pass an iter_* directory"
                           + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def owner(path: str) -> str:
+    """Whose checkpoint ``path`` is, for a tool's output line: the run directory holding it and
+    that run's ``run.dir`` and ``model.family`` from its ``config.yaml`` (or the config a
+    conversion wrote beside it), so a checkpoint of the wrong run is visible at once. The run
+    directory is shown as given unless a symlink leads elsewhere: then where it really is."""
+    real = os.path.realpath(path)
+    run_dir = os.path.dirname(os.path.dirname(real))
+    given = os.path.dirname(os.path.dirname(os.path.normpath(path)))
+    shown = given if given and os.path.realpath(given) == run_dir else run_dir
+    for what, config in (("with its config beside it", os.path.join(real, "config.yaml")),
+                         (f"saved by run {shown}", os.path.join(run_dir, "config.yaml"))):
+        try:
+            with open(config) as fh:
+                tree = yaml.safe_load(fh)
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        if isinstance(tree, dict):
+            run, model = tree.get("run") or {}, tree.get("model") or {}
+            return (f"{what} (run.dir={run.get('dir')}, "
+                    f"model.family={model.get('family', 'llama')})")
+    return f"saved by run {shown} (no config.yaml found: which run is unknown)"
 
 
 @contextlib.contextmanager

@@ -498,13 +498,14 @@ class CheckpointManager:
 
     def _first_usable(self, root: str, warnings: list[str]) -> str | None:
         paths, note = candidates(root)
-        if note:
-            warnings.append(note)
+        skipped = []
         for path in paths:
             found = self.usable(path)
             if found is None:
+                warnings += ([f"{note}; using {path}"] if note else []) + skipped
                 return path
-            warnings.append(f"skipped {path}: {found}")
+            skipped.append(f"skipped {path}: {found}")
+        warnings += ([f"{note}; no usable checkpoint in {root}"] if note else []) + skipped
         return None
 
     def load(self, path: str) -> dict:

@@ -50,7 +50,7 @@ import sys
 import torch
 
 from megapretrain.checkpoint import tensorfile
-from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
+from megapretrain.checkpoint.directories import new_directory, owner, resolve_checkpoint
 from megapretrain.checkpoint.format import (
     Entry,
     LazyTensor,
@@ -203,7 +203,8 @@ def to_hf(args: argparse.Namespace) -> str:
     weights.close()
     note = f"; tokenizer: {', '.join(copied)}" if copied else \
         f"; no tokenizer files (data.tokenizer.type={cfg.data.tokenizer.type} has none to copy)"
-    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {total / 2**20:,.1f} "
+    return (f"wrote {args.output}: iteration {meta['iteration']} of {path}, {owner(path)}, "
+            f"{total / 2**20:,.1f} "
             f"MiB of {HF_DTYPE_NAMES[dtype]} weights in {len(plan)} file(s){note}{report}")
 
 

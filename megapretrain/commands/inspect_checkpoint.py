@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from megapretrain.checkpoint.directories import resolve_checkpoint
+from megapretrain.checkpoint.directories import owner, resolve_checkpoint
 from megapretrain.checkpoint.format import METADATA, check_shapes, problem, read_metadata
 from megapretrain.checkpoint.reshard import (
     GlobalWeights,
@@ -108,9 +108,9 @@ def describe(path: str, cfg) -> str:
     meta = read_metadata(path)
     saved = SavedShards(path, meta)
     first = saved.state(0)
-    lines = [f"{path}", f"  format version {meta.get('format_version', 1)}, iteration "
-                        f"{meta['iteration']}, world size {meta['world_size']}, layout "
-                        f"{meta['layout']}"]
+    lines = [f"{path}, {owner(path)}",
+             f"  format version {meta.get('format_version', 1)}, iteration "
+             f"{meta['iteration']}, world size {meta['world_size']}, layout {meta['layout']}"]
     samples = first.get("consumed_samples", 0)
     tokens = f", {samples * cfg.train.seq_length:,} tokens" if cfg is not None else ""
     lines.append(f"  data position: {samples:,} samples{tokens}; optimizer step "

@@ -40,11 +40,12 @@ import numpy as np
 from tqdm import tqdm
 
 from megapretrain.cli import positive_int, print_error, user_errors
+from megapretrain.config import expand_path
 from megapretrain.data import readers
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megapretrain.data.readers import Bad, Chunk
 from megapretrain.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from megapretrain.errors import FULL_DISK, UserError, free_bytes, size_text
+from megapretrain.errors import FULL_DISK, DataError, UserError, free_bytes, size_text
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 
@@ -345,7 +346,12 @@ def convert(chunks: Iterator[Chunk], encoder: ChunkEncoder, encoder_args: tuple,
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    """The first problem with the arguments as one line, or None."""
+    """The first problem with the arguments as one line, or None (``--output-prefix`` taken as
+    :func:`_output_prefix` reads it)."""
+    try:
+        args.output_prefix = _output_prefix(args.output_prefix, args.json_keys)
+    except UserError as exc:
+        return str(exc)
     if (args.input is None) == (args.hf_dataset is None):
         return "give exactly one of --input (files) and --hf-dataset"
     if min(args.workers, args.partitions, args.chunk_size, args.log_interval,
@@ -372,6 +378,29 @@ def _check_args(args: argparse.Namespace) -> str | None:
         if not args.overwrite and existing:
             return f"{existing[0]} already exists; pass --overwrite to replace it"
     return None
+
+
+def _output_prefix(prefix: str, keys: list[str]) -> str:
+    """``--output-prefix`` as the tool uses it: ``~`` and environment variables expanded, and a
+    trailing ``_{key}_document`` (the suffix the tool appends) dropped, so it is never doubled.
+    A prefix that is a directory (ends in ``/``, or exists as one) or lies under a file is refused:
+    it would write files named ``_text_document.bin`` or fail half-way."""
+    given, prefix = prefix, expand_path(prefix, "--output-prefix")
+    example = os.path.join(prefix, "corpus")
+    if prefix.endswith(os.sep) or os.path.isdir(prefix):
+        raise DataError(f"--output-prefix {given} is a directory; give a file name prefix in it, "
+                        f"e.g. {example} (writes {example}_text_document.bin/.idx)")
+    for key in keys:
+        if prefix.endswith(f"_{key}_document"):
+            prefix = prefix[:-len(f"_{key}_document")]
+            break
+    folder = os.path.dirname(os.path.abspath(prefix))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise DataError(f"--output-prefix {given}: {folder} is a file, not a directory; choose a "
+                        "prefix under a directory (nothing was written)")
+    return prefix
 
 
 def _describe(e: BaseException, output_prefix: str, outputs: Outputs | None = None) -> str:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import ConfigError, DataError, MissingFileError, UserError, read_json_file
-from .gpt_dataset import parse_data_paths
+from ..errors import ConfigError, DataError, UserError, read_json_file
+from .gpt_dataset import missing_prefix, parse_data_paths
 from .indexed_dataset import (
     IndexedDataset,
     data_file_path,
@@ -169,9 +169,7 @@ def check_data_matches_model(paths, tokenizer_type: str, tokenizer_vocab: int, v
     facts = {}
     for _, prefix in parse_data_paths(paths):
         if not dataset_exists(prefix):
-            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it "
-                                   "with tools/preprocess_data.py --output-prefix ... (it appends "
-                                   "_text_document)")
+            raise missing_prefix(prefix)
         summary = read_summary(prefix)
         tok = summary.get("tokenizer") if summary else None
         if tok is not None:

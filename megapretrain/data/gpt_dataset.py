@@ -462,14 +462,46 @@ def parse_data_paths(paths: Sequence | str) -> list[tuple[float | None, str]]:
     if not items:
         raise DataError("data.paths is empty; give at least one dataset prefix")
     if all(w is None for w in weights):
-        return [(None, str(item)) for item in items]
+        return [(None, data_prefix(str(item))) for item in items]
     pairs_ok = len(items) % 2 == 0 and all(w is not None for w in weights[0::2]) and \
         all(w is None for w in weights[1::2])
     if not pairs_ok:
         raise DataError(f"data.paths={items} must be prefixes [A, B] or weight/prefix pairs [0.3, "
                         "A, 0.7, B]")
     _normalize_weights(weights[0::2], "data.paths weights")
-    return [(weights[i], str(items[i + 1])) for i in range(0, len(items), 2)]
+    return [(weights[i], data_prefix(str(items[i + 1]))) for i in range(0, len(items), 2)]
+
+
+def data_prefix(path: str) -> str:
+    """The dataset prefix ``path`` names: itself, or, given one file of the pair
+    (``PREFIX.bin`` or ``PREFIX.idx``), its prefix: the form a shell's tab completion gives."""
+    stem, suffix = os.path.splitext(path)
+    if suffix in (".bin", ".idx") and not dataset_exists(path) and dataset_exists(stem):
+        return stem
+    return path
+
+
+def missing_prefix(prefix: str) -> MissingFileError:
+    """The one line for a data prefix with no ``.bin``/``.idx``: naming the prefix to use when
+    ``tools/preprocess_data.py``'s ``PREFIX_KEY_document`` files are there."""
+    made = sorted(f[len(os.path.basename(prefix)):-4] for f in _listdir(os.path.dirname(prefix))
+                  if f.startswith(os.path.basename(prefix) + "_") and f.endswith("_document.bin")
+                  and dataset_exists(os.path.join(os.path.dirname(prefix), f[:-4])))
+    if made:
+        names = " or ".join(f"{prefix}{m}" for m in made)
+        return MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found, but {names} "
+                                f"exists: did you mean data.paths [{prefix}{made[0]}]? "
+                                "(preprocess_data.py appends _text_document to --output-prefix)")
+    return MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it with "
+                            "tools/preprocess_data.py --output-prefix ... (it appends "
+                            "_text_document)")
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder or ".")
+    except OSError:
+        return []
 
 
 def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_length: int,
@@ -505,9 +537,7 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
     pairs = parse_data_paths(paths)
     for _, prefix in pairs:
         if not dataset_exists(prefix):
-            raise MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found; create it "
-                                   "with tools/preprocess_data.py --output-prefix ... (it appends "
-                                   "_text_document)")
+            raise missing_prefix(prefix)
     indexed = [IndexedDataset(prefix) for _, prefix in pairs]
     doc_splits = [split_document_ids(len(ds), split) for ds in indexed]
     options = {"cache_dir": cache_dir, "build_indices": build_indices, "cache_wait_s": cache_wait_s}
