@@ -61,7 +61,7 @@ _SINGLE: dict = {}
 def test_fp8_layout_matches_single_process(layout, recipe, corpus, tmp_path, tmp_path_factory):
     """The trainer with FP8 under tp 2 + sp (FP8 input gathers), pp 2, pp 2 × vpp 2, dp 2 ZeRO-3
     (FP8 weight gathers), dp 2 ZeRO-2 and cp 2 (amaxes over the tokens all-reduced) gives one FP8
-    process's first loss within 1e-6 and the rest within 1e-4 (two steps: see the module
+    process's first loss within 1e-6 and the rest within 1e-3 (two steps: see the module
     docstring), with the FP8 gathers on."""
     # the first two steps of a 5-step schedule; eps 1e-4: an element whose gradient is ~0 gets no
     # update that hinges on its sign; one thread everywhere: the same fp32 sums in the reference
@@ -83,11 +83,11 @@ def test_fp8_layout_matches_single_process(layout, recipe, corpus, tmp_path, tmp
     # the backward casts gradients that differ by that summation order, and step 2 runs on weights
     # one fp32-rounded update apart: FP8 turns a few elements of either into whole FP8 steps, as
     # many as the CPU's GEMM blocking puts near a rounding edge (measured under tp 2 + sp
-    # tensorwise: step-1 grad norm 9e-6 and step-2 loss 2.7e-5 on an AVX2-only CPU, both below
-    # 5e-6 with AVX-512). An operand scaled by the wrong amax or an FP8 weight left stale by the
-    # update moves these by ~1e-2 (step 2's loss is 6% below step 1's), far past 1e-4
-    assert ranks[0]["losses"][1] == pytest.approx(single["losses"][1], rel=1e-4)
-    assert ranks[0]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+    # tensorwise: step-2 loss 2.7e-5 on one AVX2-only CPU, 3.2e-4 on another, below 5e-6 with
+    # AVX-512). An operand scaled by the wrong amax or an FP8 weight left stale by the update
+    # moves these by ~1e-2 or more (step 2's loss is 20% below step 1's), far past 1e-3
+    assert ranks[0]["losses"][1] == pytest.approx(single["losses"][1], rel=1e-3)
+    assert ranks[0]["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-3)
 
 
 def _losses(run_dir: str) -> dict[int, float]:

@@ -160,7 +160,12 @@ def to_megatron(args: argparse.Namespace) -> str:
     m = cfg.model
     if m.vocab_size is None:
         m.vocab_size = meta.get("vocab_size")
-    if m.family != "llama" or m.mlp != "swiglu" or m.rope_scaling or m.parallel_residual:
+    # (Megatron's GPT layout as read and written here: a format's limits, checked field by field
+    # as the torchtitan export does)
+    required = (("family", m.family, "llama"), ("mlp", m.mlp, "swiglu"),
+                ("rope_scaling", bool(m.rope_scaling), False),
+                ("parallel_residual", bool(m.parallel_residual), False))
+    if any(value != wanted for _, value, wanted in required):
         raise MegatronError(f"model.family={m.family}, mlp={m.mlp}, rope_scaling={m.rope_scaling}"
                             f", parallel_residual={m.parallel_residual}: to-megatron writes the "
                             "llama family with swiglu, no rope_scaling, no parallel residual")
