@@ -467,3 +467,28 @@ def write_tiktoken_ranks(path):
                 tokens.append(token)
     path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
     return str(path)
+
+
+PEAK_SCRIPT = """
+import json, sys
+from megapretrain.commands import {tool} as tool
+import megapretrain.checkpoint.hf, megapretrain.checkpoint.megatron, megapretrain.train  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401 (everything imported before measuring)
+def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+rc = tool.main(sys.argv[1:])
+print(json.dumps({{"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}}))
+"""
+
+
+def peak_host_mib(tool: str, *argv: str) -> float:
+    """Peak host memory (MiB) above the imports of one run of ``megapretrain.commands.<tool>``
+    with ``argv``, in a process of its own; the run must succeed."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT.format(tool=tool), *argv],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, proc.stderr
+    return result["extra_mib"]

@@ -13,7 +13,7 @@ from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, safetensors_of
+from helpers import BASE, peak_host_mib, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -231,32 +231,6 @@ def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp
     assert err.count("\n") == 1 and "'lm_head.weight'" in err and "no place for" in err
 
 
-MEASURE = """
-import json, sys
-sys.argv = ["convert_checkpoint.py", *sys.argv[1:]]
-from megapretrain.commands import convert_checkpoint as tool
-import megapretrain.checkpoint.hf, megapretrain.train  # noqa: F401 (everything imported before measuring)
-def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-rc = tool.main(sys.argv[1:])
-print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
-"""
-
-
-def _measured(*argv):
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["rc"] == 0, proc.stderr
-    return result["extra_mib"]
-
-
 def _big_hf(hf_dir, vocab=16000, hidden=512, ffn=1536, layers=12, heads=8, kv=4):
     """A random Llama of ~54M parameters (~217 MB fp32) in two safetensors shards, written one
     tensor at a time (this process never holds it whole either)."""
@@ -295,8 +269,9 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
     its largest tensor (the 31 MB embedding), far from a whole-model copy."""
     hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
     model_mib, largest_mib = _big_hf(hf_dir, layers=24)
-    from_hf = _measured("from-hf", "--hf", hf_dir, "--output", ckpt, "--parallel.tp", "2", "--world-size", "2")
-    to_hf = _measured("to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "bf16")
+    from_hf = peak_host_mib("convert_checkpoint", "from-hf", "--hf", hf_dir, "--output", ckpt,
+                            "--parallel.tp", "2", "--world-size", "2")
+    to_hf = peak_host_mib("convert_checkpoint", "to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "bf16")
     print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
           f"from-hf {from_hf:.0f} MiB, to-hf {to_hf:.0f} MiB")
     for extra in (from_hf, to_hf):

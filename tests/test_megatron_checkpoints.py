@@ -33,6 +33,8 @@ from megapretrain.checkpoint.reshard import GlobalWeights
 from megapretrain.commands.convert_checkpoint import main
 from megapretrain.config import load_config
 
+from helpers import peak_host_mib
+
 VOCAB, SEQ = 128, 16  # VOCAB: Megatron's padded vocabulary, the embedding's rows
 # (name, the tp and pp it is saved under, model shape); "args": common.pt carries Megatron's
 # arguments, whose vocab_size (the tokenizer's, before padding) is "vocab"
@@ -358,32 +360,6 @@ def test_megatron_round_trip_is_exact_across_layouts(megatron, tmp_path, capsys)
         b.close()
 
 
-MEASURE = """
-import json, sys
-from megapretrain.commands import convert_checkpoint as tool
-import megapretrain.checkpoint.megatron, megapretrain.train  # noqa: F401 (all imported before measuring)
-def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-rc = tool.main(sys.argv[1:])
-print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
-"""
-
-
-def _peak_mib(*argv: str) -> float:
-    """Peak host memory above the imports of one conversion, in a process of its own."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["rc"] == 0, proc.stderr
-    return result["extra_mib"]
-
-
 @pytest.mark.slow
 def test_megatron_conversions_stream_with_bounded_host_memory(tmp_path):
     """A ~350 MiB model (24 layers; its largest tensor the 31 MiB embedding) in Megatron-LM's
@@ -404,9 +380,10 @@ def test_megatron_conversions_stream_with_bounded_host_memory(tmp_path):
                                5) / 2**20
     largest_mib = 16000 * 512 * 4 / 2**20
     ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
-    into = _peak_mib("from-megatron", "--megatron", str(tmp_path / "megatron"), "--output", ours,
-                     "--parallel.tp", "2")
-    out = _peak_mib("to-megatron", "--checkpoint", ours, "--output", back)
+    into = peak_host_mib("convert_checkpoint", "from-megatron", "--megatron",
+                         str(tmp_path / "megatron"), "--output", ours,
+                         "--parallel.tp", "2")
+    out = peak_host_mib("convert_checkpoint", "to-megatron", "--checkpoint", ours, "--output", back)
     print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
           f"from-megatron {into:.0f} MiB, to-megatron {out:.0f} MiB")
     for extra in (into, out):

@@ -15,7 +15,7 @@ from megapretrain.commands import merge_checkpoints as merge
 from megapretrain.config import load_config
 
 from conftest import assert_one_line, snapshot
-from helpers import ckpt_dir, launch_part, safetensors_of, train_part
+from helpers import ckpt_dir, launch_part, peak_host_mib, safetensors_of, train_part
 
 # three runs of one model, each under its own layout and seed, stopped at different iterations
 RUNS = {"tp2": (2, 2, ["--parallel.tp", "2", "--train.seed", "1"]),
@@ -193,26 +193,10 @@ def test_average_last_that_cannot_be_kept_is_refused(corpus, tmp_path, capsys, f
     assert_one_line(capsys, status, 2, *words)
 
 
-MEASURE = """
-import json, sys
-from megapretrain.commands import merge_checkpoints as tool
-import megapretrain.train  # noqa: F401 (imported before measuring)
-def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-rc = tool.main(sys.argv[1:])
-print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
-"""
-
-
 @pytest.mark.slow
 def test_a_merge_streams_with_bounded_host_memory(tmp_path):
     """Two ~350 MB checkpoints (24 layers, a 31 MB embedding; one tp 2, one tp 1) merged into
     tp 2: the peak above the imports is a few copies of the largest tensor, far from a model."""
-    import subprocess
-    import sys
-
     from megapretrain.checkpoint.torchtitan import save_dcp
     from megapretrain.commands import convert_checkpoint
 
@@ -238,14 +222,10 @@ def test_a_merge_streams_with_bounded_host_memory(tmp_path):
         assert convert_checkpoint.main(["from-torchtitan", "--dcp", step, "--output", ckpt, *flags,
                                         "--parallel.tp", str(tp), "--world-size", str(tp)]) == 0
         inputs.append(ckpt)
-    proc = subprocess.run([sys.executable, "-c", MEASURE, "--checkpoints", *inputs, "--output",
-                           str(tmp_path / "avg"), "--weights", "1", "3"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["rc"] == 0, proc.stderr
+    extra = peak_host_mib("merge_checkpoints", "--checkpoints", *inputs, "--output",
+                          str(tmp_path / "avg"), "--weights", "1", "3")
     model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
     largest_mib = 4 * vocab * dim / 2**20
     print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
-          f"merge of 2 {result['extra_mib']:.0f} MiB")
-    assert result["extra_mib"] < min(0.5 * model_mib, 6 * largest_mib)
+          f"merge of 2 {extra:.0f} MiB")
+    assert extra < min(0.5 * model_mib, 6 * largest_mib)

@@ -305,6 +305,20 @@ def _launchers(script, port: int, **env) -> list[subprocess.Popen]:
         start_new_session=True) for _ in range(2)]
 
 
+def _run_job(script) -> tuple[list[int], list[str], float]:
+    """Run ``script`` as a two-node job to its end: each launcher's status and output, and the
+    seconds the job took."""
+    start = time.monotonic()
+    procs = _launchers(script, _free_port())
+    try:
+        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    return [p.returncode for p in procs], outs, time.monotonic() - start
+
+
 def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_path):
     """Rank 0's worker finishes, rank 1's fails on its way out (its first attempt only): the job
     is done: rank 1's node does not restart into a rendezvous its peer never joins (that peer
@@ -315,16 +329,8 @@ def test_a_node_whose_worker_fails_after_the_other_finished_ends_the_job(tmp_pat
                       "== '0':\n"
                       "    time.sleep(3)\n"
                       "    sys.exit(1)\n")
-    start = time.monotonic()
-    procs = _launchers(script, _free_port())
-    try:
-        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    took = time.monotonic() - start
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    statuses, outs, took = _run_job(script)
+    assert statuses == [0, 0], "\n----\n".join(outs)
     assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
     assert "after another node's ended the training: not restarted" in "".join(outs)
 
@@ -342,16 +348,8 @@ def test_a_worker_killed_by_a_stop_signal_before_its_handler_stops_the_job(tmp_p
                       "    os.kill(os.getpid(), signal.SIGTERM)  # (no handler: the default action)\n"
                       "time.sleep(3)\n"
                       "sys.exit(1)  # rank 0: its peer is gone (a collective would fail)\n")
-    start = time.monotonic()
-    procs = _launchers(script, _free_port())
-    try:
-        outs = [p.communicate(timeout=JOB_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    took = time.monotonic() - start
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    statuses, outs, took = _run_job(script)
+    assert statuses == [0, 0], "\n----\n".join(outs)
     assert sorted(f.name for f in tmp_path.glob("started_*")) == ["started_0_0", "started_1_0"]
     assert took < 55, f"{took:.0f} s: a barrier or a join timeout was waited out"  # (60, 300)
     assert "was stopped by SIGTERM as it started: the job stops" in "".join(outs)

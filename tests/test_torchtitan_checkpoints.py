@@ -22,7 +22,7 @@ from megapretrain.train import setup
 
 from conftest import assert_one_line, snapshot
 from distributed import run_distributed
-from helpers import BASE
+from helpers import BASE, peak_host_mib
 
 DIM, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, EPS = 32, 2, 4, 2, 64, 96, 1e-5
 FLAGS = ["--model.num_layers", str(LAYERS), "--model.hidden_size", str(DIM), "--model.num_heads",
@@ -318,33 +318,6 @@ def test_an_export_that_fails_inside_the_dcp_writer_is_one_line(tmp_path):
 # -- host memory -----------------------------------------------------------------------------------
 
 
-MEASURE = """
-import json, sys
-from megapretrain.commands import convert_checkpoint as tool
-import megapretrain.train, torch.distributed.checkpoint  # noqa: F401 (imported before measuring)
-def status(key):  # kB, from /proc/self/status (VmRSS: now, VmHWM: the peak)
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
-before = status("VmRSS")
-rc = tool.main(sys.argv[1:])
-print(json.dumps({"rc": rc, "extra_mib": (status("VmHWM") - before) / 1024}))
-"""
-
-
-def _peak_mib(*argv) -> float:
-    """Peak host memory of one conversion above its imports, in a fresh process."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["rc"] == 0, proc.stderr
-    return result["extra_mib"]
-
-
 @pytest.mark.slow
 def test_conversions_stream_with_bounded_host_memory(tmp_path):
     """A ~400 MB torchtitan checkpoint (24 layers, a 31 MB embedding) in to tp 2 and back out: the
@@ -372,9 +345,9 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
              str(heads), "--model.num_kv_heads", str(kv), "--model.ffn_hidden_size", str(ffn),
              "--model.vocab_size", str(vocab)]
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    into = _peak_mib("from-torchtitan", "--dcp", step, "--output", ckpt, *flags, "--parallel.tp", "2",
-                     "--world-size", "2")
-    out = _peak_mib("to-torchtitan", "--checkpoint", ckpt, "--output", back)
+    into = peak_host_mib("convert_checkpoint", "from-torchtitan", "--dcp", step, "--output", ckpt,
+                         *flags, "--parallel.tp", "2", "--world-size", "2")
+    out = peak_host_mib("convert_checkpoint", "to-torchtitan", "--checkpoint", ckpt, "--output", back)
     print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
           f"from-torchtitan {into:.0f} MiB, to-torchtitan {out:.0f} MiB")
     for extra in (into, out):
