@@ -63,8 +63,8 @@ def _qkv(b: int, seq: int, heads: int = 4, kv_heads: int = 2, d: int = 8, seed: 
     return q, k, v
 
 
-def _forward_backward(attend, q, k, v, weight):
-    out = attend(q, k, v)
+def _forward_backward(attend, q, k, v, *extra, weight):
+    out = attend(q, k, v, *extra)
     return (out.detach(), *torch.autograd.grad((out * weight).sum(), (q, k, v)))
 
 
@@ -91,11 +91,10 @@ def test_every_kernel_equals_the_dense_reference(window, documented):
     q, k, v = _qkv(3, 40)
     weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
     want = _forward_backward(lambda *x: F.scaled_dot_product_attention(*x, attn_mask=reference, enable_gqa=True),
-                             q, k, v, weight)
-    _close(_forward_backward(lambda *x: mask.prepare("sdpa").attend(*x, 0.0), q, k, v, weight), want)
+                             q, k, v, weight=weight)
+    _close(_forward_backward(lambda *x: mask.prepare("sdpa").attend(*x, 0.0), q, k, v, weight=weight), want)
     for tile in (8, 7):
-        _close(_forward_backward(lambda *x: mask.prepare("blockwise", tile).attend(*x, 0.0), q, k, v, weight),
-               want)
+        _close(_forward_backward(mask.prepare("blockwise", tile).attend, q, k, v, 0.0, weight=weight), want)
     with warnings.catch_warnings():  # eager FlexAttention says it is not compiled (once a process)
         warnings.simplefilter("ignore", UserWarning)
         out = mask.prepare("flex").attend(*(t.detach() for t in (q, k, v)), 0.0)
@@ -181,7 +180,7 @@ def test_windowed_kernels_under_cp2_equal_the_reference():
     weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
     reference = _reference(tokens, 40, 6)
     want = _forward_backward(lambda *x: F.scaled_dot_product_attention(*x, attn_mask=reference, enable_gqa=True),
-                             q, k, v, weight)
+                             q, k, v, weight=weight)
     for r in run_distributed(_cp_kernels, 2, tokens, 6, timeout=120):
         for kind in ("blockwise", "sdpa"):
             _close(r[kind], [t[:, :, r["positions"]] for t in want])
