@@ -9,6 +9,7 @@ The windowed layouts of the real trainer against one process are cases of tests/
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -346,3 +347,50 @@ def test_flops_count_the_pairs_inside_the_window():
     a, b = (layer_time(tiny_args(**big, **extra), device, 1, 8192, 1, False, "flash")
             for extra in ({}, dict(sliding_window=1024, layer_types=(SLIDING,) * 4)))
     assert b.attn_f < a.attn_f * 0.3 and b.matmul_f == a.matmul_f
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_qwen2_windowed_logits_equal_transformers_and_convert_both_ways(tmp_path, capsys):
+    """A random Qwen2 with a window of 5 on its first and third layers (shorter than the 40-token
+    sequence): ``from-hf`` reads the window and the layer types, our logits are transformers'
+    within 1e-5 (fp32), and ``to-hf`` writes them back; Llama's architecture, which has no window,
+    is refused."""
+    from megapretrain.checkpoint.hf import our_logits, our_model
+    from megapretrain.checkpoint.reshard import GlobalWeights
+    from megapretrain.commands import convert_checkpoint as convert
+
+    types = [SLIDING, FULL, SLIDING]
+    config = transformers.Qwen2Config(vocab_size=257, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                      use_sliding_window=True, sliding_window=5, layer_types=types)
+    torch.manual_seed(0)
+    reference = transformers.Qwen2ForCausalLM(config).eval()
+    hf_dir, ckpt, back = (str(tmp_path / name) for name in ("hf", "ckpt", "back"))
+    reference.save_pretrained(hf_dir)
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--verify"]) == 0
+    cfg = load_config(str(tmp_path / "ckpt" / "config.yaml"), [])
+    assert (cfg.model.sliding_window, cfg.model.layer_types) == (5, types)
+    weights = GlobalWeights(ckpt, cfg)
+    ours = our_model(cfg, weights.get)
+    weights.close()
+    tokens = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = reference(tokens).logits
+    torch.testing.assert_close(our_logits(ours, tokens), theirs, rtol=0, atol=1e-5)
+    for window in (4, 6):
+        other = load_config(str(tmp_path / "ckpt" / "config.yaml"), ["--model.sliding_window", str(window)])
+        weights = GlobalWeights(ckpt, cfg)
+        shifted = our_model(other, weights.get)
+        weights.close()
+        # a window one key wider or narrower is another function: the off-by-one is pinned
+        assert (our_logits(shifted, tokens) - theirs).abs().max() > 1e-3, window
+    assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
+    written = json.load(open(tmp_path / "back" / "config.json"))
+    assert (written["use_sliding_window"], written["sliding_window"], written["layer_types"]) == (True, 5, types)
+    from megapretrain.model.hf_adapter import ConvertError
+    from megapretrain.model.llama_hf import ADAPTER
+    plain = load_config(str(tmp_path / "ckpt" / "config.yaml"), ["--model.qkv_bias", "false"])
+    with pytest.raises(ConvertError, match="LlamaForCausalLM has no sliding window"):
+        ADAPTER.hf_config(plain, model_args(plain), "float32", None, None)
