@@ -290,6 +290,13 @@ def _config(*flags):
     return load_config(None, ["--model.vocab_size", "256", "--model.num_layers", "4", *flags])
 
 
+def test_the_start_up_line_says_which_layers_are_windowed():
+    from megapretrain.model.attention import describe_window
+    assert describe_window(model_args(_config())) == ""
+    args = model_args(_config("--model.sliding_window", "8", "--model.sliding_window_pattern", "4"))
+    assert describe_window(args) == "; a sliding window of 8 tokens on 3 of 4 layers"
+
+
 def test_the_layer_types_resolve_from_the_list_or_the_pattern():
     assert model_args(_config()).layer_types is None
     assert model_args(_config("--model.sliding_window", "0")).layer_types is None
@@ -315,8 +322,12 @@ def test_the_layer_types_resolve_from_the_list_or_the_pattern():
       "[sliding_attention, full_attention, full_attention, full_attention]"),
      "model.layer_types and model.sliding_window_pattern=2 both choose"),
     (("--model.sliding_window", "8", "--model.sliding_window_pattern", "0"), "model.sliding_window_pattern=0"),
+    (("--model.sliding_window", "8", "--model.attention", "flex", "--train.device", "cpu"),
+     "model.attention=flex cannot train on cpu"),
 ])
 def test_bad_window_values_are_one_line_naming_the_field(flags, message):
+    """Each bad value stops the run before any work with one line naming the field (a windowed
+    layer needs a masked kernel that trains on the device, as document masking does)."""
     from megapretrain.resolve import resolve
     with pytest.raises(ConfigError) as err:
         resolve(_config(*flags), 1)
