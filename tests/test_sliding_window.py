@@ -295,6 +295,7 @@ def test_the_start_up_line_says_which_layers_are_windowed():
     assert describe_window(model_args(_config())) == ""
     args = model_args(_config("--model.sliding_window", "8", "--model.sliding_window_pattern", "4"))
     assert describe_window(args) == "; a sliding window of 8 tokens on 3 of 4 layers"
+    assert describe_window(args, "blockwise").endswith("layers (model.attention=blockwise)")
 
 
 def test_the_layer_types_resolve_from_the_list_or_the_pattern():

@@ -386,13 +386,14 @@ def masked_attention(cfg: Config) -> bool:
     return cfg.data.reset_attention_mask or (types is not None and SLIDING in types)
 
 
-def describe_window(args: ModelArgs) -> str:
-    """The start-up line's note of the sliding window, or "" without one."""
+def describe_window(args: ModelArgs, kind: str | None = None) -> str:
+    """The start-up line's note of the sliding window (and, given, the kernel its layers run), or
+    "" without one."""
     windowed = sum(1 for i in range(args.num_layers) if args.window(i))
     if not windowed:
         return ""
     return (f"; a sliding window of {args.sliding_window} tokens on {windowed} of "
-            f"{args.num_layers} layers")
+            f"{args.num_layers} layers" + (f" (model.attention={kind})" if kind else ""))
 
 
 def dense_attention_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:

@@ -162,7 +162,7 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
                                   documents=masked_attention(cfg))
     if ps.rank == 0:
         print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm)
-              + describe_window(model_args(cfg)), flush=True)
+              + describe_window(model_args(cfg), attention), flush=True)
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
                      z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm,
                      dtype=DTYPES[cfg.train.precision], device="meta" if deferred else ps.device)

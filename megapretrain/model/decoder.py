@@ -294,11 +294,13 @@ class DecoderModel(nn.Module):
         sequence length)."""
         if documents is not None or not window:
             return documents.windowed(window) if documents is not None else None
-        key = (seq, device, window)
-        if key not in self._window_cache:
-            self._window_cache[key] = DocumentMask.one_document(
-                local_positions(seq, self.cp, device), seq, window)
-        return self._window_cache[key]
+        if (seq, device) not in self._window_cache:  # kept for the latest length only
+            self._window_cache = {(seq, device): {}}
+        masks = self._window_cache[seq, device]  # window -> its mask
+        if window not in masks:
+            masks[window] = DocumentMask.one_document(local_positions(seq, self.cp, device), seq,
+                                                      window)
+        return masks[window]
 
     def _mask(self, seq: int, device, documents: DocumentMask | None):
         """What attention reads of the micro-batch's mask: the document mask prepared for the
