@@ -96,10 +96,23 @@ def test_every_kernel_equals_the_dense_reference(window, documented):
     _close(_forward_backward(lambda *x: mask.prepare("sdpa").attend(*x, 0.0), q, k, v, weight=weight), want)
     for tile in (8, 7):
         _close(_forward_backward(mask.prepare("blockwise", tile).attend, q, k, v, 0.0, weight=weight), want)
-    with warnings.catch_warnings():  # eager FlexAttention says it is not compiled (once a process)
-        warnings.simplefilter("ignore", UserWarning)
-        out = mask.prepare("flex").attend(*(t.detach() for t in (q, k, v)), 0.0)
+    out = _eager_flex(mask, *(t.detach() for t in (q, k, v)))
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
+
+
+def _eager_flex(mask: DocumentMask, q, k, v) -> torch.Tensor:
+    """FlexAttention's forward, eager on CPU. torch warns once a process that it is not compiled:
+    silenced here, and left unshown for the tests that expect it."""
+    from torch.nn.attention import flex_attention
+
+    shown = set(flex_attention._WARNINGS_SHOWN)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return mask.prepare("flex").attend(q, k, v, 0.0)
+    finally:
+        flex_attention._WARNINGS_SHOWN.clear()
+        flex_attention._WARNINGS_SHOWN.update(shown)
 
 
 def _tiles_with_a_pair(reference: torch.Tensor, tile: int) -> int:
@@ -382,6 +395,8 @@ def test_qwen2_windowed_logits_equal_transformers_and_convert_both_ways(tmp_path
     hf_dir, ckpt, back = (str(tmp_path / name) for name in ("hf", "ckpt", "back"))
     reference.save_pretrained(hf_dir)
     assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--verify"]) == 0
+    printed = capsys.readouterr().out  # the flags, each value one shell word
+    assert '--model.sliding_window 5 --model.layer_types ["sliding_attention","full_attention",' in printed
     cfg = load_config(str(tmp_path / "ckpt" / "config.yaml"), [])
     assert (cfg.model.sliding_window, cfg.model.layer_types) == (5, types)
     weights = GlobalWeights(ckpt, cfg)
