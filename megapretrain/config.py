@@ -99,12 +99,25 @@ class ModelConfig:
                                min=0, below=1)
     kernels: str = _f("auto", "Fused kernels: auto (Triton on CUDA, torch on CPU) | triton | torch "
                               "(see kernels/).", choices=("auto", "triton", "torch"))
-    attention: str = _f("auto", "Attention under document masking (data.reset_attention_mask): "
+    attention: str = _f("auto", "Attention under document masking (data.reset_attention_mask) "
+                                "and on sliding-window layers: "
                                 "auto (flex on CUDA, blockwise elsewhere, sdpa with "
                                 "attention_dropout) | flex (FlexAttention) | blockwise (tiles, "
                                 "plain torch) | sdpa (a dense s×s mask). Plain causal attention is "
                                 "SDPA's under every choice.",
                         choices=("auto", "sdpa", "flex", "blockwise"))
+    sliding_window: Optional[int] = _f(None, "Sliding-window attention: on a windowed layer the "
+                                             "query at position i sees the keys j with i − window "
+                                             "< j ≤ i, itself included (Hugging Face's "
+                                             "sliding_window; null or 0: off).", min=0)
+    layer_types: Optional[list] = _f(None, "With sliding_window: per layer, sliding_attention or "
+                                           "full_attention (Hugging Face's layer_types; null: "
+                                           "sliding_window_pattern decides).")
+    sliding_window_pattern: Optional[int] = _f(None, "With sliding_window and no layer_types: "
+                                                     "every N-th layer (the N-th, 2N-th, ...) has "
+                                                     "full attention, the rest the window (OLMo "
+                                                     "3: 4, Gemma 3: 6; null: every layer "
+                                                     "windowed).", min=1)
     z_loss: float = _f(0.0, "Weight of the z-loss z·logsumexp² added to each token's loss (0: "
                             "none).", min=0)
     family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias "

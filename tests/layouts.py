@@ -49,6 +49,8 @@ TIED = ("--model.tie_embeddings", "true")
 DOCS = ("--data.reset_attention_mask", "true", "--data.reset_position_ids", "true",
         "--data.eod_mask_loss", "true")
 
+WINDOW = ("--model.sliding_window", "5", "--model.sliding_window_pattern", "2")
+
 
 def _zero(stage: int, shard: int | None = None) -> tuple[str, ...]:
     shards = ("--parallel.zero_shard_size", str(shard)) if shard else ()
@@ -129,6 +131,12 @@ CASES: tuple[Case, ...] = (
     # -- document masking (attention inside each document of a packed sample) under tp + sp and pp
     Case("tp2_sp_documents", 2, TP2_SP, DOCS),
     Case("pp2_documents", 2, PP2, DOCS),
+    # -- sliding-window attention: layers 0 and 2 windowed, 1 and 3 full (every 2nd layer full)
+    Case("tp2_sp_window", 2, TP2_SP, WINDOW),
+    Case("cp2_window", 2, CP2, WINDOW),
+    Case("cp2_ring_window_documents", 2, (*CP2, *_cp_comm("ring")), (*WINDOW, *DOCS)),
+    Case("cp2_a2a_window_selective", 2, (*CP2, *_cp_comm("a2a"), *_recompute("selective")), WINDOW),
+    Case("pp2_window_documents_full_recompute", 2, (*PP2, *_recompute("full")), (*WINDOW, *DOCS)),
     # -- the other model families (helpers.QWEN: the Llama family's Qwen options; helpers.NEOX)
     *(Case(f"{family}_{name}", 2, layout, flags)
       for family, flags in (("qwen", QWEN), ("gpt_neox", NEOX))

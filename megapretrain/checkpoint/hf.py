@@ -65,6 +65,8 @@ def _flag(value) -> str:
         return str(value).lower()
     if isinstance(value, dict):
         return json.dumps(value)
+    if isinstance(value, list):  # one shell word: [a,b] once the shell drops the quotes
+        return json.dumps(value, separators=(",", ":"))
     return "null" if value is None else str(value)
 
 

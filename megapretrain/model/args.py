@@ -69,6 +69,10 @@ class ModelArgs:
     rotary_pct: float = 1.0  # the first rotary_pct of each head's dims are rotated
     parallel_residual: bool | None = None  # x + attn(ln1(x)) + mlp(ln2(x)); None: the family's
     # default, which its layer spec fills in (model/family.py: read it off the spec, not from here)
+    sliding_window: int = 0  # keys a windowed layer's query sees, itself included; 0: none
+    # per layer "sliding_attention" or "full_attention" (model.layer_types resolved); None: no
+    # window anywhere
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -80,10 +84,48 @@ class ModelArgs:
         them."""
         return int(self.head_dim * self.rotary_pct)
 
+    def window(self, layer: int) -> int:
+        """The sliding window of decoder layer ``layer`` (global index), 0 for full attention."""
+        if self.layer_types is None or self.layer_types[layer] == FULL:
+            return 0
+        return self.sliding_window
+
+    def attention_fraction(self, seq: int) -> float:
+        """The share of causal (query, key) pairs the layers compute on sequences of ``seq``
+        tokens, averaged over the layers: 1 without a window (see :func:`window_fraction`)."""
+        return sum(window_fraction(self.window(i), seq)
+                   for i in range(self.num_layers)) / self.num_layers
+
     def padded_vocab(self, tp: int) -> int:
         """Rows of the embedding and output layer under ``tp``: every tp rank an equal, aligned
         slice."""
         return padded_vocab_size(self.vocab_size, self.vocab_divisible_by, tp)
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # model.layer_types' entries (HF's names)
+
+
+def window_fraction(window: int, seq: int) -> float:
+    """Of the s(s+1)/2 causal (query, key) pairs of a sequence of ``seq`` tokens, the share that a
+    sliding window of ``window`` keys keeps: query i sees min(window, i + 1) keys. 1 for no
+    window (0) or one of at least ``seq``."""
+    if not window or window >= seq:
+        return 1.0
+    kept = window * (window + 1) // 2 + (seq - window) * window
+    return kept / (seq * (seq + 1) // 2)
+
+
+def layer_types(m: ModelConfig) -> tuple[str, ...] | None:
+    """``model.layer_types`` resolved (:func:`check_window` has passed): each layer's attention
+    kind, from the list, or from ``sliding_window_pattern`` (every N-th layer full), or every
+    layer windowed; None without a window."""
+    if not m.sliding_window:
+        return None
+    if m.layer_types is not None:
+        return tuple(m.layer_types)
+    every = m.sliding_window_pattern
+    return tuple(FULL if every and (i + 1) % every == 0 else SLIDING
+                 for i in range(m.num_layers))
 
 
 def model_args(cfg: Config) -> ModelArgs:
@@ -99,7 +141,8 @@ def model_args(cfg: Config) -> ModelArgs:
                      rope_scaling=tuple(sorted(m.rope_scaling.items())) if m.rope_scaling else None,
                      family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
                      kv_channels=m.head_dim, rotary_pct=m.rotary_pct,
-                     parallel_residual=m.parallel_residual)
+                     parallel_residual=m.parallel_residual, sliding_window=m.sliding_window or 0,
+                     layer_types=layer_types(m))
 
 
 # the fields whose null means "the family's value": each family's Family.defaults gives them all
@@ -134,6 +177,27 @@ def check_rope_scaling(rs: Any, where: str) -> None:
             f"high_freq_factor={rs['high_freq_factor']}")
 
 
+def check_window(m: ModelConfig) -> None:
+    """Sliding-window attention's fields: a window of at least one key (the config's range check
+    refuses a negative one), a layer list of ``num_layers`` known kinds, one way of choosing the
+    windowed layers."""
+    types = m.layer_types
+    if types is not None:
+        require(isinstance(types, list) and len(types) == m.num_layers,
+                f"model.layer_types has {len(types) if isinstance(types, list) else types!r} "
+                f"entries; it needs one per layer (model.num_layers={m.num_layers}), each "
+                f"{SLIDING} or {FULL}")
+        for i, kind in enumerate(types):
+            require(kind in (SLIDING, FULL), f"model.layer_types[{i}]={kind!r} is not a layer "
+                                             f"type; use {SLIDING} or {FULL}")
+        require(m.sliding_window or SLIDING not in types,
+                f"model.layer_types names {SLIDING} layers but model.sliding_window is "
+                f"{m.sliding_window}: set the window's size in tokens")
+        require(m.sliding_window_pattern is None,
+                f"model.layer_types and model.sliding_window_pattern={m.sliding_window_pattern} "
+                "both choose the windowed layers: set one of them")
+
+
 def check_shape(m: ModelConfig, tp: int) -> None:
     """The shape's rules for every family, and what tensor parallelism over ``tp`` ranks may split
     of it: heads, grouped-query heads and the FFN width split over tp; the rotated head dims even
@@ -165,3 +229,4 @@ def check_shape(m: ModelConfig, tp: int) -> None:
     for name in ("attention_dropout", "hidden_dropout"):
         require(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
     check_rope_scaling(m.rope_scaling, "model.rope_scaling")
+    check_window(m)

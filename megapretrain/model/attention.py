@@ -20,6 +20,14 @@ to flex on CUDA, blockwise elsewhere, and sdpa when attention dropout is on (nei
 others has it). Without document masking every choice runs SDPA's causal kernels
 (:func:`causal_attention`: the plain ``is_causal`` path, and the lower-right chunks of context
 parallelism): nothing changes there.
+
+Sliding-window attention (``model.sliding_window`` on the layers ``model.layer_types`` marks) is
+one more condition on the same O(s) data: a key fewer than ``window`` positions before the query
+(Hugging Face's ``i − window < j ≤ i``). A :class:`DocumentMask` carries its window; the blocks
+and tiles wholly outside it are skipped like those of other documents, and the rest test it per
+pair. A windowed layer always runs the masked kernel ``model.attention`` resolves to (without
+document masking too, then with every token in one document); full-attention layers keep
+SDPA's causal kernels when there are no documents.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from ..errors import ConfigError
 from ..kernels.dispatch import device_type
 from ..parallel.context import causal_mask
 from ..parallel.layout import Layout
+from .args import SLIDING, ModelArgs, layer_types
 from .blockwise import TilePlan, blockwise_attention
 
 ATTENTION = ("sdpa", "flex", "blockwise")  # model.attention once resolved
@@ -70,7 +79,28 @@ class DocumentMask:
     # (s_k,) int64: each key's global position; None: keys in global order (a key's is its index).
     # Ring attention's blocks hold another cp rank's keys (model/context_attention.py)
     k_pos: torch.Tensor | None = None
+    window: int = 0  # a key must be fewer than this many positions before its query; 0: no window
     _prepared: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _windows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def one_document(cls, q_pos: torch.Tensor, num_keys: int, window: int) -> DocumentMask:
+        """Causal attention under a sliding ``window`` without document masking: queries at
+        ``q_pos`` (s_q,), keys every position 0..num_keys-1, all in one document (ids (1, s):
+        the same for every sample)."""
+        return cls(torch.zeros(1, len(q_pos), dtype=torch.int32, device=q_pos.device),
+                   torch.zeros(1, num_keys, dtype=torch.int32, device=q_pos.device), q_pos,
+                   window=window)
+
+    def windowed(self, window: int) -> DocumentMask:
+        """The same documents under a sliding ``window`` (0: this mask), made once per micro-batch
+        and window; it prepares and caches its own kernel inputs."""
+        if not window:
+            return self
+        if window not in self._windows:
+            self._windows[window] = DocumentMask(self.q_doc, self.k_doc, self.q_pos, self.k_pos,
+                                                 window)
+        return self._windows[window]
 
     def key_positions(self) -> torch.Tensor:
         """(s_k,) int64: each key's global position."""
@@ -80,14 +110,14 @@ class DocumentMask:
 
     def dense(self) -> torch.Tensor:
         """(b, 1, s_q, s_k) bool: the mask itself (sdpa's input, and the tests' reference)."""
-        return causal_mask(self.q_pos, self.key_positions(), self.q_doc, self.k_doc)
+        return causal_mask(self.q_pos, self.key_positions(), self.q_doc, self.k_doc, self.window)
 
     def whole(self) -> DocumentMask:
         """The mask of every query of the sample, keys in global order (all-to-all context
         parallelism: each rank attends over the whole sequence for its share of the heads);
         made once."""
-        return self.cached("whole",
-                           lambda: DocumentMask(self.k_doc, self.k_doc, self.key_positions()))
+        return self.cached("whole", lambda: DocumentMask(self.k_doc, self.k_doc,
+                                                         self.key_positions(), window=self.window))
 
     def cached(self, key, build):
         """``build()``, made once per micro-batch for ``key`` and kept (one kind per model: the
@@ -100,7 +130,9 @@ class DocumentMask:
         """(b, s_q/rows, s_k/cols) bool each, blocks of ``rows`` queries × ``cols`` keys: those with
         some allowed pair (exactly, or a few more: a block straddling a cp chunk boundary is judged
         by its bounds), and those whose every pair is allowed (exactly). Read off each block's
-        bounds of positions and documents: documents never decrease along global positions."""
+        bounds of positions and documents: documents never decrease along global positions. Under
+        a window a block has some pair when its nearest (lowest query, highest key) is inside it,
+        all when its farthest (highest query, lowest key) is."""
         q_lo, q_hi = _bounds(self.q_pos, rows)  # (nq,)
         qd_lo, qd_hi = _bounds(self.q_doc, rows)  # (b, nq)
         kd_lo, kd_hi = _bounds(self.k_doc, cols)  # (b, nk)
@@ -114,7 +146,11 @@ class DocumentMask:
                                    None] & (kd_lo == kd_hi)[:, None,
                                                             :] & (qd_lo[:, :,
                                                                         None] == kd_lo[:, None, :])
-        return some, one_doc & (k_last[None, :] <= q_lo[:, None])
+        full = one_doc & (k_last[None, :] <= q_lo[:, None])
+        if self.window:
+            some = some & (q_lo[:, None] - k_last[None, :] < self.window)
+            full = full & (q_hi[:, None] - k_first[None, :] < self.window)
+        return some, full
 
     def prepare(self, kind: str, tile: int = TILE):
         """What the ``kind`` kernel reads (see the module docstring), built once per micro-batch and
@@ -129,7 +165,8 @@ class DocumentMask:
     def _allowed(self, rows: slice, cols: slice) -> torch.Tensor:
         """(b, rows, cols) bool: the mask on one block, from the O(s) data."""
         keys = self.key_positions()[cols]
-        causal = keys[None, :] <= self.q_pos[rows, None]  # (rows, cols)
+        behind = self.q_pos[rows, None] - keys[None, :]  # (rows, cols)
+        causal = (behind >= 0) & (behind < self.window) if self.window else behind >= 0
         return causal[None] & (self.q_doc[:, rows, None] == self.k_doc[:, None, cols])
 
     def tile_plan(self, tile: int = TILE) -> TilePlan:
@@ -159,10 +196,15 @@ class DocumentMask:
         some, full = self.blocks(FLEX_BLOCK, FLEX_BLOCK)  # (b, nq, nk)
         partial = some & ~full
         q_doc, k_doc, q_pos, k_pos = self.q_doc, self.k_doc, self.q_pos, self.k_pos
+        window, shared = self.window, q_doc.shape[0] == 1  # shared: one row for every sample
 
         def mask_mod(b, h, q_idx, kv_idx):  # keys in global order unless k_pos says otherwise
             position = kv_idx if k_pos is None else k_pos[kv_idx]
-            return (q_doc[b, q_idx] == k_doc[b, kv_idx]) & (position <= q_pos[q_idx])
+            row = 0 if shared else b
+            allowed = (q_doc[row, q_idx] == k_doc[row, kv_idx]) & (position <= q_pos[q_idx])
+            if window:  # a sliding window: fewer than ``window`` positions back
+                allowed = allowed & (q_pos[q_idx] - position < window)
+            return allowed
 
         # counts (b, 1, nq), indices first
         def indexed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,6 +379,23 @@ def resolve_attention(choice: str, device: torch.device, *, dropout: float, docu
     return choice
 
 
+def masked_attention(cfg: Config) -> bool:
+    """Whether some layer of ``cfg``'s model runs the masked kernels: under document masking, or
+    with a sliding window on some layer."""
+    types = layer_types(cfg.model)
+    return cfg.data.reset_attention_mask or (types is not None and SLIDING in types)
+
+
+def describe_window(args: ModelArgs, kind: str | None = None) -> str:
+    """The start-up line's note of the sliding window (and, given, the kernel its layers run), or
+    "" without one."""
+    windowed = sum(1 for i in range(args.num_layers) if args.window(i))
+    if not windowed:
+        return ""
+    return (f"; a sliding window of {args.sliding_window} tokens on {windowed} of "
+            f"{args.num_layers} layers" + (f" (model.attention={kind})" if kind else ""))
+
+
 def dense_attention_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:
     """(mask bytes per micro-batch, scores bytes per layer) of sdpa under document masking: the
     (b, 1, s/cp, s) bool mask, and one (b, heads/tp, s/cp, s) tensor of SDPA's math kernel."""
@@ -350,8 +409,8 @@ def dense_document_mask(cfg: Config) -> bool:
     """Whether ``cfg``'s run on a GPU builds the dense mask: document masking under sdpa, chosen
     or (auto, with attention dropout) fallen back to."""
     m = cfg.model
-    return cfg.data.reset_attention_mask and (m.attention == "sdpa" or (m.attention == "auto" and
-                                                                        m.attention_dropout > 0))
+    return masked_attention(cfg) and (m.attention == "sdpa" or (m.attention == "auto" and
+                                                                 m.attention_dropout > 0))
 
 
 def check_attention(cfg: Config, layout: Layout) -> list[str]:
@@ -359,7 +418,7 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
     cannot train (on ``train.device: cpu``, where the device is known), warnings for sdpa with
     document masking at sizes where its dense mask and scores cost memory."""
     m = cfg.model
-    if not cfg.data.reset_attention_mask:
+    if not masked_attention(cfg):
         return []
     device = torch.device("cpu" if cfg.train.device == "cpu" else "cuda")  # auto: a GPU run's rules
     resolve_attention(m.attention, device, dropout=m.attention_dropout, documents=True)
@@ -374,7 +433,9 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
               "sdpa has dropout)"
         fix = "with model.attention_dropout 0 auto chooses flex on CUDA or blockwise elsewhere, " \
               "which need neither"
-    return [f"{why} under data.reset_attention_mask builds a dense (b, 1, s, s) mask "
+    under = "data.reset_attention_mask" if cfg.data.reset_attention_mask else \
+        "model.sliding_window"
+    return [f"{why} under {under} builds a dense (b, 1, s, s) mask "
             f"({mask / 2**20:,.0f} MiB per micro-batch) and on CUDA runs SDPA's math kernel: "
             f"{scores / 2**30:,.1f} GiB of scores per layer at "
             f"train.seq_length={cfg.train.seq_length}; {fix}"]

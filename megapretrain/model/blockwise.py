@@ -39,6 +39,14 @@ class TilePlan:
     rows: tuple[tuple[int, int, tuple[tuple[int, int, torch.Tensor | None], ...]], ...]
     num_keys: int
 
+    def tiles(self) -> int:
+        """(query tile, key tile) pairs visited (the tests count the tiles a window skips)."""
+        return sum(len(keys) for _, _, keys in self.rows)
+
+    def empty(self) -> bool:
+        """Whether no query sees any key (a ring step wholly outside a sliding window)."""
+        return not any(keys for _, _, keys in self.rows)
+
     def pairs(self) -> int:
         """(query, key) pairs computed, per sample and head (the work, for benches and tests)."""
         return sum((q1 - q0) * (k1 - k0) for q0, q1, keys in self.rows for k0, k1, _ in keys)

@@ -27,7 +27,7 @@ from ..parallel.specs import ParamSpec
 from ..parallel.state import Group, ParallelState
 from ..parallel.tensor import overlap_tp_comm
 from .args import ModelArgs, model_args
-from .attention import describe_attention, resolve_attention
+from .attention import describe_attention, describe_window, masked_attention, resolve_attention
 from .decoder import DecoderModel, ModelChunk
 from .families import family
 from .fp8 import check_fp8_device, convert_to_fp8
@@ -158,10 +158,11 @@ def build_model_chunks(cfg: Config, ps: ParallelState) -> tuple[list[ModelChunk]
               flush=True)
     documents = cfg.data.reset_attention_mask
     attention = resolve_attention(cfg.model.attention, ps.device,
-                                  dropout=cfg.model.attention_dropout, documents=documents)
+                                  dropout=cfg.model.attention_dropout,
+                                  documents=masked_attention(cfg))
     if ps.rank == 0:
-        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm),
-              flush=True)
+        print(describe_attention(attention, documents, ps.cp.size > 1, cfg.parallel.cp_comm)
+              + describe_window(model_args(cfg), attention), flush=True)
     chunks = _chunks(cfg, ps.tp, ps.pp_rank, rng=rng, kernels=kernels, attention=attention,
                      z_loss=cfg.model.z_loss, cp=ps.cp, cp_comm=cfg.parallel.cp_comm,
                      dtype=DTYPES[cfg.train.precision], device="meta" if deferred else ps.device)

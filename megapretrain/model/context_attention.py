@@ -15,7 +15,9 @@ from the tokens' global positions — and, under document masking, their documen
 two-chunk split a rank's own block is half causal, and every other block is exactly half visible
 (all its keys to the rank's late chunk, or its early keys to both chunks), so every step costs
 every rank the same. The plans are made once per micro-batch (once per run without documents)
-and shared by every layer.
+and shared by every layer. Under a sliding window a plan may hold no tile at all (the source's
+keys are all too far back, or ahead, for every query of this rank): that step computes nothing,
+forward or backward; its block still travels on, since other ranks need it.
 
 Backward passes the blocks around again (FlashAttention-2's backward per block, from the saved
 output and the merged log-sum-exp), and with each block an fp32 accumulator of its keys' and
@@ -43,11 +45,12 @@ KV_TAG, GRAD_TAG = 16, 32
 
 
 def ring_plans(cp: Group, seq: int, device, q_doc: torch.Tensor | None = None,
-               k_doc: torch.Tensor | None = None) -> tuple[TilePlan, ...]:
+               k_doc: torch.Tensor | None = None, window: int = 0) -> tuple[TilePlan, ...]:
     """For each cp rank ``j``, the plan of this rank's queries against ``j``'s keys: causal by
     global position, within each document when ``q_doc`` (b, s/cp) and ``k_doc`` (b, s, global
-    order) are given. Tiles as large as the blockwise kernel's, at most one chunk of the
-    load-balanced split, so that a tile never straddles two chunks when they are small."""
+    order) are given, within the sliding ``window`` when one is (0: none). Tiles as large as the
+    blockwise kernel's, at most one chunk of the load-balanced split, so that a tile never
+    straddles two chunks when they are small."""
     queries = local_positions(seq, cp, device)  # (s/cp,)
     if q_doc is None:  # causal only: one document
         q_doc = torch.zeros(1, len(queries), dtype=torch.int32, device=device)
@@ -56,7 +59,8 @@ def ring_plans(cp: Group, seq: int, device, q_doc: torch.Tensor | None = None,
     plans = []
     for j in range(cp.size):
         keys = rank_positions(seq, cp.size, j, device)  # (s/cp,): rank j's tokens
-        plans.append(DocumentMask(q_doc, k_doc[:, keys], queries, k_pos=keys).tile_plan(tile))
+        plans.append(DocumentMask(q_doc, k_doc[:, keys], queries, k_pos=keys,
+                                  window=window).tile_plan(tile))
     return tuple(plans)
 
 
@@ -76,8 +80,9 @@ class _RingAttention(torch.autograd.Function):
             if not last:  # the next block travels while this one computes
                 (incoming,), work = cp.shift_async([kv], KV_TAG)
             source = (cp.rank - step) % cp.size
-            part, part_lse = tile_forward(q, kv[:, :heads], kv[:, heads:], plans[source])
-            merge_partial(out, lse, part, part_lse)
+            if not plans[source].empty():  # none of its keys in reach: nothing to add
+                part, part_lse = tile_forward(q, kv[:, :heads], kv[:, heads:], plans[source])
+                merge_partial(out, lse, part, part_lse)
             if not last:
                 work.wait()
                 kv = incoming
@@ -100,11 +105,14 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 (incoming,), work = cp.shift_async([kv], KV_TAG)
             source = (cp.rank - step) % cp.size
-            dq, dk, dv = tile_backward(q, kv[:, :heads], kv[:, heads:], grad_out, lse, delta,
-                                       plans[source])
-            grad_q += dq
-            # (b, 2k, s/cp, d) fp32: this rank's share for the source's keys
-            block = torch.cat([dk, dv], dim=1)
+            if plans[source].empty():  # no pair computed: no share of the gradients
+                block = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            else:
+                dq, dk, dv = tile_backward(q, kv[:, :heads], kv[:, heads:], grad_out, lse, delta,
+                                           plans[source])
+                grad_q += dq
+                # (b, 2k, s/cp, d) fp32: this rank's share for the source's keys
+                block = torch.cat([dk, dv], dim=1)
             # the source's accumulator, from the ranks that saw its block before
             if pending is not None:
                 (arrived,), done = pending
@@ -139,7 +147,9 @@ class RingMask:
 
 def ring_mask(cp: Group, seq: int, device, documents: DocumentMask | None = None) -> RingMask:
     """The :class:`RingMask` of a sequence of ``seq`` tokens, under the micro-batch's document mask
-    (its queries this rank's tokens, its keys every position in global order) or causal."""
+    (its queries this rank's tokens, its keys every position in global order; its window too) or
+    causal."""
     if documents is None:
         return RingMask(ring_plans(cp, seq, device), cp)
-    return RingMask(ring_plans(cp, seq, device, documents.q_doc, documents.k_doc), cp)
+    return RingMask(ring_plans(cp, seq, device, documents.q_doc, documents.k_doc,
+                               documents.window), cp)

@@ -11,7 +11,9 @@ Under context parallelism (``cp``) a chunk holds its rank's share of every seque
 (``parallel/context.py``): attention all-gathers the keys and values over cp and masks by global
 position; everything else is local to the rank's tokens. Document masking is described by O(s)
 document ids (:class:`~.attention.DocumentMask`), never by an s × s mask, unless
-``model.attention=sdpa`` asks for one (``model/attention.py``).
+``model.attention=sdpa`` asks for one (``model/attention.py``). A layer with a sliding window
+(``ModelArgs.window``) gets the same mask under its window: a chunk prepares one mask per window
+its layers use, once per micro-batch, and hands each layer its own.
 
 :class:`ModelChunk` is what the trainer, the pipeline schedules, the optimizer, checkpointing and
 ``model/build.py`` rely on of a chunk; :class:`DecoderModel` is the one implementation.
@@ -186,7 +188,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel,
                                  recompute=recompute, rng=self.rng, saved=self.saved_shards,
-                                 kernels=kernels, cp=self.cp, cp_comm=self.cp_comm, **kw)
+                                 kernels=kernels, cp=self.cp, cp_comm=self.cp_comm,
+                                 window=args.window(i), **kw)
             for i in layer_ids})
         if post_process:
             self.norm = self.spec.norm(args.hidden_size, args.norm_eps,
@@ -197,8 +200,9 @@ class DecoderModel(nn.Module):
                                             **kw)
         self._rope_cache: dict = {}
         self._context_cache: dict = {}  # context parallelism: this rank's rotary tables
-        # ring attention without documents: its plans, per sequence length
+        # without documents: ring attention's plans, and windowed layers' masks, per sequence length
         self._ring_cache: dict = {}
+        self._window_cache: dict = {}
 
     # -- layout and initialization -----------------------------------------------------------------
 
@@ -267,8 +271,9 @@ class DecoderModel(nn.Module):
 
     def _positions(self, x: torch.Tensor, docs: Documents | None):
         """cos, sin of this rank's tokens — (s, d), or (b, 1, s, d) when positions restart per
-        document — and the document mask in the form this model's attention kernel reads, built
-        once per micro-batch (None: causal by global position)."""
+        document — and, for each sliding window the chunk's layers use (0: none), the mask in the
+        form this model's attention kernel reads, built once per micro-batch (None: causal by
+        global position)."""
         # global length
         seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size
         cos, sin = self._rope(seq, x)  # (s·cp, d): every global position
@@ -277,7 +282,25 @@ class DecoderModel(nn.Module):
             cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)
         elif self.cp.size > 1:
             cos, sin = self._context_tables(seq, x)  # (s, d)
-        return cos, sin, self._mask(seq, x.device, docs.mask if docs is not None else None)
+        documents = docs.mask if docs is not None else None
+        masks = {window: self._mask(seq, x.device, self._windowed(seq, x.device, documents, window))
+                 for window in {layer.window for layer in self.layers.values()}}
+        return cos, sin, masks
+
+    def _windowed(self, seq: int, device, documents: DocumentMask | None,
+                  window: int) -> DocumentMask | None:
+        """The micro-batch's document mask under a sliding ``window`` (0: as it is); without
+        documents, this rank's queries against every position in one document (made once per
+        sequence length)."""
+        if documents is not None or not window:
+            return documents.windowed(window) if documents is not None else None
+        if (seq, device) not in self._window_cache:  # kept for the latest length only
+            self._window_cache = {(seq, device): {}}
+        masks = self._window_cache[seq, device]  # window -> its mask
+        if window not in masks:
+            masks[window] = DocumentMask.one_document(local_positions(seq, self.cp, device), seq,
+                                                      window)
+        return masks[window]
 
     def _mask(self, seq: int, device, documents: DocumentMask | None):
         """What attention reads of the micro-batch's mask: the document mask prepared for the
@@ -332,9 +355,9 @@ class DecoderModel(nn.Module):
                  loss_grad_scale: float | None = None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
-        cos, sin, mask = self._positions(x, docs)
+        cos, sin, masks = self._positions(x, docs)
         for layer in self.layers.values():
-            x = self._layer(layer, x, cos, sin, mask)  # (b, s, h)
+            x = self._layer(layer, x, cos, sin, masks[layer.window])  # (b, s, h)
         if not self.post_process:
             return x
         # (b, s, h)
@@ -394,7 +417,11 @@ def flops_per_token(args: ModelArgs, seq_length: int) -> float:
     along).
 
     Attention scores and weighted sums cost 12·layers·hidden·seq per token (forward + backward),
-    counted as in PaLM's appendix B without the causal halving.
+    counted as in PaLM's appendix B without the causal halving. A sliding-window layer computes
+    only the pairs inside its window, min(window, i + 1) keys for the query at i: its share of
+    that, scaled by the fraction of causal pairs it keeps (``ModelArgs.attention_fraction``; 1
+    for a window of at least ``seq_length``).
     """
     matmul_params = num_parameters(args, embeddings=False) + args.vocab_size * args.hidden_size
-    return 6.0 * matmul_params + 12.0 * args.num_layers * args.hidden_size * seq_length
+    attention = 12.0 * args.num_layers * args.hidden_size * seq_length
+    return 6.0 * matmul_params + attention * args.attention_fraction(seq_length)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .args import SLIDING
 from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class GPTNeoXAdapter:
         if scaling:
             raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no llama3 "
                                "rotary scaling; nothing written")
+        if args.layer_types is not None and SLIDING in args.layer_types:
+            raise ConvertError(f"model.sliding_window={args.sliding_window}: GPT-NeoX's Hugging "
+                               "Face model has no sliding window; nothing written")
         return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
                 "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
                 "intermediate_size": args.ffn_hidden_size, "num_hidden_layers": m.num_layers,

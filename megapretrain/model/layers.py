@@ -473,12 +473,15 @@ class GeluMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream one after the other, or both
-    from the same input (``spec.parallel_residual``, GPT-NeoX)."""
+    from the same input (``spec.parallel_residual``, GPT-NeoX). ``window``: the layer's sliding
+    window (0: full attention), which picks the micro-batch's mask the model hands it."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  recompute: str, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
-                 cp: Group | None = None, cp_comm: str = "allgather", dtype, device):
+                 cp: Group | None = None, cp_comm: str = "allgather", window: int = 0, dtype,
+                 device):
         super().__init__()
+        self.window = window
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         self.parallel_residual = spec.parallel_residual

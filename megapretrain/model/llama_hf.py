@@ -1,6 +1,8 @@
 """The Llama family's Hugging Face adapter: ``LlamaForCausalLM``, and with the family's options
 ``Qwen2ForCausalLM`` (``model.qkv_bias``) and ``Qwen3ForCausalLM`` (``model.qk_norm``, its own
-``head_dim``).
+``head_dim``). Qwen2 and Qwen3 carry sliding-window attention (``use_sliding_window``,
+``sliding_window``, ``layer_types``, or ``max_window_layers``: the layers from it on windowed), read
+into ``model.sliding_window`` / ``model.layer_types`` and written back; Llama has none.
 
 The chunk's names are Hugging Face's without the ``model.`` prefix and its rotary convention is
 rotate-half, so no tensor is permuted: a conversion renames, splits or concatenates along the tp
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .args import FULL, SLIDING
 from .hf_adapter import ConvertError, check_config_fields, refuse, rope_config, rope_from_hf
 
 if TYPE_CHECKING:
@@ -64,8 +67,16 @@ class LlamaAdapter:
                "attention_dropout": m.attention_dropout, "initializer_range": m.init_std,
                "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name,
                "dtype": dtype_name}
+        windowed = args.layer_types is not None and SLIDING in args.layer_types
         if model_type == "llama":
+            if windowed:
+                raise ConvertError(f"model.sliding_window={args.sliding_window}: "
+                                   "LlamaForCausalLM has no sliding window (Qwen2/Qwen3 have: "
+                                   "model.qkv_bias or model.qk_norm); nothing written")
             out.update(attention_bias=False, mlp_bias=False)
+        elif windowed:
+            out.update(use_sliding_window=True, sliding_window=args.sliding_window,
+                       max_window_layers=m.num_layers, layer_types=list(args.layer_types))
         else:
             out.update(use_sliding_window=False, sliding_window=None,
                        max_window_layers=m.num_layers)
@@ -92,7 +103,7 @@ class LlamaAdapter:
         if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
             # on q, k, v and o: the family has q, k, v biases only
             unsupported["attention_bias"] = True
-        if hf.get("use_sliding_window"):
+        if hf.get("use_sliding_window") and model_type == "llama":
             unsupported["use_sliding_window"] = True
         refuse(unsupported, where, "llama")
         rope_from_hf(hf, where)
@@ -112,6 +123,13 @@ class LlamaAdapter:
                  "rotary_pct": 1.0, "parallel_residual": False, **VARIANTS[model_type][1]}
         if scaling:
             flags["rope_scaling"] = scaling
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        if window:  # without use_sliding_window transformers runs every layer in full
+            layers = hf["num_hidden_layers"]
+            first = hf.get("max_window_layers", layers)
+            flags["sliding_window"] = window
+            flags["layer_types"] = list(hf.get("layer_types") or
+                                        [SLIDING if i >= first else FULL for i in range(layers)])
         return flags
 
 

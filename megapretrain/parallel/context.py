@@ -94,11 +94,13 @@ def split_to_cp(x: torch.Tensor | None, cp: Group, dim: int = SEQ_DIM) -> torch.
 
 
 def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None = None,
-                k_doc: torch.Tensor | None = None) -> torch.Tensor:
+                k_doc: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Which keys each query may attend to: those at its global position or before (and, given
-    ``q_doc`` (b, s_q) / ``k_doc`` (b, s_k), of its own document). Positions: (s_q,) and (s_k,).
-    Returns (1, 1, s_q, s_k) bool, or (b, 1, s_q, s_k) with documents."""
-    allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # (s_q, s_k)
+    ``q_doc`` (b, s_q) / ``k_doc`` (b, s_k), of its own document; given a ``window``, fewer than
+    ``window`` positions before it). Positions: (s_q,) and (s_k,). Returns (1, 1, s_q, s_k) bool,
+    or (b, 1, s_q, s_k) with documents."""
+    behind = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)  # (s_q, s_k): how far back each key is
+    allowed = (behind >= 0) & (behind < window) if window else behind >= 0
     if q_doc is None:
         return allowed[None, None]  # (1, 1, s_q, s_k): the same for every sample and head
     same_doc = q_doc.unsqueeze(2) == k_doc.unsqueeze(1)  # (b, s_q, s_k)

@@ -18,10 +18,10 @@ Time is built from the kernels of one layer, not from one efficiency figure:
   at its own shape on one tp rank: ``max(FLOPs / (peak · efficiency), bytes / HBM bandwidth)``
   plus a fixed per-kernel overhead, so narrow or short matmuls fall below the device's large-GEMM
   ``efficiency`` by themselves;
-- attention: a fused (flash) kernel on its causal FLOPs at ``attention_efficiency``, its backward
-  2.5× its forward; or, as Megatron ran before flash attention (``attention="unfused"``), two
-  batched matmuls per head plus the softmax (and dropout) passes over the ``s × s`` scores in
-  memory;
+- attention: a fused (flash) kernel on its causal FLOPs (under sliding windows the pairs inside
+  them, averaged over the layers) at ``attention_efficiency``, its backward 2.5× its forward;
+  or, as Megatron ran before flash attention (``attention="unfused"``), two batched matmuls per
+  head plus the softmax (and dropout) passes over the ``s × s`` scores in memory;
 - memory-bound kernels (norms, residual adds, dropout, activation function, RoPE, the loss) as bytes
   moved over 80% of the HBM bandwidth; the backward moves twice the forward's;
 - recomputation re-runs the forward (full) or the attention core (selective) before the backward;
@@ -199,9 +199,11 @@ def layer_time(args: ModelArgs, device: Device, micro: int, seq: int, tp: int,
     moved = tokens * (whole / (tp if sequence_parallel else 1) + split)
     memory_f, memory_b = memory_s(device, moved, 8), memory_s(device, 2 * moved, 14)
 
-    # causal: half the score matrix is computed, 1/cp of it on each cp rank
+    # causal: half the score matrix is computed, 1/cp of it on each cp rank; sliding windows keep
+    # a share of it (the layers' mean: this is an average layer)
     if attention == "flash":
-        causal = 2.0 * micro * n * seq * seq * d / cp  # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
+        # fwd FLOPs: (QKᵀ, PV) × 2·s·s·d / 2
+        causal = 2.0 * micro * n * seq * seq * d / cp * args.attention_fraction(seq)
         attn_f = causal / (device.peak_tflops * 1e12 * device.attention_efficiency) + KERNEL_S
         attn_b = 2.5 * attn_f
     else:  # batched matmuls per head + softmax / dropout over the whole (s/cp) × s scores in memory
@@ -465,7 +467,7 @@ def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> floa
     (selective), in ``flops_per_token``'s convention (attention without the causal halving)."""
     if recompute == "none":
         return 0.0
-    attention = 4.0 * args.hidden_size * seq
+    attention = 4.0 * args.hidden_size * seq * args.attention_fraction(seq)
     if recompute == "selective":
         return attention
     matmul = num_parameters(args, embeddings=False) - args.hidden_size  # without the final norm
