@@ -18,7 +18,8 @@ pipeline-parallel shards and ZeRO ranges, drops the vocabulary padding and write
 Qwen2ForCausalLM, Qwen3ForCausalLM or GPTNeoXForCausalLM, as the family and its options say; with
 Llama 3.1 rotary scaling when the run has it), ``generation_config.json``, safetensors files
 (split at ``--max-shard-gb``, with an index) and the tokenizer files of a HuggingFace or
-SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``--config``).
+SentencePiece run. The architecture comes from the ``config.yaml`` beside the checkpoint (every
+tool writes one), or from the run's when it is one of a run's ``checkpoints/`` (or ``--config``).
 
 ``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
 layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
@@ -30,7 +31,10 @@ family comes from ``config.json`` (``model_type``, else ``architectures``); it p
 Both stream: one tensor at a time is read (by byte range: a tp rank's rows only) and written, so
 host memory stays at about one input tensor plus its slices whatever the model's size. ``--verify``
 runs both models (ours and transformers') in fp32 on a few random sequences and fails when their
-largest logit difference exceeds ``--tolerance`` (default 1e-4); it holds both models in memory.
+largest logit difference exceeds ``--tolerance`` (default 1e-4); each model is run one part at a
+time (the embedding, a decoder layer, the final norm and head: ``checkpoint/hf.py``), so it holds
+one part in fp32, never a model, and a host that cannot hold even that is refused before anything
+is written.
 Both refuse to write into a directory that exists and is not empty, and write through a temporary
 directory renamed at the end.
 
