@@ -14,7 +14,8 @@ import tempfile
 
 import yaml
 
-from ..errors import CheckpointError, check_free_space, full_disk_guard
+from .. import errors
+from ..errors import CheckpointError, DiskFullError, full_disk_guard, size_text
 from .format import METADATA, fsync_dir, problem
 
 
@@ -130,6 +131,18 @@ def owner(path: str) -> str:
     return f"saved by run {shown} (no config.yaml found: which run is unknown)"
 
 
+_ROOM_FIX = "free space or choose another --output (nothing was written)"
+
+
+def check_room(path: str, needed: int) -> None:
+    """Refuse, in one line, a new directory ``path`` of ``needed`` bytes that its disk has not the
+    room for. A check made before anything is written (or read), and said to be one."""
+    free = errors.free_bytes(path)  # of the disk it would be on
+    if free is not None and needed > free:
+        raise DiskFullError(f"--output {path} would need about {size_text(needed)}, its disk has "
+                            f"{size_text(free)} free (checked before writing); {_ROOM_FIX}")
+
+
 @contextlib.contextmanager
 def new_directory(path: str, needed: int | None = None):
     """Write the new directory ``path`` through a temporary one beside it: yields the temporary
@@ -141,9 +154,9 @@ def new_directory(path: str, needed: int | None = None):
         raise CheckpointError(f"--output {path} exists and is not empty; choose a new directory "
                               "(nothing is ever overwritten)")
     parent = os.path.dirname(os.path.abspath(path))
-    fix = "free space or choose another --output (nothing was written)"
+    fix = _ROOM_FIX
     if needed is not None:
-        check_free_space(path, needed, fix)
+        check_room(path, needed)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
     try:

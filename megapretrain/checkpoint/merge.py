@@ -23,28 +23,21 @@ import os
 
 import torch
 
-from ..config import load_config, save_config
+from ..config import load_config
 from ..errors import CheckpointError, ConfigError, UserError
-from ..model.build import rank_param_specs
 from ..parallel.specs import ParamSpec
-from .directories import iter_dir_name, new_directory
+from .directories import iter_dir_name
 from .format import (
-    Entry,
-    LazyTensor,
     check_shapes,
-    metadata,
-    rank_state,
     read_metadata,
-    write_metadata,
 )
 from .reshard import (
     SavedShards,
     global_shapes,
-    layout_bytes,
     saved_config_path,
     saved_padded_vocab,
     tp_slice,
-    write_layout,
+    write_weights_checkpoint,
 )
 
 # model.* settings that change how a model trains or runs, not which function its weights compute:
@@ -156,34 +149,13 @@ def write_average(inputs: list[MergeInput], weights: list[float], cfg, sizes, wo
     holds the fp32 weights of its place and no optimizer state, at iteration 0; data-parallel
     replicas are hard links; ``cfg`` is saved beside them. ``on_bytes(n)`` is told the bytes of
     each slice as it is computed. Returns the metadata written."""
-    shapes = global_shapes(cfg)
-    check_same_model(inputs, shapes)
-    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
-    size = layout_bytes(cfg, sizes.layout, moments=False)
-
-    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
-        out = merged_slice(inputs, weights, spec, tp_rank, sizes.layout.tp)
-        if on_bytes is not None:
-            on_bytes(out.numel() * out.element_size())
-        return out
-
-    def state_at(pp_rank: int, tp_rank: int) -> dict:
-        specs = rank_param_specs(cfg, pp_rank, tp_rank)
-        model = {n: Entry.shards(n, {"master": LazyTensor(
-            torch.float32, tuple(s.local_shape), lambda s=s: read(s, tp_rank))}).tree()
-            for n, s in specs.items()}
-        return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                          model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
-
-    with new_directory(output, needed=size) as tmp:
-        files, _ = write_layout(tmp, sizes.layout, state_at)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
-        sources = [{"path": os.path.abspath(one.path), "iteration": one.meta["iteration"],
-                    "weight": w} for one, w in zip(inputs, weights)]
-        meta = metadata(iteration=0, world_size=world, layout=layout,
-                        vocab_size=cfg.model.vocab_size, padded_vocab=sizes.padded_vocab,
-                        files=files, tensors=shapes, merged_from=sources)
-        write_metadata(tmp, meta)
+    check_same_model(inputs, global_shapes(cfg))
+    sources = [{"path": os.path.abspath(one.path), "iteration": one.meta["iteration"], "weight": w}
+               for one, w in zip(inputs, weights)]
+    meta, _ = write_weights_checkpoint(
+        output, cfg, sizes, world,
+        lambda spec, tp_rank: merged_slice(inputs, weights, spec, tp_rank, sizes.layout.tp),
+        record={"merged_from": sources}, on_bytes=on_bytes)
     return meta
 
 

@@ -20,23 +20,30 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from ..cli import progress_bar
+from ..config import save_config
 from ..errors import CheckpointError
 from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
 from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
+from .directories import new_directory
 from .format import (
     MOMENTS,
     Entry,
     LazyTensor,
     RankFile,
+    metadata,
     rank_file,
     rank_state,
+    rank_state_size,
     read_metadata,
+    write_metadata,
     write_rank_state,
 )
 
@@ -69,6 +76,20 @@ class SavedShards:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def has_moments(self) -> bool:
+        """Whether the checkpoint holds Adam moments: any saved place (tp, pp) whose first rank's
+        file lists moment values. Headers only are read. A checkpoint saved before the first step,
+        or written by a conversion or a merge, holds the weights only."""
+        seen = set()
+        for rank, (pp_rank, _, _, tp_rank) in enumerate(self.coords):
+            if (pp_rank, tp_rank) in seen:
+                continue
+            seen.add((pp_rank, tp_rank))
+            entries = self.file(rank).entries["optimizer"].values()
+            if any(key in e.values for e in entries for key in MOMENTS):
+                return True
+        return False
 
     def flat_shard(self, name: str, key: str, tp_rank: int, numel: int, lo: int = 0,
                    hi: int | None = None) -> torch.Tensor:
@@ -220,16 +241,29 @@ class GlobalWeights:
 
 
 def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
-    """The config of the run that saved ``checkpoint`` (``RUN_DIR/checkpoints/iter_*``), or the
-    one a conversion wrote beside its files (``CHECKPOINT/config.yaml``), or ``explicit``."""
-    beside = os.path.join(checkpoint, "config.yaml")
-    path = explicit or (beside if os.path.exists(beside) else
-                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))),
-                                     "config.yaml"))
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} not found: pass --config with the config of the run that "
-                              f"saved {checkpoint} (for the architecture)")
-    return path
+    """``explicit``, or the config a tool wrote beside ``checkpoint``'s files
+    (``CHECKPOINT/config.yaml``), or the config of the training run that saved it when it is one
+    of that run's own checkpoints (``RUN_DIR/checkpoints/<name>``: ``RUN_DIR/config.yaml``). The
+    lookup stops there: a ``config.yaml`` further up, or beside a checkpoint that is not inside a
+    run's ``checkpoints/`` folder, belongs to something else and is never taken."""
+    if explicit:
+        if not os.path.exists(explicit):
+            raise CheckpointError(f"--config {explicit} not found: pass the config of the run "
+                                  f"that saved {checkpoint}")
+        return explicit
+    beside = os.path.join(os.path.abspath(checkpoint), "config.yaml")
+    if os.path.exists(beside):
+        return beside
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    if os.path.basename(folder) == "checkpoints":
+        run = os.path.join(os.path.dirname(folder), "config.yaml")
+        if os.path.exists(run):
+            return run
+        where = f"neither {beside} nor {run} exists"
+    else:
+        where = f"{beside} not found, and {checkpoint} is not in a run's checkpoints/ folder"
+    raise CheckpointError(f"{where}: pass --config with the config of the run that saved "
+                          f"{checkpoint} (for the architecture)")
 
 
 def write_layout(directory: str, layout: Layout, state_at) -> tuple[dict, int]:
@@ -253,3 +287,59 @@ def write_layout(directory: str, layout: Layout, state_at) -> tuple[dict, int]:
             written[(pp_rank, tp_rank)] = (file, record)
         files[os.path.basename(file)] = record
     return files, len(written)
+
+
+def planned_bytes(layout: Layout, state_at) -> int:
+    """The bytes of the rank files :func:`write_layout` writes for ``state_at`` (headers
+    included; data-parallel replicas are links), computed from the states' shapes: no tensor is
+    read (``state_at``'s tensors are lazy)."""
+    places = {(pp_rank, tp_rank) for pp_rank, _, _, tp_rank in layout.all_coords()}
+    return sum(rank_state_size(state_at(pp_rank, tp_rank)) for pp_rank, tp_rank in places)
+
+
+def write_weights_checkpoint(output: str, cfg, sizes, world: int,
+                             tensor: Callable[[ParamSpec, int], torch.Tensor], *,
+                             label: str | None = None, record: dict | None = None,
+                             on_bytes: Callable[[int], None] | None = None,
+                             before_publish: Callable[[str], object] | None = None):
+    """Write the new checkpoint ``output`` holding weights only: every rank file of the layout
+    ``sizes`` (resolve's, of ``cfg`` at ``world`` ranks) holds its place's fp32 master weights,
+    ``tensor(spec, tp_rank)`` giving each tp slice (of ``spec.local_shape``, vocabulary padding
+    rows zero) when it is written, one at a time; no Adam moments (none are invented: training
+    from it starts the optimizer fresh), iteration 0; data-parallel replicas are hard links;
+    ``config.yaml`` beside the files, so to-hf and inspection need no ``--config``; the
+    metadata with ``record``'s extra fields (where it came from). The free-space check counts
+    exactly these bytes and runs before anything is read. ``label``: a progress bar of that name;
+    ``on_bytes(n)``: told each slice's bytes. ``before_publish(tmp)`` runs on the complete
+    temporary directory before it takes its name (a check that refuses leaves nothing).
+    Returns (the metadata written, what ``before_publish`` returned)."""
+    shapes = global_shapes(cfg)
+    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
+    counters = [on_bytes] if on_bytes is not None else []
+
+    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
+        out = tensor(spec, tp_rank)
+        for count in counters:
+            count(out.numel() * out.element_size())
+        return out
+
+    def state_at(pp_rank: int, tp_rank: int) -> dict:
+        specs = rank_param_specs(cfg, pp_rank, tp_rank)
+        model = {n: Entry.shards(n, {"master": LazyTensor(
+            torch.float32, tuple(s.local_shape), lambda s=s: read(s, tp_rank))}).tree()
+            for n, s in specs.items()}
+        return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
+                          model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
+
+    size = planned_bytes(sizes.layout, state_at)
+    with new_directory(output, needed=size) as tmp, \
+            progress_bar(size, label or "writing", enabled=None if label else False) as bar:
+        counters.append(bar.update)
+        files, _ = write_layout(tmp, sizes.layout, state_at)
+        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
+        meta = metadata(iteration=0, world_size=world, layout=layout,
+                        vocab_size=cfg.model.vocab_size, padded_vocab=sizes.padded_vocab,
+                        files=files, tensors=shapes, **(record or {}))
+        write_metadata(tmp, meta)
+        checked = before_publish(tmp) if before_publish is not None else None
+    return meta, checked

@@ -28,10 +28,7 @@ import warnings
 import torch
 
 from ..errors import UserError
-from ..model.build import rank_param_specs
 from ..model.hf_adapter import ConvertError
-from .format import Entry, LazyTensor, rank_state
-from .reshard import write_layout
 from .tensorfile import weight_dtype_problem
 
 METADATA = ".metadata"
@@ -244,35 +241,20 @@ def _layers(shapes: dict) -> int:
     return len({n.split(".")[1] for n in shapes if n.startswith("layers.")})
 
 
-def write_checkpoint(directory: str, cfg, layout, weights: TorchtitanWeights, bar) -> dict:
-    """Rank files of ``layout`` in ``directory`` holding ``weights`` as fp32 masters (iteration 0,
-    no optimizer state), each rank's tp slices cut from one global tensor read at a time."""
-    def sliced(spec, tp_rank: int) -> LazyTensor:
-        local, dim = tuple(spec.local_shape), spec.tp_dim
-
-        def read() -> torch.Tensor:
-            w = weights.get(spec.name)
-            if dim is not None:
-                lo = tp_rank * local[dim]
-                hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zeros
-                w = w.narrow(dim, min(lo, w.shape[dim]), max(0, hi - lo))
-                if w.shape[dim] < local[dim]:
-                    pad = list(local)
-                    pad[dim] -= w.shape[dim]
-                    w = torch.cat([w, torch.zeros(pad)], dim)
-            bar.update(w.numel() * 4)
-            return w.contiguous()
-        return LazyTensor(torch.float32, local, read)
-
-    def state_at(pp_rank: int, tp_rank: int) -> dict:
-        specs = rank_param_specs(cfg, pp_rank, tp_rank)
-        model = {n: Entry.shards(n, {"master": sliced(s, tp_rank)}).tree()
-                 for n, s in specs.items()}
-        return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                          model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
-
-    files, _ = write_layout(directory, layout, state_at)
-    return files
+def global_slice(weights: TorchtitanWeights, spec, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s fp32 slice (``spec.local_shape``) of ``spec``'s weight, cut from the one
+    global tensor read; rows past the vocabulary are zero."""
+    local, dim = tuple(spec.local_shape), spec.tp_dim
+    w = weights.get(spec.name)
+    if dim is not None:
+        lo = tp_rank * local[dim]
+        hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zeros
+        w = w.narrow(dim, min(lo, w.shape[dim]), max(0, hi - lo))
+        if w.shape[dim] < local[dim]:
+            pad = list(local)
+            pad[dim] -= w.shape[dim]
+            w = torch.cat([w, torch.zeros(pad)], dim)
+    return w.contiguous()
 
 
 def save_dcp(directory: str, tensors: dict[str, tuple[tuple, torch.dtype]], produce) -> None:

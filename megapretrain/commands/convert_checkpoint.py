@@ -18,7 +18,8 @@ pipeline-parallel shards and ZeRO ranges, drops the vocabulary padding and write
 Qwen2ForCausalLM, Qwen3ForCausalLM or GPTNeoXForCausalLM, as the family and its options say; with
 Llama 3.1 rotary scaling when the run has it), ``generation_config.json``, safetensors files
 (split at ``--max-shard-gb``, with an index) and the tokenizer files of a HuggingFace or
-SentencePiece run. The architecture comes from the run's ``config.yaml`` (or ``--config``).
+SentencePiece run. The architecture comes from the ``config.yaml`` beside the checkpoint (every
+tool writes one), or from the run's when it is one of a run's ``checkpoints/`` (or ``--config``).
 
 ``from-hf`` writes a checkpoint (fp32 weights, no optimizer state, iteration 0) for the target
 layout given by ``--config`` plus ``--section.key VALUE`` overrides at ``--world-size`` (default:
@@ -30,7 +31,10 @@ family comes from ``config.json`` (``model_type``, else ``architectures``); it p
 Both stream: one tensor at a time is read (by byte range: a tp rank's rows only) and written, so
 host memory stays at about one input tensor plus its slices whatever the model's size. ``--verify``
 runs both models (ours and transformers') in fp32 on a few random sequences and fails when their
-largest logit difference exceeds ``--tolerance`` (default 1e-4); it holds both models in memory.
+largest logit difference exceeds ``--tolerance`` (default 1e-4); each model is run one part at a
+time (the embedding, a decoder layer, the final norm and head: ``checkpoint/hf.py``), so it holds
+one part in fp32, never a model, and a host that cannot hold even that is refused before anything
+is written.
 Both refuse to write into a directory that exists and is not empty, and write through a temporary
 directory renamed at the end.
 
@@ -52,34 +56,29 @@ import torch
 from megapretrain.checkpoint import tensorfile
 from megapretrain.checkpoint.directories import new_directory, owner, resolve_checkpoint
 from megapretrain.checkpoint.format import (
-    Entry,
     LazyTensor,
     check_shapes,
-    metadata,
-    rank_state,
     read_metadata,
-    write_metadata,
 )
 from megapretrain.checkpoint.hf import (
     HF_DTYPE_NAMES,
     ConvertError,
     HFWeights,
+    check_verify_fits,
     generation_config,
     hf_config,
-    hf_logits,
+    hf_logits_by_layer,
     hf_name,
-    load_hf_model,
     model_overrides,
-    our_logits,
-    our_model,
+    our_logits_by_layer,
     read_hf_config,
+    verify_tokens,
 )
 from megapretrain.checkpoint.reshard import (
     GlobalWeights,
     global_shapes,
-    layout_bytes,
     saved_config_path,
-    write_layout,
+    write_weights_checkpoint,
 )
 from megapretrain.cli import (
     non_negative_float,
@@ -89,9 +88,9 @@ from megapretrain.cli import (
     user_errors,
 )
 from megapretrain.commands import convert_megatron, convert_torchtitan
-from megapretrain.config import load_config, save_config
+from megapretrain.config import load_config
 from megapretrain.errors import UserError
-from megapretrain.model.build import DTYPES, rank_param_specs
+from megapretrain.model.build import DTYPES
 from megapretrain.resolve import resolve
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -180,6 +179,8 @@ def to_hf(args: argparse.Namespace) -> str:
     dtype = DTYPES[args.dtype or cfg.train.precision]
     specs = weights.specs
     bos, eos = _tokenizer_ids(cfg)
+    if args.verify:
+        check_verify_fits(cfg)  # before anything is written
     plan = _plan_shards(specs, dtype, args.max_shard_gb * 2**30)
     size = sum(specs[n].numel for n in specs) * dtype.itemsize
     with new_directory(args.output, needed=size) as tmp, progress_bar(size, "to-hf") as bar:
@@ -260,14 +261,12 @@ def _copy_tokenizer(cfg, out: str) -> list[str]:
 
 def _verify(args, cfg, weight, hf_dir: str, dtype: torch.dtype) -> str:
     """Our model (weights from ``weight(name)``, rounded through ``dtype`` as exported) and
-    transformers' from ``hf_dir``, in fp32 on a few random sequences: the largest logit
+    transformers' from ``hf_dir``, in fp32 on a few random sequences, each run one part (the
+    embedding, a decoder layer, the final norm and head) at a time: the largest logit
     difference."""
-    ours = our_model(cfg, lambda n: weight(n).to(dtype).float())
-    theirs = load_hf_model(hf_dir)
-    seq = min(cfg.train.seq_length, 64)
-    tokens = torch.randint(0, cfg.model.vocab_size, (3, seq),
-                           generator=torch.Generator().manual_seed(0))
-    diff = (our_logits(ours, tokens) - hf_logits(theirs, tokens)).abs().max().item()
+    tokens = verify_tokens(cfg)
+    ours = our_logits_by_layer(cfg, lambda n: weight(n).to(dtype).float(), tokens)
+    diff = (ours - hf_logits_by_layer(hf_dir, tokens)).abs().max().item()
     if not diff <= args.tolerance:  # NaN logits fail too
         raise ConvertError("--verify: the largest logit difference between megapretrain's model "
                            f"and transformers' is {diff:.3e} > --tolerance {args.tolerance:g}; the "
@@ -330,7 +329,7 @@ def _check_tied_head(hf_dir: str, weights: HFWeights, family: str, rows: int = 4
                                f"{fix}")
 
 
-def _slice(weights: HFWeights, spec, tp_rank: int, family: str, bar=None):
+def _slice(weights: HFWeights, spec, tp_rank: int, family: str) -> LazyTensor:
     """Rank ``tp_rank``'s fp32 slice of ``spec``'s HF tensor (of ``spec.local_shape``), padded."""
     name, dim, local = hf_name(spec.name, family), spec.tp_dim, spec.local_shape
 
@@ -349,8 +348,7 @@ def _slice(weights: HFWeights, spec, tp_rank: int, family: str, bar=None):
         pad = list(local)
         pad[dim] -= part.shape[dim]
         return torch.cat([part, torch.zeros(pad)], dim)
-    return LazyTensor(torch.float32, tuple(local), read if bar is None
-                      else lambda: _counted(read(), bar))
+    return LazyTensor(torch.float32, tuple(local), read)
 
 
 def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -362,34 +360,26 @@ def from_hf(args: argparse.Namespace, overrides: list[str]) -> str:
     if shapes["embed_tokens.weight"][0] != hf["vocab_size"]:
         raise ConvertError(f"{args.hf}: embed_tokens has {shapes['embed_tokens.weight'][0]} rows "
                            f"but config.json says vocab_size={hf['vocab_size']}")
-    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
-    size = layout_bytes(cfg, sizes.layout, moments=False)
-    with new_directory(args.output, needed=size) as tmp, progress_bar(size, "from-hf") as bar:
-        def state_at(pp_rank: int, tp_rank: int) -> dict:
-            specs = rank_param_specs(cfg, pp_rank, tp_rank)
-            family = cfg.model.family
-            model = {n: Entry.shards(n, {"master": _slice(weights, s, tp_rank, family, bar)})
-                     for n, s in specs.items()}
-            return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model={n: e.tree() for n, e in model.items()},
-                              moments={n: Entry.shards(n, {}).tree() for n in specs})
+    if args.verify:
+        check_verify_fits(cfg)  # before anything is written
 
-        files, _ = write_layout(tmp, sizes.layout, state_at)
-        # the architecture, for to-hf and inspection
-        save_config(cfg, os.path.join(tmp, "config.yaml"))
-        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
-                                     vocab_size=hf["vocab_size"], padded_vocab=sizes.padded_vocab,
-                                     files=files, tensors=shapes,
-                                     converted_from=os.path.abspath(args.hf)))
-        report = ""
-        if args.verify:
-            check = GlobalWeights(tmp, cfg)  # reads back what was written, from its shards
-            report = _verify(args, cfg, check.get, args.hf, torch.float32)
+    def verify(tmp: str) -> str:
+        check = GlobalWeights(tmp, cfg)  # reads back what was written, from its shards
+        try:
+            return _verify(args, cfg, check.get, args.hf, torch.float32)
+        finally:
             check.close()
+
+    meta, report = write_weights_checkpoint(
+        args.output, cfg, sizes, world, lambda spec, tp_rank: _slice(
+            weights, spec, tp_rank, cfg.model.family).read(), label="from-hf",
+        record={"converted_from": os.path.abspath(args.hf)},
+        before_publish=verify if args.verify else None)
+    layout = meta["layout"]
     weights.close()
     flags = " ".join(f"'{x}'" if x.startswith("{") else x for x in model_overrides(hf, args.hf))
-    return (f"wrote {args.output} for {world} ranks (layout {layout}){report}; train from it with "
-            f"--checkpoint.load {args.output} and\n  {flags}")
+    return (f"wrote {args.output} for {world} ranks (layout {layout}){report or ''}; train from it "
+            f"with --checkpoint.load {args.output} and\n  {flags}")
 
 
 @user_errors

@@ -27,13 +27,8 @@ import torch
 
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
 from megapretrain.checkpoint.format import (
-    Entry,
-    LazyTensor,
     check_shapes,
-    metadata,
-    rank_state,
     read_metadata,
-    write_metadata,
 )
 from megapretrain.checkpoint.megatron import (
     MegatronCheckpoint,
@@ -47,14 +42,13 @@ from megapretrain.checkpoint.megatron import (
 from megapretrain.checkpoint.reshard import (
     GlobalWeights,
     global_shapes,
-    layout_bytes,
     saved_config_path,
-    write_layout,
+    write_weights_checkpoint,
 )
-from megapretrain.cli import positive_int, progress_bar
-from megapretrain.config import load_config, save_config
+from megapretrain.cli import positive_int
+from megapretrain.config import load_config
 from megapretrain.model.args import padded_vocab_size
-from megapretrain.model.build import DTYPES, rank_param_specs
+from megapretrain.model.build import DTYPES
 from megapretrain.resolve import resolve
 
 COMMANDS = ("from-megatron", "to-megatron")
@@ -91,25 +85,21 @@ def add_parsers(sub) -> None:
                          "model.make_vocab_size_divisible_by)")
 
 
-def _local(weight, spec, tp_rank: int, bar) -> LazyTensor:
-    """Rank ``tp_rank``'s fp32 slice of ``spec``'s global weight, vocabulary rows padded, read
-    when it is written."""
-    def read() -> torch.Tensor:
-        t = weight(spec.name)
-        dim, local = spec.tp_dim, spec.local_shape
-        if dim is not None:
-            lo = min(tp_rank * local[dim], t.shape[dim])  # a rank may hold padding only
-            t = t.narrow(dim, lo, min(local[dim], t.shape[dim] - lo))
-        if dim is not None and t.shape[dim] < local[dim]:  # rows past the vocabulary: zeros
-            pad = list(local)
-            pad[dim] -= t.shape[dim]
-            t = torch.cat([t, t.new_zeros(pad)], dim)
-        if not torch.isfinite(t).all():
-            raise MegatronError(f"Megatron weights for '{spec.name}' hold NaN or infinite values; "
-                                "these weights cannot be trained from (nothing written)")
-        bar.update(t.numel() * 4)
-        return t.contiguous()
-    return LazyTensor(torch.float32, tuple(spec.local_shape), read)
+def _local(weight, spec, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s fp32 slice of ``spec``'s global weight, vocabulary rows padded."""
+    t = weight(spec.name)
+    dim, local = spec.tp_dim, spec.local_shape
+    if dim is not None:
+        lo = min(tp_rank * local[dim], t.shape[dim])  # a rank may hold padding only
+        t = t.narrow(dim, lo, min(local[dim], t.shape[dim] - lo))
+    if dim is not None and t.shape[dim] < local[dim]:  # rows past the vocabulary: zeros
+        pad = list(local)
+        pad[dim] -= t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad)], dim)
+    if not torch.isfinite(t).all():
+        raise MegatronError(f"Megatron weights for '{spec.name}' hold NaN or infinite values; "
+                            "these weights cannot be trained from (nothing written)")
+    return t.contiguous()
 
 
 def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
@@ -127,25 +117,11 @@ def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
     shapes = global_shapes(cfg)
     check_against(ckpt, cfg, shapes, given)
     weight = reader_of(ckpt, cfg)
-    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
-    size = layout_bytes(cfg, sizes.layout, moments=False)
-    with new_directory(args.output, needed=size) as tmp, \
-            progress_bar(size, "from-megatron") as bar:
-        def state_at(pp_rank: int, tp_rank: int) -> dict:
-            specs = rank_param_specs(cfg, pp_rank, tp_rank)
-            model = {n: Entry.shards(n, {"master": _local(weight, s, tp_rank, bar)})
-                     for n, s in specs.items()}
-            return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                              model={n: e.tree() for n, e in model.items()},
-                              moments={n: Entry.shards(n, {}).tree() for n in specs})
-
-        files, _ = write_layout(tmp, sizes.layout, state_at)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))
-        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
-                                     vocab_size=cfg.model.vocab_size,
-                                     padded_vocab=sizes.padded_vocab, files=files, tensors=shapes,
-                                     converted_from=os.path.abspath(ckpt.path),
-                                     megatron_iteration=ckpt.iteration))
+    meta, _ = write_weights_checkpoint(
+        args.output, cfg, sizes, world, lambda spec, tp_rank: _local(weight, spec, tp_rank),
+        label="from-megatron", record={"converted_from": os.path.abspath(ckpt.path),
+                                       "megatron_iteration": ckpt.iteration})
+    layout = meta["layout"]
     note = f" ({ckpt.common_problem}: shape from the tensors and flags)" \
         if ckpt.common_problem else ""
     return (f"wrote {args.output} for {world} ranks (layout {layout}) from iteration "

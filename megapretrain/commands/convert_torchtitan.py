@@ -23,12 +23,12 @@ import torch
 import yaml
 
 from megapretrain.checkpoint.directories import new_directory, resolve_checkpoint
-from megapretrain.checkpoint.format import check_shapes, metadata, read_metadata, write_metadata
+from megapretrain.checkpoint.format import check_shapes, read_metadata
 from megapretrain.checkpoint.reshard import (
     GlobalWeights,
     global_shapes,
-    layout_bytes,
     saved_config_path,
+    write_weights_checkpoint,
 )
 from megapretrain.checkpoint.torchtitan import (
     ROPE_SCALING,
@@ -39,10 +39,10 @@ from megapretrain.checkpoint.torchtitan import (
     TorchtitanWeights,
     check_model,
     find_dcp,
+    global_slice,
     save_dcp,
     titan_name,
     to_pairs,
-    write_checkpoint,
 )
 from megapretrain.cli import positive_int, progress_bar
 from megapretrain.config import load_config, save_config
@@ -125,16 +125,10 @@ def from_torchtitan(args: argparse.Namespace, overrides: list[str]) -> str:
     margs = model_args(cfg)
     shapes = global_shapes(cfg)
     weights.check(shapes, m.tie_embeddings, (margs.num_heads, margs.num_kv_heads))
-    layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
-    size = layout_bytes(cfg, sizes.layout, moments=False)
-    with new_directory(args.output, needed=size) as tmp, \
-            progress_bar(size, "from-torchtitan") as bar:
-        files = write_checkpoint(tmp, cfg, sizes.layout, weights, bar)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
-        write_metadata(tmp, metadata(iteration=0, world_size=world, layout=layout,
-                                     vocab_size=m.vocab_size, padded_vocab=sizes.padded_vocab,
-                                     files=files, tensors=shapes,
-                                     converted_from=os.path.abspath(path)))
+    meta, _ = write_weights_checkpoint(
+        args.output, cfg, sizes, world, lambda spec, tp_rank: global_slice(weights, spec, tp_rank),
+        label="from-torchtitan", record={"converted_from": os.path.abspath(path)})
+    layout = meta["layout"]
     others = f" (the checkpoint's {', '.join(weights.others)} are left out)" \
         if weights.others else ""
     scaling = f"llama3 ×{m.rope_scaling['factor']:g}" if m.rope_scaling else "none"
