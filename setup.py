@@ -74,5 +74,6 @@ setup(
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
         "megapretrain-simulate=megapretrain.commands.simulate:main",
+        "megapretrain-evaluate=megapretrain.commands.evaluate:main",
     ]},
 )
