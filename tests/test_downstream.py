@@ -218,3 +218,74 @@ def test_logliks_equal_transformers_on_the_export(single, task_file, tmp_path):
     ours_metrics, _ = task_metrics([t], single["logliks"])
     their_metrics, _ = task_metrics([t], theirs)
     assert ours_metrics == their_metrics
+
+
+# -- lm-evaluation-harness itself (the [eval-harness] extra) ---------------------------------------
+
+
+def _bpe_corpus(directory) -> tuple[str, str]:
+    """A tiny byte-level BPE tokenizer.json and a corpus of pseudo-code documents tokenized with it
+    (the indexed format, end of document after each): where context and choice merge into other
+    tokens than either alone."""
+    import numpy as np
+
+    from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
+
+    tok_path = str(directory / "tokenizer.json")
+    train_hf_tokenizer(tok_path)
+    bpe = HuggingFaceTokenizer(tok_path)
+    words = "the quick brown fox jumps over lazy dog hello world return main def".split()
+    rng = np.random.default_rng(0)
+    prefix = str(directory / "bpe_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(200):
+        text = " ".join(rng.choice(words, size=int(rng.integers(8, 30))))
+        builder.add_document(bpe.tokenize(text) + [bpe.eod])
+    builder.finalize(prefix + ".idx")
+    return tok_path, prefix
+
+
+@pytest.mark.slow  # (about a minute: a run, an export, lm-evaluation-harness's imports)
+def test_scores_equal_lm_evaluation_harness_on_the_export(tmp_path):
+    """A run on a BPE tokenizer, exported with to-hf: lm-evaluation-harness's HFLM log-likelihoods
+    on the export equal tools/evaluate.py's per item within 1e-4, and so do acc and acc_norm (the
+    texts are ASCII: lm-evaluation-harness's length in characters is the length in bytes)."""
+    pytest.importorskip("lm_eval", reason="pip install 'megapretrain[eval-harness]'")
+    transformers = pytest.importorskip("transformers")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    tok_path, prefix = _bpe_corpus(tmp_path)
+    bpe = HuggingFaceTokenizer(tok_path)
+    task = str(tmp_path / "bpe_mc.jsonl")
+    tasks_from_corpus(corpus_documents(prefix, bpe), task, num_items=8, num_choices=3,
+                      context_chars=30, choice_chars=12, seed=5)
+    run = str(tmp_path / "run")
+    eval_layout(0, 1, run, prefix, _flags(task, "--data.tokenizer.type", "HuggingFaceTokenizer",
+                                          "--data.tokenizer.model", tok_path,
+                                          "--train.seq_length", "48"))
+    items = tmp_path / "items.jsonl"
+    assert load_tool("evaluate").main(["--checkpoint", run, "--tasks", task, "--output",
+                                       str(items)]) == 0
+    ours = [json.loads(line) for line in items.read_text().splitlines()]
+    hf_dir = str(tmp_path / "hf")
+    assert load_tool("convert_checkpoint").main(["to-hf", "--checkpoint", run, "--output",
+                                                 hf_dir]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=tok_path,
+                                                     eos_token="<|endoftext|>")
+    lm = HFLM(pretrained=model.eval(), tokenizer=tokenizer, backend="causal", device="cpu",
+              batch_size=1)
+    with open(task) as fh:
+        docs = [json.loads(line) for line in fh]
+    requests = [Instance("loglikelihood", doc, (doc["context"], choice), idx)
+                for doc in docs for idx, choice in enumerate(doc["choices"])]
+    theirs = [ll for ll, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+    assert [ll for r in ours for ll in r["logliks"]] == pytest.approx(theirs, rel=1e-4, abs=1e-4)
+    at = 0
+    for doc, record in zip(docs, ours):
+        lls = theirs[at:at + len(doc["choices"])]
+        at += len(doc["choices"])
+        lengths = [float(len(c)) for c in doc["choices"]]  # lm-evaluation-harness's acc_norm
+        assert record["pred"] == max(range(len(lls)), key=lambda c: (lls[c], -c))
+        assert record["pred_norm"] == max(range(len(lls)), key=lambda c: (lls[c] / lengths[c], -c))
