@@ -289,3 +289,22 @@ def test_scores_equal_lm_evaluation_harness_on_the_export(tmp_path):
         lengths = [float(len(c)) for c in doc["choices"]]  # lm-evaluation-harness's acc_norm
         assert record["pred"] == max(range(len(lls)), key=lambda c: (lls[c], -c))
         assert record["pred_norm"] == max(range(len(lls)), key=lambda c: (lls[c] / lengths[c], -c))
+
+
+def test_dashboard_draws_downstream_accuracy_beside_the_loss(single):
+    """tools/plot_run.py's dashboard of the run: a panel of each task's acc and acc_norm at the
+    eval lines' iterations, on 0..1."""
+    pytest.importorskip("matplotlib")
+    from megapretrain.monitor import plots
+    from megapretrain.monitor.metrics import read_metrics
+
+    fig = plots.dashboard_figure(read_metrics(single["run"]), "run")
+    titles = [ax.get_title() for ax in fig.axes]
+    (panel,) = [ax for ax in fig.axes if ax.get_title() == "downstream accuracy"]
+    assert titles.index("downstream accuracy") == 1  # beside the loss
+    lines = {line.get_label(): line for line in panel.get_lines()}
+    assert set(lines) >= {"corpus_mc/acc", "corpus_mc/acc_norm"}
+    assert list(lines["corpus_mc/acc"].get_xdata()) == [3, 5]
+    assert list(lines["corpus_mc/acc"].get_ydata()) == [r["corpus_mc/acc"] for r in single["evals"]]
+    assert panel.get_ylim() == (-0.02, 1.02)
+    plots.pyplot().close(fig)
