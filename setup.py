@@ -78,5 +78,6 @@ setup(
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
         "megapretrain-simulate=megapretrain.commands.simulate:main",
         "megapretrain-evaluate=megapretrain.commands.evaluate:main",
+        "megapretrain-make-tasks=megapretrain.commands.make_tasks:main",
     ]},
 )
