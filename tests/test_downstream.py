@@ -167,6 +167,12 @@ def test_in_loop_scores_equal_one_process(name, single, corpus, task_file, tmp_p
     for a, b in zip(ours, ref):
         for key in ("corpus_mc/acc", "corpus_mc/acc_norm", "corpus_mc/n"):
             assert a[key] == b[key], (key, a, b)
+    # the checkpoint this layout saved, scored offline on one process, gives the loop's numbers
+    items = tmp_path / "items.jsonl"
+    assert load_tool("evaluate").main(["--checkpoint", str(tmp_path), "--tasks", task_file,
+                                       "--output", str(items)]) == 0
+    offline = [ll for line in items.read_text().splitlines() for ll in json.loads(line)["logliks"]]
+    assert offline == pytest.approx(results[0]["logliks"], rel=1e-5, abs=1e-5)
 
 
 # -- offline, and against transformers -------------------------------------------------------------
@@ -308,3 +314,16 @@ def test_dashboard_draws_downstream_accuracy_beside_the_loss(single):
     assert list(lines["corpus_mc/acc"].get_ydata()) == [r["corpus_mc/acc"] for r in single["evals"]]
     assert panel.get_ylim() == (-0.02, 1.02)
     plots.pyplot().close(fig)
+
+
+def test_make_tasks_writes_a_new_task_file_only(corpus, tmp_path, capsys):
+    make_tasks = load_tool("make_tasks")
+    out = tmp_path / "mc.jsonl"
+    argv = ["--data", corpus, "--output", str(out), "--items", "5", "--choices", "3",
+            "--context-chars", "20", "--choice-chars", "8"]
+    assert make_tasks.main(argv) == 0
+    [t] = load_tasks([str(out)], ByteTokenizer(), SEQ)
+    assert len(t.items) == 5 and all(len(i.requests) == 3 for i in t.items)
+    before = out.read_text()
+    assert make_tasks.main(argv) == 2 and out.read_text() == before
+    assert "exists" in capsys.readouterr().err
