@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         "overwritten)")
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     documents = corpus_documents(args.data, tokenizer)
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
     tmp = f"{args.output}.tmp{os.getpid()}"
     tasks_from_corpus(documents, tmp, num_items=args.items, num_choices=args.choices,
                       context_chars=args.context_chars, choice_chars=args.choice_chars,
