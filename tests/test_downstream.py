@@ -106,10 +106,14 @@ def test_fewshot_prefix_and_metrics(tmp_path):
     assert (targets[0] != -100).sum() == 2 and targets[0, len(seq) - 3].item() == ord(" ")
 
 
-def test_eval_tasks_without_an_interval_is_refused():
-    cfg = load_config(None, ["--eval.tasks", "[a.jsonl]", "--train.eval_interval", "0",
-                             "--model.vocab_size", "300"])
-    with pytest.raises(ConfigError, match="train.eval_interval"):
+@pytest.mark.parametrize("flags, words", [
+    (["--train.eval_interval", "0"], "train.eval_interval > 0"),
+    (["--eval.fewshot", "[a.jsonl, b.jsonl]"], "one per task"),
+    (["--eval.num_fewshot", "3"], "needs eval.fewshot"),
+])
+def test_eval_fields_that_cannot_work_are_refused(flags, words):
+    cfg = load_config(None, ["--eval.tasks", "[a.jsonl]", "--model.vocab_size", "300", *flags])
+    with pytest.raises(ConfigError, match=words):
         resolve(cfg, 1)
 
 
@@ -189,7 +193,10 @@ def test_offline_tool_equals_in_loop(single, task_file, tmp_path, capsys):
     offline = [ll for line in items.read_text().splitlines()
                for ll in json.loads(line)["logliks"]]
     assert offline == pytest.approx(single["logliks"], rel=1e-5, abs=1e-5)
-    # the output is never overwritten
+    # a missing task file is one line; the output is never overwritten
+    assert evaluate.main(["--checkpoint", single["run"], "--tasks", str(tmp_path / "no.jsonl")]) \
+        == 2
+    assert "task file" in capsys.readouterr().err
     assert evaluate.main(["--checkpoint", single["run"], "--tasks", task_file,
                           "--output", str(items)]) == 2
 
