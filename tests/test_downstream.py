@@ -304,6 +304,19 @@ def test_scores_equal_lm_evaluation_harness_on_the_export(tmp_path):
         assert record["pred_norm"] == max(range(len(lls)), key=lambda c: (lls[c] / lengths[c], -c))
 
 
+def test_tensorboard_charts_downstream_accuracy_together():
+    import re
+
+    from megapretrain.monitor.metrics import TENSORBOARD_LAYOUT
+
+    charts = {chart: tags for section in TENSORBOARD_LAYOUT.values()
+              for chart, (_, tags) in section.items()}
+    for tag in ("arc_easy/acc", "arc_easy/acc_norm", "piqa/acc"):
+        assert [c for c, tags in charts.items() if any(re.search(t, tag) for t in tags)] \
+            == ["downstream accuracy"]
+    assert not any(re.search(t, "arc_easy/n") for t in charts["downstream accuracy"])
+
+
 def test_dashboard_draws_downstream_accuracy_beside_the_loss(single):
     """tools/plot_run.py's dashboard of the run: a panel of each task's acc and acc_norm at the
     eval lines' iterations, on 0..1."""
