@@ -37,6 +37,9 @@ setup(
         "wandb": ["wandb>=0.16"],
         "triton": ["triton>=3.0"],
         "plots": ["matplotlib>=3.7"],
+        # tests/test_downstream.py scores tasks with lm-evaluation-harness on the to-hf export
+        # (0.4.13: the first release that imports under transformers 5)
+        "eval-harness": ["lm_eval>=0.4.13", "transformers>=4.45"],
         "dev": ["pytest>=7.4", "pytest-timeout>=2.1", "ruff>=0.6", "matplotlib>=3.7", "triton>=3.0",
                 "setuptools>=70", "wheel",
                 "tokenizers>=0.19",
@@ -74,5 +77,7 @@ setup(
         "megapretrain-plot-run=megapretrain.commands.plot_run:main",
         "megapretrain-plot-schedule=megapretrain.commands.plot_schedule:main",
         "megapretrain-simulate=megapretrain.commands.simulate:main",
+        "megapretrain-evaluate=megapretrain.commands.evaluate:main",
+        "megapretrain-make-tasks=megapretrain.commands.make_tasks:main",
     ]},
 )

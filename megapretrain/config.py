@@ -260,6 +260,17 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    tasks: list = _f(None, "Multiple-choice task files (JSONL of {context, choices, label}) scored "
+                     "at every train.eval_interval and at the end; logged as <task>/acc, "
+                     "<task>/acc_norm, <task>/n (docs/evaluation.md).", factory=list, path=True)
+    fewshot: list = _f(None, "One file of example items per task (same order) to build a "
+                       "few-shot prefix from; [] for none.", factory=list, path=True)
+    num_fewshot: int = _f(0, "Examples (the first items of each eval.fewshot file) put before "
+                             "every context.", min=0)
+
+
+@dataclass
 class OptimConfig:
     lr: float = _f(3e-4, "Peak learning rate.", positive=True)
     min_lr: float = _f(3e-5, "Learning rate at the end of the decay.")
@@ -439,6 +450,7 @@ class Config:
     parallel: ParallelConfig = _f(None, "Parallel layout.", factory=ParallelConfig)
     data: DataConfig = _f(None, "Datasets and tokenizer.", factory=DataConfig)
     train: TrainConfig = _f(None, "Batch sizes, length, precision.", factory=TrainConfig)
+    eval: EvalConfig = _f(None, "Downstream multiple-choice tasks.", factory=EvalConfig)
     optim: OptimConfig = _f(None, "Optimizer.", factory=OptimConfig)
     schedule: ScheduleConfig = _f(None, "Learning-rate schedule.", factory=ScheduleConfig)
     checkpoint: CheckpointConfig = _f(None, "Checkpointing.", factory=CheckpointConfig)

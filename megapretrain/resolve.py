@@ -20,6 +20,7 @@ from .config import Config, check_fields
 from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
+from .eval import check_eval_config
 from .model.args import ModelArgs, model_args
 from .model.attention import check_attention
 from .model.families import check_model
@@ -154,6 +155,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     decay_iters, warnings = resolve_decay_iters(cfg, iters)
     check_recovery(cfg.recovery.action)
     check_average_last(cfg.checkpoint)
+    check_eval_config(cfg)
 
     model = shape
     sizes = RunSizes(layout=layout,

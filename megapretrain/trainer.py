@@ -54,6 +54,7 @@ from .data.gpt_dataset import parse_data_paths
 from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
 from .errors import DataError, UserError
+from .eval import DownstreamEval, PipelineScorer
 from .faults import Faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
@@ -174,6 +175,11 @@ class Trainer:
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size,
                                            self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
+        # eval.tasks, read and tokenized once; scored by the evaluation's forward-only schedule
+        self.downstream = DownstreamEval(
+            cfg, build_tokenizer(d.tokenizer.type, d.tokenizer.model),
+            PipelineScorer(self.model_chunks, ps, self.pipeline, self.eval_orders, self.num_micro,
+                           t.micro_batch_size)) if cfg.eval.tasks else None
 
         # saving, resuming, rolling back and the learning rate
         self.run = RunState(cfg, sizes, ps, self.position, self.optimizer, self.model_chunks,
@@ -654,10 +660,17 @@ class Trainer:
             fh.write(json.dumps(record) + "\n")
 
     def _log_eval(self, valid_loss: float | None) -> None:
-        if valid_loss is None:
+        """The eval line: the validation loss and, with eval.tasks, the downstream tasks' scores
+        and the time they took (not counted in any step's throughput: a step's time starts after
+        it)."""
+        record = {} if valid_loss is None else {"valid_loss": valid_loss}
+        if self.downstream is not None:
+            record.update(self.downstream.evaluate())
+        if not record:
             return
-        self.metrics.log({"iter": self.iteration, "valid_loss": valid_loss})
-        self.log(f"iter {self.iteration:>6} | valid_loss {valid_loss:.4f}")
+        self.metrics.log({"iter": self.iteration, **record})
+        self.log(f"iter {self.iteration:>6} | " + " | ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
 
     def request_stop(self, name: str) -> None:
         """Stop as the stop signal ``name`` asks (one received before :meth:`fit`: before the

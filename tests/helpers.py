@@ -221,6 +221,20 @@ def resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
         [r["iter"] for r in rows if r.get("event") == "resumed"]
 
 
+def eval_layout(rank, world, run_dir, corpus, flags):
+    """The trainer on ``BASE`` + ``flags`` (eval.tasks among them) for one rank of ``world``: its
+    eval lines (rank 0's metrics.jsonl) and the downstream log-likelihoods it scores after
+    training."""
+    from megapretrain.train import setup
+
+    trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
+    trainer.fit()
+    d = trainer.downstream
+    logliks = d.scorer(d.tokens, d.targets)
+    evals = records(run_dir, "downstream_time_s") if rank == 0 else []
+    return {"evals": evals, "logliks": logliks}
+
+
 # -- one process of the real trainer --------------------------------------------------------------
 
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",

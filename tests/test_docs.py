@@ -44,7 +44,8 @@ from megapretrain.monitor.flops import native_half_precision
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + [f"docs/{name}" for name in (
     "training.md", "configuration.md", "data.md", "parallelism.md", "checkpoints.md", "planner.md",
-    "operations.md", "kernels.md", "performance.md", "model_families.md", "contributing.md")]
+    "operations.md", "kernels.md", "performance.md", "model_families.md", "contributing.md",
+    "evaluation.md")]
 LANGUAGES = {"bash", "text", "yaml", "json", "python"}
 
 # appended to every command that trains: a 4-layer, 64-wide model on 8 × 32-token samples per step
@@ -71,6 +72,8 @@ REWRITES = [
      "--nproc_per_node 2 tools/smoke_test.py --workdir runs/smoke4", "every layout of 2 ranks, not of 4"),
     (r"(smoke_test\.py.*)$", r"\1 --steps 2", "the smoke test: 2 steps per layout"),
     (r"--max-mb 40", "--max-mb 2", "a 2 MB demo corpus"),
+    (r"(make_tasks\.py.*)--context-chars 40 --choice-chars 16", r"\1--context-chars 16 --choice-chars 8",
+     "items that fit the tiny runs' 32-token samples"),
     (r"bench_train\.py (.*)", r"bench_train.py \1 --steps 1 --warmup 0 " + TINY, "one tiny timed step"),
     (r"bench_dp\.py(.*)", r"bench_dp.py\1 --layers 2 --hidden 64 --vocab 256 --seq 32 --steps 1 --warmup 0",
      "one tiny step per layout"),

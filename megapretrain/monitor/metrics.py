@@ -24,6 +24,8 @@ TENSORBOARD_LAYOUT = {
         "grad norm": ["Multiline", [r"^grad_norm$"]],
         "learning rate": ["Multiline", [r"^lr$"]],
         "loss scale (fp16)": ["Multiline", [r"^loss_scale$"]],
+        # eval.tasks: "<task>/acc", "<task>/acc_norm"
+        "downstream accuracy": ["Multiline", [r"/acc$", r"/acc_norm$"]],
     },
     "speed": {
         "tokens/s": ["Multiline", [r"^tokens_per_sec$"]],

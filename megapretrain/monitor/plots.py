@@ -214,6 +214,11 @@ def _panels(train: list[dict], records: list[dict]) -> list[tuple[str, list, dic
     if valid[0]:
         loss.append(("valid_loss", *valid))
     panels.append(("loss", loss, {}))
+    # eval.tasks' scores (the eval lines' "<task>/acc", "<task>/acc_norm"), beside the loss
+    scores = sorted({k for r in records for k in r if k.endswith(("/acc", "/acc_norm"))})
+    if scores:
+        panels.append(("downstream accuracy", [(k, *series(records, k)) for k in scores],
+                       {"unit": True}))
     measured = {"zero": True, "span": True}
     wanted = (("grad norm (before clipping)", "grad_norm", {"log": True}),
               ("learning rate", "lr", {"zero": True}), ("tokens/s", "tokens_per_sec", measured),
@@ -237,11 +242,14 @@ def _flat_series(records: list[dict], key: str) -> tuple[list, list]:
 
 def _draw_panel(ax, name: str, lines: list, options: dict, marks: list[Mark]) -> None:
     for i, (label, xs, ys) in enumerate(lines):
-        style = {"marker": "o", "markersize": 3} if label == "valid_loss" else {}
+        style = {"marker": "o", "markersize": 3} \
+            if label == "valid_loss" or options.get("unit") else {}
         draw_series(ax, label, xs, ys, DATA_COLOURS[i % len(DATA_COLOURS)], **style)
     values = [y for _, _, ys in lines for y in ys]
     if options.get("log") and all(y > 0 for y in values):
         ax.set_yscale("log")
+    if options.get("unit"):  # a fraction: the whole 0..1 range
+        ax.set_ylim(-0.02, 1.02)
     if options.get("zero") and values and min(values) >= 0:
         ax.set_ylim(bottom=0, top=max(values) * 1.08 or 1)
     mark_events(ax, marks)
