@@ -1,0 +1,232 @@
+"""Muon (optim.optimizer muon): one process against torch.optim.Muon + torch.optim.AdamW, every
+layout against one process, and its state in checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megapretrain.checkpoint.manager import restore_optimizer
+from megapretrain.config import OptimConfig
+from megapretrain.errors import CheckpointError, ConfigError
+from megapretrain.optim.muon import newton_schulz
+from megapretrain.optim.optimizer import MixedPrecisionAdamW, check_optim
+from megapretrain.parallel.state import ParallelState
+
+from helpers import build, make_tokens, optimizer_checkpoint, tiny_args
+
+NEOX_ARGS = dict(family="gpt_neox", mlp="gelu", num_kv_heads=4, num_heads=8, rotary_pct=0.5,
+                 ffn_hidden_size=256)
+MUON = dict(optimizer="muon", lr=1e-2, muon_lr=2e-2, weight_decay=0.1, muon_weight_decay=0.05,
+            clip_grad=0.0)
+
+
+def _loss(model, tokens):
+    return model(tokens[:, :-1], tokens[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32)])
+def test_newton_schulz_is_torchs(shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    ref = _zeropower_via_newtonschulz(u, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert torch.equal(newton_schulz(u, 5), ref)
+
+
+def _qkv_parts(weight, group_rows):
+    """Split GPT-NeoX's fused QKV (rows per kv head: its queries, its key, its value) into the q,
+    k and v matrices (independently of the optimizer's own split)."""
+    q_rows, d = group_rows
+    groups = weight.shape[0] // (q_rows + 2 * d)
+    g = weight.reshape(groups, q_rows + 2 * d, -1)
+    return [g[:, :q_rows].reshape(-1, weight.shape[1]),
+            g[:, q_rows:q_rows + d].reshape(-1, weight.shape[1]),
+            g[:, q_rows + d:].reshape(-1, weight.shape[1])]
+
+
+def _join_qkv(parts, group_rows):
+    q_rows, d = group_rows
+    groups = parts[1].shape[0] // d
+    q, k, v = (p.reshape(groups, -1, p.shape[1]) for p in parts)
+    return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[2])
+
+
+class Reference:
+    """torch.optim.Muon on every logical matrix of the decoder layers (a fused QKV split into its
+    q, k and v) and torch.optim.AdamW (fused) on the rest, over fp32 copies of ``model``'s
+    weights; clipping by the global norm as the trainer does."""
+
+    def __init__(self, model, cfg: OptimConfig, group_rows=None):
+        self.model, self.cfg, self.group_rows = model, cfg, group_rows
+        self.masters = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        self.parts = {}  # name -> the logical matrices (leaf tensors) Muon steps
+        for n, w in self.masters.items():
+            if n.startswith("layers.") and w.ndim == 2:
+                split = _qkv_parts(w, group_rows) if "qkv_proj" in n else [w]
+                self.parts[n] = [p.clone().requires_grad_(True) for p in split]
+        adam = {n: w.requires_grad_(True) for n, w in self.masters.items() if n not in self.parts}
+        self.adam = torch.optim.AdamW(
+            [{"params": [w for w in adam.values() if w.ndim >= 2],
+              "weight_decay": cfg.weight_decay},
+             {"params": [w for w in adam.values() if w.ndim < 2], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+        self.muon = torch.optim.Muon([p for ps in self.parts.values() for p in ps], lr=cfg.muon_lr,
+                                     weight_decay=cfg.muon_weight_decay,
+                                     momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                                     ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr)
+
+    def step(self, tokens, scale: float = 1.0, norm: float | None = None) -> float:
+        """One step at the schedule's factor ``scale`` of both learning rates; returns the global
+        grad norm. ``norm``: clip by this one (equal to ours within rounding: checked by the
+        caller), so that the clipped grads are the same bits."""
+        _loss(self.model, tokens).backward()
+        grads = {n: p.grad.float() for n, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.grad = None
+        own = torch.stack([g.double().norm() for g in grads.values()]).norm()
+        norm = own if norm is None else torch.tensor(norm, dtype=torch.float64)
+        if self.cfg.clip_grad > 0:
+            if norm > self.cfg.clip_grad:
+                coef = (self.cfg.clip_grad / (norm + 1e-6)).float()
+                grads = {n: g * coef for n, g in grads.items()}
+        for n, g in grads.items():
+            if n in self.parts:
+                split = _qkv_parts(g, self.group_rows) if "qkv_proj" in n else [g]
+                for p, pg in zip(self.parts[n], split):
+                    p.grad = pg
+            else:
+                self.masters[n].grad = g
+        for opt, lr in ((self.adam, self.cfg.lr), (self.muon, self.cfg.muon_lr)):
+            for group in opt.param_groups:
+                group["lr"] = lr * scale
+            opt.step()
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in self.parts:
+                    ps = [q.detach() for q in self.parts[n]]
+                    p.copy_(_join_qkv(ps, self.group_rows) if "qkv_proj" in n else ps[0])
+                else:
+                    p.copy_(self.masters[n])
+        return float(own)
+
+
+def _ours(model, cfg, ps=None, **kw):
+    ps = ps or ParallelState()
+    return MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg,
+                               "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32",
+                               ps, bucket_size_mb=0.01, **kw)
+
+
+def _our_step(model, opt, tokens, lr):
+    opt.zero_grad()
+    with opt.grad_sync(last=True):
+        _loss(model, tokens).backward()
+    opt.reduce_grads()
+    return opt.step(lr)
+
+
+CASES = {
+    "llama_fp32": (dict(), {}, torch.float32),
+    "llama_bf16": (dict(), {}, torch.bfloat16),
+    "llama_match_rms_no_nesterov": (dict(), dict(muon_adjust_lr="match_rms_adamw",
+                                                 muon_nesterov=False, muon_momentum=0.9,
+                                                 muon_ns_steps=3), torch.float32),
+    "gpt_neox_fused_qkv": (NEOX_ARGS, {}, torch.float32),
+    "llama_clipped": (dict(), dict(clip_grad=0.05), torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_process_equals_torch_muon_and_adamw(case):
+    """Six steps under a changing learning rate: the same weights as torch.optim.Muon on each
+    logical matrix + torch.optim.AdamW on the rest, bit for bit (clipped: by our global norm, which
+    equals the reference's within rounding — NS in bf16 turns any rounding difference of its input
+    into differences of bf16 ulps)."""
+    model_kw, opt_kw, dtype = CASES[case]
+    cfg = OptimConfig(**{**MUON, **opt_kw})
+    ps, tokens = ParallelState(), make_tokens(batch=4, seq=16)
+    ours, ref_model = build(ps, tiny_args(**model_kw), dtype=dtype), \
+        build(ps, tiny_args(**model_kw), dtype=dtype)
+    head = 64 // 8
+    group_rows = ((8 // 4) * head, head)
+    opt = _ours(ours, cfg)
+    ref = Reference(ref_model, cfg, group_rows)
+    assert len(opt.muon.momentum) == 2 * (7 if not model_kw else 4)  # every decoder matrix
+    for step, scale in enumerate((0.5, 1.0, 1.0, 0.8, 0.6, 0.3)):
+        norm, _ = _our_step(ours, opt, tokens, cfg.lr * scale)
+        assert ref.step(tokens, scale, norm) == pytest.approx(norm, rel=1e-6)
+        for (n, p), q in zip(ours.named_parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), f"{n} differs at step {step}"
+
+
+def test_a_nan_step_changes_nothing():
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args())
+    opt = _ours(model, OptimConfig(**MUON))
+    _our_step(model, opt, tokens, 1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: m.clone() for n, m in opt.muon.momentum.items()}
+    opt.zero_grad()
+    with opt.grad_sync(last=True):
+        (_loss(model, tokens) * float("nan")).backward()
+    opt.reduce_grads()
+    norm, skipped = opt.step(1e-2)
+    assert skipped and opt.step_count == 1
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(m, momentum[n]) for n, m in opt.muon.momentum.items())
+
+
+def test_muon_state_is_one_momentum_per_matrix():
+    """Muon's matrices hold one fp32 momentum, AdamW's parameters two moments: the memory report
+    counts exactly that."""
+    ps = ParallelState()
+    model = build(ps, tiny_args())
+    specs = model.param_specs()
+    muon = sum(s.numel for n, s in specs.items() if s.layer is not None and len(s.shape) == 2)
+    adam = sum(p.numel() for p in model.parameters()) - muon
+    report = _ours(model, OptimConfig(**MUON)).memory_report()
+    assert report["moments"] == 4 * (muon + 2 * adam)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_checkpoint_resumes_bitwise(zero):
+    """Saved after 2 steps and restored into a fresh optimizer: the next steps equal those of the
+    optimizer that went on."""
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    cfg = OptimConfig(**MUON)
+    a = build(ps, tiny_args())
+    opt_a = _ours(a, cfg, zero=zero)
+    for _ in range(2):
+        _our_step(a, opt_a, tokens, 1e-2)
+    saved = optimizer_checkpoint(opt_a)
+    assert any("momentum" in v for v in saved["optimizer"]["params"].values())
+    b = build(ps, tiny_args(), seed=99)
+    opt_b = _ours(b, cfg, zero=zero)
+    restore_optimizer(opt_b, saved)
+    for _ in range(2):
+        _our_step(a, opt_a, tokens, 1e-2)
+        _our_step(b, opt_b, tokens, 1e-2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_switching_optimizer_at_a_resume_is_refused():
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    for saved_with, loaded_with in (("adamw", "muon"), ("muon", "adamw")):
+        a = build(ps, tiny_args())
+        opt_a = _ours(a, OptimConfig(**{**MUON, "optimizer": saved_with}))
+        _our_step(a, opt_a, tokens, 1e-2)
+        b = build(ps, tiny_args())
+        opt_b = _ours(b, OptimConfig(**{**MUON, "optimizer": loaded_with}))
+        with pytest.raises(CheckpointError, match=f"optim.optimizer={saved_with}.*finetune"):
+            restore_optimizer(opt_b, optimizer_checkpoint(opt_a))
+        restore_optimizer(opt_b, optimizer_checkpoint(opt_a), moments=False)  # finetune: weights
+
+
+@pytest.mark.parametrize("bad, match", [(dict(impl="triton"), "optim.impl=triton"),
+                                        (dict(offload=True), "optim.offload")])
+def test_muon_refuses_what_it_does_not_support(bad, match):
+    cfg = dataclasses.replace(OptimConfig(optimizer="muon"), **bad)
+    with pytest.raises(ConfigError, match=match):
+        check_optim(cfg)
