@@ -274,6 +274,9 @@ class OptimConfig:
     muon_nesterov: bool = _f(True, "Muon: Nesterov momentum.")
     muon_ns_steps: int = _f(5, "Muon: Newton–Schulz iterations (torch.optim.Muon's, in bf16).",
                             min=1, below=100)
+    muon_ns_precision: str = _f("bf16", "Muon: the Newton–Schulz iteration's precision: bf16 "
+                                        "(torch.optim.Muon's) | fp32 (slower; reproducible across "
+                                        "layouts to fp32 rounding).", choices=("bf16", "fp32"))
     muon_adjust_lr: str = _f("original", "Muon's per-matrix learning-rate factor: original "
                                          "(sqrt(max(1, rows/cols))) | match_rms_adamw "
                                          "(0.2·sqrt(max(rows, cols))), torch.optim.Muon's.",

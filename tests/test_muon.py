@@ -230,3 +230,94 @@ def test_muon_refuses_what_it_does_not_support(bad, match):
     cfg = dataclasses.replace(OptimConfig(optimizer="muon"), **bad)
     with pytest.raises(ConfigError, match=match):
         check_optim(cfg)
+
+
+# -- every layout against one process (the trainer, tests/helpers.py's BASE run) -----------------
+
+# NS in fp32: in bf16 the last fp32 bit of a reduced gradient (summed in another order) can flip a
+# rounding that the iteration amplifies (newton_schulz); the layouts' own numbers in bf16 are
+# checked bit for bit against one process by test_layouts_step_as_one_process_bitwise
+MUON_FLAGS = ("--optim.optimizer", "muon", "--optim.muon_lr", "0.02", "--optim.muon_ns_precision",
+              "fp32")
+NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4",
+        "--model.rotary_pct", "0.5")
+LAYOUTS = {
+    "tp2_sp": (2, ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"), ()),
+    "dp2": (2, (), ()),
+    "dp2_zero1": (2, ("--parallel.zero", "1"), ()),
+    "dp2_zero2": (2, ("--parallel.zero", "2"), ()),
+    "dp2_zero3": (2, ("--parallel.zero", "3"), ()),
+    "pp2": (2, ("--parallel.pp", "2"), ()),
+    "cp2": (2, ("--parallel.cp", "2"), ()),
+    "gpt_neox_tp2": (2, ("--parallel.tp", "2"), NEOX),
+    "gpt_neox_dp2_zero1": (2, ("--parallel.zero", "1"), NEOX),
+    "tp2_dp2_zero1": (4, ("--parallel.tp", "2", "--parallel.zero", "1"), NEOX),
+    "dp4_zero3_shard2": (4, ("--parallel.zero", "3", "--parallel.zero_shard_size", "2"), ()),
+    "tp2_pp2_dp2_zero1": (8, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1",
+                              "--parallel.sequence_parallel", "true"), ()),
+}
+SLOW = ("tp2_dp2_zero1", "dp4_zero3_shard2", "tp2_pp2_dp2_zero1")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW))
+                                  for n in LAYOUTS])
+def test_layout_matches_single_process(name, corpus, tmp_path, tmp_path_factory):
+    """The trainer with optim.optimizer muon under a layout: the losses, grad norms and final
+    parameters of one process."""
+    from distributed import run_distributed
+    from helpers import check, reference_for, train_layout
+
+    world, layout, model = LAYOUTS[name]
+    reference = reference_for((*MUON_FLAGS, *model), corpus, tmp_path_factory)
+    results = run_distributed(train_layout, world, str(tmp_path), corpus,
+                              [*MUON_FLAGS, *model, *layout], timeout=300)
+    check(reference, results)
+
+
+
+# -- ZeRO's assembly of whole matrices, bit for bit (NS in bf16, torch's) --------------------------
+
+def _dp_runs(rank, world):
+    """Three Muon steps under each ZeRO stage (small buckets: shards cut matrices anywhere), every
+    dp rank on the same tokens with the loss over ``world``: the reduced gradients are then the
+    single process's bit for bit, and so must be the weights. AdamW's parameters are frozen
+    (torch's CPU AdamW rounds an element by where it falls in a vector: not bitwise across shard
+    boundaries, and NS in bf16 would amplify that)."""
+    from helpers import full_params
+
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    out = {}
+    for name, model_kw, zero in (("llama", {}, 0), ("llama", {}, 1), ("llama", {}, 2),
+                                 ("llama", {}, 3), ("gpt_neox", NEOX_ARGS, 1)):
+        model = build(ps, tiny_args(**model_kw))
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.startswith("layers.") and p.ndim == 2)
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                                  OptimConfig(**MUON), "fp32", ps,
+                                  zero=zero, bucket_size_mb=0.01)
+        opt.hook_models([model])
+        for _ in range(3):
+            opt.zero_grad()
+            with opt.grad_sync(last=True):
+                (_loss(model, tokens) / world).backward()
+            opt.reduce_grads()
+            opt.step(1e-2)
+        opt.buffers.wait_params()  # zero 1, 2: the post-step all-gathers
+        with full_params(opt):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[name, zero] = params, sorted(set(opt.muon.owner.values()))
+    return out
+
+
+def test_zero_stages_step_as_one_process_bitwise():
+    from distributed import run_distributed
+
+    single = _dp_runs(0, 1)
+    results = run_distributed(_dp_runs, 2, timeout=300)
+    for key, (ref, _) in single.items():
+        for rank, result in enumerate(results):
+            params, owners = result[key]
+            # zero ≥ 1: the matrices are shared between the two ranks, each NS'd on one of them
+            assert owners == ([0, 1] if key[1] >= 1 else []), key
+            for n, p in ref.items():
+                assert torch.equal(params[n], p), (key, rank, n)

@@ -6,7 +6,7 @@ the same steps, in the same precision and order, as ``torch.optim.Muon``::
 
     B ← B + (1 − μ)(G − B)                    (B.lerp_(G, 1 − μ))
     U ← G + μ(B − G) if nesterov else B       (G.lerp(B, μ))
-    O ← NS_k(U)                               k quintic Newton–Schulz steps in bf16
+    O ← NS_k(U)                               k quintic Newton–Schulz steps in bf16 (or fp32)
     W ← W · (1 − γλ) − γ · adjust(shape) · O
 
 A fused weight is orthogonalized per logical matrix (its spec's ``row_parts``: GPT-NeoX's QKV,
@@ -49,12 +49,14 @@ def is_muon_matrix(spec: ParamSpec) -> bool:
     return spec.layer is not None and len(spec.shape) == 2
 
 
-def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """The orthogonalized ``u`` (2-D), in bf16: ``steps`` quintic Newton–Schulz iterations on the
-    wide orientation, after dividing by the Frobenius norm — torch.optim.Muon's operations in its
-    order, so the result is the same bit for bit."""
+def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The orthogonalized ``u`` (2-D), in ``dtype``: ``steps`` quintic Newton–Schulz iterations on
+    the wide orientation, after dividing by the Frobenius norm — torch.optim.Muon's operations in
+    its order, so in bf16 the result is the same bit for bit. (The iteration maps small singular
+    values up steeply — slope a⁵ ≈ 480 at 0 — so in bf16 an input differing in its last fp32 bit
+    can round differently and move the output by far more than a bf16 ulp.)"""
     a, b, c = NS_COEFFICIENTS
-    x = u.bfloat16()
+    x = u.to(dtype, copy=True)  # (fp32: not the caller's tensor, which the iteration would change)
     tall = u.size(0) > u.size(1)
     if tall:
         x = x.T  # (cols, rows): the Gram matrix is the smaller side
@@ -124,6 +126,7 @@ class MuonSettings:
     momentum: float
     nesterov: bool
     ns_steps: int
+    ns_dtype: torch.dtype
     adjust_lr: str
     weight_decay: float
 
@@ -131,7 +134,8 @@ class MuonSettings:
     def of(cls, o) -> MuonSettings:
         muon_lr = o.lr if o.muon_lr is None else o.muon_lr
         wd = o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay
-        return cls(muon_lr / o.lr, o.muon_momentum, o.muon_nesterov, o.muon_ns_steps,
+        ns_dtype = torch.float32 if o.muon_ns_precision == "fp32" else torch.bfloat16
+        return cls(muon_lr / o.lr, o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, ns_dtype,
                    o.muon_adjust_lr, wd)
 
 
@@ -156,12 +160,10 @@ class MuonStep:
                  zero: int):
         self.settings, self.ps, self.spec_of = settings, ps, spec_of
         self.sharded = zero >= 1 and ps.dp_shard.size > 1
-        # per bucket with Muon matrices: (shard state, its Muon fragments)
-        self.work = []
-        for s in shards:
-            mine = [f for f in s.fragments if is_muon_matrix(f.spec)]
-            if mine:
-                self.work.append((s, mine))
+        # per bucket holding a Muon matrix, whether or not this rank's shard holds part of it (its
+        # collectives need every rank): (shard state, this rank's Muon fragments)
+        self.work = [(s, [f for f in s.fragments if is_muon_matrix(f.spec)]) for s in shards
+                     if any(is_muon_matrix(spec_of[id(p)]) for p in s.bucket.params)]
         # each fragment's momentum, held by its shard (checkpoints read it there)
         self.momentum = {name: t for s, _ in self.work for name, t in s.momentum.items()}
         # owners by the global matrix's size; every rank of dp_shard sees every matrix of its
@@ -242,6 +244,7 @@ class MuonStep:
         tp = self.ps.tp
         whole = tp.all_gather(local, spec.tp_dim) if spec.tp_dim is not None else local
         parts = logical_parts(whole, spec.row_parts)
-        o = join_parts([newton_schulz(p, self.settings.ns_steps) for p in parts], spec.row_parts)
+        ns = self.settings
+        o = join_parts([newton_schulz(p, ns.ns_steps, ns.ns_dtype) for p in parts], spec.row_parts)
         return tp.split(o, spec.tp_dim) if spec.tp_dim is not None else o
 
