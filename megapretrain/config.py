@@ -272,7 +272,7 @@ class OptimConfig:
                                         "scales it as it scales optim.lr.", positive=True)
     muon_momentum: float = _f(0.95, "Muon's momentum.", min=0, below=1)
     muon_nesterov: bool = _f(True, "Muon: Nesterov momentum.")
-    muon_ns_steps: int = _f(5, "Muon: Newton–Schulz iterations (torch.optim.Muon's, in bf16).",
+    muon_ns_steps: int = _f(5, "Muon: Newton–Schulz iterations.",
                             min=1, below=100)
     muon_ns_precision: str = _f("bf16", "Muon: the Newton–Schulz iteration's precision: bf16 "
                                         "(torch.optim.Muon's) | fp32 (slower; reproducible across "
