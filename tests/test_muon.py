@@ -334,3 +334,22 @@ def test_trainer_resume_is_bitwise(corpus, tmp_path):
     rows, resumed = resume_run(0, 1, str(tmp_path / "split"), corpus, 6, flags, dropout=0.0)
     assert resumed == [3]
     assert rows == straight
+
+
+def test_resume_on_another_layout_carries_the_momentum(corpus, tmp_path):
+    """3 iterations on dp=2 with ZeRO-1, resumed on one process to 6: the losses and grad norms of
+    6 straight on one process (NS in fp32: across layouts, see MUON_FLAGS) — the resharded momentum
+    is the saved one, where starting it from zero would move them."""
+    from distributed import run_distributed
+    from helpers import resume_run
+
+    flags = [*MUON_FLAGS, "--checkpoint.interval", "3"]
+    straight, _ = resume_run(0, 1, str(tmp_path / "straight"), corpus, 6, flags, dropout=0.0)
+    split = str(tmp_path / "split")
+    run_distributed(resume_run, 2, split, corpus, 3, [*flags, "--parallel.zero", "1"], 0.0,
+                    timeout=300)
+    rows, resumed = resume_run(0, 1, split, corpus, 6, flags, dropout=0.0)
+    assert resumed == [3]
+    assert [r[0] for r in rows] == [r[0] for r in straight]
+    for (_, loss, norm), (_, ref_loss, ref_norm) in zip(rows, straight):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)

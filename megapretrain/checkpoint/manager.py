@@ -171,9 +171,9 @@ def _check_same_optimizer(f: FragmentState, entry: Entry, optimizer: MixedPrecis
     theirs = "muon" if "momentum" in saved else "adamw"
     raise CheckpointError(
         f"checkpoint{at} holds {'Muon' if theirs == 'muon' else 'AdamW'} state for '{f.name}' "
-        f"(saved with optim.optimizer={theirs}, or resharded: resharding keeps AdamW's moments "
-        f"only), this run has optim.optimizer={ours}: resume with optim.optimizer={theirs}, or set "
-        "--checkpoint.finetune true to start the optimizer fresh from its weights")
+        f"(saved with optim.optimizer={theirs}), this run has optim.optimizer={ours}: resume with "
+        f"optim.optimizer={theirs}, or set --checkpoint.finetune true to start the optimizer "
+        "fresh from its weights")
 
 
 def retained(iterations: list[int], keep_last: int, keep_every: int = 0,

@@ -31,6 +31,7 @@ from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
 from .format import (
     MOMENTS,
+    MUON_MOMENTS,
     Entry,
     LazyTensor,
     RankFile,
@@ -69,6 +70,17 @@ class SavedShards:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def moment_keys(self, name: str) -> tuple[str, ...]:
+        """The optimizer state saved for parameter ``name``: Adam's two moments, or Muon's
+        momentum (optim.optimizer muon); Adam's where none is saved yet."""
+        for rank in range(len(self.coords)):
+            entry = self.file(rank).entries["optimizer"].get(name)
+            saved = tuple(k for k in MOMENTS + MUON_MOMENTS
+                          if entry is not None and k in entry.values)
+            if saved:
+                return saved
+        return MOMENTS
 
     def flat_shard(self, name: str, key: str, tp_rank: int, numel: int, lo: int = 0,
                    hi: int | None = None) -> torch.Tensor:
@@ -165,7 +177,7 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
     model, saved_moments = {}, {}
     for name, spec in specs.items():
         model[name] = Entry.shards(name, {"master": cut(spec, "master")}).tree()
-        kept = {key: cut(spec, key) for key in MOMENTS} if moments else {}
+        kept = {key: cut(spec, key) for key in saved.moment_keys(name)} if moments else {}
         saved_moments[name] = Entry.shards(name, kept).tree()
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"],
