@@ -264,6 +264,9 @@ class OptimConfig:
     min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.", positive=True)
     impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton "
                            "| torch | apex.", choices=("auto", "triton", "torch", "apex"))
+    moments_dtype: str = _f("fp32", "AdamW's two moments: fp32 | bf16 (stored in bf16, 4 bytes "
+                                    "less per parameter; each step computes in fp32 and rounds "
+                                    "them back; optim.impl torch).", choices=("fp32", "bf16"))
     optimizer: str = _f("adamw", "adamw | muon: Muon (momentum, then Newton–Schulz "
                                  "orthogonalization) for every 2-D weight inside the decoder "
                                  "layers, each logical matrix on its own; AdamW (lr, betas, eps, "

@@ -66,6 +66,10 @@ def check_optim(o: OptimConfig) -> None:
     if o.optimizer == "muon" and o.offload:
         raise ConfigError("optim.optimizer=muon with optim.offload=true is not supported yet: set "
                           "optim.offload=false (or optim.optimizer=adamw)")
+    if o.moments_dtype == "bf16" and o.impl not in ("auto", "torch"):
+        raise ConfigError(f"optim.moments_dtype=bf16 runs on torch's AdamW, not "
+                          f"optim.impl={o.impl}: set optim.impl=auto or torch (or "
+                          "optim.moments_dtype=fp32)")
     if o.impl not in ("auto", "torch") and o.offload:
         raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set "
                           "optim.impl=auto or torch")
@@ -148,7 +152,8 @@ class ShardState:
     """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
 
     def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState,
-                 offload: bool, impl: str = "torch", muon: bool = False):
+                 offload: bool, impl: str = "torch", muon: bool = False,
+                 moments_dtype: torch.dtype = torch.float32):
         self.bucket = bucket
         self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
                           for p, start, end, off in bucket.fragments()]
@@ -173,9 +178,9 @@ class ShardState:
             for f in adam:
                 starts.append(starts[-1] + f.end - f.start)
             self.moment_at = {f.name: at for f, at in zip(adam, starts)}
-            self.exp_avg = torch.zeros(starts[-1], dtype=torch.float32, device=self.master.device)
+            self.exp_avg = torch.zeros(starts[-1], dtype=moments_dtype, device=self.master.device)
         else:
-            self.exp_avg = torch.zeros_like(self.master)
+            self.exp_avg = torch.zeros_like(self.master, dtype=moments_dtype)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from
         # a GPU
@@ -286,9 +291,14 @@ class MixedPrecisionAdamW:
                                            overlap=overlap_grad_reduce, shard=ps.dp_shard,
                                            replicas=ps.dp_replicas, initialize=initialize)
         muon = optim_cfg.optimizer == "muon"
-        # Muon's AdamW part: torch's fused AdamW (check_optim refuses the others)
-        self.impl = resolve_impl("torch" if muon else optim_cfg.impl, ps.device, self.offload)
-        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl, muon)
+        # bf16 moments (optim.moments_dtype), or Muon's AdamW part: torch's fused AdamW (check_optim
+        # refuses the others)
+        self.bf16_moments = optim_cfg.moments_dtype == "bf16"
+        torch_only = muon or self.bf16_moments
+        self.impl = resolve_impl("torch" if torch_only else optim_cfg.impl, ps.device,
+                                 self.offload)
+        moments = torch.bfloat16 if self.bf16_moments else torch.float32
+        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl, muon, moments)
                        for b in self.buffers.buckets]
         self.muon = MuonStep(self.shards, self.buffers.spec_of, MuonSettings.of(optim_cfg), ps,
                              zero) if muon else None
@@ -459,10 +469,11 @@ class MixedPrecisionAdamW:
         """One decoupled-weight-decay Adam step over every shard, skipped where ``found_inf`` is
         set (on the device). ``optim.impl`` torch: torch's fused
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
-        ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
-        that also writes the bf16/fp16 parameters and multiplies each grad as it reads it by
-        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's capturable
-        multi-tensor Adam (the skip flag and step count read on the device too)."""
+        ``torch.optim.AdamW(fused=True)`` bit for bit (``optim.moments_dtype`` bf16: moments
+        stored in bf16, stepped in fp32 one shard at a time); triton: kernels/adamw.py, one pass
+        per shard that also writes the bf16/fp16 parameters and multiplies each grad as it reads
+        it by ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's
+        capturable multi-tensor Adam (the skip flag and step count read on the device too)."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
@@ -476,11 +487,19 @@ class MixedPrecisionAdamW:
         # the step as counted once every skipped one is settled: skips not read yet counted here
         self._unsettled_skips += found_inf
         step = float(self.step_count) - self._unsettled_skips.float()  # (,) fp32 on the device
-        for decay in (True, False):
-            params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
+        # bf16 moments: one shard at a time, its moments in fp32 for the step (a shard's worth of
+        # fp32 at once), rounded back after
+        groups = [(decay, [s]) for s in self.shards for decay in (True, False)] \
+            if self.bf16_moments else [(decay, self.shards) for decay in (True, False)]
+        for decay, shards in groups:
+            params, grads, exp_avg, exp_avg_sq = ([v for s in shards for v in s.adam[decay][i]]
                                                   for i in range(4))
             if not params:
                 continue
+            stored = None
+            if self.bf16_moments:
+                stored = exp_avg + exp_avg_sq
+                exp_avg, exp_avg_sq = [t.float() for t in exp_avg], [t.float() for t in exp_avg_sq]
             if self.impl == "apex":
                 _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                             self.cfg.weight_decay if decay else 0.0, found_inf)
@@ -492,6 +511,8 @@ class MixedPrecisionAdamW:
                                 weight_decay=self.cfg.weight_decay if decay else 0.0, eps=eps,
                                 amsgrad=False, maximize=False,
                                 found_inf=found_inf.float().to(where))
+            if stored is not None:
+                torch._foreach_copy_(stored, exp_avg + exp_avg_sq)
 
     # -- accounting -------------------------------------------------------------------------------
 
