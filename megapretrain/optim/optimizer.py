@@ -22,6 +22,10 @@ sums squares over the owned fragments of the parameters whose spec counts them o
 (replicated ones only on tp rank 0, a tied embedding's second copy never), over dp (when sharded)
 and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss
 scale.
+
+With ``optim.optimizer`` muon the decoder layers' matrices are stepped by Muon instead
+(``optim/muon.py``: one momentum per element in place of Adam's two moments), after the same
+unscaling, norm and clipping; ``optim.moments_dtype`` bf16 stores Adam's moments in bf16.
 """
 
 from __future__ import annotations
