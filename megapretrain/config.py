@@ -288,6 +288,28 @@ class OptimConfig:
     min_loss_scale: float = _f(1.0, "fp16 only: the scale never drops below this.", positive=True)
     impl: str = _f("auto", "AdamW implementation: auto (triton on CUDA, torch elsewhere) | triton "
                            "| torch | apex.", choices=("auto", "triton", "torch", "apex"))
+    moments_dtype: str = _f("fp32", "AdamW's two moments: fp32 | bf16 (stored in bf16, 4 bytes "
+                                    "less per parameter; each step computes in fp32 and rounds "
+                                    "them back; optim.impl torch).", choices=("fp32", "bf16"))
+    optimizer: str = _f("adamw", "adamw | muon: Muon (momentum, then Newton–Schulz "
+                                 "orthogonalization) for every 2-D weight inside the decoder "
+                                 "layers, each logical matrix on its own; AdamW (lr, betas, eps, "
+                                 "weight_decay) for the rest.", choices=("adamw", "muon"))
+    muon_lr: Optional[float] = _f(None, "Muon's peak learning rate (null: optim.lr); the schedule "
+                                        "scales it as it scales optim.lr.", positive=True)
+    muon_momentum: float = _f(0.95, "Muon's momentum.", min=0, below=1)
+    muon_nesterov: bool = _f(True, "Muon: Nesterov momentum.")
+    muon_ns_steps: int = _f(5, "Muon: Newton–Schulz iterations.",
+                            min=1, below=100)
+    muon_ns_precision: str = _f("bf16", "Muon: the Newton–Schulz iteration's precision: bf16 "
+                                        "(torch.optim.Muon's) | fp32 (slower; reproducible across "
+                                        "layouts to fp32 rounding).", choices=("bf16", "fp32"))
+    muon_adjust_lr: str = _f("original", "Muon's per-matrix learning-rate factor: original "
+                                         "(sqrt(max(1, rows/cols))) | match_rms_adamw "
+                                         "(0.2·sqrt(max(rows, cols))), torch.optim.Muon's.",
+                             choices=("original", "match_rms_adamw"))
+    muon_weight_decay: Optional[float] = _f(None, "Muon's decoupled weight decay (null: "
+                                                  "optim.weight_decay).", min=0)
 
 
 @dataclass

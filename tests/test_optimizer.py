@@ -287,3 +287,54 @@ def test_a_device_grad_factor_scales_the_grads_before_the_norm_and_clipping(clip
         # sign, so where a grad is near 0 another rounding flips it: compared where it is not)
         clear = ref_grad.abs() > 1e-3 * ref_grad.abs().max()
         torch.testing.assert_close(param[clear], ref_param[clear], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_bf16_moments_match_torch_adamw_with_rounded_state(zero):
+    """optim.moments_dtype bf16: torch.optim.AdamW (fused, fp32) whose moments are rounded to bf16
+    after every step, bit for bit; the moments take half the bytes, and a checkpoint resumes them."""
+    ps, tokens = ParallelState(), make_tokens(batch=4, seq=16)
+    ours, ref = build(ps, tiny_args()), build(ps, tiny_args())
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, moments_dtype="bf16")
+    opt = MixedPrecisionAdamW(list(ours.named_parameters()), ours.param_specs(), cfg, "fp32", ps,
+                              zero=zero, bucket_size_mb=0.01)
+    params = dict(ref.named_parameters())
+    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    for _ in range(3):
+        opt.zero_grad()
+        with opt.grad_sync(last=True):
+            _loss(ours, tokens).backward()
+        opt.reduce_grads()
+        opt.step(1e-2)
+        _loss(ref, tokens).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        for state in torch_opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(state[key].bfloat16())
+    for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    report = opt.memory_report()
+    assert report["moments"] == 2 * 2 * sum(s.exp_avg.numel() for s in opt.shards)
+    assert all(s.exp_avg.dtype == torch.bfloat16 for s in opt.shards)
+    again = build(ps, tiny_args(), seed=3)
+    opt_again = MixedPrecisionAdamW(list(again.named_parameters()), again.param_specs(), cfg,
+                                    "fp32", ps, zero=zero, bucket_size_mb=0.01)
+    restore_optimizer(opt_again, optimizer_checkpoint(opt))
+    for o, model in ((opt, ours), (opt_again, again)):
+        o.zero_grad()
+        with o.grad_sync(last=True):
+            _loss(model, tokens).backward()
+        o.reduce_grads()
+        o.step(1e-2)
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), again.parameters()))
+
+
+def test_bf16_moments_refuse_the_fused_kernels():
+    from megapretrain.errors import ConfigError
+    from megapretrain.optim.optimizer import check_optim
+
+    with pytest.raises(ConfigError, match="optim.moments_dtype=bf16.*optim.impl=triton"):
+        check_optim(OptimConfig(moments_dtype="bf16", impl="triton"))

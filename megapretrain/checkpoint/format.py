@@ -125,7 +125,8 @@ class LazyTensor:
 
 WEIGHT = ("master",)  # what a weight entry holds: the fp32 master
 MOMENTS = ("exp_avg", "exp_avg_sq")  # what a moment entry holds: Adam's two moments
-KEYS = WEIGHT + MOMENTS
+MUON_MOMENTS = ("momentum",)  # or Muon's one (optim.optimizer muon: the decoder layers' matrices)
+KEYS = WEIGHT + MOMENTS + MUON_MOMENTS
 
 
 def _numel(value) -> int:

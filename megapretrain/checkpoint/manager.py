@@ -52,6 +52,7 @@ from .directories import candidates, iter_dir_name, iteration_of, latest_checkpo
 from .format import (
     METADATA,
     MOMENTS,
+    MUON_MOMENTS,
     WEIGHT,
     Entry,
     fsync_dir,
@@ -113,7 +114,9 @@ def optimizer_views(optimizer: MixedPrecisionAdamW) -> tuple[dict, dict]:
     weights, moments = {}, {}
     for fragment in optimizer.fragment_states():
         weights[fragment.name] = Entry.of(fragment, WEIGHT, whole=fragment.whole).tree()
-        moments[fragment.name] = Entry.of(fragment, MOMENTS).tree()
+        # Adam's two moments, or Muon's momentum (optim.optimizer muon)
+        kept = tuple(k for k in fragment.tensors if k not in WEIGHT)
+        moments[fragment.name] = Entry.of(fragment, kept).tree()
     return weights, moments
 
 
@@ -127,7 +130,7 @@ def restore_optimizer(optimizer: MixedPrecisionAdamW, state: dict, *, moments: b
     sections = [("model", WEIGHT, read_entries(state["model"], checkpoint))]
     if moments:
         params = state["optimizer"]["params"]
-        sections.append(("optimizer", MOMENTS, read_entries(params, checkpoint)))
+        sections.append(("optimizer", MOMENTS + MUON_MOMENTS, read_entries(params, checkpoint)))
     pieces = []
     for f in optimizer.fragment_states():
         tensors = {}
@@ -141,6 +144,8 @@ def restore_optimizer(optimizer: MixedPrecisionAdamW, state: dict, *, moments: b
                 raise CheckpointError(f"checkpoint has no optimizer state for '{f.name}'{at}: it "
                                       f"was saved from another model ({fix})")
             # (an entry without moments: saved before the first step)
+            if section == "optimizer":
+                _check_same_optimizer(f, entry, optimizer, at)
             tensors.update({k: entry.cut(k, f.start, f.end, f.shape, checkpoint)
                             for k in keys if k in entry.values})
         pieces.append(FragmentState(f.name, f.shape, f.start, f.end, tensors))
@@ -152,6 +157,23 @@ def restore_optimizer(optimizer: MixedPrecisionAdamW, state: dict, *, moments: b
             (int(e["step"]) for e in saved["params"].values()
              if isinstance(e, dict) and "step" in e), 0)
         optimizer.load_counters(step, saved.get("scaler"))  # None: converted from other weights
+
+
+def _check_same_optimizer(f: FragmentState, entry: Entry, optimizer: MixedPrecisionAdamW,
+                          at: str) -> None:
+    """A Muon matrix's state is a momentum, AdamW's two moments: a checkpoint whose state is the
+    other optimizer's is refused (its moments would be read as zeros)."""
+    saved = [k for k in MOMENTS + MUON_MOMENTS if k in entry.values]
+    wanted = [k for k in f.tensors if k not in WEIGHT]
+    if not saved or set(saved) == set(wanted):
+        return
+    ours = optimizer.cfg.optimizer
+    theirs = "muon" if "momentum" in saved else "adamw"
+    raise CheckpointError(
+        f"checkpoint{at} holds {'Muon' if theirs == 'muon' else 'AdamW'} state for '{f.name}' "
+        f"(saved with optim.optimizer={theirs}), this run has optim.optimizer={ours}: resume with "
+        f"optim.optimizer={theirs}, or set --checkpoint.finetune true to start the optimizer "
+        "fresh from its weights")
 
 
 def retained(iterations: list[int], keep_last: int, keep_every: int = 0,

@@ -35,6 +35,7 @@ from ..parallel.specs import ParamSpec
 from .directories import new_directory
 from .format import (
     MOMENTS,
+    MUON_MOMENTS,
     Entry,
     LazyTensor,
     RankFile,
@@ -78,8 +79,8 @@ class SavedShards:
         self._files.clear()
 
     def has_moments(self) -> bool:
-        """Whether the checkpoint holds Adam moments: any saved place (tp, pp) whose first rank's
-        file lists moment values. Headers only are read. A checkpoint saved before the first step,
+        """Whether the checkpoint holds optimizer moments (Adam's, or Muon's momentum): any saved
+        place (tp, pp) whose first rank's file lists moment values. Headers only are read. A checkpoint saved before the first step,
         or written by a conversion or a merge, holds the weights only."""
         seen = set()
         for rank, (pp_rank, _, _, tp_rank) in enumerate(self.coords):
@@ -87,9 +88,20 @@ class SavedShards:
                 continue
             seen.add((pp_rank, tp_rank))
             entries = self.file(rank).entries["optimizer"].values()
-            if any(key in e.values for e in entries for key in MOMENTS):
+            if any(key in e.values for e in entries for key in MOMENTS + MUON_MOMENTS):
                 return True
         return False
+
+    def moment_keys(self, name: str) -> tuple[str, ...]:
+        """The optimizer state saved for parameter ``name``: Adam's two moments, or Muon's
+        momentum (optim.optimizer muon); Adam's where none is saved yet."""
+        for rank in range(len(self.coords)):
+            entry = self.file(rank).entries["optimizer"].get(name)
+            saved = tuple(k for k in MOMENTS + MUON_MOMENTS
+                          if entry is not None and k in entry.values)
+            if saved:
+                return saved
+        return MOMENTS
 
     def flat_shard(self, name: str, key: str, tp_rank: int, numel: int, lo: int = 0,
                    hi: int | None = None) -> torch.Tensor:
@@ -186,7 +198,7 @@ def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: in
     model, saved_moments = {}, {}
     for name, spec in specs.items():
         model[name] = Entry.shards(name, {"master": cut(spec, "master")}).tree()
-        kept = {key: cut(spec, key) for key in MOMENTS} if moments else {}
+        kept = {key: cut(spec, key) for key in saved.moment_keys(name)} if moments else {}
         saved_moments[name] = Entry.shards(name, kept).tree()
     first = saved.state(0)
     return rank_state(iteration=first["iteration"], consumed_samples=first["consumed_samples"],

@@ -88,8 +88,8 @@ def reshard(args: argparse.Namespace, overrides: list[str]) -> str:
                                      tensors=global_shapes(cfg),
                                      resharded_from={"path": os.path.abspath(path),
                                                      "layout": meta["layout"]}))
-    what = "weights and Adam moments" if moments else "weights only (the checkpoint has no Adam " \
-                                                      "moments)"
+    what = "weights and optimizer moments" if moments else \
+        "weights only (the checkpoint has no optimizer moments)"
     return (f"wrote {args.output}: iteration {iteration} of {path}, {meta['layout']} -> {layout} "
             f"({args.world_size} ranks, {distinct} distinct files, {size_text(plan.size)} of "
             f"{what} in {time.perf_counter() - start:.1f}s); train with --checkpoint.load "

@@ -73,15 +73,17 @@ class ColumnLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, tp: Group, *, init_std: float,
                  bias: bool = False, vocab_rows: int | None = None, dtype=torch.float32,
-                 device=None):
+                 device=None, row_parts: tuple[int, ...] | None = None):
         super().__init__(in_features, out_features, tp, init_std=init_std, vocab_rows=vocab_rows,
                          dtype=dtype, device=device)
+        self.row_parts = row_parts  # a fused weight's logical matrices (parallel/specs.py)
         self.bias = nn.Parameter(torch.empty(out_features // tp.size, dtype=dtype, device=device)) \
             if bias else None
 
     def param_shardings(self) -> dict[str, Sharding]:
         out = {"weight": Sharding(tp_dim=0, vocab_rows=self.vocab_rows,
-                                  init=Init.normal(self.init_std), fp8_gather=fp8_gathered(self))}
+                                  init=Init.normal(self.init_std), fp8_gather=fp8_gathered(self),
+                                  row_parts=self.row_parts)}
         if self.bias is not None:
             out["bias"] = Sharding(tp_dim=0, weight_decay=False, init=ZEROS)
         return out
@@ -331,7 +333,8 @@ class Attention(nn.Module):
         lin = dict(init_std=args.init_std, bias=spec.qkv_bias, **kw)
         # rows per kv head: its n/k queries, its key, its value (tp splits whole groups)
         if self.fused:
-            self.qkv_proj = ColumnLinear(h, (n + 2 * k) * d, tp, **lin)
+            self.qkv_proj = ColumnLinear(h, (n + 2 * k) * d, tp, row_parts=(n // k * d, d, d),
+                                         **lin)
         else:
             self.q_proj = ColumnLinear(h, n * d, tp, **lin)
             self.k_proj = ColumnLinear(h, k * d, tp, **lin)

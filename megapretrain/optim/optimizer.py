@@ -22,6 +22,10 @@ sums squares over the owned fragments of the parameters whose spec counts them o
 (replicated ones only on tp rank 0, a tied embedding's second copy never), over dp (when sharded)
 and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss
 scale.
+
+With ``optim.optimizer`` muon the decoder layers' matrices are stepped by Muon instead
+(``optim/muon.py``: one momentum per element in place of Adam's two moments), after the same
+unscaling, norm and clipping; ``optim.moments_dtype`` bf16 stores Adam's moments in bf16.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from ..parallel.state import ParallelState
 if TYPE_CHECKING:
     from ..config import OptimConfig
 from ..parallel.zero3 import LAYER_UNITS_ALIVE, ShardedUnits
+from .muon import MuonSettings, MuonStep, is_muon_matrix
 
 
 def check_optim(o: OptimConfig) -> None:
@@ -59,6 +64,16 @@ def check_optim(o: OptimConfig) -> None:
     if o.impl == "apex" and importlib.util.find_spec("apex") is None:
         raise ConfigError("optim.impl=apex: apex is not importable (install NVIDIA apex with its "
                           "CUDA extensions, or optim.impl=auto)")
+    if o.optimizer == "muon" and o.impl not in ("auto", "torch"):
+        raise ConfigError(f"optim.optimizer=muon steps its AdamW part with torch's fused AdamW, "
+                          f"not optim.impl={o.impl}: set optim.impl=auto or torch")
+    if o.optimizer == "muon" and o.offload:
+        raise ConfigError("optim.optimizer=muon with optim.offload=true is not supported yet: set "
+                          "optim.offload=false (or optim.optimizer=adamw)")
+    if o.moments_dtype == "bf16" and o.impl not in ("auto", "torch"):
+        raise ConfigError(f"optim.moments_dtype=bf16 runs on torch's AdamW, not "
+                          f"optim.impl={o.impl}: set optim.impl=auto or torch (or "
+                          "optim.moments_dtype=fp32)")
     if o.impl not in ("auto", "torch") and o.offload:
         raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set "
                           "optim.impl=auto or torch")
@@ -141,7 +156,8 @@ class ShardState:
     """fp32 master weights, Adam moments and the grads of this rank's shard of one bucket."""
 
     def __init__(self, bucket: Bucket, buffers: DataParallelBuffers, ps: ParallelState,
-                 offload: bool, impl: str = "torch"):
+                 offload: bool, impl: str = "torch", muon: bool = False,
+                 moments_dtype: torch.dtype = torch.float32):
         self.bucket = bucket
         self.fragments = [Fragment(buffers.names[id(p)], p, buffers.spec_of[id(p)], start, end, off)
                           for p, start, end, off in bucket.fragments()]
@@ -154,14 +170,30 @@ class ShardState:
             self.master = torch.empty(bucket.shard_size, dtype=torch.float32, device=device,
                                       pin_memory=offload and on_gpu)
             self.master.copy_(self.param_shard)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # optim.optimizer muon: its matrices' fragments keep one momentum each, and Adam's moments
+        # are packed over the other fragments (moment_at: where each starts)
+        self.momentum = {f.name: torch.zeros(f.end - f.start, dtype=torch.float32,
+                                             device=self.master.device)
+                         for f in self.fragments if muon and is_muon_matrix(f.spec)}
+        adam = [f for f in self.fragments if f.name not in self.momentum]
+        self.moment_at = None
+        if self.momentum:
+            starts = [0]
+            for f in adam:
+                starts.append(starts[-1] + f.end - f.start)
+            self.moment_at = {f.name: at for f, at in zip(adam, starts)}
+            self.exp_avg = torch.zeros(starts[-1], dtype=moments_dtype, device=self.master.device)
+        else:
+            self.exp_avg = torch.zeros_like(self.master, dtype=moments_dtype)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         # the grads Adam reads: the reduced shard itself, or a pinned host copy when offloaded from
         # a GPU
         self.grad_staging = torch.empty_like(self.master) if offload and on_gpu else None
         # AdamW's operands as per-fragment views, by whether the parameter decays
-        self.adam = {decay: [[f.of(t) for f in self.fragments if f.spec.weight_decay == decay]
-                             for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
+        self.adam = {decay: [[f.of(self.master) for f in adam if f.spec.weight_decay == decay],
+                             [f.of(self.grad) for f in adam if f.spec.weight_decay == decay],
+                             *[[self._moment(f, t) for f in adam if f.spec.weight_decay == decay]
+                               for t in (self.exp_avg, self.exp_avg_sq)]]
                      for decay in (True, False)}
         # impl=triton: one kernel pass per shard, decaying by a bit mask, writing the model's copy
         # too
@@ -181,10 +213,20 @@ class ShardState:
     def grad(self) -> torch.Tensor:
         return self.bucket.grad_shard if self.grad_staging is None else self.grad_staging
 
-    @property
-    def saved(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps of this shard, by key: the fp32 masters and Adam's moments."""
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+    def _moment(self, f: Fragment, moment: torch.Tensor) -> torch.Tensor:
+        """Fragment ``f``'s part of one of Adam's moments."""
+        if self.moment_at is None:
+            return f.of(moment)
+        at = self.moment_at[f.name]
+        return moment[at:at + f.end - f.start]
+
+    def state_of(self, f: Fragment) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of fragment ``f``, by key, as views: its fp32 master and Adam's
+        moments, or Muon's momentum."""
+        if f.name in self.momentum:
+            return {"master": f.of(self.master), "momentum": self.momentum[f.name]}
+        return {"master": f.of(self.master), "exp_avg": self._moment(f, self.exp_avg),
+                "exp_avg_sq": self._moment(f, self.exp_avg_sq)}
 
     def write_back(self) -> None:
         """Copy the stepped masters into the model's parameters (cast to their dtype)."""
@@ -252,9 +294,18 @@ class MixedPrecisionAdamW:
                                            zero=zero, bucket_size_mb=bucket_size_mb,
                                            overlap=overlap_grad_reduce, shard=ps.dp_shard,
                                            replicas=ps.dp_replicas, initialize=initialize)
-        self.impl = resolve_impl(optim_cfg.impl, ps.device, self.offload)
-        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl)
+        muon = optim_cfg.optimizer == "muon"
+        # bf16 moments (optim.moments_dtype), or Muon's AdamW part: torch's fused AdamW (check_optim
+        # refuses the others)
+        self.bf16_moments = optim_cfg.moments_dtype == "bf16"
+        torch_only = muon or self.bf16_moments
+        self.impl = resolve_impl("torch" if torch_only else optim_cfg.impl, ps.device,
+                                 self.offload)
+        moments = torch.bfloat16 if self.bf16_moments else torch.float32
+        self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl, muon, moments)
                        for b in self.buffers.buckets]
+        self.muon = MuonStep(self.shards, self.buffers.spec_of, MuonSettings.of(optim_cfg), ps,
+                             zero) if muon else None
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
         self.step_count = 0  # steps taken, less the skipped ones settled (read on the host)
         # steps skipped and not yet settled (a device count: the torch AdamW's step is exact
@@ -400,6 +451,8 @@ class MixedPrecisionAdamW:
             torch.cuda.current_stream(staged[0].bucket.grad_shard.device).synchronize()
         grad_scale = (clip if clip is not None else 1.0) / scale if fused else 1.0
         self._adamw(lr, found_inf, grad_scale=grad_scale)
+        if self.muon is not None:
+            self.muon.step(lr, found_inf)
         for s in self.shards:
             s.write_back()
         # zero 3: a unit still gathered would go stale
@@ -420,10 +473,11 @@ class MixedPrecisionAdamW:
         """One decoupled-weight-decay Adam step over every shard, skipped where ``found_inf`` is
         set (on the device). ``optim.impl`` torch: torch's fused
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
-        ``torch.optim.AdamW(fused=True)`` bit for bit; triton: kernels/adamw.py, one pass per shard
-        that also writes the bf16/fp16 parameters and multiplies each grad as it reads it by
-        ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's capturable
-        multi-tensor Adam (the skip flag and step count read on the device too)."""
+        ``torch.optim.AdamW(fused=True)`` bit for bit (``optim.moments_dtype`` bf16: moments
+        stored in bf16, stepped in fp32 one shard at a time); triton: kernels/adamw.py, one pass
+        per shard that also writes the bf16/fp16 parameters and multiplies each grad as it reads
+        it by ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's
+        capturable multi-tensor Adam (the skip flag and step count read on the device too)."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
@@ -437,11 +491,19 @@ class MixedPrecisionAdamW:
         # the step as counted once every skipped one is settled: skips not read yet counted here
         self._unsettled_skips += found_inf
         step = float(self.step_count) - self._unsettled_skips.float()  # (,) fp32 on the device
-        for decay in (True, False):
-            params, grads, exp_avg, exp_avg_sq = ([v for s in self.shards for v in s.adam[decay][i]]
+        # bf16 moments: one shard at a time, its moments in fp32 for the step (a shard's worth of
+        # fp32 at once), rounded back after
+        groups = [(decay, [s]) for s in self.shards for decay in (True, False)] \
+            if self.bf16_moments else [(decay, self.shards) for decay in (True, False)]
+        for decay, shards in groups:
+            params, grads, exp_avg, exp_avg_sq = ([v for s in shards for v in s.adam[decay][i]]
                                                   for i in range(4))
             if not params:
                 continue
+            stored = None
+            if self.bf16_moments:
+                stored = exp_avg + exp_avg_sq
+                exp_avg, exp_avg_sq = [t.float() for t in exp_avg], [t.float() for t in exp_avg_sq]
             if self.impl == "apex":
                 _apex_adamw(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                             self.cfg.weight_decay if decay else 0.0, found_inf)
@@ -453,6 +515,8 @@ class MixedPrecisionAdamW:
                                 weight_decay=self.cfg.weight_decay if decay else 0.0, eps=eps,
                                 amsgrad=False, maximize=False,
                                 found_inf=found_inf.float().to(where))
+            if stored is not None:
+                torch._foreach_copy_(stored, exp_avg + exp_avg_sq)
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -477,7 +541,8 @@ class MixedPrecisionAdamW:
             "master": sum(storage_bytes([s.master for s in self.shards],
                                         exclude=params.keys()).values()),
             "moments": sum(storage_bytes([t for s in self.shards
-                                          for t in (s.exp_avg, s.exp_avg_sq)]).values()), }
+                                          for t in (s.exp_avg, s.exp_avg_sq,
+                                                    *s.momentum.values())]).values()), }
         staging = [s.grad_staging for s in self.shards if s.grad_staging is not None]
         if staging:
             report["grad_staging"] = sum(storage_bytes(staging).values())
@@ -504,8 +569,8 @@ class MixedPrecisionAdamW:
         """This rank's fragments with its fp32 masters and Adam moments, as views of the live state
         (no copies: whoever saves them copies them at most once)."""
         self.buffers.wait_params()
-        return [FragmentState(f.name, tuple(f.param.shape), f.start, f.end,
-                              {k: f.of(t) for k, t in s.saved.items()}, whole=self.zero == 0)
+        return [FragmentState(f.name, tuple(f.param.shape), f.start, f.end, s.state_of(f),
+                              whole=self.zero == 0)
                 for s in self.shards for f in s.fragments]
 
     @torch.no_grad()
@@ -518,9 +583,9 @@ class MixedPrecisionAdamW:
             if (piece.start, piece.end) != (f.start, f.end):
                 raise ValueError(f"fragment [{piece.start}, {piece.end}) of '{piece.name}' is not "
                                  f"this rank's [{f.start}, {f.end})")
-            saved = s.saved
+            saved = s.state_of(f)
             for key, values in piece.tensors.items():
-                f.of(saved[key]).copy_(values.reshape(-1))
+                saved[key].copy_(values.reshape(-1))
             masters = masters or "master" in piece.tensors
         if masters:
             for s in self.shards:

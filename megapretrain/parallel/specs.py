@@ -55,6 +55,9 @@ class Sharding:
     #                                  layers)
     fp8_gather: bool = False         # an FP8 linear's weight with one scale per tensor: ZeRO-3 may
     #                                  all-gather it as FP8 (parallel/fp8.py)
+    row_parts: tuple[int, ...] | None = None  # a fused weight: the rows of each logical
+    #                                  matrix within every repeating group of dim 0, e.g. (n/k·d,
+    #                                  d, d) for a QKV fused per kv head (Muon orthogonalizes each)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class ParamSpec:
     #                                  shares
     init: Init | None = None         # how the parameter starts (its layer's declaration)
     fp8_gather: bool = False         # ZeRO-3 all-gathers it as FP8 and a scale (parallel/fp8.py)
+    row_parts: tuple[int, ...] | None = None  # a fused weight's logical matrices (Sharding's)
 
     @property
     def numel(self) -> int:
@@ -127,7 +131,8 @@ def make_spec(name: str, param: torch.Tensor, s: Sharding, tp_size: int,
     return ParamSpec(name=name, shape=tuple(shape), local_shape=tuple(param.shape),
                      dtype=param.dtype, tp_dim=s.tp_dim, vocab=s.vocab_rows is not None,
                      weight_decay=s.weight_decay, partial_grad_over_tp=s.partial_grad_over_tp,
-                     init=s.init, fp8_gather=s.fp8_gather, **model_facts)
+                     init=s.init, fp8_gather=s.fp8_gather, row_parts=s.row_parts,
+                     **model_facts)
 
 
 def plain_specs(named_params) -> dict[str, ParamSpec]:

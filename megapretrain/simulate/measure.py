@@ -175,7 +175,7 @@ class Measurement:
             trace.label(t, "gradients")
         for s in opt.shards:
             for t in (s.exp_avg, s.exp_avg_sq, s.grad_staging, s.decay_mask,
-                      None if s.master is s.param_shard else s.master):
+                      None if s.master is s.param_shard else s.master, *s.momentum.values()):
                 if t is not None:
                     trace.label(t, "optimizer")
         buffers = opt.buffers

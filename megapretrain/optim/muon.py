@@ -1,0 +1,250 @@
+"""Muon for the decoder layers' matrices, composed with tensor parallelism and ZeRO.
+
+Muon (``optim.optimizer: muon``) updates every 2-D weight inside the decoder layers; AdamW the rest
+(``optim/optimizer.py``). Per logical matrix W with gradient G, momentum μ and learning rate γ —
+the same steps, in the same precision and order, as ``torch.optim.Muon``::
+
+    B ← B + (1 − μ)(G − B)                    (B.lerp_(G, 1 − μ))
+    U ← G + μ(B − G) if nesterov else B       (G.lerp(B, μ))
+    O ← NS_k(U)                               k quintic Newton–Schulz steps in bf16 (or fp32)
+    W ← W · (1 − γλ) − γ · adjust(shape) · O
+
+A fused weight is orthogonalized per logical matrix (its spec's ``row_parts``: GPT-NeoX's QKV,
+rows grouped per kv head, gives q, k and v), as separate linears would be.
+
+Momentum and U are elementwise, so each rank computes them on its own fragments (its ZeRO shard:
+flat ranges that may cut a matrix anywhere). Only NS needs whole matrices. Per bucket holding Muon
+matrices, one step:
+
+1. zero ≥ 1: every rank's U fragments are all-gathered over ``dp_shard`` into a bucket-sized fp32
+   buffer (the same traffic as the post-step parameter all-gather, in fp32);
+2. each matrix is orthogonalized on one dp rank only, its *owner*: matrices are assigned to the
+   ``dp_shard`` ranks greedily by size, largest first, to the least loaded rank (zero 0: every
+   rank holds every gradient and computes every matrix, as a replicated optimizer would); under
+   tp the owner's tp group all-gathers the matrix's column or row shards and each of its tp ranks
+   runs NS on the whole matrix and keeps its own shard;
+3. the owners write O into the zeroed buffer, which is reduce-scattered over ``dp_shard`` (every
+   other rank adds zeros: exact), leaving each rank O for its own fragments, where the update
+   applies elementwise.
+
+A step whose grad norm is not finite changes nothing (masked on the device, as AdamW's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.specs import ParamSpec
+
+# torch.optim.Muon's (Keller Jordan's) quintic coefficients and epsilon
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+def is_muon_matrix(spec: ParamSpec) -> bool:
+    """Whether Muon updates this parameter: a 2-D weight inside a decoder layer."""
+    return spec.layer is not None and len(spec.shape) == 2
+
+
+def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The orthogonalized ``u`` (2-D), in ``dtype``: ``steps`` quintic Newton–Schulz iterations on
+    the wide orientation, after dividing by the Frobenius norm — torch.optim.Muon's operations in
+    its order, so in bf16 the result is the same bit for bit. (The iteration maps small singular
+    values up steeply — slope a⁵ ≈ 480 at 0 — so in bf16 an input differing in its last fp32 bit
+    can round differently and move the output by far more than a bf16 ulp.)"""
+    a, b, c = NS_COEFFICIENTS
+    x = u.to(dtype, copy=True)  # (fp32: not the caller's tensor, which the iteration would change)
+    tall = u.size(0) > u.size(1)
+    if tall:
+        x = x.T  # (cols, rows): the Gram matrix is the smaller side
+    x.div_(x.norm().clamp(min=NS_EPS))  # spectral norm ≤ Frobenius norm ≤ 1
+    for _ in range(steps):
+        gram = x @ x.T  # (r, r)
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+        x = torch.addmm(x, poly, x, beta=a)  # a·X + (b·A + c·A²)·X
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, mode: str, shape: tuple[int, ...]) -> float:
+    """The learning rate of a (rows, cols) matrix, torch.optim.Muon's ``adjust_lr_fn``: original
+    scales by sqrt(max(1, rows/cols)), match_rms_adamw by 0.2·sqrt(max(rows, cols))."""
+    rows, cols = shape[:2]
+    if mode == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1, rows / cols))
+
+
+def logical_parts(matrix: torch.Tensor, row_parts: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The logical matrices of a (global) weight: itself, or for a fused one (``row_parts``: the
+    rows of each part within every repeating group of rows) each part's rows of every group, in
+    group order (copies)."""
+    if row_parts is None:
+        return [matrix]
+    group = sum(row_parts)
+    grouped = matrix.view(matrix.shape[0] // group, group, matrix.shape[1])  # (groups, group, cols)
+    return [p.reshape(-1, matrix.shape[1]) for p in grouped.split(list(row_parts), dim=1)]
+
+
+def join_parts(parts: list[torch.Tensor], row_parts: tuple[int, ...] | None) -> torch.Tensor:
+    """The inverse of :func:`logical_parts`: the fused weight of its parts."""
+    if row_parts is None:
+        return parts[0]
+    groups = parts[0].shape[0] // row_parts[0]
+    return torch.cat([p.view(groups, -1, p.shape[1]) for p in parts], dim=1).view(
+        -1, parts[0].shape[1])
+
+
+def part_runs(spec: ParamSpec, start: int, end: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """Elements ``[start, end)`` of the flattened tp shard of ``spec``'s weight as runs of one
+    logical matrix each: (lo, hi, that matrix's global shape), ``lo``/``hi`` from ``start``. A
+    tp shard holds whole row groups, so a local row's part is its place in its group."""
+    if spec.row_parts is None:
+        return [(0, end - start, spec.shape)]
+    cols, group = spec.local_shape[1], sum(spec.row_parts)
+    groups = spec.shape[0] // group
+    bounds, row = [], 0  # (first local row of a run, its part) over one group
+    for i, rows in enumerate(spec.row_parts):
+        bounds.append((row, i))
+        row += rows
+    runs = []
+    for g in range(spec.local_shape[0] // group):
+        for j, (first, part) in enumerate(bounds):
+            last = bounds[j + 1][0] if j + 1 < len(bounds) else group
+            lo, hi = max((g * group + first) * cols, start), min((g * group + last) * cols, end)
+            if lo < hi:
+                runs.append((lo - start, hi - start, (spec.row_parts[part] * groups, cols)))
+    return runs
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """Muon's fields of ``optim.*``, resolved (null learning rate and decay: AdamW's)."""
+    lr_ratio: float      # optim.muon_lr / optim.lr: the schedule's rate times this
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    ns_dtype: torch.dtype
+    adjust_lr: str
+    weight_decay: float
+
+    @classmethod
+    def of(cls, o) -> MuonSettings:
+        muon_lr = o.lr if o.muon_lr is None else o.muon_lr
+        wd = o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay
+        ns_dtype = torch.float32 if o.muon_ns_precision == "fp32" else torch.bfloat16
+        return cls(muon_lr / o.lr, o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, ns_dtype,
+                   o.muon_adjust_lr, wd)
+
+
+def assign_owners(sizes: dict[str, int], ranks: int) -> dict[str, int]:
+    """Each matrix's owner among ``ranks``: largest first, to the least loaded rank so far (ties:
+    the lowest rank) — the same answer on every rank."""
+    load = [0] * ranks
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += sizes[name]
+    return owners
+
+
+class MuonStep:
+    """Muon's step over the Muon fragments of an optimizer's shards (``ShardState``s): momentum
+    per fragment (fp32, the fragment's size), and the assembly of whole matrices for NS (module
+    docstring). ``shards``' fragments that :func:`is_muon_matrix` picks are this step's."""
+
+    def __init__(self, shards, spec_of: dict[int, ParamSpec], settings: MuonSettings, ps,
+                 zero: int):
+        self.settings, self.ps, self.spec_of = settings, ps, spec_of
+        self.sharded = zero >= 1 and ps.dp_shard.size > 1
+        # per bucket holding a Muon matrix, whether or not this rank's shard holds part of it (its
+        # collectives need every rank): (shard state, this rank's Muon fragments)
+        self.work = [(s, [f for f in s.fragments if is_muon_matrix(f.spec)]) for s in shards
+                     if any(is_muon_matrix(spec_of[id(p)]) for p in s.bucket.params)]
+        # each fragment's momentum, held by its shard (checkpoints read it there)
+        self.momentum = {name: t for s, _ in self.work for name, t in s.momentum.items()}
+        # owners by the global matrix's size; every rank of dp_shard sees every matrix of its
+        # buckets (a bucket's parameters are the same on every dp rank)
+        sizes = {name: math.prod(spec.shape) for name, spec in self.matrices().items()}
+        self.owner = assign_owners(sizes, ps.dp_shard.size) if self.sharded else {}
+
+    def matrices(self) -> dict[str, ParamSpec]:
+        """Every Muon matrix of this rank's buckets (whether or not its shard holds part of it)."""
+        out = {}
+        for s, _ in self.work:
+            for p in s.bucket.params:
+                spec = self.spec_of[id(p)]
+                if is_muon_matrix(spec):
+                    out[spec.name] = spec
+        return out
+
+    def _mine(self, name: str) -> bool:
+        return not self.sharded or self.owner[name] == self.ps.dp_shard.rank
+
+    @torch.no_grad()
+    def step(self, lr: float, found_inf: torch.Tensor) -> None:
+        """One Muon step at the schedule's rate ``lr`` (AdamW's: scaled by ``lr_ratio``), skipped
+        where ``found_inf`` (0-d bool) is set."""
+        m = self.settings
+        lr = lr * m.lr_ratio
+        for s, frags in self.work:
+            # 1. momentum and the update to orthogonalize, on this rank's fragments
+            u_shard = torch.zeros_like(s.master)  # (shard,) fp32; other elements stay 0
+            for f in frags:
+                g, buf = f.of(s.grad), self.momentum[f.name]
+                new = buf.lerp(g, 1 - m.momentum)
+                f.of(u_shard).copy_(g.lerp(new, m.momentum) if m.nesterov else new)
+                buf.copy_(torch.where(found_inf, buf, new))
+            # 2. whole (tp-local) matrices, orthogonalized by their owners
+            b = s.bucket
+            full = self._gather(u_shard, b)  # (bucket,) fp32, or the shard itself (zero 0)
+            done = {}
+            for p, shape, off in zip(b.params, b.shapes, b.offsets):
+                spec = self.spec_of[id(p)]
+                if is_muon_matrix(spec) and self._mine(spec.name):
+                    local = full[off:off + shape.numel()].view(shape)
+                    done[off] = self._orthogonalize(local, spec)
+            # 3. each rank's O for its own fragments
+            if self.sharded:
+                full.zero_()
+            for off, o in done.items():
+                full[off:off + o.numel()].copy_(o.reshape(-1))
+            o_shard = self._scatter(full, u_shard)
+            # 4. the update, elementwise on the masters
+            for f in frags:
+                w, o = f.of(s.master), f.of(o_shard)
+                new = w.mul(1 - lr * (m.weight_decay if f.spec.weight_decay else 0.0))
+                for lo, hi, shape in part_runs(f.spec, f.start, f.end):
+                    new[lo:hi].add_(o[lo:hi], alpha=-adjusted_lr(lr, m.adjust_lr, shape))
+                w.copy_(torch.where(found_inf, w, new))
+
+    def _gather(self, u_shard: torch.Tensor, b) -> torch.Tensor:
+        if not self.sharded:
+            return u_shard  # the shard is the whole bucket
+        full = torch.empty(b.numel, dtype=torch.float32, device=u_shard.device)
+        work = self.ps.dp_shard.all_gather_async(full, u_shard)
+        if work is not None:
+            work.wait()
+        return full
+
+    def _scatter(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return full
+        work = self.ps.dp_shard.reduce_scatter_async(out, full)
+        if work is not None:
+            work.wait()
+        return out
+
+    def _orthogonalize(self, local: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
+        """NS of each logical matrix of the parameter whose tp shard of U is ``local``; returns
+        this rank's tp shard of O (fp32 holding bf16 values)."""
+        tp = self.ps.tp
+        whole = tp.all_gather(local, spec.tp_dim) if spec.tp_dim is not None else local
+        parts = logical_parts(whole, spec.row_parts)
+        ns = self.settings
+        o = join_parts([newton_schulz(p, ns.ns_steps, ns.ns_dtype) for p in parts], spec.row_parts)
+        return tp.split(o, spec.tp_dim) if spec.tp_dim is not None else o
+
