@@ -30,11 +30,11 @@ import logging
 import math
 import os
 import time
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
 
+from megapretrain.data.blending import greedy_blend
 from megapretrain.data.index_cache import cached_or_built
 from megapretrain.data.indexed_dataset import (
     IndexedDataset,
@@ -395,8 +395,8 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
 
     Returns (dataset_index, dataset_sample_index): which dataset serves sample ``i``, and which of
     that dataset's samples it is. For two datasets the choices have a closed form (vectorized: 1B
-    samples in seconds). With more, the choice at step ``i`` depends on all earlier choices, so it
-    is a tight loop on Python floats (about 1 us per sample; cached, and built once per node).
+    samples in seconds). With more, the choice at step ``i`` depends on all earlier choices: a
+    compiled loop (``blending.greedy_blend``), cached and built once per node.
     """
     weights = [float(w) for w in weights]
     if len(weights) == 1:
@@ -410,27 +410,7 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
         dataset_index = (1 - np.diff(counts0)).astype(np.int16)
         taken0 = counts0[:-1]  # dataset 0's samples before sample i
         return dataset_index, np.where(dataset_index == 0, taken0, np.arange(num_samples) - taken0)
-    counts = [0] * len(weights)
-    chosen = array("H", bytes(2 * num_samples))
-    rest = range(1, len(weights))
-    w0 = weights[0]
-    for i in range(num_samples):
-        target = i + 1.0
-        best, best_lag = 0, w0 * target - counts[0]
-        for d in rest:
-            lag = weights[d] * target - counts[d]
-            if lag > best_lag:
-                best, best_lag = d, lag
-        chosen[i] = best
-        counts[best] += 1
-    dataset_index = np.frombuffer(chosen, dtype=np.uint16).astype(np.int16)
-    # The j-th time dataset d is chosen it serves its sample j: a per-dataset running count.
-    order = np.argsort(dataset_index, kind="stable")
-    group_starts = np.concatenate([[0], np.cumsum(np.bincount(dataset_index,
-                                                              minlength=len(weights)))[:-1]])
-    dataset_sample_index = np.empty(num_samples, dtype=np.int64)
-    dataset_sample_index[order] = np.arange(num_samples) - np.repeat(group_starts, counts)
-    return dataset_index, dataset_sample_index
+    return greedy_blend(np.asarray(weights), num_samples)
 
 
 def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[np.ndarray]:
