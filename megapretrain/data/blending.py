@@ -29,6 +29,7 @@ import subprocess
 import sysconfig
 import tempfile
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -45,7 +46,7 @@ _SOURCE = r"""
 #define BLOCK 16
 #define NONE 1e300  /* finite sentinels: built with -ffinite-math-only */
 
-/* The largest lag among slots [lo, hi) at target t: one branch-free pass the compiler vectorizes. */
+/* The largest lag among slots [lo, hi) at target t: a branch-free pass the compiler vectorizes. */
 static inline double block_max(const double *w, const double *c, int64_t lo, int64_t hi, double t)
 {
     double best = -NONE;
@@ -62,18 +63,20 @@ static inline double block_max(const double *w, const double *c, int64_t lo, int
    lag found so far is skipped. The bound carries a margin of several units in the last place over
    the roundings of weight * t - count, so a block is skipped only if none of its lags can equal
    the best: the choice (largest lag, lowest dataset id on ties) is exactly a full scan's.
-   target(i) = max(i + offset, 1): offset 1 is megapretrain's (i + 1), 0 Megatron-LM's. */
-void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t num_samples,
+   target(i) = max(i + offset, 1): offset 1 is megapretrain's (i + 1), 0 Megatron-LM's.
+   Samples [start, stop) are written to dataset_index[i - start] etc.; c, bound, at and wmax carry
+   the state from one call to the next (start 0 initializes them). */
+void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t start, int64_t stop,
            int64_t offset, double *c, double *bound, double *at, double *wmax,
            int16_t *dataset_index, int64_t *dataset_sample_index)
 {
     const int64_t blocks = (num_datasets + BLOCK - 1) / BLOCK;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < blocks && start == 0; ++b) {
         wmax[b] = w[b * BLOCK];  /* weights decrease along the slots */
         bound[b] = NONE;
         at[b] = 1.0;
     }
-    for (int64_t i = 0; i < num_samples; ++i) {
+    for (int64_t i = start; i < stop; ++i) {
         const double t = (double)(i + offset > 1 ? i + offset : 1);
         double best = -NONE;
         int64_t chosen = 0;  /* a slot */
@@ -94,8 +97,8 @@ void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t num
                     chosen = s;
                 }
         }
-        dataset_index[i] = id[chosen];
-        dataset_sample_index[i] = (int64_t)c[chosen];
+        dataset_index[i - start] = id[chosen];
+        dataset_sample_index[i - start] = (int64_t)c[chosen];
         c[chosen] += 1.0;
         bound[chosen / BLOCK] = NONE;  /* its lags changed: scan it next time */
     }
@@ -115,25 +118,40 @@ def greedy_blend(weights: np.ndarray, num_samples: int,
     ``offset`` sets the target of sample ``i`` to ``weights * max(i + offset, 1)``: 1 is this
     project's assignment (the count after the sample is taken), 0 Megatron-LM's helper's.
     """
+    parts = list(greedy_blend_chunks(weights, num_samples, max(num_samples, 1), offset))
+    if len(parts) == 1:
+        return parts[0]
+    return (np.empty(0, dtype=np.int16), np.empty(0, dtype=np.int64))
+
+
+def greedy_blend_chunks(weights: np.ndarray, num_samples: int, chunk: int,
+                        offset: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`greedy_blend` in pieces of ``chunk`` samples, in order: what a caller writing the
+    index to disk holds at a time."""
     weights = np.ascontiguousarray(weights, dtype=np.float64)
     if weights.size > MAX_DATASETS:
         raise DataError(f"data.paths has {weights.size:,} datasets; a blend takes at most "
                         f"{MAX_DATASETS:,} (dataset ids are int16): merge prefixes first")
     library = _compiled()
     if library is None:
-        return greedy_blend_reference(weights, num_samples, offset)
+        whole = greedy_blend_reference(weights, num_samples, offset)
+        for start in range(0, num_samples, chunk):
+            yield whole[0][start: start + chunk], whole[1][start: start + chunk]
+        return
     order = np.argsort(-weights, kind="stable")  # slots by decreasing weight; equal ones by id
     sorted_weights = np.ascontiguousarray(weights[order])
     ids = order.astype(np.int16)
     blocks = -(-weights.size // _BLOCK)
     counts, bound, at, wmax = (np.zeros(n, dtype=np.float64) for n in (weights.size, blocks,
                                                                          blocks, blocks))
-    dataset_index = np.empty(num_samples, dtype=np.int16)
-    dataset_sample_index = np.empty(num_samples, dtype=np.int64)
-    library.blend(sorted_weights.ctypes.data, ids.ctypes.data, weights.size, num_samples, offset,
-                  counts.ctypes.data, bound.ctypes.data, at.ctypes.data, wmax.ctypes.data,
-                  dataset_index.ctypes.data, dataset_sample_index.ctypes.data)
-    return dataset_index, dataset_sample_index
+    for start in range(0, num_samples, chunk):
+        stop = min(start + chunk, num_samples)
+        dataset_index = np.empty(stop - start, dtype=np.int16)
+        dataset_sample_index = np.empty(stop - start, dtype=np.int64)
+        library.blend(sorted_weights.ctypes.data, ids.ctypes.data, weights.size, start, stop,
+                      offset, counts.ctypes.data, bound.ctypes.data, at.ctypes.data,
+                      wmax.ctypes.data, dataset_index.ctypes.data, dataset_sample_index.ctypes.data)
+        yield dataset_index, dataset_sample_index
 
 
 def greedy_blend_reference(weights, num_samples: int,
@@ -190,6 +208,6 @@ def _compiled() -> ctypes.CDLL | None:
         return None
     library.blend.restype = None
     library.blend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                              ctypes.c_int64] + [ctypes.c_void_p] * 6
+                              ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
     _library = library
     return library
