@@ -12,7 +12,7 @@ is one piece, not the index; afterwards it memory-maps the files like every othe
 Protocol for a node with several ranks (see ``build_gpt_datasets``): the builder (local rank 0)
 calls ``cached_or_built`` with ``build_indices=True``: it loads the entry or builds it, writing
 ``STEM.progress`` (how far, since when) as it goes; the other ranks wait for the manifest
-(``build_indices=False``), logging the builder's progress and an estimate of the time left every
+(``build_indices=False``), printing the builder's progress and an estimate of the time left every
 ``WAIT_LOG_S`` seconds, and memory-map the same files, so every rank of the node shares one copy in
 the page cache.
 """
@@ -20,10 +20,10 @@ the page cache.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -33,30 +33,42 @@ from ..errors import full_disk_guard
 
 POLL_S = 0.05
 PROGRESS_S = 1.0  # how often a builder rewrites its progress file
-WAIT_LOG_S = 10.0  # how often a waiting rank logs the builder's progress
-logger = logging.getLogger(__name__)
+WAIT_LOG_S = 15.0  # how often a waiting rank prints the builder's progress
 
 
 def load_indices(cache_dir: str | None, stem: str | None, key: str, names: Sequence[str],
                  wait_s: float = 0.0) -> dict[str, np.ndarray] | None:
     """Memory-map a complete cache entry, or None when caching is off or it is missing or stale.
 
-    With ``wait_s > 0`` a missing entry is polled for until it appears (another rank builds it);
-    after ``wait_s`` seconds without it, TimeoutError names the manifest that never appeared.
+    With ``wait_s > 0`` a missing entry is polled for until it appears (another rank builds it),
+    printing the builder's progress every ``WAIT_LOG_S`` seconds. The wait ends ``wait_s`` seconds
+    after the builder last reported progress (or after the wait began, if it never did): then
+    TimeoutError names the manifest that never appeared. A long build that keeps reporting is
+    waited for to its end.
     """
     if cache_dir is None or stem is None:
         return None
     manifest = os.path.join(cache_dir, f"{stem}.json")
+    progress = os.path.join(cache_dir, f"{stem}.progress")
     deadline = time.monotonic() + wait_s
     next_log = time.monotonic() + min(WAIT_LOG_S, 2.0)
+    reported = None
     while True:
         arrays = _read_entry(cache_dir, stem, key, names)
         if arrays is not None or wait_s <= 0:
             return arrays
+        try:
+            changed = os.stat(progress).st_mtime_ns
+        except OSError:
+            changed = None
+        if changed is not None and changed != reported:
+            reported, deadline = changed, time.monotonic() + wait_s
         if time.monotonic() >= next_log:
             next_log = time.monotonic() + WAIT_LOG_S
-            logger.info("waiting for the data index: %s", build_progress(cache_dir, stem)
-                        or f"{stem} (its builder has not reported yet)")
+            # print, not logging: the trainer's ranks print, and this must reach the user
+            print(f"waiting for the data index: {build_progress(cache_dir, stem) or stem}"
+                  f"{'' if os.path.exists(progress) else ' (its builder has not begun it yet)'}",
+                  file=sys.stderr, flush=True)
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {wait_s:.0f}s for {manifest}, which the node's local rank "
                                "0 builds (build_indices=True); is data.cache_dir the same "
@@ -195,6 +207,7 @@ def _write_entry(cache_dir: str, stem: str, key: str, names: Sequence[str], buil
     try:
         with full_disk_guard(cache_dir, needed_bytes or None,
                              "free space there, or set data.cache_dir to a disk with room"):
+            report(0.0)  # waiting ranks see that the build began
             build(open_file, report)
             missing = set(names) - set(sinks)
             if missing:
