@@ -44,6 +44,9 @@ _SOURCE = r"""
 #include <stdint.h>
 
 #define BLOCK 16
+#ifndef SMALL
+#define SMALL 32  /* up to this many datasets, every sample scans them all */
+#endif
 #define NONE 1e300  /* finite sentinels: built with -ffinite-math-only */
 
 /* The largest lag among slots [lo, hi) at target t: a branch-free pass the compiler vectorizes. */
@@ -70,6 +73,24 @@ void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t sta
            int64_t offset, double *c, double *bound, double *at, double *wmax,
            int16_t *dataset_index, int64_t *dataset_sample_index)
 {
+    if (num_datasets <= SMALL) {  /* a plain scan: cheaper than bounds for a few blocks */
+        for (int64_t i = start; i < stop; ++i) {
+            const double t = (double)(i + offset > 1 ? i + offset : 1);
+            double best = w[0] * t - c[0];
+            int64_t chosen = 0;
+            for (int64_t s = 1; s < num_datasets; ++s) {
+                const double lag = w[s] * t - c[s];
+                if (lag > best || (lag == best && id[s] < id[chosen])) {
+                    best = lag;
+                    chosen = s;
+                }
+            }
+            dataset_index[i - start] = id[chosen];
+            dataset_sample_index[i - start] = (int64_t)c[chosen];
+            c[chosen] += 1.0;
+        }
+        return;
+    }
     const int64_t blocks = (num_datasets + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < blocks && start == 0; ++b) {
         wmax[b] = w[b * BLOCK];  /* weights decrease along the slots */

@@ -63,7 +63,8 @@ class GPTDataset:
     """Fixed-length training samples cut from a shuffled stream of whole documents (see module
     docstring).
 
-    ``document_ids`` index the sequences of ``indexed`` (preprocessing writes one per document);
+    ``document_ids`` index the sequences of ``indexed`` (preprocessing writes one per document;
+    kept as a ``range`` when they are one, so that a thousand prefixes hold no id arrays);
     ``__getitem__(i)`` returns the i-th sample in training order as ``seq_length + 1`` int64 ids.
     ``build_indices=False`` loads the indices from ``cache_dir`` (waiting up to ``cache_wait_s`` for
     another process to write them) instead of building them; see ``build_gpt_datasets``.
@@ -87,6 +88,9 @@ class GPTDataset:
         logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built
                     else "loaded", name, indexed.prefix, num_samples, self.num_epochs,
                     time.perf_counter() - start)
+        self.num_documents = int(self.document_ids.size)
+        if _is_range(self.document_ids):  # a split's usual form: no array of ids kept
+            self.document_ids = range(int(self.document_ids[0]), int(self.document_ids[-1]) + 1)
         self.doc_index = indices["doc_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"][: self.num_samples]
@@ -179,7 +183,7 @@ class GPTDataset:
         """One row for this dataset: prefix, split, documents, tokens (per epoch), weight, samples,
         epochs."""
         return [{"prefix": self.indexed.prefix, "split": self.name,
-                 "documents": int(self.document_ids.size), "tokens": self.tokens_per_epoch,
+                 "documents": self.num_documents, "tokens": self.tokens_per_epoch,
                  "weight": 1.0, "samples": self.num_samples,
                  "epochs": round(self.num_samples * self.seq_length / self.tokens_per_epoch, 4)}]
 
@@ -483,7 +487,7 @@ def blending_index_chunks(weights: np.ndarray, num_samples: int,
         yield dataset_index, np.where(dataset_index == 0, taken0, steps - taken0)
 
 
-def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[np.ndarray]:
+def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[range]:
     """Split document ids ``0..num_documents-1`` into contiguous train/valid/test ranges by weight.
 
     ``split`` is up to three non-negative weights (``[98, 2, 0]``, or Megatron's string
@@ -501,7 +505,8 @@ def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list
     fractions = np.cumsum(weights) / sum(weights)
     bounds = np.concatenate([[0], np.round(fractions * num_documents)]).astype(np.int64)
     bounds[-1] = num_documents
-    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+    # ranges, not arrays: 1,000 prefixes of 10M documents would hold 240 GB of ids
+    return [range(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
 def parse_data_paths(paths: Sequence | str) -> list[tuple[float | None, str]]:
@@ -600,8 +605,8 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
         members = [(w, ds, docs[s]) for (w, _), ds, docs in zip(pairs, indexed, doc_splits)]
         # weight by tokens; drop prefixes empty in this split
         if all(w is None for w, _, _ in members):
-            members = [(float(ds.sequence_lengths[docs].sum(dtype=np.int64)), ds, docs) for _, ds,
-                       docs in members]
+            members = [(float(ds.sequence_lengths[docs.start: docs.stop].sum(dtype=np.int64)), ds,
+                        docs) for _, ds, docs in members]
             members = [m for m in members if m[0] > 0] or members[:1]
         if len(members) == 1:
             result[name] = GPTDataset(members[0][1], members[0][2], seq_length, n, seed, name=name,
