@@ -6,14 +6,16 @@ sequential loop: a few dozen C lines, compiled once per machine with the system 
 user's cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``, ``megapretrain/``) and called through
 ctypes: no build step at install, nothing new to install.
 
-megatron-core's helper scans every dataset for every sample. This loop keeps the datasets sorted by
-weight in blocks of 16 with an upper bound on each block's largest lag, and scans only the blocks
-that can hold the largest (a block's lags grow by at most its largest weight per sample until one
-of its datasets is chosen); each scan is a branch-free pass the compiler vectorizes. With 1,000
-datasets of unequal weights it scans a few blocks per sample instead of 63. All lags are
-``weight * t - count`` in double precision with two roundings (``-ffp-contract=off``: no fused
-multiply-add), exactly as the Python reference below computes them, and the bounds keep a margin
-over their roundings, so the choices are bit-for-bit the reference's, ties included.
+megatron-core's helper scans every dataset for every sample, in one branching pass. Up to 128
+datasets this loop does too, in two passes the compiler vectorizes (the largest lag with SIMD max
+instructions, then the first dataset holding it). Beyond, it keeps the datasets sorted by weight
+in blocks of 16 with an upper bound on each block's largest lag, and scans only the blocks that
+can hold the largest (a block's lags grow by at most its largest weight per sample until one of
+its datasets is chosen): with 1,000 datasets of unequal weights, a few blocks per sample instead of
+63. All lags are ``weight * t - count`` in double precision with two roundings
+(``-ffp-contract=off``: no fused multiply-add), exactly as the Python reference below computes
+them, and the bounds keep a margin over their roundings, so the choices are bit-for-bit the
+reference's, ties included.
 
 Without a working C compiler the reference loop runs instead (about 0.09 us per sample and
 dataset), after one log line saying so.
@@ -45,7 +47,7 @@ _SOURCE = r"""
 
 #define BLOCK 16
 #ifndef SMALL
-#define SMALL 32  /* up to this many datasets, every sample scans them all */
+#define SMALL 128  /* up to this many datasets, every sample scans them all (two passes) */
 #endif
 #define NONE 1e300  /* finite sentinels: built with -ffinite-math-only */
 
@@ -73,18 +75,13 @@ void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t sta
            int64_t offset, double *c, double *bound, double *at, double *wmax,
            int16_t *dataset_index, int64_t *dataset_sample_index)
 {
-    if (num_datasets <= SMALL) {  /* a plain scan: cheaper than bounds for a few blocks */
+    if (num_datasets <= SMALL) {  /* slots in id order: the first slot holding the max wins */
         for (int64_t i = start; i < stop; ++i) {
             const double t = (double)(i + offset > 1 ? i + offset : 1);
-            double best = w[0] * t - c[0];
+            const double best = block_max(w, c, 0, num_datasets, t);
             int64_t chosen = 0;
-            for (int64_t s = 1; s < num_datasets; ++s) {
-                const double lag = w[s] * t - c[s];
-                if (lag > best || (lag == best && id[s] < id[chosen])) {
-                    best = lag;
-                    chosen = s;
-                }
-            }
+            while (w[chosen] * t - c[chosen] != best)
+                ++chosen;
             dataset_index[i - start] = id[chosen];
             dataset_sample_index[i - start] = (int64_t)c[chosen];
             c[chosen] += 1.0;
@@ -127,7 +124,7 @@ void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t sta
 """
 # No fused multiply-add (the choices must equal the reference's); lags are never NaN, infinite or
 # -0.0, which lets the compiler turn the max into SIMD max instructions.
-_BLOCK = 16  # BLOCK in the source
+_BLOCK, _SMALL = 16, 128  # BLOCK and SMALL in the source
 _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-ffinite-math-only", "-fno-signed-zeros"]
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: no compiler
 
@@ -159,7 +156,9 @@ def greedy_blend_chunks(weights: np.ndarray, num_samples: int, chunk: int,
         for start in range(0, num_samples, chunk):
             yield whole[0][start: start + chunk], whole[1][start: start + chunk]
         return
-    order = np.argsort(-weights, kind="stable")  # slots by decreasing weight; equal ones by id
+    # Slots by decreasing weight (equal ones by id) for the blocks' bounds; in id order for a scan.
+    order = np.argsort(-weights, kind="stable") if weights.size > _SMALL \
+        else np.arange(weights.size)
     sorted_weights = np.ascontiguousarray(weights[order])
     ids = order.astype(np.int16)
     blocks = -(-weights.size // _BLOCK)
