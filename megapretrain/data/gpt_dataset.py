@@ -74,7 +74,9 @@ class GPTDataset:
                  num_samples: int, seed: int, cache_dir: str | None = None, name: str = "train",
                  build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
         self.indexed = indexed
-        self.document_ids = np.asarray(document_ids, dtype=np.int64)
+        self.document_ids = np.arange(document_ids.start, document_ids.stop, dtype=np.int64) \
+            if isinstance(document_ids, range) and document_ids.step == 1 \
+            else np.asarray(document_ids, dtype=np.int64)
         self.seq_length, self.num_samples, self.seed, self.name = int(seq_length), int(
             num_samples), seed, name
         self._validate()
