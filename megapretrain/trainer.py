@@ -568,10 +568,9 @@ class Trainer:
                 {"train": self.sizes.train_samples + spare * t.global_batch_size,
                  "valid": valid_samples, "test": 0}, cfg.data.cache_dir or
                 os.path.join(cfg.run.dir, "data_cache"))
-        builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        datasets = build_gpt_datasets(*args, build_indices=True) if builder else None
-        self.ps.checkpoint.barrier()  # on gloo with its own timeout: a large index takes long
-        return datasets if builder else build_gpt_datasets(*args, build_indices=False)
+        # Local rank 0 builds what the cache lacks; the others map its files as they appear,
+        # logging its progress while they wait (data/index_cache.py).
+        return build_gpt_datasets(*args, build_indices=int(os.environ.get("LOCAL_RANK", "0")) == 0)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

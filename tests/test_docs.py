@@ -88,6 +88,9 @@ REWRITES = [
     (r"bench_data\.py index --megatron", "bench_data.py index --repeats 1", "one repeat"),
     (r"bench_data\.py reads$", "bench_data.py reads --tokens 200000 --samples 200 --repeats 1", "a small shard"),
     (r"bench_data\.py verify --tokens \d+", "bench_data.py verify --tokens 200000", "a small shard"),
+    (r"bench_data\.py blend .*", "bench_data.py blend --prefixes 3 40 --samples 1e4 --megatron", "10k samples"),
+    (r"bench_data\.py startup .*", "bench_data.py startup --prefixes 3 --documents 20000 --train-tokens 1e7",
+     "3 small prefixes"),
     (r"bench_attention\.py (.*)", r"bench_attention.py \1 --seqs 256 512 --docs short --iters 1",
      "two short sequences, one iteration"),
     (r"bench_pipeline\.py(.*)", r"bench_pipeline.py\1 --pp 2 --micro-batches 4 --layers 4 --hidden 32 --seq 16 "

@@ -166,7 +166,7 @@ def test_cache_is_written_reused_and_keyed(tmp_path, monkeypatch):
     def no_rebuild(*args):
         raise AssertionError("indices rebuilt although cached")
 
-    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", no_rebuild)
+    monkeypatch.setattr(gpt_dataset, "write_gpt_indices", no_rebuild)
     again = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=str(cache))
     assert all((first[i] == again[i]).all() for i in range(40))
     shorter = GPTDataset(indexed, np.arange(len(docs)), 16, 30, seed=2, cache_dir=str(cache))  # same epochs
@@ -182,8 +182,8 @@ def test_stale_or_partial_cache_is_rebuilt(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     first = GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
     calls = []
-    real = gpt_dataset.build_gpt_indices
-    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", lambda *a: calls.append(1) or real(*a))
+    real = gpt_dataset.write_gpt_indices
+    monkeypatch.setattr(gpt_dataset, "write_gpt_indices", lambda *a: calls.append(1) or real(*a))
     manifest = os.path.join(cache, first._cache_stem() + ".json")
     os.remove(manifest)  # a build that died before its manifest: not used
     GPTDataset(indexed, np.arange(len(docs)), 16, 40, seed=2, cache_dir=cache)
@@ -207,8 +207,8 @@ def test_build_once_per_node_protocol(tmp_path, monkeypatch):
     with pytest.raises(TimeoutError, match="local rank 0"):
         build_gpt_datasets(*args, cache, build_indices=False, cache_wait_s=0.2)
     built = build_gpt_datasets(*args, cache, build_indices=True)
-    monkeypatch.setattr(gpt_dataset, "build_gpt_indices", None)
-    monkeypatch.setattr(gpt_dataset, "blending_indices", None)
+    monkeypatch.setattr(gpt_dataset, "write_gpt_indices", None)
+    monkeypatch.setattr(gpt_dataset, "blending_index_chunks", None)
     loaded = build_gpt_datasets(*args, cache, build_indices=False, cache_wait_s=0.2)
     for split, n in (("train", 50), ("valid", 5)):
         assert all((built[split][i] == loaded[split][i]).all() for i in range(n))
@@ -299,7 +299,7 @@ def test_build_gpt_datasets(tmp_path, monkeypatch):
     assert np.bincount(train.dataset_index).tolist() == [15, 45]
     assert [len(p) for p in train.datasets] == [int(np.ceil(w * 60 * 1.005 + 1)) for w in (0.25, 0.75)]
     assert any(name.startswith("blend_") for name in os.listdir(tmp_path / "cache"))
-    monkeypatch.setattr(gpt_dataset, "blending_indices", None)  # a second build must come from the cache
+    monkeypatch.setattr(gpt_dataset, "blending_index_chunks", None)  # a second build must come from the cache
     again = build_gpt_datasets(f"0.25 {pa} 0.75 {pb}", [90, 10, 0], 8, 0, counts, str(tmp_path / "cache"))["train"]
     assert all((again[i] == train[i]).all() for i in range(60))
     monkeypatch.undo()

@@ -7,6 +7,8 @@
     python tools/bench_data.py index [--megatron]                       # 1M x 2048 and a 10B-token description
     python tools/bench_data.py reads [--samples 200000]                 # random 2049-token samples/s, one core
     python tools/bench_data.py verify [--tokens 500000000]              # the trainer's check of a dataset
+    python tools/bench_data.py blend --prefixes 10 100 1000 --samples 1e6 1e7 1e8 [--megatron]
+    python tools/bench_data.py startup --prefixes 1000 --train-tokens 1e11    # indices of a large blend
 
 Each section prints one line per measurement with the machine load (1-minute load average and core
 count), because these machines are shared: compare numbers taken under similar load. Every file a
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 import warnings
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
@@ -213,6 +217,126 @@ def bench_index(args) -> None:
         print(f"{line} ({load()})", flush=True)
 
 
+# -- blend index -------------------------------------------------------------------------------------
+
+def megatron_blend_helper():
+    """megatron-core's compiled build_blending_indices, or None where it is not installed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from megatron.core.datasets import helpers_cpp
+        except ImportError:
+            return None
+    return helpers_cpp.build_blending_indices
+
+
+def traced(run, *args, **kwargs):
+    """(seconds, peak bytes numpy allocated) of ``run(*args, **kwargs)`` (numpy reports its arrays
+    to tracemalloc, megatron-core's helper fills numpy arrays: both are counted the same way)."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    run(*args, **kwargs)
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return seconds, peak
+
+
+def megatron_blend(helper, weights: np.ndarray, n: int) -> None:
+    """megatron-core's blend index, allocated as its BlendedDataset does."""
+    index = np.zeros(n, dtype=np.int16)
+    sample = np.zeros(n, dtype=np.int64)
+    helper(index, sample, weights, weights.size, n, False)
+
+
+def bench_blend(args) -> None:
+    """The blend index for each prefix count and sample count: ours in memory, ours streamed to a
+    cache file in chunks, and megatron-core's C++ helper, on the same weights."""
+    from megapretrain.data.blending import greedy_blend
+    from megapretrain.data.gpt_dataset import BlendedDataset
+
+    helper = megatron_blend_helper() if args.megatron else None
+    if args.megatron and helper is None:
+        print("megatron-core is not installed: only ours is timed")
+
+    class Component:  # all the blend needs of a dataset: a size and a cache key
+        def __init__(self, n, key):
+            self.n, self.cache_key = n, key
+
+        def __len__(self):
+            return self.n
+
+    for prefixes in args.prefixes:
+        rng = np.random.default_rng(0)
+        weights = np.ones(prefixes) if args.equal else rng.random(prefixes)
+        weights /= weights.sum()
+        for n in (int(s) for s in args.samples):
+            line = [f"blend of {prefixes} prefixes ({'equal' if args.equal else 'uniform random'} "
+                    f"weights), {n:,} samples:"]
+            seconds, peak = traced(greedy_blend, weights, n)
+            line.append(f"ours {seconds:.2f} s, peak {peak / 2**20:,.0f} MiB")
+            with tempfile.TemporaryDirectory(prefix="bench_blend_", dir=args.tmp_dir) as tmp:
+                parts = [Component(int(w * n) + 2, f"c{i}") for i, w in enumerate(weights)]
+                seconds, peak = traced(BlendedDataset, parts, weights, n, 0, cache_dir=tmp)
+            line.append(f"ours streamed to a cache file {seconds:.2f} s, peak {peak / 2**20:,.0f} MiB")
+            if helper is not None:
+                seconds, peak = traced(megatron_blend, helper, weights, n)
+                line.append(f"megatron-core {seconds:.2f} s, peak {peak / 2**20:,.0f} MiB")
+            print(" ".join(line[:1]) + " " + "; ".join(line[1:]) + f" ({load()})", flush=True)
+
+
+# -- start-up of a large blend -------------------------------------------------------------------------
+
+def lengths_only_prefix(prefix: str, lengths: np.ndarray, dtype=np.uint16) -> None:
+    """A dataset prefix whose .idx holds ``lengths`` and whose .bin is a sparse file of the right
+    size (all-zero tokens, no disk blocks): what index building reads, at no cost in disk."""
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype)
+    builder._write_lengths(lengths)  # the index only: no tokens are written
+    builder._docs_file.write((1 + np.arange(lengths.size, dtype=np.int64)).tobytes())
+    builder.document_count = lengths.size
+    builder.finalize(prefix + ".idx")
+    os.truncate(prefix + ".bin", int(lengths.sum(dtype=np.int64)) * np.dtype(dtype).itemsize)
+
+
+def first_sample(prefixes: list[str], seq: int, samples: int, cache: str) -> None:
+    """The datasets of a run over ``prefixes`` (split 99/1/0, 10 x 2048 valid samples), then the
+    first training sample: what start-up does before the first step reads data."""
+    from megapretrain.data.gpt_dataset import build_gpt_datasets
+
+    datasets = build_gpt_datasets(prefixes, [99, 1, 0], seq, 1234,
+                                  {"train": samples, "valid": 10 * 2048}, cache)
+    datasets["train"][0]
+
+
+def bench_startup(args) -> None:
+    """What a run's start-up spends on data: ``build_gpt_datasets`` over ``--prefixes`` prefixes
+    (token-weighted, split 99/1/0) for ``--train-tokens`` at ``--seq-length``, first with an empty
+    cache (building every index) and again from the cache, with the first sample read."""
+    seq = args.seq_length
+    samples = int(args.train_tokens) // seq
+    with tempfile.TemporaryDirectory(prefix="bench_startup_", dir=args.tmp_dir) as tmp:
+        rng = np.random.default_rng(0)
+        prefixes = []
+        start = time.perf_counter()
+        for p in range(args.prefixes):
+            prefix = os.path.join(tmp, f"p{p:04d}")
+            # documents of 1-2047 tokens, as many per prefix as --documents (sizes differ)
+            lengths = rng.integers(1, 2048, int(args.documents * rng.uniform(0.5, 1.5)))
+            lengths_only_prefix(prefix, lengths.astype(np.int32))
+            prefixes.append(prefix)
+        print(f"made {args.prefixes} prefixes (index files, sparse .bin) in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        cache = os.path.join(tmp, "cache")
+        for what in ("empty cache", "from the cache"):
+            seconds, peak = traced(first_sample, prefixes, seq, samples, cache)
+            size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache))
+            print(f"start-up data, {args.prefixes} prefixes, {samples:,} train samples of {seq} "
+                  f"tokens ({samples * seq:.3g} tokens), {what}: {seconds:.1f} s, numpy peak "
+                  f"{peak / 2**20:,.0f} MiB, process max RSS "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB, cache "
+                  f"{size / 2**30:.2f} GiB ({load()})", flush=True)
+
+
 # -- reads --------------------------------------------------------------------------------------------
 
 def bench_reads(args) -> None:
@@ -300,11 +424,24 @@ def main(argv: list[str] | None = None) -> int:
     reads.add_argument("--tokens", type=positive_int, default=50_000_000, help="size of the synthetic shard")
     reads.add_argument("--samples", type=positive_int, default=200_000)
     reads.add_argument("--repeats", type=positive_int, default=3)
+    blend = sections.add_parser("blend")
+    blend.add_argument("--prefixes", type=positive_int, nargs="+", default=[10, 100, 1000])
+    blend.add_argument("--samples", type=positive_float, nargs="+", default=[1e6, 1e7, 1e8])
+    blend.add_argument("--equal", action="store_true", help="equal weights (default: uniform random)")
+    blend.add_argument("--megatron", action="store_true", help="also time megatron-core's C++ helper")
+    blend.add_argument("--tmp-dir", help="where the streamed index is written (default: system temp)")
+    startup = sections.add_parser("startup")
+    startup.add_argument("--prefixes", type=positive_int, default=1000)
+    startup.add_argument("--documents", type=positive_int, default=100_000,
+                         help="documents per prefix, on average (each 1-2047 tokens)")
+    startup.add_argument("--train-tokens", type=positive_float, default=1e11)
+    startup.add_argument("--seq-length", type=positive_int, default=8192)
+    startup.add_argument("--tmp-dir", help="where prefixes and cache are made (default: system temp)")
     verify = sections.add_parser("verify")
     verify.add_argument("--tokens", type=positive_int, default=500_000_000, help="size of the synthetic shard")
     args = p.parse_args(argv)
     {"preprocess": bench_preprocess, "memory": bench_memory, "index": bench_index, "reads": bench_reads,
-     "verify": bench_verify}[args.section](args)
+     "verify": bench_verify, "blend": bench_blend, "startup": bench_startup}[args.section](args)
     return 0
 
 

@@ -29,12 +29,13 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
-from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from megapretrain.data.blending import greedy_blend_chunks
 from megapretrain.data.index_cache import cached_or_built
 from megapretrain.data.indexed_dataset import (
     IndexedDataset,
@@ -54,6 +55,7 @@ _INDEX_FORMAT = "megapretrain-gpt-indices-v3"
 _BLEND_FORMAT = "megapretrain-blend-v1"
 # each blended component builds this much more than its share, as Megatron does
 _BLEND_OVERSAMPLE = 1.005
+BLEND_CHUNK = 1 << 22  # samples of the blend index built and written at a time (40 MiB)
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
 
 
@@ -61,7 +63,8 @@ class GPTDataset:
     """Fixed-length training samples cut from a shuffled stream of whole documents (see module
     docstring).
 
-    ``document_ids`` index the sequences of ``indexed`` (preprocessing writes one per document);
+    ``document_ids`` index the sequences of ``indexed`` (preprocessing writes one per document;
+    kept as a ``range`` when they are one, so that a thousand prefixes hold no id arrays);
     ``__getitem__(i)`` returns the i-th sample in training order as ``seq_length + 1`` int64 ids.
     ``build_indices=False`` loads the indices from ``cache_dir`` (waiting up to ``cache_wait_s`` for
     another process to write them) instead of building them; see ``build_gpt_datasets``.
@@ -71,19 +74,25 @@ class GPTDataset:
                  num_samples: int, seed: int, cache_dir: str | None = None, name: str = "train",
                  build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
         self.indexed = indexed
-        self.document_ids = np.asarray(document_ids, dtype=np.int64)
+        self.document_ids = np.arange(document_ids.start, document_ids.stop, dtype=np.int64) \
+            if isinstance(document_ids, range) and document_ids.step == 1 \
+            else np.asarray(document_ids, dtype=np.int64)
         self.seq_length, self.num_samples, self.seed, self.name = int(seq_length), int(
             num_samples), seed, name
         self._validate()
-        self.cache_key = self._cache_key()
+        self.cache_key, self.cache_dir = self._cache_key(), cache_dir
         start = time.perf_counter()
         indices, built = cached_or_built(
             cache_dir, self._cache_stem(), self.cache_key,
             ("doc_index", "sample_index", "shuffle_index"), self._build,
-            build_indices, cache_wait_s)
+            build_indices, cache_wait_s, needed_bytes=index_bytes(
+                self.document_ids.size, self.seq_length, self.num_samples, self.num_epochs)[0])
         logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built
                     else "loaded", name, indexed.prefix, num_samples, self.num_epochs,
                     time.perf_counter() - start)
+        self.num_documents = int(self.document_ids.size)
+        if _is_range(self.document_ids):  # a split's usual form: no array of ids kept
+            self.document_ids = range(int(self.document_ids[0]), int(self.document_ids[-1]) + 1)
         self.doc_index = indices["doc_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"][: self.num_samples]
@@ -124,18 +133,22 @@ class GPTDataset:
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch,
                                             self.seq_length))
 
-    def _build(self) -> dict[str, np.ndarray]:
-        """The index arrays, after checking that building them fits in host memory."""
-        _fits_in_host_memory(index_bytes(self.document_ids.size, self.seq_length, self.num_samples,
-                                         self.num_epochs), f"GPTDataset {self.name!r} of "
-                                                           f"{self.indexed.prefix}: its sample "
-                                                           f"indices ({self.num_samples:,} samples "
-                                                           "of "
-                                                           f"train.seq_length={self.seq_length:,}, "
-                                                           f"{self.num_epochs:,} epochs of "
-                                                           f"{self.document_ids.size:,} documents)")
-        return build_gpt_indices(self.indexed.sequence_lengths, self.document_ids, self.seq_length,
-                                 self.num_epochs, self.seed)
+    def _build(self, open_array, report) -> None:
+        """Stream the index arrays to ``open_array``'s sinks, after checking that building them
+        fits in host memory: one epoch's worth when they go to a cache directory, all of them
+        when they are kept in memory."""
+        kept, epoch = index_bytes(self.document_ids.size, self.seq_length, self.num_samples,
+                                  self.num_epochs)
+        what = (f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
+                f"({self.num_samples:,} samples of train.seq_length={self.seq_length:,}, "
+                f"{self.num_epochs:,} epochs of {self.document_ids.size:,} documents)")
+        if self.cache_dir:
+            _fits_on_disk(self.cache_dir, kept, what)
+            _fits_in_host_memory(epoch, what)
+        else:  # the epochs held, then joined
+            _fits_in_host_memory(epoch + kept * (2 if self.num_epochs > 1 else 1), what)
+        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, self.document_ids,
+                          self.seq_length, self.num_epochs, self.seed)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -172,7 +185,7 @@ class GPTDataset:
         """One row for this dataset: prefix, split, documents, tokens (per epoch), weight, samples,
         epochs."""
         return [{"prefix": self.indexed.prefix, "split": self.name,
-                 "documents": int(self.document_ids.size), "tokens": self.tokens_per_epoch,
+                 "documents": self.num_documents, "tokens": self.tokens_per_epoch,
                  "weight": 1.0, "samples": self.num_samples,
                  "epochs": round(self.num_samples * self.seq_length / self.tokens_per_epoch, 4)}]
 
@@ -202,30 +215,72 @@ def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
     return (num_samples - 1) * seq_length // tokens_per_epoch + 1 if num_samples > 0 else 0
 
 
-def index_bytes(num_documents: int, seq_length: int, num_samples: int, num_epochs: int) -> int:
-    """About the peak host memory :func:`build_gpt_indices` takes (Python integers: no overflow,
-    whatever the sizes): each epoch's document stream with room for its wrap, the sample rows and
-    the order served, copied once more when several epochs are joined, plus one epoch's int64
-    temporaries (token offsets, their gathers)."""
+def index_bytes(num_documents: int, seq_length: int, num_samples: int,
+                num_epochs: int) -> tuple[int, int]:
+    """(size of the index, peak memory of building one epoch of it), about, in bytes (Python
+    integers: no overflow, whatever the sizes). The index is each epoch's document stream with room
+    for its wrap, the sample rows and the order served; building an epoch takes its part of them
+    plus int64 temporaries (token offsets, their gathers). Streamed to a cache directory, building
+    needs the second only; in memory, the first plus the second."""
     stream = num_documents + seq_length + 2  # one epoch's doc_index, allocated with the wrap's room
     rows = num_samples + num_epochs
     item = 4 if max(num_epochs * stream, rows) < np.iinfo(np.int32).max else 8
+    epoch_rows = -(-rows // max(num_epochs, 1)) + 1
     kept = item * (num_epochs * stream + 2 * rows + rows)
-    return kept * (2 if num_epochs > 1
-                   else 1) + 3 * 8 * (stream + 1) + 4 * 8 * (rows // max(num_epochs, 1) + 1)
+    return kept, item * (stream + 3 * epoch_rows) + 3 * 8 * (stream + 1) + 4 * 8 * epoch_rows
+
+
+def gpt_index_dtypes(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
+                     num_epochs: int) -> dict[str, np.dtype]:
+    """The dtypes of doc_index, sample_index and shuffle_index, known before building (so that
+    they can be streamed): int32 where the largest value they can hold fits, else int64."""
+    tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
+    s, n = int(seq_length), int(document_ids.size)
+    rows = -(-num_epochs * tokens_per_epoch // s) + num_epochs
+    # An epoch's wrap repeats the order when the epoch is shorter than a sample.
+    wrap = max(s + 2, -(-(s + 1) // tokens_per_epoch) * n + 1)
+    return {"doc_index": _index_dtype(int(document_ids.max())),
+            "sample_index": _index_dtype(max(num_epochs * (n + wrap),
+                                             int(sequence_lengths.max(initial=0)))),
+            "shuffle_index": _index_dtype(rows)}
 
 
 def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
                       num_epochs: int, seed: int) -> dict[str, np.ndarray]:
-    """doc_index, sample_index and shuffle_index (module docstring) for whole epochs; no loop over
-    samples or documents, only over epochs. Arrays are int32 where values fit: half the memory
-    traffic, which is what bounds this code."""
+    """doc_index, sample_index and shuffle_index (module docstring), in memory."""
+    parts = list(zip(*gpt_index_epochs(sequence_lengths, document_ids, seq_length, num_epochs,
+                                       seed)))
+    return {name: part[0] if len(part) == 1 else np.concatenate(part)
+            for name, part in zip(("doc_index", "sample_index", "shuffle_index"), parts)}
+
+
+def write_gpt_indices(open_array, report, sequence_lengths: np.ndarray, document_ids: np.ndarray,
+                      seq_length: int, num_epochs: int, seed: int) -> None:
+    """The same arrays appended epoch by epoch to ``open_array``'s sinks (``index_cache``): at no
+    time more than one epoch of them in memory."""
+    names = ("doc_index", "sample_index", "shuffle_index")
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    sinks = [open_array(name, dtypes[name], (2,) if name == "sample_index" else ())
+             for name in names]
+    for e, parts in enumerate(gpt_index_epochs(sequence_lengths, document_ids, seq_length,
+                                               num_epochs, seed)):
+        for sink, part in zip(sinks, parts):
+            sink.append(part)
+        report((e + 1) / num_epochs)
+
+
+def gpt_index_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
+                     num_epochs: int,
+                     seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Epoch by epoch, its part of doc_index, sample_index and shuffle_index, in the dtypes of
+    :func:`gpt_index_dtypes`; no loop over samples or documents, only over epochs. Arrays are
+    int32 where values fit: half the memory traffic, which is what bounds this code."""
     document_ids = np.asarray(document_ids, dtype=np.int64)
     contiguous = _is_range(document_ids)  # a split's usual form: no gathers needed
     tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
     s = int(seq_length)
-    doc_dtype = _index_dtype(int(document_ids.max()))
-    docs, rows, served = [], [], []
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    doc_dtype = dtypes["doc_index"]
     doc_base = row_base = 0
     for e in range(num_epochs):
         first = -(-e * tokens_per_epoch // s)  # first sample of epoch e
@@ -252,26 +307,16 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
         starts = np.zeros(stream.size + 1, dtype=np.int64)
         np.cumsum(sequence_lengths[stream], dtype=np.int64, out=starts[1:])
         where = _documents_holding(starts, positions_first, s, count + 1)
-        epoch_rows = np.empty((count + 1, 2), dtype=_index_dtype(max(doc_base + stream.size,
-                                                                     int(sequence_lengths.max(
-                                                                         initial=0)))))
+        epoch_rows = np.empty((count + 1, 2), dtype=dtypes["sample_index"])
         np.add(where, doc_base, out=epoch_rows[:, 0], casting="unsafe")
         epoch_rows[:,
                    1] = (positions_first + np.arange(count + 1, dtype=np.int64) * s) - starts[where]
-        rows.append(epoch_rows)
-        order_of_samples = np.arange(row_base, row_base + count,
-                                     dtype=_index_dtype(row_base + count))
+        del starts, where
+        order_of_samples = np.arange(row_base, row_base + count, dtype=dtypes["shuffle_index"])
         np.random.default_rng([seed, e, 1 << 31]).shuffle(order_of_samples)
-        served.append(order_of_samples)
-        docs.append(stream)
+        yield stream, epoch_rows, order_of_samples
         doc_base += stream.size
         row_base += count + 1
-    if num_epochs == 1:
-        return {"doc_index": docs[0], "sample_index": rows[0], "shuffle_index": served[0]}
-    return {"doc_index": np.concatenate(docs),
-            "sample_index": np.concatenate(rows).astype(
-                _index_dtype(max(doc_base, int(sequence_lengths.max())))),
-            "shuffle_index": np.concatenate(served).astype(_index_dtype(row_base))}
 
 
 def _is_range(ids: np.ndarray, block: int = 1 << 20) -> bool:
@@ -346,24 +391,39 @@ class BlendedDataset:
                            "n": self.num_samples, "components": keys})
         key = hashlib.sha256(blob.encode()).hexdigest()
         stem = f"blend_{key[:24]}" if all(keys) else None
+        self.in_memory = stem is None or cache_dir is None
         indices, _ = cached_or_built(
-            cache_dir, stem, key, ("dataset_index", "dataset_sample_index"),
-            self._build,
-            build_indices, cache_wait_s)
+            cache_dir, stem, key, ("dataset_index", "dataset_sample_index"), self._build,
+            build_indices, cache_wait_s, needed_bytes=10 * self.num_samples)
         self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices[
             "dataset_sample_index"]
         self._check_component_sizes()
 
-    def _build(self) -> dict[str, np.ndarray]:
-        # an int16 and an int64 per sample, and as much again in temporaries (argsort, counts)
-        _fits_in_host_memory(4 * 10 * self.num_samples,
+    def _build(self, open_array, report) -> None:
+        """Stream the assignment to ``open_array``'s sinks in chunks of ``BLEND_CHUNK`` samples.
+        In memory it takes an int16 and an int64 per sample; streamed, a chunk of them."""
+        _fits_in_host_memory(10 * (self.num_samples if self.in_memory else BLEND_CHUNK),
                              f"the blend of {len(self.datasets)} datasets ({self.num_samples:,} "
                              "samples)")
-        return dict(zip(("dataset_index", "dataset_sample_index"),
-                        blending_indices(self.weights, self.num_samples)))
+        datasets = open_array("dataset_index", np.int16)
+        samples = open_array("dataset_sample_index", np.int64)
+        for dataset_index, dataset_sample_index in blending_index_chunks(
+                self.weights, self.num_samples, BLEND_CHUNK):
+            datasets.append(dataset_index)
+            samples.append(dataset_sample_index)
+            report(datasets.rows / max(self.num_samples, 1))
+
+    def _draws(self) -> np.ndarray:
+        """How many samples the blend draws from each dataset (counted chunk by chunk: the index
+        may be a file larger than memory)."""
+        drawn = np.zeros(len(self.datasets), dtype=np.int64)
+        for start in range(0, self.num_samples, BLEND_CHUNK):
+            drawn += np.bincount(self.dataset_index[start: start + BLEND_CHUNK],
+                                 minlength=len(self.datasets))
+        return drawn
 
     def _check_component_sizes(self) -> None:
-        needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        needed = self._draws()
         for dataset, count in zip(self.datasets, needed):
             if count > len(dataset):
                 raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} "
@@ -380,7 +440,7 @@ class BlendedDataset:
     def describe(self) -> list[dict]:
         """One row per component: its prefix, documents and tokens, blend weight and samples
         drawn."""
-        drawn = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        drawn = self._draws()
         rows = []
         for dataset, weight, count in zip(self.datasets, self.weights, drawn):
             for row in dataset.describe():
@@ -394,46 +454,42 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
     """Greedy error-minimizing assignment of ``num_samples`` samples to datasets with ``weights``.
 
     Returns (dataset_index, dataset_sample_index): which dataset serves sample ``i``, and which of
-    that dataset's samples it is. For two datasets the choices have a closed form (vectorized: 1B
-    samples in seconds). With more, the choice at step ``i`` depends on all earlier choices, so it
-    is a tight loop on Python floats (about 1 us per sample; cached, and built once per node).
+    that dataset's samples it is. See :func:`blending_index_chunks`.
+    """
+    parts = list(zip(*blending_index_chunks(weights, num_samples, max(num_samples, 1))))
+    if not parts:
+        return np.empty(0, dtype=np.int16), np.empty(0, dtype=np.int64)
+    return parts[0][0], parts[1][0]
+
+
+def blending_index_chunks(weights: np.ndarray, num_samples: int,
+                          chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`blending_indices` in pieces of ``chunk`` samples, in order.
+
+    For two datasets the choices have a closed form (vectorized: 1B samples in seconds). With
+    more, the choice at step ``i`` depends on all earlier choices: a compiled loop
+    (``blending.greedy_blend_chunks``); cached, and built once per node.
     """
     weights = [float(w) for w in weights]
-    if len(weights) == 1:
-        return np.zeros(num_samples, dtype=np.int16), np.arange(num_samples, dtype=np.int64)
-    if len(weights) == 2:
-        # Two datasets: the lags sum to 1, so dataset 0 is chosen iff its lag is >= 1/2, which makes
-        # its count after t samples floor(w0 * t + 1/2) (by induction): the same choices,
+    if len(weights) > 2:
+        yield from greedy_blend_chunks(np.asarray(weights), num_samples, chunk)
+        return
+    for start in range(0, num_samples, chunk):
+        steps = np.arange(start, min(start + chunk, num_samples), dtype=np.int64)
+        if len(weights) == 1:
+            yield np.zeros(steps.size, dtype=np.int16), steps
+            continue
+        # Two datasets: the lags sum to 1, so dataset 0 is chosen iff its lag is >= 1/2, which
+        # makes its count after t samples floor(w0 * t + 1/2) (by induction): the same choices,
         # vectorized.
-        counts0 = np.floor(weights[0] * np.arange(num_samples + 1, dtype=np.float64)
+        counts0 = np.floor(weights[0] * np.arange(steps[0], steps[-1] + 2, dtype=np.float64)
                            + 0.5).astype(np.int64)
         dataset_index = (1 - np.diff(counts0)).astype(np.int16)
         taken0 = counts0[:-1]  # dataset 0's samples before sample i
-        return dataset_index, np.where(dataset_index == 0, taken0, np.arange(num_samples) - taken0)
-    counts = [0] * len(weights)
-    chosen = array("H", bytes(2 * num_samples))
-    rest = range(1, len(weights))
-    w0 = weights[0]
-    for i in range(num_samples):
-        target = i + 1.0
-        best, best_lag = 0, w0 * target - counts[0]
-        for d in rest:
-            lag = weights[d] * target - counts[d]
-            if lag > best_lag:
-                best, best_lag = d, lag
-        chosen[i] = best
-        counts[best] += 1
-    dataset_index = np.frombuffer(chosen, dtype=np.uint16).astype(np.int16)
-    # The j-th time dataset d is chosen it serves its sample j: a per-dataset running count.
-    order = np.argsort(dataset_index, kind="stable")
-    group_starts = np.concatenate([[0], np.cumsum(np.bincount(dataset_index,
-                                                              minlength=len(weights)))[:-1]])
-    dataset_sample_index = np.empty(num_samples, dtype=np.int64)
-    dataset_sample_index[order] = np.arange(num_samples) - np.repeat(group_starts, counts)
-    return dataset_index, dataset_sample_index
+        yield dataset_index, np.where(dataset_index == 0, taken0, steps - taken0)
 
 
-def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[np.ndarray]:
+def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list[range]:
     """Split document ids ``0..num_documents-1`` into contiguous train/valid/test ranges by weight.
 
     ``split`` is up to three non-negative weights (``[98, 2, 0]``, or Megatron's string
@@ -451,7 +507,8 @@ def split_document_ids(num_documents: int, split: Sequence[float] | str) -> list
     fractions = np.cumsum(weights) / sum(weights)
     bounds = np.concatenate([[0], np.round(fractions * num_documents)]).astype(np.int64)
     bounds[-1] = num_documents
-    return [np.arange(bounds[i], bounds[i + 1], dtype=np.int64) for i in range(3)]
+    # ranges, not arrays: 1,000 prefixes of 10M documents would hold 240 GB of ids
+    return [range(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 
 
 def parse_data_paths(paths: Sequence | str) -> list[tuple[float | None, str]]:
@@ -550,8 +607,8 @@ def build_gpt_datasets(paths: Sequence | str, split: Sequence[float] | str, seq_
         members = [(w, ds, docs[s]) for (w, _), ds, docs in zip(pairs, indexed, doc_splits)]
         # weight by tokens; drop prefixes empty in this split
         if all(w is None for w, _, _ in members):
-            members = [(float(ds.sequence_lengths[docs].sum(dtype=np.int64)), ds, docs) for _, ds,
-                       docs in members]
+            members = [(float(ds.sequence_lengths[docs.start: docs.stop].sum(dtype=np.int64)), ds,
+                        docs) for _, ds, docs in members]
             members = [m for m in members if m[0] > 0] or members[:1]
         if len(members) == 1:
             result[name] = GPTDataset(members[0][1], members[0][2], seq_length, n, seed, name=name,
@@ -588,6 +645,23 @@ def _fits_in_host_memory(needed: int, what: str) -> None:
         raise DataError(f"{what} need about {size_text(needed)} of host memory to build, "
                         f"{size_text(free)} is available; lower train.seq_length, train.iters or "
                         "train.global_batch_size, or add data")
+
+
+def _fits_on_disk(cache_dir: str, needed: int, what: str) -> None:
+    """Refuse, before writing anything, index files larger than the cache directory's free
+    space."""
+    folder = cache_dir
+    while folder and not os.path.isdir(folder):  # the nearest existing parent: it may be made
+        folder = os.path.dirname(folder.rstrip(os.sep))
+    try:
+        free = shutil.disk_usage(folder or ".").free
+    except OSError:
+        return
+    if needed > free:
+        raise DataError(f"{what} need about {size_text(needed)} of disk in data.cache_dir="
+                        f"{cache_dir}, {size_text(free)} is free there; free space, set "
+                        "data.cache_dir to a disk with room, or lower train.seq_length, "
+                        "train.iters or train.global_batch_size")
 
 
 def _normalize_weights(weights: Sequence[float], what: str) -> np.ndarray:

@@ -1,0 +1,183 @@
+"""The data path at the sizes of long runs, on small data: the compiled blend index against the
+reference loop (and megatron-core's helper), indices streamed to the cache and mapped rather than
+held, and ranks waiting for the builder with its progress."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import mmap
+import os
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+from test_gpt_dataset import make_corpus
+
+from megapretrain.data import blending, gpt_dataset, index_cache
+from megapretrain.data.blending import greedy_blend, greedy_blend_chunks, greedy_blend_reference
+from megapretrain.data.gpt_dataset import (
+    BlendedDataset,
+    GPTDataset,
+    build_gpt_indices,
+    epochs_for,
+    index_bytes,
+)
+
+
+def blend_weights():
+    """Weights with ties (equal and dyadic), a tiny one, and random ones; 3 to 300 datasets (the
+    compiled loop scans up to 128, and bounds blocks of 16 beyond)."""
+    rng = np.random.default_rng(0)
+    cases = [np.ones(5), np.array([0.5, 0.25, 0.25]), 2.0 ** -rng.integers(0, 4, 37),
+             np.concatenate([rng.random(20), [1e-6]]), rng.lognormal(0, 2, 70), rng.random(3),
+             np.ones(150), 2.0 ** -rng.integers(0, 4, 200), rng.random(300),
+             np.concatenate([rng.lognormal(0, 2, 250), [1e-6]])]
+    return [w / w.sum() for w in cases]
+
+
+@pytest.mark.parametrize("weights", blend_weights(), ids=lambda w: f"{w.size}_datasets")
+def test_compiled_blend_equals_the_python_loop(weights):
+    """The compiled loop (blocks skipped by their bounds) chooses exactly as a full scan in Python,
+    whole or in chunks that carry its state over."""
+    expected = greedy_blend_reference(weights, 4000)
+    whole = greedy_blend(weights, 4000)
+    chunks = list(zip(*greedy_blend_chunks(weights, 4000, 777)))
+    for got in (whole, (np.concatenate(chunks[0]), np.concatenate(chunks[1]))):
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+    assert whole[0].dtype == np.int16 and whole[1].dtype == np.int64
+
+
+def test_blend_equals_megatron_cores_helper_with_its_targets():
+    """Megatron's helper targets weight * max(i, 1) where this project targets weight * (i + 1);
+    given its targets, the compiled loop gives its indices bit for bit."""
+    helpers = megatron_blend_helper()
+    for weights in blend_weights():
+        index = np.zeros(5000, dtype=np.int16)
+        sample = np.zeros(5000, dtype=np.int64)
+        helpers.build_blending_indices(index, sample, weights, weights.size, 5000, False)
+        ours = greedy_blend(weights, 5000, offset=0)
+        np.testing.assert_array_equal(ours[0], index)
+        np.testing.assert_array_equal(ours[1], sample)
+
+
+def megatron_blend_helper():
+    """megatron-core's compiled dataset helpers, loaded from their file alone (importing
+    megatron.core takes seconds); skips the test where megatron-core is not installed."""
+    spec = importlib.util.find_spec("megatron")
+    found = glob.glob(os.path.join(spec.submodule_search_locations[0], "core", "datasets",
+                                   "helpers_cpp*.so")) if spec else []
+    if not found:
+        pytest.skip("megatron-core's compiled helpers are not installed")
+    module = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location("helpers_cpp", found[0]))
+    module.__spec__.loader.exec_module(module)
+    return module
+
+
+def test_blend_without_a_compiler_says_so_and_gives_the_same_order(monkeypatch, tmp_path, caplog):
+    weights = blend_weights()[2]
+    compiled = greedy_blend(weights, 2000)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(blending, "_library", False)
+    with caplog.at_level("WARNING"):
+        fallback = greedy_blend(weights, 2000)
+    assert "no working C compiler" in caplog.text
+    np.testing.assert_array_equal(fallback[0], compiled[0])
+    np.testing.assert_array_equal(fallback[1], compiled[1])
+
+
+def file_backed(arr: np.ndarray) -> bool:
+    """Whether the array's memory is a mapped file (not memory this process allocated)."""
+    while arr is not None and not isinstance(arr, mmap.mmap):
+        arr = getattr(arr, "base", None)
+    return isinstance(arr, mmap.mmap)
+
+
+def test_indices_are_streamed_to_the_cache_and_mapped(tmp_path):
+    """A 100-epoch index (~16 MB) is built holding about one epoch (numpy's allocations, traced),
+    and the dataset reads it from the mapped files; its samples are those of the in-memory
+    build."""
+    indexed, docs = make_corpus(str(tmp_path / "c"), num_docs=2000, seed=4)
+    seq, samples = 16, 100 * int(indexed.sequence_lengths.sum()) // 16
+    epochs = epochs_for(samples, int(indexed.sequence_lengths.sum()), seq)
+    kept, epoch = index_bytes(len(docs), seq, samples, epochs)
+    tracemalloc.start()
+    ds = GPTDataset(indexed, np.arange(len(docs)), seq, samples, seed=3,
+                    cache_dir=str(tmp_path / "cache"))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < kept / 8 and peak < 4 * epoch, (peak, kept, epoch)
+    assert all(file_backed(a) for a in (ds.doc_index, ds.sample_index, ds.shuffle_index))
+    expected = build_gpt_indices(indexed.sequence_lengths, np.arange(len(docs)), seq, epochs, 3)
+    for name in expected:
+        np.testing.assert_array_equal(getattr(ds, name), expected[name][: len(getattr(ds, name))])
+
+
+class Component:
+    """A stand-in blend component: only its size and cache key matter to the blend index."""
+
+    def __init__(self, n, key):
+        self.n, self.cache_key, self.name = n, key, key
+
+    def __len__(self):
+        return self.n
+
+
+def test_blend_index_is_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
+    """A 2M-sample blend of 40 datasets (20 MB of index) built 64k samples at a time: the builder
+    holds a few chunks, and the index it keeps is the mapped file."""
+    monkeypatch.setattr(gpt_dataset, "BLEND_CHUNK", 1 << 16)
+    weights = np.random.default_rng(1).random(40)
+    n = 2_000_000
+    parts = [Component(int(w / weights.sum() * n) + 2, f"k{i}") for i, w in enumerate(weights)]
+    tracemalloc.start()
+    blend = BlendedDataset(parts, weights, n, seed=0, cache_dir=str(tmp_path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 10 * n / 8, peak
+    assert file_backed(blend.dataset_index) and file_backed(blend.dataset_sample_index)
+    expected = greedy_blend(weights / weights.sum(), n)
+    np.testing.assert_array_equal(blend.dataset_index, expected[0])
+    np.testing.assert_array_equal(blend.dataset_sample_index, expected[1])
+
+
+def test_waiting_rank_prints_the_builders_progress(tmp_path, monkeypatch, capsys):
+    """A rank waiting for the entry prints how far the builder is and about how long is left, and
+    keeps waiting past its timeout while the builder reports progress."""
+    monkeypatch.setattr(index_cache, "WAIT_LOG_S", 0.05)
+    monkeypatch.setattr(index_cache, "PROGRESS_S", 0.0)
+    cache, half_seen = str(tmp_path), threading.Event()
+
+    def build(open_array, report):
+        sink = open_array("a", np.int32)
+        sink.append(np.arange(5, dtype=np.int32))
+        report(0.5)
+        while not half_seen.wait(0.05):  # keeps reporting, as a long build does
+            report(0.5)
+        sink.append(np.arange(5, 10, dtype=np.int32))
+
+    def builder():
+        index_cache.cached_or_built(cache, "entry", "key", ("a",), build, True, 0.0)
+
+    thread = threading.Thread(target=builder)
+    thread.start()
+    try:
+        seen = []
+
+        def watch(*args, **kwargs):  # release the builder once a waiter printed its progress
+            seen.append(" ".join(map(str, args)))
+            if "50% after" in seen[-1] and "s left" in seen[-1]:
+                half_seen.set()
+
+        monkeypatch.setattr("builtins.print", watch)
+        arrays = index_cache.load_indices(cache, "entry", "key", ("a",), wait_s=0.2)
+    finally:
+        half_seen.set()
+        thread.join()
+    np.testing.assert_array_equal(arrays["a"], np.arange(10))
+    assert file_backed(arrays["a"]) or arrays["a"].size == 0
+    assert any("waiting for the data index: entry is being built by pid" in s for s in seen)
