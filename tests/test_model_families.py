@@ -185,6 +185,22 @@ def test_pythia_configs_have_the_published_parameter_counts(name, published):
     assert sum(p.numel() for p in theirs.parameters()) == published
 
 
+@pytest.mark.parametrize("name", ["olmo2_1b", "olmo3_7b"])
+def test_olmo_configs_count_what_transformers_builds(name):
+    """The shipped OLMo configs written as Hugging Face configs build, on the meta device, a
+    transformers model of exactly our parameter count (post-norms, full-width QK-norm included)."""
+    from megapretrain.checkpoint.hf import hf_config
+
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [])
+    hf = hf_config(cfg, torch.bfloat16, None, None)
+    assert hf["model_type"] == {"olmo2_1b": "olmo2", "olmo3_7b": "olmo3"}[name]
+    config_cls = getattr(transformers, {"olmo2": "Olmo2Config", "olmo3": "Olmo3Config"}[hf["model_type"]])
+    config = config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        theirs = getattr(transformers, hf["architectures"][0])(config)
+    assert sum(p.numel() for p in theirs.parameters()) == num_parameters(model_args(cfg))
+
+
 @pytest.mark.parametrize("flags", [QWEN, NEOX])
 def test_biases_and_norm_weights_do_not_decay_and_start_as_declared(flags):
     specs = rank_param_specs(_config(*flags, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"), 0, 1)
