@@ -398,3 +398,22 @@ def test_the_planner_reads_fused_qkv_off_the_layer_spec(monkeypatch):
     fused = dataclasses.replace(llama.FAMILY, name="fused", build_spec=spec)
     monkeypatch.setitem(families.FAMILIES, "fused", fused)
     assert _linears(ModelArgs(2, 64, 4, 4, 128, 300, family="fused"), 1)[0][2] == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    # the long-context OLMo 3 releases: YaRN on the full layers only
+    (lambda hf: hf["rope_parameters"]["full_attention"].update(rope_type="yarn", factor=8.0),
+     "rope_parameters differ between layer types"),
+    (lambda hf: hf.update(attention_bias=True), "not supported by megapretrain's olmo family"),
+    (lambda hf: hf.update(layer_types=["sliding_attention"]), "layer_types=")])
+def test_olmo_config_json_the_family_cannot_compute_is_refused_in_one_line(change, message, tmp_path):
+    from megapretrain.checkpoint.hf import read_hf_config
+
+    _hf_model("olmo3").save_pretrained(str(tmp_path))
+    path = os.path.join(str(tmp_path), "config.json")
+    hf = json.load(open(path))
+    change(hf)
+    json.dump(hf, open(path, "w"))
+    with pytest.raises(convert.ConvertError, match=message) as err:
+        read_hf_config(str(tmp_path))
+    assert "\n" not in str(err.value)

@@ -65,15 +65,14 @@ class OlmoAdapter:
         params = hf.get("rope_parameters") or {}
         types = set(hf.get("layer_types") or []) if hf.get("model_type") == "olmo3" else set()
         if types and any(isinstance(params.get(t), dict) for t in (SLIDING, FULL)):
-            settings = {t: rope_from_hf({**hf, "rope_scaling": None,
-                                         "rope_parameters": params.get(t) or {}}, where)
-                        for t in sorted(types)}
-            if len(set(map(repr, settings.values()))) > 1:
+            settings = {t: params.get(t) or {} for t in sorted(types)}
+            if len({repr(sorted(v.items())) for v in settings.values()}) > 1:
                 raise ConvertError(f"{where}: rope_parameters differ between layer types "
-                                   f"({settings}); one rotary table for every layer is what "
-                                   "megapretrain's olmo family computes (per-type rotary: not "
-                                   "yet)")
-            theta, scaling = next(iter(settings.values()))
+                                   f"({settings}); megapretrain's olmo family computes one rotary "
+                                   "table for every layer (per-type rotary: not yet)")
+            theta, scaling = rope_from_hf({**hf, "rope_scaling": None,
+                                           "rope_parameters": next(iter(settings.values()))},
+                                          where)
         else:
             theta, scaling = rope_from_hf(hf, where)
         if scaling:
