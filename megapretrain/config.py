@@ -122,7 +122,8 @@ class ModelConfig:
                             "none).", min=0)
     family: str = _f("llama", "Model family: llama (RMSNorm, SwiGLU; Qwen2/Qwen3 through qkv_bias "
                               "/ qk_norm) | gpt_neox (LayerNorm with bias, parallel residual, "
-                              "partial rotary, GELU, biases; Pythia).")
+                              "partial rotary, GELU, biases; Pythia) | olmo (post-norm, QK-norm "
+                              "over the whole q and k projections, SwiGLU; OLMo 2/3).")
     qkv_bias: bool = _f(False,
                         "llama family: biases on the query, key and value projections (Qwen2/2.5).")
     qk_norm: bool = _f(False,

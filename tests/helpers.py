@@ -307,6 +307,8 @@ def safetensors_of(directory) -> dict:
 QWEN = ("--model.qkv_bias", "true", "--model.qk_norm", "true", "--model.head_dim", "32")  # both options at once
 NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_heads", "4", "--model.rotary_pct",
         "0.5", "--model.ffn_hidden_size", "256")
+# OLMo 3: post-norm, QK-norm over the whole projections (across tp ranks), layers 0-2 of 4 windowed
+OLMO3 = ("--model.family", "olmo", "--model.sliding_window", "5", "--model.sliding_window_pattern", "4")
 
 
 # -- runs that save and resume ---------------------------------------------------------------------

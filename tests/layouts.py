@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers import NEOX, QWEN
+from helpers import NEOX, OLMO3, QWEN
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,13 @@ CASES: tuple[Case, ...] = (
     Case("cp2_ring_window_documents", 2, (*CP2, *_cp_comm("ring")), (*WINDOW, *DOCS)),
     Case("cp2_a2a_window_selective", 2, (*CP2, *_cp_comm("a2a"), *_recompute("selective")), WINDOW),
     Case("pp2_window_documents_full_recompute", 2, (*PP2, *_recompute("full")), (*WINDOW, *DOCS)),
-    # -- the other model families (helpers.QWEN: the Llama family's Qwen options; helpers.NEOX)
+    # -- the other model families (helpers.QWEN: the Llama family's Qwen options; helpers.NEOX;
+    # helpers.OLMO3, whose tp2 cases sum the QK-norm's statistics over the tp ranks)
+    Case("olmo3_cp2_ring_documents", 2, (*CP2, *_cp_comm("ring")), (*OLMO3, *DOCS)),
+    Case("olmo3_cp2_a2a", 2, (*CP2, *_cp_comm("a2a")), OLMO3),
+    Case("olmo3_tp2_pp2_sp", 4, (*TP2_SP, *PP2), OLMO3, slow=True),
     *(Case(f"{family}_{name}", 2, layout, flags)
-      for family, flags in (("qwen", QWEN), ("gpt_neox", NEOX))
+      for family, flags in (("qwen", QWEN), ("gpt_neox", NEOX), ("olmo3", OLMO3))
       for name, layout in (("tp2_sp", TP2_SP), ("pp2", PP2), ("dp2_zero3", Z3), ("cp2", CP2),
                            ("pp2_vpp2_selective", (*PP2, *VPP2, *_recompute("selective"))),
                            ("dp2_zero1_full", (*_zero(1), *_recompute("full"))))),

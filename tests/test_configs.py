@@ -39,6 +39,11 @@ PUBLISHED = {
     # Biderman et al. 2023, "Pythia", Table 1 / the released checkpoints (GPT-NeoX family), exactly
     "pythia_160m": 162_322_944,
     "pythia_1p4b": 1_414_647_808,
+    # Team OLMo, "2 OLMo 2 Furious" (2025) / the allenai/OLMo-2-0425-1B release: 1.48B; OLMo 3 7B
+    # (Team OLMo 2025, arXiv 2512.13961): 7.3B (exact counts against transformers:
+    # tests/test_model_families.py)
+    "olmo2_1b": 1.48e9,
+    "olmo3_7b": 7.30e9,
 }
 CPU_CONFIGS = {"tiny", "bench_cpu"}  # for this machine, not a published model
 NAMES = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

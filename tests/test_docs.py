@@ -296,7 +296,8 @@ def _gpt2_files(corpus: str, directory: str) -> None:
 
 
 def _hf_models(sandbox: str) -> None:
-    """Tiny random checkpoints where the docs convert downloaded ones (Llama 3.1 8B, Pythia-160M),
+    """Tiny random checkpoints where the docs convert downloaded ones (Llama 3.1 8B, Pythia-160M,
+    OLMo 2 1B),
     with TINY's shape so that the commands that train from them fit."""
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -312,6 +313,10 @@ def _hf_models(sandbox: str) -> None:
     neox = GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                          num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
     GPTNeoXForCausalLM(neox).save_pretrained(os.path.join(sandbox, "hf", "pythia-160m"))
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    olmo = Olmo2Config(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, pad_token_id=None, eos_token_id=None)
+    Olmo2ForCausalLM(olmo).save_pretrained(os.path.join(sandbox, "hf", "olmo-2-0425-1b"))
 
 
 @dataclass

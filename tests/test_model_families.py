@@ -22,7 +22,7 @@ from megapretrain.model.build import model_args, rank_param_specs
 from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
-from helpers import BASE, NEOX, QWEN, safetensors_of
+from helpers import BASE, NEOX, OLMO3, QWEN, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +44,14 @@ def _hf_model(kind: str):
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "olmo2":
+        config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-6)
+        cls = transformers.Olmo2ForCausalLM
+    elif kind == "olmo3":  # a window smaller than the tests' sequences; layers 0, 2 windowed, 1 full
+        config = transformers.Olmo3Config(**{**common, "num_hidden_layers": 3}, intermediate_size=128,
+                                          num_key_value_heads=2, rms_norm_eps=1e-6, sliding_window=7,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cls = transformers.Olmo3ForCausalLM
     else:
         config = transformers.Qwen3Config(**common, intermediate_size=128, num_key_value_heads=2, head_dim=32,
                                           rms_norm_eps=1e-6)
@@ -58,10 +66,10 @@ def _hf_model(kind: str):
 
 
 def _family(kind: str) -> str:
-    return "gpt_neox" if kind.startswith("gpt_neox") else "llama"
+    return "gpt_neox" if kind.startswith("gpt_neox") else "olmo" if kind.startswith("olmo") else "llama"
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential", "olmo2", "olmo3"])
 def test_hf_round_trip_is_bitwise_and_logits_match(kind, tmp_path, capsys):
     from megapretrain.checkpoint.hf import model_overrides, our_logits, our_model
     from megapretrain.checkpoint.reshard import GlobalWeights
@@ -98,7 +106,7 @@ def _flags(run_dir, corpus, arch, *extra):
             "--logging.tensorboard", "false", "--checkpoint.interval", "0", "--train.seed", "5", *extra]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "olmo2", "olmo3"])
 def test_twenty_steps_from_hf_equal_transformers_and_adamw(kind, corpus, tmp_path):
     from megapretrain.checkpoint.hf import model_overrides
 
@@ -177,6 +185,22 @@ def test_pythia_configs_have_the_published_parameter_counts(name, published):
     assert sum(p.numel() for p in theirs.parameters()) == published
 
 
+@pytest.mark.parametrize("name", ["olmo2_1b", "olmo3_7b"])
+def test_olmo_configs_count_what_transformers_builds(name):
+    """The shipped OLMo configs written as Hugging Face configs build, on the meta device, a
+    transformers model of exactly our parameter count (post-norms, full-width QK-norm included)."""
+    from megapretrain.checkpoint.hf import hf_config
+
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [])
+    hf = hf_config(cfg, torch.bfloat16, None, None)
+    assert hf["model_type"] == {"olmo2_1b": "olmo2", "olmo3_7b": "olmo3"}[name]
+    config_cls = getattr(transformers, {"olmo2": "Olmo2Config", "olmo3": "Olmo3Config"}[hf["model_type"]])
+    config = config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        theirs = getattr(transformers, hf["architectures"][0])(config)
+    assert sum(p.numel() for p in theirs.parameters()) == num_parameters(model_args(cfg))
+
+
 @pytest.mark.parametrize("flags", [QWEN, NEOX])
 def test_biases_and_norm_weights_do_not_decay_and_start_as_declared(flags):
     specs = rank_param_specs(_config(*flags, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"), 0, 1)
@@ -239,9 +263,10 @@ def test_the_family_is_read_off_model_type_or_architectures():
 
 # per registered family: flags its rules accept, and flags they refuse (with the message's start);
 # a family registered without an entry here fails the tests below
-ACCEPTED = {"llama": QWEN, "gpt_neox": NEOX}
+ACCEPTED = {"llama": QWEN, "gpt_neox": NEOX, "olmo": OLMO3}
 REFUSED = {"llama": (("--model.rotary_pct", "0.5"), "model.rotary_pct=0.5: the llama family"),
-           "gpt_neox": ((*NEOX, "--model.num_kv_heads", "2"), "model.num_kv_heads=2: GPT-NeoX")}
+           "gpt_neox": ((*NEOX, "--model.num_kv_heads", "2"), "model.num_kv_heads=2: GPT-NeoX"),
+           "olmo": ((*OLMO3, "--model.qk_norm", "true"), "model.qk_norm=true is the llama family's")}
 
 
 def _registered():
@@ -298,7 +323,8 @@ def test_every_family_has_a_spec_with_its_defaults_filled():
         assert all(getattr(args, k) is None for k in FAMILY_DEFAULTS)  # null: the family's value
         spec = fam.layer_spec(args)
         assert isinstance(spec, LayerSpec)
-        flags = ("qkv_bias", "dense_bias", "qk_norm", "fused_qkv", "parallel_residual")
+        flags = ("qkv_bias", "dense_bias", "qk_norm", "fused_qkv", "parallel_residual", "full_qk_norm",
+                 "post_norm")
         assert all(isinstance(getattr(spec, k), bool) for k in flags), name
         assert all(isinstance(getattr(fam.args(args), k), bool) for k in FAMILY_DEFAULTS)
         tiny = ModelArgs(1, 64, 4, 4, 128, 300, family=name)
@@ -372,3 +398,22 @@ def test_the_planner_reads_fused_qkv_off_the_layer_spec(monkeypatch):
     fused = dataclasses.replace(llama.FAMILY, name="fused", build_spec=spec)
     monkeypatch.setitem(families.FAMILIES, "fused", fused)
     assert _linears(ModelArgs(2, 64, 4, 4, 128, 300, family="fused"), 1)[0][2] == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    # the long-context OLMo 3 releases: YaRN on the full layers only
+    (lambda hf: hf["rope_parameters"]["full_attention"].update(rope_type="yarn", factor=8.0),
+     "rope_parameters differ between layer types"),
+    (lambda hf: hf.update(attention_bias=True), "not supported by megapretrain's olmo family"),
+    (lambda hf: hf.update(layer_types=["sliding_attention"]), "layer_types=")])
+def test_olmo_config_json_the_family_cannot_compute_is_refused_in_one_line(change, message, tmp_path):
+    from megapretrain.checkpoint.hf import read_hf_config
+
+    _hf_model("olmo3").save_pretrained(str(tmp_path))
+    path = os.path.join(str(tmp_path), "config.json")
+    hf = json.load(open(path))
+    change(hf)
+    json.dump(hf, open(path, "w"))
+    with pytest.raises(convert.ConvertError, match=message) as err:
+        read_hf_config(str(tmp_path))
+    assert "\n" not in str(err.value)

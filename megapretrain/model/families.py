@@ -1,5 +1,6 @@
 """The registry of model families: ``model.family`` → its :class:`~.family.Family` (the
-``FAMILY`` of model/llama.py, model/gpt_neox.py), looked up here once by name; everything after
+``FAMILY`` of model/llama.py, model/gpt_neox.py,
+model/olmo.py), looked up here once by name; everything after
 asks the object. Adding a family is its module and one entry in ``FAMILIES``.
 
 Also the model's rules as a whole (:func:`check_model`: the family's, then the shape's of
@@ -12,7 +13,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from . import gpt_neox, llama
+from . import gpt_neox, llama, olmo
 from .args import ModelArgs, check_shape
 from .family import Family
 from .hf_adapter import ConvertError
@@ -21,7 +22,8 @@ from .layers import LayerSpec
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt_neox.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt_neox.FAMILY,
+                                                   olmo.FAMILY)}
 
 
 def family(name: str) -> Family:

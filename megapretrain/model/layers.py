@@ -63,6 +63,10 @@ class LayerSpec:
     fused_qkv: bool = False        # one projection, rows grouped per kv head: [q·n/k, k, v]
     #                                (GPT-NeoX)
     parallel_residual: bool = False  # x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+    full_qk_norm: bool = False     # RMSNorm over the whole q and k projections, before RoPE: its
+    #                                statistics span the tp ranks' heads (OLMo 2/3)
+    post_norm: bool = False        # x + norm(attn(x)), then x + norm(mlp(x)): no input norms
+    #                                (OLMo 2/3)
 
 
 # -- linears with biases, embedding: the parallel layers with their initialization declared --------
@@ -225,6 +229,47 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+class _SumOverTP(torch.autograd.Function):
+    """Every tp rank's ``x`` summed, on every rank, where each rank then uses the sum for its own
+    shard (not a replicated computation, unlike ``reduce_from_tp``): the backward sums the ranks'
+    gradients as well."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.clone()), None
+
+
+class SpanningRMSNorm(nn.Module):
+    """RMSNorm over a vector whose ``width`` entries are split over the tp ranks (OLMo's QK-norm
+    over a whole q or k projection, of which each rank holds its heads' columns): the sum of
+    squares is summed over tp (an all-reduce forward and backward), the weight is split over tp
+    with the entries. With one tp rank, :class:`RMSNorm`'s computation."""
+
+    def __init__(self, width: int, eps: float, tp: Group, *, kernels: str = "torch",
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.eps, self.tp, self.kernels, self.width = eps, tp, kernels, width
+        self.weight = nn.Parameter(torch.ones(width // tp.size, dtype=dtype, device=device))
+
+    def param_shardings(self) -> dict[str, Sharding]:
+        return {"weight": Sharding(tp_dim=0, weight_decay=False, init=ONES)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            if self.kernels == "triton":
+                return rms_norm(x, self.weight, self.eps)
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., width/tp)
+        sum_sq = _SumOverTP.apply(xf.square().sum(-1, keepdim=True), self.tp)  # (..., 1)
+        rstd = torch.rsqrt(sum_sq / self.width + self.eps)
+        return (xf * rstd).to(x.dtype) * self.weight
+
+
 # -- rotary embeddings -----------------------------------------------------------------------------
 
 
@@ -345,8 +390,13 @@ class Attention(nn.Module):
             norm = dict(partial_grad=tp.size > 1, kernels=kernels, **kw)
             self.q_norm, self.k_norm = RMSNorm(d, args.norm_eps, **norm), RMSNorm(d, args.norm_eps,
                                                                                   **norm)
+        elif spec.full_qk_norm:  # over all n·d (k·d) dims, split over tp with the heads
+            norm = dict(kernels=kernels, **kw)
+            self.q_norm = SpanningRMSNorm(n * d, args.norm_eps, tp, **norm)
+            self.k_norm = SpanningRMSNorm(k * d, args.norm_eps, tp, **norm)
         else:
             self.q_norm = self.k_norm = None
+        self.full_qk_norm = spec.full_qk_norm
 
     def _core(self, q, k, v, mask=None):
         dropout = self.dropout if self.training else 0.0
@@ -392,7 +442,9 @@ class Attention(nn.Module):
         (``DocumentMask.prepare``), or None for plain causal."""
         q, k, v = self._project(x)  # (b, s, n/tp, d), (b, s, k/tp, d) × 2: the full sequence
         b, s = q.shape[:2]
-        if self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
+        if self.full_qk_norm:  # over the whole projection, before RoPE (OLMo 2/3)
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:  # over each head's d dims, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         # (b, n/tp, s, d), (b, k/tp, s, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -476,8 +528,10 @@ class GeluMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream one after the other, or both
-    from the same input (``spec.parallel_residual``, GPT-NeoX). ``window``: the layer's sliding
-    window (0: full attention), which picks the micro-batch's mask the model hands it."""
+    from the same input (``spec.parallel_residual``, GPT-NeoX), or post-norm (``spec.post_norm``,
+    OLMo 2/3: each sublayer's output normalized before it is added, no input norms). ``window``:
+    the layer's sliding window (0: full attention), which picks the micro-batch's mask the model
+    hands it."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  recompute: str, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
@@ -487,15 +541,18 @@ class DecoderLayer(nn.Module):
         self.window = window
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
-        self.parallel_residual = spec.parallel_residual
+        self.parallel_residual, self.post_norm = spec.parallel_residual, spec.post_norm
         norm = dict(partial_grad=sequence_parallel, **kw)
-        self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
+        if not self.post_norm:
+            self.input_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.self_attn = Attention(args, spec, tp, sequence_parallel=sequence_parallel,
                                    selective_recompute=recompute == "selective", rng=rng,
                                    saved=saved, cp=cp, cp_comm=cp_comm, **kw)
         self.post_attention_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.mlp = spec.mlp(args, tp, bias=spec.dense_bias, sequence_parallel=sequence_parallel,
                             saved=saved, **kw)
+        if self.post_norm:
+            self.post_feedforward_layernorm = spec.norm(args.hidden_size, args.norm_eps, **norm)
         self.dropout = args.hidden_dropout
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -510,6 +567,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: PreparedMask | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self._dropout(self.post_attention_layernorm(self.self_attn(x, cos, sin, mask)))
+            return x + self._dropout(self.post_feedforward_layernorm(self.mlp(x)))
         attn = self._dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         if self.parallel_residual:
             return x + attn + self._dropout(self.mlp(self.post_attention_layernorm(x)))
