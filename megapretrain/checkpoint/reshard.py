@@ -80,8 +80,9 @@ class SavedShards:
 
     def has_moments(self) -> bool:
         """Whether the checkpoint holds optimizer moments (Adam's, or Muon's momentum): any saved
-        place (tp, pp) whose first rank's file lists moment values. Headers only are read. A checkpoint saved before the first step,
-        or written by a conversion or a merge, holds the weights only."""
+        place (tp, pp) whose first rank's file lists moment values. Headers only are read. A
+        checkpoint saved before the first step, or written by a conversion or a merge, holds the
+        weights only."""
         seen = set()
         for rank, (pp_rank, _, _, tp_rank) in enumerate(self.coords):
             if (pp_rank, tp_rank) in seen:
