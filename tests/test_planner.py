@@ -649,3 +649,22 @@ def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
     assert 0 <= max(simulated) - rank_bytes < 64 << 10, (simulated, rank_bytes)
     per_stage = world // run.layout.pp
     assert 0 <= sum(simulated) * per_stage - total < per_stage * run.layout.pp * (64 << 10)
+
+
+def test_optimizer_offload_moves_the_optimizer_state_off_the_device():
+    """optim.offload keeps fp32 masters and Adam moments in host memory: the plan's device memory
+    drops by exactly the optimizer part it counted without offload, which it reports as host
+    memory instead; parameters, gradients and activations are unchanged."""
+    from megapretrain.planner.model import estimate_run
+    from megapretrain.resolve import resolve
+
+    cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"))
+    layout, device = resolve(cfg, 8).layout, DEVICES["h100"]
+    on_device = estimate_run(cfg, layout, device).memory
+    cfg.optim.offload = True
+    offloaded = estimate_run(cfg, layout, device).memory
+    state = on_device["parts"]["optimizer"]
+    assert state > 0 and on_device["host_optimizer"] == 0 and offloaded["host_optimizer"] == state
+    assert offloaded["parts"]["optimizer"] == 0 and offloaded["total"] == pytest.approx(on_device["total"] - state)
+    for part in ("parameters", "gradients", "activations"):
+        assert offloaded["parts"][part] == on_device["parts"][part]
