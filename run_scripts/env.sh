@@ -15,6 +15,8 @@ if [ ! -f "$STAMP" ]; then
   quiet_pip() {  # this machine's pip config lists index folders that may be absent: hide that noise
     python -m pip install --quiet "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
   }
+  echo "env.sh: installing torch (${TORCH_SPEC:-torch==2.13.0}) and megapretrain's dependencies" \
+       "into .venv, once: a few minutes on a first run" >&2
   quiet_pip --upgrade pip
   quiet_pip "${TORCH_SPEC:-torch==2.13.0}"
   quiet_pip -e ".[dev,hf]"

@@ -508,3 +508,36 @@ def peak_host_mib(tool: str, *argv: str) -> float:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0, proc.stderr
     return result["extra_mib"]
+
+
+def wandb_history(run_dir: str) -> list[dict]:
+    """Every history row (``{key: value, "_step": step}``) that the offline wandb runs under
+    ``RUN_DIR/wandb`` recorded, read back from their ``.wandb`` files. wandb has no public reader
+    for them: the file is a 7-byte header, then 32 KiB blocks of records each framed as CRC-32 (4
+    bytes), length (2), type (1: whole, 2/3/4: first/middle/last piece) and a protobuf Record."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb"))):
+        data = open(path, "rb").read()
+        assert data[:4] == b":W&B", f"{path} is not a wandb data file"
+        pos, piece, block = 7, b"", 32768
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a frame is padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 and length == 0:
+                break
+            piece, pos = piece + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(piece)
+                piece = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                 for item in record.history.item})
+    return rows

@@ -228,7 +228,19 @@ def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp
     open(config, "w").write(text)
     assert convert.main(["to-hf", "--checkpoint", run, "--output", str(tmp_path / "x"), "--config", config]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "'lm_head.weight'" in err and "no place for" in err
+    assert err.count("\n") == 1 and "'lm_head.weight'" in err
+    assert "saved with model.tie_embeddings false" in err and "the config says true" in err
+    assert "set model.tie_embeddings: false in the config" in err
+    tied_run = str(tmp_path / "tied_run")  # and the other way round: a tied checkpoint, untied
+    _train(0, 1, tied_run, corpus, ["--model.tie_embeddings", "true"])
+    untied = str(tmp_path / "untied.yaml")
+    open(untied, "w").write(open(os.path.join(tied_run, "config.yaml")).read()
+                            .replace("tie_embeddings: true", "tie_embeddings: false"))
+    assert convert.main(["to-hf", "--checkpoint", tied_run, "--output", str(tmp_path / "y"),
+                         "--config", untied]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "saved with model.tie_embeddings true" in err
+    assert "the config says false" in err and "set model.tie_embeddings: true" in err
 
 
 def _big_hf(hf_dir, vocab=16000, hidden=512, ffn=1536, layers=12, heads=8, kv=4):

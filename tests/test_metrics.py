@@ -12,6 +12,8 @@ import pytest
 from megapretrain.errors import DataError, MissingFileError
 from megapretrain.monitor.metrics import TENSORBOARD_LAYOUT, MetricsLogger, read_metrics, training_records
 
+from helpers import wandb_history
+
 
 def test_read_metrics_drops_a_cut_last_line_and_names_other_damage(tmp_path):
     path = tmp_path / "metrics.jsonl"
@@ -79,6 +81,8 @@ def test_real_wandb_offline_resumes_one_run_id(tmp_path, monkeypatch):
     for _ in range(2):
         logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=False, wandb=True, run_name="r")
         ids.append(logger._wandb.id)
-        logger.log({"iter": len(ids), "loss": 1.0})
+        logger.log({"iter": len(ids), "loss": 1.0 / len(ids), "lr": 1e-3})
         logger.close()
     assert ids[0] == ids[1] == (tmp_path / "wandb_id").read_text().strip()
+    rows = wandb_history(str(tmp_path))  # what wandb recorded, read back from its own files
+    assert sorted((row["_step"], row["loss"], row["lr"]) for row in rows) == [(1, 1.0, 1e-3), (2, 0.5, 1e-3)]

@@ -16,6 +16,8 @@ import torch
 
 from megapretrain.train import main
 
+from helpers import wandb_history
+
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads", "2",
         "--model.ffn_hidden_size", "128", "--train.seq_length", "32", "--train.micro_batch_size", "2",
         "--train.global_batch_size", "4", "--logging.tensorboard", "false", "--optim.lr", "3e-3",
@@ -140,3 +142,7 @@ def test_training_logs_to_the_real_wandb_offline(tmp_path, corpus, monkeypatch):
     offline = [d for d in os.listdir(run / "wandb") if d.startswith("offline-run-")]
     assert offline and all(f"-{run_id}" in d for d in offline)  # a resume in the same second gets a -1 suffix
     assert all(any(f.endswith(".wandb") for f in os.listdir(run / "wandb" / d)) for d in offline)
+    logged = {row["_step"]: row for row in wandb_history(str(run)) if "loss" in row}
+    jsonl = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line]
+    assert sorted(logged) == [1, 2, 3] == [r["iter"] for r in jsonl]  # both starts logged each step
+    assert all(logged[r["iter"]]["loss"] == pytest.approx(r["loss"]) for r in jsonl)

@@ -442,6 +442,28 @@ def test_accelerate_builds_a_zero3_model_sharded(tmp_path, capsys):
     assert config_args.load_config_from_file(acc).deepspeed_config["zero3_init_flag"] is False
 
 
+def test_exports_run_zero_1_under_a_pipeline_and_name_what_they_drop(tmp_path, capsys):
+    """DeepSpeed's pipeline engine stops at start-up with ZeRO 2 or 3 and pp > 1: the 70B's ZeRO 2
+    under pp 4 is written as ZeRO 1, and one line names it with the interleaved stages, the
+    zero-bubble schedule and FP8 that neither format holds. Without any of them: no such line."""
+    config = os.path.join(ROOT, "configs", "llama3_70b.yaml")
+    ds, acc = str(tmp_path / "ds.json"), str(tmp_path / "acc.yaml")
+    common = ["--config", config, "--gpus", "512", "--check", "--train.rampup_batch_size", "null"]
+    assert plan_tool.main([*common, "--emit", "deepspeed", ds, "--emit", "accelerate", acc,
+                           "--model.fp8", "tensorwise"]) == 0
+    out = capsys.readouterr().out
+    written = json.load(open(ds))
+    assert written["pipeline"]["stages"] == 4 and written["zero_optimization"]["stage"] == 1
+    (ds_line,) = [line for line in out.splitlines() if line.startswith(f"note: {ds} drops")]
+    assert "ZeRO 2 (written as ZeRO 1" in ds_line and "vpp 5" in ds_line and "model.fp8 tensorwise" in ds_line
+    (acc_line,) = [line for line in out.splitlines() if line.startswith(f"note: {acc} drops")]
+    assert "ZeRO" not in acc_line and "vpp 5" in acc_line and "FP8" in acc_line
+    assert open(acc).readline().startswith("# ") and "vpp 5" in open(acc).readline()
+    plain = ["--parallel.zero", "1", "--parallel.vpp", "1", "--parallel.pipeline_layers", "null"]
+    assert plan_tool.main([*common, *plain, "--overwrite", "--emit", "deepspeed", ds]) == 0
+    assert "drops" not in capsys.readouterr().out and json.load(open(ds))["zero_optimization"]["stage"] == 1
+
+
 def test_deepspeed_reads_the_emitted_config(tmp_path, capsys, monkeypatch):
     dsc = pytest.importorskip("deepspeed.runtime.config")
     cfg, ds, _ = _emit(tmp_path, capsys)
@@ -455,7 +477,8 @@ def test_deepspeed_reads_the_emitted_config(tmp_path, capsys, monkeypatch):
     o = cfg.optim
     assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == \
         (384, 1, 12)
-    assert parsed.zero_optimization_stage == 2 and parsed.bfloat16_config.enabled and parsed.gradient_clipping == 1.0
+    # with pp 4 DeepSpeed's pipeline engine takes ZeRO 1 at most: the 70B's ZeRO 2 is written as 1
+    assert parsed.zero_optimization_stage == 1 and parsed.bfloat16_config.enabled and parsed.gradient_clipping == 1.0
     assert parsed.optimizer_name == "adamw"
     assert parsed.optimizer_params == {"lr": o.lr, "betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
     assert parsed.scheduler_name == "WarmupCosineLR"
@@ -626,3 +649,22 @@ def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
     assert 0 <= max(simulated) - rank_bytes < 64 << 10, (simulated, rank_bytes)
     per_stage = world // run.layout.pp
     assert 0 <= sum(simulated) * per_stage - total < per_stage * run.layout.pp * (64 << 10)
+
+
+def test_optimizer_offload_moves_the_optimizer_state_off_the_device():
+    """optim.offload keeps fp32 masters and Adam moments in host memory: the plan's device memory
+    drops by exactly the optimizer part it counted without offload, which it reports as host
+    memory instead; parameters, gradients and activations are unchanged."""
+    from megapretrain.planner.model import estimate_run
+    from megapretrain.resolve import resolve
+
+    cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"))
+    layout, device = resolve(cfg, 8).layout, DEVICES["h100"]
+    on_device = estimate_run(cfg, layout, device).memory
+    cfg.optim.offload = True
+    offloaded = estimate_run(cfg, layout, device).memory
+    state = on_device["parts"]["optimizer"]
+    assert state > 0 and on_device["host_optimizer"] == 0 and offloaded["host_optimizer"] == state
+    assert offloaded["parts"]["optimizer"] == 0 and offloaded["total"] == pytest.approx(on_device["total"] - state)
+    for part in ("parameters", "gradients", "activations"):
+        assert offloaded["parts"][part] == on_device["parts"][part]

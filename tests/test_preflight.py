@@ -137,9 +137,18 @@ def test_loss_check_wants_a_fall_beyond_noise_and_no_spike():
 def test_grad_norm_and_lr_checks():
     run = run_of(falling())
     assert preflight.check_grad_norm(run).ok
-    run.records[3]["grad_norm"] = 42.0
+    run.records[3]["grad_norm"] = 42.0  # one clipped spike in 20 steps: allowed
     check = preflight.check_grad_norm(run)
-    assert not check.ok and "iter 4: 42" in check.measured
+    assert check.ok and "1 of 20 steps outside (1 allowed) (iter 4: 42)" in check.measured
+    run.records[9]["grad_norm"] = 0.01  # a second step outside, the other way: not
+    check = preflight.check_grad_norm(run)
+    assert not check.ok and "2 of 20 steps outside" in check.measured and "iter 10: 0.01" in check.measured
+    run.records[9]["grad_norm"] = float("nan")  # never a non-finite norm, even once
+    run.records[3]["grad_norm"] = 1.0
+    assert not preflight.check_grad_norm(run).ok
+    short = run_of(falling(19))  # under 20 steps no step may leave the range
+    short.records[3]["grad_norm"] = 42.0
+    assert not preflight.check_grad_norm(short).ok
     schedule = LRSchedule(lr=1e-3, min_lr=1e-3, warmup_iters=0, decay_iters=20, decay="constant")
     assert preflight.check_lr([run], schedule).ok
     run.records[5]["lr"] = 5e-4  # e.g. a rollback's lr factor

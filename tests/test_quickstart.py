@@ -50,3 +50,26 @@ def test_quickstart_builds_tokenizes_trains_and_a_healthy_run_raises_no_alert(tm
     raised = [r for r in records
               if r.get("event") in ("alert", "straggler", "rollback") and r.get("kind") != "throughput"]
     assert raised == []
+
+
+def test_env_sh_says_what_it_installs_before_the_long_install_and_only_once(tmp_path):
+    """A first run installs torch and the dependencies for minutes: one line says so before it
+    starts; a second run (the install stamp present) installs nothing and says nothing. A stand-in
+    python in a stand-in .venv records the pip calls, so nothing is installed here."""
+    work = tmp_path / "checkout"
+    (work / "run_scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "run_scripts", "env.sh"), work / "run_scripts" / "env.sh")
+    shutil.copy(os.path.join(ROOT, "setup.py"), work / "setup.py")
+    bin_dir = work / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "pip_calls"}\n')
+    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
+    run = ["bash", "-c", f"source {work / 'run_scripts' / 'env.sh'}"]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("\n") == 1 and "installing torch" in first.stderr and "minutes" in first.stderr
+    assert "torch==" in (tmp_path / "pip_calls").read_text()
+    second = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert second.returncode == 0 and second.stderr == ""
+    assert (tmp_path / "pip_calls").read_text().count("torch==") == 1

@@ -253,3 +253,21 @@ def test_a_bucket_over_2_31_elements_is_built_reduced_and_stepped(zero, bucket):
     plan = planned(cfg, run, 0)
     assert (plan["planned_comm_bytes"], plan["planned_comm_calls"]) == (r.comm_bytes, r.comm_calls)
     assert r.host_reads == [] and sum(r.breakdown.values()) == r.peak_bytes
+
+
+def test_the_planned_memory_leaves_offloaded_optimizer_state_off_the_device():
+    """optim.offload: the planner's figure beside a simulated 8B rank drops by the optimizer part
+    (fp32 masters and Adam moments, now host memory, reported as such); the rest is unchanged."""
+    cfg = load_config("configs/llama3_8b.yaml", [])
+    run = resolve(cfg, 64)
+    on_device = planned(cfg, run, 0)
+    cfg.optim.offload = True
+    offloaded = planned(cfg, run, 0)
+    state = offloaded["planned_host_optimizer_bytes"]
+    assert on_device["planned_host_optimizer_bytes"] == 0 and state > 0
+    assert offloaded["planned_breakdown"]["optimizer"] == 0
+    # the device keeps none of it (nor the GPU AdamW's weight-decay mask: the host steps)
+    dropped = on_device["planned_breakdown"]["optimizer"]
+    assert offloaded["planned_peak_bytes"] == pytest.approx(on_device["planned_peak_bytes"] - dropped, abs=2)
+    params = num_parameters(run.model)
+    assert params * 12 / 64 <= state <= params * 12 / 64 * 1.001  # fp32 master + two moments a shard

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megapretrain.config import AlertsConfig
-from megapretrain.monitor.alerts import AlertMonitor
+from megapretrain.monitor.alerts import RECENT, SUSTAIN, AlertMonitor
 from megapretrain.recovery import Detector
 from megapretrain.train import main
 
@@ -60,7 +60,23 @@ def test_each_alert_starts_once_and_clears(kind, bad):
     alerts = _stream(AlertMonitor(AlertsConfig()), 200, **bad)
     assert [(a["kind"], a["state"]) for a in alerts] == [(kind, "start"), (kind, "clear")], alerts
     start, clear = alerts
-    assert 100 <= start["iter"] <= 105 and clear["since"] == start["iter"] and clear["iter"] > start["iter"]
+    latest = 105 + (SUSTAIN if kind == "throughput" else 0)  # a throughput drop must last
+    assert 100 <= start["iter"] <= latest and clear["since"] == start["iter"] and clear["iter"] > start["iter"]
+
+
+def test_throughput_dips_on_a_busy_machine_neither_alert_nor_flap():
+    """A shared machine's load comes and goes: dips of 40% lasting 3 to 8 steps each, with
+    recoveries between them, raise no alert (before, each dip started and cleared one); a dip that
+    lasts raises one alert, and a recovery that does not last does not clear it."""
+    rng = random.Random(1)
+    busy = {i for start in range(60, 400, 25) for i in range(start, start + rng.randint(3, 8))}
+    alerts = _stream(AlertMonitor(AlertsConfig()), 420, tps=lambda i: 600.0 if i in busy else 1000.0)
+    assert alerts == [], alerts
+    # sustained from 100 to 200, with one short recovery inside it (150-155)
+    slow = lambda i: 500.0 if 100 <= i < 200 and not 150 <= i < 156 else 1000.0
+    alerts = _stream(AlertMonitor(AlertsConfig()), 300, tps=slow)
+    assert [(a["kind"], a["state"]) for a in alerts] == [("throughput", "start"), ("throughput", "clear")], alerts
+    assert 100 < alerts[0]["iter"] <= 100 + RECENT + SUSTAIN and 200 < alerts[1]["iter"] <= 200 + RECENT + SUSTAIN
 
 
 def test_the_steps_after_an_evaluation_or_a_save_are_not_a_throughput_drop():

@@ -583,6 +583,18 @@ def problem(directory: str, checksum_ranks: Iterable[int] | None = None) -> str 
     return None
 
 
+def _check_tied(directory: str, saved: dict, model: dict) -> None:
+    """Name ``model.tie_embeddings`` when the only difference is the output layer: a tied model
+    has no ``lm_head.weight`` (it reuses the embedding), an untied one has its own."""
+    if ("lm_head.weight" in saved) == ("lm_head.weight" in model):
+        return
+    was = "lm_head.weight" not in saved  # the checkpoint's setting
+    raise CheckpointError(f"checkpoint {directory} was saved with model.tie_embeddings "
+                          f"{str(was).lower()} ({'no' if was else 'its own'} 'lm_head.weight'), "
+                          f"the config says {str(not was).lower()}: set model.tie_embeddings: "
+                          f"{str(was).lower()} in the config")
+
+
 def check_shapes(directory: str, meta: dict, model: dict[str, tuple]) -> None:
     """Raise naming the first tensor where checkpoint ``directory`` (its ``meta``) and a model
     whose parameters have the global shapes ``model`` differ: one the model lacks, one the
@@ -592,6 +604,7 @@ def check_shapes(directory: str, meta: dict, model: dict[str, tuple]) -> None:
     if saved is None:
         return
     fix = "compare model.* with the config.yaml of the run that saved it"
+    _check_tied(directory, saved, model)
     for name, shape in model.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint has no weight '{name}' (shape {tuple(shape)} in the "

@@ -22,6 +22,7 @@ from megapretrain.optim.lr_schedule import LRSchedule
 from .preflight_runs import Run, rank_count, run_training
 
 GRAD_NORM_RANGE = (0.1, 10.0)
+GRAD_NORM_SPIKES = 20  # one step in this many may leave the range (a clipped spike)
 NOISE_SIGMAS = 3.0  # the loss must fall by more than this many standard deviations of its noise
 SPIKE_RATIO = 1.5  # a loss above this × the mean of the previous steps is a spike
 LR_RTOL = 1e-6
@@ -104,18 +105,24 @@ def _noise(values: list[float]) -> float:
 
 
 def check_grad_norm(run: Run) -> Check:
+    """Every grad norm finite, and within GRAD_NORM_RANGE but for at most one step in
+    GRAD_NORM_SPIKES: a lone spike early in training (a small model at its peak lr) is what
+    ``optim.clip_grad`` is for and the loss check sees its effect; a run of them is not."""
     low, high = GRAD_NORM_RANGE
     norms = [(it, r["grad_norm"]) for it, r in sorted(run.steps().items())]
-    outside = [(it, g) for it, g in norms if not isinstance(g, (int, float)) or
-               not low <= g <= high]
-    values = [g for _, g in norms if isinstance(g, (int, float))]
+    finite = [isinstance(g, (int, float)) and math.isfinite(g) for _, g in norms]
+    outside = [(it, g) for (it, g), ok in zip(norms, finite) if not ok or not low <= g <= high]
+    allowed = len(norms) // GRAD_NORM_SPIKES
+    values = [g for (_, g), ok in zip(norms, finite) if ok]
     measured = f"min {min(values):.3g}, max {max(values):.3g}" if values else "none logged"
-    measured += f"; {len(outside)} of {len(norms)} steps outside"
+    measured += f"; {len(outside)} of {len(norms)} steps outside ({allowed} allowed)"
     if outside:
         measured += " (" + ", ".join(f"iter {it}: {g if g is None else f'{g:.3g}'}" for it,
                                      g in outside[:4]) + ")"
-    return Check("grad norm", bool(norms) and not outside, measured,
-                 f"within [{low:g}, {high:g}] at every step", "above 10: lower optim.lr, lengthen "
+    ok = bool(norms) and all(finite) and len(outside) <= allowed
+    return Check("grad norm", ok, measured,
+                 f"finite, and within [{low:g}, {high:g}] at all but 1 step in "
+                 f"{GRAD_NORM_SPIKES}", "above 10: lower optim.lr, lengthen "
                                                               "schedule.warmup_iters, check "
                                                               "optim.clip_grad and the init "
                                                               "(model.init_std); below 0.1: the "

@@ -9,7 +9,9 @@ it lasts — so a long stall or a bad stretch is two lines, not thousands:
                   the random initialization, before any update, is large by nature)
     loss_ratio    loss above alerts.loss_ratio × its rolling average (alerts.window healthy steps)
     throughput    tokens/s (the median of the last few steps, so one slow step is not a drop) more
-                  than alerts.throughput_drop below the rolling median of the steps before them
+                  than alerts.throughput_drop below the rolling median of the steps before them,
+                  for SUSTAIN judged steps in a row; it clears after SUSTAIN healthy ones in a row
+                  (a busy shared machine's brief dips neither raise it nor make it flap)
     data_wait     the step waited longer than alerts.data_wait_s for its data
 
 The rolling baselines take only healthy steps, and need a few before they judge (the first steps
@@ -35,6 +37,7 @@ import torch.distributed as dist
 MIN_HISTORY = 5     # healthy steps a rolling baseline needs before it judges
 WARMUP_STEPS = 3    # the first steps' throughput is not a baseline
 RECENT = 5          # steps whose median throughput is compared with the baseline
+SUSTAIN = 10        # judged steps in a row a throughput drop (or its recovery) must last
 
 
 class AlertMonitor:
@@ -47,6 +50,7 @@ class AlertMonitor:
         self.active: dict[str, dict] = {}  # kind -> the alert that started it
         self.steps = 0
         self.quiet_until = WARMUP_STEPS  # throughput is not judged before this step
+        self.run = 0  # judged steps in a row on the other side of the threshold from the state
 
     def observe(self, iteration: int, loss: float, grad_norm: float, tokens_per_sec: float,
                 data_wait_s: float) -> list[dict]:
@@ -64,15 +68,22 @@ class AlertMonitor:
                 found["loss_ratio"] = {"loss": loss, "rolling_mean": round(mean, 6),
                                        "ratio": round(loss / mean, 3)}
         if self.steps > self.quiet_until:
-            if len(self.recent) == RECENT and "throughput" not in self.active:
+            if len(self.recent) == RECENT and "throughput" not in self.active and not self.run:
                 self.throughput.append(self.recent[0])  # the oldest recent step joins the baseline
             self.recent.append(tokens_per_sec)
+        dropped = "throughput" in self.active  # the state, kept while a step is not judged
         if len(self.recent) == RECENT and len(self.throughput) >= MIN_HISTORY:
             median, now = statistics.median(self.throughput), statistics.median(self.recent)
-            if now < (1.0 - c.throughput_drop) * median:
+            low = now < (1.0 - c.throughput_drop) * median
+            self.run = self.run + 1 if low != dropped else 0
+            if self.run >= SUSTAIN:
+                dropped, self.run = low, 0
+            if dropped and "throughput" not in self.active:
                 found["throughput"] = {"tokens_per_sec": round(now, 1),
                                        "rolling_median": round(median, 1),
                                        "drop": round(1.0 - now / median, 3)}
+        if dropped and "throughput" not in found:
+            found["throughput"] = self.active.get("throughput", {})
         if data_wait_s > c.data_wait_s:
             found["data_wait"] = {"data_wait_s": round(data_wait_s, 3), "threshold": c.data_wait_s}
         if finite and "loss_ratio" not in found:
@@ -83,6 +94,7 @@ class AlertMonitor:
         """An evaluation or a save just ran: leave the next ``steps`` steps' throughput unjudged."""
         self.quiet_until = self.steps + steps
         self.recent.clear()
+        self.run = 0
 
     def _transitions(self, iteration: int, found: dict) -> list[dict]:
         out = []

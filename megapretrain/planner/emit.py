@@ -145,7 +145,9 @@ def deepspeed_config(plan: dict, s: dict) -> dict:
                       "initial_scale_power": int(math.log2(o.initial_loss_scale)),
                       "loss_scale_window": o.loss_scale_window, "min_loss_scale": o.min_loss_scale,
                       "hysteresis": 2}
-    zero = {"stage": L["zero"], "overlap_comm": True, "contiguous_gradients": True,
+    # DeepSpeed's pipeline engine refuses ZeRO 2 and 3 at start-up: with pp > 1 it runs ZeRO 1
+    zero = {"stage": min(L["zero"], 1) if L["pp"] > 1 else L["zero"], "overlap_comm": True,
+            "contiguous_gradients": True,
             "reduce_bucket_size": int(cfg.parallel.bucket_size_mb * 2**20)}
     _no_hybrid(L, "DeepSpeed")
     if o.offload:
@@ -221,14 +223,36 @@ def accelerate_config(plan: dict, s: dict, plugin: str) -> dict:
     return acc
 
 
+def dropped(plan: dict, s: dict, fmt: str) -> list[str]:
+    """What of the plan the ``fmt`` export does not carry (each in words): interleaved pipeline
+    stages, a zero-bubble schedule, FP8 GEMMs, and for DeepSpeed a ZeRO stage above 1 under
+    pipeline parallelism (its pipeline engine allows ZeRO 0 or 1 only)."""
+    cfg, L = plan["cfg"], s["layout"]
+    out = []
+    if fmt == "deepspeed" and L["pp"] > 1 and L["zero"] > 1:
+        out.append(f"ZeRO {L['zero']} (written as ZeRO 1: DeepSpeed's pipeline engine takes ZeRO "
+                   "0 or 1 with pp > 1)")
+    if L["pp"] > 1 and L["vpp"] > 1:
+        out.append(f"interleaved stages (vpp {L['vpp']}: plain 1F1B instead)")
+    if L["pp_schedule"] in ("zb_h1", "zbv"):
+        out.append(f"the zero-bubble schedule (parallel.pp_schedule {L['pp_schedule']})")
+    if cfg.model.fp8 != "none":
+        out.append(f"FP8 GEMMs (model.fp8 {cfg.model.fp8}: {cfg.train.precision} only)")
+    return out
+
+
 def render(fmt: str, path: str, plan: dict, s: dict, args) -> tuple[str, str]:
     """(the file's text, a note for the user) of ``--emit fmt path``; a recipe the format cannot
-    hold is refused here, before any file is written."""
+    hold is refused here, before any file is written; what it drops is named in one line."""
+    lost = dropped(plan, s, fmt)
+    lost = f"note: {path} drops {'; '.join(lost)}" if lost else ""
     if fmt == "deepspeed":
-        return json.dumps(deepspeed_config(plan, s), indent=2) + "\n", ""
+        return json.dumps(deepspeed_config(plan, s), indent=2) + "\n", lost
     acc = accelerate_config(plan, s, args.accelerate_plugin)
-    return yaml.safe_dump(acc, sort_keys=False), accelerate_note(path, plan, s,
-                                                                 args.accelerate_plugin)
+    text = yaml.safe_dump(acc, sort_keys=False)
+    note = accelerate_note(path, plan, s, args.accelerate_plugin)
+    return ("# " + lost[len("note: "):] + "\n" if lost else "") + text, \
+        "\n".join(n for n in (lost, note) if n)
 
 
 def write_text(path: str, text: str, overwrite: bool) -> None:

@@ -167,11 +167,13 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
                  layer: tuple[int, int, int], precision: str = "bf16",
                  schedule: str | Schedule = "auto",
                  kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
-                 fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES) -> dict:
+                 fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES,
+                 offload: bool = False) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
     ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
     ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
-    ``chunk_bytes``: the output layer's chunk of logits.
+    ``chunk_bytes``: the output layer's chunk of logits; ``offload`` (``optim.offload``): the
+    optimizer state lives in host memory, counted as ``host_optimizer`` and not in the total.
 
     The peak is taken at the backward that starts with the most activations held (the schedule's
     own order decides which): everything kept for the backward of its micro-batch chunk and of the
@@ -219,5 +221,7 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels,
                                                  attention, chunk_bytes)
     out["activations"] += redone
+    if offload:  # masters and moments in host memory: no device bytes
+        out["host_optimizer"], out["optimizer"] = out["optimizer"], 0.0
     out["total"] = sum(out[k] for k in PARTS)
     return out

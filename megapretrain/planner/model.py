@@ -276,20 +276,23 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
 
 
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str,
-            micro_batches: int, schedule: Schedule, attention: str) -> tuple[dict, float]:
+            micro_batches: int, schedule: Schedule, attention: str,
+            offload: bool = False) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
     measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
     stage's parameters."""
     layer = layer_params(model)
     stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision,
-                           schedule=schedule, attention=attention) for r in range(layout.pp)]
+                           schedule=schedule, attention=attention, offload=offload)
+              for r in range(layout.pp)]
     busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
     parts = stages[busiest]
     weights = parts["parameters"] + parts["zero3_gathered"]
     memory = {"params": weights, "state": weights + parts["gradients"] + parts["optimizer"],
               "activations": sum(parts[k] for k in ("activations", "pipeline_in_flight",
                                                     "comm_buffers", "temporary")),
-              "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts}
+              "overhead": device.overhead_gb * GIB, "stage": busiest, "parts": parts,
+              "host_optimizer": parts.get("host_optimizer", 0.0)}
     memory["total"] = parts["total"] + memory["overhead"]
     memory["capacity"] = device.memory_gb * GIB * (1 - device.spare)
     return memory, stage_params(model, layout, busiest, layer, schedule)
@@ -326,10 +329,11 @@ def _overlapped(comm: float, gemm: float, tp: int) -> float:
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
-             fp8: str = "none", fp8_skip: tuple[str, ...] = ()) -> Estimate:
+             fp8: str = "none", fp8_skip: tuple[str, ...] = (),
+             offload: bool = False) -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run. ``fp8``, ``fp8_skip``: ``model.fp8``'s recipe and the linears
-    it leaves out (planner/fp8.py)."""
+    it leaves out (planner/fp8.py); ``offload``: ``optim.offload`` (host optimizer state)."""
     L, tp, pp, dp, vpp, mb, cp = \
         layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
@@ -395,7 +399,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, m, kind, attention)
+    mem, params = _memory(model, seq, L, device, precision, m, kind, attention, offload)
     if delta is not None:
         split, replicated, _ = layer_params(model)
         mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight,
@@ -429,7 +433,8 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     if dense_document_mask(cfg):
         attention = "unfused"
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
-                    cfg.parallel.pp_schedule, attention, cfg.model.fp8, tuple(cfg.model.fp8_skip))
+                    cfg.parallel.pp_schedule, attention, cfg.model.fp8, tuple(cfg.model.fp8_skip),
+                    cfg.optim.offload)
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
@@ -542,7 +547,7 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
            precision: str = "bf16", attention: str = "flash", fp8: str = "none",
-           fp8_skip: tuple[str, ...] = ()) -> list[Estimate]:
+           fp8_skip: tuple[str, ...] = (), offload: bool = False) -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first (under ``fp8``: those whose
     FP8 GEMMs the run takes)."""
     check_fp8_peak(device, fp8)  # before the search, which drops the layouts that raise
@@ -550,7 +555,8 @@ def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: De
     for layout in layouts(model, world, global_batch, device, seq):
         try:
             found.append(estimate(model, seq, layout, global_batch, device, precision,
-                                  attention=attention, fp8=fp8, fp8_skip=fp8_skip))
+                                  attention=attention, fp8=fp8, fp8_skip=fp8_skip,
+                                  offload=offload))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits

@@ -90,7 +90,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
         found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision,
-                       args.attention, m.fp8, tuple(m.fp8_skip))
+                       args.attention, m.fp8, tuple(m.fp8_skip), cfg.optim.offload)
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,

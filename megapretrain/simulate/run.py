@@ -97,7 +97,8 @@ class RankResult:
 def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> dict:
     """The planner's figures for a rank of stage ``pp_rank`` in the simulation's terms: its memory
     (``planner/memory.py``) and traffic (``planner/traffic.py``) — {"planned_peak_bytes",
-    "planned_breakdown", "planned_comm_bytes", "planned_comm_calls"}."""
+    "planned_breakdown", "planned_comm_bytes", "planned_comm_calls",
+    "planned_host_optimizer_bytes"} (the last: ``optim.offload``'s state, off the device)."""
     triton = use_triton(device)  # what model.kernels / optim.impl auto choose on the device
     kernels = cfg.model.kernels if cfg.model.kernels != "auto" \
         else ("triton" if triton else "torch")
@@ -110,14 +111,15 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
                        kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention,
-                       fused_adamw=fused_adamw)
+                       fused_adamw=fused_adamw, offload=cfg.optim.offload)
+    host = est.pop("host_optimizer", 0.0)  # optim.offload: the optimizer state in host memory
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
                             bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered)
     nbytes, calls = traffic.as_dicts()
     return {"planned_peak_bytes": int(est.pop("total")),
             "planned_breakdown": {k: int(v) for k, v in est.items()}, "planned_comm_bytes": nbytes,
-            "planned_comm_calls": calls}
+            "planned_comm_calls": calls, "planned_host_optimizer_bytes": int(host)}
 
 
 def simulation_config(cfg: Config, run_dir: str) -> Config:
