@@ -155,8 +155,8 @@ SKIP = {
 
 
 # tools that set process-wide state (torch's threads), spawn processes or need their own launcher: run as scripts
-OWN_PROCESS = {"bench_train", "bench_dp", "bench_optim", "bench_kernels", "bench_attention", "bench_pipeline", "bench_tp",
-               "smoke_test", "check_kernels", "gpu_check"}
+OWN_PROCESS = {"bench_train", "bench_dp", "bench_optim", "bench_kernels", "bench_attention", "bench_pipeline",
+               "bench_tp", "smoke_test", "check_kernels", "gpu_check"}
 
 
 @dataclass
