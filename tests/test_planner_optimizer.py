@@ -17,6 +17,7 @@ from megapretrain.optim.muon import is_muon_matrix, newton_schulz
 from megapretrain.planner import Layout, estimate, layer_params
 from megapretrain.planner.memory import stage_memory
 from megapretrain.planner.optimizer import muon_layer_params, ns_flops, ns_seconds
+from megapretrain.simulate.run import planned, resolve_for_simulation, simulate_rank
 
 from helpers import tiny_args
 
@@ -105,3 +106,20 @@ def test_plan_prints_the_optimizer_share(capsys):
                            "muon"]) == 0
     out = capsys.readouterr().out
     assert "optimizer   muon (moments fp32)" in out and "of the step (Newton–Schulz" in out
+
+
+@pytest.mark.parametrize("extra", [["--optim.optimizer", "adamw"], ["--optim.optimizer", "muon"],
+                                   ["--optim.moments_dtype", "bf16"]], ids=lambda e: e[-1])
+def test_planned_optimizer_state_is_the_simulated_one(extra):
+    """The planner's optimizer bytes against the state the optimizer allocates on a simulated rank
+    (tp 2 × dp 2, ZeRO-1): equal up to the shards' alignment padding."""
+    tiny = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_size", "64",
+            "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128",
+            "--train.seq_length", "64", "--train.micro_batch_size", "1", "--train.global_batch_size",
+            "8", "--parallel.zero", "1", "--parallel.tp", "2"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), tiny + extra)
+    run = resolve_for_simulation(cfg, 4)
+    sim = simulate_rank(cfg, 4, 0, steps=1)
+    plan = planned(cfg, run, sim.coords["pp"])
+    assert plan["planned_breakdown"]["optimizer"] <= sim.breakdown["optimizer"] \
+        <= plan["planned_breakdown"]["optimizer"] * 1.002

@@ -44,6 +44,7 @@ from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState
 from ..planner.memory import stage_memory
 from ..planner.model import layer_params
+from ..planner.optimizer import muon_layer_params
 from ..planner.traffic import stage_traffic
 from ..resolve import Resolved, resolve
 from ..trainer import Trainer
@@ -110,7 +111,10 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
                        kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention,
-                       fused_adamw=fused_adamw)
+                       fused_adamw=fused_adamw, optimizer=cfg.optim.optimizer,
+                       moments_dtype=cfg.optim.moments_dtype,
+                       muon_layer=muon_layer_params(run.model)
+                       if cfg.optim.optimizer == "muon" else 0)
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
                             bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered)
