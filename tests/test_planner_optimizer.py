@@ -123,3 +123,36 @@ def test_planned_optimizer_state_is_the_simulated_one(extra):
     plan = planned(cfg, run, sim.coords["pp"])
     assert plan["planned_breakdown"]["optimizer"] <= sim.breakdown["optimizer"] \
         <= plan["planned_breakdown"]["optimizer"] * 1.002
+
+
+MUON_TRAFFIC = {  # world size, layout
+    "tp2 dp2 zero1": (4, ["--parallel.tp", "2", "--parallel.zero", "1"]),
+    "dp4 zero3": (4, ["--parallel.zero", "3"]),
+    "tp2 dp2 zero0": (4, ["--parallel.tp", "2", "--parallel.zero", "0"]),
+    "pp2 dp4 hybrid zero2 shards of 2": (8, ["--parallel.pp", "2", "--parallel.zero", "2",
+                                             "--parallel.zero_shard_size", "2"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUON_TRAFFIC))
+def test_planned_muon_traffic_equals_the_calls_the_program_issues(name):
+    """Muon's collectives as planner/traffic.py counts them against a simulated rank's calls:
+    the shard group's gathers and reduce-scatters, the owned matrices' tp gathers."""
+    world, layout = MUON_TRAFFIC[name]
+    tiny = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_size", "64",
+            "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128",
+            "--train.seq_length", "64", "--train.micro_batch_size", "1", "--train.global_batch_size",
+            "8", "--parallel.bucket_size_mb", "0.01", "--optim.optimizer", "muon"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), tiny + layout)
+    run = resolve_for_simulation(cfg, world)
+    shard = run.layout.shard or run.layout.dp
+    adam = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), tiny + layout
+                       + ["--optim.optimizer", "adamw"])
+    for rank in (0, world - 1):
+        sim = simulate_rank(cfg, world, rank, steps=1)
+        plan = planned(cfg, run, sim.coords["pp"], shard_rank=sim.coords["dp"] % shard)
+        assert plan["planned_comm_bytes"] == sim.comm_bytes
+        assert plan["planned_comm_calls"] == sim.comm_calls
+        without = planned(adam, run, sim.coords["pp"])["planned_comm_bytes"]
+        assert sum(map(sum, (g.values() for g in sim.comm_bytes.values()))) > \
+            sum(map(sum, (g.values() for g in without.values())))

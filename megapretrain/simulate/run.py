@@ -95,7 +95,8 @@ class RankResult:
         return dataclasses.asdict(self)
 
 
-def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> dict:
+def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda",
+            shard_rank: int = 0) -> dict:
     """The planner's figures for a rank of stage ``pp_rank`` in the simulation's terms: its memory
     (``planner/memory.py``) and traffic (``planner/traffic.py``) — {"planned_peak_bytes",
     "planned_breakdown", "planned_comm_bytes", "planned_comm_calls"}."""
@@ -117,7 +118,8 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
                        if cfg.optim.optimizer == "muon" else 0)
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
-                            bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered)
+                            bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
+                            optimizer=cfg.optim.optimizer, shard_rank=shard_rank)
     nbytes, calls = traffic.as_dicts()
     return {"planned_peak_bytes": int(est.pop("total")),
             "planned_breakdown": {k: int(v) for k, v in est.items()}, "planned_comm_bytes": nbytes,
