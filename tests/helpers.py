@@ -541,3 +541,28 @@ def wandb_history(run_dir: str) -> list[dict]:
                     rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                  for item in record.history.item})
     return rows
+
+
+EOD = 0  # make_corpus's end-of-document token
+
+
+def make_corpus(prefix, num_docs=60, seed=0, first_token=1):
+    """Documents of 0-40 distinct tokens, each ending with EOD (as preprocessing writes them).
+    Every non-EOD token is unique, so a token identifies its place in the corpus."""
+    import numpy as np
+
+    from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)
+    docs, next_token = [], first_token
+    for _ in range(num_docs):
+        n = int(rng.integers(0, 40))
+        doc = np.append(np.arange(next_token, next_token + n), EOD)
+        next_token += n
+        if rng.random() < 0.1:
+            doc = doc[:0]  # a few empty sequences: packing must step over them
+        docs.append(doc)
+        builder.add_document(doc)
+    builder.finalize(prefix + ".idx")
+    return IndexedDataset(prefix), docs

@@ -13,7 +13,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from test_gpt_dataset import make_corpus
 
 from megapretrain.data import blending, gpt_dataset, index_cache
 from megapretrain.data.blending import greedy_blend, greedy_blend_chunks, greedy_blend_reference
@@ -24,6 +23,8 @@ from megapretrain.data.gpt_dataset import (
     epochs_for,
     index_bytes,
 )
+
+from helpers import make_corpus
 
 
 def blend_weights():

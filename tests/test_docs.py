@@ -77,6 +77,8 @@ REWRITES = [
     (r"bench_train\.py (.*)", r"bench_train.py \1 --steps 1 --warmup 0 " + TINY, "one tiny timed step"),
     (r"bench_dp\.py(.*)", r"bench_dp.py\1 --layers 2 --hidden 64 --vocab 256 --seq 32 --steps 1 --warmup 0",
      "one tiny step per layout"),
+    (r"bench_optim\.py(.*)", r"bench_optim.py\1 --dp 1 2 --zero 1 --layers 1 --hidden 64 --vocab 256 --seq 16 "
+     r"--steps 1 --warmup 0", "one tiny step per optimizer, dp 1 and 2"),
     (r"bench_checkpoint\.py(.*)", r"bench_checkpoint.py\1 --hidden 64 --layers 1 --vocab 256 --heads 4 --repeats 1",
      "a tiny model"),
     (r"bench_kernels\.py (.*)", r"bench_kernels.py \1 --tokens 64 --hidden 64 --iters 1 --no-compile",
@@ -153,8 +155,8 @@ SKIP = {
 
 
 # tools that set process-wide state (torch's threads), spawn processes or need their own launcher: run as scripts
-OWN_PROCESS = {"bench_train", "bench_dp", "bench_kernels", "bench_attention", "bench_pipeline", "bench_tp",
-               "smoke_test", "check_kernels", "gpu_check"}
+OWN_PROCESS = {"bench_train", "bench_dp", "bench_optim", "bench_kernels", "bench_attention", "bench_pipeline",
+               "bench_tp", "smoke_test", "check_kernels", "gpu_check"}
 
 
 @dataclass

@@ -15,27 +15,9 @@ from megapretrain.data.gpt_dataset import (
     parse_data_paths,
     split_document_ids,
 )
-from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megapretrain.data.indexed_dataset import IndexedDataset
 
-EOD = 0
-
-
-def make_corpus(prefix, num_docs=60, seed=0, first_token=1):
-    """Documents of 0-40 distinct tokens, each ending with EOD (as preprocessing writes them).
-    Every non-EOD token is unique, so a token identifies its place in the corpus."""
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)
-    docs, next_token = [], first_token
-    for _ in range(num_docs):
-        n = int(rng.integers(0, 40))
-        doc = np.append(np.arange(next_token, next_token + n), EOD)
-        next_token += n
-        if rng.random() < 0.1:
-            doc = doc[:0]  # a few empty sequences: packing must step over them
-        docs.append(doc)
-        builder.add_document(doc)
-    builder.finalize(prefix + ".idx")
-    return IndexedDataset(prefix), docs
+from helpers import EOD, make_corpus
 
 
 def expected_by_row(ds, docs, document_ids):

@@ -18,7 +18,7 @@ LEVELS = {
     "errors": 0, "config": 0, "cli": 0, "host_memory": 0, "user_files": 0, "early_stop": 0,
     "parallel.layout": 1, "model.args": 1,
     "data": 2, "parallel": 2, "model": 2, "monitor": 2, "kernels": 2,
-    "optim": 3,
+    "optim": 3, "eval": 3,  # eval: scores task items with the model's forward
     "checkpoint": 4,
     "planner": 5, "recovery": 5, "run_lock": 5, "faults": 5, "oom": 5, "run_state": 5, "run_watch": 5,
     "resolve": 5, "runtime": 5, "attempts": 5,

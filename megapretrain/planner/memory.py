@@ -10,7 +10,8 @@ program's code, and ``tests/test_simulate_planner.py`` holds them to the simulat
 - ``gradients``: the fp32 gradient buffer (zero 0/1) or its shard (zero 2/3); zero 2 also keeps a
   bucket's full gradients while its micro-batch's reduction is in flight, the output layer's
   among them on the last stage;
-- ``optimizer``: fp32 masters (none for fp32 weights) and Adam's two moments, over the shard ranks;
+- ``optimizer``: fp32 masters (none for fp32 weights) and Adam's two moments (fp32 or bf16), or
+  Muon's one fp32 momentum on its matrices, over the shard ranks (``planner/optimizer.py``);
 - ``activations`` / ``pipeline_in_flight``: what autograd keeps of the micro-batch chunk
   computing, and of the others the schedule holds in flight (:func:`saved_bytes_per_token`); under
   a zero-bubble schedule also what each chunk whose B ran keeps for its W (the linears' inputs
@@ -28,6 +29,7 @@ from ..model.args import ModelArgs
 from ..model.families import layer_spec
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Placement, Schedule, layout_schedule, resolve_schedule
+from .optimizer import state_bytes
 from .pipeline import deferred_bytes_per_token
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight",
@@ -168,12 +170,15 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
                  schedule: str | Schedule = "auto",
                  kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
                  fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES,
-                 offload: bool = False) -> dict:
+                 optimizer: str = "adamw", moments_dtype: str = "fp32",
+                 muon_layer: int = 0, offload: bool = False) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
     ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
     ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
-    ``chunk_bytes``: the output layer's chunk of logits; ``offload`` (``optim.offload``): the
-    optimizer state lives in host memory, counted as ``host_optimizer`` and not in the total.
+    ``chunk_bytes``: the output layer's chunk of logits; ``optimizer``, ``moments_dtype``: the
+    state kept (``planner/optimizer.state_bytes``), ``muon_layer`` a layer's Muon parameters;
+    ``offload`` (``optim.offload``): the optimizer state lives in host memory, counted as
+    ``host_optimizer`` and not in the total.
 
     The peak is taken at the backward that starts with the most activations held (the schedule's
     own order decides which): everything kept for the backward of its micro-batch chunk and of the
@@ -193,8 +198,10 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     out = dict.fromkeys(PARTS, 0.0)
     out["parameters"] = params * w / (n_shard if L.zero == 3 else 1)
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
-    out["optimizer"] = params * ((4.0 if w == 2 else 0.0) + 8.0 + (1 / 8 if fused_adamw else 0.0)) \
-        / (n_shard if L.zero >= 1 else 1)
+    muon = sum(chunks) * muon_layer / L.tp
+    out["optimizer"] = state_bytes(params, muon, precision, optimizer, moments_dtype,
+                                   fused_adamw and optimizer == "adamw"
+                                   and moments_dtype == "fp32") / (n_shard if L.zero >= 1 else 1)
     steady = kind.memory_micro(L.pp, micro_batches)
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
     # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left

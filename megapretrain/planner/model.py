@@ -67,6 +67,7 @@ from ..parallel.pipeline import Schedule, resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
+from .optimizer import muon_layer_params, muon_traffic_bytes, ns_seconds
 from .pipeline import (
     deferred_bytes_per_token,
     head_stage,
@@ -276,14 +277,16 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
 
 
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str,
-            micro_batches: int, schedule: Schedule, attention: str,
+            micro_batches: int, schedule: Schedule, attention: str, optimizer: str = "adamw",
+            moments_dtype: str = "fp32", muon_layer: int = 0,
             offload: bool = False) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
     measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
     stage's parameters."""
     layer = layer_params(model)
     stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision,
-                           schedule=schedule, attention=attention, offload=offload)
+                           schedule=schedule, attention=attention, optimizer=optimizer,
+                           moments_dtype=moments_dtype, muon_layer=muon_layer, offload=offload)
               for r in range(layout.pp)]
     busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
     parts = stages[busiest]
@@ -329,11 +332,13 @@ def _overlapped(comm: float, gemm: float, tp: int) -> float:
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
-             fp8: str = "none", fp8_skip: tuple[str, ...] = (),
-             offload: bool = False) -> Estimate:
+             fp8: str = "none", fp8_skip: tuple[str, ...] = (), optimizer: str = "adamw",
+             moments_dtype: str = "fp32", ns_steps: int = 5, offload: bool = False) -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run. ``fp8``, ``fp8_skip``: ``model.fp8``'s recipe and the linears
-    it leaves out (planner/fp8.py); ``offload``: ``optim.offload`` (host optimizer state)."""
+    it leaves out (planner/fp8.py); ``optimizer``, ``moments_dtype``, ``ns_steps``: ``optim.*``'s
+    (planner/optimizer.py: the state, Muon's iterations and traffic); ``offload``:
+    ``optim.offload`` (host optimizer state)."""
     L, tp, pp, dp, vpp, mb, cp = \
         layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
@@ -399,19 +404,27 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    mem, params = _memory(model, seq, L, device, precision, m, kind, attention, offload)
+    muon_layer = muon_layer_params(model) if optimizer == "muon" else 0
+    mem, params = _memory(model, seq, L, device, precision, m, kind, attention, optimizer,
+                          moments_dtype, muon_layer, offload)
     if delta is not None:
         split, replicated, _ = layer_params(model)
         mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight,
                          per_chunk=per_chunk, zero=L.zero,
                          gathered_bytes=min(3, max(layers_on)) * (split / tp + replicated) * 2)
-    data, optimizer = _data_parallel_s(device, L, params, m, f, b, n)
+    data, step_s = _data_parallel_s(device, L, params, m, f, b, n,
+                                    params - n * muon_layer / tp if moments_dtype == "bf16" else 0)
+    muon_ns, muon_comm = _muon_s(model, device, L, n, n * muon_layer / tp, ns_steps) \
+        if muon_layer else (0.0, 0.0)
+    optimizer = step_s + muon_ns + muon_comm
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
     total = busy + bubble + p2p + data + optimizer
     time = {"compute": m * compute * slow, "memory": m * memory_bound * slow,
             "tensor": m * tensor * slow, "context": m * context * slow, "bubble": bubble,
             "p2p": p2p, "data": data, "optimizer": optimizer,
+            # (part of optimizer: Muon's Newton–Schulz iterations and its collectives)
+            "optimizer_ns": muon_ns, "optimizer_comm": muon_comm,
             # (part of compute, memory, tensor, context)
             "total": total, "recompute": m * n * sum(redo) * slow}
 
@@ -432,21 +445,23 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     t = cfg.train
     if dense_document_mask(cfg):
         attention = "unfused"
+    o = cfg.optim
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
                     cfg.parallel.pp_schedule, attention, cfg.model.fp8, tuple(cfg.model.fp8_skip),
-                    cfg.optim.offload)
+                    o.optimizer, o.moments_dtype, o.muon_ns_steps, o.offload)
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
-                     layers: int = 1) -> tuple[float, float]:
+                     layers: int = 1, bf16_moments: float = 0.0) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) in seconds: gradients reduced under
     the last micro-batch's backward (zero 2: under every one), parameters gathered under the next
     forward; zero 3 gathers every micro-batch's parameters twice (forward, prefetched; backward)
     and reduce-scatters its gradients under the backward, one collective per layer (``layers``)
     each with its own latency; hybrid sharding then all-reduces each
     shard over the replicas. The optimizer reads and writes its shard's fp32 state (34 bytes a
-    parameter) and every rank zeroes its gradient buffer. Parameters are replicated over dp × cp:
-    both reduce."""
+    parameter; ``bf16_moments`` of them read and write their two moments in bf16: 8 bytes fewer;
+    Muon's elementwise work on its momentum and update is counted as AdamW's) and every rank
+    zeroes its gradient buffer. Parameters are replicated over dp × cp: both reduce."""
     dp, tp, grad_bytes, n = L.dp * L.cp, L.tp, params * 4.0, L.shard_ranks
     if L.zero == 0:
         data = max(0.0, _ring_s(device, dp, tp, grad_bytes, 2) - b)
@@ -464,7 +479,24 @@ def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float,
         # hybrid: each shard's sum over the replicas (n·tp apart), after the last backward
         if n < dp:
             data += _ring_s(device, dp // n, n * tp, grad_bytes / n, 2)
-    return data, memory_s(device, params * 4.0 / (n if L.zero >= 2 else 1) + params / n * 34.0, 4)
+    state = (params * 34.0 - max(0.0, bf16_moments) * 8.0) / n
+    return data, memory_s(device, params * 4.0 / (n if L.zero >= 2 else 1) + state, 4)
+
+
+def _muon_s(model: ModelArgs, device: Device, L: Layout, layers: int, muon_params: float,
+            ns_steps: int) -> tuple[float, float]:
+    """(Newton–Schulz, collectives) seconds of Muon's step on the busiest rank of a stage with
+    ``layers`` decoder layers and ``muon_params`` (tp-local) Muon parameters: the iterations of
+    the matrices the rank owns (:func:`~.optimizer.ns_seconds`, bf16 GEMMs as :func:`gemm_s`
+    times them, every tp rank of the owner on the whole matrix), the shard group's all-gather and
+    reduce-scatter of the fp32 updates and the owner's tp all-gather, none overlapped."""
+    sharded = L.zero >= 1 and L.shard_ranks > 1
+    ns = ns_seconds(model, layers, L.shard_ranks if sharded else 1, ns_steps, 0.0,
+                    lambda m, n, k: gemm_s(device, m, n, k))
+    traffic = muon_traffic_bytes(muon_params, L.tp, L.shard_ranks, L.zero)
+    comm = 2 * _ring_s(device, L.shard_ranks, L.tp, traffic["shard"]) \
+        + _ring_s(device, L.tp, 1, traffic["tp"])
+    return ns, comm
 
 
 def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> float:
@@ -547,16 +579,19 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
            precision: str = "bf16", attention: str = "flash", fp8: str = "none",
-           fp8_skip: tuple[str, ...] = (), offload: bool = False) -> list[Estimate]:
+           fp8_skip: tuple[str, ...] = (), optimizer: str = "adamw", moments_dtype: str = "fp32",
+           ns_steps: int = 5, offload: bool = False) -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first (under ``fp8``: those whose
-    FP8 GEMMs the run takes)."""
+    FP8 GEMMs the run takes; ``optimizer``, ``moments_dtype``, ``ns_steps``: as
+    :func:`estimate`'s)."""
     check_fp8_peak(device, fp8)  # before the search, which drops the layouts that raise
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
             found.append(estimate(model, seq, layout, global_batch, device, precision,
                                   attention=attention, fp8=fp8, fp8_skip=fp8_skip,
-                                  offload=offload))
+                                  optimizer=optimizer, moments_dtype=moments_dtype,
+                                  ns_steps=ns_steps, offload=offload))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits

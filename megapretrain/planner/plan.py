@@ -90,7 +90,8 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
         found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision,
-                       args.attention, m.fp8, tuple(m.fp8_skip), cfg.optim.offload)
+                       args.attention, m.fp8, tuple(m.fp8_skip), cfg.optim.optimizer,
+                       cfg.optim.moments_dtype, cfg.optim.muon_ns_steps, cfg.optim.offload)
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,
@@ -131,6 +132,8 @@ def summary(plan: dict, e, args) -> dict:
                                                            cfg.train.seq_length) / 2**20,
         "cp_traffic_mib_per_step": context_step_bytes(plan["model"], L, cfg.train.seq_length,
                                                       cfg.train.global_batch_size) / 2**20,
+        "optimizer": cfg.optim.optimizer, "moments_dtype": cfg.optim.moments_dtype,
+        "optimizer_share": t["optimizer"] / t["total"],
         "step_s": t["total"], "mfu": e.mfu, "hfu": e.hfu, "tflops_per_gpu": e.tflops_per_gpu,
         "hw_tflops_per_gpu": e.hw_tflops_per_gpu, "tokens_per_s_per_gpu": e.tokens_per_gpu_s,
         "tokens_per_s": e.tokens_per_gpu_s * args.gpus,

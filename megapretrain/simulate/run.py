@@ -44,6 +44,7 @@ from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState
 from ..planner.memory import stage_memory
 from ..planner.model import layer_params
+from ..planner.optimizer import muon_layer_params
 from ..planner.traffic import stage_traffic
 from ..resolve import Resolved, resolve
 from ..trainer import Trainer
@@ -94,7 +95,8 @@ class RankResult:
         return dataclasses.asdict(self)
 
 
-def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> dict:
+def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda",
+            shard_rank: int = 0) -> dict:
     """The planner's figures for a rank of stage ``pp_rank`` in the simulation's terms: its memory
     (``planner/memory.py``) and traffic (``planner/traffic.py``) — {"planned_peak_bytes",
     "planned_breakdown", "planned_comm_bytes", "planned_comm_calls",
@@ -111,11 +113,15 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda") -> d
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
                        kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention,
-                       fused_adamw=fused_adamw, offload=cfg.optim.offload)
+                       fused_adamw=fused_adamw, optimizer=cfg.optim.optimizer,
+                       moments_dtype=cfg.optim.moments_dtype,
+                       muon_layer=muon_layer_params(run.model)
+                       if cfg.optim.optimizer == "muon" else 0, offload=cfg.optim.offload)
     host = est.pop("host_optimizer", 0.0)  # optim.offload: the optimizer state in host memory
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
-                            bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered)
+                            bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
+                            optimizer=cfg.optim.optimizer, shard_rank=shard_rank)
     nbytes, calls = traffic.as_dicts()
     return {"planned_peak_bytes": int(est.pop("total")),
             "planned_breakdown": {k: int(v) for k, v in est.items()}, "planned_comm_bytes": nbytes,

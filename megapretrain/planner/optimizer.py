@@ -1,0 +1,120 @@
+"""The optimizer's share of a step and of a rank's memory: AdamW, Muon (``optim/muon.py``) and
+bf16 moments (``optim.moments_dtype``).
+
+State per parameter of a rank's shard (over the ZeRO shard ranks from zero 1): the fp32 master
+(bf16/fp16 weights only), then AdamW's two moments (4 bytes each, 2 under ``moments_dtype
+bf16``) or, for a Muon matrix (a 2-D weight inside a decoder layer), one fp32 momentum.
+
+Muon's step adds, per decoder matrix: ``ns_steps`` Newton–Schulz iterations on each logical matrix
+(:func:`ns_flops`), computed on one rank of the ZeRO shard group (its owner: largest first to the
+least loaded rank, as ``optim/muon.assign_owners``; zero 0 or one shard rank: every rank runs
+every matrix), by every tp rank of the owner on the whole matrix; and its traffic: the fp32 update
+all-gathered and reduce-scattered over the shard group (zero ≥ 1), and each owned matrix's tp
+shards all-gathered (fp32) over tp.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..model.build import one_layer_specs
+from ..optim.muon import assign_owners, is_muon_matrix
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> float:
+    """Matmul FLOPs of ``steps`` Newton–Schulz iterations on a (rows × cols) matrix, as
+    ``optim/muon.newton_schulz`` (torch.optim.Muon) runs them on the wide orientation X (m × n,
+    m = min(rows, cols), n = max): per iteration
+
+        A = X Xᵀ                      2·m·m·n
+        B = b·A + c·A·A (addmm)       2·m·m·m
+        X = a·X + B·X   (addmm)       2·m·m·n
+
+    so ``steps · (4·m²·n + 2·m³)`` (the scalings, the norm and the additions are elementwise:
+    left out)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def layer_matrices(model) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of one decoder layer's Muon parameters, fused ones as one."""
+    return [(s.name, s.shape) for s in one_layer_specs(model).values()
+            if s.layer == 0 and is_muon_matrix(s)]
+
+
+def _logical_shapes(model) -> dict[str, list[tuple[int, int]]]:
+    """Each Muon parameter of a layer: the (rows, cols) of its logical matrices (a fused QKV's q,
+    k and v parts, as ``optim/muon.logical_parts``)."""
+    out = {}
+    for s in one_layer_specs(model).values():
+        if s.layer != 0 or not is_muon_matrix(s):
+            continue
+        rows, cols = s.shape
+        if s.row_parts is None:
+            out[s.name] = [(rows, cols)]
+        else:
+            groups = rows // sum(s.row_parts)
+            out[s.name] = [(groups * p, cols) for p in s.row_parts]
+    return out
+
+
+def muon_layer_params(model) -> int:
+    """Parameters of one decoder layer that Muon updates (whole, before tp)."""
+    return sum(math.prod(shape) for _, shape in layer_matrices(model))
+
+
+def state_bytes(params: float, muon_params: float, precision: str = "bf16",
+                optimizer: str = "adamw", moments_dtype: str = "fp32",
+                fused_adamw: bool = False) -> float:
+    """Optimizer-state bytes of ``params`` parameters of which ``muon_params`` are Muon's (under
+    ``optimizer muon``; ignored under adamw): fp32 masters for 2-byte weights, AdamW's two moments
+    of ``moments_dtype`` on the rest, one fp32 momentum on Muon's; ``fused_adamw``: the Triton
+    AdamW's bit of weight decay per AdamW parameter."""
+    muon = muon_params if optimizer == "muon" else 0.0
+    master = 4.0 if precision in ("bf16", "fp16") else 0.0
+    moment = 2.0 if moments_dtype == "bf16" else 4.0
+    adam = params - muon
+    return params * master + adam * (2 * moment + (1 / 8 if fused_adamw else 0.0)) + muon * 4.0
+
+
+def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: float,
+               gemm_seconds=None) -> float:
+    """Seconds of the Newton–Schulz work on the busiest rank of a stage with ``layers`` decoder
+    layers: its matrices owned over ``shard_ranks`` ranks as ``optim/muon.assign_owners`` does
+    (largest first to the least loaded rank; 1: every matrix on every rank), each matrix's
+    seconds its FLOPs at ``flops_s`` — or ``gemm_seconds(m, n, k)`` per matmul where given."""
+    shapes = _logical_shapes(model)
+
+    def seconds(parts: list[tuple[int, int]]) -> float:
+        total = 0.0
+        for rows, cols in parts:
+            if gemm_seconds is None:
+                total += ns_flops(rows, cols, ns_steps) / flops_s
+            else:
+                m, n = min(rows, cols), max(rows, cols)
+                total += ns_steps * (2 * gemm_seconds(m, m, n) + gemm_seconds(m, m, m))
+        return total
+
+    cost = {f"{i}.{name}": seconds(parts) for i in range(layers)
+            for name, parts in shapes.items()}
+    if shard_ranks <= 1:
+        return sum(cost.values())
+    # owners by the matrix's size, as the optimizer assigns them; the load in seconds
+    sizes = {k: math.prod(dict(layer_matrices(model))[k.split(".", 1)[1]]) for k in cost}
+    owners = assign_owners(sizes, shard_ranks)
+    load = [0.0] * shard_ranks
+    for k, rank in owners.items():
+        load[rank] += cost[k]
+    return max(load)
+
+
+def muon_traffic_bytes(muon_params_rank: float, tp: int, shard_ranks: int,
+                       zero: int) -> dict:
+    """Bytes each Muon collective of one step moves on a rank, before the ring's (n − 1)/n:
+    ``shard``: the fp32 updates of the rank's (tp-local) Muon parameters, all-gathered then
+    reduce-scattered over the shard group (zero ≥ 1); ``tp``: the whole fp32 matrices the rank's
+    tp group gathers — its owned share (all under zero 0)."""
+    sharded = zero >= 1 and shard_ranks > 1
+    owned = muon_params_rank / (shard_ranks if sharded else 1)
+    return {"shard": muon_params_rank * 4.0 if sharded else 0.0,
+            "tp": owned * tp * 4.0 if tp > 1 else 0.0}
