@@ -24,7 +24,7 @@ import torch
 from megapretrain.checkpoint.directories import resolve_checkpoint
 from megapretrain.checkpoint.hf import our_model
 from megapretrain.checkpoint.reshard import GlobalWeights, saved_config_path
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.data.tokenizers import build_tokenizer
 from megapretrain.errors import UserError
@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output", help="new JSONL file of per-item log-likelihoods")
     ap.add_argument("--fewshot", nargs="+", default=[], metavar="FILE",
                     help="one file of example items per task, in the order of --tasks")
-    ap.add_argument("--num-fewshot", type=int, default=0,
+    ap.add_argument("--num-fewshot", type=non_negative_int, default=0,
                     help="examples put before every context (the first items of --fewshot's)")
     ap.add_argument("--micro-batch-size", type=positive_int,
                     help="samples per forward (default: the run's train.micro_batch_size)")
@@ -91,8 +91,8 @@ def write_items(path: str, records: list[dict]) -> None:
 @user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    torch.set_grad_enabled(False)
-    metrics, records = evaluate(args)
+    with torch.no_grad():  # scoring only; the caller's grad mode is left as it was
+        metrics, records = evaluate(args)
     if args.output:
         write_items(args.output, records)
     if args.json:

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import non_negative_int, positive_int, user_errors
 from megapretrain.data.tokenizers import build_tokenizer
 from megapretrain.errors import UserError
 from megapretrain.eval.tasks import corpus_documents, tasks_from_corpus
@@ -35,7 +35,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--choices", type=positive_int, default=4)
     ap.add_argument("--context-chars", type=positive_int, default=96)
     ap.add_argument("--choice-chars", type=positive_int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     return ap.parse_args(argv)
 
 
