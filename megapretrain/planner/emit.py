@@ -14,6 +14,7 @@ import yaml
 from ..config import TrainConfig, to_dict
 from ..errors import ConfigError, UserError
 from ..monitor.progress import human_duration
+from ..parallel.pipeline import SCHEDULES
 
 # the repository root (the directory holding the megapretrain package): launch scripts run its
 # run_scripts/launch.sh
@@ -234,7 +235,8 @@ def dropped(plan: dict, s: dict, fmt: str) -> list[str]:
                    "0 or 1 with pp > 1)")
     if L["pp"] > 1 and L["vpp"] > 1:
         out.append(f"interleaved stages (vpp {L['vpp']}: plain 1F1B instead)")
-    if L["pp_schedule"] in ("zb_h1", "zbv"):
+    schedule = SCHEDULES.get(L["pp_schedule"])
+    if schedule is not None and schedule.split_backward:  # zero bubble: deferred weight grads
         out.append(f"the zero-bubble schedule (parallel.pp_schedule {L['pp_schedule']})")
     if cfg.model.fp8 != "none":
         out.append(f"FP8 GEMMs (model.fp8 {cfg.model.fp8}: {cfg.train.precision} only)")
