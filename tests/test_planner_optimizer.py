@@ -16,7 +16,7 @@ from megapretrain.monitor.flops import DEVICES
 from megapretrain.optim.muon import is_muon_matrix, newton_schulz
 from megapretrain.planner import Layout, estimate, layer_params
 from megapretrain.planner.memory import stage_memory
-from megapretrain.planner.optimizer import muon_layer_params, ns_flops, ns_seconds
+from megapretrain.planner.optimizer import OptimizerSpec, muon_layer_params, ns_flops, ns_seconds
 from megapretrain.simulate.run import planned, resolve_for_simulation, simulate_rank
 
 from helpers import tiny_args
@@ -47,9 +47,8 @@ def test_optimizer_state_adamw_muon_bf16_moments(zero, dp):
     shard = dp if zero >= 1 else 1
     for r in range(2):
         adam = stage_memory(args, 64, layout, r, 4, **kw)
-        muon = stage_memory(args, 64, layout, r, 4, optimizer="muon", muon_layer=muon_layer_params(args),
-                            **kw)
-        bf16 = stage_memory(args, 64, layout, r, 4, moments_dtype="bf16", **kw)
+        muon = stage_memory(args, 64, layout, r, 4, optimizer=OptimizerSpec("muon"), **kw)
+        bf16 = stage_memory(args, 64, layout, r, 4, optimizer=OptimizerSpec(moments_dtype="bf16"), **kw)
         params = adam["parameters"] * (shard if zero == 3 else 1) / 2  # bf16 weights
         assert adam["optimizer"] == pytest.approx(params * 12 / shard)  # master + 2 moments
         # 2 layers a stage, each matrix tp-split: 4 bytes (one moment) less per Muon parameter
@@ -85,7 +84,7 @@ def test_muon_adds_time_and_traffic():
     m, h100 = model_args(cfg), DEVICES["h100"]
     for layout in (Layout(tp=1, pp=1, dp=8, zero=1), Layout(tp=2, pp=2, dp=4, zero=3)):
         adam = estimate(m, 2048, layout, 64, h100)
-        muon = estimate(m, 2048, layout, 64, h100, optimizer="muon")
+        muon = estimate(m, 2048, layout, 64, h100, optimizer=OptimizerSpec("muon"))
         assert adam.time["optimizer_ns"] == adam.time["optimizer_comm"] == 0
         assert muon.time["optimizer_ns"] > 0 and muon.time["optimizer_comm"] > 0
         assert muon.time["optimizer"] > adam.time["optimizer"]
@@ -93,9 +92,10 @@ def test_muon_adds_time_and_traffic():
             muon.time["optimizer"] - adam.time["optimizer"])
         assert muon.memory["state"] < adam.memory["state"]
     # zero 0 without tp: every rank runs every matrix, nothing to gather
-    z0 = estimate(m, 2048, Layout(tp=1, pp=1, dp=8, zero=0), 64, h100, optimizer="muon")
+    z0 = estimate(m, 2048, Layout(tp=1, pp=1, dp=8, zero=0), 64, h100, optimizer=OptimizerSpec("muon"))
     assert z0.time["optimizer_comm"] == 0 and z0.time["optimizer_ns"] > muon.time["optimizer_ns"]
-    bf16 = estimate(m, 2048, Layout(tp=1, pp=1, dp=8, zero=1), 64, h100, moments_dtype="bf16")
+    bf16 = estimate(m, 2048, Layout(tp=1, pp=1, dp=8, zero=1), 64, h100,
+                    optimizer=OptimizerSpec(moments_dtype="bf16"))
     fp32 = estimate(m, 2048, Layout(tp=1, pp=1, dp=8, zero=1), 64, h100)
     assert bf16.time["optimizer"] < fp32.time["optimizer"]
 

@@ -19,10 +19,11 @@ counted again). ``δ`` is the synchronous save's write time — an upper bound: 
 overlaps the next steps, so the real cost is smaller and the best interval shorter.
 
 What a checkpoint holds is ``checkpoint/manager.py``'s (``optimizer_views``): every rank writes its
-fp32 master weights and Adam's two moments — the whole tp/pp shard under zero 0, its ZeRO share
-otherwise — :data:`CHECKPOINT_BYTES_PER_PARAM` bytes a parameter, which ``tools/simulate.py``'s
-``checkpoint_bytes`` measures on the trainer's own state (``tests/test_planner.py`` holds the two
-together).
+fp32 master weights and the optimizer's moments — the whole tp/pp shard under zero 0, its ZeRO
+share otherwise: AdamW's two (fp32, 12 bytes a parameter with the master; ``optim.moments_dtype
+bf16``: 8), Muon's one fp32 momentum on its matrices (8) —
+:func:`~.optimizer.checkpoint_state_bytes`, which ``tools/simulate.py``'s ``checkpoint_bytes``
+measures on the trainer's own state (``tests/test_planner.py`` holds the two together).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import math
 
 from ..model.args import ModelArgs
 from ..parallel.layout import Layout
+from ..parallel.pipeline import layout_schedule
 from .memory import stage_params
 from .model import layer_params
+from .optimizer import ADAMW, OptimizerSpec, checkpoint_state_bytes
 
 # Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4: 419 unexpected interruptions
 # during a 54-day snapshot of pre-training on 16,384 H100 GPUs
@@ -44,16 +47,19 @@ CHECKPOINT_WRITE_GBPS = 2000.0
 # detection (a hang: the watchdog's floor, watchdog.floor_s = 300 s; a crash: seconds) plus
 # relaunch, rendezvous, communicator set-up and the checkpoint's reload: minutes
 RESTART_MINUTES = 10.0
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master weight + Adam's two fp32 moments
-
-
-def checkpoint_bytes(model: ModelArgs, layout: Layout) -> tuple[int, int]:
+def checkpoint_bytes(model: ModelArgs, layout: Layout,
+                     optimizer: OptimizerSpec = ADAMW) -> tuple[int, int]:
     """(the largest rank's file, the whole checkpoint) in bytes, less the files' small headers and
-    RNG state: each rank's share of its stage's parameters at :data:`CHECKPOINT_BYTES_PER_PARAM`,
-    summed over every rank (replicas of a zero-0 or hybrid-sharded layout each write theirs)."""
+    RNG state: each rank's share of its stage's parameters' optimizer state as ``optimizer``
+    keeps it (:func:`~.optimizer.checkpoint_state_bytes`: the master and the moments), summed
+    over every rank (replicas of a zero-0 or hybrid-sharded layout each write theirs)."""
     layer = layer_params(model)
-    per_stage = [stage_params(model, layout, s, layer) * CHECKPOINT_BYTES_PER_PARAM
-                 / layout.shard_ranks for s in range(layout.pp)]
+    place = layout_schedule(layout)
+    muon_layer = optimizer.muon_layer(model) / layout.tp
+    per_stage = [checkpoint_state_bytes(stage_params(model, layout, s, layer),
+                                        sum(layout.chunk_sizes(model.num_layers, s, place.v_shape))
+                                        * muon_layer, optimizer) / layout.shard_ranks
+                 for s in range(layout.pp)]
     ranks_per_stage = layout.tp * layout.cp * layout.dp
     return int(max(per_stage)), int(sum(per_stage) * ranks_per_stage)
 

@@ -29,7 +29,7 @@ from ..model.args import ModelArgs
 from ..model.families import layer_spec
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Placement, Schedule, layout_schedule, resolve_schedule
-from .optimizer import state_bytes
+from .optimizer import ADAMW, OptimizerSpec, state_bytes
 from .pipeline import deferred_bytes_per_token
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "pipeline_in_flight",
@@ -170,15 +170,13 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
                  schedule: str | Schedule = "auto",
                  kernels: str = "triton", bucket_mb: float = 32.0, attention: str = "flash",
                  fused_adamw: bool = True, chunk_bytes: int = HEAD_CHUNK_BYTES,
-                 optimizer: str = "adamw", moments_dtype: str = "fp32",
-                 muon_layer: int = 0, offload: bool = False) -> dict:
+                 optimizer: OptimizerSpec = ADAMW) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
     ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
     ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
-    ``chunk_bytes``: the output layer's chunk of logits; ``optimizer``, ``moments_dtype``: the
-    state kept (``planner/optimizer.state_bytes``), ``muon_layer`` a layer's Muon parameters;
-    ``offload`` (``optim.offload``): the optimizer state lives in host memory, counted as
-    ``host_optimizer`` and not in the total.
+    ``chunk_bytes``: the output layer's chunk of logits; ``optimizer``: the state kept
+    (``planner/optimizer.state_bytes``) and, under ``offload`` (``optim.offload``), kept in host
+    memory: counted as ``host_optimizer`` and not in the total.
 
     The peak is taken at the backward that starts with the most activations held (the schedule's
     own order decides which): everything kept for the backward of its micro-batch chunk and of the
@@ -198,10 +196,10 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     out = dict.fromkeys(PARTS, 0.0)
     out["parameters"] = params * w / (n_shard if L.zero == 3 else 1)
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
-    muon = sum(chunks) * muon_layer / L.tp
-    out["optimizer"] = state_bytes(params, muon, precision, optimizer, moments_dtype,
-                                   fused_adamw and optimizer == "adamw"
-                                   and moments_dtype == "fp32") / (n_shard if L.zero >= 1 else 1)
+    muon = sum(chunks) * optimizer.muon_layer(model) / L.tp
+    fused = fused_adamw and not optimizer.muon and optimizer.moments_dtype == "fp32"
+    out["optimizer"] = state_bytes(params, muon, precision, optimizer.name,
+                                   optimizer.moments_dtype, fused) / (n_shard if L.zero >= 1 else 1)
     steady = kind.memory_micro(L.pp, micro_batches)
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)
     # what a chunk whose B ran keeps for its W, per layer (the output layer's input, h a token, left
@@ -228,7 +226,7 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     redone, out["temporary"] = _backward_working(model, L, seq, tokens, head, precision, kernels,
                                                  attention, chunk_bytes)
     out["activations"] += redone
-    if offload:  # masters and moments in host memory: no device bytes
+    if optimizer.offload:  # masters and moments in host memory: no device bytes
         out["host_optimizer"], out["optimizer"] = out["optimizer"], 0.0
     out["total"] = sum(out[k] for k in PARTS)
     return out

@@ -67,7 +67,7 @@ from ..parallel.pipeline import Schedule, resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
-from .optimizer import muon_layer_params, muon_traffic_bytes, ns_seconds
+from .optimizer import ADAMW, OptimizerSpec, muon_traffic_bytes, ns_seconds
 from .pipeline import (
     deferred_bytes_per_token,
     head_stage,
@@ -277,16 +277,14 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
 
 
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str,
-            micro_batches: int, schedule: Schedule, attention: str, optimizer: str = "adamw",
-            moments_dtype: str = "fp32", muon_layer: int = 0,
-            offload: bool = False) -> tuple[dict, float]:
+            micro_batches: int, schedule: Schedule, attention: str,
+            optimizer: OptimizerSpec = ADAMW) -> tuple[dict, float]:
     """Bytes per GPU of the busiest stage by part (``planner/memory.py``, the parts a simulation
     measures, as ``params``, ``state`` and ``activations``) with the device's allowance, and that
     stage's parameters."""
     layer = layer_params(model)
     stages = [stage_memory(model, seq, layout, r, micro_batches, layer=layer, precision=precision,
-                           schedule=schedule, attention=attention, optimizer=optimizer,
-                           moments_dtype=moments_dtype, muon_layer=muon_layer, offload=offload)
+                           schedule=schedule, attention=attention, optimizer=optimizer)
               for r in range(layout.pp)]
     busiest = max(range(layout.pp), key=lambda r: stages[r]["total"])
     parts = stages[busiest]
@@ -332,13 +330,13 @@ def _overlapped(comm: float, gemm: float, tp: int) -> float:
 
 def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, device: Device,
              precision: str = "bf16", schedule: str = "auto", attention: str = "flash",
-             fp8: str = "none", fp8_skip: tuple[str, ...] = (), optimizer: str = "adamw",
-             moments_dtype: str = "fp32", ns_steps: int = 5, offload: bool = False) -> Estimate:
+             fp8: str = "none", fp8_skip: tuple[str, ...] = (),
+             optimizer: OptimizerSpec = ADAMW) -> Estimate:
     """Memory and step time of ``model`` at sequence length ``seq`` under ``layout``; raises
     a UserError if it cannot run. ``fp8``, ``fp8_skip``: ``model.fp8``'s recipe and the linears
-    it leaves out (planner/fp8.py); ``optimizer``, ``moments_dtype``, ``ns_steps``: ``optim.*``'s
-    (planner/optimizer.py: the state, Muon's iterations and traffic); ``offload``:
-    ``optim.offload`` (host optimizer state)."""
+    it leaves out (planner/fp8.py); ``optimizer``: ``optim``'s optimizer, moments' dtype,
+    Newton–Schulz steps and offload (planner/optimizer.py: the state, where it lives, Muon's
+    iterations and traffic)."""
     L, tp, pp, dp, vpp, mb, cp = \
         layout, layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch, layout.cp
     _check(seq, layout, global_batch, attention)
@@ -404,25 +402,25 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     busy = m * (f + b)
     bubble = busy * (stretch - 1.0)
 
-    muon_layer = muon_layer_params(model) if optimizer == "muon" else 0
-    mem, params = _memory(model, seq, L, device, precision, m, kind, attention, optimizer,
-                          moments_dtype, muon_layer, offload)
+    muon_layer = optimizer.muon_layer(model)
+    mem, params = _memory(model, seq, L, device, precision, m, kind, attention, optimizer)
     if delta is not None:
         split, replicated, _ = layer_params(model)
         mem = fp8_memory(delta, mem, tokens=mb * seq // cp, in_flight=in_flight,
                          per_chunk=per_chunk, zero=L.zero,
                          gathered_bytes=min(3, max(layers_on)) * (split / tp + replicated) * 2)
     data, step_s = _data_parallel_s(device, L, params, m, f, b, n,
-                                    params - n * muon_layer / tp if moments_dtype == "bf16" else 0)
-    muon_ns, muon_comm = _muon_s(model, device, L, n, n * muon_layer / tp, ns_steps) \
+                                    params - n * muon_layer / tp
+                                    if optimizer.moments_dtype == "bf16" else 0)
+    muon_ns, muon_comm = _muon_s(model, device, L, n, n * muon_layer / tp, optimizer.ns_steps) \
         if muon_layer else (0.0, 0.0)
-    optimizer = step_s + muon_ns + muon_comm
+    step = step_s + muon_ns + muon_comm
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
-    total = busy + bubble + p2p + data + optimizer
+    total = busy + bubble + p2p + data + step
     time = {"compute": m * compute * slow, "memory": m * memory_bound * slow,
             "tensor": m * tensor * slow, "context": m * context * slow, "bubble": bubble,
-            "p2p": p2p, "data": data, "optimizer": optimizer,
+            "p2p": p2p, "data": data, "optimizer": step,
             # (part of optimizer: Muon's Newton–Schulz iterations and its collectives)
             "optimizer_ns": muon_ns, "optimizer_comm": muon_comm,
             # (part of compute, memory, tensor, context)
@@ -445,10 +443,9 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
     t = cfg.train
     if dense_document_mask(cfg):
         attention = "unfused"
-    o = cfg.optim
     return estimate(model_args(cfg), t.seq_length, layout, t.global_batch_size, device, t.precision,
                     cfg.parallel.pp_schedule, attention, cfg.model.fp8, tuple(cfg.model.fp8_skip),
-                    o.optimizer, o.moments_dtype, o.muon_ns_steps, o.offload)
+                    OptimizerSpec.of(cfg.optim))
 
 
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
@@ -579,19 +576,16 @@ def _stage_layouts(model: ModelArgs, global_batch: int, tp: int, cp: int, pp: in
 
 def search(model: ModelArgs, seq: int, world: int, global_batch: int, device: Device,
            precision: str = "bf16", attention: str = "flash", fp8: str = "none",
-           fp8_skip: tuple[str, ...] = (), optimizer: str = "adamw", moments_dtype: str = "fp32",
-           ns_steps: int = 5, offload: bool = False) -> list[Estimate]:
+           fp8_skip: tuple[str, ...] = (), optimizer: OptimizerSpec = ADAMW) -> list[Estimate]:
     """Every layout's estimate, those that fit first, fastest first (under ``fp8``: those whose
-    FP8 GEMMs the run takes; ``optimizer``, ``moments_dtype``, ``ns_steps``: as
-    :func:`estimate`'s)."""
+    FP8 GEMMs the run takes; ``optimizer``: as :func:`estimate`'s)."""
     check_fp8_peak(device, fp8)  # before the search, which drops the layouts that raise
     found = []
     for layout in layouts(model, world, global_batch, device, seq):
         try:
             found.append(estimate(model, seq, layout, global_batch, device, precision,
                                   attention=attention, fp8=fp8, fp8_skip=fp8_skip,
-                                  optimizer=optimizer, moments_dtype=moments_dtype,
-                                  ns_steps=ns_steps, offload=offload))
+                                  optimizer=optimizer))
         except UserError:
             continue
     return sorted(found, key=lambda e: (not e.fits, e.time["total"] if e.fits

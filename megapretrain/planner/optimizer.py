@@ -15,10 +15,39 @@ shards all-gathered (fp32) over tp.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 from ..model.build import one_layer_specs
 from ..optim.muon import assign_owners, is_muon_matrix
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the planner reads of ``optim``: the optimizer (``adamw`` | ``muon``), AdamW's moments'
+    dtype (``fp32`` | ``bf16``), Muon's Newton–Schulz iterations, and whether the optimizer
+    state lives in host memory (``optim.offload``)."""
+    name: str = "adamw"
+    moments_dtype: str = "fp32"
+    ns_steps: int = 5
+    offload: bool = False
+
+    @classmethod
+    def of(cls, optim) -> OptimizerSpec:
+        """A config's ``optim`` section (:class:`~megapretrain.config.OptimConfig`)."""
+        return cls(optim.optimizer, optim.moments_dtype, optim.muon_ns_steps, optim.offload)
+
+    @property
+    def muon(self) -> bool:
+        return self.name == "muon"
+
+    def muon_layer(self, model) -> int:
+        """Parameters of one decoder layer Muon updates (whole, before tp): 0 under AdamW."""
+        return muon_layer_params(model) if self.muon else 0
+
+
+ADAMW = OptimizerSpec()  # the default: AdamW, fp32 moments, the state on the device
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
@@ -58,6 +87,7 @@ def _logical_shapes(model) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+@functools.cache
 def muon_layer_params(model) -> int:
     """Parameters of one decoder layer that Muon updates (whole, before tp)."""
     return sum(math.prod(shape) for _, shape in layer_matrices(model))
@@ -75,6 +105,15 @@ def state_bytes(params: float, muon_params: float, precision: str = "bf16",
     moment = 2.0 if moments_dtype == "bf16" else 4.0
     adam = params - muon
     return params * master + adam * (2 * moment + (1 / 8 if fused_adamw else 0.0)) + muon * 4.0
+
+
+def checkpoint_state_bytes(params: float, muon_params: float, spec: OptimizerSpec) -> float:
+    """Bytes a checkpoint writes of the optimizer state of ``params`` parameters, ``muon_params``
+    of them Muon's (``checkpoint/manager.py``'s ``optimizer_views``): every parameter's fp32
+    master (fp32 weights: the weight itself, 4 bytes too), then AdamW's two moments in their dtype
+    or Muon's one fp32 momentum — :func:`state_bytes` of 2-byte weights, without the fused
+    AdamW's decay mask (not saved)."""
+    return state_bytes(params, muon_params, "bf16", spec.name, spec.moments_dtype)
 
 
 def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: float,

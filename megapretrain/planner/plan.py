@@ -26,6 +26,7 @@ from ..resolve import resolve
 from .comm import context_step_bytes
 from .goodput import checkpoint_bytes, plan_goodput
 from .model import GIB, context_gather_bytes, estimate_run, search
+from .optimizer import OptimizerSpec
 
 
 class PlanArgumentError(UserError):
@@ -90,8 +91,7 @@ def make_plan(args: argparse.Namespace, overrides: list[str]) -> dict:
         found = [estimate_run(cfg, resolve(cfg, args.gpus).layout, device, args.attention)]
     else:
         found = search(model, t.seq_length, args.gpus, t.global_batch_size, device, t.precision,
-                       args.attention, m.fp8, tuple(m.fp8_skip), cfg.optim.optimizer,
-                       cfg.optim.moments_dtype, cfg.optim.muon_ns_steps, cfg.optim.offload)
+                       args.attention, m.fp8, tuple(m.fp8_skip), OptimizerSpec.of(cfg.optim))
     budget = args.train_tokens or budget
     steps, samples = run_samples(t, budget)
     return {"cfg": cfg, "device": device, "model": model, "found": found, "steps": steps,
@@ -105,7 +105,7 @@ def summary(plan: dict, e, args) -> dict:
     L, mem, t, cfg = e.layout, e.memory, e.time, plan["cfg"]
     # a ramp-up's smaller steps take proportionally less
     days = plan["full_steps"] * t["total"] / 86400
-    rank_bytes, total_bytes = checkpoint_bytes(plan["model"], L)
+    rank_bytes, total_bytes = checkpoint_bytes(plan["model"], L, OptimizerSpec.of(cfg.optim))
     goodput = {**plan_goodput(args.gpus, t["total"], total_bytes,
                               failures_per_gpu_hour=args.failures_per_gpu_hour,
                               write_gbps=args.checkpoint_write_gbps,
