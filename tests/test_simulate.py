@@ -271,3 +271,21 @@ def test_the_planned_memory_leaves_offloaded_optimizer_state_off_the_device():
     assert offloaded["planned_peak_bytes"] == pytest.approx(on_device["planned_peak_bytes"] - dropped, abs=2)
     params = num_parameters(run.model)
     assert params * 12 / 64 <= state <= params * 12 / 64 * 1.001  # fp32 master + two moments a shard
+
+
+def test_the_measured_memory_keeps_offloaded_optimizer_state_in_host_memory():
+    """optim.offload on a simulated rank: masters and moments are host memory, measured apart as
+    host_optimizer_bytes (the planner's host figure, to the shards' padding) and in no part of the
+    device's breakdown; the device's peak drops, as the planned one does."""
+    flags = TINY + ["--parallel.zero", "1", "--train.micro_batch_size", "1", "--train.global_batch_size", "8"]
+    cfg = load_config("configs/tiny.yaml", flags)
+    on_device = simulate_rank(cfg, 2, 0, steps=1)
+    cfg = load_config("configs/tiny.yaml", flags + ["--optim.offload", "true"])
+    offloaded = simulate_rank(cfg, 2, 0, steps=1)
+    plan = planned(cfg, resolve(cfg, 2), 0)
+    assert on_device.host_optimizer_bytes == 0 and on_device.breakdown["optimizer"] > 0
+    assert offloaded.breakdown["optimizer"] == 0 and sum(offloaded.breakdown.values()) == offloaded.peak_bytes
+    host = plan["planned_host_optimizer_bytes"]
+    assert host <= offloaded.host_optimizer_bytes <= host * 1.002
+    assert offloaded.peak_bytes < on_device.peak_bytes
+    assert offloaded.to_json()["host_optimizer_bytes"] == offloaded.host_optimizer_bytes

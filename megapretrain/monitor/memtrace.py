@@ -70,6 +70,8 @@ class MemoryTrace(TorchDispatchMode):
         self.peak_phase: Any = None
         self._tags: list[str] = []
         self._current: dict[int, Segment | None] = {}  # storage address -> its live allocation
+        self._host: set[int] = set()  # storages that are host memory (to_host)
+        self._in_host = 0  # inside host(): new storages are host memory
         self._resize = None
 
     # -- what the caller says about the program ----------------------------------------------------
@@ -89,6 +91,26 @@ class MemoryTrace(TorchDispatchMode):
         segment = self._current.get(tensor.untyped_storage()._cdata)
         if segment is not None:
             segment.tag = tag
+
+    @contextlib.contextmanager
+    def host(self):
+        """What is allocated inside is host memory (see :meth:`to_host`): an offloaded optimizer's
+        step computes there."""
+        self._in_host += 1
+        try:
+            yield
+        finally:
+            self._in_host -= 1
+
+    def to_host(self, tensor: torch.Tensor) -> int:
+        """The allocation behind ``tensor`` is host memory, although on the traced device type (a
+        simulation's CPU tensors stand for a GPU's and the host's alike): it no longer counts, nor
+        does any later size of its storage. Returns its bytes."""
+        key = tensor.untyped_storage()._cdata
+        nbytes = tensor.untyped_storage().nbytes()
+        self._close(key)
+        self._host.add(key)
+        return nbytes
 
     def reset_peak(self) -> None:
         self.peak, self.peak_clock, self.peak_phase = self.live_bytes, self.clock, self.phase
@@ -120,10 +142,17 @@ class MemoryTrace(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         self._close(key)
         self._current.pop(key, None)
+        self._host.discard(key)
 
     def _see(self, storage: torch.UntypedStorage) -> None:
         """A storage an op returned: a new allocation, or a known one whose size changed."""
         key, nbytes = storage._cdata, storage.nbytes()
+        if key in self._host:
+            return
+        if self._in_host and key not in self._current:
+            self._host.add(key)
+            weakref.finalize(storage, self._host.discard, key)
+            return
         if key not in self._current:
             self._current[key] = None
             weakref.finalize(storage, self._freed, key)

@@ -14,7 +14,8 @@ At the peak every live allocation falls in one category (:func:`breakdown`):
 
 - ``parameters``, ``gradients``, ``optimizer``: the optimizer's buffers (the model's weights in
   its dtype; fp32 gradient buffers or shards, and a ZeRO-2 bucket's transient full gradients; fp32
-  masters and Adam moments);
+  masters and Adam moments — under ``optim.offload`` host memory, counted apart as
+  ``Measurement.host_optimizer`` with what the host's step allocates, as the planner counts them);
 - ``zero3_gathered``: ZeRO-3 layers gathered in full; ``comm_buffers``: what a collective
   allocated (gathered pieces, reduce-scatter inputs) and has not freed yet;
 - ``pipeline_in_flight``: activations received from the neighbouring stage, and what the forward
@@ -161,6 +162,8 @@ class Measurement:
         self.step = 0
         self.region: Region | None = None
         self._ops: list = []  # this step's remaining ops of this stage's order
+        # optim.offload: the optimizer state's bytes, host memory (not in the peak)
+        self.host_optimizer = 0
         self._label_buffers()
         self._wrap_communication()
         self._hook_model()
@@ -176,11 +179,25 @@ class Measurement:
         for s in opt.shards:
             for t in (s.exp_avg, s.exp_avg_sq, s.grad_staging, s.decay_mask,
                       None if s.master is s.param_shard else s.master, *s.momentum.values()):
-                if t is not None:
+                if t is None:
+                    continue
+                if opt.offload:  # optim.offload: host memory, and the step runs there
+                    self.host_optimizer += trace.to_host(t)
+                else:
                     trace.label(t, "optimizer")
+        if opt.offload:
+            opt._adamw = self._on_host(opt._adamw)
         buffers = opt.buffers
         buffers.gather = self._tagging(buffers.gather, "zero3")
         buffers.main_grad_for = self._tagging(buffers.main_grad_for, "gradients")
+
+    def _on_host(self, method):
+        trace = self.trace
+
+        def on_host(*args, **kwargs):
+            with trace.host():
+                return method(*args, **kwargs)
+        return on_host
 
     def _tagging(self, method, tag: str):
         trace = self.trace

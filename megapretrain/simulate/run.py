@@ -44,7 +44,7 @@ from ..model.decoder import flops_per_token
 from ..parallel.state import ParallelState
 from ..planner.memory import stage_memory
 from ..planner.model import layer_params
-from ..planner.optimizer import muon_layer_params
+from ..planner.optimizer import OptimizerSpec
 from ..planner.traffic import stage_traffic
 from ..resolve import Resolved, resolve
 from ..trainer import Trainer
@@ -90,6 +90,8 @@ class RankResult:
     seconds: float
     # the largest alive at the peak
     peak_allocations: list = dataclasses.field(default_factory=list)
+    # optim.offload: the optimizer state, in host memory (not in peak_bytes)
+    host_optimizer_bytes: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,10 +115,7 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda",
     est = stage_memory(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                        layer=layer_params(run.model), precision=t.precision, schedule=p.pp_schedule,
                        kernels=kernels, bucket_mb=p.bucket_size_mb, attention=attention,
-                       fused_adamw=fused_adamw, optimizer=cfg.optim.optimizer,
-                       moments_dtype=cfg.optim.moments_dtype,
-                       muon_layer=muon_layer_params(run.model)
-                       if cfg.optim.optimizer == "muon" else 0, offload=cfg.optim.offload)
+                       fused_adamw=fused_adamw, optimizer=OptimizerSpec.of(cfg.optim))
     host = est.pop("host_optimizer", 0.0)  # optim.offload: the optimizer state in host memory
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
@@ -213,7 +212,8 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
     with trace:
         trainer = Trainer(cfg, run.sizes, ps, datasets={"train": samples},
                           eod=run.model.vocab_size - 1)
-        records = Measurement(trainer, trace).run(steps)
+        measurement = Measurement(trainer, trace)
+        records = measurement.run(steps)
         checkpoint_bytes = rank_state_size(trainer.run.checkpoint_state())
         parts = breakdown(trace, trace.peak_clock, trace.peak_phase, records)
         top = largest(trace, trace.peak_clock, trace.peak_phase, records)
@@ -230,7 +230,8 @@ def measure_rank(cfg: Config, run: Resolved, ps: ParallelState, steps: int) -> R
                       model_flops=flops_per_token(run.model,
                                                   cfg.train.seq_length) * tokens / ps.world_size,
                       checkpoint_bytes=checkpoint_bytes, host_reads=sorted(set(last.host_reads)),
-                      steps=steps, seconds=0.0, peak_allocations=top)
+                      steps=steps, seconds=0.0, peak_allocations=top,
+                      host_optimizer_bytes=measurement.host_optimizer)
 
 
 def check_layout(cfg: Config, world_size: int, steps: int = 1, device: str = "cuda") -> dict:
