@@ -84,8 +84,9 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
         out.append(f"--train.micro_batch_size {half} {planned(micro_batch=half)}")
     if p.zero < 3 and dp > 1:
         out.append(f"--parallel.zero {p.zero + 1} {planned(zero=p.zero + 1)}")
-    if not cfg.optim.offload:
-        out.append("--optim.offload true (masters and moments in host memory)")
+    if not cfg.optim.offload and cfg.optim.optimizer != "muon" \
+            and cfg.optim.impl in ("auto", "torch"):  # (what optim.offload runs with)
+        out.append(f"--optim.offload true {offloaded(cfg, layout, dev)}")
     if args.num_heads % (2 * p.tp) == 0 and args.num_kv_heads % (2 * p.tp) == 0 and dp % 2 == 0:
         out.append(f"--parallel.tp {2 * p.tp} {planned(tp=2 * p.tp, dp=dp // 2)}")
     if args.num_layers % (2 * p.pp * p.vpp) == 0 and dp % 2 == 0:
@@ -93,6 +94,20 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
     if t.seq_length % (4 * p.cp * p.tp) == 0 and dp % 2 == 0:  # long sequences: split them further
         out.append(f"--parallel.cp {2 * p.cp} {planned(cp=2 * p.cp, dp=dp // 2)}")
     return out
+
+
+def offloaded(cfg, layout: Layout, dev) -> str:
+    """The planner's per-GPU memory of ``layout`` with ``optim.offload``, and what it saves: the
+    optimizer state (fp32 masters and moments), held in host memory instead."""
+    moved = copy.deepcopy(cfg)
+    moved.optim.offload = True
+    try:
+        e = estimate_run(moved, layout, dev)
+    except UserError:
+        return "(masters and moments in host memory)"
+    host = e.memory["host_optimizer"]
+    return (f"(planner: {e.memory['total'] / GIB:.1f} GB per GPU on {dev.name}, "
+            f"{host / GIB:.1f} GB less: masters and moments in host memory)")
 
 
 def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: int,

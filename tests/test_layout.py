@@ -146,3 +146,20 @@ def test_the_grid_is_the_one_the_checkpoint_readers_use():
         grid = np.arange(tp * pp * dp * cp).reshape(pp, dp, cp, tp)
         for rank, (p, d, c, t) in enumerate(layout.all_coords()):
             assert grid[p, d, c, t] == rank
+
+
+def test_the_oom_advice_says_what_optimizer_offload_saves():
+    """The offload remedy quotes the planner's memory with optim.offload and the device memory it
+    saves: the optimizer state the planner counts on the GPU without it."""
+    path = os.path.join(ROOT, "configs", "llama3_8b.yaml")
+    cfg, gpus = _config(path), _gpus(path)
+    layout = resolve(cfg, gpus).layout
+    line, = [r for r in remedies(cfg, layout, torch.device("cpu")) if r.startswith("--optim.offload")]
+    before = estimate_run(cfg, layout, DEVICES["h100"]).memory
+    after = estimate_run(_config(path, "--optim.offload", "true"), layout, DEVICES["h100"]).memory
+    saved = before["total"] - after["total"]
+    assert saved == pytest.approx(before["parts"]["optimizer"]) and saved > GIB / 10
+    assert f"(planner: {after['total'] / GIB:.1f} GB per GPU on H100 SXM 80GB, {saved / GIB:.1f} GB less" in line
+    # Muon's state does not go to the host (optim.offload refuses it): no such remedy
+    muon = _config(path, "--optim.optimizer", "muon")
+    assert not any(r.startswith("--optim.offload") for r in remedies(muon, layout, torch.device("cpu")))
