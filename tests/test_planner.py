@@ -23,6 +23,8 @@ from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
 from megapretrain.planner import GIB, Layout, estimate, layer_params, search, split_layers, state_bytes_per_param
 from megapretrain.planner import goodput as gp
+from megapretrain.planner.memory import saved_bytes_per_token, stage_memory
+from megapretrain.planner.optimizer import OptimizerSpec
 from megapretrain.planner.published import PUBLISHED, published_estimates
 from megapretrain.resolve import resolve
 from megapretrain.simulate.run import resolve_for_simulation, simulate_rank
@@ -250,6 +252,36 @@ def test_the_estimate_of_a_published_run_is_within_20_percent(name):
         assert e.mfu == pytest.approx(DUBEY_2024[name][1], rel=0.2)
     if name in NARAYANAN_2021:  # % of peak, counting the recomputation: HFU
         assert e.hfu == pytest.approx(NARAYANAN_2021[name] / 312, rel=0.2) and e.mfu < e.hfu
+
+
+def test_published_layouts_fit_where_the_runs_ran_without_recomputation():
+    """A published run the paper ran at its layout fits the planner's memory at that layout: Llama 3
+    405B on 16,384 GPUs without activation checkpointing (Dubey et al. 2024, §3.3.2) holds all 16
+    micro-batches of a step on a stage (126 layers' worth of one sample), which fits beside whole
+    bf16 weights only with the gradients sharded as FSDP shards them (zero 2), not with whole fp32
+    gradient buffers (zero 1); the rows marked otherwise are throughput comparisons only."""
+    rows = {row.name: row for row in PUBLISHED}
+    assert rows["Llama 3 405B 16k"].fits and rows["Llama 3 405B 16k"].layout.recompute == "none"
+    for row in PUBLISHED:
+        e = estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16", "auto",
+                     row.attention)
+        assert e.fits == row.fits, (row.name, e.memory["total"] / GIB)
+    meta = rows["Llama 3 405B 16k"]
+    whole_grads = estimate(meta.model, meta.seq, meta.layout.replace(zero=1), meta.global_batch, DEVICES["h100"])
+    assert not whole_grads.fits
+
+
+@pytest.mark.parametrize("micro,held", [(8, 16 * (1 + 3 / 8)), (4, 16), (16, 16 * (1 + 3 / 8))])
+def test_the_interleaved_first_stage_holds_what_korthikanti_and_megatron_say(micro, held):
+    """Interleaved 1F1B's first stage at its peak keeps (pp − 1)·2 + (vpp − 1)·pp + 1 chunks of
+    micro-batches (Megatron's warmup, the order parallel/pipeline.py runs), L·(1 + (p − 1)/(p·v))
+    layers' worth (Korthikanti et al. 2022, §4.2.3); a step of no more micro-batches than that
+    holds them all: pp micro-batches, L layers' worth."""
+    args = tiny_args(num_layers=16, hidden_size=64, ffn_hidden_size=128, num_heads=4, num_kv_heads=2)
+    layout = Layout(tp=1, pp=4, dp=1, vpp=2, zero=0)
+    parts = stage_memory(args, 64, layout, 0, micro, layer=layer_params(args))
+    per_layer = 64 * saved_bytes_per_token(args, layout, 64, "bf16", "triton")
+    assert (parts["activations"] + parts["pipeline_in_flight"]) / per_layer == pytest.approx(held)
 
 
 def test_gelu_layers_are_gpt3_s_and_recomputation_counts_in_hfu_only():
@@ -636,6 +668,11 @@ TINY = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_
     (["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1",
       "--train.precision", "bf16"], 8),
     (["--parallel.pp", "2", "--parallel.zero", "0"], 4),
+    # the optimizer's own state: Muon's one momentum on its matrices, bf16 moments
+    (["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1", "--train.precision", "bf16",
+      "--optim.optimizer", "muon"], 8),
+    (["--parallel.pp", "2", "--parallel.zero", "1", "--train.precision", "bf16", "--optim.moments_dtype",
+      "bf16"], 4),
 ])
 def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
     """Each stage's rank file as tools/simulate.py sizes it from the trainer's own state, to its
@@ -645,7 +682,7 @@ def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
     grid = run.layout.grid()  # [pp, dp, cp, tp]
     simulated = [simulate_rank(cfg, world, int(grid[s, 0, 0, 0]), steps=1).checkpoint_bytes
                  for s in range(run.layout.pp)]
-    rank_bytes, total = gp.checkpoint_bytes(run.model, run.layout)
+    rank_bytes, total = gp.checkpoint_bytes(run.model, run.layout, OptimizerSpec.of(cfg.optim))
     assert 0 <= max(simulated) - rank_bytes < 64 << 10, (simulated, rank_bytes)
     per_stage = world // run.layout.pp
     assert 0 <= sum(simulated) * per_stage - total < per_stage * run.layout.pp * (64 << 10)

@@ -10,7 +10,7 @@ import dataclasses
 
 from ..model.args import ModelArgs
 from ..monitor.flops import DEVICES
-from .model import Layout, estimate, split_layers
+from .model import GIB, Estimate, Layout, estimate, split_layers
 
 # Published runs the planner is checked against (tests/test_planner.py holds each within ±20%)
 
@@ -42,6 +42,9 @@ class Published:
     attention: str
     metric: str        # "hw_tflops_per_gpu" (recompute counted) or "tflops_per_gpu" (model FLOPs)
     value: float       # TFLOP/s per GPU
+    # whether the planner's memory model fits the layout in the device (the rows that do not: a
+    # layout whose memory the paper does not account for, their throughput estimated as published)
+    fits: bool = True
 
     @property
     def gpus(self) -> int:
@@ -49,10 +52,11 @@ class Published:
 
 
 def _row(name, source, model, seq, tp, pp, gpus, batch, recompute, sp, device, attention, metric,
-         value, vpp=1, layers=None, zero=0, cp=1):
+         value, vpp=1, layers=None, zero=0, cp=1, fits=True):
     layout = Layout(tp, pp, gpus // (tp * cp * pp), vpp, 1, zero, recompute,
                     layers or split_layers(model.num_layers, pp * vpp), sp, cp)
-    return Published(name, source, model, seq, layout, batch, device, attention, metric, value)
+    return Published(name, source, model, seq, layout, batch, device, attention, metric, value,
+                     fits)
 
 
 PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, micro-batch 1, fp16
@@ -85,39 +89,51 @@ PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, m
          "a100", "unfused", "tflops_per_gpu", 0.560 * 312),
     _row("GPT 1T sel", K22, _gpt(128, 25600, 160), 2048, 8, 64, 512, 512, "selective", True, "a100",
          "unfused", "tflops_per_gpu", 0.563 * 312),
-    # Llama 3 405B: 16M-token batches, interleaved 1F1B (8 layers a stage in chunks of 2 -- the
-    # paper gives pp only) with a layer less on the first and the last stage (§3.3.2)
+    # Llama 3 405B: 16M-token batches, interleaved 1F1B (8 layers a stage in chunks of 2; the paper
+    # drops a layer from the first and the last stage, §3.3.2, which implies chunks of one layer
+    # with an empty first and last chunk: a split the trainer does not run), no activation
+    # checkpointing at 8K tokens, and FSDP sharding the gradients and the optimizer state with
+    # the weights kept whole through the step (§3.3.2): zero 2. At 16,384 GPUs a step is 16
+    # micro-batches, as many as stages, so each stage holds every one's activations at its peak
+    # (126 layers' worth of one sample, 63 GB): with whole fp32 gradients (zero 1, 12 GB more)
+    # it would not fit. At 8,192 GPUs (32 micro-batches) the interleaved order holds
+    # 1 + 15/64 times that, which the memory model puts above 80 GB: its throughput is estimated
+    # as published.
     _row("Llama 3 405B", L3, _L3_405B, 8192, 8, 16, 8192, 2048, "none", True, "h100", "flash",
-         "tflops_per_gpu", 430, vpp=4, zero=1),
+         "tflops_per_gpu", 430, vpp=4, zero=2, fits=False),
     _row("Llama 3 405B 16k", L3, _L3_405B, 8192, 8, 16, 16384, 2048, "none", True, "h100", "flash",
-         "tflops_per_gpu", 400, vpp=4, zero=1),
+         "tflops_per_gpu", 400, vpp=4, zero=2),
     # its long-context stage: 131,072-token sequences over context parallelism 16, the same
     # 16M-token batches (dp 8); the throughput is estimated as published (the memory model puts this
     # layout's activations above 80 GB without recomputation, which the paper does not detail)
     _row("Llama 3 405B 128k", L3, _L3_405B, 131072, 8, 16, 16384, 128, "none", True, "h100",
-         "flash", "tflops_per_gpu", 380, vpp=4, zero=1, cp=16),
+         "flash", "tflops_per_gpu", 380, vpp=4, zero=2, cp=16, fits=False),
 ]
+
+
+def published_estimate(row: Published) -> Estimate:
+    """The planner's estimate of a published run at its layout."""
+    return estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16",
+                    "auto", row.attention)
 
 
 def published_estimates() -> list[tuple[Published, float]]:
     """Every published run with the planner's figure for it (the same metric)."""
-    out = []
-    for row in PUBLISHED:
-        e = estimate(row.model, row.seq, row.layout, row.global_batch, DEVICES[row.device], "bf16",
-                     "auto", row.attention)
-        out.append((row, getattr(e, row.metric)))
-    return out
+    return [(row, getattr(published_estimate(row), row.metric)) for row in PUBLISHED]
 
 
 def published_table() -> str:
-    lines = ["| run | GPUs | layout (tp/cp/pp/dp, recompute) | metric | estimate | published | "
-             "error |", "|---|---|---|---|---|---|---|"]
-    for row, got in published_estimates():
-        L = row.layout
+    lines = ["| run | GPUs | layout (tp/cp/pp/dp, recompute) | zero, vpp | metric | estimate | "
+             "published | error | memory GB/GPU |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in PUBLISHED:
+        e = published_estimate(row)
+        L, got = row.layout, getattr(e, row.metric)
         metric = "TFLOP/s/GPU incl. recompute" if row.metric == "hw_tflops_per_gpu" \
             else "model TFLOP/s/GPU"
+        memory = f"{e.memory['total'] / GIB:.1f}" + ("" if e.fits else " (does not fit)")
         lines.append(f"| {row.name} ({row.device.upper()}) | {row.gpus:,} | "
-                     f"{L.tp}/{L.cp}/{L.pp}/{L.dp}, {L.recompute} | "
-                     f"{metric} | {got:.0f} | {row.value:.0f} | {got / row.value - 1:+.1%} |")
+                     f"{L.tp}/{L.cp}/{L.pp}/{L.dp}, {L.recompute} | {L.zero}, {L.vpp} | "
+                     f"{metric} | {got:.0f} | {row.value:.0f} | {got / row.value - 1:+.1%} | "
+                     f"{memory} |")
     sources = sorted({row.source for row in PUBLISHED})
     return "\n".join(lines + [""] + [f"- {s}" for s in sources])
