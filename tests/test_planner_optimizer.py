@@ -156,3 +156,26 @@ def test_planned_muon_traffic_equals_the_calls_the_program_issues(name):
         without = planned(adam, run, sim.coords["pp"])["planned_comm_bytes"]
         assert sum(map(sum, (g.values() for g in sim.comm_bytes.values()))) > \
             sum(map(sum, (g.values() for g in without.values())))
+
+
+def test_the_planner_reads_the_optimizer_as_one_description():
+    """optim's optimizer, moments' dtype, Newton–Schulz steps and offload reach the estimate as one
+    frozen description, read from the config as estimate_run reads it."""
+    from megapretrain.planner.model import estimate_run
+    from megapretrain.resolve import resolve
+
+    cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"),
+                      ["--optim.optimizer", "muon", "--optim.moments_dtype", "bf16", "--optim.muon_ns_steps", "3"])
+    spec = OptimizerSpec.of(cfg.optim)
+    assert spec == OptimizerSpec("muon", "bf16", 3, False) and spec.muon
+    assert hash(spec) == hash(OptimizerSpec.of(cfg.optim))  # frozen: a cache key
+    m, h100 = model_args(cfg), DEVICES["h100"]
+    assert spec.muon_layer(m) == muon_layer_params(m) > 0 and OptimizerSpec().muon_layer(m) == 0
+    layout = resolve(cfg, 64).layout
+    direct = estimate(m, cfg.train.seq_length, layout, cfg.train.global_batch_size, h100, cfg.train.precision,
+                      cfg.parallel.pp_schedule, optimizer=spec)
+    via_config = estimate_run(cfg, layout, h100)
+    assert direct.time == via_config.time and direct.memory["total"] == via_config.memory["total"]
+    fewer = estimate(m, cfg.train.seq_length, layout, cfg.train.global_batch_size, h100, cfg.train.precision,
+                     cfg.parallel.pp_schedule, optimizer=OptimizerSpec("muon", "bf16", 1, False))
+    assert fewer.time["optimizer_ns"] < direct.time["optimizer_ns"]
