@@ -46,10 +46,12 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """Separate ``--config PATH`` from the dotted overrides."""
     config, rest, i = None, [], 0
     while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            config, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            config, i = argv[i].split("=", 1)[1], i + 1
+        if argv[i] == "--config" and i + 1 < len(argv) or argv[i].startswith("--config="):
+            given = argv[i + 1] if argv[i] == "--config" else argv[i].split("=", 1)[1]
+            if config is not None:  # the last would win without a word
+                raise ConfigError(f"--config given twice ({config!r}, then {given!r}): give one "
+                                  "config file; change single fields with --section.key VALUE")
+            config, i = given, i + (2 if argv[i] == "--config" else 1)
         else:
             rest.append(argv[i])
             i += 1

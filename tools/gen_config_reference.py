@@ -20,7 +20,7 @@ import typing
 
 from _tool import ROOT
 
-from megapretrain.cli import user_errors
+from megapretrain.cli import ToolParser, user_errors
 from megapretrain.config import Config
 
 PAGE = os.path.join(ROOT, "docs", "configuration.md")
@@ -125,7 +125,7 @@ def reference() -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--output", default=PAGE, help="the page to write (default: docs/configuration.md)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs")
