@@ -103,8 +103,9 @@ PATH_FLAGS = frozenset({
 
 
 # Flags that list inputs, each to be read once: an entry given twice is refused (it would be read
-# twice: a file tokenized twice, a checkpoint counted twice in a merge, a task scored twice).
-DISTINCT_FLAGS = frozenset({"--input", "--checkpoints", "--tasks", "--hf-data-files"})
+# twice: a checkpoint counted twice in a merge, a task scored twice, a data file tokenized twice).
+# (preprocess_data's and merge_datasets' --input refuse their duplicates themselves, by content.)
+DISTINCT_FLAGS = frozenset({"--checkpoints", "--tasks", "--hf-data-files"})
 
 
 def _is_path(action: argparse.Action) -> bool:
