@@ -129,8 +129,8 @@ class ToolParser(argparse.ArgumentParser):
     repeating is its meaning (``action="append"``/``"extend"``/``"count"``); a flag without a
     value given twice is harmless and passes. Every path flag (:data:`PATH_FLAGS`) has ``~`` and
     environment variables expanded, and a list of inputs (:data:`DISTINCT_FLAGS`) names each
-    entry once. Dotted config overrides (``--train.iters``) are not this
-    parser's: ``config.parse_overrides`` warns when one is given twice."""
+    entry once. Dotted config overrides (``--train.iters``) are not this parser's:
+    ``config.parse_overrides`` warns when one is given twice."""
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import re
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -638,10 +637,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML. An option given
-    twice warns (the last wins)."""
-    pairs, i, given = [], 0, {}
+def _raw_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``--a.b VALUE`` / ``--a.b=VALUE`` pairs as given: (name, the value's text)."""
+    pairs, i = [], 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
@@ -655,19 +653,36 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             i += 2
         else:
             raise ConfigError(f"option '{arg}' needs a value, e.g. {arg} 10")
+        pairs.append((name, raw))
+    return pairs
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML. An option given
+    twice is applied twice: the last wins (:func:`repeated_overrides` says so)."""
+    pairs = []
+    for name, raw in _raw_overrides(args):
         try:
             value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
         except DuplicateKey as exc:
             raise ConfigError(f"option '--{name}': {exc.problem}") from None
         except yaml.YAMLError:
             value = raw
-        # run scripts put their defaults before "$@": the user's come last (said by one rank)
-        if name in given and os.environ.get("RANK", "0") == "0":
-            print(f"warning: --{name} given twice ({given[name]}, then {raw}): the last is used",
-                  file=sys.stderr)
-        given[name] = raw
         pairs.append((name, value))
     return pairs
+
+
+def repeated_overrides(args: list[str]) -> list[str]:
+    """A warning for each option of ``args`` given twice with another value: the last wins. Run
+    scripts put their defaults before the user's ``"$@"``, so a repeat is legitimate, but not
+    silent (the training prints these with its start-up warnings)."""
+    given: dict[str, str] = {}
+    warnings = []
+    for name, raw in _raw_overrides(args):
+        if name in given and given[name] != raw:
+            warnings.append(f"--{name} given twice ({given[name]}, then {raw}): the last is used")
+        given[name] = raw
+    return warnings
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:

@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.directories import latest_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
-from .config import Config, check_output_dirs, help_text, load_config
+from .config import Config, check_output_dirs, help_text, load_config, repeated_overrides
 from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
@@ -122,7 +122,7 @@ def setup(argv: list[str]):
     builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
     cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
-    warnings = list(run.warnings)
+    warnings = [*repeated_overrides(split_args(argv)[1]), *run.warnings]
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
     pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
                                  num_parameters(run.model) // (run.layout.tp * run.layout.pp))
