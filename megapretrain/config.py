@@ -675,7 +675,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
 def repeated_overrides(args: list[str]) -> list[str]:
     """A warning for each option of ``args`` given twice with another value: the last wins. Run
     scripts put their defaults before the user's ``"$@"``, so a repeat is legitimate, but not
-    silent (the training prints these with its start-up warnings)."""
+    silent (the training prints these at start-up, on stdout beside its plan)."""
     given: dict[str, str] = {}
     warnings = []
     for name, raw in _raw_overrides(args):

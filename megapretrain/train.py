@@ -122,7 +122,7 @@ def setup(argv: list[str]):
     builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
     cfg, run, data_files = checked(argv, verify=builder)
     device = resolve_device(cfg)
-    warnings = [*repeated_overrides(split_args(argv)[1]), *run.warnings]
+    warnings = list(run.warnings)
     numerics = set_numerics(cfg.train.tf32, cfg.train.deterministic, cfg.train.precision, device)
     pinned = pinned_host_warning(device, cfg.checkpoint.async_save, cfg.parallel.zero,
                                  num_parameters(run.model) // (run.layout.tp * run.layout.pp))
@@ -150,6 +150,8 @@ def setup(argv: list[str]):
         if ps.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
+            for repeated in repeated_overrides(split_args(argv)[1]):  # run scripts' defaults
+                print(f"note: {repeated}", flush=True)
             if numerics:
                 print(f"numerics: {numerics}", flush=True)
         return Trainer(cfg, run.sizes, ps, lock=lock)

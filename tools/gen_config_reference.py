@@ -58,7 +58,7 @@ a value other than its default while the other is off (`--optim.muon_lr 0.02` wi
 before any work with one line naming the field, what it needs and the fix, instead of doing nothing.
 Only values that differ from the default count, so a run's saved `config.yaml` (every field written
 out) resumes as it was. An option given twice on the command line is applied in order, the last value
-wins, and the training names it among its start-up warnings (run scripts put their own defaults
+wins, and the training names it in a `note:` line at start-up (run scripts put their own defaults
 before the user's); a tool's own flag given twice (`--output
 a --output b`) is refused, except the flags whose meaning is to repeat (`plan.py --emit`,
 `simulate.py --rank`), and `~` and `$VAR` are expanded in every tool's path flags as in the path
