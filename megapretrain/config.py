@@ -891,7 +891,7 @@ def check_needs(cfg: Config) -> None:
                 continue
             now = ", ".join(f"{p}={_shown(get_field(cfg, p))}" for p in rule.shown)
             raise ConfigError(f"{dotted}={_shown(value)} does nothing without {rule.partner}"
-                              + (f" ({now})" if now else "")
+                              + (f", and {now}" if now else "")
                               + f": set {rule.partner.split(' (')[0]}, or drop {dotted} "
                               f"(default {_shown(default)})")
 
