@@ -36,14 +36,17 @@ from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text,
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
        min: float | None = None, positive: bool = False, max: float | None = None,
        below: float | None = None, choices: tuple = (), output_dir: bool = False,
-       path: bool = False):
+       path: bool = False, distinct: bool = False):
     """Declare a config field with its help text (and, for Python keywords, its YAML name). A number
     declares its range here: ``min`` (at least; 0 for non-negative) or ``positive``, ``max`` (at
     most) or ``below``; a string its ``choices``, ``path`` for a file system path (or a list of
     them), whose ``~`` and environment variables are expanded (:func:`expand_paths`), or
-    ``output_dir`` for a directory the run writes into (:func:`check_output_dirs`; a path too).
+    ``output_dir`` for a directory the run writes into (:func:`check_output_dirs`; a path too);
+    a list of inputs ``distinct`` when an entry given twice is a mistake (:func:`check_distinct`).
     Null passes (it means the default)."""
     meta = {"help": help}
+    if distinct:
+        meta["distinct"] = True
     if output_dir or path:
         meta["path"] = True
     if output_dir:
@@ -207,7 +210,8 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     paths: list = _f(None, "Dataset prefixes from tools/preprocess_data.py, optionally weighted: "
-                     "[0.3, prefixA, 0.7, prefixB].", factory=list, path=True)
+                     "[0.3, prefixA, 0.7, prefixB].", factory=list, path=True,
+                     distinct=True)
     split: list = _f(None, "Train/valid/test weights over each dataset's documents.",
                      factory=lambda: [98.0, 2.0, 0.0])
     tokenizer: TokenizerConfig = _f(None, "Tokenizer (must match the one used for preprocessing).",
@@ -264,7 +268,8 @@ class TrainConfig:
 class EvalConfig:
     tasks: list = _f(None, "Multiple-choice task files (JSONL of {context, choices, label}) scored "
                      "at every train.eval_interval and at the end; logged as <task>/acc, "
-                     "<task>/acc_norm, <task>/n (docs/evaluation.md).", factory=list, path=True)
+                     "<task>/acc_norm, <task>/n (docs/evaluation.md).", factory=list, path=True,
+                     distinct=True)
     fewshot: list = _f(None, "One file of example items per task (same order) to build a "
                        "few-shot prefix from; [] for none.", factory=list, path=True)
     num_fewshot: int = _f(0, "Examples (the first items of each eval.fewshot file) put before "
@@ -632,8 +637,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML."""
+def _raw_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``--a.b VALUE`` / ``--a.b=VALUE`` pairs as given: (name, the value's text)."""
     pairs, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -648,6 +653,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             i += 2
         else:
             raise ConfigError(f"option '{arg}' needs a value, e.g. {arg} 10")
+        pairs.append((name, raw))
+    return pairs
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML. An option given
+    twice is applied twice: the last wins (:func:`repeated_overrides` says so)."""
+    pairs = []
+    for name, raw in _raw_overrides(args):
         try:
             value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
         except DuplicateKey as exc:
@@ -658,10 +672,24 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+def repeated_overrides(args: list[str]) -> list[str]:
+    """A warning for each option of ``args`` given twice with another value: the last wins. Run
+    scripts put their defaults before the user's ``"$@"``, so a repeat is legitimate, but not
+    silent (the training prints these at start-up, on stdout beside its plan)."""
+    given: dict[str, str] = {}
+    warnings = []
+    for name, raw in _raw_overrides(args):
+        if name in given and given[name] != raw:
+            warnings.append(f"--{name} given twice ({given[name]}, then {raw}): the last is used")
+        given[name] = raw
+    return warnings
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults < YAML file at ``path`` < dotted ``overrides``; returns the (unvalidated) Config."""
     tree: dict = {}
     if path is not None:
+        path = expand_path(path, "--config")
         try:
             tree = yaml.load(read_text(path), Loader=StrictLoader) or {}
         except yaml.YAMLError as exc:
@@ -727,6 +755,8 @@ def check_fields(node, where: str = "") -> None:
         if bad is not None:
             shown = f"{path}={value!r}" if isinstance(value, (list, dict)) else f"{path}={value}"
             raise ConfigError(f"{shown}: {bad}")
+        if meta.get("distinct") and isinstance(value, list):
+            check_distinct(path, [v for v in value if isinstance(v, str)])
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             null = " (or null for the default)" \
                 if typing.get_origin(hints[f.name]) is typing.Union else ""
@@ -763,6 +793,116 @@ def _check_range(path: str, value: float, meta, null: str) -> None:
                                                         else f"at least {low}") + null)
     if positive and value <= 0:
         raise ConfigError(f"{path}={value} must be positive{null}")
+
+
+def check_distinct(where: str, entries: list[str]) -> None:
+    """A list of inputs (``data.paths``, ``eval.tasks``, a tool's input files) names each once: a
+    repeated entry would be read twice — twice the weight, a task scored twice — without a word.
+    Entries are compared as the paths they name (``a/../b`` is ``b``)."""
+    seen: dict[str, str] = {}
+    for entry in entries:
+        key = os.path.normpath(os.path.abspath(entry))
+        if key in seen:
+            same = "" if seen[key] == entry else f" (as {seen[key]!r})"
+            raise ConfigError(f"{where} names {entry!r} twice{same}: give each input once (to "
+                              "weight a dataset, write its weight before it: [0.7, A, 0.3, B])"
+                              if where == "data.paths" else
+                              f"{where} names {entry!r} twice{same}: give each input once")
+        seen[key] = entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Fields that mean something only with another setting
+
+
+@dataclass(frozen=True)
+class Needs:
+    """``fields`` take effect only when ``holds(cfg)``, which ``partner`` says in words: given a
+    value other than their default while it does not hold, they would be ignored."""
+    fields: tuple[str, ...]
+    partner: str
+    holds: Any  # Callable[[Config], bool]
+    shown: tuple[str, ...]  # the fields whose values decide it, named in the message
+
+
+_MUON = ("optim.muon_lr", "optim.muon_momentum", "optim.muon_nesterov", "optim.muon_ns_steps",
+         "optim.muon_ns_precision", "optim.muon_adjust_lr", "optim.muon_weight_decay")
+_FAULT_AT = ("faults.nan_at", "faults.spike_at", "faults.exit_at", "faults.hang_at",
+             "faults.slow_data_at", "faults.oom_at")
+
+NEEDS: tuple[Needs, ...] = (
+    Needs(_MUON, "optim.optimizer muon", lambda c: c.optim.optimizer == "muon",
+          ("optim.optimizer",)),
+    Needs(("optim.initial_loss_scale", "optim.loss_scale_window", "optim.min_loss_scale"),
+          "train.precision fp16 (the loss scale)", lambda c: c.train.precision == "fp16",
+          ("train.precision",)),
+    Needs(("parallel.sequence_parallel",), "parallel.tp > 1 (it shards over the tp ranks)",
+          lambda c: c.parallel.tp > 1, ("parallel.tp",)),
+    Needs(("parallel.pipeline_layers", "parallel.pp_trace"), "parallel.pp > 1 (pipeline stages)",
+          lambda c: c.parallel.pp > 1, ("parallel.pp",)),
+    Needs(("parallel.cp_comm",), "parallel.cp > 1 (context parallelism)",
+          lambda c: c.parallel.cp > 1, ("parallel.cp",)),
+    Needs(("parallel.zero3_keep_gathered", "parallel.zero3_prefetch"), "parallel.zero 3",
+          lambda c: c.parallel.zero == 3, ("parallel.zero",)),
+    Needs(("parallel.fp8_allgather", "model.fp8_skip"), "model.fp8 tensorwise or rowwise",
+          lambda c: c.model.fp8 != "none", ("model.fp8",)),
+    Needs(("model.sliding_window_pattern",), "model.sliding_window > 0",
+          lambda c: bool(c.model.sliding_window), ("model.sliding_window",)),
+    Needs(("schedule.wsd_decay_fraction",), "schedule.decay wsd",
+          lambda c: c.schedule.decay == "wsd", ("schedule.decay",)),
+    Needs(("checkpoint.finetune",), "checkpoint.load (the weights to start from)",
+          lambda c: c.checkpoint.load is not None, ("checkpoint.load",)),
+    Needs(("recovery.skip_batches", "recovery.max_rollbacks", "recovery.lr_factor",
+           "recovery.prune_rolled_back"), "recovery.action rollback",
+          lambda c: c.recovery.action == "rollback", ("recovery.action",)),
+    Needs(("watchdog.multiple", "watchdog.floor_s"), "watchdog.timeout_s null (a limit that "
+          "follows the step time)", lambda c: c.watchdog.timeout_s is None,
+          ("watchdog.timeout_s",)),
+    Needs(("faults.slow_data_s", "faults.slow_data_steps"), "faults.slow_data_at",
+          lambda c: c.faults.slow_data_at is not None, ("faults.slow_data_at",)),
+    Needs(("faults.rank", "faults.every_attempt"), "a fault drill (faults.exit_at, ...)",
+          lambda c: any(get_field(c, f) is not None for f in _FAULT_AT), ()),
+)
+
+
+def get_field(cfg, dotted: str) -> Any:
+    """The value of field ``a.b`` (YAML names: ``checkpoint.async``) of ``cfg``."""
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, _fields(type(node))[part].name)
+    return node
+
+
+@functools.cache
+def _default(dotted: str) -> Any:
+    return get_field(Config(), dotted)
+
+
+def check_needs(cfg: Config) -> None:
+    """Every field of :data:`NEEDS` given a value other than its default while the setting it
+    needs is off is refused, naming the field, what it needs and the fix: it would do nothing.
+    A saved run config lists every field, so only values that differ from the defaults count."""
+    for rule in NEEDS:
+        if rule.holds(cfg):
+            continue
+        for dotted in rule.fields:
+            value, default = get_field(cfg, dotted), _default(dotted)
+            if value == default:
+                continue
+            now = ", ".join(f"{p}={_shown(get_field(cfg, p))}" for p in rule.shown)
+            raise ConfigError(f"{dotted}={_shown(value)} does nothing without {rule.partner}"
+                              + (f", and {now}" if now else "")
+                              + f": set {rule.partner.split(' (')[0]}, or drop {dotted} "
+                              f"(default {_shown(default)})")
+
+
+def _shown(value: Any) -> str:
+    """A value as a flag or YAML writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 _UNSET = re.compile(r"\$(\w+|\{[^}]*\})")

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from .checkpoint.merge import check_average_last
-from .config import Config, check_fields
+from .config import Config, check_fields, check_needs
 from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
@@ -139,6 +139,7 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     :class:`ConfigError`, one line naming the fields, on the first rule broken)."""
     m, t = cfg.model, cfg.train
     check_fields(cfg)
+    check_needs(cfg)
     _check_kernel_choice(cfg)
     check_optim(cfg.optim)
     layout = Layout.from_config(cfg, world_size)

@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.directories import latest_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
-from .config import Config, check_output_dirs, help_text, load_config
+from .config import Config, check_output_dirs, help_text, load_config, repeated_overrides
 from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
@@ -46,10 +46,12 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """Separate ``--config PATH`` from the dotted overrides."""
     config, rest, i = None, [], 0
     while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            config, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            config, i = argv[i].split("=", 1)[1], i + 1
+        if argv[i] == "--config" and i + 1 < len(argv) or argv[i].startswith("--config="):
+            given = argv[i + 1] if argv[i] == "--config" else argv[i].split("=", 1)[1]
+            if config is not None:  # the last would win without a word
+                raise ConfigError(f"--config given twice ({config!r}, then {given!r}): give one "
+                                  "config file; change single fields with --section.key VALUE")
+            config, i = given, i + (2 if argv[i] == "--config" else 1)
         else:
             rest.append(argv[i])
             i += 1
@@ -148,6 +150,8 @@ def setup(argv: list[str]):
         if ps.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr)
+            for repeated in repeated_overrides(split_args(argv)[1]):  # run scripts' defaults
+                print(f"note: {repeated}", flush=True)
             if numerics:
                 print(f"numerics: {numerics}", flush=True)
         return Trainer(cfg, run.sizes, ps, lock=lock)

@@ -19,7 +19,6 @@ kernel's memory growth from the shortest sequence to the longest against the gro
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import multiprocessing as mp
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from _tool import rss_bytes
 
-from megapretrain.cli import number, user_errors
+from megapretrain.cli import ToolParser, number, user_errors
 from megapretrain.errors import UserError
 
 KINDS = ("sdpa", "blockwise", "flex", "causal")
@@ -43,7 +42,7 @@ class BenchArgumentError(UserError):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     count = number(int, 1, what="an integer of at least 1")
     ap.add_argument("--seqs", type=number(int, 2, what="a sequence length of at least 2 tokens"), nargs="+",
                     default=[1024, 2048, 4096, 8192], help="sequence lengths")

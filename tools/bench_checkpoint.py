@@ -26,7 +26,7 @@ import time
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_int, user_errors
 
 MEASURE = """
 import json, sys, time
@@ -42,7 +42,7 @@ print(json.dumps({"rc": rc, "seconds": seconds, "peak_extra_mib": extra}))
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=positive_int, default=768)
     ap.add_argument("--layers", type=positive_int, default=8)

@@ -34,7 +34,7 @@ import warnings
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 import numpy as np
 
-from megapretrain.cli import positive_float, positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_float, positive_int, user_errors
 from megapretrain.data.gpt_dataset import GPTDataset, build_gpt_indices, epochs_for
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
@@ -398,7 +398,7 @@ def bench_verify(args) -> None:
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ToolParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sections = p.add_subparsers(dest="section", required=True)
     for name in ("preprocess", "memory"):

@@ -20,7 +20,6 @@ the analytic bytes per parameter of each stage (plus alignment padding).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from _tool import run_ranks
 
-from megapretrain.cli import non_negative_float, non_negative_int, positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, non_negative_float, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.config import OptimConfig
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
@@ -40,7 +39,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ToolParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", type=positive_int, default=2, help="data-parallel ranks (default 2)")
     ap.add_argument("--zero", type=non_negative_int, nargs="+", default=[0, 1], choices=[0, 1, 2, 3],
                     help="ZeRO stages to time (default 0 1)")

@@ -15,7 +15,6 @@ bf16: the figures show the overhead of the casts and that the path runs, not a s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from _tool import sync
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_int, user_errors
 from megapretrain.errors import UserError
 from megapretrain.model.fp8 import GEMM_MULTIPLE
 from megapretrain.parallel.fp8 import RECIPES, FP8Linear
@@ -43,7 +42,7 @@ def layer_linears(model: str, tp: int) -> list[tuple[str, int, int]]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--tokens", type=positive_int, default=None, help="rows of x (default: 64 CPU, 8192 GPU)")
     ap.add_argument("--tp", type=positive_int, default=1, help="the linears' shards on one of this many tp ranks")

@@ -28,7 +28,6 @@ one thread the thread's CPU time misses the other threads' work: read the wall c
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ import _tool  # noqa: F401  (the package installed, or one line saying how)
 import torch
 import torch.nn.functional as F
 
-from megapretrain.cli import number, user_errors
+from megapretrain.cli import ToolParser, number, user_errors
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
 from megapretrain.model.layers import RMSNorm, SwiGLU, apply_rope, rope_tables
@@ -76,7 +75,7 @@ SHAPES = {
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=["nanogpt", "bench_cpu"],
                     help="shape presets: " + ", ".join(f"{k} ({v})" for k, v in SHAPES.items()))
     ap.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="precisions to measure")

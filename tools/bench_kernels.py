@@ -24,7 +24,6 @@ weight's fp32 main grad, which the trainer holds anyway (made before the measure
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import multiprocessing as mp
@@ -36,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from _tool import rss_bytes, sync
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_int, user_errors
 from megapretrain.kernels import adamw, cross_entropy, linear_cross_entropy, rmsnorm, rope, swiglu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     ap.add_argument("--tokens", type=positive_int, default=None, help="rows per case (default: 2048 CPU, 16384 GPU)")
     ap.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default: 512 CPU, 4096 GPU)")

@@ -16,7 +16,6 @@ reported, with Muon's time over AdamW's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from _tool import run_ranks
 
-from megapretrain.cli import non_negative_int, positive_int, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.config import OptimConfig
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
@@ -36,7 +35,7 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ToolParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", type=positive_int, nargs="+", default=[1, 2, 4],
                     help="data-parallel rank counts to time (default 1 2 4)")
     ap.add_argument("--zero", type=non_negative_int, nargs="+", default=[1, 3], choices=[0, 1, 2, 3],

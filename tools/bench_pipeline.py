@@ -20,7 +20,6 @@ step, one panel per schedule (W ops in green, filling what 1F1B leaves idle).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 from _tool import run_ranks
 
-from megapretrain.cli import non_negative_int, positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError
 from megapretrain.model.build import build_model_chunks
@@ -50,7 +49,7 @@ VPP = {s.name: s.shown_vpp for s in SCHEDULES.values() if s.pipelines}  # the ch
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ToolParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=positive_int, default=4, help="pipeline stages, one process each (default 4)")
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "zbv"], choices=list(VPP),
                     help="schedules to time (default 1f1b zb_h1 zbv; interleaved and zbv run vpp 2)")

@@ -15,7 +15,6 @@ sent; medians over ``--steps`` after ``--warmup``, the slowest rank's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _tool import run_ranks
 
-from megapretrain.cli import non_negative_int, positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
 from megapretrain.parallel.state import ParallelState
@@ -32,7 +31,7 @@ from megapretrain.parallel.tensor import overlap_tp_comm
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ToolParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (default 2)")
     ap.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
     ap.add_argument("--hidden", type=positive_int, default=256, help="hidden size (default 256)")

@@ -44,7 +44,6 @@ freed blocks are kept for the next step rather than page-faulted afresh).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -58,7 +57,7 @@ import numpy as np
 import torch
 from _bench_peers import hf_step, load_nanogpt, nanogpt_step
 
-from megapretrain.cli import non_negative_int, positive_int, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError
 from megapretrain.host_memory import keep_freed_host_memory
@@ -74,7 +73,7 @@ BYTE_VOCAB = 257  # ByteTokenizer: 256 bytes + EOS
 
 
 def parse_args(argv: list[str]):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  epilog="Any other --section.key VALUE overrides the config.")
     ap.add_argument("--config", required=True, help="YAML config, e.g. configs/bench_cpu.yaml")
     ap.add_argument("--steps", type=positive_int, default=10, help="timed optimizer steps per round (default 10)")

@@ -17,7 +17,6 @@ error, any spill, or shared memory over the target's limit.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import glob
 import os
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 import torch
+
+from megapretrain.cli import ToolParser
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def supported_targets(requested: list[int]) -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="configs", help="folder of config YAML files (searched recursively)")
     parser.add_argument("--targets", default="80,90,100", help="compute capabilities (100: ptxas 12.8 or later)")
     parser.add_argument("--dtypes", default="fp32,bf16,fp16")

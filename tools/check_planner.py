@@ -20,7 +20,7 @@ import sys
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.simulate.report import role_ranks
@@ -96,7 +96,7 @@ def table(rows: list[dict]) -> str:
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", metavar="NAME", help="cases to run (default: all)")
     ap.add_argument("--steps", type=positive_int, default=1, help="training steps per simulated rank (default 1)")

@@ -20,8 +20,8 @@ import typing
 
 from _tool import ROOT
 
-from megapretrain.cli import user_errors
-from megapretrain.config import Config
+from megapretrain.cli import ToolParser, user_errors
+from megapretrain.config import NEEDS, Config
 
 PAGE = os.path.join(ROOT, "docs", "configuration.md")
 
@@ -48,7 +48,22 @@ mean '--train.iters'?"); a value outside the range or choices below stops the ru
 with one line naming the field, the rule and the fix. In a path field (marked below) `~` and
 environment variables (`$VAR`, `${VAR}`) are expanded, in the YAML file and on the command line
 alike, and the expanded path is what the run records in its `config.yaml`; a variable that is not
-set stops the run with one line naming the field. Rules between fields (sizes that must divide, the
+set stops the run with one line naming the field. A list of inputs marked "each once" (`data.paths`,
+`eval.tasks`) refuses an entry given twice, compared as the paths they name (a dataset is weighted
+by the number before it, never by repeating it).
+
+A field marked "only with ..." means something only with that other setting (`config.NEEDS`): given
+a value other than its default while the other is off (`--optim.muon_lr 0.02` without
+`--optim.optimizer muon`, `--parallel.sequence_parallel true` at `parallel.tp 1`), it is refused
+before any work with one line naming the field, what it needs and the fix, instead of doing nothing.
+Only values that differ from the default count, so a run's saved `config.yaml` (every field written
+out) resumes as it was. An option given twice on the command line is applied in order, the last value
+wins, and the training names it in a `note:` line at start-up (run scripts put their own defaults
+before the user's); a tool's own flag given twice (`--output
+a --output b`) is refused, except the flags whose meaning is to repeat (`plan.py --emit`,
+`simulate.py --rank`), and `~` and `$VAR` are expanded in every tool's path flags as in the path
+fields here. A run directory inside the directory of a training that is running, or holding one, is
+refused naming both. Rules between fields (sizes that must divide, the
 pipeline split, the batch sizes) belong to their owners (see [contributing.md](contributing.md)) and
 are checked the same way.
 """
@@ -67,8 +82,20 @@ def _type(tp) -> str:
     return names.get(tp, names.get(typing.get_origin(tp), getattr(tp, "__name__", str(tp))))
 
 
-def _rule(meta: dict) -> str:
-    """The range or choices a field declares, or that it is a path."""
+ONLY_WITH = {field: rule.partner.split(" (")[0] for rule in NEEDS for field in rule.fields}
+
+
+def _rule(meta: dict, path: str = "") -> str:
+    """The range or choices a field declares, or that it is a path; the setting it needs."""
+    rule = _declared(meta)
+    if meta.get("distinct"):
+        rule += "; each once"
+    if path in ONLY_WITH:
+        rule += ("; " if rule else "") + f"only with {ONLY_WITH[path]}"
+    return rule
+
+
+def _declared(meta: dict) -> str:
     if meta.get("path"):
         return "path (`~`, `$VAR` expanded)"
     if meta.get("choices"):
@@ -107,7 +134,7 @@ def _rows(cls, where: str) -> list[str]:
         if dataclasses.is_dataclass(tp):
             rows += _rows(tp, path)
             continue
-        rows.append(f"| `{path}` | {_type(tp)} | {_default(getattr(defaults, f.name))} | {_rule(f.metadata)} | "
+        rows.append(f"| `{path}` | {_type(tp)} | {_default(getattr(defaults, f.name))} | {_rule(f.metadata, path)} | "
                     f"{_cell(f.metadata['help'])} |")
     return rows
 
@@ -125,7 +152,7 @@ def reference() -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--output", default=PAGE, help="the page to write (default: docs/configuration.md)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs")

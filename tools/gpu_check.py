@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from _tool import ROOT, TOOLS
 
-from megapretrain.cli import user_errors
+from megapretrain.cli import ToolParser, user_errors
 
 BUDGET_S = 475  # the phases' limits add up to this: under 8 minutes, with room for start-up
 
@@ -557,7 +557,7 @@ def derived(figures: dict) -> dict:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap = ToolParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--output", default=None, help="directory for gpu_check.jsonl and the phases' files "
                                                    "(default: $OUT when set, else runs/gpu_check/TIME)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these phases")

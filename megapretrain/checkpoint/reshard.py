@@ -238,8 +238,9 @@ class GlobalWeights:
         meta = read_metadata(path)
         m = cfg.model
         m.vocab_size = m.vocab_size or meta.get("vocab_size")
-        p = cfg.parallel  # one process holds everything: its spec table names every weight once
-        p.tp, p.pp, p.vpp, p.pipeline_layers, p.sequence_parallel, p.zero = 1, 1, 1, None, False, 0
+        # one process holds everything: its spec table names every weight once (every parallel
+        # field at its default, so none is left that needs a dimension of the saved layout)
+        cfg.parallel = type(cfg.parallel)()
         self.specs = rank_param_specs(cfg, 0, 0)
         self.saved = SavedShards(path, meta)
         self.padded = saved_padded_vocab(meta, m.vocab_size, m.make_vocab_size_divisible_by)

@@ -11,14 +11,13 @@ text. Needs no network and no downloads.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import sysconfig
 from collections.abc import Iterator
 
-from megapretrain.cli import positive_float, user_errors
+from megapretrain.cli import ToolParser, positive_float, user_errors
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -65,7 +64,7 @@ def build_corpus(output: str, max_bytes: int, root: str) -> tuple[int, int]:
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="the .jsonl file to write")
     p.add_argument("--max-mb", type=positive_float, default=40.0,
                    help="stop before the text exceeds this many MB")

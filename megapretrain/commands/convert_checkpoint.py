@@ -81,6 +81,7 @@ from megapretrain.checkpoint.reshard import (
     write_weights_checkpoint,
 )
 from megapretrain.cli import (
+    ToolParser,
     non_negative_float,
     positive_float,
     positive_int,
@@ -99,7 +100,7 @@ __all__ = ["ConvertError", "main"]
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     to = sub.add_parser("to-hf", help="megapretrain checkpoint -> Hugging Face directory")

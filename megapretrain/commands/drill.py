@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from megapretrain.cli import positive_float, positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_float, positive_int, user_errors
 from megapretrain.errors import UserError
 
 from .drill_cluster import ROOT, Job, free_port
@@ -43,7 +43,7 @@ ITERS, CHECKPOINT_INTERVAL = 10, 2
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--drill", action="append", default=[], metavar="NAME",

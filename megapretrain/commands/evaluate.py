@@ -24,7 +24,7 @@ import torch
 from megapretrain.checkpoint.directories import resolve_checkpoint
 from megapretrain.checkpoint.hf import our_model
 from megapretrain.checkpoint.reshard import GlobalWeights, saved_config_path
-from megapretrain.cli import non_negative_int, positive_int, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.data.tokenizers import build_tokenizer
 from megapretrain.errors import UserError
@@ -32,7 +32,7 @@ from megapretrain.eval import load_tasks, model_logliks, pack, task_metrics
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--checkpoint", required=True,

@@ -34,14 +34,14 @@ from megapretrain.checkpoint.reshard import (
     global_shapes,
     saved_config_path,
 )
-from megapretrain.cli import non_negative_float, user_errors
+from megapretrain.cli import ToolParser, non_negative_float, user_errors
 from megapretrain.config import check_fields, load_config
 from megapretrain.errors import CheckpointError, UserError
 from megapretrain.model.args import ffn_hidden_size, kv_heads
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="iter_* directory, or a run directory (its latest)")
     ap.add_argument("--diff", metavar="OTHER", help="compare every tensor with this checkpoint")

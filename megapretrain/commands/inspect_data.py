@@ -18,7 +18,6 @@ how many ``seq_length + 1`` token samples cross a document boundary.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -26,7 +25,7 @@ import sys
 
 import numpy as np
 
-from megapretrain.cli import positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_int, user_errors
 from megapretrain.data.checks import read_summary
 from megapretrain.data.indexed_dataset import (
     _HEADER,
@@ -222,7 +221,7 @@ def _packed_view(lengths, seq_length: int, report: Report) -> None:
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefix", help="dataset prefix (PREFIX.bin / PREFIX.idx)")
     p.add_argument("--vocab-size", type=positive_int,
                    help="every token id must be below this (default: from the summary)")

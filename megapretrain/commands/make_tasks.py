@@ -17,14 +17,14 @@ import argparse
 import os
 import sys
 
-from megapretrain.cli import non_negative_int, positive_int, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.data.tokenizers import build_tokenizer
 from megapretrain.errors import UserError
 from megapretrain.eval.tasks import corpus_documents, tasks_from_corpus
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--data", required=True, help="an indexed dataset prefix (PREFIX.bin/.idx)")

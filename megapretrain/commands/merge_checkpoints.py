@@ -29,14 +29,14 @@ import sys
 from megapretrain.checkpoint.directories import resolve_checkpoint
 from megapretrain.checkpoint.merge import MergeInput, normalised_weights, write_average
 from megapretrain.checkpoint.reshard import layout_bytes, saved_config_path
-from megapretrain.cli import number, positive_int, progress_bar, user_errors
+from megapretrain.cli import ToolParser, number, positive_int, progress_bar, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.resolve import resolve
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Other --section.key VALUE arguments set the output's "
                                         "layout (--parallel.tp ...).")

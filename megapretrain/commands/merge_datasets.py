@@ -15,14 +15,13 @@ to temporary names renamed when complete (the .idx last), never over an existing
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import sys
 import time
 
-from megapretrain.cli import print_error, progress_bar, user_errors
+from megapretrain.cli import ToolParser, print_error, progress_bar, user_errors
 from megapretrain.data.checks import read_summary
 from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, dataset_exists
 from megapretrain.errors import (
@@ -176,7 +175,7 @@ def _summary(prefixes, summaries, tokenizer, builder: IndexedDatasetBuilder, dty
 
 @user_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="prefixes, or directories of "
                                                              ".bin/.idx pairs")
     p.add_argument("--output-prefix", required=True,

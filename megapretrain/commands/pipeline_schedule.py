@@ -26,7 +26,7 @@ import argparse
 import re
 import sys
 
-from megapretrain.cli import positive_float, positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, positive_float, positive_int, print_error, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import ConfigError, PipelineError
 from megapretrain.parallel.pipeline import (
@@ -48,7 +48,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     pipelined = [s.name for s in SCHEDULES.values() if s.pipelines]
     described = "\n".join(f"  {s.name:<12} {s.description}" for s in SCHEDULES.values())
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Any other --section.key VALUE overrides the config.\n\n"
                                  f"schedules:\n{described}")

@@ -51,6 +51,7 @@ import shlex
 import sys
 
 from megapretrain.cli import (
+    ToolParser,
     fraction,
     non_negative_float,
     positive_float,
@@ -82,7 +83,7 @@ from megapretrain.simulate.run import check_layout
 # Arguments
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ToolParser):
     def error(self, message):  # one line, through the UserError path
         raise PlanArgumentError(f"{message} (see tools/plan.py --help)")
 

@@ -21,14 +21,14 @@ import os
 import sys
 
 from megapretrain.attempts import run_goodput
-from megapretrain.cli import user_errors
+from megapretrain.cli import ToolParser, user_errors
 from megapretrain.errors import DataError, UserError
 from megapretrain.monitor.metrics import read_metrics, training_records
 from megapretrain.monitor.progress import describe_goodput
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("run_dir",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megapretrain.cli import positive_float, positive_int, user_errors
+from megapretrain.cli import ToolParser, positive_float, positive_int, user_errors
 from megapretrain.config import ConfigError, load_config
 from megapretrain.data.sampler import batch_size_at, run_length
 from megapretrain.errors import UserError
@@ -35,7 +35,7 @@ from megapretrain.parallel.pipeline import SCHEDULES, resolve_schedule
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--config", help="YAML config (configs/NAME.yaml); --section.key VALUE "

@@ -51,7 +51,13 @@ import shutil
 import sys
 import time
 
-from megapretrain.cli import non_negative_float, positive_float, positive_int, user_errors
+from megapretrain.cli import (
+    ToolParser,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    user_errors,
+)
 from megapretrain.config import Config, ConfigError, check_output_dirs, load_config
 from megapretrain.errors import UserError
 from megapretrain.monitor.flops import DEVICES
@@ -79,7 +85,7 @@ from .preflight_runs import Run, data_cache, run_training, train_command
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--config", required=True,

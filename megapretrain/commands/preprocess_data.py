@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from megapretrain.cli import positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, positive_int, print_error, user_errors
 from megapretrain.config import expand_path
 from megapretrain.data import readers
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
@@ -51,7 +51,7 @@ SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ToolParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("input")
     src.add_argument("--input", nargs="+", help="files, directories or glob patterns: JSON lines "

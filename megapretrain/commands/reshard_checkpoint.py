@@ -42,7 +42,7 @@ from megapretrain.checkpoint.reshard import (
     saved_padded_vocab,
     write_layout,
 )
-from megapretrain.cli import positive_int, progress_bar, user_errors
+from megapretrain.cli import ToolParser, positive_int, progress_bar, user_errors
 from megapretrain.config import load_config, save_config
 from megapretrain.errors import size_text
 from megapretrain.model.build import rank_param_specs
@@ -50,7 +50,7 @@ from megapretrain.resolve import resolve
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Other --section.key VALUE arguments set the target "
                                         "layout.")

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from megapretrain.cli import non_negative_int, positive_int, user_errors
+from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.config import load_config
 from megapretrain.errors import UserError
 from megapretrain.simulate.report import layout_json, markdown, role_of, role_ranks, text
@@ -40,7 +40,7 @@ class SimulateArgumentError(UserError):
     """A bad flag of tools/simulate.py."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ToolParser):
     def error(self, message):  # one line, through the UserError path
         raise SimulateArgumentError(f"{message} (see tools/simulate.py --help)")
 

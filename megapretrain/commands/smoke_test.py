@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapretrain.cli import positive_float, positive_int, print_error, user_errors
+from megapretrain.cli import ToolParser, positive_float, positive_int, print_error, user_errors
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
 
 # the directory holding the megapretrain package (a checkout's root): the PYTHONPATH of the runs it
@@ -41,7 +41,7 @@ KEYS = ("tp", "pp", "vpp", "cp", "sp", "zero")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = ToolParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="auto",
                     help='";"-separated: "auto" (every tp × pp that divides the world) and/or '
