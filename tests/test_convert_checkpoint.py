@@ -214,8 +214,12 @@ def test_rope_scaling_is_read_from_either_config_form(tmp_path):
     legacy["rope_scaling"].pop("rope_type")
     assert rope_from_hf(legacy, "x") == (500000.0, scaling)  # older checkpoints
     assert rope_from_hf({"rope_theta": 1e4, "rope_scaling": None}, "x") == (1e4, None)
-    with pytest.raises(ConvertError, match="only rope_type llama3"):
-        rope_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+    with pytest.raises(ConvertError, match="rope_type must be llama3"):
+        rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "x")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    assert rope_from_hf({"rope_scaling": yarn, "rope_theta": 1e4}, "x") == (1e4, yarn)
+    with pytest.raises(ConvertError, match=r"keys \['low_freq_factor'\] are not part of rope_type yarn"):
+        rope_from_hf({"rope_scaling": {**yarn, "low_freq_factor": 1.0}}, "x")
 
 
 def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp_path, capsys):

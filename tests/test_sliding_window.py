@@ -338,6 +338,12 @@ def test_the_layer_types_resolve_from_the_list_or_the_pattern():
     (("--model.sliding_window", "8", "--model.sliding_window_pattern", "0"), "model.sliding_window_pattern=0"),
     (("--model.sliding_window", "8", "--model.attention", "flex", "--train.device", "cpu"),
      "model.attention=flex cannot train on cpu"),
+    (("--model.sliding_rope", "{rope_type: default, rope_theta: 500000}"),
+     "model.sliding_rope={'rope_type': 'default', 'rope_theta': 500000}: no layer has a sliding window"),
+    (("--model.sliding_window", "8", "--model.sliding_rope", "{rope_type: yarn, factor: 4}"),
+     "model.sliding_rope: rope_type yarn needs positive numbers original_max_position_embeddings"),
+    (("--model.rope_scaling", "{rope_type: yarn, factor: 4, original_max_position_embeddings: 8, beta: 2}"),
+     "model.rope_scaling: keys ['beta'] are not part of rope_type yarn"),
 ])
 def test_bad_window_values_are_one_line_naming_the_field(flags, message):
     """Each bad value stops the run before any work with one line naming the field (a windowed
