@@ -449,3 +449,30 @@ def test_olmo3_yarn_on_the_full_layers_matters_and_reads_from_the_released_form(
     assert flags == ADAPTER.model_flags(nested, "config.json")
     assert flags["rope_scaling"]["rope_type"] == "yarn" and flags["rope_theta"] == 10000.0
     assert flags["sliding_rope"] == {"rope_theta": 500000.0, "rope_type": "default"}
+
+
+def test_olmo_norms_round_as_transformers_in_bf16():
+    """In bf16 the OLMo family's norms — its sublayer and final norm, and the QK-norm over the whole
+    projection — equal transformers' Olmo3RMSNorm bit for bit: the weight multiplies x / rms(x) in fp32,
+    then one rounding. The Llama order (x / rms(x) rounded first) differs on the same input."""
+    from megapretrain.model import olmo
+    from megapretrain.model.args import ModelArgs
+    from megapretrain.model.layers import RMSNorm, SpanningRMSNorm
+    from megapretrain.parallel.state import Group
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 96, generator=g) * 3).bfloat16()
+    weight = (1 + 0.5 * torch.randn(96, generator=g)).bfloat16()
+    theirs = Olmo3RMSNorm(96, eps=1e-6).bfloat16()
+    spec = olmo.layer_spec(ModelArgs(2, 96, 4, 4, 128, 300, family="olmo"))
+    ours = [spec.norm(96, 1e-6, dtype=torch.bfloat16),
+            SpanningRMSNorm(96, 1e-6, Group("tp", [0]), dtype=torch.bfloat16)]
+    llama = RMSNorm(96, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for norm in (theirs, *ours, llama):
+            norm.weight.copy_(weight)
+        expected = theirs(x)
+        for norm in ours:
+            assert torch.equal(norm(x), expected), type(norm).__name__
+        assert not torch.equal(llama(x), expected)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from .args import FAMILY_DEFAULTS, ModelArgs
 from .hf_adapter import HFAdapter
-from .layers import GeluMLP, LayerSpec, RMSNorm, SwiGLU
+from .layers import GeluMLP, LayerSpec, RMSNorm, SwiGLU, WeightFirstRMSNorm
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-TRITON_LAYERS = (RMSNorm, SwiGLU)  # the norms and MLPs kernels/ has a Triton kernel for (RoPE: all)
+TRITON_LAYERS = (RMSNorm, WeightFirstRMSNorm, SwiGLU)  # the norms and MLPs kernels/ has a Triton kernel for (RoPE: all)
 SHOWN = {GeluMLP: "GELU"}  # a part's name in messages, where not its class's
 
 

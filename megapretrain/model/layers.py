@@ -167,12 +167,14 @@ class _RMSNormFunction(torch.autograd.Function):
     CPU)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, weight_in_fp32: bool = False):
         xf = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # (..., h) fp32
         mean_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
         rstd = mean_sq.add_(eps).rsqrt_()  # (..., 1) fp32
         ctx.save_for_backward(x, weight, rstd)
-        # rounded to x's dtype, then scaled (as HF does)
+        if weight_in_fp32:  # scaled in fp32, then rounded once (HF's OLMo 2/3)
+            return xf.mul_(rstd).mul_(weight).to(torch.promote_types(x.dtype, weight.dtype))
+        # rounded to x's dtype, then scaled (as HF's Llama does)
         return xf.mul_(rstd).to(x.dtype).mul_(weight)
 
     @staticmethod
@@ -186,13 +188,16 @@ class _RMSNormFunction(torch.autograd.Function):
         g.mul_(weight.to(rstd.dtype))  # d loss / d x_hat
         # d x_hat / d x = rstd · (I - x_hat x_hatᵀ / h)
         dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
-        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None
+        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None, None
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, computed in fp32 whatever the input dtype. ``partial_grad``: each tp
+    """x / rms(x) · weight, computed in fp32 whatever the input dtype, x / rms(x) rounded to the
+    input's dtype before the weight multiplies it (HF's Llama order). ``partial_grad``: each tp
     rank normalizes other rows (other positions under sequence parallelism, other heads for
     QK-norm), so the weight's grads are partial sums over tp."""
+
+    weight_in_fp32 = False  # the product x / rms(x) · weight taken in fp32, rounded once after
 
     def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False,
                  kernels: str = "torch", dtype=torch.float32, device=None):
@@ -205,9 +210,16 @@ class RMSNorm(nn.Module):
                                    init=ONES)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
-            return rms_norm(x, self.weight, self.eps)  # one kernel each way (kernels/rmsnorm.py)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if self.kernels == "triton":  # one kernel each way (kernels/rmsnorm.py)
+            return rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.weight_in_fp32)
+
+
+class WeightFirstRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with the weight multiplying x / rms(x) in fp32 before one rounding to the
+    output dtype (HF's Olmo2RMSNorm / Olmo3RMSNorm order; in bf16 it differs from Llama's)."""
+
+    weight_in_fp32 = True
 
 
 class LayerNorm(nn.Module):
@@ -248,7 +260,8 @@ class SpanningRMSNorm(nn.Module):
     """RMSNorm over a vector whose ``width`` entries are split over the tp ranks (OLMo's QK-norm
     over a whole q or k projection, of which each rank holds its heads' columns): the sum of
     squares is summed over tp (an all-reduce forward and backward), the weight is split over tp
-    with the entries. With one tp rank, :class:`RMSNorm`'s computation."""
+    with the entries. With one tp rank, :class:`WeightFirstRMSNorm`'s computation: the weight
+    multiplies in fp32, one rounding after (HF's OLMo order)."""
 
     def __init__(self, width: int, eps: float, tp: Group, *, kernels: str = "torch",
                  dtype=torch.float32, device=None):
@@ -262,12 +275,12 @@ class SpanningRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             if self.kernels == "triton":
-                return rms_norm(x, self.weight, self.eps)
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps, True)
+            return _RMSNormFunction.apply(x, self.weight, self.eps, True)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., width/tp)
         sum_sq = _SumOverTP.apply(xf.square().sum(-1, keepdim=True), self.tp)  # (..., 1)
         rstd = torch.rsqrt(sum_sq / self.width + self.eps)
-        return (xf * rstd).to(x.dtype) * self.weight
+        return (xf * rstd * self.weight).to(torch.promote_types(x.dtype, self.weight.dtype))
 
 
 # -- rotary embeddings -----------------------------------------------------------------------------
