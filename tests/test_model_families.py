@@ -455,11 +455,12 @@ def test_olmo_norms_round_as_transformers_in_bf16():
     """In bf16 the OLMo family's norms — its sublayer and final norm, and the QK-norm over the whole
     projection — equal transformers' Olmo3RMSNorm bit for bit: the weight multiplies x / rms(x) in fp32,
     then one rounding. The Llama order (x / rms(x) rounded first) differs on the same input."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+
     from megapretrain.model import olmo
     from megapretrain.model.args import ModelArgs
     from megapretrain.model.layers import RMSNorm, SpanningRMSNorm
     from megapretrain.parallel.state import Group
-    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 5, 96, generator=g) * 3).bfloat16()

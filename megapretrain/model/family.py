@@ -21,7 +21,8 @@ from .layers import GeluMLP, LayerSpec, RMSNorm, SwiGLU, WeightFirstRMSNorm
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-TRITON_LAYERS = (RMSNorm, WeightFirstRMSNorm, SwiGLU)  # the norms and MLPs kernels/ has a Triton kernel for (RoPE: all)
+# the norms and MLPs kernels/ has a Triton kernel for (RoPE: all)
+TRITON_LAYERS = (RMSNorm, WeightFirstRMSNorm, SwiGLU)
 SHOWN = {GeluMLP: "GELU"}  # a part's name in messages, where not its class's
 
 
