@@ -299,6 +299,36 @@ def test_each_layer_gets_its_own_window_under_recomputation():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{recompute}: {name}")
 
 
+def test_each_layer_rotates_with_its_layer_type_s_table():
+    """YaRN on the full layer, plain rotary of another base on the windowed one (model.sliding_rope):
+    each layer is handed its own type's cos and sin, by global position or per document, under full
+    recomputation too."""
+    from megapretrain.model.layers import rope_tables
+
+    yarn = (("factor", 4.0), ("original_max_position_embeddings", 8), ("rope_type", "yarn"))
+    args = tiny_args(sliding_window=5, layer_types=(FULL, SLIDING), rope_scaling=yarn,
+                     sliding_rope=(("rope_theta", 500000.0), ("rope_type", "default")))
+    assert [args.rope(i) for i in range(2)] == [(10000.0, yarn), (500000.0, None)]
+    tokens = _tokens(33, [[3, 20], [31]], seed=6)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    tables = [rope_tables(32, args.head_dim, 10000.0, "cpu", torch.float32, dict(yarn)),
+              rope_tables(32, args.head_dim, 500000.0, "cpu", torch.float32)]
+    assert not torch.allclose(tables[0][0], tables[1][0])
+    for recompute, docs in (("none", None), ("full", documents(inputs, EOD, True, True))):
+        model = DecoderModel(args, Group("tp", [0]), attention="blockwise", recompute=recompute)
+        seen = {}
+
+        def record(layer, args, i):
+            seen.setdefault(i, args[1])  # its cos, on its first call (full recompute calls it twice)
+
+        for i, layer in model.layers.items():
+            layer.register_forward_pre_hook(lambda m, a, i=i: record(m, a, i))
+        model(inputs, targets, docs).sum().backward()
+        for i, (cos, _) in enumerate(tables):
+            want = cos if docs is None else cos[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
+            assert torch.equal(seen[str(i)], want), (recompute, i)
+
+
 def _config(*flags):
     return load_config(None, ["--model.vocab_size", "256", "--model.num_layers", "4", *flags])
 
