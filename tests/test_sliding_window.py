@@ -9,6 +9,7 @@ The windowed layouts of the real trainer against one process are cases of tests/
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 
@@ -299,6 +300,10 @@ def test_each_layer_gets_its_own_window_under_recomputation():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{recompute}: {name}")
 
 
+def _record(seen: dict, i: str, layer, args) -> None:
+    seen.setdefault(i, args[1])
+
+
 def test_each_layer_rotates_with_its_layer_type_s_table():
     """YaRN on the full layer, plain rotary of another base on the windowed one (model.sliding_rope):
     each layer is handed its own type's cos and sin, by global position or per document, under full
@@ -317,12 +322,8 @@ def test_each_layer_rotates_with_its_layer_type_s_table():
     for recompute, docs in (("none", None), ("full", documents(inputs, EOD, True, True))):
         model = DecoderModel(args, Group("tp", [0]), attention="blockwise", recompute=recompute)
         seen = {}
-
-        def record(layer, args, i):
-            seen.setdefault(i, args[1])  # its cos, on its first call (full recompute calls it twice)
-
-        for i, layer in model.layers.items():
-            layer.register_forward_pre_hook(lambda m, a, i=i: record(m, a, i))
+        for i, layer in model.layers.items():  # its cos, on its first call (full recompute: two)
+            layer.register_forward_pre_hook(functools.partial(_record, seen, i))
         model(inputs, targets, docs).sum().backward()
         for i, (cos, _) in enumerate(tables):
             want = cos if docs is None else cos[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
