@@ -9,7 +9,8 @@ over programs, each of which reads the whole row a second time (from L2) for the
 Divisions and the square root are correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``), as torch's.
 
 Semantics are those of the model's norm: statistics in fp32, ``x_hat`` rounded to x's dtype before
-the weight multiplies it (as HF does), dx in x's dtype, the weight gradient in the weight's dtype.
+the weight multiplies it (as HF's Llama does), or with ``weight_in_fp32`` the product taken in fp32
+and rounded once (as HF's OLMo 2/3 do); dx in x's dtype, the weight gradient in the weight's dtype.
 :func:`rms_norm_reference` is the same computation in plain torch.
 """
 
@@ -31,7 +32,7 @@ BWD_CHUNK = 4096
 
 @jit
 def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
-                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (BR,)
     c = tl.arange(0, BLOCK_H)  # (BH,)
     mask = (r[:, None] < rows) & (c[None, :] < h)
@@ -39,7 +40,9 @@ def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, h, eps,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BR, BH)
     # correctly rounded divisions and square root (the GPU's defaults are approximate), as torch's
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=1), h * 1.0) + eps))  # (BR,)
-    x_hat = to_dtype(x * rstd[:, None], x_ptr.dtype.element_ty).to(tl.float32)
+    x_hat = x * rstd[:, None]
+    if not WEIGHT_IN_FP32:  # rounded to x's dtype before the weight multiplies it
+        x_hat = to_dtype(x_hat, x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < h, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, to_dtype(x_hat * w[None, :], y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + r, rstd, mask=r < rows)
@@ -97,7 +100,7 @@ def _num_programs(device: torch.device, row_blocks: int) -> int:
     return max(1, min(row_blocks, 2 * sm_count(device)))  # two programs per multiprocessor
 
 
-def _triton_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool):
     h = x.shape[-1]
     x2d = x.reshape(-1, h).contiguous()  # (rows, h)
     rows = x2d.shape[0]
@@ -106,7 +109,8 @@ def _triton_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     block_r, block_h, warps = blocks(h, FWD_TILE)
     if rows:
         _rmsnorm_fwd[(cdiv(rows, block_r),)](x2d, weight.contiguous(), y, rstd, rows, h, eps,
-                                             BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps)
+                                             BLOCK_R=block_r, BLOCK_H=block_h,
+                                             WEIGHT_IN_FP32=weight_in_fp32, num_warps=warps)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -130,10 +134,13 @@ def _triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 
-def _torch_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def _torch_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool):
     xf = x.to(torch.float32, copy=True)  # (..., h)
     rstd = xf.square().mean(-1).add_(eps).rsqrt_()  # (...,)
-    return xf.mul_(rstd.unsqueeze(-1)).to(x.dtype) * weight, rstd
+    x_hat = xf.mul_(rstd.unsqueeze(-1))
+    if weight_in_fp32:
+        return (x_hat * weight.float()).to(torch.promote_types(x.dtype, weight.dtype)), rstd
+    return x_hat.to(x.dtype) * weight, rstd
 
 
 def _torch_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
@@ -147,13 +154,14 @@ def _torch_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 
 @torch.library.custom_op("megapretrain::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor,
-                                                                             torch.Tensor]:
-    return (_triton_forward if use_triton(x.device.type) else _torch_forward)(x, weight, eps)
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _triton_forward if use_triton(x.device.type) else _torch_forward
+    return impl(x, weight, eps, weight_in_fp32)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, weight_in_fp32):
     y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
@@ -171,37 +179,40 @@ def _(grad, x, weight, rstd):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight = inputs[:2]
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _backward(ctx, grad_y, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _rms_norm_backward_op(grad_y.contiguous(), x, weight, rstd)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., h) / rms(x) · weight (h,): the Triton kernels on CUDA (or under the interpreter)."""
-    return _rms_norm_op(x, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             weight_in_fp32: bool = False) -> torch.Tensor:
+    """x (..., h) / rms(x) · weight (h,): the Triton kernels on CUDA (or under the interpreter).
+    ``weight_in_fp32``: the weight multiplies x / rms(x) in fp32, one rounding after."""
+    return _rms_norm_op(x, weight, eps, weight_in_fp32)[0]
 
 
 class _RMSNormReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        y, rstd = _torch_forward(x, weight, eps)
+    def forward(ctx, x, weight, eps: float, weight_in_fp32: bool):
+        y, rstd = _torch_forward(x, weight, eps, weight_in_fp32)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         dx, dw = _torch_backward(grad, *ctx.saved_tensors)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_in_fp32: bool = False) -> torch.Tensor:
     """:func:`rms_norm` in plain torch (the model's formulas), for any device."""
-    return _RMSNormReference.apply(x, weight, eps)
+    return _RMSNormReference.apply(x, weight, eps, weight_in_fp32)

@@ -91,7 +91,19 @@ class ModelConfig:
     rope_scaling: Optional[dict] = _f(None, "Rotary frequency scaling (null: none), as Hugging "
                                             "Face writes it; Llama 3.1's: {rope_type: llama3, "
                                             "factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
-                                            "original_max_position_embeddings: 8192}.")
+                                            "original_max_position_embeddings: 8192}; YaRN's: "
+                                            "{rope_type: yarn, factor: 8, "
+                                            "original_max_position_embeddings: 8192} (optional: "
+                                            "attention_factor, beta_fast, beta_slow, mscale, "
+                                            "mscale_all_dim).")
+    sliding_rope: Optional[dict] = _f(None, "With sliding_window: the rotary settings of the "
+                                            "sliding_attention layers where they differ from "
+                                            "rope_theta and rope_scaling (which then apply to the "
+                                            "full_attention layers), as Hugging Face's "
+                                            "rope_parameters['sliding_attention']; OLMo 3 with "
+                                            "YaRN on its full layers only: {rope_type: default, "
+                                            "rope_theta: 500000} (null: one setting for every "
+                                            "layer; rope_theta null: model.rope_theta).")
     norm_eps: float = _f(1e-5, "Norm epsilon (RMSNorm's; GPT-NeoX: its LayerNorm's "
                                "layer_norm_eps).", positive=True)
     tie_embeddings: bool = _f(False, "Share the input embedding with the output layer.")

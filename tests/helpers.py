@@ -309,6 +309,10 @@ NEOX = ("--model.family", "gpt_neox", "--model.mlp", "gelu", "--model.num_kv_hea
         "0.5", "--model.ffn_hidden_size", "256")
 # OLMo 3: post-norm, QK-norm over the whole projections (across tp ranks), layers 0-2 of 4 windowed
 OLMO3 = ("--model.family", "olmo", "--model.sliding_window", "5", "--model.sliding_window_pattern", "4")
+# the long-context OLMo 3's rotary: YaRN (stretching an 8-token context 4×) on the full layer only, plain
+# rotary with another base on the windowed ones
+OLMO3_YARN = (*OLMO3, "--model.rope_scaling", "{rope_type: yarn, factor: 4, original_max_position_embeddings: 8}",
+              "--model.sliding_rope", "{rope_type: default, rope_theta: 500000}")
 
 
 # -- runs that save and resume ---------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers import NEOX, OLMO3, QWEN
+from helpers import NEOX, OLMO3, OLMO3_YARN, QWEN
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,8 @@ CASES: tuple[Case, ...] = (
     Case("olmo3_cp2_ring_documents", 2, (*CP2, *_cp_comm("ring")), (*OLMO3, *DOCS)),
     Case("olmo3_cp2_a2a", 2, (*CP2, *_cp_comm("a2a")), OLMO3),
     Case("olmo3_tp2_pp2_sp", 4, (*TP2_SP, *PP2), OLMO3, slow=True),
+    Case("olmo3_yarn_cp2", 2, CP2, OLMO3_YARN, note="YaRN on the full layer, its own rotary on the windowed "
+                                                    "ones: each layer's table, this rank's positions"),
     *(Case(f"{family}_{name}", 2, layout, flags)
       for family, flags in (("qwen", QWEN), ("gpt_neox", NEOX), ("olmo3", OLMO3))
       for name, layout in (("tp2_sp", TP2_SP), ("pp2", PP2), ("dp2_zero3", Z3), ("cp2", CP2),

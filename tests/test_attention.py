@@ -328,3 +328,34 @@ def test_the_bench_prints_a_row_per_case_and_refuses_bad_flags(capsys):
     assert all(r["peak_bytes"] > 0 and r["ms"] > 0 and r["docs"] == "short" for r in rows)
     assert main(["--heads", "8", "--kv-heads", "3"]) == 2
     assert capsys.readouterr().err.strip() == "error: --kv-heads 3 must divide --heads 8"
+
+
+@pytest.mark.parametrize("flags, masks", [
+    ((), 1),  # documents: one mask for every layer
+    (("--model.sliding_window", "8", "--model.sliding_window_pattern", "2"), 2),  # and one for the windowed
+    (("--model.sliding_window", "8"), 1),  # every layer windowed
+    (("--model.sliding_window", "8", "--model.sliding_window_pattern", "2", "--data.reset_attention_mask",
+      "false"), 1),  # the full layers causal, unmasked
+])
+def test_sdpa_counts_the_dense_masks_the_model_builds(flags, masks):
+    """sdpa keeps one dense mask per distinct mask its layers read (documents with a window: two), as
+    many as the model prepares for a micro-batch; the memory warning counts them all."""
+    from megapretrain.model.attention import dense_attention_bytes, dense_masks
+
+    cfg = _cfg("--model.attention", "sdpa", "--model.num_layers", "4", "--train.seq_length", "16", *flags)
+    layout = resolve(cfg, 1).layout
+    assert dense_masks(cfg) == masks
+    one = dense_attention_bytes(_cfg("--model.attention", "sdpa", "--train.seq_length", "16"), layout)[0]
+    assert dense_attention_bytes(cfg, layout)[0] == masks * one
+    model = DecoderModel(tiny_args(num_layers=4, **_window_args(cfg)), Group("tp", [0]), attention="sdpa")
+    tokens = torch.randint(0, 5, (2, 16), generator=torch.Generator().manual_seed(0))
+    docs = documents(tokens, 0, cfg.data.reset_attention_mask, False)
+    _, prepared = model._positions(model.embed_tokens(tokens), docs)
+    assert sum(mask is not None for mask in prepared.values()) == masks
+
+
+def _window_args(cfg) -> dict:
+    from megapretrain.model.build import model_args
+
+    args = model_args(cfg)
+    return dict(sliding_window=args.sliding_window, layer_types=args.layer_types)

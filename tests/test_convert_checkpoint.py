@@ -205,6 +205,24 @@ def test_llama31_from_hf_into_tp2_pp2_trains_and_goes_back(corpus, tmp_path, cap
     assert torch.equal(greedy(ours, prompt, 10), theirs)
 
 
+def test_llama_with_yarn_converts_both_ways_with_transformers_logits(tmp_path, capsys):
+    """YaRN (rope_type yarn, an explicit attention factor) in a Llama config.json: from-hf and to-hf
+    each check the logits against transformers (--verify) on 64 tokens, four times the original
+    context, and the config comes back as it was."""
+    hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "back")
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "attention_factor": 1.2, "beta_fast": 16.0, "beta_slow": 2.0}
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, rope_parameters=dict(yarn))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(hf_dir)
+    assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt, "--train.seq_length", "64", "--verify"]) == 0
+    assert convert.main(["to-hf", "--checkpoint", ckpt, "--output", back, "--dtype", "fp32", "--verify"]) == 0
+    assert capsys.readouterr().out.count("max logit difference") == 2
+    assert json.load(open(os.path.join(back, "config.json")))["rope_parameters"] == yarn
+
+
 def test_rope_scaling_is_read_from_either_config_form(tmp_path):
     from megapretrain.checkpoint.hf import ConvertError, rope_from_hf
 
@@ -214,8 +232,12 @@ def test_rope_scaling_is_read_from_either_config_form(tmp_path):
     legacy["rope_scaling"].pop("rope_type")
     assert rope_from_hf(legacy, "x") == (500000.0, scaling)  # older checkpoints
     assert rope_from_hf({"rope_theta": 1e4, "rope_scaling": None}, "x") == (1e4, None)
-    with pytest.raises(ConvertError, match="only rope_type llama3"):
-        rope_from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "x")
+    with pytest.raises(ConvertError, match="rope_type must be llama3"):
+        rope_from_hf({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "x")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    assert rope_from_hf({"rope_scaling": yarn, "rope_theta": 1e4}, "x") == (1e4, yarn)
+    with pytest.raises(ConvertError, match=r"keys \['low_freq_factor'\] are not part of rope_type yarn"):
+        rope_from_hf({"rope_scaling": {**yarn, "low_freq_factor": 1.0}}, "x")
 
 
 def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp_path, capsys):

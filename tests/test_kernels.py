@@ -68,12 +68,12 @@ def test_empty_inputs():
 
 # -- RMSNorm ----------------------------------------------------------------------------------------
 
-def _rms_norm_both(x, w, dy) -> list[tuple]:
+def _rms_norm_both(x, w, dy, weight_in_fp32=False) -> list[tuple]:
     """(output, input grad, weight grad) of the kernel and of the reference, for ``dy``."""
     outs = []
     for fn in (rmsnorm.rms_norm, rmsnorm.rms_norm_reference):
         xl, wl = as_leaf(x), as_leaf(w)
-        y = fn(xl, wl, 1e-6)
+        y = fn(xl, wl, 1e-6, weight_in_fp32)
         y.backward(dy)
         outs.append((y, xl.grad, wl.grad))
     return outs
@@ -93,6 +93,22 @@ def test_rms_norm_matches_reference(shape, dtype, wdtype):
     close(y, y_ref, dtype)
     close(dx, dx_ref, dtype)
     close(dw, dw_ref, wdtype, fp32_tol=FP32_ROW_SUM_TOL)
+
+
+def test_rms_norm_with_the_weight_in_fp32_rounds_once():
+    """weight_in_fp32 (OLMo's order): the kernel equals the reference, whose output is
+    round(w · x / rms(x)) computed in fp32, where the default rounds x / rms(x) first."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 300, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(300, generator=g)).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(37, 300, generator=g).to(DEVICE, torch.bfloat16)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _rms_norm_both(x, w, dy, True)
+    for ours, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        close(ours, ref, torch.bfloat16)
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
+    assert torch.equal(y_ref, expected)
+    assert not torch.equal(rmsnorm.rms_norm_reference(x, w, 1e-6), expected)
 
 
 def test_rms_norm_reference_is_rms_norm():
@@ -159,7 +175,8 @@ def test_rms_norm_backward_over_column_chunks(monkeypatch, dtype):
 def test_rms_norm_op_registration_and_compile():
     x = torch.randn(5, 33, device=DEVICE, requires_grad=True)
     w = torch.randn(33, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(torch.ops.megapretrain.rms_norm.default, (x, w, 1e-6))
+    for weight_in_fp32 in (False, True):
+        torch.library.opcheck(torch.ops.megapretrain.rms_norm.default, (x, w, 1e-6, weight_in_fp32))
     compiled = torch.compile(rmsnorm.rms_norm, backend="aot_eager", fullgraph=True)
     y = compiled(x, w, 1e-6)
     y.sum().backward()

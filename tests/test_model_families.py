@@ -22,7 +22,7 @@ from megapretrain.model.build import model_args, rank_param_specs
 from megapretrain.model.decoder import num_parameters
 from megapretrain.train import setup
 
-from helpers import BASE, NEOX, OLMO3, QWEN, safetensors_of
+from helpers import BASE, NEOX, OLMO3, OLMO3_YARN, QWEN, safetensors_of
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +52,15 @@ def _hf_model(kind: str):
                                           num_key_value_heads=2, rms_norm_eps=1e-6, sliding_window=7,
                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         cls = transformers.Olmo3ForCausalLM
+    elif kind == "olmo3_yarn":  # the long-context OLMo 3's rotary: YaRN on the full layer only
+        rope = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                   "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+        config = transformers.Olmo3Config(**common | {"num_hidden_layers": 3}, intermediate_size=128,
+                                          num_key_value_heads=2, rms_norm_eps=1e-6, sliding_window=7,
+                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                          rope_parameters=rope)
+        cls = transformers.Olmo3ForCausalLM
     else:
         config = transformers.Qwen3Config(**common, intermediate_size=128, num_key_value_heads=2, head_dim=32,
                                           rms_norm_eps=1e-6)
@@ -69,7 +78,8 @@ def _family(kind: str) -> str:
     return "gpt_neox" if kind.startswith("gpt_neox") else "olmo" if kind.startswith("olmo") else "llama"
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential", "olmo2", "olmo3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential", "olmo2", "olmo3",
+                                  "olmo3_yarn"])
 def test_hf_round_trip_is_bitwise_and_logits_match(kind, tmp_path, capsys):
     from megapretrain.checkpoint.hf import model_overrides, our_logits, our_model
     from megapretrain.checkpoint.reshard import GlobalWeights
@@ -263,7 +273,7 @@ def test_the_family_is_read_off_model_type_or_architectures():
 
 # per registered family: flags its rules accept, and flags they refuse (with the message's start);
 # a family registered without an entry here fails the tests below
-ACCEPTED = {"llama": QWEN, "gpt_neox": NEOX, "olmo": OLMO3}
+ACCEPTED = {"llama": QWEN, "gpt_neox": NEOX, "olmo": OLMO3_YARN}
 REFUSED = {"llama": (("--model.rotary_pct", "0.5"), "model.rotary_pct=0.5: the llama family"),
            "gpt_neox": ((*NEOX, "--model.num_kv_heads", "2"), "model.num_kv_heads=2: GPT-NeoX"),
            "olmo": ((*OLMO3, "--model.qk_norm", "true"), "model.qk_norm=true is the llama family's")}
@@ -401,9 +411,10 @@ def test_the_planner_reads_fused_qkv_off_the_layer_spec(monkeypatch):
 
 
 @pytest.mark.parametrize("change, message", [
-    # the long-context OLMo 3 releases: YaRN on the full layers only
-    (lambda hf: hf["rope_parameters"]["full_attention"].update(rope_type="yarn", factor=8.0),
-     "rope_parameters differ between layer types"),
+    (lambda hf: hf["rope_parameters"]["full_attention"].update(rope_type="dynamic", factor=8.0),
+     "rope_type must be llama3"),
+    (lambda hf: hf["rope_parameters"]["full_attention"].update(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=8, truncate=False), "truncate"),
     (lambda hf: hf.update(attention_bias=True), "not supported by megapretrain's olmo family"),
     (lambda hf: hf.update(layer_types=["sliding_attention"]), "layer_types=")])
 def test_olmo_config_json_the_family_cannot_compute_is_refused_in_one_line(change, message, tmp_path):
@@ -417,3 +428,52 @@ def test_olmo_config_json_the_family_cannot_compute_is_refused_in_one_line(chang
     with pytest.raises(convert.ConvertError, match=message) as err:
         read_hf_config(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+def test_olmo3_yarn_on_the_full_layers_matters_and_reads_from_the_released_form():
+    """The YaRN case of the round trip above is one where YaRN changes the logits (40 tokens, a
+    window of 7); a config.json in the released checkpoints' form (top-level rope_scaling and
+    rope_theta) reads as transformers reads it: the scaling and the base on the full layers."""
+    from megapretrain.model.olmo_hf import ADAPTER
+
+    yarn, plain = _hf_model("olmo3_yarn"), _hf_model("olmo3")
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (yarn(tokens).logits - plain(tokens).logits).abs().max() > 1e-3
+    nested = yarn.config.to_dict()
+    full = dict(nested["rope_parameters"]["full_attention"])
+    released = {**nested, "rope_theta": full.pop("rope_theta"), "rope_scaling": full}
+    del released["rope_parameters"]
+    assert transformers.Olmo3Config(**released).rope_parameters == yarn.config.rope_parameters
+    flags = ADAPTER.model_flags(released, "config.json")
+    assert flags == ADAPTER.model_flags(nested, "config.json")
+    assert flags["rope_scaling"]["rope_type"] == "yarn" and flags["rope_theta"] == 10000.0
+    assert flags["sliding_rope"] == {"rope_theta": 500000.0, "rope_type": "default"}
+
+
+def test_olmo_norms_round_as_transformers_in_bf16():
+    """In bf16 the OLMo family's norms — its sublayer and final norm, and the QK-norm over the whole
+    projection — equal transformers' Olmo3RMSNorm bit for bit: the weight multiplies x / rms(x) in fp32,
+    then one rounding. The Llama order (x / rms(x) rounded first) differs on the same input."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+
+    from megapretrain.model import olmo
+    from megapretrain.model.args import ModelArgs
+    from megapretrain.model.layers import RMSNorm, SpanningRMSNorm
+    from megapretrain.parallel.state import Group
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 96, generator=g) * 3).bfloat16()
+    weight = (1 + 0.5 * torch.randn(96, generator=g)).bfloat16()
+    theirs = Olmo3RMSNorm(96, eps=1e-6).bfloat16()
+    spec = olmo.layer_spec(ModelArgs(2, 96, 4, 4, 128, 300, family="olmo"))
+    ours = [spec.norm(96, 1e-6, dtype=torch.bfloat16),
+            SpanningRMSNorm(96, 1e-6, Group("tp", [0]), dtype=torch.bfloat16)]
+    llama = RMSNorm(96, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for norm in (theirs, *ours, llama):
+            norm.weight.copy_(weight)
+        expected = theirs(x)
+        for norm in ours:
+            assert torch.equal(norm(x), expected), type(norm).__name__
+        assert not torch.equal(llama(x), expected)

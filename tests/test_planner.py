@@ -705,3 +705,17 @@ def test_optimizer_offload_moves_the_optimizer_state_off_the_device():
     assert offloaded["parts"]["optimizer"] == 0 and offloaded["total"] == pytest.approx(on_device["total"] - state)
     for part in ("parameters", "gradients", "activations"):
         assert offloaded["parts"][part] == on_device["parts"][part]
+
+
+def test_qk_norms_keep_their_inputs_whichever_the_family():
+    """A QK-norm keeps q and k before it for its backward: the per-head one of the llama family
+    (Qwen3) and the OLMo family's over the whole projections count the same bytes."""
+    from megapretrain.planner.memory import saved_bytes_per_token
+
+    layout = Layout(tp=2, pp=1, dp=1)
+    args = tiny_args(num_layers=2)
+    plain, per_head, olmo = (saved_bytes_per_token(a, layout, 32, "bf16", "triton")
+                             for a in (args, dataclasses.replace(args, qk_norm=True),
+                                       dataclasses.replace(args, family="olmo")))
+    d = args.head_dim
+    assert per_head == olmo == plain + 2 * (args.num_heads + args.num_kv_heads) * d / 2

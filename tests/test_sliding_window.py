@@ -9,6 +9,7 @@ The windowed layouts of the real trainer against one process are cases of tests/
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 
@@ -299,6 +300,36 @@ def test_each_layer_gets_its_own_window_under_recomputation():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=f"{recompute}: {name}")
 
 
+def _record(seen: dict, i: str, layer, args) -> None:
+    seen.setdefault(i, args[1])
+
+
+def test_each_layer_rotates_with_its_layer_type_s_table():
+    """YaRN on the full layer, plain rotary of another base on the windowed one (model.sliding_rope):
+    each layer is handed its own type's cos and sin, by global position or per document, under full
+    recomputation too."""
+    from megapretrain.model.layers import rope_tables
+
+    yarn = (("factor", 4.0), ("original_max_position_embeddings", 8), ("rope_type", "yarn"))
+    args = tiny_args(sliding_window=5, layer_types=(FULL, SLIDING), rope_scaling=yarn,
+                     sliding_rope=(("rope_theta", 500000.0), ("rope_type", "default")))
+    assert [args.rope(i) for i in range(2)] == [(10000.0, yarn), (500000.0, None)]
+    tokens = _tokens(33, [[3, 20], [31]], seed=6)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    tables = [rope_tables(32, args.head_dim, 10000.0, "cpu", torch.float32, dict(yarn)),
+              rope_tables(32, args.head_dim, 500000.0, "cpu", torch.float32)]
+    assert not torch.allclose(tables[0][0], tables[1][0])
+    for recompute, docs in (("none", None), ("full", documents(inputs, EOD, True, True))):
+        model = DecoderModel(args, Group("tp", [0]), attention="blockwise", recompute=recompute)
+        seen = {}
+        for i, layer in model.layers.items():  # its cos, on its first call (full recompute: two)
+            layer.register_forward_pre_hook(functools.partial(_record, seen, i))
+        model(inputs, targets, docs).sum().backward()
+        for i, (cos, _) in enumerate(tables):
+            want = cos if docs is None else cos[docs.position_ids].unsqueeze(1)  # (b, 1, s, d)
+            assert torch.equal(seen[str(i)], want), (recompute, i)
+
+
 def _config(*flags):
     return load_config(None, ["--model.vocab_size", "256", "--model.num_layers", "4", *flags])
 
@@ -338,6 +369,12 @@ def test_the_layer_types_resolve_from_the_list_or_the_pattern():
     (("--model.sliding_window", "8", "--model.sliding_window_pattern", "0"), "model.sliding_window_pattern=0"),
     (("--model.sliding_window", "8", "--model.attention", "flex", "--train.device", "cpu"),
      "model.attention=flex cannot train on cpu"),
+    (("--model.sliding_rope", "{rope_type: default, rope_theta: 500000}"),
+     "model.sliding_rope={'rope_type': 'default', 'rope_theta': 500000}: no layer has a sliding window"),
+    (("--model.sliding_window", "8", "--model.sliding_rope", "{rope_type: yarn, factor: 4}"),
+     "model.sliding_rope: rope_type yarn needs positive numbers original_max_position_embeddings"),
+    (("--model.rope_scaling", "{rope_type: yarn, factor: 4, original_max_position_embeddings: 8, beta: 2}"),
+     "model.rope_scaling: keys ['beta'] are not part of rope_type yarn"),
 ])
 def test_bad_window_values_are_one_line_naming_the_field(flags, message):
     """Each bad value stops the run before any work with one line naming the field (a windowed

@@ -112,7 +112,8 @@ def run_ops(shape: Shape, dtype: torch.dtype) -> None:
     norm_rows = shape.tokens // shape.tp if shape.sp else shape.tokens  # sequence parallel: s/tp rows
     x = torch.empty(norm_rows, shape.hidden, **meta, requires_grad=True)  # (b·s/tp, h)
     w = torch.empty(shape.hidden, **meta, requires_grad=True)
-    rmsnorm.rms_norm(x, w, 1e-5).backward(torch.empty(norm_rows, shape.hidden, **meta))
+    for weight_in_fp32 in (False, True):  # Llama's order, OLMo's (the weight before rounding)
+        rmsnorm.rms_norm(x, w, 1e-5, weight_in_fp32).backward(torch.empty(norm_rows, shape.hidden, **meta))
     gate, up = (torch.empty(shape.tokens, shape.ffn_local, **meta, requires_grad=True) for _ in range(2))
     swiglu.swiglu(gate, up).backward(torch.empty(shape.tokens, shape.ffn_local, **meta))
     cos, sin = (torch.empty(shape.seq, shape.head_dim, **meta) for _ in range(2))

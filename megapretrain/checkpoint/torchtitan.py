@@ -64,6 +64,9 @@ def check_model(cfg) -> None:
                                          ("rotary_pct", m.rotary_pct, 1.0),
                                          ("parallel_residual", bool(m.parallel_residual), False))
              if v != ok]
+    kind = (m.rope_scaling or {}).get("rope_type", (m.rope_scaling or {}).get("type", "llama3"))
+    if kind not in ("llama3", "default"):
+        wrong.append(("rope_scaling", m.rope_scaling, "llama3 or null"))
     if wrong:
         f, v, ok = wrong[0]
         raise ConvertError(f"model.{f}={v}: torchtitan's Llama 3 has {f}={ok}; only models of its "

@@ -73,6 +73,9 @@ class ModelArgs:
     # per layer "sliding_attention" or "full_attention" (model.layer_types resolved); None: no
     # window anywhere
     layer_types: tuple[str, ...] | None = None
+    # model.sliding_rope as sorted (key, value) pairs, rope_theta filled in: the rotary settings
+    # of the sliding layers when they differ from the others' (OLMo 3); None: every layer's
+    sliding_rope: tuple | None = None
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +92,19 @@ class ModelArgs:
         if self.layer_types is None or self.layer_types[layer] == FULL:
             return 0
         return self.sliding_window
+
+    def rope(self, layer: int) -> tuple[float, tuple | None]:
+        """(rotary base, rotary scaling as sorted pairs or None) of decoder layer ``layer``: the
+        sliding layers' own settings where ``model.sliding_rope`` gives them, else
+        ``model.rope_theta`` and ``model.rope_scaling``. Hashable: layers with equal settings
+        share one table."""
+        if self.sliding_rope is None or self.window(layer) == 0:
+            return self.rope_theta, self.rope_scaling
+        own = dict(self.sliding_rope)
+        theta = float(own.pop("rope_theta"))
+        if own.get("rope_type", own.get("type")) == "default":
+            return theta, None
+        return theta, tuple(sorted(own.items()))
 
     def attention_fraction(self, seq: int) -> float:
         """The share of causal (query, key) pairs the layers compute on sequences of ``seq``
@@ -142,7 +158,16 @@ def model_args(cfg: Config) -> ModelArgs:
                      family=m.family, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
                      kv_channels=m.head_dim, rotary_pct=m.rotary_pct,
                      parallel_residual=m.parallel_residual, sliding_window=m.sliding_window or 0,
-                     layer_types=layer_types(m))
+                     layer_types=layer_types(m), sliding_rope=sliding_rope(m))
+
+
+def sliding_rope(m: ModelConfig) -> tuple | None:
+    """``model.sliding_rope`` resolved: its settings with ``rope_theta`` filled in (null there:
+    ``model.rope_theta``), as sorted pairs; None where it is unset."""
+    if not m.sliding_rope:
+        return None
+    own = {k: v for k, v in m.sliding_rope.items() if v is not None}
+    return tuple(sorted({"rope_theta": m.rope_theta, **own}.items()))
 
 
 # the fields whose null means "the family's value": each family's Family.defaults gives them all
@@ -156,25 +181,61 @@ def head_dim(m: ModelConfig) -> int:
 
 ROPE_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
+# YaRN (rope_type yarn): the keys it needs, and those it may have (transformers' defaults: the
+# attention factor from factor and mscale, beta_fast 32, beta_slow 1)
+ROPE_YARN_KEYS = ("factor", "original_max_position_embeddings")
+ROPE_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+ROPE_KEYS = {"llama3": (ROPE_LLAMA3_KEYS, ()), "yarn": (ROPE_YARN_KEYS, ROPE_YARN_OPTIONAL)}
 
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0
 
 
 def check_rope_scaling(rs: Any, where: str) -> None:
-    """Rotary scaling the model implements: null, or Llama 3.1's ``llama3`` with its four
-    numbers."""
+    """Rotary scaling the model implements: null, Llama 3.1's ``llama3`` with its four numbers,
+    or YaRN's ``yarn`` (factor, original_max_position_embeddings; optionally attention_factor,
+    beta_fast, beta_slow, mscale, mscale_all_dim)."""
     if rs is None:
         return
     kind = rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else None
-    require(kind in ("llama3", "default"),
-            f"{where}={rs!r}: only rope_type llama3 (Llama 3.1+) is supported; other variants "
-            "would not compute the same function")
+    require(kind in ("default", *ROPE_KEYS),
+            f"{where}={rs!r}: rope_type must be llama3 (Llama 3.1+) or yarn (OLMo 3, Qwen); other "
+            "variants would not compute the same function")
     if kind == "default":
         return
-    missing = [k for k in ROPE_LLAMA3_KEYS if not isinstance(rs.get(k), (int, float)) or rs[k] <= 0]
-    require(not missing, f"{where}: rope_type llama3 needs positive numbers {', '.join(missing)}")
-    require(rs["low_freq_factor"] < rs["high_freq_factor"],
-            f"{where}: low_freq_factor={rs['low_freq_factor']} must be below "
-            f"high_freq_factor={rs['high_freq_factor']}")
+    needed, optional = ROPE_KEYS[kind]
+    missing = [k for k in needed if not _number(rs.get(k))]
+    require(not missing, f"{where}: rope_type {kind} needs positive numbers {', '.join(missing)}")
+    extra = sorted(set(rs) - {"rope_type", "type", *needed, *optional})
+    require(not extra, f"{where}: keys {extra} are not part of rope_type {kind} (it takes "
+                       f"{', '.join(needed + optional)}); remove them")
+    wrong = [k for k in optional if rs.get(k) is not None and not _number(rs[k])]
+    require(not wrong, f"{where}: {', '.join(wrong)} must be positive numbers")
+    if kind == "llama3":
+        require(rs["low_freq_factor"] < rs["high_freq_factor"],
+                f"{where}: low_freq_factor={rs['low_freq_factor']} must be below "
+                f"high_freq_factor={rs['high_freq_factor']}")
+
+
+def check_sliding_rope(m: ModelConfig) -> None:
+    """``model.sliding_rope``: a rotary setting (rope_type, an optional positive rope_theta and
+    the type's keys) for layers that exist: some layer must have the window."""
+    rs = m.sliding_rope
+    if not rs:
+        return
+    require(isinstance(rs, dict), f"model.sliding_rope={rs!r}: expected a mapping like "
+                                  "{rope_type: default, rope_theta: 500000}")
+    types = layer_types(m)
+    require(types is not None and SLIDING in types,
+            f"model.sliding_rope={rs}: no layer has a sliding window (model.sliding_window="
+            f"{m.sliding_window}); set the window, or set model.sliding_rope to null")
+    require(rs.get("rope_theta") is None or _number(rs["rope_theta"]),
+            f"model.sliding_rope: rope_theta={rs.get('rope_theta')!r} must be a positive number")
+    require(rs.get("rope_type", rs.get("type")) is not None,
+            f"model.sliding_rope={rs}: name its rope_type (default, llama3 or yarn)")
+    check_rope_scaling({k: v for k, v in rs.items() if k != "rope_theta"}, "model.sliding_rope")
 
 
 def check_window(m: ModelConfig) -> None:
@@ -230,3 +291,4 @@ def check_shape(m: ModelConfig, tp: int) -> None:
         require(0 <= getattr(m, name) < 1, f"model.{name}={getattr(m, name)} must be in [0, 1)")
     check_rope_scaling(m.rope_scaling, "model.rope_scaling")
     check_window(m)
+    check_sliding_rope(m)

@@ -46,7 +46,7 @@ from ..errors import ConfigError
 from ..kernels.dispatch import device_type
 from ..parallel.context import causal_mask
 from ..parallel.layout import Layout
-from .args import SLIDING, ModelArgs, layer_types
+from .args import FULL, SLIDING, ModelArgs, layer_types
 from .blockwise import TilePlan, blockwise_attention
 
 ATTENTION = ("sdpa", "flex", "blockwise")  # model.attention once resolved
@@ -396,13 +396,23 @@ def describe_window(args: ModelArgs, kind: str | None = None) -> str:
             f"{args.num_layers} layers" + (f" (model.attention={kind})" if kind else ""))
 
 
+def dense_masks(cfg: Config) -> int:
+    """How many dense masks a micro-batch keeps under sdpa: one per sliding window its layers use,
+    and under document masking one more for its full-attention layers (without documents those
+    run causal, unmasked) — two for OLMo 3 with documents."""
+    types = layer_types(cfg.model) or (FULL,) * cfg.model.num_layers
+    documents = cfg.data.reset_attention_mask
+    return sum(1 for kind in set(types) if kind == SLIDING or documents)
+
+
 def dense_attention_bytes(cfg: Config, layout: Layout) -> tuple[int, int]:
-    """(mask bytes per micro-batch, scores bytes per layer) of sdpa under document masking: the
-    (b, 1, s/cp, s) bool mask, and one (b, heads/tp, s/cp, s) tensor of SDPA's math kernel."""
+    """(mask bytes per micro-batch, scores bytes per layer) of sdpa under document masking or a
+    sliding window: the (b, 1, s/cp, s) bool masks (:func:`dense_masks`), and one
+    (b, heads/tp, s/cp, s) tensor of SDPA's math kernel."""
     t, seq = cfg.train, cfg.train.seq_length
     element = 4 if t.precision == "fp32" else 2
     mask = t.micro_batch_size * seq // layout.cp * seq
-    return mask, mask * cfg.model.num_heads // layout.tp * element
+    return mask * dense_masks(cfg), mask * cfg.model.num_heads // layout.tp * element
 
 
 def dense_document_mask(cfg: Config) -> bool:
@@ -435,7 +445,9 @@ def check_attention(cfg: Config, layout: Layout) -> list[str]:
               "which need neither"
     under = "data.reset_attention_mask" if cfg.data.reset_attention_mask else \
         "model.sliding_window"
-    return [f"{why} under {under} builds a dense (b, 1, s, s) mask "
+    masks = dense_masks(cfg)
+    built = "a dense (b, 1, s, s) mask" if masks == 1 else f"{masks} dense (b, 1, s, s) masks"
+    return [f"{why} under {under} builds {built} "
             f"({mask / 2**20:,.0f} MiB per micro-batch) and on CUDA runs SDPA's math kernel: "
             f"{scores / 2**30:,.1f} GiB of scores per layer at "
             f"train.seq_length={cfg.train.seq_length}; {fix}"]

@@ -189,7 +189,7 @@ class DecoderModel(nn.Module):
             str(i): DecoderLayer(args, self.spec, tp, sequence_parallel=self.sequence_parallel,
                                  recompute=recompute, rng=self.rng, saved=self.saved_shards,
                                  kernels=kernels, cp=self.cp, cp_comm=self.cp_comm,
-                                 window=args.window(i), **kw)
+                                 window=args.window(i), rope=args.rope(i), **kw)
             for i in layer_ids})
         if post_process:
             self.norm = self.spec.norm(args.hidden_size, args.norm_eps,
@@ -250,42 +250,56 @@ class DecoderModel(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _rope(self, seq: int, like: torch.Tensor):
-        """cos, sin (s, r) for the global positions 0..seq-1 (r: the rotated dims of a head)."""
+    def _rope(self, seq: int, like: torch.Tensor, rope: tuple):
+        """cos, sin (s, r) for the global positions 0..seq-1 (r: the rotated dims of a head) under
+        the rotary settings ``rope`` (``ModelArgs.rope``: base, scaling)."""
         key = (seq, like.device, like.dtype)
-        if key not in self._rope_cache:
-            scaling = dict(self.args.rope_scaling) if self.args.rope_scaling else None
-            self._rope_cache = {key: rope_tables(seq, self.args.rotary_dim, self.args.rope_theta,
-                                                 like.device, like.dtype, scaling)}
-        return self._rope_cache[key]
+        if key not in self._rope_cache:  # kept for the latest length only
+            self._rope_cache = {key: {}}
+        tables = self._rope_cache[key]  # rope -> (cos, sin)
+        if rope not in tables:
+            theta, scaling = rope
+            tables[rope] = rope_tables(seq, self.args.rotary_dim, theta, like.device, like.dtype,
+                                       dict(scaling) if scaling else None)
+        return tables[rope]
 
-    def _context_tables(self, seq: int, like: torch.Tensor):
+    def _context_tables(self, seq: int, like: torch.Tensor, rope: tuple):
         """Under context parallelism: cos, sin (s/cp, d) of this rank's tokens, rotated by their
         global positions."""
         key = (seq, like.device, like.dtype)
         if key not in self._context_cache:
-            cos, sin = self._rope(seq, like)
+            self._context_cache = {key: {}}
+        tables = self._context_cache[key]  # rope -> (cos, sin)
+        if rope not in tables:
+            cos, sin = self._rope(seq, like, rope)
             mine = local_positions(seq, self.cp, like.device)
-            self._context_cache = {key: (cos[mine], sin[mine])}  # (s/cp, d) each
-        return self._context_cache[key]
+            tables[rope] = (cos[mine], sin[mine])  # (s/cp, d) each
+        return tables[rope]
+
+    def _tables(self, seq: int, x: torch.Tensor, docs: Documents | None, rope: tuple):
+        """cos, sin of this rank's tokens under the rotary settings ``rope``: (s, d), or
+        (b, 1, s, d) when positions restart per document."""
+        if docs is not None and docs.position_ids is not None:
+            cos, sin = self._rope(seq, x, rope)  # (s·cp, d): every global position
+            # (b, 1, s, d)
+            return cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)
+        if self.cp.size > 1:
+            return self._context_tables(seq, x, rope)  # (s, d)
+        return self._rope(seq, x, rope)  # (s, d)
 
     def _positions(self, x: torch.Tensor, docs: Documents | None):
-        """cos, sin of this rank's tokens — (s, d), or (b, 1, s, d) when positions restart per
-        document — and, for each sliding window the chunk's layers use (0: none), the mask in the
-        form this model's attention kernel reads, built once per micro-batch (None: causal by
-        global position)."""
+        """For each rotary setting the chunk's layers use (``ModelArgs.rope``: OLMo 3's sliding
+        and full layers may differ), cos and sin of this rank's tokens (see :meth:`_tables`); and,
+        for each sliding window they use (0: none), the mask in the form this model's attention
+        kernel reads, built once per micro-batch (None: causal by global position)."""
         # global length
         seq = x.shape[1] * (self.tp.size if self.sequence_parallel else 1) * self.cp.size
-        cos, sin = self._rope(seq, x)  # (s·cp, d): every global position
-        if docs is not None and docs.position_ids is not None:
-            # (b, 1, s, d)
-            cos, sin = cos[docs.position_ids].unsqueeze(1), sin[docs.position_ids].unsqueeze(1)
-        elif self.cp.size > 1:
-            cos, sin = self._context_tables(seq, x)  # (s, d)
+        tables = {rope: self._tables(seq, x, docs, rope)
+                  for rope in {layer.rope for layer in self.layers.values()}}
         documents = docs.mask if docs is not None else None
         masks = {window: self._mask(seq, x.device, self._windowed(seq, x.device, documents, window))
                  for window in {layer.window for layer in self.layers.values()}}
-        return cos, sin, masks
+        return tables, masks
 
     def _windowed(self, seq: int, device, documents: DocumentMask | None,
                   window: int) -> DocumentMask | None:
@@ -355,9 +369,9 @@ class DecoderModel(nn.Module):
                  loss_grad_scale: float | None = None) -> torch.Tensor:
         if self.pre_process:
             x = self.embed_tokens(x)  # (b, s) ids -> (b, s, h)
-        cos, sin, masks = self._positions(x, docs)
+        tables, masks = self._positions(x, docs)
         for layer in self.layers.values():
-            x = self._layer(layer, x, cos, sin, masks[layer.window])  # (b, s, h)
+            x = self._layer(layer, x, *tables[layer.rope], masks[layer.window])  # (b, s, h)
         if not self.post_process:
             return x
         # (b, s, h)

@@ -21,7 +21,8 @@ from .layers import GeluMLP, LayerSpec, RMSNorm, SwiGLU
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-TRITON_LAYERS = (RMSNorm, SwiGLU)  # the norms and MLPs kernels/ has a Triton kernel for (RoPE: all)
+# the norms and MLPs kernels/ has a Triton kernel for, their variants included (RoPE: all)
+TRITON_LAYERS = (RMSNorm, SwiGLU)
 SHOWN = {GeluMLP: "GELU"}  # a part's name in messages, where not its class's
 
 
@@ -53,4 +54,4 @@ class Family:
         torch's ops)."""
         spec = self.layer_spec(args)
         return [SHOWN.get(part, part.__name__) for part in (spec.norm, spec.mlp)
-                if part not in TRITON_LAYERS]
+                if not issubclass(part, TRITON_LAYERS)]

@@ -46,7 +46,7 @@ class GPTNeoXAdapter:
         m = cfg.model
         scaling, max_positions = rope_config(cfg)
         if scaling:
-            raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no llama3 "
+            raise ConvertError("model.rope_scaling: GPT-NeoX's Hugging Face model has no "
                                "rotary scaling; nothing written")
         if args.layer_types is not None and SLIDING in args.layer_types:
             raise ConvertError(f"model.sliding_window={args.sliding_window}: GPT-NeoX's Hugging "

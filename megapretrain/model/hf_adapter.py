@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError, UserError
-from .args import ROPE_LLAMA3_KEYS, check_rope_scaling
+from .args import ROPE_KEYS, check_rope_scaling
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -47,26 +47,36 @@ class HFAdapter(Protocol):
         """``model.*`` settings (field → value) describing the checkpoint's architecture."""
 
 
-def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
+def rope_from_hf(hf: dict, where: str, params: dict | None = None) -> tuple[float, dict | None]:
     """(rope_theta, model.rope_scaling) of an HF config: ``rope_scaling`` (older checkpoints; it
-    wins, as in transformers) or ``rope_parameters`` (transformers 5)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
+    wins, as in transformers) or ``rope_parameters`` (transformers 5), or ``params`` when given
+    (one layer type's entry of a per-type ``rope_parameters``)."""
+    if params is None:
+        params = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or params
+    else:
+        scaling = params
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or hf.get("rotary_emb_base") or
                   10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) \
         else scaling
     if kind == "default":
         return theta, None
-    scaling = {k: v for k, v in scaling.items()
-               if k not in ("rope_theta", "type", "partial_rotary_factor")}
-    scaling["rope_type"] = kind
-    if kind == "llama3":
+    scaling = {"rope_type": kind, **{k: v for k, v in scaling.items() if v is not None and k not in
+                                     ("rope_type", "rope_theta", "type", "partial_rotary_factor")}}
+    if kind in ROPE_KEYS:
         scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        extra = sorted(set(scaling) - {"rope_type", *ROPE_LLAMA3_KEYS})
+    if kind == "yarn":
+        if scaling.get("truncate", True) is True:  # the default: correction range dims rounded
+            scaling.pop("truncate", None)
+        if "factor" not in scaling and hf.get("max_position_embeddings"):  # transformers' rule
+            scaling["factor"] = hf["max_position_embeddings"] / \
+                scaling["original_max_position_embeddings"]
+    if kind in ROPE_KEYS:
+        extra = sorted(set(scaling) - {"rope_type", *ROPE_KEYS[kind][0], *ROPE_KEYS[kind][1]})
         if extra:
             raise ConvertError(f"{where}: rope_scaling keys {extra} are not part of rope_type "
-                               "llama3; the weights would not compute the same function")
+                               f"{kind}; the weights would not compute the same function")
     try:
         check_rope_scaling(scaling, f"{where}: rope_scaling")
     except ConfigError as exc:
@@ -74,15 +84,28 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def hf_rope_scaling(rs: dict | tuple | None) -> dict | None:
+    """``model.rope_scaling`` (or a layer's, as pairs) as config.json writes it: its type and the
+    type's keys; None for none."""
+    rs = dict(rs) if rs else None
+    kind = rs.get("rope_type", rs.get("type")) if rs else None
+    if kind is None or kind == "default":
+        return None
+    needed, optional = ROPE_KEYS[kind]
+    return {"rope_type": kind, **{k: rs[k] for k in needed + optional if rs.get(k) is not None}}
+
+
 def rope_config(cfg: Config) -> tuple[dict | None, int]:
     """(rope_scaling as config.json writes it, or None; max_position_embeddings) of ``cfg``."""
-    rs = cfg.model.rope_scaling
-    max_positions = cfg.train.seq_length
-    if not rs or rs.get("rope_type", rs.get("type")) == "default":
-        return None, max_positions
-    scaling = {"rope_type": "llama3", **{k: rs[k] for k in ROPE_LLAMA3_KEYS}}
-    return scaling, max(max_positions,
-                        int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    scaling = hf_rope_scaling(cfg.model.rope_scaling)
+    return scaling, max_positions(cfg, scaling)
+
+
+def max_positions(cfg: Config, *scalings: dict | None) -> int:
+    """config.json's max_position_embeddings: the training length, or the longest context a
+    rotary scaling stretches to."""
+    return max([cfg.train.seq_length] + [int(s["original_max_position_embeddings"] * s["factor"])
+                                         for s in scalings if s])
 
 
 def check_config_fields(hf: dict, where: str, counts: tuple[str, ...],

@@ -167,12 +167,14 @@ class _RMSNormFunction(torch.autograd.Function):
     CPU)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, weight_in_fp32: bool = False):
         xf = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # (..., h) fp32
         mean_sq = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
         rstd = mean_sq.add_(eps).rsqrt_()  # (..., 1) fp32
         ctx.save_for_backward(x, weight, rstd)
-        # rounded to x's dtype, then scaled (as HF does)
+        if weight_in_fp32:  # scaled in fp32, then rounded once (HF's OLMo 2/3)
+            return xf.mul_(rstd).mul_(weight).to(torch.promote_types(x.dtype, weight.dtype))
+        # rounded to x's dtype, then scaled (as HF's Llama does)
         return xf.mul_(rstd).to(x.dtype).mul_(weight)
 
     @staticmethod
@@ -186,13 +188,16 @@ class _RMSNormFunction(torch.autograd.Function):
         g.mul_(weight.to(rstd.dtype))  # d loss / d x_hat
         # d x_hat / d x = rstd · (I - x_hat x_hatᵀ / h)
         dot = torch.linalg.vecdot(g, x_hat).unsqueeze(-1).div_(x.shape[-1])
-        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None
+        return g.sub_(x_hat.mul_(dot)).mul_(rstd).to(x.dtype), grad_weight, None, None
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, computed in fp32 whatever the input dtype. ``partial_grad``: each tp
+    """x / rms(x) · weight, computed in fp32 whatever the input dtype, x / rms(x) rounded to the
+    input's dtype before the weight multiplies it (HF's Llama order). ``partial_grad``: each tp
     rank normalizes other rows (other positions under sequence parallelism, other heads for
     QK-norm), so the weight's grads are partial sums over tp."""
+
+    weight_in_fp32 = False  # the product x / rms(x) · weight taken in fp32, rounded once after
 
     def __init__(self, hidden: int, eps: float, *, partial_grad: bool = False,
                  kernels: str = "torch", dtype=torch.float32, device=None):
@@ -205,9 +210,16 @@ class RMSNorm(nn.Module):
                                    init=ONES)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels == "triton":
-            return rms_norm(x, self.weight, self.eps)  # one kernel each way (kernels/rmsnorm.py)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if self.kernels == "triton":  # one kernel each way (kernels/rmsnorm.py)
+            return rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.weight_in_fp32)
+
+
+class WeightFirstRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with the weight multiplying x / rms(x) in fp32 before one rounding to the
+    output dtype (HF's Olmo2RMSNorm / Olmo3RMSNorm order; in bf16 it differs from Llama's)."""
+
+    weight_in_fp32 = True
 
 
 class LayerNorm(nn.Module):
@@ -248,7 +260,8 @@ class SpanningRMSNorm(nn.Module):
     """RMSNorm over a vector whose ``width`` entries are split over the tp ranks (OLMo's QK-norm
     over a whole q or k projection, of which each rank holds its heads' columns): the sum of
     squares is summed over tp (an all-reduce forward and backward), the weight is split over tp
-    with the entries. With one tp rank, :class:`RMSNorm`'s computation."""
+    with the entries. With one tp rank, :class:`WeightFirstRMSNorm`'s computation: the weight
+    multiplies in fp32, one rounding after (HF's OLMo order)."""
 
     def __init__(self, width: int, eps: float, tp: Group, *, kernels: str = "torch",
                  dtype=torch.float32, device=None):
@@ -262,12 +275,12 @@ class SpanningRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             if self.kernels == "triton":
-                return rms_norm(x, self.weight, self.eps)
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps, True)
+            return _RMSNormFunction.apply(x, self.weight, self.eps, True)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., width/tp)
         sum_sq = _SumOverTP.apply(xf.square().sum(-1, keepdim=True), self.tp)  # (..., 1)
         rstd = torch.rsqrt(sum_sq / self.width + self.eps)
-        return (xf * rstd).to(x.dtype) * self.weight
+        return (xf * rstd * self.weight).to(torch.promote_types(x.dtype, self.weight.dtype))
 
 
 # -- rotary embeddings -----------------------------------------------------------------------------
@@ -290,19 +303,58 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: floa
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1·mscale·ln(factor) + 1 (1 without stretching)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, theta: float, rotary_dim: int, factor: float,
+                  original_max_position_embeddings: int, beta_fast: float | None = None,
+                  beta_slow: float | None = None, attention_factor: float | None = None,
+                  mscale: float | None = None, mscale_all_dim: float | None = None,
+                  **_) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer than
+    ``beta_slow`` times over the original context are divided by ``factor`` (interpolated), those
+    turning more than ``beta_fast`` times kept (extrapolated), a linear ramp between them over
+    the dims (bounds floored and ceiled); and the factor that scales cos and sin (the attention
+    temperature), given or from ``factor`` and ``mscale``."""
+    if attention_factor is None:
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) \
+            if mscale and mscale_all_dim else _yarn_mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns that often
+        return rotary_dim * math.log(original_max_position_embeddings /
+                                     (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(beta_fast or 32)), 0)
+    high = min(math.ceil(dim_of(beta_slow or 1)), rotary_dim - 1)
+    high = high + 0.001 if low == high else high  # no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # (r/2,) the share of each frequency kept as it is
+    inv_freq = inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated
+    return inv_freq, float(attention_factor)
+
+
 def rope_tables(seq: int, rotary_dim: int, theta: float, device, dtype,
                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (s, r) for positions 0..seq-1 (the rotate-half layout) over the
     ``rotary_dim`` = r rotated dims of a head (all d of them but for partial rotary); ``scaling``:
-    ``model.rope_scaling`` (rope_type llama3, or none)."""
+    ``model.rope_scaling`` (rope_type llama3 or yarn, or none)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2,
                                              dtype=torch.int64).float() / rotary_dim))
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in scaling.items()
-                                                if k not in ("rope_type", "type")})
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    factors = {k: v for k, v in (scaling or {}).items() if k not in ("rope_type", "type")}
+    attention_factor = 1.0
+    if kind == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, **factors)
+    elif kind == "yarn":
+        inv_freq, attention_factor = yarn_inv_freq(inv_freq, theta, rotary_dim, **factors)
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)  # (s, r/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (s, r)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:  # YaRN: q·k scaled by its square, through both rotations
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 class _RoPEFunction(torch.autograd.Function):
@@ -531,14 +583,16 @@ class DecoderLayer(nn.Module):
     from the same input (``spec.parallel_residual``, GPT-NeoX), or post-norm (``spec.post_norm``,
     OLMo 2/3: each sublayer's output normalized before it is added, no input norms). ``window``:
     the layer's sliding window (0: full attention), which picks the micro-batch's mask the model
-    hands it."""
+    hands it; ``rope``: its rotary settings (``ModelArgs.rope``), which pick its cos and sin
+    tables."""
 
     def __init__(self, args: ModelArgs, spec: LayerSpec, tp: Group, *, sequence_parallel: bool,
                  recompute: str, rng: RNGTracker, saved: SavedShards | None, kernels: str = "torch",
-                 cp: Group | None = None, cp_comm: str = "allgather", window: int = 0, dtype,
-                 device):
+                 cp: Group | None = None, cp_comm: str = "allgather", window: int = 0,
+                 rope: tuple | None = None, dtype, device):
         super().__init__()
         self.window = window
+        self.rope = rope if rope is not None else (args.rope_theta, args.rope_scaling)
         kw = dict(kernels=kernels, dtype=dtype, device=device)
         self.rng, self.sequence_parallel = rng, sequence_parallel
         self.parallel_residual, self.post_norm = spec.parallel_residual, spec.post_norm

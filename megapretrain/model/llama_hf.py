@@ -68,6 +68,10 @@ class LlamaAdapter:
                "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name,
                "dtype": dtype_name}
         windowed = args.layer_types is not None and SLIDING in args.layer_types
+        if args.sliding_rope is not None:
+            raise ConvertError(f"model.sliding_rope={dict(args.sliding_rope)}: "
+                               f"{VARIANTS[model_type][0]} has one rotary setting for every "
+                               "layer; set it to null (nothing written)")
         if model_type == "llama":
             if windowed:
                 raise ConvertError(f"model.sliding_window={args.sliding_window}: "

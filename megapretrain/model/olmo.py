@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ..errors import require
 from .args import ModelArgs
 from .family import Family
-from .layers import LayerSpec, RMSNorm, SwiGLU
+from .layers import LayerSpec, SwiGLU, WeightFirstRMSNorm
 from .olmo_hf import ADAPTER
 
 if TYPE_CHECKING:
@@ -27,8 +27,9 @@ __all__ = ["FAMILY", "check", "layer_spec"]
 
 
 def layer_spec(args: ModelArgs) -> LayerSpec:
-    """Post-norm RMSNorm layers with full-width QK-norm and SwiGLU."""
-    return LayerSpec(norm=RMSNorm, mlp=SwiGLU, full_qk_norm=True, post_norm=True)
+    """Post-norm RMSNorm layers with full-width QK-norm and SwiGLU; the norms' weights multiply
+    in fp32, before the rounding to bf16 (HF's OLMo order)."""
+    return LayerSpec(norm=WeightFirstRMSNorm, mlp=SwiGLU, full_qk_norm=True, post_norm=True)
 
 
 def check(m: ModelConfig) -> None:

@@ -88,7 +88,8 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     Without recomputation (flash attention): the layer's input, its attention norm's output, the
     residual after attention and the MLP norm's output (sequence-parallel: the rank's 1/tp of the
     tokens; else whole on every tp rank); q and the attention output, k and v (heads split over
-    tp; under cp the keys and values of every cp rank, and the output twice); the MLP's inner
+    tp; under cp the keys and values of every cp rank, and the output twice; with a QK-norm, per
+    head or over the whole projection, q and k before it as well); the MLP's inner
     activations (the Triton SwiGLU keeps gate, up and their product; torch's also the SiLU; GELU its
     input and output); fp32 norm statistics and attention log-sum-exp, dropout masks. Unfused
     attention (Megatron before flash attention) also keeps its softmax, and its dropout mask, unless
@@ -105,7 +106,10 @@ def saved_bytes_per_token(model: ModelArgs, layout: Layout, seq: int, precision:
     mlp = 2 * f if model.mlp == "gelu" else (3 if kernels == "triton" else 4) * f
     # under cp the two query chunks' outputs are kept by their attention and, concatenated, by the
     # output projection: the attention output twice
-    kv_and_q = (2 if cp == 1 else 3) * q + 2 * kv * cp + (q + kv if model.qk_norm else 0)
+    spec = layer_spec(model)
+    # QK-norm (per head, or over the whole projection) keeps its inputs: q and k once more
+    qk_norm = q + kv if spec.qk_norm or spec.full_qk_norm else 0
+    kv_and_q = (2 if cp == 1 else 3) * q + 2 * kv * cp + qk_norm
     # rstd per norm (LayerNorm: mean and rstd)
     stats = 4 * 2 * (2 if model.mlp == "gelu" else 1) / sp
     lse = 4 * model.num_heads / tp if attention == "flash" and layout.recompute != "selective" \
