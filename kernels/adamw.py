@@ -4,7 +4,9 @@ The distributed optimizer owns each parameter's fp32 master, both Adam moments a
 slices of flat shards. Unfused, a step reads and writes them in several passes and copies the
 masters into the bf16/fp16 model parameters in one more. :func:`fused_adamw_` reads grad, master,
 exp_avg and exp_avg_sq once and writes master, moments and (optionally) the low-precision parameter
-copy in the same pass: 16 bytes read and 12 + 2 written per element, the minimum for AdamW. Inside
+copy in the same pass: 16 bytes read and 12 + 2 written per element, the minimum for AdamW (with
+bf16 moments, ``optim.moments_dtype`` bf16: 12 read and 8 + 2 written; each moment is widened to
+fp32 as it is read, stepped in fp32 and rounded to nearest even as it is written). Inside
 it apply the grad scale factor (grad-clip coefficient × 1 / loss scale, a device tensor, so no host
 sync), the skip of a step whose gradients were not finite (``found_inf``, a device flag),
 decoupled weight decay per element through a bit mask (:func:`decay_mask`; 1-D parameters such as
@@ -39,8 +41,9 @@ def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, ma
         live = live & (offs * 0 + tl.load(skip_ptr) == 0)  # the flag broadcast over the block
     g = tl.load(grad_ptr + offs, mask=live, other=0.0).to(tl.float32) * tl.load(scale_ptr)
     p = tl.load(master_ptr + offs, mask=live, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=live, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=live, other=0.0)
+    # fp32 or bf16 moments: the math in fp32 either way
+    m = tl.load(exp_avg_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=live, other=0.0).to(tl.float32)
     if HAS_MASK:  # bit (i % 32) of word i // 32 says whether element i decays
         word = tl.load(mask_ptr + offs // 32, mask=live, other=0)
         p = tl.where(((word >> (offs % 32).to(tl.int32)) & 1) != 0, p - lr_wd * p, p)
@@ -51,8 +54,8 @@ def _adamw_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, ma
     # correctly rounded square root and divisions, as torch's (the GPU's defaults are approximate)
     p = p - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
     tl.store(master_ptr + offs, p, mask=live)
-    tl.store(exp_avg_ptr + offs, m, mask=live)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=live)
+    tl.store(exp_avg_ptr + offs, to_dtype(m, exp_avg_ptr.dtype.element_ty), mask=live)
+    tl.store(exp_avg_sq_ptr + offs, to_dtype(v, exp_avg_sq_ptr.dtype.element_ty), mask=live)
     if HAS_OUT:
         tl.store(out_ptr + offs, to_dtype(p, out_ptr.dtype.element_ty), mask=live)
 
@@ -91,9 +94,11 @@ def _check(grad, master, exp_avg, exp_avg_sq, param_out, mask) -> None:
     if any(t.dim() != 1 or not t.is_contiguous() or t.numel() != master.numel() for t in flat):
         raise ValueError(f"fused_adamw_ needs contiguous 1-D tensors of one length, got shapes "
                          f"{[tuple(t.shape) for t in flat]}")
-    if any(t.dtype != torch.float32 for t in (master, exp_avg, exp_avg_sq)):
-        raise ValueError(f"fused_adamw_ keeps master and moments in float32, got "
-                         f"{master.dtype}, {exp_avg.dtype}, {exp_avg_sq.dtype}")
+    if master.dtype != torch.float32 or exp_avg.dtype != exp_avg_sq.dtype \
+            or exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fused_adamw_ keeps the master in float32 and both moments in float32 or "
+                         f"both in bfloat16, got {master.dtype}, {exp_avg.dtype}, "
+                         f"{exp_avg_sq.dtype}")
     if mask is not None and (mask.dtype != torch.int32 or mask.numel() != cdiv(master.numel(), 32)):
         raise ValueError(f"decay mask must be int32 of {cdiv(master.numel(), 32)} words "
                          f"(kernels.adamw.decay_mask), got {mask.dtype} of {mask.numel()}")
@@ -128,9 +133,13 @@ def _torch_adamw_(grad, master, exp_avg, exp_avg_sq, param_out, mask, scale, ski
     if weight_decay:
         decayed = master * lr_wd
         master.sub_(decayed if mask is None else decayed * _unpack(mask, master.numel()))
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    master.addcdiv_(exp_avg, exp_avg_sq.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
+    m, v = exp_avg.float(), exp_avg_sq.float()  # bf16 moments: stepped in fp32 copies
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    master.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(eps), value=-step_size)
+    if m is not exp_avg:  # rounded back to bf16 (to nearest even)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     if param_out is not None:
         param_out.copy_(master)
 
@@ -170,8 +179,9 @@ def fused_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor
                  weight_decay: float, step: int, param_out: torch.Tensor | None = None,
                  decay: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
                  found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW step, in place, over flat (n,) shards: ``master``, ``exp_avg``, ``exp_avg_sq``
-    (fp32) from ``grad`` (fp32 or low precision) times ``grad_scale``; ``step`` counts from 1.
+    """One AdamW step, in place, over flat (n,) shards: ``master`` (fp32), ``exp_avg``,
+    ``exp_avg_sq`` (both fp32, or both bf16: stepped in fp32 and rounded back) from ``grad`` (fp32
+    or low precision) times ``grad_scale``; ``step`` counts from 1.
 
     ``decay`` is a :func:`decay_mask` (None: every element decays); ``param_out`` (n,) bf16/fp16,
     if given, receives the new master rounded to its dtype. ``found_inf``: a one-element device

@@ -308,7 +308,9 @@ class OptimConfig:
                            "| torch | apex.", choices=("auto", "triton", "torch", "apex"))
     moments_dtype: str = _f("fp32", "AdamW's two moments: fp32 | bf16 (stored in bf16, 4 bytes "
                                     "less per parameter; each step computes in fp32 and rounds "
-                                    "them back; optim.impl torch).", choices=("fp32", "bf16"))
+                                    "them back; optim.impl auto or torch: torch's AdamW, "
+                                    "triton: the Triton kernel; not apex).",
+                        choices=("fp32", "bf16"))
     optimizer: str = _f("adamw", "adamw | muon: Muon (momentum, then Newton–Schulz "
                                  "orthogonalization) for every 2-D weight inside the decoder "
                                  "layers, each logical matrix on its own; AdamW (lr, betas, eps, "

@@ -79,6 +79,8 @@ REWRITES = [
      "one tiny step per layout"),
     (r"bench_optim\.py(.*)", r"bench_optim.py\1 --dp 1 2 --zero 1 --layers 1 --hidden 64 --vocab 256 --seq 16 "
      r"--steps 1 --warmup 0", "one tiny step per optimizer, dp 1 and 2"),
+    (r"(compare_optimizers\.py \w+.*?)( -- .*)$", r"\1 --iters 2 --eval-interval 1 --eval-iters 1\2 " + TINY,
+     "two tiny steps per run"),
     (r"bench_checkpoint\.py(.*)", r"bench_checkpoint.py\1 --hidden 64 --layers 1 --vocab 256 --heads 4 --repeats 1",
      "a tiny model"),
     (r"bench_kernels\.py (.*)", r"bench_kernels.py \1 --tokens 64 --hidden 64 --iters 1 --no-compile",

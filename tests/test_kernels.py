@@ -346,6 +346,76 @@ def test_fused_adamw_matches_torch_adamw_over_ten_steps(fn, out_dtype):
     assert torch.equal(out, state[0].to(out_dtype))  # the model's copy, rounded as .to() rounds
 
 
+@pytest.mark.parametrize("fn", [adamw.fused_adamw_, adamw.fused_adamw_reference])
+def test_fused_adamw_bf16_moments_match_torch_adamw_with_rounded_state(fn):
+    """bf16 moments (optim.moments_dtype bf16): widened as read, stepped in fp32, rounded to nearest
+    even as written — torch.optim.AdamW (fused) whose moments are rounded to bf16 after each step,
+    over ten steps; mixed moment dtypes are refused."""
+    g = torch.Generator().manual_seed(5)
+    master = torch.randn(NUMEL, generator=g)
+    state = [master.clone().to(DEVICE), *(torch.zeros(NUMEL, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))]
+    out = torch.empty(NUMEL, dtype=torch.bfloat16, device=DEVICE)
+    mask = adamw.decay_mask(NUMEL, SHARD, DEVICE)
+    params, opt = _torch_optimizer(master, fused=True)
+    for step in range(1, 11):
+        grad = torch.randn(NUMEL, generator=g)
+        for p, (a, b, _) in zip(params, SHARD):
+            p.grad = grad[a:b] * 0.37
+        opt.step()
+        for moments in opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[key].copy_(moments[key].bfloat16())
+        fn(grad.to(DEVICE) * 1024.0, *state, step=step, param_out=out, decay=mask,
+           grad_scale=torch.tensor(0.37 / 1024.0, device=DEVICE), **ADAM)
+    assert all(t.dtype == torch.bfloat16 for t in state[1:])
+    # the masters as in the fp32 test (≤ ~30·u over ten steps); the moments from the same fp32
+    # values, rounded alike: within one bf16 ulp (2⁻⁷ relative), where a last fp32 bit moves a tie
+    torch.testing.assert_close(state[0].cpu()[:1000], torch.cat([p.detach() for p in params]), rtol=1e-5, atol=1e-6)
+    for i, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        expected = torch.cat([opt.state[p][key] for p in params])
+        torch.testing.assert_close(state[i].cpu()[:1000].float(), expected, rtol=2**-7, atol=0.0)
+    assert torch.equal(out, state[0].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="both moments in float32 or both in bfloat16"):
+        fn(grad.to(DEVICE), state[0], state[1], state[2].float(), step=11, **ADAM)
+
+
+def test_optimizer_triton_path_with_bf16_moments_steps_like_the_torch_path():
+    """optim.impl triton with optim.moments_dtype bf16 (one kernel pass per shard, the moments
+    stored in bf16, clipping inside the kernel) against the torch path's bf16 moments, on ZeRO-1
+    shards of a bf16 model: the same step from the same grads (the ten-step kernel test above holds
+    the kernel to torch.optim.AdamW)."""
+    from megapretrain.config import OptimConfig
+    from megapretrain.optim.optimizer import MixedPrecisionAdamW
+    from megapretrain.parallel.state import ParallelState
+
+    from helpers import build, make_tokens, tiny_args
+
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    runs = []
+    for impl in ("triton", "torch"):
+        cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, moments_dtype="bf16", impl=impl)
+        model = build(ps, tiny_args(), dtype=torch.bfloat16)
+        opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg, "bf16", ps,
+                                  zero=1, bucket_size_mb=0.01)
+        assert opt.impl == impl
+        with opt.grad_sync(last=True):
+            model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        opt.reduce_grads()
+        norm, skipped = opt.step(1e-2)
+        assert norm > 0.5 and not skipped  # the clipping was in play
+        assert all(s.exp_avg.dtype == s.exp_avg_sq.dtype == torch.bfloat16 for s in opt.shards)
+        runs.append((model, [torch.cat([getattr(s, key).float() for s in opt.shards])
+                             for key in ("master", "exp_avg", "exp_avg_sq")]))
+    (fused, fused_state), (ref, ref_state) = runs
+    # the clip coefficient multiplies each grad inside the kernel, before the step on the torch
+    # path: a last fp32 bit apart; the moments then round to bf16 alike or one bf16 ulp apart
+    torch.testing.assert_close(fused_state[0], ref_state[0], rtol=1e-5, atol=1e-6)
+    for got, expected in zip(fused_state[1:], ref_state[1:]):
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0.0)
+    for (n, p), q in zip(fused.named_parameters(), ref.parameters()):  # the kernel's bf16 copy
+        torch.testing.assert_close(p, q, rtol=2**-7, atol=1e-6, msg=n)
+
+
 def test_fused_adamw_kernel_matches_reference_at_extremes():
     """Huge moments, huge and zero grads, no weight decay mask, fp32 grads and bf16 grads."""
     g = torch.Generator().manual_seed(6)

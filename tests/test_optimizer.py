@@ -21,6 +21,36 @@ def _loss(model, tokens):
     return model(tokens[:, :-1], tokens[:, 1:]).mean()
 
 
+def _train_beside_torch_adamw(ours, opt, ref, tokens, cfg: OptimConfig, steps: int = 3) -> None:
+    """``steps`` steps of ``opt`` on ``ours`` and, from the same tokens, of torch.optim.AdamW (fused)
+    on fp32 copies of ``ref``'s parameters (matrices decay, vectors do not), copied back into
+    ``ref`` after each step; with ``cfg.moments_dtype`` bf16 torch's moments are rounded to bf16
+    after each step."""
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
+    groups = [{"params": [m for m in masters.values() if m.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [m for m in masters.values() if m.ndim < 2], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    for _ in range(steps):
+        opt.zero_grad()
+        with opt.grad_sync(last=True):
+            _loss(ours, tokens).backward()
+        opt.reduce_grads()
+        opt.step(cfg.lr)
+
+        _loss(ref, tokens).backward()
+        for n, p in ref.named_parameters():
+            masters[n].grad = p.grad.float()
+            p.grad = None
+        torch_opt.step()
+        if cfg.moments_dtype == "bf16":
+            for state in torch_opt.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(state[key].bfloat16())
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(masters[n])
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_matches_torch_adamw_exactly(precision):
     """Same grads in, same weights out, bit for bit: torch.optim.AdamW (fused) on fp32 copies vs ours."""
@@ -31,25 +61,7 @@ def test_matches_torch_adamw_exactly(precision):
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
     opt = MixedPrecisionAdamW(list(ours.named_parameters()), ours.param_specs(), cfg, precision, ps,
                               bucket_size_mb=0.01)
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
-    groups = [{"params": [m for m in masters.values() if m.ndim >= 2], "weight_decay": 0.1},
-              {"params": [m for m in masters.values() if m.ndim < 2], "weight_decay": 0.0}]
-    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    for _ in range(3):
-        opt.zero_grad()
-        with opt.grad_sync(last=True):
-            _loss(ours, tokens).backward()
-        opt.reduce_grads()
-        opt.step(1e-2)
-
-        _loss(ref, tokens).backward()
-        for n, p in ref.named_parameters():
-            masters[n].grad = p.grad.float()
-            p.grad = None
-        torch_opt.step()
-        with torch.no_grad():
-            for n, p in ref.named_parameters():
-                p.copy_(masters[n])
+    _train_beside_torch_adamw(ours, opt, ref, tokens, cfg)
     for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
     assert opt.step_count == 3
@@ -298,22 +310,7 @@ def test_bf16_moments_match_torch_adamw_with_rounded_state(zero):
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, moments_dtype="bf16")
     opt = MixedPrecisionAdamW(list(ours.named_parameters()), ours.param_specs(), cfg, "fp32", ps,
                               zero=zero, bucket_size_mb=0.01)
-    params = dict(ref.named_parameters())
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
-    torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    for _ in range(3):
-        opt.zero_grad()
-        with opt.grad_sync(last=True):
-            _loss(ours, tokens).backward()
-        opt.reduce_grads()
-        opt.step(1e-2)
-        _loss(ref, tokens).backward()
-        torch_opt.step()
-        torch_opt.zero_grad()
-        for state in torch_opt.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(state[key].bfloat16())
+    _train_beside_torch_adamw(ours, opt, ref, tokens, cfg)
     for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
     report = opt.memory_report()
@@ -332,9 +329,12 @@ def test_bf16_moments_match_torch_adamw_with_rounded_state(zero):
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), again.parameters()))
 
 
-def test_bf16_moments_refuse_the_fused_kernels():
+def test_bf16_moments_refuse_apex():
+    """apex's Adam keeps fp32 moments: refused in one line; the Triton AdamW takes bf16 ones
+    (tests/test_kernels.py)."""
     from megapretrain.errors import ConfigError
     from megapretrain.optim.optimizer import check_optim
 
-    with pytest.raises(ConfigError, match="optim.moments_dtype=bf16.*optim.impl=triton"):
-        check_optim(OptimConfig(moments_dtype="bf16", impl="triton"))
+    with pytest.raises(ConfigError, match="optim.moments_dtype=bf16.*not optim.impl=apex"):
+        check_optim(OptimConfig(moments_dtype="bf16", impl="apex"))
+    check_optim(OptimConfig(moments_dtype="bf16", impl="triton"))

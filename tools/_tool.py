@@ -57,3 +57,35 @@ def run_ranks(worker, world: int, args):
         for p in procs:
             p.join()
     return out
+
+
+def join_gloo(rank: int, world: int, store_path: str, threads: int = 1) -> None:
+    """Join a :func:`run_ranks` worker's gloo group, with ``threads`` torch CPU threads (one by
+    default, so that ranks do not fight over cores)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world)
+
+
+def interleaved(runs: dict, step, warmup: int, steps: int) -> dict[object, list]:
+    """``step(run)`` for each of ``runs`` in turn, ``warmup + steps`` rounds, so that load from
+    elsewhere on the machine hits each alike: the results of the last ``steps`` rounds, by key."""
+    out = {key: [] for key in runs}
+    for i in range(warmup + steps):
+        for key, run in runs.items():
+            result = step(run)
+            if i >= warmup:
+                out[key].append(result)
+    return out
+
+
+def bench_model_args(layers: int, hidden: int, vocab: int, min_heads: int = 1):
+    """The benchmarks' decoder: heads of 64 (at least ``min_heads``), as many kv heads, a 4× FFN."""
+    from megapretrain.model.args import ModelArgs
+
+    heads = max(min_heads, hidden // 64)
+    return ModelArgs(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                     ffn_hidden_size=4 * hidden, vocab_size=vocab)

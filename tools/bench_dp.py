@@ -26,11 +26,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from _tool import run_ranks
+from _tool import bench_model_args, interleaved, join_gloo, run_ranks
 
 from megapretrain.cli import ToolParser, non_negative_float, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.config import OptimConfig
-from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
@@ -58,15 +57,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def model_args(a) -> ModelArgs:
-    heads = max(1, a.hidden // 64)
-    return ModelArgs(num_layers=a.layers, hidden_size=a.hidden, num_heads=heads, num_kv_heads=heads,
-                     ffn_hidden_size=4 * a.hidden, vocab_size=a.vocab)
-
-
 def build(ps: ParallelState, a, zero: int, precision: str, overlap: bool = True, offload: bool = False,
           prefetch: bool = True):
-    model = DecoderModel(model_args(a), ps.tp, dtype=DTYPES[precision])
+    model = DecoderModel(bench_model_args(a.layers, a.hidden, a.vocab), ps.tp, dtype=DTYPES[precision])
     model.init_weights(1234)
     opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
                               OptimConfig(lr=1e-4, offload=offload), precision, ps, zero=zero,
@@ -100,12 +93,7 @@ def time_overlap(ps: ParallelState, a, zero: int) -> dict:
     g = torch.Generator().manual_seed(ps.dp_rank)
     batches = [torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=g) for _ in range(a.accum)]
     n_tokens = a.micro_batch * a.seq * a.accum * ps.dp.size
-    times = {overlap: [] for overlap in runs}
-    for i in range(a.warmup + a.steps):
-        for overlap, (model, opt) in runs.items():
-            t = one_step(model, opt, batches, n_tokens)
-            if i >= a.warmup:
-                times[overlap].append(t)
+    times = interleaved(runs, lambda run: one_step(*run, batches, n_tokens), a.warmup, a.steps)
     return {(zero, overlap): {"step": statistics.median(t[0] for t in ts),
                               "exposed": statistics.median(t[1] for t in ts),
                               "gather_wait": statistics.median(t[2] for t in ts),
@@ -131,8 +119,7 @@ def analytic(zero: int, precision: str, offload: bool, shard: int) -> tuple[str,
 
 
 def worker(rank: int, world: int, store_path: str, a, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    join_gloo(rank, world, store_path)
     ps = ParallelState(zero_shard_size=a.shard_size)
     out = {"times": {k: v for z in a.zero for k, v in time_overlap(ps, a, z).items()}}
     if rank == 0:
@@ -149,7 +136,7 @@ def main(argv=None) -> int:
         print_error(f"--shard-size {a.shard_size} must divide --dp {a.dp}")
         return 2
     out = run_ranks(worker, a.dp, a)
-    args = model_args(a)
+    args = bench_model_args(a.layers, a.hidden, a.vocab)
     n = sum(p.numel() for p in DecoderModel(args, ParallelState().tp, device="meta").parameters())
     print(f"dp={a.dp} gloo CPU, {a.precision}, {n / 1e6:.1f}M params, {a.accum} micro-batches of "
           f"{a.micro_batch}×{a.seq} per rank, buckets of {a.bucket_mb} MB")

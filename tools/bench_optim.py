@@ -22,11 +22,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from _tool import run_ranks
+from _tool import bench_model_args, interleaved, join_gloo, run_ranks
 
 from megapretrain.cli import ToolParser, non_negative_int, positive_int, user_errors
 from megapretrain.config import OptimConfig
-from megapretrain.model.args import ModelArgs
 from megapretrain.model.decoder import DecoderModel
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.state import ParallelState
@@ -50,14 +49,8 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def model_args(a) -> ModelArgs:
-    heads = max(1, a.hidden // 64)
-    return ModelArgs(num_layers=a.layers, hidden_size=a.hidden, num_heads=heads, num_kv_heads=heads,
-                     ffn_hidden_size=4 * a.hidden, vocab_size=a.vocab)
-
-
 def build(ps: ParallelState, a, zero: int, optimizer: str):
-    model = DecoderModel(model_args(a), ps.tp, dtype=torch.bfloat16)
+    model = DecoderModel(bench_model_args(a.layers, a.hidden, a.vocab), ps.tp, dtype=torch.bfloat16)
     model.init_weights(1234)
     cfg = OptimConfig(lr=1e-4, optimizer=optimizer, muon_ns_steps=a.ns_steps)
     opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), cfg, "bf16",
@@ -83,21 +76,15 @@ def timed_step(model, opt, tokens, n_tokens: int) -> float:
 
 
 def worker(rank: int, world: int, store_path: str, a, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                            world_size=world)
+    join_gloo(rank, world, store_path)
     ps = ParallelState()
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, a.vocab, (1, a.seq + 1), generator=g)
     out = {}
     for zero in (a.zero if world > 1 else [0]):
         runs = {o: build(ps, a, zero, o) for o in OPTIMIZERS}
-        times = {o: [] for o in OPTIMIZERS}
-        for i in range(a.warmup + a.steps):
-            for o, (model, opt) in runs.items():
-                t = timed_step(model, opt, tokens, a.seq * world)
-                if i >= a.warmup:
-                    times[o].append(t)
+        times = interleaved(runs, lambda run: timed_step(*run, tokens, a.seq * world), a.warmup,
+                            a.steps)
         out[zero] = {o: statistics.median(ts) for o, ts in times.items()}
     if rank == 0:
         queue.put(out)
@@ -108,7 +95,7 @@ def worker(rank: int, world: int, store_path: str, a, queue) -> None:
 @user_errors
 def main(argv=None) -> int:
     a = parse_args(argv)
-    args = model_args(a)
+    args = bench_model_args(a.layers, a.hidden, a.vocab)
     n = sum(p.numel() for p in DecoderModel(args, ParallelState().tp, device="meta").parameters())
     print(f"one optimizer step, gloo CPU (one thread a rank), bf16 weights, {n / 1e6:.2f}M params "
           f"({a.layers} layers, hidden {a.hidden}), Muon with {a.ns_steps} Newton–Schulz steps; "

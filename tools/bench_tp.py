@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _tool import run_ranks
+from _tool import bench_model_args, interleaved, join_gloo, run_ranks
 
 from megapretrain.cli import ToolParser, non_negative_int, positive_int, print_error, user_errors
 from megapretrain.model.args import ModelArgs
@@ -45,9 +45,7 @@ def parse_args(argv=None):
 
 
 def model_args(a) -> ModelArgs:
-    heads = max(a.tp, a.hidden // 64)
-    return ModelArgs(num_layers=a.layers, hidden_size=a.hidden, num_heads=heads, num_kv_heads=heads,
-                     ffn_hidden_size=4 * a.hidden, vocab_size=a.vocab)
+    return bench_model_args(a.layers, a.hidden, a.vocab, min_heads=a.tp)
 
 
 def check(a) -> str | None:
@@ -63,8 +61,7 @@ def check(a) -> str | None:
 
 
 def worker(rank: int, world: int, store_path: str, a, queue) -> None:
-    torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    join_gloo(rank, world, store_path, a.threads)
     ps = ParallelState(tp=world, comm_stats=True)
     models = {}
     for overlap in (False, True):
@@ -73,19 +70,19 @@ def worker(rank: int, world: int, store_path: str, a, queue) -> None:
         overlap_tp_comm([model], overlap)
         models[overlap] = model
     tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
-    times = {overlap: [] for overlap in models}
-    for i in range(a.warmup + a.steps):
-        for overlap, model in models.items():
-            model.zero_grad(set_to_none=True)
-            dist.barrier()
-            ps.stats.reset()
-            start = time.perf_counter()
-            model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
-            step = time.perf_counter() - start
-            tp = {k: v for k, v in ps.stats.summary().items() if k.startswith("tp.")}
-            if i >= a.warmup:
-                times[overlap].append((step, sum(v["exposed_s"] for v in tp.values()),
-                                       sum(v["bytes"] for v in tp.values()), tp))
+
+    def one_step(model):
+        """(step seconds, exposed tp seconds, tp bytes, the tp collectives' stats)."""
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        ps.stats.reset()
+        start = time.perf_counter()
+        model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
+        step = time.perf_counter() - start
+        tp = {k: v for k, v in ps.stats.summary().items() if k.startswith("tp.")}
+        return step, sum(v["exposed_s"] for v in tp.values()), sum(v["bytes"] for v in tp.values()), tp
+
+    times = interleaved(models, one_step, a.warmup, a.steps)
     out = {overlap: {"step": statistics.median(t[0] for t in ts), "exposed": statistics.median(t[1] for t in ts),
                      "bytes": ts[-1][2], "kinds": {k: v["exposed_s"] for k, v in ts[-1][3].items()}}
            for overlap, ts in times.items()}

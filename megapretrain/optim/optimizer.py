@@ -61,6 +61,10 @@ def check_optim(o: OptimConfig) -> None:
     if o.initial_loss_scale < o.min_loss_scale:
         raise ConfigError(f"optim.initial_loss_scale={o.initial_loss_scale} must be ≥ "
                           f"optim.min_loss_scale={o.min_loss_scale} > 0")
+    if o.moments_dtype == "bf16" and o.impl == "apex":
+        raise ConfigError("optim.moments_dtype=bf16 runs on the Triton or torch AdamW, not "
+                          "optim.impl=apex: set optim.impl=auto, triton or torch (or "
+                          "optim.moments_dtype=fp32)")
     if o.impl == "apex" and importlib.util.find_spec("apex") is None:
         raise ConfigError("optim.impl=apex: apex is not importable (install NVIDIA apex with its "
                           "CUDA extensions, or optim.impl=auto)")
@@ -70,10 +74,6 @@ def check_optim(o: OptimConfig) -> None:
     if o.optimizer == "muon" and o.offload:
         raise ConfigError("optim.optimizer=muon with optim.offload=true is not supported yet: set "
                           "optim.offload=false (or optim.optimizer=adamw)")
-    if o.moments_dtype == "bf16" and o.impl not in ("auto", "torch"):
-        raise ConfigError(f"optim.moments_dtype=bf16 runs on torch's AdamW, not "
-                          f"optim.impl={o.impl}: set optim.impl=auto or torch (or "
-                          "optim.moments_dtype=fp32)")
     if o.impl not in ("auto", "torch") and o.offload:
         raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set "
                           "optim.impl=auto or torch")
@@ -295,10 +295,11 @@ class MixedPrecisionAdamW:
                                            overlap=overlap_grad_reduce, shard=ps.dp_shard,
                                            replicas=ps.dp_replicas, initialize=initialize)
         muon = optim_cfg.optimizer == "muon"
-        # bf16 moments (optim.moments_dtype), or Muon's AdamW part: torch's fused AdamW (check_optim
-        # refuses the others)
+        # Muon's AdamW part: torch's fused AdamW (check_optim refuses the others); bf16 moments
+        # (optim.moments_dtype): torch's, or the Triton AdamW when optim.impl names it (apex is
+        # refused)
         self.bf16_moments = optim_cfg.moments_dtype == "bf16"
-        torch_only = muon or self.bf16_moments
+        torch_only = muon or (self.bf16_moments and optim_cfg.impl == "auto")
         self.impl = resolve_impl("torch" if torch_only else optim_cfg.impl, ps.device,
                                  self.offload)
         moments = torch.bfloat16 if self.bf16_moments else torch.float32
@@ -475,9 +476,10 @@ class MixedPrecisionAdamW:
         AdamW kernel (one pass over masters, grads and moments), so a single process matches
         ``torch.optim.AdamW(fused=True)`` bit for bit (``optim.moments_dtype`` bf16: moments
         stored in bf16, stepped in fp32 one shard at a time); triton: kernels/adamw.py, one pass
-        per shard that also writes the bf16/fp16 parameters and multiplies each grad as it reads
-        it by ``grad_scale`` (the clip coefficient over the fp16 loss scale); apex: apex's
-        capturable multi-tensor Adam (the skip flag and step count read on the device too)."""
+        per shard (bf16 moments widened as read, rounded as written) that also writes the bf16/fp16
+        parameters and multiplies each grad as it reads it by ``grad_scale`` (the clip coefficient
+        over the fp16 loss scale); apex: apex's capturable multi-tensor Adam (the skip flag and
+        step count read on the device too)."""
         self.step_count += 1
         (beta1, beta2), eps = self.cfg.betas, self.cfg.eps
         if self.impl == "triton":
