@@ -95,9 +95,9 @@ def progress_bar(total: float | None, desc: str, unit: str = "B", enabled: bool 
 PATH_FLAGS = frozenset({
     "--config", "--configs", "--checkpoint", "--checkpoints", "--output", "--output-prefix",
     "--input", "--hf", "--hf-dataset", "--hf-data-files", "--dcp", "--megatron", "--dir",
-    "--tmp-dir", "--workdir", "--corpus", "--data", "--tasks", "--fewshot", "--diff", "--png",
-    "--merge-file", "--vocab-file", "--tokenizer-model", "--compare-nanogpt", "--from",
-    "--write-config", "--write-launch", "--emit", "--json", "--jsonl", "--plot",
+    "--tmp-dir", "--workdir", "--output-dir", "--corpus", "--data", "--tasks", "--fewshot",
+    "--diff", "--png", "--merge-file", "--vocab-file", "--tokenizer-model", "--compare-nanogpt",
+    "--from", "--write-config", "--write-launch", "--emit", "--json", "--jsonl", "--plot",
     "path", "prefix", "run_dir",
 })
 

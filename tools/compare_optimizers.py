@@ -20,7 +20,6 @@ the sweep's finished runs (``--only``: train some of them, e.g. in several proce
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,6 +28,8 @@ import sys
 import time
 
 import _tool
+
+from megapretrain import cli
 
 SWEEPS = {
     "optimizers": [  # each optimizer's middle rate first: a sweep cut short still compares
@@ -119,13 +120,13 @@ def plot(curves: dict[str, list[tuple[int, float]]], path: str, title: str) -> N
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ToolParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sweep", choices=sorted(SWEEPS))
     p.add_argument("--config", default=os.path.join(_tool.ROOT, "configs", "tiny.yaml"))
     p.add_argument("--data", default=None, help="a data prefix in place of the config's")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--eval-interval", type=int, default=20)
-    p.add_argument("--eval-iters", type=int, default=8)
+    p.add_argument("--iters", type=cli.positive_int, default=200)
+    p.add_argument("--eval-interval", type=cli.positive_int, default=20)
+    p.add_argument("--eval-iters", type=cli.positive_int, default=8)
     p.add_argument("--output-dir", default="runs/compare_optimizers")
     p.add_argument("--plot", default=None, help="write the validation curves to this PNG")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
