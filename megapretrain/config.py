@@ -267,8 +267,16 @@ class EvalConfig:
                      "<task>/acc_norm, <task>/n (docs/evaluation.md).", factory=list, path=True)
     fewshot: list = _f(None, "One file of example items per task (same order) to build a "
                        "few-shot prefix from; [] for none.", factory=list, path=True)
-    num_fewshot: int = _f(0, "Examples (the first items of each eval.fewshot file) put before "
-                             "every context.", min=0)
+    num_fewshot: int = _f(0, "Examples put before every context, drawn per item from its "
+                             "task's eval.fewshot file as lm-evaluation-harness draws them "
+                             "(seeded; the item itself left out when the file is the task's own).",
+                          min=0)
+    fewshot_seed: int = _f(1234, "Seed of the few-shot draws (lm-evaluation-harness's default "
+                                 "fewshot_random_seed): the same prompts on every layout and run.")
+    fewshot_sampler: str = _f("random", "How examples are chosen: random (drawn per item, "
+                                        "lm-evaluation-harness's default sampler) | first_n (the "
+                                        "file's first ones, its first_n sampler, as MMLU uses).",
+                              choices=("random", "first_n"))
 
 
 @dataclass
