@@ -36,9 +36,9 @@ usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--sect
 Every config field can be overridden by its dotted name; values are read as YAML
 (--train.iters 50, --data.paths '[prefixA, prefixB]', --parallel.sequence_parallel true).
 Rerunning with the same run.dir resumes from its latest checkpoint.
---check validates the config, its data paths and its tokenizer at $WORLD_SIZE ranks (default 1)
-and exits (0: ready; 2: the line that says what is not), building and writing nothing but the data
-checks' cache.
+--check validates the config, its data paths, its tokenizer and its eval.tasks files at
+$WORLD_SIZE ranks (default 1) and exits (0: ready; 2: the line that says what is not), building
+and writing nothing but the data checks' cache.
 Options (default, meaning):"""
 
 
@@ -169,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         try:
             cfg, run, _ = checked([a for a in argv if a != "--check"], dry=True)
+            if cfg.eval.tasks:  # the task and few-shot files, read and tokenized
+                from .data.tokenizers import build_tokenizer
+                from .eval import DownstreamEval
+
+                DownstreamEval(cfg, build_tokenizer(cfg.data.tokenizer.type,
+                                                    cfg.data.tokenizer.model))
         except UserError as exc:
             print_error(exc)
             return USER_ERROR_EXIT

@@ -199,10 +199,11 @@ def test_a_bad_task_or_fewshot_file_stops_before_the_model_is_built(single, corp
         assert f"task file {bad} line 2" in err and "'choices' is empty" in err, err
     for flags in (_flags(str(bad)),
                   _flags(task_file, "--eval.fewshot", f"[{bad}]", "--eval.num_fewshot", "1")):
-        assert train(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]", *BASE,
-                      *flags]) == 2
-        err = capsys.readouterr().err
-        assert f"task file {bad} line 2" in err and "'choices' is empty" in err, err
+        for check in ([], ["--check"]):  # (--check: checked without training)
+            assert train(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]",
+                          *BASE, *flags, *check]) == 2
+            err = capsys.readouterr().err
+            assert f"task file {bad} line 2" in err and "'choices' is empty" in err, err
 
 
 def test_tasks_from_corpus_are_learnable_items(task_file):
