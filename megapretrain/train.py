@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.directories import latest_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
-from .config import Config, check_output_dirs, help_text, load_config
+from .config import check_output_dirs, help_text, load_config
 from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
@@ -28,7 +28,7 @@ from .monitor.flops import slow_half_precision_warning
 from .oom import check_micro_batch_fits, check_model_fits
 from .resolve import resolve
 from .run_lock import RunLock
-from .runtime import bind_device
+from .runtime import bind_device, resolve_device
 
 USAGE = """\
 usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
@@ -54,16 +54,6 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
             rest.append(argv[i])
             i += 1
     return config, rest
-
-
-def resolve_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible (use --train.device "
-                          "cpu)")
-    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def checked(argv: list[str], verify: bool = True, dry: bool = False):

@@ -55,8 +55,7 @@ from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.pipeline import P2P, PipelineExecutor
 from megapretrain.parallel.state import ParallelState, init_distributed
 from megapretrain.resolve import resolve
-from megapretrain.runtime import bind_device, set_numerics
-from megapretrain.train import resolve_device
+from megapretrain.runtime import bind_device, resolve_device, set_numerics
 
 # the layout an evaluation starts from: one process's, every rank a dp rank (--parallel.* flags
 # change it); the run's own layout is not assumed (an evaluation rarely has the training's GPUs)
