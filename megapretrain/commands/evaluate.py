@@ -10,8 +10,8 @@
 under any layout. The architecture, tokenizer, ``train.seq_length`` and ``train.precision`` come
 from the run's ``config.yaml`` (or ``--config``); the layout is one process's (tp, pp, cp 1, every
 rank a dp rank, no ZeRO) unless ``--parallel.*`` flags give another, and any other config field can
-be set the same way (``--train.micro_batch_size 8``). Under torchrun (or ``run_scripts/launch.sh``)
-each rank builds its share of the model in that layout, takes its weights from the checkpoint as a
+be set the same way (``--train.micro_batch_size 8``). Under torchrun (or ``python -m
+megapretrain.launcher``, what ``run_scripts/launch.sh`` runs) each rank builds its share of the model in that layout, takes its weights from the checkpoint as a
 resumed training does (whatever layout saved it), and scores through the training loop's
 forward-only pipeline schedule: tp/sp, pp, cp, dp splitting the items, ZeRO 3 gathering one layer
 at a time. The model computes in the run's precision, as the loop's evaluation does; ``--fp32``
