@@ -272,7 +272,8 @@ class EvalConfig:
                              "(seeded; the item itself left out when the file is the task's own).",
                           min=0)
     fewshot_seed: int = _f(1234, "Seed of the few-shot draws (lm-evaluation-harness's default "
-                                 "fewshot_random_seed): the same prompts on every layout and run.")
+                                 "fewshot_random_seed): the same prompts on every layout and run.",
+                           min=0)
     fewshot_sampler: str = _f("random", "How examples are chosen: random (drawn per item, "
                                         "lm-evaluation-harness's default sampler) | first_n (the "
                                         "file's first ones, its first_n sampler, as MMLU uses).",

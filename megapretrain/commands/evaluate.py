@@ -11,10 +11,10 @@ under any layout. The architecture, tokenizer, ``train.seq_length`` and ``train.
 from the run's ``config.yaml`` (or ``--config``); the layout is one process's (tp, pp, cp 1, every
 rank a dp rank, no ZeRO) unless ``--parallel.*`` flags give another, and any other config field can
 be set the same way (``--train.micro_batch_size 8``). Under torchrun (or ``python -m
-megapretrain.launcher``, what ``run_scripts/launch.sh`` runs) each rank builds its share of the model in that layout, takes its weights from the checkpoint as a
-resumed training does (whatever layout saved it), and scores through the training loop's
-forward-only pipeline schedule: tp/sp, pp, cp, dp splitting the items, ZeRO 3 gathering one layer
-at a time. The model computes in the run's precision, as the loop's evaluation does; ``--fp32``
+megapretrain.launcher``, what ``run_scripts/launch.sh`` runs) each rank builds its share of the
+model in that layout, takes its weights from the checkpoint as a resumed training does (whatever
+layout saved it), and scores through the training loop's forward-only pipeline schedule: tp/sp,
+pp, cp, dp splitting the items, ZeRO 3 gathering one layer at a time. The model computes in the run's precision, as the loop's evaluation does; ``--fp32``
 scores in fp32 instead.
 
 The task and few-shot files are read and checked before anything is built. Prints ``<task>/acc``,
@@ -80,7 +80,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--num-fewshot", type=non_negative_int, default=0,
                     help="examples put before every context, drawn per item as "
                          "lm-evaluation-harness draws them")
-    ap.add_argument("--fewshot-seed", type=int, default=FEWSHOT_SEED,
+    ap.add_argument("--fewshot-seed", type=non_negative_int, default=FEWSHOT_SEED,
                     help=f"seed of the few-shot draws (default {FEWSHOT_SEED}, "
                          "lm-evaluation-harness's)")
     ap.add_argument("--fewshot-sampler", choices=SAMPLERS, default="random",
