@@ -14,8 +14,8 @@ be set the same way (``--train.micro_batch_size 8``). Under torchrun (or ``pytho
 megapretrain.launcher``, what ``run_scripts/launch.sh`` runs) each rank builds its share of the
 model in that layout, takes its weights from the checkpoint as a resumed training does (whatever
 layout saved it), and scores through the training loop's forward-only pipeline schedule: tp/sp,
-pp, cp, dp splitting the items, ZeRO 3 gathering one layer at a time. The model computes in the run's precision, as the loop's evaluation does; ``--fp32``
-scores in fp32 instead.
+pp, cp, dp splitting the items, ZeRO 3 gathering one layer at a time. The model computes in the
+run's precision, as the loop's evaluation does; ``--fp32`` scores in fp32 instead.
 
 The task and few-shot files are read and checked before anything is built. Prints ``<task>/acc``,
 ``<task>/acc_norm`` and ``<task>/n`` per task (the names of the training loop's eval lines); rank 0
