@@ -284,8 +284,17 @@ class EvalConfig:
                      distinct=True)
     fewshot: list = _f(None, "One file of example items per task (same order) to build a "
                        "few-shot prefix from; [] for none.", factory=list, path=True)
-    num_fewshot: int = _f(0, "Examples (the first items of each eval.fewshot file) put before "
-                             "every context.", min=0)
+    num_fewshot: int = _f(0, "Examples put before every context, drawn per item from its "
+                             "task's eval.fewshot file as lm-evaluation-harness draws them "
+                             "(seeded; the item itself left out when the file is the task's own).",
+                          min=0)
+    fewshot_seed: int = _f(1234, "Seed of the few-shot draws (lm-evaluation-harness's default "
+                                 "fewshot_random_seed): the same prompts on every layout and run.",
+                           min=0)
+    fewshot_sampler: str = _f("random", "How examples are chosen: random (drawn per item, "
+                                        "lm-evaluation-harness's default sampler) | first_n (the "
+                                        "file's first ones, its first_n sampler, as MMLU uses).",
+                              choices=("random", "first_n"))
 
 
 @dataclass
@@ -699,8 +708,11 @@ def repeated_overrides(args: list[str]) -> list[str]:
     return warnings
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults < YAML file at ``path`` < dotted ``overrides``; returns the (unvalidated) Config."""
+def load_config(path: str | None = None, overrides: list[str] | None = None,
+                reset: tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file at ``path`` < dotted ``overrides``; returns the (unvalidated) Config.
+    The sections named in ``reset`` start from their defaults, not the file's (a tool that runs a
+    saved run's model under a layout of its own: no field is left that needs the saved layout)."""
     tree: dict = {}
     if path is not None:
         path = expand_path(path, "--config")
@@ -712,6 +724,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, "
                               "...)")
+    for section in reset:
+        tree.pop(section, None)
     for name, value in parse_overrides(overrides or []):
         _set_dotted(tree, name, value)
     cfg = _from_dict(Config, tree)

@@ -1,5 +1,6 @@
 """The process's device and numerics, set once at start-up, before any tensor or process group.
 
+- :func:`resolve_device`: the device ``train.device`` names for this process.
 - :func:`bind_device`: every CUDA process makes its GPU the current device — one process with
   ``LOCAL_RANK`` > 0 too (torchrun sets it; so do schedulers that hand a process one GPU of
   several) — so that Triton launches, the CUDA seed and the allocator all use the GPU the model
@@ -17,9 +18,22 @@ import os
 
 import torch
 
+from .errors import ConfigError
+
 # cuBLAS picks reduction orders per stream unless its workspace is fixed (NVIDIA's documented
 # setting for reproducible results); read when cuBLAS starts, so it is set before any matmul
 CUBLAS_WORKSPACE = ":4096:8"
+
+
+def resolve_device(cfg) -> torch.device:
+    """The device ``train.device`` names for this process: its ``LOCAL_RANK``'s GPU, or the CPU."""
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible (use --train.device "
+                          "cpu)")
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def bind_device(device: torch.device) -> None:

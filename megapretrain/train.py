@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.directories import latest_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
-from .config import Config, check_output_dirs, help_text, load_config, repeated_overrides
+from .config import check_output_dirs, help_text, load_config, repeated_overrides
 from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
 from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
@@ -28,7 +28,7 @@ from .monitor.flops import slow_half_precision_warning
 from .oom import check_micro_batch_fits, check_model_fits
 from .resolve import resolve
 from .run_lock import RunLock
-from .runtime import bind_device
+from .runtime import bind_device, resolve_device
 
 USAGE = """\
 usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--section.key VALUE ...]
@@ -36,9 +36,9 @@ usage: python -m megapretrain.train --config configs/NAME.yaml [--check] [--sect
 Every config field can be overridden by its dotted name; values are read as YAML
 (--train.iters 50, --data.paths '[prefixA, prefixB]', --parallel.sequence_parallel true).
 Rerunning with the same run.dir resumes from its latest checkpoint.
---check validates the config, its data paths and its tokenizer at $WORLD_SIZE ranks (default 1)
-and exits (0: ready; 2: the line that says what is not), building and writing nothing but the data
-checks' cache.
+--check validates the config, its data paths, its tokenizer and its eval.tasks files at
+$WORLD_SIZE ranks (default 1) and exits (0: ready; 2: the line that says what is not), building
+and writing nothing but the data checks' cache.
 Options (default, meaning):"""
 
 
@@ -56,16 +56,6 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
             rest.append(argv[i])
             i += 1
     return config, rest
-
-
-def resolve_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible (use --train.device "
-                          "cpu)")
-    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def checked(argv: list[str], verify: bool = True, dry: bool = False):
@@ -173,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         try:
             cfg, run, _ = checked([a for a in argv if a != "--check"], dry=True)
+            if cfg.eval.tasks:  # the task and few-shot files, read and tokenized
+                from .data.tokenizers import build_tokenizer
+                from .eval import DownstreamEval
+
+                DownstreamEval(cfg, build_tokenizer(cfg.data.tokenizer.type,
+                                                    cfg.data.tokenizer.model))
         except UserError as exc:
             print_error(exc)
             return USER_ERROR_EXIT

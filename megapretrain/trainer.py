@@ -119,6 +119,11 @@ class Trainer:
         # dropout outside tp regions (cp ranks hold other tokens: other masks); weights are seeded
         # by name
         torch.manual_seed(t.seed + 100 * ps.pp_rank + CP_SEED_STRIDE * ps.cp_rank)
+        d = cfg.data
+        # eval.tasks, read, checked and tokenized once, before anything is built
+        self.downstream = DownstreamEval(cfg, build_tokenizer(d.tokenizer.type,
+                                                              d.tokenizer.model)) \
+            if cfg.eval.tasks else None
         # specs: the parameter-spec table
         self.model_chunks, self.specs = build_model_chunks(cfg, ps)
         self.args = self.model_chunks[0].args
@@ -163,7 +168,6 @@ class Trainer:
         # the files of data.paths, checked at each logging step (a simulation's samples have none)
         self.data_watch = DataFileWatch(p for _, p in parse_data_paths(cfg.data.paths)) \
             if datasets is None else None
-        d = cfg.data
         # every stage needs the token ids
         self.documents = d.reset_attention_mask or d.reset_position_ids
         self.eod = None
@@ -175,11 +179,10 @@ class Trainer:
         self.loaders = {split: BatchLoader(ds, ps.dp_rank, ps.dp.size, t.micro_batch_size,
                                            self.device)
                         for split, ds in self.datasets.items() if ds is not None and needs_data}
-        # eval.tasks, read and tokenized once; scored by the evaluation's forward-only schedule
-        self.downstream = DownstreamEval(
-            cfg, build_tokenizer(d.tokenizer.type, d.tokenizer.model),
-            PipelineScorer(self.model_chunks, ps, self.pipeline, self.eval_orders, self.num_micro,
-                           t.micro_batch_size)) if cfg.eval.tasks else None
+        if self.downstream is not None:  # scored by the evaluation's forward-only schedule
+            self.downstream.scorer = PipelineScorer(self.model_chunks, ps, self.pipeline,
+                                                    self.eval_orders, self.num_micro,
+                                                    t.micro_batch_size)
 
         # saving, resuming, rolling back and the learning rate
         self.run = RunState(cfg, sizes, ps, self.position, self.optimizer, self.model_chunks,

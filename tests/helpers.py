@@ -221,10 +221,11 @@ def resume_run(rank, world, run_dir, corpus, iters, layout, dropout=0.1):
         [r["iter"] for r in rows if r.get("event") == "resumed"]
 
 
-def eval_layout(rank, world, run_dir, corpus, flags):
+def eval_layout(rank, world, run_dir, corpus, flags, offline=None):
     """The trainer on ``BASE`` + ``flags`` (eval.tasks among them) for one rank of ``world``: its
     eval lines (rank 0's metrics.jsonl) and the downstream log-likelihoods it scores after
-    training."""
+    training. ``offline``: tools/evaluate.py's arguments after ``--checkpoint RUN_DIR``, run next
+    on the same ranks; its ``--output`` is RUN_DIR/offline_items.jsonl (rank 0 writes it)."""
     from megapretrain.train import setup
 
     trainer = setup(["--run.dir", run_dir, "--data.paths", f"[{corpus}]", *BASE, *flags])
@@ -232,7 +233,49 @@ def eval_layout(rank, world, run_dir, corpus, flags):
     d = trainer.downstream
     logliks = d.scorer(d.tokens, d.targets)
     evals = records(run_dir, "downstream_time_s") if rank == 0 else []
-    return {"evals": evals, "logliks": logliks}
+    out = {"evals": evals, "logliks": logliks}
+    if offline is not None:
+        items = os.path.join(run_dir, "offline_items.jsonl")
+        out["offline_status"] = load_tool("evaluate").main(["--checkpoint", run_dir, "--output",
+                                                            items, *offline])
+    return out
+
+
+def item_logliks(path) -> list[float]:
+    """Every choice's log-likelihood in a tools/evaluate.py --output file, item by item."""
+    with open(path) as fh:
+        return [ll for line in fh for ll in json.loads(line)["logliks"]]
+
+
+def evaluate_watched(rank, world, argv):
+    """tools/evaluate.py on one rank of ``world`` with every collective it enters recorded:
+    (group, op, bytes this rank sends, the group's size) each; and, of its ZeRO-3 units (a decoder
+    layer each, or a chunk's embedding, final norm and head), the bytes of each gathered whole and
+    the most gathered at once (``parallel/zero3.py``)."""
+    from megapretrain.commands import evaluate
+    from megapretrain.parallel.state import Group
+
+    calls, built = [], []
+    record, init = Group._record, evaluate.LayoutScorer.__init__
+
+    def recorded(group, kind, tensor):
+        calls.append((group.name, kind, tensor.numel() * tensor.element_size(), group.size))
+        record(group, kind, tensor)
+
+    def kept(scorer, *args, **kwargs):
+        init(scorer, *args, **kwargs)
+        built.append(scorer)
+
+    Group._record, evaluate.LayoutScorer.__init__ = recorded, kept
+    try:
+        status = evaluate.main(argv)
+    finally:
+        Group._record, evaluate.LayoutScorer.__init__ = record, init
+    optimizer = built[0].optimizer
+    units = {u.name: sum(b.numel * optimizer.buffers.gathered_element_size(b) for b in u.buckets)
+             for u in optimizer.units.units}
+    return {"status": status, "calls": calls, "units": units,
+            "max_gathered": dict(optimizer.units.max_gathered)}
 
 
 # -- one process of the real trainer --------------------------------------------------------------

@@ -5,6 +5,7 @@ the loop, and per-item log-likelihoods against transformers on the to-hf export.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from megapretrain.eval.tasks import corpus_documents
 from megapretrain.resolve import resolve
 
 from distributed import run_distributed
-from helpers import eval_layout, load_tool, train_hf_tokenizer
+from helpers import BASE, eval_layout, evaluate_watched, item_logliks, load_tool, train_hf_tokenizer
 
 SEQ = 32  # BASE's train.seq_length
 
@@ -88,8 +89,9 @@ def test_a_bad_task_file_is_one_line_naming_file_line_and_rule(tmp_path, line, w
 
 
 def test_fewshot_prefix_and_metrics(tmp_path):
-    """The prefix is the example items answered, each followed by a blank line; acc takes the
-    highest log-likelihood, acc_norm the highest per byte."""
+    """The prefix is the example items answered, each followed by a blank line, in the order
+    lm-evaluation-harness's seeded sampler draws them; acc takes the highest log-likelihood,
+    acc_norm the highest per byte."""
     shots = tmp_path / "shots.jsonl"
     shots.write_text('{"context": "Q1", "choices": [" A", " B"], "label": 1}\n'
                      '{"context": "Q2", "choices": [" C"], "label": 0}\n')
@@ -97,13 +99,69 @@ def test_fewshot_prefix_and_metrics(tmp_path):
     task.write_text('{"context": "Q", "choices": [" x", " yyyy"], "label": 1}\n')
     [t] = load_tasks([str(task)], ByteTokenizer(), 64, [str(shots)], 2)
     seq, n = t.items[0].requests[0]
-    assert bytes(seq).decode() == "Q1 B\n\nQ2 C\n\nQ x" and n == 2
+    order = random.Random(1234).sample(["Q1 B", "Q2 C"], 2)
+    assert bytes(seq).decode() == "\n\n".join(order) + "\n\nQ x" and n == 2
     # per byte: -3/2 = -1.5 < -4/5 = -0.8: the long choice wins acc_norm only
     metrics, records = task_metrics([t], [-3.0, -4.0])
     assert metrics == {"t/acc": 0.0, "t/acc_norm": 1.0, "t/n": 1}
     assert records[0]["pred"] == 0 and records[0]["pred_norm"] == 1
     tokens, targets = pack([t], 64)
     assert (targets[0] != -100).sum() == 2 and targets[0, len(seq) - 3].item() == ord(" ")
+
+
+def _lm_eval_prefixes(items: list[dict], examples: list[dict], k: int, seed: int,
+                     same_file: bool) -> list[str]:
+    """lm-evaluation-harness's ContextSampler.get_context written out: one random.Random(seed)
+    per task; per item ``rnd.sample(docs, k + 1 if same split else k)``, the item itself dropped,
+    the first k kept, each ``text + target + "\\n\\n"``."""
+    rnd = random.Random(seed)
+    out = []
+    for item in items:
+        drawn = rnd.sample(examples, k + 1 if same_file else k)
+        kept = [x for x in drawn if x != item][:k]
+        out.append("".join(x["context"] + x["choices"][x["label"]] + "\n\n" for x in kept))
+    return out
+
+
+@pytest.mark.parametrize("same_file", [False, True])
+def test_fewshot_examples_are_sampled_per_item_as_lm_evaluation_harness_does(tmp_path, same_file):
+    """Each item gets its own seeded draw of examples (not the file's first K), never itself when
+    the examples are the task's own file; the same seed gives the same prompts, another seed
+    others."""
+    items = [{"context": f"Q{i}", "choices": [f" a{i}", f" b{i}"], "label": i % 2}
+             for i in range(12)]
+    task = tmp_path / "t.jsonl"
+    task.write_text("".join(json.dumps(x) + "\n" for x in items))
+    shots = task
+    if not same_file:
+        shots = tmp_path / "shots.jsonl"
+        shots.write_text("".join(json.dumps({**x, "context": "S" + x["context"]}) + "\n"
+                                 for x in items))
+    examples = [json.loads(line) for line in shots.read_text().splitlines()]
+
+    def prompts(seed):
+        [t] = load_tasks([str(task)], ByteTokenizer(), 256, [str(shots)], 3, seed)
+        return [bytes(item.requests[0][0][:-item.requests[0][1]]).decode() for item in t.items]
+
+    got = prompts(1234)
+    want = [p + x["context"] for p, x in
+            zip(_lm_eval_prefixes(items, examples, 3, 1234, same_file), items)]
+    assert got == want
+    assert len({p[:-len(x["context"])] for p, x in zip(got, items)}) > 1  # not one prefix
+    for p, x in zip(got, items):
+        assert p.count("\n\n") == 3
+        if same_file:
+            assert f"{x['context']}{x['choices'][x['label']]}\n\n" not in p
+    assert prompts(1234) == got and prompts(7) != got
+    # lm-evaluation-harness's first_n sampler: the file's first K (K + 1, the item left out)
+    [t] = load_tasks([str(task)], ByteTokenizer(), 256, [str(shots)], 3, sampler="first_n")
+    firsts = examples[:4 if same_file else 3]
+    for item, x in zip(t.items, items):
+        kept = [e for e in firsts if e != x][:3]
+        prefix = "".join(e["context"] + e["choices"][e["label"]] + "\n\n" for e in kept)
+        assert bytes(item.requests[0][0][:-item.requests[0][1]]).decode() == prefix + x["context"]
+    with pytest.raises(DataError, match="fewer than num_fewshot=12 \\+ the item itself"):
+        load_tasks([str(task)], ByteTokenizer(), 256, [str(task)], 12)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -115,6 +173,37 @@ def test_eval_fields_that_cannot_work_are_refused(flags, words):
     cfg = load_config(None, ["--eval.tasks", "[a.jsonl]", "--model.vocab_size", "300", *flags])
     with pytest.raises(ConfigError, match=words):
         resolve(cfg, 1)
+
+
+def test_a_bad_task_or_fewshot_file_stops_before_the_model_is_built(single, corpus, task_file,
+                                                                   tmp_path, monkeypatch, capsys):
+    """In the loop and offline, the task and few-shot files are checked before the model is built
+    (or a checkpoint read into it): one line naming the file, the line and the rule."""
+    import megapretrain.commands.evaluate as offline
+    import megapretrain.trainer as trainer
+    from megapretrain.train import main as train
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the task files were checked")
+
+    monkeypatch.setattr(trainer, "build_model_chunks", never)
+    monkeypatch.setattr(offline, "build_model_chunks", never)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "x", "choices": [" a"], "label": 0}\n'
+                   '{"context": "x", "choices": [], "label": 0}\n')
+    checkpoint = ["--checkpoint", single["run"]]
+    for argv in (["--tasks", str(bad)],
+                 ["--tasks", task_file, "--fewshot", str(bad), "--num-fewshot", "1"]):
+        assert offline.main(checkpoint + argv) == 2
+        err = capsys.readouterr().err
+        assert f"task file {bad} line 2" in err and "'choices' is empty" in err, err
+    for flags in (_flags(str(bad)),
+                  _flags(task_file, "--eval.fewshot", f"[{bad}]", "--eval.num_fewshot", "1")):
+        for check in ([], ["--check"]):  # (--check: checked without training)
+            assert train(["--run.dir", str(tmp_path / "run"), "--data.paths", f"[{corpus}]",
+                          *BASE, *flags, *check]) == 2
+            err = capsys.readouterr().err
+            assert f"task file {bad} line 2" in err and "'choices' is empty" in err, err
 
 
 def test_tasks_from_corpus_are_learnable_items(task_file):
@@ -160,23 +249,55 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n == "cp2"))
                                   for n in LAYOUTS])
-def test_in_loop_scores_equal_one_process(name, single, corpus, task_file, tmp_path):
+def test_in_loop_and_offline_scores_equal_one_process(name, single, corpus, task_file, tmp_path):
+    """The loop's scores under the layout equal one process's; so do tools/evaluate.py's, run
+    next on the same ranks in the same layout (its weights loaded into that layout from the
+    checkpoint), and on one process from the checkpoint this layout saved."""
     world, layout = LAYOUTS[name]
     results = run_distributed(eval_layout, world, str(tmp_path), corpus,
-                              _flags(task_file, *layout), timeout=300)
+                              _flags(task_file, *layout), ["--tasks", task_file, *layout],
+                              timeout=300)
     for r in results:  # every rank holds the same log-likelihoods
         assert r["logliks"] == pytest.approx(single["logliks"], rel=1e-4, abs=1e-4)
+        assert r["offline_status"] == 0
     ours, ref = results[0]["evals"], single["evals"]
     assert [r["iter"] for r in ours] == [r["iter"] for r in ref]
     for a, b in zip(ours, ref):
         for key in ("corpus_mc/acc", "corpus_mc/acc_norm", "corpus_mc/n"):
             assert a[key] == b[key], (key, a, b)
-    # the checkpoint this layout saved, scored offline on one process, gives the loop's numbers
+    # offline in the layout (rank 0 wrote the file), then on one process
+    assert item_logliks(tmp_path / "offline_items.jsonl") == \
+        pytest.approx(results[0]["logliks"], rel=1e-5, abs=1e-5)
     items = tmp_path / "items.jsonl"
     assert load_tool("evaluate").main(["--checkpoint", str(tmp_path), "--tasks", task_file,
                                        "--output", str(items)]) == 0
-    offline = [ll for line in items.read_text().splitlines() for ll in json.loads(line)["logliks"]]
-    assert offline == pytest.approx(results[0]["logliks"], rel=1e-5, abs=1e-5)
+    assert item_logliks(items) == pytest.approx(results[0]["logliks"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.slow  # (4 ranks)
+def test_zero3_evaluation_gathers_a_unit_at_a_time_never_the_model(single, task_file, tmp_path):
+    """tools/evaluate.py under ZeRO 3 and tp2 (4 ranks: dp2 × tp2), every collective recorded on
+    every rank: no all-gather is larger than the largest ZeRO-3 unit (one decoder layer, or the
+    embedding, final norm and head), none is the rank's whole model, and at no moment does a
+    rank hold every layer gathered; the scores equal one process's."""
+    items = tmp_path / "items.jsonl"
+    argv = ["--checkpoint", single["run"], "--tasks", task_file, "--output", str(items),
+            "--parallel.tp", "2", "--parallel.zero", "3"]
+    results = run_distributed(evaluate_watched, 4, argv, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["status"] == 0
+        units = r["units"]  # bytes of each unit gathered whole (this rank's tp share)
+        model = sum(units.values())  # the rank's tp share of the whole model
+        layers = [name for name in units if name.startswith("layers.")]
+        gathers = [size * sent for _, kind, sent, size in r["calls"] if kind == "all_gather"]
+        assert len(layers) == 4 and gathers
+        assert max(gathers) <= max(units.values()) < model
+        assert r["max_gathered"]["layers"] < len(layers)
+        assert r["max_gathered"]["bytes"] < model
+        print(f"rank {rank}: {len(gathers)} all-gathers, the largest {max(gathers):,} B; units "
+              f"{sorted(units.values())} B; at most {r['max_gathered']['bytes']:,} B gathered at "
+              f"once ({r['max_gathered']['layers']} layers) of the model's {model:,} B")
+    assert item_logliks(items) == pytest.approx(single["logliks"], rel=1e-5, abs=1e-5)
 
 
 # -- offline, and against transformers -------------------------------------------------------------
@@ -199,6 +320,23 @@ def test_offline_tool_equals_in_loop(single, task_file, tmp_path, capsys):
     assert "task file" in capsys.readouterr().err
     assert evaluate.main(["--checkpoint", single["run"], "--tasks", task_file,
                           "--output", str(items)]) == 2
+
+
+@pytest.mark.slow  # (bf16 on CPU)
+def test_offline_scores_in_the_runs_precision_unless_told_fp32(corpus, task_file, tmp_path):
+    """A bf16 run: the loop scores in bf16; tools/evaluate.py scores its checkpoint in bf16 too
+    (the same log-likelihoods), and with --fp32 in fp32 (others, close to them)."""
+    run = str(tmp_path / "run")
+    loop = eval_layout(0, 1, run, corpus, _flags(task_file, "--train.precision", "bf16",
+                                                 "--train.iters", "1"))
+    evaluate = load_tool("evaluate")
+    bf16, fp32 = tmp_path / "bf16.jsonl", tmp_path / "fp32.jsonl"
+    assert evaluate.main(["--checkpoint", run, "--tasks", task_file, "--output", str(bf16)]) == 0
+    assert evaluate.main(["--checkpoint", run, "--tasks", task_file, "--output", str(fp32),
+                          "--fp32"]) == 0
+    assert item_logliks(bf16) == pytest.approx(loop["logliks"], rel=1e-6, abs=1e-6)
+    assert item_logliks(fp32) != pytest.approx(loop["logliks"], rel=1e-6, abs=1e-6)
+    assert item_logliks(fp32) == pytest.approx(loop["logliks"], rel=5e-2, abs=5e-2)
 
 
 def test_logliks_equal_transformers_on_the_export(single, task_file, tmp_path):

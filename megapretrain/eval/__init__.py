@@ -6,22 +6,25 @@ from __future__ import annotations
 import time
 
 from ..errors import ConfigError
-from .scoring import PipelineScorer, model_logliks, pack, task_metrics
+from .scoring import PipelineScorer, pack, task_metrics
 from .tasks import Task, encode_pair, load_tasks, tasks_from_corpus
 
 __all__ = ["DownstreamEval", "PipelineScorer", "Task", "check_eval_config", "encode_pair",
-           "load_tasks", "model_logliks", "pack", "task_metrics", "tasks_from_corpus"]
+           "load_tasks", "pack", "task_metrics", "tasks_from_corpus"]
 
 
 class DownstreamEval:
-    """``eval.tasks`` read and tokenized once at start-up, scored by ``scorer`` (a
-    :class:`PipelineScorer` of the trainer's model chunks) at each evaluation."""
+    """``eval.tasks`` (and their few-shot files) read, checked and tokenized once at start-up,
+    before the model is built — a bad file stops the run before that work — then scored by
+    ``scorer`` (a :class:`PipelineScorer` of the trainer's model chunks, set once they exist) at
+    each evaluation."""
 
-    def __init__(self, cfg, tokenizer, scorer):
+    def __init__(self, cfg, tokenizer):
         e, t = cfg.eval, cfg.train
-        self.tasks = load_tasks(e.tasks, tokenizer, t.seq_length, e.fewshot, e.num_fewshot)
+        self.tasks = load_tasks(e.tasks, tokenizer, t.seq_length, e.fewshot, e.num_fewshot,
+                                e.fewshot_seed, e.fewshot_sampler)
         self.tokens, self.targets = pack(self.tasks, t.seq_length)
-        self.scorer = scorer
+        self.scorer: PipelineScorer | None = None
 
     def evaluate(self) -> dict:
         """Every task's ``<task>/acc``, ``<task>/acc_norm`` and ``<task>/n`` (the same on every

@@ -7,10 +7,10 @@ loss is then minus the continuation tokens' log-probabilities — the vocab-para
 computes it on every layout without gathering the logits — and a sample's sum is minus its
 log-likelihood. Padding sits after the continuation, so causal attention keeps it out.
 
-Two ways to run the samples through a model share that packing and the metrics:
-:func:`model_logliks` (one process, one model: ``tools/evaluate.py``) and :class:`PipelineScorer`
-(the trainer's model chunks under any layout: tp/sp, cp, pp with its forward-only schedule, dp with
-the samples split over its ranks, ZeRO 3 gathering each layer around its use as in training).
+:class:`PipelineScorer` runs the samples through a rank's model chunks under any layout (tp/sp,
+cp, pp with its forward-only schedule, dp with the samples split over its ranks, ZeRO 3 gathering
+each layer around its use as in training): the training loop's evaluation and ``tools/evaluate.py``
+alike.
 """
 
 from __future__ import annotations
@@ -72,20 +72,6 @@ def log_prob_loss(models):
     finally:
         for m, z in zip(models, saved):
             m.z_loss = z
-
-
-@torch.no_grad()
-def model_logliks(model, tokens: torch.Tensor, targets: torch.Tensor, micro_batch_size: int,
-                  device: torch.device | str = "cpu") -> list[float]:
-    """Every row's log-likelihood under one whole model (one process)."""
-    model.eval()
-    out = []
-    with log_prob_loss([model]):
-        for start in range(0, len(tokens), micro_batch_size):
-            rows = slice(start, start + micro_batch_size)
-            loss = model(tokens[rows].to(device), targets[rows].to(device))  # (b, s) fp32
-            out.append(-loss.double().sum(-1).cpu())
-    return torch.cat(out).tolist()
 
 
 class PipelineScorer:

@@ -19,21 +19,29 @@ No BOS is added: the tokenizer's ``tokenize`` is used as it is (the trainer's da
 The model reads ``ctx + continuation`` minus its last token, which must fit in ``train.seq_length``:
 a longer pair is refused, not truncated (a truncated context changes what is measured).
 
-A few-shot prefix (``num_fewshot`` > 0) is built from a separate file of items of the same shape:
-its first ``num_fewshot`` items, each ``context + choices[label]``, joined by a blank line and
-followed by one, then the item's context. Its examples are the file's first lines, the same for
-every item (lm-evaluation-harness samples them at random per item).
+A few-shot prefix (``num_fewshot`` > 0) is built from a file of items of the same shape, with
+lm-evaluation-harness's default sampler (``ContextSampler`` of ``lm_eval/api/samplers.py``): one
+``random.Random(fewshot_seed)`` per task (its default seed 1234, as ``simple_evaluate``'s
+``fewshot_random_seed``), and for each item in file order ``rng.sample(examples, K)``; when the
+examples are the task's own file, ``K + 1`` are drawn and those equal to the item dropped, then the
+first ``K`` kept. Its ``first_n`` sampler (``FirstNSampler``, MMLU's) takes the file's first
+``K`` (``K + 1``) items in place of a draw. Each example is ``context + choices[label]``; they are
+joined by a blank line and followed by one, then the item's context. Loading is the same on every
+rank, so every layout scores the same prompts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import dataclass, field
 
 from ..errors import DataError, MissingFileError
 
 FEWSHOT_SEPARATOR = "\n\n"
+FEWSHOT_SEED = 1234  # lm-evaluation-harness's default few-shot seed (fewshot_random_seed)
+SAMPLERS = ("random", "first_n")  # its default ContextSampler, its FirstNSampler
 
 
 @dataclass
@@ -124,31 +132,49 @@ def _checked(item, where: str) -> dict:
     return item
 
 
-def fewshot_prefix(path: str, num_fewshot: int) -> str:
-    """The text put before every context: the first ``num_fewshot`` items of ``path`` answered."""
-    if num_fewshot == 0:
-        return ""
-    items = read_items(path)
-    if len(items) < num_fewshot:
-        raise DataError(f"few-shot file {path} holds {len(items)} items, fewer than "
-                        f"num_fewshot={num_fewshot}: add items or ask for fewer")
-    shots = [item["context"] + item["choices"][item["label"]] for _, item in items[:num_fewshot]]
-    return FEWSHOT_SEPARATOR.join(shots) + FEWSHOT_SEPARATOR
+class FewshotSampler:
+    """The few-shot prefix of each item of a task, drawn as lm-evaluation-harness draws it (see
+    the module docstring): ``path``'s examples, ``num_fewshot`` of them per item, from one seeded
+    generator consumed item by item, or (``sampler="first_n"``) the file's first ones;
+    ``same_file``: the examples are the task's own items."""
+
+    def __init__(self, path: str, num_fewshot: int, seed: int = FEWSHOT_SEED,
+                 same_file: bool = False, sampler: str = "random"):
+        if sampler not in SAMPLERS:
+            raise DataError(f"few-shot sampler '{sampler}' is not one of {', '.join(SAMPLERS)}")
+        self.examples = [item for _, item in read_items(path)]
+        self.num, self.same_file, self.first_n = num_fewshot, same_file, sampler == "first_n"
+        if len(self.examples) < num_fewshot + same_file:
+            itself = " + the item itself" if same_file else ""
+            raise DataError(f"few-shot file {path} holds {len(self.examples)} items, fewer than "
+                            f"num_fewshot={num_fewshot}{itself}: add items or ask for fewer")
+        self.rng = random.Random(seed)
+
+    def prefix(self, item: dict) -> str:
+        """The next item's prefix: its examples answered, each followed by a blank line."""
+        count = self.num + self.same_file
+        drawn = self.examples[:count] if self.first_n else self.rng.sample(self.examples, count)
+        shots = [x for x in drawn if x != item][:self.num]
+        return "".join(x["context"] + x["choices"][x["label"]] + FEWSHOT_SEPARATOR for x in shots)
 
 
 def load_task(path: str, tokenizer, seq_length: int, fewshot: str | None = None,
-              num_fewshot: int = 0) -> Task:
+              num_fewshot: int = 0, fewshot_seed: int = FEWSHOT_SEED,
+              sampler: str = "random") -> Task:
     """Read, check and tokenize task file ``path``; ``fewshot``: the file of its examples (needed
-    when ``num_fewshot`` > 0). Refuses an item whose context, or context and choice, the model
-    cannot read in ``seq_length`` tokens."""
+    when ``num_fewshot`` > 0; it may be ``path`` itself). Refuses an item whose context, or context
+    and choice, the model cannot read in ``seq_length`` tokens."""
     if num_fewshot and not fewshot:
         raise DataError(f"task file {path}: num_fewshot={num_fewshot} needs a few-shot file of "
                         "example items for it")
-    prefix = fewshot_prefix(fewshot, num_fewshot) if num_fewshot else ""
+    items = read_items(path)
+    sampler = FewshotSampler(fewshot, num_fewshot, fewshot_seed,
+                             os.path.realpath(fewshot) == os.path.realpath(path), sampler) \
+        if num_fewshot else None
     task = Task(task_name(path), path)
-    for number, item in read_items(path):
+    for number, item in items:
         where = f"task file {path} line {number}"
-        context = prefix + item["context"]
+        context = (sampler.prefix(item) if sampler else "") + item["context"]
         requests = []
         for i, choice in enumerate(item["choices"]):
             ctx, cont = encode_pair(tokenizer, context, choice)
@@ -173,7 +199,8 @@ def load_task(path: str, tokenizer, seq_length: int, fewshot: str | None = None,
 
 
 def load_tasks(paths: list[str], tokenizer, seq_length: int, fewshot: list[str] | None = None,
-               num_fewshot: int = 0) -> list[Task]:
+               num_fewshot: int = 0, fewshot_seed: int = FEWSHOT_SEED,
+               sampler: str = "random") -> list[Task]:
     """Every task file of ``paths``; ``fewshot``: one example file per task (or none). Two files of
     the same stem are refused (their metrics would share names)."""
     fewshot = fewshot or []
@@ -186,8 +213,8 @@ def load_tasks(paths: list[str], tokenizer, seq_length: int, fewshot: list[str] 
             twins = [p for p in paths if task_name(p) == name]
             raise DataError(f"task files {twins} share the name '{name}' (metrics are named by the "
                             "file's stem): rename one")
-    return [load_task(p, tokenizer, seq_length, fewshot[i] if fewshot else None, num_fewshot)
-            for i, p in enumerate(paths)]
+    return [load_task(p, tokenizer, seq_length, fewshot[i] if fewshot else None, num_fewshot,
+                      fewshot_seed, sampler) for i, p in enumerate(paths)]
 
 
 def corpus_documents(prefix: str, tokenizer, limit: int = 1000) -> list[str]:
@@ -207,8 +234,6 @@ def tasks_from_corpus(documents: list[str], path: str, *, num_items: int = 16,
     stretch of a document, its right choice the text that follows it there, the wrong choices
     stretches of the same length from elsewhere in the corpus. A model that learned the corpus
     scores above chance on it. Returns ``path``."""
-    import random
-
     rng = random.Random(seed)
     span = context_chars + choice_chars
     long_enough = [d for d in documents if len(d) > span]
