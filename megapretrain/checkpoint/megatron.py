@@ -26,6 +26,16 @@ decoder's tensors carry a leading layer dimension
 Rotary embeddings are rotate-half in both (Megatron's default ``rotary_interleaved=False``), so
 nothing else is permuted. The embedding's rows are Megatron's padded vocabulary; the padding rows
 are dropped on import when ``model.vocab_size`` is smaller, and written as zeros on export.
+
+Megatron-Core's non-distributed optimizers save their state beside the model in model space
+(``dist_checkpointing/optimizer.py``: ``make_sharded_optimizer_tensor`` reuses each model tensor's
+sharding under the key ``optimizer.state.{state}.{model key}``): Adam's ``exp_avg`` and
+``exp_avg_sq``, and with bf16/fp16 training (``Float16OptimizerWithFloat16Params``) the fp32 master
+``fp32_param``; the step, one for all parameters, is ``common_step`` in ``common.pt`` (under
+``optimizer.state``, or ``optimizer.optimizer.state`` for the fp16/bf16 one). These are read through
+the same layer reads and q/k/v, gate/up splits as the weights (:func:`reader_of` with ``state``).
+The distributed optimizer's formats (``dp_reshardable``, ``fully_sharded_model_space`` with its
+flattened shards) are not read: the optimizer starts fresh (:func:`adam_state` says why).
 """
 
 from __future__ import annotations
@@ -421,19 +431,66 @@ def _alternatives(key: str) -> tuple[str, ...]:
     return (key,)
 
 
-def reader_of(ckpt: MegatronCheckpoint, cfg):
+OPTIMIZER_STATE = "optimizer.state."
+ADAM = ("exp_avg", "exp_avg_sq")
+MASTER = "fp32_param"  # the fp32 master of a bf16/fp16 run's weight
+
+
+def reader_of(ckpt: MegatronCheckpoint, cfg, state: str | None = None):
     """``weight(name)``: our parameter ``name`` as a global fp32 tensor (vocabulary unpadded),
-    read from ``ckpt`` one layer at a time."""
+    read from ``ckpt`` one layer at a time; ``state``: its optimizer state of that name
+    (``exp_avg``, ``exp_avg_sq``, ``fp32_param``) instead, cut the same way."""
     m = cfg.model
+    prefix = "" if state is None else f"{OPTIMIZER_STATE}{state}."
 
     def weight(name: str) -> torch.Tensor:
         keys, layer, part = megatron_place(name)
-        t = ckpt.read(ckpt.key_of(keys), layer)
+        t = ckpt.read(ckpt.key_of(tuple(prefix + k for k in keys)), layer)
         t = split_part(t, part, m.num_heads, kv_heads(m))
         if name in ("embed_tokens.weight", "lm_head.weight"):
             t = t[:m.vocab_size]  # Megatron's padding rows
         return t.float()
     return weight
+
+
+def adam_state(ckpt: MegatronCheckpoint, shapes: dict[str, tuple]) -> tuple[int | None, bool, str]:
+    """What of a non-distributed Megatron-Core Adam's state ``ckpt`` holds for our parameters
+    ``shapes``: (its step, or None when none is read; whether fp32 masters are there; why none is
+    read, for the one line that says the optimizer starts fresh)."""
+    saved = ckpt.tensors()
+    mine = [k for k in saved if k.startswith(OPTIMIZER_STATE)]
+    if not mine:
+        other = any(k.startswith("optimizer.") for k in ckpt.metadata.state_dict_metadata)
+        return None, False, ("its optimizer state is the distributed optimizer's (not read)"
+                             if other else "it holds no optimizer state")
+    model_keys = {ckpt.key_of(megatron_place(n)[0]) for n in shapes}
+    for state in ADAM:
+        for key in sorted(model_keys):
+            found = saved.get(f"{OPTIMIZER_STATE}{state}.{key}")
+            if found != saved[key]:
+                what = "none" if found is None else f"shape {found}"
+                return None, False, (f"its '{OPTIMIZER_STATE}{state}.{key}' has {what}, not the "
+                                     f"weight's {saved[key]} (the distributed optimizer's "
+                                     "flattened shards, or not Adam: not read)")
+    step = _common_step(ckpt.common.get("optimizer"))
+    if step is None:
+        return None, False, f"{ckpt.path}/{COMMON} records no optimizer step (common_step)"
+    masters = all(saved.get(f"{OPTIMIZER_STATE}{MASTER}.{k}") == saved[k] for k in model_keys)
+    return step, masters, ""
+
+
+def _common_step(optimizer) -> int | None:
+    """``common_step`` of a Megatron optimizer's common state: ``{"state": ...}`` (fp32), or
+    ``{"optimizer": {"state": ...}}`` (the fp16/bf16 one)."""
+    for state in (optimizer, (optimizer or {}).get("optimizer") if isinstance(optimizer, dict)
+                  else None):
+        if isinstance(state, dict) and isinstance(state.get("state"), dict) \
+                and "common_step" in state["state"]:
+            step = state["state"]["common_step"]
+            step = step.item() if torch.is_tensor(step) else step
+            if isinstance(step, (int, float)) and step >= 0 and step == int(step):
+                return int(step)
+    return None
 
 
 # -- writing ---------------------------------------------------------------------------------------
