@@ -392,6 +392,14 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     refused(["from-dcp", "--dcp", str(partial), "--output", out, *FLAGS], "tok_embeddings.weight",
             "cannot be read", "incomplete")
 
+    partial_state = tmp_path / "partial_state"  # AdamW state for one parameter only
+    dcp.save({**titan_state(), "optimizer": {"state": {"norm.weight": {
+        "exp_avg": torch.zeros(DIM), "exp_avg_sq": torch.zeros(DIM), "step": torch.tensor(2.0)}}}},
+        checkpoint_id=str(partial_state), no_dist=True)
+    before = snapshot(tmp_path)
+    refused(["from-dcp", "--dcp", str(partial_state), "--output", out, *FLAGS],
+            "'optimizer.state.tok_embeddings.weight.exp_avg' has none", "--weights-only")
+
     os.makedirs(out)
     (tmp_path / "out" / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
@@ -421,8 +429,10 @@ def test_an_export_that_fails_inside_the_dcp_writer_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_conversions_stream_with_bounded_host_memory(tmp_path):
-    """A ~400 MB torchtitan checkpoint (24 layers, a 31 MB embedding) in to tp 2 and back out: the
-    peak above the imports is a few copies of the largest tensor, far from the model."""
+    """A ~400 MB torchtitan model (24 layers, a 31 MB embedding) with its AdamW state (a full
+    checkpoint, ~1.2 GB) in to tp 2 and back out: the peak above the imports is a few copies of the
+    largest tensor, far from the model."""
+    from megapretrain.checkpoint.format import read_metadata
     from megapretrain.checkpoint.torchtitan import save_dcp
 
     vocab, dim, ffn, layers, heads, kv = 16000, 512, 1536, 24, 8, 4
@@ -437,10 +447,13 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
                        p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
                        p + "feed_forward.w1.weight": (ffn, dim), p + "feed_forward.w2.weight": (dim, ffn),
                        p + "feed_forward.w3.weight": (ffn, dim)})
+    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+    for key, shape in list(shapes.items()):  # AdamW's state, as torchtitan's full checkpoint has it
+        shapes.update({f"optimizer.state.{key}.exp_avg": shape,
+                       f"optimizer.state.{key}.exp_avg_sq": shape, f"optimizer.state.{key}.step": ()})
     step = str(tmp_path / "step-1")
     save_dcp(step, {k: (s, torch.float32) for k, s in shapes.items()},
-             lambda k: torch.randn(shapes[k]) * 0.02)
-    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+             lambda k: torch.tensor(5.0) if k.endswith(".step") else torch.rand(shapes[k]) * 0.02)
     largest_mib = 4 * vocab * dim / 2**20
     flags = ["--model.num_layers", str(layers), "--model.hidden_size", str(dim), "--model.num_heads",
              str(heads), "--model.num_kv_heads", str(kv), "--model.ffn_hidden_size", str(ffn),
@@ -449,7 +462,9 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
     into = peak_host_mib("convert_checkpoint", "from-torchtitan", "--dcp", step, "--output", ckpt,
                          *flags, "--parallel.tp", "2", "--world-size", "2")
     out = peak_host_mib("convert_checkpoint", "to-torchtitan", "--checkpoint", ckpt, "--output", back)
-    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
-          f"from-torchtitan {into:.0f} MiB, to-torchtitan {out:.0f} MiB")
-    for extra in (into, out):
-        assert extra < min(0.5 * model_mib, 6 * largest_mib)
+    print(f"model {model_mib:.0f} MiB (and 2× that of AdamW state), largest tensor "
+          f"{largest_mib:.0f} MiB; peak above imports: from-torchtitan {into:.0f} MiB, "
+          f"to-torchtitan {out:.0f} MiB")
+    assert read_metadata(ckpt)["iteration"] == 5  # the moments and step came in
+    for extra, converted in ((into, 3 * model_mib), (out, model_mib)):  # in: with AdamW's state
+        assert extra < min(0.5 * converted, 7 * largest_mib)

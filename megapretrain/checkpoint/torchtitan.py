@@ -136,7 +136,7 @@ class DCPTensors:
 
         self.path = path
         try:
-            meta = FileSystemReader(path).read_metadata()
+            meta = self._metadata = FileSystemReader(path).read_metadata()
         except Exception as exc:  # unpickling a damaged file raises anything
             raise ConvertError(f"{path}/{METADATA} cannot be read ({type(exc).__name__}: {exc}); "
                                "it is damaged or not a torch.distributed.checkpoint") from None
@@ -156,13 +156,23 @@ class DCPTensors:
         out = torch.empty(self.shapes[key], dtype=self.dtypes[key])
         try:
             with _one_process():
-                dcp.load({key: out}, storage_reader=dcp.FileSystemReader(self.path),
+                dcp.load({key: out}, storage_reader=_known_metadata(self.path, self._metadata),
                          no_dist=True)
         except (Exception, dcp.CheckpointException) as exc:  # a missing or truncated file
             raise ConvertError(f"{self.path}: tensor '{key}' cannot be read ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); the checkpoint "
                                "is incomplete or damaged") from None
         return out
+
+
+def _known_metadata(path: str, metadata):
+    """A ``FileSystemReader`` of ``path`` whose metadata is read already: a read of one tensor does
+    not unpickle the whole ``.metadata`` again (a full checkpoint's lists every tensor)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(path)
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    return reader
 
 
 class TorchtitanWeights:
