@@ -2,7 +2,7 @@
 checkpoints in and out (the format itself: ``checkpoint/megatron.py``).
 
     python tools/convert_checkpoint.py from-megatron --megatron MEGATRON_RUN --output ckpt/m \\
-        [--config CONFIG] [--parallel.tp 2 ...] [--world-size W] [--model.* ...]
+        [--config CONFIG] [--parallel.tp 2 ...] [--world-size W] [--model.* ...] [--weights-only]
     python tools/convert_checkpoint.py to-megatron --checkpoint runs/tiny --output MEGATRON_RUN \\
         [--dtype bf16] [--padded-vocab-size N]
 

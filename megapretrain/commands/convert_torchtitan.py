@@ -3,14 +3,17 @@ tools/convert_checkpoint.py: torchtitan Llama 3 checkpoints (torch.distributed.c
 out, streaming one tensor at a time (``checkpoint/torchtitan.py`` holds the format's facts).
 
     python tools/convert_checkpoint.py from-torchtitan --dcp outputs/checkpoint/step-1000 \\
-        --output ckpt/titan [--config C] [--parallel.tp 2 ... --world-size W] [--model.* ...]
+        --output ckpt/titan [--config C] [--parallel.tp 2 ... --world-size W] [--model.* ...] \\
+        [--weights-only]
     python tools/convert_checkpoint.py to-torchtitan --checkpoint runs/x --output titan/step-0 \\
         [--dtype bf16] [--key-names released|main]
 
 The model's shape comes from ``--config`` and ``--model.*`` flags (a torchtitan checkpoint records
 tensors, not its model's settings); the rotary settings default to torchtitan's Llama 3 ones
 (``rope_theta`` 500000 with Llama 3.1 scaling) where ``--config`` does not set them, and flags win
-over both.
+over both. A full checkpoint's AdamW state (moments and step) comes in with the weights, the
+step as the iteration too (``--weights-only`` leaves it out); data position, learning-rate schedule
+and random state do not.
 """
 
 from __future__ import annotations
