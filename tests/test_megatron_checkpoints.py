@@ -357,6 +357,24 @@ def test_adam_state_imports_and_one_more_step_equals_megatron_cores(tmp_path, ca
                  after, *flags]) == 0
     assert "optimizer state not imported (it holds no optimizer state)" in \
         capsys.readouterr().out
+    # the distributed optimizer's fully_reshardable format keeps the same model-space tensors and
+    # its step in every param group (common.pt rewritten so; the tensors are not: written by the
+    # fp32 optimizer here): the same import
+    moved = os.path.join(root, "moved", "iter_0000003")
+    shutil.copytree(os.path.join(run, "iter_0000003"), moved)
+    common = torch.load(os.path.join(moved, "common.pt"), weights_only=False)
+    step = int(common["optimizer"]["state"].pop("common_step"))
+    common["optimizer"] = {"optimizer": {"param_groups": [
+        {k: v for k, v in g.items() if k != "params"} | {"step": step}
+        for g in common["optimizer"]["param_groups"]]}}
+    torch.save(common, os.path.join(moved, "common.pt"))
+    again = os.path.join(root, "again")
+    assert main(["from-megatron", "--megatron", moved, "--output", again, "--parallel.tp", "2",
+                 *flags]) == 0
+    assert "carried: Adam's moments and step 3" in capsys.readouterr().out
+    for rank in ("rank_00000.safetensors", "rank_00001.safetensors"):
+        with open(os.path.join(ours, rank), "rb") as a, open(os.path.join(again, rank), "rb") as b:
+            assert a.read() == b.read()
 
     # one process from the tp-2 import, as a resumed run reads it (resharded)
     cfg = load_config(os.path.join(ours, "config.yaml"), [])

@@ -123,9 +123,9 @@ def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
     sizes = resolve(cfg, world).sizes
     shapes = global_shapes(cfg)
     check_against(ckpt, cfg, shapes, given)
-    step, masters, why = (None, False, "--weights-only") if args.weights_only else \
+    step, masters, why = (None, None, "--weights-only") if args.weights_only else \
         adam_state(ckpt, shapes)
-    weight = reader_of(ckpt, cfg, "fp32_param" if masters else None)
+    weight = reader_of(ckpt, cfg, masters)
     moments = None
     if step is not None:
         readers = {k: reader_of(ckpt, cfg, k) for k in ("exp_avg", "exp_avg_sq")}
