@@ -352,7 +352,7 @@ def test_adam_state_imports_and_one_more_step_equals_megatron_cores(tmp_path, ca
     ours, after = os.path.join(root, "ours"), os.path.join(root, "after")
     assert main(["from-megatron", "--megatron", os.path.join(run, "iter_0000003"), "--output",
                  ours, "--parallel.tp", "2", *flags]) == 0
-    assert "carried: Adam's moments and step 3" in capsys.readouterr().out
+    assert "carried: Adam's moments and step 3, and the iteration 3" in capsys.readouterr().out
     assert main(["from-megatron", "--megatron", os.path.join(run, "iter_0000004"), "--output",
                  after, *flags]) == 0
     assert "optimizer state not imported (it holds no optimizer state)" in \

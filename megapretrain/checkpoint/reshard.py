@@ -316,15 +316,16 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
                              on_bytes: Callable[[int], None] | None = None,
                              before_publish: Callable[[str], object] | None = None,
                              moments: Callable[[ParamSpec, int, str], torch.Tensor] | None = None,
-                             step: int = 0):
+                             step: int = 0, iteration: int | None = None):
     """Write the new checkpoint ``output`` of weights: every rank file of the layout ``sizes``
     (resolve's, of ``cfg`` at ``world`` ranks) holds its place's fp32 master weights,
     ``tensor(spec, tp_rank)`` giving each tp slice (of ``spec.local_shape``, vocabulary padding
     rows zero) when it is written, one at a time. Without ``moments``: no Adam moments (none are
     invented: training from it starts the optimizer fresh), iteration 0. With them (an import of
     another stack's AdamW state): ``moments(spec, tp_rank, key)`` gives each tp slice of
-    ``exp_avg`` and ``exp_avg_sq`` the same way, and ``step`` is both Adam's step count and the
-    iteration (the data position starts at 0). Data-parallel replicas are hard links;
+    ``exp_avg`` and ``exp_avg_sq`` the same way, ``step`` is Adam's step count and ``iteration``
+    (default: ``step``) the iteration (the data position starts at 0). Data-parallel replicas are
+    hard links;
     ``config.yaml`` beside the files, so to-hf and inspection need no ``--config``; the
     metadata with ``record``'s extra fields (where it came from). The free-space check counts
     exactly these bytes and runs before anything is read. ``label``: a progress bar of that name;
@@ -334,6 +335,7 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
     shapes = global_shapes(cfg)
     layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     counters = [on_bytes] if on_bytes is not None else []
+    iteration = step if iteration is None else iteration
 
     def counted(out: torch.Tensor) -> torch.Tensor:
         for count in counters:
@@ -352,7 +354,7 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
         saved = {n: Entry.shards(n, {k: LazyTensor(
             torch.float32, tuple(s.local_shape), lambda s=s, k=k: counted(moments(s, tp_rank, k)))
             for k in kept}).tree() for n, s in specs.items()}
-        return rank_state(iteration=step, consumed_samples=0, optimizer_step=step, scaler=None,
+        return rank_state(iteration=iteration, consumed_samples=0, optimizer_step=step, scaler=None,
                           model=model, moments=saved)
 
     size = planned_bytes(sizes.layout, state_at)
@@ -361,7 +363,7 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
         counters.append(bar.update)
         files, _ = write_layout(tmp, sizes.layout, state_at)
         save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
-        meta = metadata(iteration=step, world_size=world, layout=layout,
+        meta = metadata(iteration=iteration, world_size=world, layout=layout,
                         vocab_size=cfg.model.vocab_size, padded_vocab=sizes.padded_vocab,
                         files=files, tensors=shapes, **(record or {}))
         write_metadata(tmp, meta)

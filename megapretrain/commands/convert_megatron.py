@@ -8,9 +8,10 @@ checkpoints in and out (the format itself: ``checkpoint/megatron.py``).
 
 ``from-megatron`` reads a run directory (its ``latest_checkpointed_iteration.txt``) or one
 ``iter_*`` directory saved under any tp/pp, and writes a megapretrain checkpoint for the target
-layout: fp32 weights and, when its optimizer is Megatron-Core's non-distributed one, Adam's
-moments, the step (as the iteration too) and the fp32 masters of a bf16/fp16 run (else iteration 0
-and no optimizer state: it starts fresh, and one line says why). The model's shape is
+layout: fp32 weights and, when its optimizer state is in model space (Megatron-Core's
+non-distributed optimizer, or the distributed one's ``fully_reshardable`` format), Adam's moments
+and step, the fp32 masters of a bf16/fp16 run and Megatron's iteration (else iteration 0 and no
+optimizer state: it starts fresh, and one line says why). The model's shape is
 read off the tensors and Megatron's saved ``args`` (``common.pt``); ``--config`` and ``--model.*``
 flags win over both, and a flag that disagrees with a tensor's shape is one line naming both.
 
@@ -57,8 +58,8 @@ from megapretrain.resolve import resolve
 COMMANDS = ("from-megatron", "to-megatron")
 FRESH_OPTIMIZER = ("optimizer state not imported ({why}): the optimizer starts fresh (train "
                    "with --checkpoint.finetune true)")
-CARRIED = ("carried: Adam's moments and step {step} (as the iteration too){masters}; not carried: "
-           "learning-rate schedule, data position (from the start) and random state")
+CARRIED = ("carried: Adam's moments and step {step}{masters}, and the iteration {iteration}; "
+           "not carried: learning-rate schedule, data position (from the start) and random state")
 
 
 def add_parsers(sub) -> None:
@@ -136,15 +137,15 @@ def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
         args.output, cfg, sizes, world, lambda spec, tp_rank: _local(weight, spec, tp_rank),
         label="from-megatron", record={"converted_from": os.path.abspath(ckpt.path),
                                        "megatron_iteration": ckpt.iteration},
-        moments=moments, step=step or 0)
+        moments=moments, step=step or 0, iteration=ckpt.iteration if step is not None else 0)
     layout = meta["layout"]
     note = f" ({ckpt.common_problem}: shape from the tensors and flags)" \
         if ckpt.common_problem else ""
     if step is None:
         optimizer = FRESH_OPTIMIZER.format(why=why)
     else:
-        optimizer = CARRIED.format(step=step, masters=", and the fp32 master weights"
-                                   if masters else "")
+        optimizer = CARRIED.format(step=step, iteration=ckpt.iteration,
+                                   masters=", the fp32 master weights" if masters else "")
     return (f"wrote {args.output} for {world} ranks (layout {layout}) from iteration "
             f"{ckpt.iteration} of {ckpt.path}{note}; {optimizer}; train from it with "
             f"--checkpoint.load {args.output} and\n  {' '.join(flag_list(inferred))}")
