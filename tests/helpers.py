@@ -613,3 +613,54 @@ def make_corpus(prefix, num_docs=60, seed=0, first_token=1):
         builder.add_document(doc)
     builder.finalize(prefix + ".idx")
     return IndexedDataset(prefix), docs
+
+
+# -- a random Hugging Face Llama on disk -----------------------------------------------------------
+
+
+def write_hf_llama(hf_dir: str, *, hidden: int, ffn: int, layers: int, vocab: int, heads: int,
+                   kv: int, dtype=torch.bfloat16, shards: int = 1, rope_theta: float = 500000.0,
+                   max_positions: int = 4096) -> dict[str, tuple]:
+    """A random Llama in ``hf_dir`` written straight to safetensors one tensor at a time (no model
+    built, never held whole), in ``shards`` files (more than one: with the index transformers
+    writes); norm weights near one, the rest ~0.02. Returns every tensor's shape by name."""
+    from megapretrain.checkpoint import tensorfile
+
+    os.makedirs(hf_dir)
+    d = hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (heads * d, hidden),
+                       p + "self_attn.k_proj.weight": (kv * d, hidden),
+                       p + "self_attn.v_proj.weight": (kv * d, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * d),
+                       p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
+                       p + "mlp.down_proj.weight": (hidden, ffn)})
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    gen = torch.Generator().manual_seed(0)
+
+    def make(name):
+        if len(shapes[name]) == 1:  # norms: near one
+            return (1 + 0.1 * torch.randn(shapes[name], generator=gen)).to(dtype)
+        return (torch.randn(shapes[name], generator=gen) * 0.02).to(dtype)
+    names = list(shapes)
+    files = {(f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else
+              "model.safetensors"): names[i * len(names) // shards:(i + 1) * len(names) // shards]
+             for i in range(shards)}
+    for file, members in files.items():
+        tensorfile.write(os.path.join(hf_dir, file),
+                         [(n, dtype, shapes[n], lambda n=n: make(n)) for n in members], {"format": "pt"})
+    if shards > 1:
+        json.dump({"weight_map": {n: f for f, ms in files.items() for n in ms}},
+                  open(os.path.join(hf_dir, "model.safetensors.index.json"), "w"))
+    json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+               "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+               "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5,
+               "rope_theta": rope_theta, "tie_word_embeddings": False,
+               "max_position_embeddings": max_positions,
+               "torch_dtype": str(dtype).removeprefix("torch.")},
+              open(os.path.join(hf_dir, "config.json"), "w"))
+    return shapes

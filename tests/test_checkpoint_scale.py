@@ -5,7 +5,6 @@ config beside it, and to-hf that takes only the config of the checkpoint's own r
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -19,38 +18,9 @@ from megapretrain.checkpoint.format import MOMENTS, RankFile, read_metadata
 from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.commands import reshard_checkpoint
 
+from helpers import write_hf_llama
+
 pytest.importorskip("transformers")
-
-
-def write_hf_llama(hf_dir: str, *, hidden: int, ffn: int, layers: int, vocab: int, heads: int, kv: int,
-                   dtype=torch.bfloat16) -> int:
-    """A random Llama in ``hf_dir`` written straight to safetensors one tensor at a time (no model
-    built): returns its parameter count."""
-    os.makedirs(hf_dir)
-    d = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (heads * d, hidden),
-                       p + "self_attn.k_proj.weight": (kv * d, hidden), p + "self_attn.v_proj.weight": (kv * d, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, heads * d), p + "mlp.gate_proj.weight": (ffn, hidden),
-                       p + "mlp.up_proj.weight": (ffn, hidden), p + "mlp.down_proj.weight": (hidden, ffn)})
-    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
-    gen = torch.Generator().manual_seed(0)
-
-    def make(name):
-        if len(shapes[name]) == 1:  # norms: near one
-            return (1 + 0.1 * torch.randn(shapes[name], generator=gen)).to(dtype)
-        return (torch.randn(shapes[name], generator=gen) * 0.02).to(dtype)
-    tensorfile.write(os.path.join(hf_dir, "model.safetensors"),
-                     [(n, dtype, s, lambda n=n: make(n)) for n, s in shapes.items()], {"format": "pt"})
-    json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-               "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-               "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5,
-               "rope_theta": 500000.0, "tie_word_embeddings": False, "max_position_embeddings": 4096,
-               "torch_dtype": "bfloat16"}, open(os.path.join(hf_dir, "config.json"), "w"))
-    return sum(torch.Size(s).numel() for s in shapes.values())
 
 
 CAPPED = """
@@ -78,7 +48,8 @@ def test_verify_round_trip_of_a_large_shape_holds_one_part_at_a_time(tmp_path, c
     alone reaches ~250 MiB (its allocator's and lazy imports' share); a whole fp32 model on top of
     it does not fit, one decoder layer (136 MiB) and its reads do (~410 MiB)."""
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
-    params = write_hf_llama(hf_dir, hidden=2048, ffn=4096, layers=3, vocab=2048, heads=16, kv=4)
+    shapes = write_hf_llama(hf_dir, hidden=2048, ffn=4096, layers=3, vocab=2048, heads=16, kv=4)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
     budget = 520 * 2**20
     assert 250 * 2**20 + 4 * params > 1.3 * budget  # a whole-model fp32 copy does not fit
     assert convert.main(["from-hf", "--hf", hf_dir, "--output", ckpt]) == 0

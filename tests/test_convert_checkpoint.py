@@ -13,7 +13,7 @@ from megapretrain.commands import convert_checkpoint as convert
 from megapretrain.train import setup
 
 from distributed import run_distributed
-from helpers import BASE, peak_host_mib, safetensors_of
+from helpers import BASE, peak_host_mib, safetensors_of, write_hf_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -267,33 +267,9 @@ def test_a_tied_checkpoint_into_an_untied_export_and_back_is_refused(corpus, tmp
 
 def _big_hf(hf_dir, vocab=16000, hidden=512, ffn=1536, layers=12, heads=8, kv=4):
     """A random Llama of ~54M parameters (~217 MB fp32) in two safetensors shards, written one
-    tensor at a time (this process never holds it whole either)."""
-    from megapretrain.checkpoint import tensorfile
-
-    os.makedirs(hf_dir)
-    d = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.q_proj.weight": (heads * d, hidden),
-                       p + "self_attn.k_proj.weight": (kv * d, hidden), p + "self_attn.v_proj.weight": (kv * d, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, heads * d), p + "mlp.gate_proj.weight": (ffn, hidden),
-                       p + "mlp.up_proj.weight": (ffn, hidden), p + "mlp.down_proj.weight": (hidden, ffn)})
-    names = list(shapes)
-    halves = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    for file, members in halves.items():
-        tensorfile.write(os.path.join(hf_dir, file), [(n, torch.float32, shapes[n],
-                                                       lambda n=n: torch.randn(shapes[n]) * 0.02) for n in members])
-    json.dump({"weight_map": {n: f for f, ms in halves.items() for n in ms}},
-              open(os.path.join(hf_dir, "model.safetensors.index.json"), "w"))
-    json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-               "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-               "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-5,
-               "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 256},
-              open(os.path.join(hf_dir, "config.json"), "w"))
+    tensor at a time (this process never holds it whole either): (model MiB, largest MiB)."""
+    shapes = write_hf_llama(hf_dir, hidden=hidden, ffn=ffn, layers=layers, vocab=vocab, heads=heads,
+                            kv=kv, dtype=torch.float32, shards=2, rope_theta=10000.0, max_positions=256)
     return sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20, 4 * vocab * hidden / 2**20
 
 

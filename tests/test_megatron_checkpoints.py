@@ -250,6 +250,158 @@ def _run(fn, tmp: str, *args, world: int = 2, timeout: float = 240) -> dict:
     return torch.load(os.path.join(tmp, "result0.pt"))
 
 
+# -- Adam's state: megatron-core's non-distributed optimizer ---------------------------------------
+
+ADAM_CASE = dict(tp=2, pp=1, layers=2, hidden=32, heads=4, groups=2, ffn=64, tied=False,
+                 qkv_bias=False, qk_norm=False, args=False, vocab=VOCAB)
+# eps: well above the gradients of embedding rows barely used, where Adam's update is most
+# sensitive to the last bits of a gradient (its summation order differs between the two models)
+ADAM = dict(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-4)
+
+
+def _optimizer_on_cpu() -> None:
+    """megatron-core's fp32 optimizer on the CPU: four of its modules make small tensors on
+    ``device='cuda'`` (the loss scale, overflow flags, the grad norm); here those go to the CPU.
+    (Gradient clipping asserts CUDA tensors: the optimizer runs with ``clip_grad`` 0. Its
+    distributed optimizer refuses CPU parameters outright — "Wrapped parameters must be one of
+    torch.cuda.FloatTensor, ..." — and is not run here.)"""
+    import functools
+    import types
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.utils as utils
+
+    class OnCpu(types.ModuleType):
+        def __getattr__(self, name):
+            made = getattr(torch, name)
+            if name not in ("tensor", "zeros", "ones", "empty", "full"):
+                return made
+
+            @functools.wraps(made)
+            def on_cpu(*args, device=None, **kwargs):
+                return made(*args, device="cpu" if device == "cuda" else device, **kwargs)
+            return on_cpu
+    for module in (clip_grads, distrib_optimizer, optimizer, utils):
+        module.torch = OnCpu("torch")
+
+
+def _megatron_adam_rank(rank: int, world: int, root: str) -> torch.Tensor:
+    """megatron-core's GPTModel under tp 2 trained 3 steps with its (non-distributed) Adam, saved
+    with the optimizer as Megatron-LM saves it (iter_0000003), then one more step, saved again
+    (iter_0000004, weights). Returns the tokens of that last step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _optimizer_on_cpu()
+    model = _build(ADAM_CASE, 2, seed=5).train()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", clip_grad=0.0, **ADAM), [ddp])
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, SEQ + 1), generator=gen) for _ in range(4)]
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    run = os.path.join(root, "runs", "adam")
+
+    def step(tokens):
+        for group in opt.param_groups:  # as Megatron-LM's OptimizerParamScheduler sets them
+            group["lr"] = ADAM["lr"] * group["lr_mult"]
+            group["weight_decay"] = ADAM["weight_decay"] * group["wd_mult"]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).float().mean().backward()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+
+    def save(iteration, state):
+        folder = os.path.join(run, f"iter_{iteration:07d}")
+        if rank == 0:
+            os.makedirs(folder)
+        torch.distributed.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration,
+                                 "checkpoint_version": 3.0, **state}, folder)
+        torch.distributed.barrier()
+
+    for tokens in batches[:3]:
+        step(tokens)
+    save(3, {"optimizer": opt.sharded_state_dict(model.sharded_state_dict())})
+    step(batches[3])
+    save(4, {})
+    return batches[3]
+
+
+def test_adam_state_imports_and_one_more_step_equals_megatron_cores(tmp_path, capsys):
+    """megatron-core's Adam (3 steps under tp 2) imported with its moments and step into tp 2;
+    one step here on its next batch equals its own next step."""
+    from megapretrain.checkpoint.format import read_metadata
+    from megapretrain.checkpoint.manager import restore_optimizer
+    from megapretrain.checkpoint.reshard import SavedShards, resharded_state
+    from megapretrain.config import OptimConfig
+    from megapretrain.model.build import model_args
+    from megapretrain.model.decoder import DecoderModel
+    from megapretrain.optim.optimizer import MixedPrecisionAdamW
+    from megapretrain.parallel.state import ParallelState
+
+    root = str(tmp_path)
+    tokens = _run(_megatron_adam_rank, os.path.join(root, "ranks"), root)
+    run = os.path.join(root, "runs", "adam")
+    flags = ["--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_length",
+             str(SEQ)]
+    ours, after = os.path.join(root, "ours"), os.path.join(root, "after")
+    assert main(["from-megatron", "--megatron", os.path.join(run, "iter_0000003"), "--output",
+                 ours, "--parallel.tp", "2", *flags]) == 0
+    assert "carried: Adam's moments and step 3, and the iteration 3" in capsys.readouterr().out
+    assert main(["from-megatron", "--megatron", os.path.join(run, "iter_0000004"), "--output",
+                 after, *flags]) == 0
+    assert "optimizer state not imported (it holds no optimizer state)" in \
+        capsys.readouterr().out
+    # the distributed optimizer's fully_reshardable format keeps the same model-space tensors and
+    # its step in every param group (common.pt rewritten so; the tensors are not: written by the
+    # fp32 optimizer here): the same import
+    moved = os.path.join(root, "moved", "iter_0000003")
+    shutil.copytree(os.path.join(run, "iter_0000003"), moved)
+    common = torch.load(os.path.join(moved, "common.pt"), weights_only=False)
+    step = int(common["optimizer"]["state"].pop("common_step"))
+    common["optimizer"] = {"optimizer": {"param_groups": [
+        {k: v for k, v in g.items() if k != "params"} | {"step": step}
+        for g in common["optimizer"]["param_groups"]]}}
+    torch.save(common, os.path.join(moved, "common.pt"))
+    again = os.path.join(root, "again")
+    assert main(["from-megatron", "--megatron", moved, "--output", again, "--parallel.tp", "2",
+                 *flags]) == 0
+    assert "carried: Adam's moments and step 3" in capsys.readouterr().out
+    for rank in ("rank_00000.safetensors", "rank_00001.safetensors"):
+        with open(os.path.join(ours, rank), "rb") as a, open(os.path.join(again, rank), "rb") as b:
+            assert a.read() == b.read()
+
+    # one process from the tp-2 import, as a resumed run reads it (resharded)
+    cfg = load_config(os.path.join(ours, "config.yaml"), [])
+    ps = ParallelState()
+    model = DecoderModel(model_args(cfg), ps.tp, dtype=torch.float32)
+    optim = OptimConfig(lr=ADAM["lr"], weight_decay=ADAM["weight_decay"], eps=ADAM["adam_eps"],
+                        betas=[ADAM["adam_beta1"], ADAM["adam_beta2"]], clip_grad=0.0)
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), optim, "fp32",
+                              ps)
+    meta = read_metadata(ours)
+    saved = SavedShards(ours, meta)
+    restore_optimizer(opt, resharded_state(saved, model.param_specs(), 0, 1,
+                                           meta["padded_vocab"]))
+    saved.close()
+    assert meta["iteration"] == 3 and opt.step_count == 3
+    opt.zero_grad()
+    with opt.grad_sync(last=True):
+        (model(tokens[:, :-1], tokens[:, 1:]).sum() / tokens[:, 1:].numel()).backward()
+    opt.reduce_grads()
+    opt.step(ADAM["lr"])
+
+    expected = GlobalWeights(after, load_config(os.path.join(after, "config.yaml"), []))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected.get(name), atol=1e-6, rtol=0, msg=name)
+    expected.close()
+
+
 # -- the tests -------------------------------------------------------------------------------------
 
 

@@ -172,10 +172,11 @@ def test_a_torchtitan_checkpoint_imports_with_the_same_logits(names, prefix, tie
     out = str(tmp_path / "ours")
     tie = ["--model.tie_embeddings", str(tied).lower()]
     argv = ["from-torchtitan", "--dcp", str(tmp_path), "--output", out, *FLAGS, *tie,
-            "--parallel.tp", "2", "--world-size", "2"]
+            "--parallel.tp", "2", "--world-size", "2", *(["--weights-only"] if prefix else [])]
     assert convert.main(argv) == 0
     printed = capsys.readouterr().out
     assert "step-10" in printed and "not carried: optimizer state" in printed
+    assert "optimizer state not imported: the optimizer starts fresh" in printed
     left_out = "the checkpoint's lr_scheduler, optimizer, train_state are left out"
     assert (left_out in printed) == bool(prefix)  # names what it did not read
 
@@ -207,6 +208,106 @@ def test_a_checkpoint_saved_by_two_ranks_is_read_whole(tmp_path):
     model, _ = ours(out)
     expected = titan_logits(titan_state(seed=3), TOKENS, HEADS, KV_HEADS, EPS, 10000.0, None)
     torch.testing.assert_close(our_logits(model, TOKENS).double(), expected, atol=1e-4, rtol=0)
+
+
+# -- optimizer state -------------------------------------------------------------------------------
+
+
+def _titan_module(sd: dict) -> torch.nn.Module:
+    """A module whose parameters are ``sd``'s tensors (trainable fp32 copies) under the same names:
+    torchtitan's module tree, as far as its state-dict keys go."""
+    root = torch.nn.Module()
+    for key, value in sd.items():
+        *path, leaf = key.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, torch.nn.Module())
+            node = getattr(node, part)
+        node.register_parameter(leaf, torch.nn.Parameter(value.clone().float()))
+    return root
+
+
+def _titan_loss(model, batches, rope) -> torch.Tensor:
+    """The summed cross-entropy of ``batches`` [(tokens, targets)] over their token count."""
+    sd = dict(model.named_parameters())
+    count = sum(t.numel() for _, t in batches)
+    total = sum(F.cross_entropy(titan_logits(sd, x, HEADS, KV_HEADS, EPS, *rope).flatten(0, 1),
+                                y.flatten(), reduction="sum") for x, y in batches)
+    return (total / count).float()
+
+
+def test_adamw_state_imports_and_one_more_step_equals_torchtitans(corpus, tmp_path, capsys):
+    """A torchtitan-style model (its key names, its rotary) trained 3 steps with torch's AdamW is
+    saved with DCP as torchtitan saves a full checkpoint (the model at the top level, the optimizer
+    as ``get_optimizer_state_dict`` flattens it); after the import, one step of our trainer equals
+    one more step of the reference on the same batch."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from megapretrain.checkpoint.torchtitan import from_pairs
+    from megapretrain.checkpoint.torchtitan import titan_name as titan_key
+
+    from helpers import trainer_params
+
+    vocab, rope = 257, (500000.0, LLAMA3_SCALING)  # the corpus' byte tokenizer; the import's rotary
+    lr, wd, betas, eps = 1e-2, 0.1, (0.9, 0.95), 1e-6
+    g = torch.Generator().manual_seed(2)
+    sd = titan_state(seed=4)
+    sd["tok_embeddings.weight"] = torch.randn(vocab, DIM, generator=g)
+    sd["output.weight"] = torch.randn(vocab, DIM, generator=g) * 0.2
+    model = _titan_module(sd)
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # ours: no decay on norm weights
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd},
+                             {"params": [p for p in model.parameters() if p.ndim < 2],
+                              "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+    for _ in range(3):
+        tokens = torch.randint(0, vocab, (2, 17), generator=g)
+        opt.zero_grad()
+        _titan_loss(model, [(tokens[:, :-1], tokens[:, 1:])], rope).backward()
+        opt.step()
+    optimizer = get_optimizer_state_dict(model, opt, options=StateDictOptions(
+        flatten_optimizer_state_dict=True))
+    assert "state.layers.0.attention.wq.weight.exp_avg" in optimizer  # torchtitan's spelling
+    step = str(tmp_path / "step-3")
+    dcp.save({**{k: v.detach() for k, v in model.state_dict().items()}, "optimizer": optimizer},
+             checkpoint_id=step, no_dist=True)
+
+    ckpt = str(tmp_path / "ours")
+    flags = [*FLAGS, "--model.vocab_size", str(vocab)]
+    assert convert.main(["from-torchtitan", "--dcp", step, "--output", ckpt, *flags,
+                         "--parallel.tp", "2", "--world-size", "2"]) == 0
+    assert "carried: AdamW's moments and step 3" in capsys.readouterr().out
+
+    run = str(tmp_path / "run")
+    trainer = setup(["--config", os.path.join(ckpt, "config.yaml"), "--run.dir", run,
+                     "--data.paths", f"[{corpus}]", "--parallel.tp", "1", "--train.seq_length", "16",
+                     "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+                     "--train.iters", "4", "--train.eval_interval", "0", "--checkpoint.interval",
+                     "0", "--checkpoint.load", ckpt, "--logging.tensorboard", "false",
+                     "--optim.lr", str(lr), "--optim.weight_decay", str(wd), "--optim.betas",
+                     f"[{betas[0]}, {betas[1]}]", "--optim.eps", str(eps), "--optim.clip_grad",
+                     "0", "--schedule.decay", "constant", "--schedule.warmup_iters", "0"])
+    seen, corrupt = [], trainer.faults.corrupt
+
+    def record(it, consumed, batches, vocab):
+        batches = corrupt(it, consumed, batches, vocab)
+        seen.extend((t.clone(), y.clone()) for t, y in batches)
+        return batches
+    trainer.faults.corrupt = record
+    trainer.fit()
+    assert trainer.optimizer.step_count == 4 and len(seen) == 2
+
+    opt.zero_grad()
+    _titan_loss(model, seen, rope).backward()
+    opt.step()
+    theirs = dict(model.named_parameters())
+    heads = {"q_proj": HEADS, "k_proj": KV_HEADS}
+    for name, p in trainer_params(trainer).items():
+        expected = theirs[titan_key(name)].detach()
+        part = name.split(".")[-2]
+        if part in heads:
+            expected = from_pairs(expected, heads[part])
+        torch.testing.assert_close(p, expected, atol=1e-6, rtol=0, msg=name)
 
 
 # -- out -------------------------------------------------------------------------------------------
@@ -291,6 +392,14 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     refused(["from-dcp", "--dcp", str(partial), "--output", out, *FLAGS], "tok_embeddings.weight",
             "cannot be read", "incomplete")
 
+    partial_state = tmp_path / "partial_state"  # AdamW state for one parameter only
+    dcp.save({**titan_state(), "optimizer": {"state": {"norm.weight": {
+        "exp_avg": torch.zeros(DIM), "exp_avg_sq": torch.zeros(DIM), "step": torch.tensor(2.0)}}}},
+        checkpoint_id=str(partial_state), no_dist=True)
+    before = snapshot(tmp_path)
+    refused(["from-dcp", "--dcp", str(partial_state), "--output", out, *FLAGS],
+            "'optimizer.state.tok_embeddings.weight.exp_avg' has none", "--weights-only")
+
     os.makedirs(out)
     (tmp_path / "out" / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
@@ -320,8 +429,10 @@ def test_an_export_that_fails_inside_the_dcp_writer_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_conversions_stream_with_bounded_host_memory(tmp_path):
-    """A ~400 MB torchtitan checkpoint (24 layers, a 31 MB embedding) in to tp 2 and back out: the
-    peak above the imports is a few copies of the largest tensor, far from the model."""
+    """A ~400 MB torchtitan model (24 layers, a 31 MB embedding) with its AdamW state (a full
+    checkpoint, ~1.2 GB) in to tp 2 and back out: the peak above the imports is a few copies of the
+    largest tensor, far from the model."""
+    from megapretrain.checkpoint.format import read_metadata
     from megapretrain.checkpoint.torchtitan import save_dcp
 
     vocab, dim, ffn, layers, heads, kv = 16000, 512, 1536, 24, 8, 4
@@ -336,10 +447,13 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
                        p + "attention_norm.weight": (dim,), p + "ffn_norm.weight": (dim,),
                        p + "feed_forward.w1.weight": (ffn, dim), p + "feed_forward.w2.weight": (dim, ffn),
                        p + "feed_forward.w3.weight": (ffn, dim)})
+    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+    for key, shape in list(shapes.items()):  # AdamW's state, as torchtitan's full checkpoint has it
+        shapes.update({f"optimizer.state.{key}.exp_avg": shape,
+                       f"optimizer.state.{key}.exp_avg_sq": shape, f"optimizer.state.{key}.step": ()})
     step = str(tmp_path / "step-1")
     save_dcp(step, {k: (s, torch.float32) for k, s in shapes.items()},
-             lambda k: torch.randn(shapes[k]) * 0.02)
-    model_mib = sum(4 * torch.Size(s).numel() for s in shapes.values()) / 2**20
+             lambda k: torch.tensor(5.0) if k.endswith(".step") else torch.rand(shapes[k]) * 0.02)
     largest_mib = 4 * vocab * dim / 2**20
     flags = ["--model.num_layers", str(layers), "--model.hidden_size", str(dim), "--model.num_heads",
              str(heads), "--model.num_kv_heads", str(kv), "--model.ffn_hidden_size", str(ffn),
@@ -348,7 +462,9 @@ def test_conversions_stream_with_bounded_host_memory(tmp_path):
     into = peak_host_mib("convert_checkpoint", "from-torchtitan", "--dcp", step, "--output", ckpt,
                          *flags, "--parallel.tp", "2", "--world-size", "2")
     out = peak_host_mib("convert_checkpoint", "to-torchtitan", "--checkpoint", ckpt, "--output", back)
-    print(f"model {model_mib:.0f} MiB, largest tensor {largest_mib:.0f} MiB; peak above imports: "
-          f"from-torchtitan {into:.0f} MiB, to-torchtitan {out:.0f} MiB")
-    for extra in (into, out):
-        assert extra < min(0.5 * model_mib, 6 * largest_mib)
+    print(f"model {model_mib:.0f} MiB (and 2× that of AdamW state), largest tensor "
+          f"{largest_mib:.0f} MiB; peak above imports: from-torchtitan {into:.0f} MiB, "
+          f"to-torchtitan {out:.0f} MiB")
+    assert read_metadata(ckpt)["iteration"] == 5  # the moments and step came in
+    for extra, converted in ((into, 3 * model_mib), (out, model_mib)):  # in: with AdamW's state
+        assert extra < min(0.5 * converted, 7 * largest_mib)

@@ -26,6 +26,19 @@ decoder's tensors carry a leading layer dimension
 Rotary embeddings are rotate-half in both (Megatron's default ``rotary_interleaved=False``), so
 nothing else is permuted. The embedding's rows are Megatron's padded vocabulary; the padding rows
 are dropped on import when ``model.vocab_size`` is smaller, and written as zeros on export.
+
+Megatron-Core's non-distributed optimizers save their state beside the model in model space
+(``dist_checkpointing/optimizer.py``: ``make_sharded_optimizer_tensor`` reuses each model tensor's
+sharding under the key ``optimizer.state.{state}.{model key}``): Adam's ``exp_avg`` and
+``exp_avg_sq``, and with bf16/fp16 training (``Float16OptimizerWithFloat16Params``) the fp32 master
+``fp32_param``; the step, one for all parameters, is ``common_step`` in ``common.pt`` (under
+``optimizer.state``, or ``optimizer.optimizer.state`` for the fp16/bf16 one). The distributed
+optimizer's ``fully_reshardable`` format writes the same model-space keys (its master is ``param``)
+and its step in every param group of ``optimizer.optimizer.param_groups`` (``distrib_optimizer.py``,
+``sharded_param_state_fully_reshardable`` and ``state_dict``). These are read through the same layer
+reads and q/k/v, gate/up splits as the weights (:func:`reader_of` with ``state``). The distributed
+optimizer's other formats (``dp_reshardable``'s per-bucket buffers, ``fully_sharded_model_space``'s
+flattened shards) are not read: the optimizer starts fresh (:func:`adam_state` says why).
 """
 
 from __future__ import annotations
@@ -421,19 +434,77 @@ def _alternatives(key: str) -> tuple[str, ...]:
     return (key,)
 
 
-def reader_of(ckpt: MegatronCheckpoint, cfg):
+OPTIMIZER_STATE = "optimizer.state."
+ADAM = ("exp_avg", "exp_avg_sq")
+# the fp32 master of a bf16/fp16 run's weight: the fp16 optimizer's, the distributed optimizer's
+MASTERS = ("fp32_param", "param")
+
+
+def reader_of(ckpt: MegatronCheckpoint, cfg, state: str | None = None):
     """``weight(name)``: our parameter ``name`` as a global fp32 tensor (vocabulary unpadded),
-    read from ``ckpt`` one layer at a time."""
+    read from ``ckpt`` one layer at a time; ``state``: its optimizer state of that name
+    (``exp_avg``, ``exp_avg_sq``, ``fp32_param``) instead, cut the same way."""
     m = cfg.model
+    prefix = "" if state is None else f"{OPTIMIZER_STATE}{state}."
 
     def weight(name: str) -> torch.Tensor:
         keys, layer, part = megatron_place(name)
-        t = ckpt.read(ckpt.key_of(keys), layer)
+        t = ckpt.read(ckpt.key_of(tuple(prefix + k for k in keys)), layer)
         t = split_part(t, part, m.num_heads, kv_heads(m))
         if name in ("embed_tokens.weight", "lm_head.weight"):
             t = t[:m.vocab_size]  # Megatron's padding rows
         return t.float()
     return weight
+
+
+def adam_state(ckpt: MegatronCheckpoint,
+               shapes: dict[str, tuple]) -> tuple[int | None, str | None, str]:
+    """What of a Megatron-Core Adam's model-space state ``ckpt`` holds for our parameters
+    ``shapes``: (its step, or None when none is read; the state name of the fp32 masters, None
+    when there are none; why nothing is read, for the one line that says the optimizer starts
+    fresh)."""
+    saved = ckpt.tensors()
+    mine = [k for k in saved if k.startswith(OPTIMIZER_STATE)]
+    if not mine:
+        other = any(k.startswith(("optimizer.", "chained_")) for k in
+                    ckpt.metadata.state_dict_metadata)
+        return None, None, ("its optimizer state is in a distributed optimizer's own layout "
+                            "(not read)" if other else "it holds no optimizer state")
+    model_keys = {ckpt.key_of(megatron_place(n)[0]) for n in shapes}
+    for state in ADAM:
+        for key in sorted(model_keys):
+            found = saved.get(f"{OPTIMIZER_STATE}{state}.{key}")
+            if found != saved[key]:
+                what = "none" if found is None else f"shape {found}"
+                return None, None, (f"its '{OPTIMIZER_STATE}{state}.{key}' has {what}, not the "
+                                    f"weight's {saved[key]} (a distributed optimizer's "
+                                    "flattened shards, or not Adam: not read)")
+    step = _saved_step(ckpt.common.get("optimizer"))
+    if step is None:
+        return None, None, (f"{ckpt.path}/{COMMON} records no single optimizer step "
+                            "(common_step, or the param groups' step)")
+    masters = next((m for m in MASTERS if all(
+        saved.get(f"{OPTIMIZER_STATE}{m}.{k}") == saved[k] for k in model_keys)), None)
+    return step, masters, ""
+
+
+def _saved_step(optimizer) -> int | None:
+    """Adam's step in a Megatron optimizer's common state: ``common_step`` under ``state`` (the
+    fp32 optimizer's) or ``optimizer.state`` (the fp16/bf16 one's), or the step every param group
+    of ``optimizer.param_groups`` carries (the distributed optimizer's)."""
+    def whole(step):
+        step = step.item() if torch.is_tensor(step) else step
+        ok = isinstance(step, (int, float)) and step >= 0 and step == int(step)
+        return int(step) if ok else None
+
+    inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    for part in (optimizer, inner):
+        if isinstance(part, dict) and isinstance(part.get("state"), dict) \
+                and "common_step" in part["state"]:
+            return whole(part["state"]["common_step"])
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    steps = {whole(g["step"]) for g in groups or () if isinstance(g, dict) and "step" in g}
+    return steps.pop() if len(steps) == 1 else None
 
 
 # -- writing ---------------------------------------------------------------------------------------

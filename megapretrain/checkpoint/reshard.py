@@ -315,12 +315,18 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
                              tensor: Callable[[ParamSpec, int], torch.Tensor], *,
                              label: str | None = None, record: dict | None = None,
                              on_bytes: Callable[[int], None] | None = None,
-                             before_publish: Callable[[str], object] | None = None):
-    """Write the new checkpoint ``output`` holding weights only: every rank file of the layout
-    ``sizes`` (resolve's, of ``cfg`` at ``world`` ranks) holds its place's fp32 master weights,
+                             before_publish: Callable[[str], object] | None = None,
+                             moments: Callable[[ParamSpec, int, str], torch.Tensor] | None = None,
+                             step: int = 0, iteration: int | None = None):
+    """Write the new checkpoint ``output`` of weights: every rank file of the layout ``sizes``
+    (resolve's, of ``cfg`` at ``world`` ranks) holds its place's fp32 master weights,
     ``tensor(spec, tp_rank)`` giving each tp slice (of ``spec.local_shape``, vocabulary padding
-    rows zero) when it is written, one at a time; no Adam moments (none are invented: training
-    from it starts the optimizer fresh), iteration 0; data-parallel replicas are hard links;
+    rows zero) when it is written, one at a time. Without ``moments``: no Adam moments (none are
+    invented: training from it starts the optimizer fresh), iteration 0. With them (an import of
+    another stack's AdamW state): ``moments(spec, tp_rank, key)`` gives each tp slice of
+    ``exp_avg`` and ``exp_avg_sq`` the same way, ``step`` is Adam's step count and ``iteration``
+    (default: ``step``) the iteration (the data position starts at 0). Data-parallel replicas are
+    hard links;
     ``config.yaml`` beside the files, so to-hf and inspection need no ``--config``; the
     metadata with ``record``'s extra fields (where it came from). The free-space check counts
     exactly these bytes and runs before anything is read. ``label``: a progress bar of that name;
@@ -330,20 +336,27 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
     shapes = global_shapes(cfg)
     layout = sizes.layout.meta(v_shape=sizes.schedule.v_shape)
     counters = [on_bytes] if on_bytes is not None else []
+    iteration = step if iteration is None else iteration
 
-    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
-        out = tensor(spec, tp_rank)
+    def counted(out: torch.Tensor) -> torch.Tensor:
         for count in counters:
             count(out.numel() * out.element_size())
         return out
+
+    def read(spec: ParamSpec, tp_rank: int) -> torch.Tensor:
+        return counted(tensor(spec, tp_rank))
 
     def state_at(pp_rank: int, tp_rank: int) -> dict:
         specs = rank_param_specs(cfg, pp_rank, tp_rank)
         model = {n: Entry.shards(n, {"master": LazyTensor(
             torch.float32, tuple(s.local_shape), lambda s=s: read(s, tp_rank))}).tree()
             for n, s in specs.items()}
-        return rank_state(iteration=0, consumed_samples=0, optimizer_step=0, scaler=None,
-                          model=model, moments={n: Entry.shards(n, {}).tree() for n in specs})
+        kept = MOMENTS if moments is not None else ()
+        saved = {n: Entry.shards(n, {k: LazyTensor(
+            torch.float32, tuple(s.local_shape), lambda s=s, k=k: counted(moments(s, tp_rank, k)))
+            for k in kept}).tree() for n, s in specs.items()}
+        return rank_state(iteration=iteration, consumed_samples=0, optimizer_step=step, scaler=None,
+                          model=model, moments=saved)
 
     size = planned_bytes(sizes.layout, state_at)
     with new_directory(output, needed=size) as tmp, \
@@ -351,7 +364,7 @@ def write_weights_checkpoint(output: str, cfg, sizes, world: int,
         counters.append(bar.update)
         files, _ = write_layout(tmp, sizes.layout, state_at)
         save_config(cfg, os.path.join(tmp, "config.yaml"))  # the architecture, for to-hf
-        meta = metadata(iteration=0, world_size=world, layout=layout,
+        meta = metadata(iteration=iteration, world_size=world, layout=layout,
                         vocab_size=cfg.model.vocab_size, padded_vocab=sizes.padded_vocab,
                         files=files, tensors=shapes, **(record or {}))
         write_metadata(tmp, meta)

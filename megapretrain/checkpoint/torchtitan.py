@@ -14,8 +14,15 @@ names, at the top level (model-only exports and full checkpoints of recent torch
 torchtitan's rotary embedding rotates adjacent pairs of a head's dims (``view_as_complex``), ours
 (and Hugging Face's) the two halves: ``wq`` and ``wk`` rows are permuted within each head on the
 way in and out, so both models compute the same logits. Every other tensor is renamed only.
-What a torchtitan checkpoint holds besides the model (``optimizer``, ``lr_scheduler``,
-``dataloader``, ``train_state``) is not read.
+
+A full checkpoint also holds torchtitan's optimizer, as
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives it with flattened keys
+under ``optimizer``: AdamW's ``optimizer.state.{fqn}.exp_avg``, ``.exp_avg_sq`` and ``.step`` (a 0-d
+tensor per parameter) by the model's key ``fqn`` (no ``model.`` prefix), and its hyperparameters
+under ``optimizer.param_groups.{fqn}.*`` (pickled objects, not read: ours come from the config).
+The moments are elementwise, so they take the weights' renaming and q/k row permutation
+(:meth:`TorchtitanWeights.moment`). The rest (``lr_scheduler``, ``dataloader``, ``train_state``)
+is not read.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 STYLES = ("released", "main")
 MODEL_ROOTS = ("tok_embeddings", "layers", "norm", "output", "lm_head")
 IGNORED = ("freqs_cis",)  # a buffer some torchtitan versions save: recomputed, never read
+OPTIMIZER_STATE = "optimizer.state."  # AdamW's state by parameter (flattened optimizer keys)
+ADAM = ("exp_avg", "exp_avg_sq")
 _TOP = {"embed_tokens.weight": "tok_embeddings.weight", "norm.weight": "norm.weight"}
 _HEAD = {"released": "output.weight", "main": "lm_head.weight"}
 _LAYER = {"input_layernorm.weight": "attention_norm.weight",
@@ -130,7 +139,7 @@ class DCPTensors:
 
         self.path = path
         try:
-            meta = FileSystemReader(path).read_metadata()
+            meta = self._metadata = FileSystemReader(path).read_metadata()
         except Exception as exc:  # unpickling a damaged file raises anything
             raise ConvertError(f"{path}/{METADATA} cannot be read ({type(exc).__name__}: {exc}); "
                                "it is damaged or not a torch.distributed.checkpoint") from None
@@ -150,13 +159,23 @@ class DCPTensors:
         out = torch.empty(self.shapes[key], dtype=self.dtypes[key])
         try:
             with _one_process():
-                dcp.load({key: out}, storage_reader=dcp.FileSystemReader(self.path),
+                dcp.load({key: out}, storage_reader=_known_metadata(self.path, self._metadata),
                          no_dist=True)
         except (Exception, dcp.CheckpointException) as exc:  # a missing or truncated file
             raise ConvertError(f"{self.path}: tensor '{key}' cannot be read ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}); the checkpoint "
                                "is incomplete or damaged") from None
         return out
+
+
+def _known_metadata(path: str, metadata):
+    """A ``FileSystemReader`` of ``path`` whose metadata is read already: a read of one tensor does
+    not unpickle the whole ``.metadata`` again (a full checkpoint's lists every tensor)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(path)
+    reader.read_metadata = lambda *args, **kwargs: metadata
+    return reader
 
 
 class TorchtitanWeights:
@@ -229,7 +248,11 @@ class TorchtitanWeights:
 
     def get(self, name: str) -> torch.Tensor:
         """Our parameter ``name``, global, fp32."""
-        key = self.key(name)
+        return self._ours(name, self.key(name))
+
+    def _ours(self, name: str, key: str) -> torch.Tensor:
+        """Tensor ``key`` as parameter ``name`` (or its state) is held here: fp32, finite, q/k
+        rows in rotate-half order."""
         w = self.dcp.read(key).float()
         if not torch.isfinite(w).all():
             raise ConvertError(f"{self.dcp.path}: '{key}' holds NaN or infinite values; these "
@@ -239,16 +262,59 @@ class TorchtitanWeights:
             return from_pairs(w, self.heads[0] if _ROTATED[part] == "q" else self.heads[1])
         return w
 
+    def state_key(self, name: str, key: str) -> str:
+        """torchtitan's optimizer-state key ``key`` (``exp_avg``, ``exp_avg_sq``, ``step``) of our
+        parameter ``name``: a tied output layer's state is the embedding's."""
+        if name == "lm_head.weight" and self.head is None:
+            name = "embed_tokens.weight"
+        fqn = self.key(name)[len(self.prefix):]
+        return f"{OPTIMIZER_STATE}{fqn}.{key}"
+
+    def adam_step(self, shapes: dict[str, tuple]) -> int | None:
+        """The AdamW step of the checkpoint's optimizer state for our parameters ``shapes``
+        (global shapes), checked: every parameter's moments of its shape and one step for all;
+        None when the checkpoint holds no AdamW state (a model-only export)."""
+        held = [k for k in self.dcp.shapes if k.startswith(OPTIMIZER_STATE)]
+        if not any(k.endswith(".exp_avg") for k in held):
+            return None
+        steps = {}
+        for name, shape in shapes.items():
+            for key in ADAM:
+                found = self.dcp.shapes.get(self.state_key(name, key))
+                if found != tuple(shape):
+                    what = "has none" if found is None else f"holds {found}"
+                    raise ConvertError(f"{self.dcp.path}: the optimizer state "
+                                       f"'{self.state_key(name, key)}' {what}, the weight's shape "
+                                       f"is {tuple(shape)}: its optimizer state is not AdamW's "
+                                       "for this model; convert its weights only with "
+                                       "--weights-only")
+            step = self.state_key(name, "step")
+            if self.dcp.shapes.get(step) not in ((), (1,)):
+                raise ConvertError(f"{self.dcp.path} has no AdamW step '{step}': the checkpoint is "
+                                   "incomplete; convert its weights only with --weights-only")
+            steps[step] = float(self.dcp.read(step).item())
+        values = sorted(set(steps.values()))
+        if len(values) > 1 or values[0] != int(values[0]) or values[0] < 0:
+            raise ConvertError(f"{self.dcp.path}: AdamW's steps differ between parameters or are "
+                               f"not whole ({', '.join(f'{v:g}' for v in values[:3])}); one step "
+                               "count is kept here: convert its weights only with --weights-only")
+        return int(values[0])
+
+    def moment(self, name: str, key: str) -> torch.Tensor:
+        """AdamW's ``key`` (``exp_avg`` or ``exp_avg_sq``) of our parameter ``name``, global,
+        fp32, permuted as the weight is."""
+        return self._ours(name, self.state_key(name, key))
+
 
 def _layers(shapes: dict) -> int:
     return len({n.split(".")[1] for n in shapes if n.startswith("layers.")})
 
 
-def global_slice(weights: TorchtitanWeights, spec, tp_rank: int) -> torch.Tensor:
-    """Rank ``tp_rank``'s fp32 slice (``spec.local_shape``) of ``spec``'s weight, cut from the one
-    global tensor read; rows past the vocabulary are zero."""
+def global_slice(read, spec, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s fp32 slice (``spec.local_shape``) of ``spec``'s weight (or state),
+    cut from the one global tensor ``read(name)`` gives; rows past the vocabulary are zero."""
     local, dim = tuple(spec.local_shape), spec.tp_dim
-    w = weights.get(spec.name)
+    w = read(spec.name)
     if dim is not None:
         lo = tp_rank * local[dim]
         hi = min(lo + local[dim], spec.shape[dim])  # rows past the vocabulary: zeros

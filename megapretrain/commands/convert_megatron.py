@@ -2,13 +2,16 @@
 checkpoints in and out (the format itself: ``checkpoint/megatron.py``).
 
     python tools/convert_checkpoint.py from-megatron --megatron MEGATRON_RUN --output ckpt/m \\
-        [--config CONFIG] [--parallel.tp 2 ...] [--world-size W] [--model.* ...]
+        [--config CONFIG] [--parallel.tp 2 ...] [--world-size W] [--model.* ...] [--weights-only]
     python tools/convert_checkpoint.py to-megatron --checkpoint runs/tiny --output MEGATRON_RUN \\
         [--dtype bf16] [--padded-vocab-size N]
 
 ``from-megatron`` reads a run directory (its ``latest_checkpointed_iteration.txt``) or one
 ``iter_*`` directory saved under any tp/pp, and writes a megapretrain checkpoint for the target
-layout, as ``from-hf`` does: fp32 weights, iteration 0, no optimizer state. The model's shape is
+layout: fp32 weights and, when its optimizer state is in model space (Megatron-Core's
+non-distributed optimizer, or the distributed one's ``fully_reshardable`` format), Adam's moments
+and step, the fp32 masters of a bf16/fp16 run and Megatron's iteration (else iteration 0 and no
+optimizer state: it starts fresh, and one line says why). The model's shape is
 read off the tensors and Megatron's saved ``args`` (``common.pt``); ``--config`` and ``--model.*``
 flags win over both, and a flag that disagrees with a tensor's shape is one line naming both.
 
@@ -33,6 +36,7 @@ from megapretrain.checkpoint.format import (
 from megapretrain.checkpoint.megatron import (
     MegatronCheckpoint,
     MegatronError,
+    adam_state,
     check_against,
     flag_list,
     model_flags,
@@ -52,8 +56,10 @@ from megapretrain.model.build import DTYPES
 from megapretrain.resolve import resolve
 
 COMMANDS = ("from-megatron", "to-megatron")
-FRESH_OPTIMIZER = ("optimizer state not imported: the optimizer starts fresh (train with "
-                   "--checkpoint.finetune true)")
+FRESH_OPTIMIZER = ("optimizer state not imported ({why}): the optimizer starts fresh (train "
+                   "with --checkpoint.finetune true)")
+CARRIED = ("carried: Adam's moments and step {step}{masters}, and the iteration {iteration}; "
+           "not carried: learning-rate schedule, data position (from the start) and random state")
 
 
 def add_parsers(sub) -> None:
@@ -70,6 +76,8 @@ def add_parsers(sub) -> None:
     frm.add_argument("--config", help="YAML config of the run that will train from it")
     frm.add_argument("--world-size", type=positive_int,
                      help="ranks of the target run (default: tp × cp × pp)")
+    frm.add_argument("--weights-only", action="store_true",
+                     help="leave the checkpoint's optimizer state out (it starts fresh)")
     to = sub.add_parser("to-megatron", help="megapretrain checkpoint -> Megatron-LM torch_dist "
                                             "run directory")
     to.add_argument("--checkpoint", required=True,
@@ -116,16 +124,30 @@ def from_megatron(args: argparse.Namespace, overrides: list[str]) -> str:
     sizes = resolve(cfg, world).sizes
     shapes = global_shapes(cfg)
     check_against(ckpt, cfg, shapes, given)
-    weight = reader_of(ckpt, cfg)
+    step, masters, why = (None, None, "--weights-only") if args.weights_only else \
+        adam_state(ckpt, shapes)
+    weight = reader_of(ckpt, cfg, masters)
+    moments = None
+    if step is not None:
+        readers = {k: reader_of(ckpt, cfg, k) for k in ("exp_avg", "exp_avg_sq")}
+
+        def moments(spec, tp_rank: int, key: str) -> torch.Tensor:
+            return _local(readers[key], spec, tp_rank)
     meta, _ = write_weights_checkpoint(
         args.output, cfg, sizes, world, lambda spec, tp_rank: _local(weight, spec, tp_rank),
         label="from-megatron", record={"converted_from": os.path.abspath(ckpt.path),
-                                       "megatron_iteration": ckpt.iteration})
+                                       "megatron_iteration": ckpt.iteration},
+        moments=moments, step=step or 0, iteration=ckpt.iteration if step is not None else 0)
     layout = meta["layout"]
     note = f" ({ckpt.common_problem}: shape from the tensors and flags)" \
         if ckpt.common_problem else ""
+    if step is None:
+        optimizer = FRESH_OPTIMIZER.format(why=why)
+    else:
+        optimizer = CARRIED.format(step=step, iteration=ckpt.iteration,
+                                   masters=", the fp32 master weights" if masters else "")
     return (f"wrote {args.output} for {world} ranks (layout {layout}) from iteration "
-            f"{ckpt.iteration} of {ckpt.path}{note}; {FRESH_OPTIMIZER}; train from it with "
+            f"{ckpt.iteration} of {ckpt.path}{note}; {optimizer}; train from it with "
             f"--checkpoint.load {args.output} and\n  {' '.join(flag_list(inferred))}")
 
 

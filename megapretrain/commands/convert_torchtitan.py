@@ -3,14 +3,17 @@ tools/convert_checkpoint.py: torchtitan Llama 3 checkpoints (torch.distributed.c
 out, streaming one tensor at a time (``checkpoint/torchtitan.py`` holds the format's facts).
 
     python tools/convert_checkpoint.py from-torchtitan --dcp outputs/checkpoint/step-1000 \\
-        --output ckpt/titan [--config C] [--parallel.tp 2 ... --world-size W] [--model.* ...]
+        --output ckpt/titan [--config C] [--parallel.tp 2 ... --world-size W] [--model.* ...] \\
+        [--weights-only]
     python tools/convert_checkpoint.py to-torchtitan --checkpoint runs/x --output titan/step-0 \\
         [--dtype bf16] [--key-names released|main]
 
 The model's shape comes from ``--config`` and ``--model.*`` flags (a torchtitan checkpoint records
 tensors, not its model's settings); the rotary settings default to torchtitan's Llama 3 ones
 (``rope_theta`` 500000 with Llama 3.1 scaling) where ``--config`` does not set them, and flags win
-over both.
+over both. A full checkpoint's AdamW state (moments and step) comes in with the weights, the
+step as the iteration too (``--weights-only`` leaves it out); data position, learning-rate schedule
+and random state do not.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ FROM, TO = ("from-torchtitan", "from-dcp"), ("to-torchtitan", "to-dcp")
 COMMANDS = FROM + TO
 NOT_CARRIED = ("not carried: optimizer state (Adam moments and step), learning-rate schedule, "
                "data position and random state")
+FRESH = "optimizer state not imported: the optimizer starts fresh"
+CARRIED = ("carried: AdamW's moments and step {step} (as the iteration too); not carried: "
+           "learning-rate schedule (the config's, from iteration {step}), data position (from the "
+           "start) and random state")
 
 
 def add_parsers(sub) -> None:
@@ -70,6 +77,8 @@ def add_parsers(sub) -> None:
                                       "and layout)")
     frm.add_argument("--world-size", type=positive_int,
                      help="ranks of the target run (default: tp × cp × pp)")
+    frm.add_argument("--weights-only", action="store_true",
+                     help="leave the checkpoint's AdamW state out (the optimizer starts fresh)")
     to = sub.add_parser(TO[0], aliases=list(TO[1:]),
                         help="megapretrain checkpoint -> torchtitan Llama 3 checkpoint (DCP)")
     to.add_argument("--checkpoint", required=True,
@@ -125,17 +134,27 @@ def from_torchtitan(args: argparse.Namespace, overrides: list[str]) -> str:
     margs = model_args(cfg)
     shapes = global_shapes(cfg)
     weights.check(shapes, m.tie_embeddings, (margs.num_heads, margs.num_kv_heads))
+    step = None if args.weights_only else weights.adam_step(shapes)
+    moments = None if step is None else \
+        lambda spec, tp_rank, key: global_slice(lambda n: weights.moment(n, key), spec, tp_rank)
     meta, _ = write_weights_checkpoint(
-        args.output, cfg, sizes, world, lambda spec, tp_rank: global_slice(weights, spec, tp_rank),
-        label="from-torchtitan", record={"converted_from": os.path.abspath(path)})
+        args.output, cfg, sizes, world,
+        lambda spec, tp_rank: global_slice(weights.get, spec, tp_rank),
+        label="from-torchtitan", record={"converted_from": os.path.abspath(path)},
+        moments=moments, step=step or 0)
     layout = meta["layout"]
-    others = f" (the checkpoint's {', '.join(weights.others)} are left out)" \
-        if weights.others else ""
+    left = [o for o in weights.others if o != "optimizer" or step is None]
+    others = f" (the checkpoint's {', '.join(left)} are left out)" if left else ""
     scaling = f"llama3 ×{m.rope_scaling['factor']:g}" if m.rope_scaling else "none"
-    return (f"wrote {args.output} for {world} ranks (layout {layout}) from {path} "
+    head = (f"wrote {args.output} for {world} ranks (layout {layout}) from {path} "
             f"({weights.style} torchtitan keys); rotary: rope_theta {m.rope_theta:g}, scaling "
-            f"{scaling}\n{NOT_CARRIED}{others}: train from it with --checkpoint.load "
-            f"{args.output} --checkpoint.finetune true")
+            f"{scaling}\n")
+    if step is None:
+        return (f"{head}{FRESH}; {NOT_CARRIED}{others}: train from it with --checkpoint.load "
+                f"{args.output} --checkpoint.finetune true")
+    return (f"{head}{CARRIED.format(step=step)}{others}: resume from it with --checkpoint.load "
+            f"{args.output} (train.iters above {step}), or start afresh from its weights with "
+            "--checkpoint.finetune true")
 
 
 def to_torchtitan(args: argparse.Namespace) -> str:
