@@ -490,6 +490,11 @@ def test_megatron_bad_input(megatron, tmp_path, capsys):
     err = _one_line_error(capsys, ["from-megatron", "--megatron", str(layernorm), "--output",
                                    str(tmp_path / "d")])
     assert "normalization=LayerNorm" in err
+    saved["args"].normalization, saved["args"].window_size = "RMSNorm", (64, 0)  # a sliding window
+    torch.save(saved, common)
+    err = _one_line_error(capsys, ["from-megatron", "--megatron", str(layernorm), "--output",
+                                   str(tmp_path / "d")])
+    assert "window_size=(64, 0)" in err and "no sliding window" in err
     assert sorted(os.listdir(tmp_path)) == ["layernorm"]  # nothing written
 
 

@@ -377,6 +377,8 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
             "output.weight", "--model.tie_embeddings false")
     refused(["from-dcp", "--dcp", step, "--output", out, *FLAGS, "--model.qkv_bias", "true"],
             "model.qkv_bias=True")
+    refused(["from-dcp", "--dcp", step, "--output", out, *FLAGS, "--model.sliding_window", "8"],
+            "model.sliding_window=8")
 
     damaged = tmp_path / "damaged"
     os.makedirs(damaged)

@@ -348,13 +348,14 @@ def model_flags(ckpt: MegatronCheckpoint) -> dict[str, object]:
     unsupported = {k: a[k] for k, ok in (("normalization", "RMSNorm"), ("swiglu", True),
                                          ("position_embedding_type", "rope"),
                                          ("rotary_interleaved", False), ("add_bias_linear", False),
-                                         ("use_rope_scaling", False), ("num_experts", None))
+                                         ("use_rope_scaling", False), ("num_experts", None),
+                                         ("window_size", None))
                    if k in a and a[k] != ok}
     if unsupported:
         found = ", ".join(f"{k}={v}" for k, v in unsupported.items())
         raise MegatronError(f"{ckpt.path}/{COMMON}: args {found}: megapretrain's llama family "
                             "has RMSNorm, SwiGLU, rotate-half RoPE, no linear biases but QKV's, no "
-                            "experts; this model cannot be converted")
+                            "experts, no sliding window; this model cannot be converted")
     heads = a.get("num_attention_heads")
     if heads:
         flags["num_heads"] = heads

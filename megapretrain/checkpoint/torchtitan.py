@@ -71,6 +71,7 @@ def check_model(cfg) -> None:
                                          ("qkv_bias", m.qkv_bias, False),
                                          ("qk_norm", m.qk_norm, False),
                                          ("rotary_pct", m.rotary_pct, 1.0),
+                                         ("sliding_window", m.sliding_window, None),
                                          ("parallel_residual", bool(m.parallel_residual), False))
              if v != ok]
     kind = (m.rope_scaling or {}).get("rope_type", (m.rope_scaling or {}).get("type", "llama3"))

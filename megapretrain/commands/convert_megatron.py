@@ -162,11 +162,13 @@ def to_megatron(args: argparse.Namespace) -> str:
     # as the torchtitan export does)
     required = (("family", m.family, "llama"), ("mlp", m.mlp, "swiglu"),
                 ("rope_scaling", bool(m.rope_scaling), False),
+                ("sliding_window", m.sliding_window is not None, False),
                 ("parallel_residual", bool(m.parallel_residual), False))
     if any(value != wanted for _, value, wanted in required):
         raise MegatronError(f"model.family={m.family}, mlp={m.mlp}, rope_scaling={m.rope_scaling}"
-                            f", parallel_residual={m.parallel_residual}: to-megatron writes the "
-                            "llama family with swiglu, no rope_scaling, no parallel residual")
+                            f", sliding_window={m.sliding_window}, parallel_residual="
+                            f"{m.parallel_residual}: to-megatron writes the llama family with "
+                            "swiglu, no rope_scaling, no sliding window, no parallel residual")
     check_shapes(path, meta, global_shapes(cfg))
     weights = GlobalWeights(path, cfg)  # resets cfg's layout to one process
     resolve(cfg, 1)
