@@ -45,7 +45,13 @@ def test_compiled_blend_equals_the_python_loop(weights):
     expected = greedy_blend_reference(weights, 4000)
     whole = greedy_blend(weights, 4000)
     chunks = list(zip(*greedy_blend_chunks(weights, 4000, 777)))
-    for got in (whole, (np.concatenate(chunks[0]), np.concatenate(chunks[1]))):
+    # From sample 1500 on, given the counts before it: the loop's bounds start over.
+    counts = np.bincount(expected[0][:1500], minlength=weights.size)
+    later = list(zip(*greedy_blend_chunks(weights, 4000, 777, start=1500, counts=counts)))
+    resumed = [np.concatenate([expected[k][:1500], *later[k]]) for k in (0, 1)]
+    reference = greedy_blend_reference(weights, 4000, start=1500, counts=counts)
+    for got in (whole, (np.concatenate(chunks[0]), np.concatenate(chunks[1])), resumed,
+                [np.concatenate([expected[k][:1500], reference[k]]) for k in (0, 1)]):
         np.testing.assert_array_equal(got[0], expected[0])
         np.testing.assert_array_equal(got[1], expected[1])
     assert whole[0].dtype == np.int16 and whole[1].dtype == np.int64
@@ -127,6 +133,9 @@ class Component:
     def __len__(self):
         return self.n
 
+    def __getitem__(self, j):
+        return self.name, j
+
 
 def test_blend_index_is_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
     """A 2M-sample blend of 40 datasets (20 MB of index) built 64k samples at a time: the builder
@@ -144,6 +153,38 @@ def test_blend_index_is_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
     expected = greedy_blend(weights / weights.sum(), n)
     np.testing.assert_array_equal(blend.dataset_index, expected[0])
     np.testing.assert_array_equal(blend.dataset_sample_index, expected[1])
+
+
+@pytest.mark.parametrize("num_datasets", [1, 2, 5, 200])
+def test_blend_index_is_built_as_the_run_reads_it(tmp_path, monkeypatch, num_datasets):
+    """Segments of 1,000 samples: construction builds the first two, reading a sample builds the
+    next; the samples equal the whole index built at once (closed forms for 1 and 2 datasets,
+    the compiled loop's scan and its blocks), in the cache or in memory, and a waiting rank's
+    samples are the builder's."""
+    monkeypatch.setattr(gpt_dataset, "BLEND_SEGMENT", 1000)
+    monkeypatch.setattr(gpt_dataset, "BLEND_CHUNK", 300)
+    weights = np.random.default_rng(num_datasets).lognormal(0, 1, num_datasets)
+    weights /= weights.sum()
+    n = 5500
+    parts = [Component(int(w * n) + 2, f"k{i}") for i, w in enumerate(weights)]
+    expected = gpt_dataset.blending_indices(weights, n)
+    cache = str(tmp_path / "cache")
+
+    def built():
+        return sorted(f for f in os.listdir(cache) if f.startswith("blend_") and f.endswith(".json"))
+
+    blend = BlendedDataset(parts, weights, n, seed=0, cache_dir=cache)
+    assert len(built()) == 2
+    waiting = BlendedDataset(parts, weights, n, seed=0, cache_dir=cache, build_indices=False)
+    in_memory = BlendedDataset(parts, weights, n, seed=0)
+    assert blend[2500] == (f"k{expected[0][2500]}", expected[1][2500]) and len(built()) == 4
+    for dataset in (blend, waiting, in_memory):
+        got = [dataset[i] for i in range(n)]
+        assert got == [(f"k{d}", j) for d, j in zip(expected[0], expected[1])]
+    assert len(built()) == 6  # [5000, 5500): the last is cut at the run's end
+    np.testing.assert_array_equal(blend.dataset_index, expected[0])
+    np.testing.assert_array_equal(blend.dataset_sample_index, expected[1])
+    assert blend._draws().tolist() == np.bincount(expected[0], minlength=num_datasets).tolist()
 
 
 def test_waiting_rank_prints_the_builders_progress(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,7 @@ never depends on ``num_samples``: a longer or resumed run sees the same samples 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -52,10 +53,11 @@ logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 # bump when the index algorithm changes: invalidates caches
 _INDEX_FORMAT = "megapretrain-gpt-indices-v3"
-_BLEND_FORMAT = "megapretrain-blend-v1"
+_BLEND_FORMAT = "megapretrain-blend-v2"
 # each blended component builds this much more than its share, as Megatron does
 _BLEND_OVERSAMPLE = 1.005
 BLEND_CHUNK = 1 << 22  # samples of the blend index built and written at a time (40 MiB)
+BLEND_SEGMENT = 1 << 22  # samples of the blend index per cache entry, built as the run reads them
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
 
 
@@ -373,6 +375,13 @@ class BlendedDataset:
     lags by a positive amount before it is picked), which is why components sized
     ``ceil(weight * n * 1.005 + 1)`` always suffice. The assignment is deterministic and does not
     use ``seed``; it is accepted so that callers pass one.
+
+    The index is built as the run reads it, in segments of ``BLEND_SEGMENT`` samples (one cache
+    entry each, with each dataset's count after it, from which the next segment continues):
+    the first two at construction, segment ``k + 1`` when a sample of segment ``k`` is first read,
+    so that a rank waiting for the node's builder never waits for a segment the builder has not
+    begun (a step's samples span far less than a segment). The samples equal a build of the whole
+    index at once; start-up costs two segments, not the run's index.
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
@@ -383,48 +392,88 @@ class BlendedDataset:
                             f"datasets and {len(weights)} weights")
         self.datasets, self.weights = list(datasets), _normalize_weights(weights,
                                                                          "BlendedDataset weights")
-        self.num_samples, self.seed = int(num_samples), seed
-        # The assignment depends on the weights and the count only; components are named in the stem
-        # so that an entry is easy to trace back, not because the indices depend on them.
-        keys = [getattr(d, "cache_key", None) for d in self.datasets]
+        self.num_samples, self.seed, self.segment = int(num_samples), seed, BLEND_SEGMENT
+        # The assignment depends on the weights only (sample i never on num_samples): a longer
+        # run, or another blend with these weights, reuses every entry but a cut last segment.
         blob = json.dumps({"format": _BLEND_FORMAT, "weights": self.weights.tolist(),
-                           "n": self.num_samples, "components": keys})
-        key = hashlib.sha256(blob.encode()).hexdigest()
-        stem = f"blend_{key[:24]}" if all(keys) else None
-        self.in_memory = stem is None or cache_dir is None
-        indices, _ = cached_or_built(
-            cache_dir, stem, key, ("dataset_index", "dataset_sample_index"), self._build,
-            build_indices, cache_wait_s, needed_bytes=10 * self.num_samples)
-        self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices[
-            "dataset_sample_index"]
-        self._check_component_sizes()
+                           "segment": self.segment})
+        self._key = hashlib.sha256(blob.encode()).hexdigest()
+        cached = all(getattr(d, "cache_key", None) for d in self.datasets)
+        self.cache_dir = cache_dir if cached else None
+        self.in_memory = self.cache_dir is None
+        self._build_indices, self._cache_wait_s = build_indices, cache_wait_s
+        # (dataset_index, dataset_sample_index, each dataset's count after the segment)
+        self._segments: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._extend(min(1, self._last_segment()) if build_indices else 0)
 
-    def _build(self, open_array, report) -> None:
-        """Stream the assignment to ``open_array``'s sinks in chunks of ``BLEND_CHUNK`` samples.
-        In memory it takes an int16 and an int64 per sample; streamed, a chunk of them."""
+    def _last_segment(self) -> int:
+        return max(self.num_samples - 1, 0) // self.segment
+
+    def _extend(self, k: int) -> None:
+        """Build or load segments up to ``k`` (never past the last), in order: each continues from
+        the counts of the one before."""
+        while len(self._segments) <= min(k, self._last_segment()) and self.num_samples:
+            j = len(self._segments)
+            start, stop = j * self.segment, min((j + 1) * self.segment, self.num_samples)
+            before = self._segments[-1][2] if j else np.zeros(len(self.datasets), dtype=np.int64)
+            arrays, _ = cached_or_built(
+                self.cache_dir, f"blend_{self._key[:24]}_{start}_{stop}" if self.cache_dir
+                else None, f"{self._key} [{start}, {stop})",
+                ("dataset_index", "dataset_sample_index", "counts"),
+                functools.partial(self._build, start=start, stop=stop, before=before),
+                self._build_indices, self._cache_wait_s, needed_bytes=10 * (stop - start))
+            self._check_component_sizes(arrays["counts"])
+            self._segments.append((arrays["dataset_index"], arrays["dataset_sample_index"],
+                                   arrays["counts"]))
+
+    def _build(self, open_array, report, start: int, stop: int, before: np.ndarray) -> None:
+        """Stream samples ``[start, stop)`` of the assignment to ``open_array``'s sinks in chunks
+        of ``BLEND_CHUNK`` samples, then each dataset's count after them. In memory the run
+        comes to hold an int16 and an int64 per sample; streamed, a chunk of them."""
         _fits_in_host_memory(10 * (self.num_samples if self.in_memory else BLEND_CHUNK),
                              f"the blend of {len(self.datasets)} datasets ({self.num_samples:,} "
                              "samples)")
         datasets = open_array("dataset_index", np.int16)
         samples = open_array("dataset_sample_index", np.int64)
+        counts = np.array(before, dtype=np.int64)
         for dataset_index, dataset_sample_index in blending_index_chunks(
-                self.weights, self.num_samples, BLEND_CHUNK):
+                self.weights, stop, BLEND_CHUNK, start, before):
             datasets.append(dataset_index)
             samples.append(dataset_sample_index)
-            report(datasets.rows / max(self.num_samples, 1))
+            counts += np.bincount(dataset_index, minlength=counts.size)
+            report(datasets.rows / max(stop - start, 1))
+        open_array("counts", np.int64).append(counts)
+
+    @property
+    def dataset_index(self) -> np.ndarray:
+        """Which dataset serves each sample, for the whole run (builds every segment)."""
+        return self._whole(0)
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray:
+        """Which of its dataset's samples each sample is, for the whole run (builds every
+        segment)."""
+        return self._whole(1)
+
+    def _whole(self, part: int) -> np.ndarray:
+        self._extend(self._last_segment())
+        arrays = [segment[part] for segment in self._segments]
+        if len(arrays) == 1:
+            return arrays[0]
+        if not arrays:
+            return np.empty(0, dtype=np.int16 if part == 0 else np.int64)
+        return np.concatenate(arrays)
 
     def _draws(self) -> np.ndarray:
-        """How many samples the blend draws from each dataset (counted chunk by chunk: the index
-        may be a file larger than memory)."""
-        drawn = np.zeros(len(self.datasets), dtype=np.int64)
-        for start in range(0, self.num_samples, BLEND_CHUNK):
-            drawn += np.bincount(self.dataset_index[start: start + BLEND_CHUNK],
-                                 minlength=len(self.datasets))
-        return drawn
+        """How many samples the blend draws from each dataset: exact once the last segment is
+        built; before, ``weight * num_samples`` rounded (the greedy rule keeps every count
+        within about one sample of it)."""
+        if len(self._segments) > self._last_segment():
+            return np.asarray(self._segments[-1][2], dtype=np.int64)
+        return np.rint(self.weights * self.num_samples).astype(np.int64)
 
-    def _check_component_sizes(self) -> None:
-        needed = self._draws()
-        for dataset, count in zip(self.datasets, needed):
+    def _check_component_sizes(self, drawn: np.ndarray) -> None:
+        for dataset, count in zip(self.datasets, drawn):
             if count > len(dataset):
                 raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} "
                                 f"has {len(dataset)} samples but the blend draws {count} from it")
@@ -435,7 +484,11 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         if i < 0:
             i += self.num_samples
-        return self.datasets[self.dataset_index.item(i)][self.dataset_sample_index.item(i)]
+        k, j = divmod(i, self.segment)
+        if k + self._build_indices >= len(self._segments):
+            self._extend(k + self._build_indices)  # the builder stays a segment ahead
+        datasets, samples, _ = self._segments[k]
+        return self.datasets[datasets.item(j)][samples.item(j)]
 
     def describe(self) -> list[dict]:
         """One row per component: its prefix, documents and tokens, blend weight and samples
@@ -462,9 +515,12 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
     return parts[0][0], parts[1][0]
 
 
-def blending_index_chunks(weights: np.ndarray, num_samples: int,
-                          chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """:func:`blending_indices` in pieces of ``chunk`` samples, in order.
+def blending_index_chunks(weights: np.ndarray, num_samples: int, chunk: int, start: int = 0,
+                          counts: np.ndarray | None = None
+                          ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`blending_indices` in pieces of ``chunk`` samples, in order; from sample ``start``
+    on, given ``counts`` (each dataset's samples among the first ``start``), samples ``[start,
+    num_samples)``: equal to the same samples of a build from 0.
 
     For two datasets the choices have a closed form (vectorized: 1B samples in seconds). With
     more, the choice at step ``i`` depends on all earlier choices: a compiled loop
@@ -472,10 +528,11 @@ def blending_index_chunks(weights: np.ndarray, num_samples: int,
     """
     weights = [float(w) for w in weights]
     if len(weights) > 2:
-        yield from greedy_blend_chunks(np.asarray(weights), num_samples, chunk)
+        yield from greedy_blend_chunks(np.asarray(weights), num_samples, chunk, start=start,
+                                       counts=counts)
         return
-    for start in range(0, num_samples, chunk):
-        steps = np.arange(start, min(start + chunk, num_samples), dtype=np.int64)
+    for first in range(start, num_samples, chunk):
+        steps = np.arange(first, min(first + chunk, num_samples), dtype=np.int64)
         if len(weights) == 1:
             yield np.zeros(steps.size, dtype=np.int16), steps
             continue
