@@ -52,11 +52,12 @@ logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 # bump when the index algorithm changes: invalidates caches
-_INDEX_FORMAT = "megapretrain-gpt-indices-v3"
+_INDEX_FORMAT = "megapretrain-gpt-indices-v4"
 _BLEND_FORMAT = "megapretrain-blend-v2"
 # each blended component builds this much more than its share, as Megatron does
 _BLEND_OVERSAMPLE = 1.005
 BLEND_CHUNK = 1 << 22  # samples of the blend index built and written at a time (40 MiB)
+EPOCH_GROUP_SAMPLES = 1 << 16  # a sample index cache entry holds whole epochs, at least this many
 BLEND_SEGMENT = 1 << 22  # samples of the blend index per cache entry, built as the run reads them
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
 
@@ -83,24 +84,21 @@ class GPTDataset:
             num_samples), seed, name
         self._validate()
         self.cache_key, self.cache_dir = self._cache_key(), cache_dir
-        start = time.perf_counter()
-        indices, built = cached_or_built(
-            cache_dir, self._cache_stem(), self.cache_key,
-            ("doc_index", "sample_index", "shuffle_index"), self._build,
-            build_indices, cache_wait_s, needed_bytes=index_bytes(
-                self.document_ids.size, self.seq_length, self.num_samples, self.num_epochs)[0])
-        logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built
-                    else "loaded", name, indexed.prefix, num_samples, self.num_epochs,
-                    time.perf_counter() - start)
+        self._build_indices, self._cache_wait_s = build_indices, cache_wait_s
+        # An index entry holds whole epochs, as few as make EPOCH_GROUP_SAMPLES samples: built as
+        # the run reads them (the first at construction, the builder one entry ahead).
+        self.group_epochs = max(1, -(-EPOCH_GROUP_SAMPLES * self.seq_length
+                                     // self.tokens_per_epoch))
+        self.num_groups = -(-self.num_epochs // self.group_epochs)
         self.num_documents = int(self.document_ids.size)
+        self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        if build_indices:
+            self._fits(self.num_samples, self.num_epochs, whole_run=True)
+        self._extend(0)
         if _is_range(self.document_ids):  # a split's usual form: no array of ids kept
             self.document_ids = range(int(self.document_ids[0]), int(self.document_ids[-1]) + 1)
-        self.doc_index = indices["doc_index"]
-        self.sample_index = indices["sample_index"]
-        self.shuffle_index = indices["shuffle_index"][: self.num_samples]
         # What __getitem__ reads, as plain arrays: .item() on them is the cheapest scalar access
         # numpy has.
-        self._rows = self.sample_index.reshape(-1)
         self._tokens = indexed.tokens
         self._lengths = indexed.sequence_lengths
         self._token_starts = indexed.sequence_pointers
@@ -135,22 +133,101 @@ class GPTDataset:
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch,
                                             self.seq_length))
 
-    def _build(self, open_array, report) -> None:
-        """Stream the index arrays to ``open_array``'s sinks, after checking that building them
-        fits in host memory: one epoch's worth when they go to a cache directory, all of them
-        when they are kept in memory."""
-        kept, epoch = index_bytes(self.document_ids.size, self.seq_length, self.num_samples,
-                                  self.num_epochs)
+    def _first_sample(self, epoch: int) -> int:
+        """The first sample (in training order) of ``epoch``: its epochs are served in order."""
+        return -(-epoch * self.tokens_per_epoch // self.seq_length)
+
+    def _group_epochs(self, group: int) -> tuple[int, int]:
+        return group * self.group_epochs, min((group + 1) * self.group_epochs, self.num_epochs)
+
+    def _extend(self, group: int) -> None:
+        """Build or load the index entries up to ``group`` (never past the last), in order."""
+        while len(self._groups) <= min(group, self.num_groups - 1):
+            g = len(self._groups)
+            first, last = self._group_epochs(g)
+            start = time.perf_counter()
+            samples = self._first_sample(last) - self._first_sample(first)
+            indices, built = cached_or_built(
+                self.cache_dir, self._cache_stem(g), self._group_key(g),
+                ("doc_index", "sample_index", "shuffle_index"),
+                functools.partial(self._build, first_epoch=first, last_epoch=last),
+                self._build_indices, self._cache_wait_s, needed_bytes=index_bytes(
+                    self.num_documents, self.seq_length, samples, last - first)[0])
+            logger.info("%s %s indices for %s (epochs %d to %d of %d) in %.2fs", "built" if built
+                        else "loaded", self.name, self.indexed.prefix, first, last - 1,
+                        self.num_epochs, time.perf_counter() - start)
+            self._groups.append((indices["doc_index"], indices["sample_index"].reshape(-1),
+                                 indices["shuffle_index"]))
+
+    def reserve(self, num_samples: int) -> None:
+        """Have the index entries of samples ``[0, num_samples)`` built (or waited for): what a
+        blend calls as its own index grows, so that the node's builder writes every entry the
+        node's ranks will read before they read it."""
+        if num_samples > 0:
+            self._extend(self._group_of(min(num_samples, self.num_samples) - 1))
+
+    def _group_of(self, i: int) -> int:
+        return i * self.seq_length // self.tokens_per_epoch // self.group_epochs
+
+    def _fits(self, samples: int, epochs: int, whole_run: bool = False) -> None:
+        """Refuse, before building, indices that do not fit: on the cache's disk (the run's, when
+        its first entry is not there yet), and in host memory (one epoch's worth when they go to
+        a cache directory; the run's, held then joined, when they are kept in memory)."""
+        kept, epoch = index_bytes(self.num_documents, self.seq_length, samples, epochs)
         what = (f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
-                f"({self.num_samples:,} samples of train.seq_length={self.seq_length:,}, "
-                f"{self.num_epochs:,} epochs of {self.document_ids.size:,} documents)")
+                f"({samples:,} samples of train.seq_length={self.seq_length:,}, "
+                f"{epochs:,} epochs of {self.num_documents:,} documents)")
         if self.cache_dir:
-            _fits_on_disk(self.cache_dir, kept, what)
+            if not whole_run or not os.path.exists(os.path.join(self.cache_dir,
+                                                                f"{self._cache_stem(0)}.json")):
+                _fits_on_disk(self.cache_dir, kept, what)
             _fits_in_host_memory(epoch, what)
-        else:  # the epochs held, then joined
-            _fits_in_host_memory(epoch + kept * (2 if self.num_epochs > 1 else 1), what)
-        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, self.document_ids,
-                          self.seq_length, self.num_epochs, self.seed)
+        elif whole_run:  # the epochs held, then joined
+            _fits_in_host_memory(epoch + kept * (2 if epochs > 1 else 1), what)
+
+    def _build(self, open_array, report, first_epoch: int, last_epoch: int) -> None:
+        """Stream epochs ``[first_epoch, last_epoch)`` of the index arrays to ``open_array``'s
+        sinks (positions counted from the entry's first epoch)."""
+        self._fits(self._first_sample(last_epoch) - self._first_sample(first_epoch),
+                   last_epoch - first_epoch)
+        ids = self.document_ids
+        if isinstance(ids, range):  # kept as a range after construction
+            ids = np.arange(ids.start, ids.stop, dtype=np.int64)
+        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, ids,
+                          self.seq_length, last_epoch, self.seed, first_epoch)
+
+    @property
+    def doc_index(self) -> np.ndarray:
+        """The whole run's document stream (builds every entry; joined when there are several)."""
+        return self._whole(0)
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        """The whole run's sample rows, positions in :attr:`doc_index`."""
+        return self._whole(1)
+
+    @property
+    def shuffle_index(self) -> np.ndarray:
+        """The whole run's rows in training order, cut at ``num_samples``."""
+        return self._whole(2)
+
+    def _whole(self, part: int) -> np.ndarray:
+        self._extend(self.num_groups - 1)
+        if len(self._groups) == 1:
+            arrays = self._groups[0]
+            return (arrays[0], arrays[1].reshape(-1, 2), arrays[2][: self.num_samples])[part]
+        docs = rows = 0
+        pieces = []
+        for doc_index, sample_rows, shuffle in self._groups:  # positions from the run's start
+            if part == 0:
+                pieces.append(doc_index)
+            elif part == 1:
+                pieces.append(sample_rows.reshape(-1, 2) + np.array([docs, 0]))
+            else:
+                pieces.append(shuffle.astype(np.int64) + rows)
+            docs, rows = docs + doc_index.size, rows + sample_rows.size // 2
+        whole = np.concatenate(pieces)
+        return whole[: self.num_samples] if part == 2 else whole
 
     def __len__(self) -> int:
         return self.num_samples
@@ -162,8 +239,11 @@ class GPTDataset:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample {i} out of range for {self.name} dataset of {n} samples")
-        rows, doc_index = self._rows, self.doc_index
-        r = 2 * self.shuffle_index.item(i)
+        g = self._group_of(i)
+        if g + self._build_indices >= len(self._groups):
+            self._extend(g + self._build_indices)  # the builder stays an entry ahead
+        doc_index, rows, shuffle = self._groups[g]
+        r = 2 * shuffle.item(i - self._first_sample(g * self.group_epochs))
         first, offset, last, end = rows.item(r), rows.item(r + 1), rows.item(r + 2), rows.item(r
                                                                                                + 3)
         doc = doc_index.item(first)
@@ -202,12 +282,19 @@ class GPTDataset:
             "files": files, "document_ids": [int(self.document_ids[0]), int(self.document_ids[-1])]
             if _is_range(self.document_ids)
             else hashlib.sha256(self.document_ids.tobytes()).hexdigest(),
-            "seq_length": self.seq_length, "num_epochs": self.num_epochs, "seed": int(self.seed),
+            "seq_length": self.seq_length, "seed": int(self.seed),
         }
         return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
-    def _cache_stem(self) -> str:
-        return f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self.cache_key[:24]}"
+    def _group_key(self, group: int) -> str:
+        """The key of the entry of ``group``: the dataset's, and the epochs it holds."""
+        first, last = self._group_epochs(group)
+        return hashlib.sha256(f"{self.cache_key} epochs [{first}, {last})".encode()).hexdigest()
+
+    def _cache_stem(self, group: int = 0) -> str | None:
+        if self.cache_dir is None:
+            return None
+        return f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self._group_key(group)[:24]}"
 
 
 def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
@@ -257,34 +344,38 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
 
 
 def write_gpt_indices(open_array, report, sequence_lengths: np.ndarray, document_ids: np.ndarray,
-                      seq_length: int, num_epochs: int, seed: int) -> None:
+                      seq_length: int, num_epochs: int, seed: int, first_epoch: int = 0) -> None:
     """The same arrays appended epoch by epoch to ``open_array``'s sinks (``index_cache``): at no
-    time more than one epoch of them in memory."""
+    time more than one epoch of them in memory. Epochs ``[first_epoch, num_epochs)``, as
+    :func:`gpt_index_epochs` gives them."""
     names = ("doc_index", "sample_index", "shuffle_index")
-    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs - first_epoch)
     sinks = [open_array(name, dtypes[name], (2,) if name == "sample_index" else ())
              for name in names]
     for e, parts in enumerate(gpt_index_epochs(sequence_lengths, document_ids, seq_length,
-                                               num_epochs, seed)):
+                                               num_epochs, seed, first_epoch)):
         for sink, part in zip(sinks, parts):
             sink.append(part)
-        report((e + 1) / num_epochs)
+        report((e + 1) / (num_epochs - first_epoch))
 
 
 def gpt_index_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
-                     num_epochs: int,
-                     seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                     num_epochs: int, seed: int,
+                     first_epoch: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Epoch by epoch, its part of doc_index, sample_index and shuffle_index, in the dtypes of
     :func:`gpt_index_dtypes`; no loop over samples or documents, only over epochs. Arrays are
-    int32 where values fit: half the memory traffic, which is what bounds this code."""
+    int32 where values fit: half the memory traffic, which is what bounds this code. From
+    ``first_epoch`` on, positions (in doc_index and in sample_index) count from that epoch's
+    start: each epoch is the same as in a build from 0, less those offsets."""
     document_ids = np.asarray(document_ids, dtype=np.int64)
     contiguous = _is_range(document_ids)  # a split's usual form: no gathers needed
     tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
     s = int(seq_length)
-    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length,
+                              num_epochs - first_epoch)
     doc_dtype = dtypes["doc_index"]
     doc_base = row_base = 0
-    for e in range(num_epochs):
+    for e in range(first_epoch, num_epochs):
         first = -(-e * tokens_per_epoch // s)  # first sample of epoch e
         count = -(-(e + 1) * tokens_per_epoch // s) - first
         # This epoch's document order, with room after it for the wrap (usually a few documents).
@@ -380,8 +471,10 @@ class BlendedDataset:
     entry each, with each dataset's count after it, from which the next segment continues):
     the first two at construction, segment ``k + 1`` when a sample of segment ``k`` is first read,
     so that a rank waiting for the node's builder never waits for a segment the builder has not
-    begun (a step's samples span far less than a segment). The samples equal a build of the whole
-    index at once; start-up costs two segments, not the run's index.
+    begun (a step's samples span far less than a segment). Each segment has its components build
+    (``reserve``) the index entries of the samples it draws. The samples equal a build of the
+    whole index at once; start-up costs two segments and their components' entries, not the
+    run's index.
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
@@ -425,6 +518,13 @@ class BlendedDataset:
             self._check_component_sizes(arrays["counts"])
             self._segments.append((arrays["dataset_index"], arrays["dataset_sample_index"],
                                    arrays["counts"]))
+            for dataset, count in zip(self.datasets, arrays["counts"].tolist()):
+                dataset.reserve(count)  # the components' entries this segment reads
+
+    def reserve(self, num_samples: int) -> None:
+        """Have the segments of samples ``[0, num_samples)`` built (or waited for)."""
+        if num_samples > 0:
+            self._extend((min(num_samples, self.num_samples) - 1) // self.segment)
 
     def _build(self, open_array, report, start: int, stop: int, before: np.ndarray) -> None:
         """Stream samples ``[start, stop)`` of the assignment to ``open_array``'s sinks in chunks
