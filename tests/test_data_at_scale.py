@@ -45,7 +45,13 @@ def test_compiled_blend_equals_the_python_loop(weights):
     expected = greedy_blend_reference(weights, 4000)
     whole = greedy_blend(weights, 4000)
     chunks = list(zip(*greedy_blend_chunks(weights, 4000, 777)))
-    for got in (whole, (np.concatenate(chunks[0]), np.concatenate(chunks[1]))):
+    # From sample 1500 on, given the counts before it: the loop's bounds start over.
+    counts = np.bincount(expected[0][:1500], minlength=weights.size)
+    later = list(zip(*greedy_blend_chunks(weights, 4000, 777, start=1500, counts=counts)))
+    resumed = [np.concatenate([expected[k][:1500], *later[k]]) for k in (0, 1)]
+    reference = greedy_blend_reference(weights, 4000, start=1500, counts=counts)
+    for got in (whole, (np.concatenate(chunks[0]), np.concatenate(chunks[1])), resumed,
+                [np.concatenate([expected[k][:1500], reference[k]]) for k in (0, 1)]):
         np.testing.assert_array_equal(got[0], expected[0])
         np.testing.assert_array_equal(got[1], expected[1])
     assert whole[0].dtype == np.int16 and whole[1].dtype == np.int64
@@ -98,10 +104,12 @@ def file_backed(arr: np.ndarray) -> bool:
     return isinstance(arr, mmap.mmap)
 
 
-def test_indices_are_streamed_to_the_cache_and_mapped(tmp_path):
-    """A 100-epoch index (~16 MB) is built holding about one epoch (numpy's allocations, traced),
-    and the dataset reads it from the mapped files; its samples are those of the in-memory
-    build."""
+def test_indices_are_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
+    """A 100-epoch index (~16 MB) in entries of whole epochs (at least 20k samples each): the
+    first built at construction holding about one epoch (numpy's allocations, traced), the others
+    as the samples are read, the builder an entry ahead; every entry is read from its mapped
+    files, and the arrays and samples are those of the in-memory build of the whole index."""
+    monkeypatch.setattr(gpt_dataset, "EPOCH_GROUP_SAMPLES", 20_000)
     indexed, docs = make_corpus(str(tmp_path / "c"), num_docs=2000, seed=4)
     seq, samples = 16, 100 * int(indexed.sequence_lengths.sum()) // 16
     epochs = epochs_for(samples, int(indexed.sequence_lengths.sum()), seq)
@@ -112,10 +120,18 @@ def test_indices_are_streamed_to_the_cache_and_mapped(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < kept / 8 and peak < 4 * epoch, (peak, kept, epoch)
-    assert all(file_backed(a) for a in (ds.doc_index, ds.sample_index, ds.shuffle_index))
+    assert len(ds._groups) == 1 and ds.num_groups > 3
+    middle = ds._first_sample(2 * ds.group_epochs)  # the first sample of the third entry
+    ds[middle]
+    assert len(ds._groups) == 4
+    in_memory = GPTDataset(indexed, np.arange(len(docs)), seq, samples, seed=3)
+    for i in range(0, samples, 97):
+        np.testing.assert_array_equal(ds[i], in_memory[i])
+    assert all(file_backed(a) for group in ds._groups for a in group)
     expected = build_gpt_indices(indexed.sequence_lengths, np.arange(len(docs)), seq, epochs, 3)
     for name in expected:
         np.testing.assert_array_equal(getattr(ds, name), expected[name][: len(getattr(ds, name))])
+        np.testing.assert_array_equal(getattr(in_memory, name), getattr(ds, name))
 
 
 class Component:
@@ -126,6 +142,12 @@ class Component:
 
     def __len__(self):
         return self.n
+
+    def __getitem__(self, j):
+        return self.name, j
+
+    def reserve(self, num_samples):
+        assert num_samples <= self.n
 
 
 def test_blend_index_is_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
@@ -144,6 +166,65 @@ def test_blend_index_is_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):
     expected = greedy_blend(weights / weights.sum(), n)
     np.testing.assert_array_equal(blend.dataset_index, expected[0])
     np.testing.assert_array_equal(blend.dataset_sample_index, expected[1])
+
+
+@pytest.mark.parametrize("num_datasets", [1, 2, 5, 200])
+def test_blend_index_is_built_as_the_run_reads_it(tmp_path, monkeypatch, num_datasets):
+    """Segments of 1,000 samples: construction builds the first two, reading a sample builds the
+    next; the samples equal the whole index built at once (closed forms for 1 and 2 datasets,
+    the compiled loop's scan and its blocks), in the cache or in memory, and a waiting rank's
+    samples are the builder's."""
+    monkeypatch.setattr(gpt_dataset, "BLEND_SEGMENT", 1000)
+    monkeypatch.setattr(gpt_dataset, "BLEND_CHUNK", 300)
+    weights = np.random.default_rng(num_datasets).lognormal(0, 1, num_datasets)
+    weights /= weights.sum()
+    n = 5500
+    parts = [Component(int(w * n) + 2, f"k{i}") for i, w in enumerate(weights)]
+    expected = gpt_dataset.blending_indices(weights, n)
+    cache = str(tmp_path / "cache")
+
+    def built():
+        return sorted(f for f in os.listdir(cache) if f.startswith("blend_") and f.endswith(".json"))
+
+    blend = BlendedDataset(parts, weights, n, seed=0, cache_dir=cache)
+    assert len(built()) == 2
+    waiting = BlendedDataset(parts, weights, n, seed=0, cache_dir=cache, build_indices=False)
+    in_memory = BlendedDataset(parts, weights, n, seed=0)
+    assert blend[2500] == (f"k{expected[0][2500]}", expected[1][2500]) and len(built()) == 4
+    for dataset in (blend, waiting, in_memory):
+        got = [dataset[i] for i in range(n)]
+        assert got == [(f"k{d}", j) for d, j in zip(expected[0], expected[1])]
+    assert len(built()) == 6  # [5000, 5500): the last is cut at the run's end
+    np.testing.assert_array_equal(blend.dataset_index, expected[0])
+    np.testing.assert_array_equal(blend.dataset_sample_index, expected[1])
+    assert blend._draws().tolist() == np.bincount(expected[0], minlength=num_datasets).tolist()
+
+
+def test_blend_of_prefixes_builds_what_the_run_reads_with_the_samples_of_a_whole_build(tmp_path,
+                                                                                    monkeypatch):
+    """Three prefixes, blend segments of 300 samples, sample index entries of at least 40: at
+    construction only the entries the first two segments draw from exist; read to the end by the
+    builder and by a waiting rank, every sample equals a build of each index whole at once."""
+    prefixes = [str(tmp_path / name) for name in "abc"]
+    for k, prefix in enumerate(prefixes):
+        make_corpus(prefix, num_docs=30 + 10 * k, seed=k, first_token=1 + 1000 * k)
+    args = (f"0.5 {prefixes[0]} 0.3 {prefixes[1]} 0.2 {prefixes[2]}", [90, 10, 0], 8, 0,
+            {"train": 1500, "valid": 20})
+    whole = gpt_dataset.build_gpt_datasets(*args, None)["train"]
+    assert len(whole._segments) == 1 and all(len(d._groups) == 1 for d in whole.datasets)
+    monkeypatch.setattr(gpt_dataset, "BLEND_SEGMENT", 300)
+    monkeypatch.setattr(gpt_dataset, "EPOCH_GROUP_SAMPLES", 40)
+    cache = str(tmp_path / "cache")
+    built = gpt_dataset.build_gpt_datasets(*args, cache)["train"]
+    assert len(built._segments) == 2
+    for dataset, count in zip(built.datasets, built._segments[1][2]):
+        assert dataset._groups and len(dataset._groups) == dataset._group_of(int(count) - 1) + 1
+        assert len(dataset._groups) < dataset.num_groups
+    waiting = gpt_dataset.build_gpt_datasets(*args, cache, build_indices=False)["train"]
+    for i in range(1500):
+        expected = whole[i]
+        np.testing.assert_array_equal(built[i], expected)
+        np.testing.assert_array_equal(waiting[i], expected)
 
 
 def test_waiting_rank_prints_the_builders_progress(tmp_path, monkeypatch, capsys):

@@ -266,6 +266,12 @@ def bench_blend(args) -> None:
         def __len__(self):
             return self.n
 
+        def reserve(self, num_samples):
+            pass
+
+    def streamed(parts, weights, n, cache):  # the whole index, segment by segment
+        BlendedDataset(parts, weights, n, 0, cache_dir=cache).reserve(n)
+
     for prefixes in args.prefixes:
         rng = np.random.default_rng(0)
         weights = np.ones(prefixes) if args.equal else rng.random(prefixes)
@@ -277,7 +283,7 @@ def bench_blend(args) -> None:
             line.append(f"ours {seconds:.2f} s, peak {peak / 2**20:,.0f} MiB")
             with tempfile.TemporaryDirectory(prefix="bench_blend_", dir=args.tmp_dir) as tmp:
                 parts = [Component(int(w * n) + 2, f"c{i}") for i, w in enumerate(weights)]
-                seconds, peak = traced(BlendedDataset, parts, weights, n, 0, cache_dir=tmp)
+                seconds, peak = traced(streamed, parts, weights, n, tmp)
             line.append(f"ours streamed to a cache file {seconds:.2f} s, peak {peak / 2**20:,.0f} MiB")
             if helper is not None:
                 seconds, peak = traced(megatron_blend, helper, weights, n)
@@ -328,10 +334,13 @@ def bench_startup(args) -> None:
               f"{time.perf_counter() - start:.1f} s", flush=True)
         cache = os.path.join(tmp, "cache")
         for what in ("empty cache", "from the cache"):
+            cpu = time.process_time()  # this process's CPU time: a loaded machine's wall time is not
             seconds, peak = traced(first_sample, prefixes, seq, samples, cache)
+            cpu = time.process_time() - cpu
             size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache))
             print(f"start-up data, {args.prefixes} prefixes, {samples:,} train samples of {seq} "
-                  f"tokens ({samples * seq:.3g} tokens), {what}: {seconds:.1f} s, numpy peak "
+                  f"tokens ({samples * seq:.3g} tokens), {what}: {seconds:.1f} s ({cpu:.1f} s "
+                  f"of CPU), numpy peak "
                   f"{peak / 2**20:,.0f} MiB, process max RSS "
                   f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB, cache "
                   f"{size / 2**30:.2f} GiB ({load()})", flush=True)

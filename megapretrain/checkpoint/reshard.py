@@ -167,19 +167,26 @@ def tp_slice(saved: SavedShards, spec: ParamSpec, key: str, tp_rank: int, tp: in
     row = numel // old[0]  # elements per row of a saved shard
     lo, hi = tp_rank * shape[dim], (tp_rank + 1) * shape[dim]  # this slice of the global tensor,
     real = min(hi, spec.shape[0]) if spec.vocab else hi  # rows past the vocabulary: zeros
-    parts = []
+    # Filled shard by shard: one saved shard's part held beside it, not all of them and their
+    # concatenation (twice the tensor: 4.2 GB for Llama 3 8B's fp32 output layer).
+    out = torch.empty(shape)
+    filled = 0
     for t in range(old_tp):  # cut from the saved shards that overlap it
         start, end = max(lo, t * old[dim]), min(real, (t + 1) * old[dim])
         if start < end and dim == 0:  # whole rows: read just them
             a, b = start - t * old[0], end - t * old[0]
-            parts.append(saved.flat_shard(spec.name, key, t, numel, a * row,
-                                          b * row).view(b - a, *old[1:]))
+            part = saved.flat_shard(spec.name, key, t, numel, a * row,
+                                    b * row).view(b - a, *old[1:])
         elif start < end:
             part = saved.flat_shard(spec.name, key, t, numel).view(old)
-            parts.append(part.narrow(dim, start - t * old[dim], end - start))
-    pad = list(shape)
-    pad[dim] = shape[dim] - sum(x.shape[dim] for x in parts)
-    return torch.cat(parts + [torch.zeros(pad)], dim)
+            part = part.narrow(dim, start - t * old[dim], end - start)
+        else:
+            continue
+        out.narrow(dim, filled, end - start).copy_(part)
+        filled += end - start
+        del part
+    out.narrow(dim, filled, shape[dim] - filled).zero_()
+    return out
 
 
 def resharded_state(saved: SavedShards, specs: dict[str, ParamSpec], tp_rank: int, tp: int,

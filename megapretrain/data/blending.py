@@ -142,19 +142,24 @@ def greedy_blend(weights: np.ndarray, num_samples: int,
     return (np.empty(0, dtype=np.int16), np.empty(0, dtype=np.int64))
 
 
-def greedy_blend_chunks(weights: np.ndarray, num_samples: int, chunk: int,
-                        offset: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def greedy_blend_chunks(weights: np.ndarray, num_samples: int, chunk: int, offset: int = 1,
+                        start: int = 0, counts: np.ndarray | None = None
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """:func:`greedy_blend` in pieces of ``chunk`` samples, in order: what a caller writing the
-    index to disk holds at a time."""
+    index to disk holds at a time. From sample ``start`` on, given ``counts`` (each dataset's
+    samples among the first ``start``): the pieces of samples ``[start, num_samples)``, equal to
+    the same samples of a build from 0 (the loop's only state is the counts; its block bounds
+    start over, scanning every block once)."""
     weights = np.ascontiguousarray(weights, dtype=np.float64)
     if weights.size > MAX_DATASETS:
         raise DataError(f"data.paths has {weights.size:,} datasets; a blend takes at most "
                         f"{MAX_DATASETS:,} (dataset ids are int16): merge prefixes first")
+    counts = np.zeros(weights.size) if counts is None else np.asarray(counts, dtype=np.float64)
     library = _compiled()
     if library is None:
-        whole = greedy_blend_reference(weights, num_samples, offset)
-        for start in range(0, num_samples, chunk):
-            yield whole[0][start: start + chunk], whole[1][start: start + chunk]
+        whole = greedy_blend_reference(weights, num_samples, offset, start, counts)
+        for first in range(0, num_samples - start, chunk):
+            yield whole[0][first: first + chunk], whole[1][first: first + chunk]
         return
     # Slots by decreasing weight (equal ones by id) for the blocks' bounds; in id order for a scan.
     order = np.argsort(-weights, kind="stable") if weights.size > _SMALL \
@@ -162,35 +167,38 @@ def greedy_blend_chunks(weights: np.ndarray, num_samples: int, chunk: int,
     sorted_weights = np.ascontiguousarray(weights[order])
     ids = order.astype(np.int16)
     blocks = -(-weights.size // _BLOCK)
-    counts, bound, at, wmax = (np.zeros(n, dtype=np.float64) for n in (weights.size, blocks,
-                                                                         blocks, blocks))
-    for start in range(0, num_samples, chunk):
-        stop = min(start + chunk, num_samples)
-        dataset_index = np.empty(stop - start, dtype=np.int16)
-        dataset_sample_index = np.empty(stop - start, dtype=np.int64)
-        library.blend(sorted_weights.ctypes.data, ids.ctypes.data, weights.size, start, stop,
+    counts = np.ascontiguousarray(counts[order], dtype=np.float64)  # by slot
+    # The blocks' state as the loop sets it at sample 0 (it does so itself when start is 0).
+    bound, at = np.full(blocks, 1e300), np.ones(blocks)  # 1e300: the source's NONE, scan it
+    wmax = np.ascontiguousarray(sorted_weights[::_BLOCK])
+    for first in range(start, num_samples, chunk):
+        stop = min(first + chunk, num_samples)
+        dataset_index = np.empty(stop - first, dtype=np.int16)
+        dataset_sample_index = np.empty(stop - first, dtype=np.int64)
+        library.blend(sorted_weights.ctypes.data, ids.ctypes.data, weights.size, first, stop,
                       offset, counts.ctypes.data, bound.ctypes.data, at.ctypes.data,
                       wmax.ctypes.data, dataset_index.ctypes.data, dataset_sample_index.ctypes.data)
         yield dataset_index, dataset_sample_index
 
 
-def greedy_blend_reference(weights, num_samples: int,
-                           offset: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def greedy_blend_reference(weights, num_samples: int, offset: int = 1, start: int = 0,
+                           counts=None) -> tuple[np.ndarray, np.ndarray]:
     """The same assignment as a plain Python loop: the definition the compiled loop is tested
-    against, and what runs where no C compiler is."""
+    against, and what runs where no C compiler is (samples ``[start, num_samples)`` given the
+    ``counts`` before ``start``, as in :func:`greedy_blend_chunks`)."""
     weights = [float(w) for w in weights]
-    counts = [0] * len(weights)
-    chosen = array("h", bytes(2 * num_samples))
-    taken = array("q", bytes(8 * num_samples))
+    counts = [0] * len(weights) if counts is None else [int(c) for c in counts]
+    chosen = array("h", bytes(2 * (num_samples - start)))
+    taken = array("q", bytes(8 * (num_samples - start)))
     rest = range(1, len(weights))
-    for i in range(num_samples):
+    for i in range(start, num_samples):
         t = float(max(i + offset, 1))
         best, best_lag = 0, weights[0] * t - counts[0]
         for d in rest:
             lag = weights[d] * t - counts[d]
             if lag > best_lag:
                 best, best_lag = d, lag
-        chosen[i], taken[i] = best, counts[best]
+        chosen[i - start], taken[i - start] = best, counts[best]
         counts[best] += 1
     return (np.frombuffer(chosen, dtype=np.int16).copy(),
             np.frombuffer(taken, dtype=np.int64).copy())

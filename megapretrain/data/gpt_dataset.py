@@ -24,6 +24,7 @@ never depends on ``num_samples``: a longer or resumed run sees the same samples 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -51,11 +52,13 @@ logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 # bump when the index algorithm changes: invalidates caches
-_INDEX_FORMAT = "megapretrain-gpt-indices-v3"
-_BLEND_FORMAT = "megapretrain-blend-v1"
+_INDEX_FORMAT = "megapretrain-gpt-indices-v4"
+_BLEND_FORMAT = "megapretrain-blend-v2"
 # each blended component builds this much more than its share, as Megatron does
 _BLEND_OVERSAMPLE = 1.005
 BLEND_CHUNK = 1 << 22  # samples of the blend index built and written at a time (40 MiB)
+EPOCH_GROUP_SAMPLES = 1 << 16  # a sample index cache entry holds whole epochs, at least this many
+BLEND_SEGMENT = 1 << 22  # samples of the blend index per cache entry, built as the run reads them
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
 
 
@@ -81,24 +84,21 @@ class GPTDataset:
             num_samples), seed, name
         self._validate()
         self.cache_key, self.cache_dir = self._cache_key(), cache_dir
-        start = time.perf_counter()
-        indices, built = cached_or_built(
-            cache_dir, self._cache_stem(), self.cache_key,
-            ("doc_index", "sample_index", "shuffle_index"), self._build,
-            build_indices, cache_wait_s, needed_bytes=index_bytes(
-                self.document_ids.size, self.seq_length, self.num_samples, self.num_epochs)[0])
-        logger.info("%s %s indices for %s (%d samples, %d epochs) in %.2fs", "built" if built
-                    else "loaded", name, indexed.prefix, num_samples, self.num_epochs,
-                    time.perf_counter() - start)
+        self._build_indices, self._cache_wait_s = build_indices, cache_wait_s
+        # An index entry holds whole epochs, as few as make EPOCH_GROUP_SAMPLES samples: built as
+        # the run reads them (the first at construction, the builder one entry ahead).
+        self.group_epochs = max(1, -(-EPOCH_GROUP_SAMPLES * self.seq_length
+                                     // self.tokens_per_epoch))
+        self.num_groups = -(-self.num_epochs // self.group_epochs)
         self.num_documents = int(self.document_ids.size)
+        self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        if build_indices:
+            self._fits(self.num_samples, self.num_epochs, whole_run=True)
+        self._extend(0)
         if _is_range(self.document_ids):  # a split's usual form: no array of ids kept
             self.document_ids = range(int(self.document_ids[0]), int(self.document_ids[-1]) + 1)
-        self.doc_index = indices["doc_index"]
-        self.sample_index = indices["sample_index"]
-        self.shuffle_index = indices["shuffle_index"][: self.num_samples]
         # What __getitem__ reads, as plain arrays: .item() on them is the cheapest scalar access
         # numpy has.
-        self._rows = self.sample_index.reshape(-1)
         self._tokens = indexed.tokens
         self._lengths = indexed.sequence_lengths
         self._token_starts = indexed.sequence_pointers
@@ -133,22 +133,101 @@ class GPTDataset:
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch,
                                             self.seq_length))
 
-    def _build(self, open_array, report) -> None:
-        """Stream the index arrays to ``open_array``'s sinks, after checking that building them
-        fits in host memory: one epoch's worth when they go to a cache directory, all of them
-        when they are kept in memory."""
-        kept, epoch = index_bytes(self.document_ids.size, self.seq_length, self.num_samples,
-                                  self.num_epochs)
+    def _first_sample(self, epoch: int) -> int:
+        """The first sample (in training order) of ``epoch``: its epochs are served in order."""
+        return -(-epoch * self.tokens_per_epoch // self.seq_length)
+
+    def _group_epochs(self, group: int) -> tuple[int, int]:
+        return group * self.group_epochs, min((group + 1) * self.group_epochs, self.num_epochs)
+
+    def _extend(self, group: int) -> None:
+        """Build or load the index entries up to ``group`` (never past the last), in order."""
+        while len(self._groups) <= min(group, self.num_groups - 1):
+            g = len(self._groups)
+            first, last = self._group_epochs(g)
+            start = time.perf_counter()
+            samples = self._first_sample(last) - self._first_sample(first)
+            indices, built = cached_or_built(
+                self.cache_dir, self._cache_stem(g), self._group_key(g),
+                ("doc_index", "sample_index", "shuffle_index"),
+                functools.partial(self._build, first_epoch=first, last_epoch=last),
+                self._build_indices, self._cache_wait_s, needed_bytes=index_bytes(
+                    self.num_documents, self.seq_length, samples, last - first)[0])
+            logger.info("%s %s indices for %s (epochs %d to %d of %d) in %.2fs", "built" if built
+                        else "loaded", self.name, self.indexed.prefix, first, last - 1,
+                        self.num_epochs, time.perf_counter() - start)
+            self._groups.append((indices["doc_index"], indices["sample_index"].reshape(-1),
+                                 indices["shuffle_index"]))
+
+    def reserve(self, num_samples: int) -> None:
+        """Have the index entries of samples ``[0, num_samples)`` built (or waited for): what a
+        blend calls as its own index grows, so that the node's builder writes every entry the
+        node's ranks will read before they read it."""
+        if num_samples > 0:
+            self._extend(self._group_of(min(num_samples, self.num_samples) - 1))
+
+    def _group_of(self, i: int) -> int:
+        return i * self.seq_length // self.tokens_per_epoch // self.group_epochs
+
+    def _fits(self, samples: int, epochs: int, whole_run: bool = False) -> None:
+        """Refuse, before building, indices that do not fit: on the cache's disk (the run's, when
+        its first entry is not there yet), and in host memory (one epoch's worth when they go to
+        a cache directory; the run's, held then joined, when they are kept in memory)."""
+        kept, epoch = index_bytes(self.num_documents, self.seq_length, samples, epochs)
         what = (f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
-                f"({self.num_samples:,} samples of train.seq_length={self.seq_length:,}, "
-                f"{self.num_epochs:,} epochs of {self.document_ids.size:,} documents)")
+                f"({samples:,} samples of train.seq_length={self.seq_length:,}, "
+                f"{epochs:,} epochs of {self.num_documents:,} documents)")
         if self.cache_dir:
-            _fits_on_disk(self.cache_dir, kept, what)
+            if not whole_run or not os.path.exists(os.path.join(self.cache_dir,
+                                                                f"{self._cache_stem(0)}.json")):
+                _fits_on_disk(self.cache_dir, kept, what)
             _fits_in_host_memory(epoch, what)
-        else:  # the epochs held, then joined
-            _fits_in_host_memory(epoch + kept * (2 if self.num_epochs > 1 else 1), what)
-        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, self.document_ids,
-                          self.seq_length, self.num_epochs, self.seed)
+        elif whole_run:  # the epochs held, then joined
+            _fits_in_host_memory(epoch + kept * (2 if epochs > 1 else 1), what)
+
+    def _build(self, open_array, report, first_epoch: int, last_epoch: int) -> None:
+        """Stream epochs ``[first_epoch, last_epoch)`` of the index arrays to ``open_array``'s
+        sinks (positions counted from the entry's first epoch)."""
+        self._fits(self._first_sample(last_epoch) - self._first_sample(first_epoch),
+                   last_epoch - first_epoch)
+        ids = self.document_ids
+        if isinstance(ids, range):  # kept as a range after construction
+            ids = np.arange(ids.start, ids.stop, dtype=np.int64)
+        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, ids,
+                          self.seq_length, last_epoch, self.seed, first_epoch)
+
+    @property
+    def doc_index(self) -> np.ndarray:
+        """The whole run's document stream (builds every entry; joined when there are several)."""
+        return self._whole(0)
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        """The whole run's sample rows, positions in :attr:`doc_index`."""
+        return self._whole(1)
+
+    @property
+    def shuffle_index(self) -> np.ndarray:
+        """The whole run's rows in training order, cut at ``num_samples``."""
+        return self._whole(2)
+
+    def _whole(self, part: int) -> np.ndarray:
+        self._extend(self.num_groups - 1)
+        if len(self._groups) == 1:
+            arrays = self._groups[0]
+            return (arrays[0], arrays[1].reshape(-1, 2), arrays[2][: self.num_samples])[part]
+        docs = rows = 0
+        pieces = []
+        for doc_index, sample_rows, shuffle in self._groups:  # positions from the run's start
+            if part == 0:
+                pieces.append(doc_index)
+            elif part == 1:
+                pieces.append(sample_rows.reshape(-1, 2) + np.array([docs, 0]))
+            else:
+                pieces.append(shuffle.astype(np.int64) + rows)
+            docs, rows = docs + doc_index.size, rows + sample_rows.size // 2
+        whole = np.concatenate(pieces)
+        return whole[: self.num_samples] if part == 2 else whole
 
     def __len__(self) -> int:
         return self.num_samples
@@ -160,8 +239,11 @@ class GPTDataset:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample {i} out of range for {self.name} dataset of {n} samples")
-        rows, doc_index = self._rows, self.doc_index
-        r = 2 * self.shuffle_index.item(i)
+        g = self._group_of(i)
+        if g + self._build_indices >= len(self._groups):
+            self._extend(g + self._build_indices)  # the builder stays an entry ahead
+        doc_index, rows, shuffle = self._groups[g]
+        r = 2 * shuffle.item(i - self._first_sample(g * self.group_epochs))
         first, offset, last, end = rows.item(r), rows.item(r + 1), rows.item(r + 2), rows.item(r
                                                                                                + 3)
         doc = doc_index.item(first)
@@ -200,12 +282,19 @@ class GPTDataset:
             "files": files, "document_ids": [int(self.document_ids[0]), int(self.document_ids[-1])]
             if _is_range(self.document_ids)
             else hashlib.sha256(self.document_ids.tobytes()).hexdigest(),
-            "seq_length": self.seq_length, "num_epochs": self.num_epochs, "seed": int(self.seed),
+            "seq_length": self.seq_length, "seed": int(self.seed),
         }
         return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
-    def _cache_stem(self) -> str:
-        return f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self.cache_key[:24]}"
+    def _group_key(self, group: int) -> str:
+        """The key of the entry of ``group``: the dataset's, and the epochs it holds."""
+        first, last = self._group_epochs(group)
+        return hashlib.sha256(f"{self.cache_key} epochs [{first}, {last})".encode()).hexdigest()
+
+    def _cache_stem(self, group: int = 0) -> str | None:
+        if self.cache_dir is None:
+            return None
+        return f"{os.path.basename(self.indexed.prefix)}_{self.name}_{self._group_key(group)[:24]}"
 
 
 def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
@@ -255,34 +344,38 @@ def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, se
 
 
 def write_gpt_indices(open_array, report, sequence_lengths: np.ndarray, document_ids: np.ndarray,
-                      seq_length: int, num_epochs: int, seed: int) -> None:
+                      seq_length: int, num_epochs: int, seed: int, first_epoch: int = 0) -> None:
     """The same arrays appended epoch by epoch to ``open_array``'s sinks (``index_cache``): at no
-    time more than one epoch of them in memory."""
+    time more than one epoch of them in memory. Epochs ``[first_epoch, num_epochs)``, as
+    :func:`gpt_index_epochs` gives them."""
     names = ("doc_index", "sample_index", "shuffle_index")
-    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs - first_epoch)
     sinks = [open_array(name, dtypes[name], (2,) if name == "sample_index" else ())
              for name in names]
     for e, parts in enumerate(gpt_index_epochs(sequence_lengths, document_ids, seq_length,
-                                               num_epochs, seed)):
+                                               num_epochs, seed, first_epoch)):
         for sink, part in zip(sinks, parts):
             sink.append(part)
-        report((e + 1) / num_epochs)
+        report((e + 1) / (num_epochs - first_epoch))
 
 
 def gpt_index_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
-                     num_epochs: int,
-                     seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                     num_epochs: int, seed: int,
+                     first_epoch: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Epoch by epoch, its part of doc_index, sample_index and shuffle_index, in the dtypes of
     :func:`gpt_index_dtypes`; no loop over samples or documents, only over epochs. Arrays are
-    int32 where values fit: half the memory traffic, which is what bounds this code."""
+    int32 where values fit: half the memory traffic, which is what bounds this code. From
+    ``first_epoch`` on, positions (in doc_index and in sample_index) count from that epoch's
+    start: each epoch is the same as in a build from 0, less those offsets."""
     document_ids = np.asarray(document_ids, dtype=np.int64)
     contiguous = _is_range(document_ids)  # a split's usual form: no gathers needed
     tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
     s = int(seq_length)
-    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length,
+                              num_epochs - first_epoch)
     doc_dtype = dtypes["doc_index"]
     doc_base = row_base = 0
-    for e in range(num_epochs):
+    for e in range(first_epoch, num_epochs):
         first = -(-e * tokens_per_epoch // s)  # first sample of epoch e
         count = -(-(e + 1) * tokens_per_epoch // s) - first
         # This epoch's document order, with room after it for the wrap (usually a few documents).
@@ -373,6 +466,15 @@ class BlendedDataset:
     lags by a positive amount before it is picked), which is why components sized
     ``ceil(weight * n * 1.005 + 1)`` always suffice. The assignment is deterministic and does not
     use ``seed``; it is accepted so that callers pass one.
+
+    The index is built as the run reads it, in segments of ``BLEND_SEGMENT`` samples (one cache
+    entry each, with each dataset's count after it, from which the next segment continues):
+    the first two at construction, segment ``k + 1`` when a sample of segment ``k`` is first read,
+    so that a rank waiting for the node's builder never waits for a segment the builder has not
+    begun (a step's samples span far less than a segment). Each segment has its components build
+    (``reserve``) the index entries of the samples it draws. The samples equal a build of the
+    whole index at once; start-up costs two segments and their components' entries, not the
+    run's index.
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int,
@@ -383,48 +485,95 @@ class BlendedDataset:
                             f"datasets and {len(weights)} weights")
         self.datasets, self.weights = list(datasets), _normalize_weights(weights,
                                                                          "BlendedDataset weights")
-        self.num_samples, self.seed = int(num_samples), seed
-        # The assignment depends on the weights and the count only; components are named in the stem
-        # so that an entry is easy to trace back, not because the indices depend on them.
-        keys = [getattr(d, "cache_key", None) for d in self.datasets]
+        self.num_samples, self.seed, self.segment = int(num_samples), seed, BLEND_SEGMENT
+        # The assignment depends on the weights only (sample i never on num_samples): a longer
+        # run, or another blend with these weights, reuses every entry but a cut last segment.
         blob = json.dumps({"format": _BLEND_FORMAT, "weights": self.weights.tolist(),
-                           "n": self.num_samples, "components": keys})
-        key = hashlib.sha256(blob.encode()).hexdigest()
-        stem = f"blend_{key[:24]}" if all(keys) else None
-        self.in_memory = stem is None or cache_dir is None
-        indices, _ = cached_or_built(
-            cache_dir, stem, key, ("dataset_index", "dataset_sample_index"), self._build,
-            build_indices, cache_wait_s, needed_bytes=10 * self.num_samples)
-        self.dataset_index, self.dataset_sample_index = indices["dataset_index"], indices[
-            "dataset_sample_index"]
-        self._check_component_sizes()
+                           "segment": self.segment})
+        self._key = hashlib.sha256(blob.encode()).hexdigest()
+        cached = all(getattr(d, "cache_key", None) for d in self.datasets)
+        self.cache_dir = cache_dir if cached else None
+        self.in_memory = self.cache_dir is None
+        self._build_indices, self._cache_wait_s = build_indices, cache_wait_s
+        # (dataset_index, dataset_sample_index, each dataset's count after the segment)
+        self._segments: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._extend(min(1, self._last_segment()) if build_indices else 0)
 
-    def _build(self, open_array, report) -> None:
-        """Stream the assignment to ``open_array``'s sinks in chunks of ``BLEND_CHUNK`` samples.
-        In memory it takes an int16 and an int64 per sample; streamed, a chunk of them."""
+    def _last_segment(self) -> int:
+        return max(self.num_samples - 1, 0) // self.segment
+
+    def _extend(self, k: int) -> None:
+        """Build or load segments up to ``k`` (never past the last), in order: each continues from
+        the counts of the one before."""
+        while len(self._segments) <= min(k, self._last_segment()) and self.num_samples:
+            j = len(self._segments)
+            start, stop = j * self.segment, min((j + 1) * self.segment, self.num_samples)
+            before = self._segments[-1][2] if j else np.zeros(len(self.datasets), dtype=np.int64)
+            arrays, _ = cached_or_built(
+                self.cache_dir, f"blend_{self._key[:24]}_{start}_{stop}" if self.cache_dir
+                else None, f"{self._key} [{start}, {stop})",
+                ("dataset_index", "dataset_sample_index", "counts"),
+                functools.partial(self._build, start=start, stop=stop, before=before),
+                self._build_indices, self._cache_wait_s, needed_bytes=10 * (stop - start))
+            self._check_component_sizes(arrays["counts"])
+            self._segments.append((arrays["dataset_index"], arrays["dataset_sample_index"],
+                                   arrays["counts"]))
+            for dataset, count in zip(self.datasets, arrays["counts"].tolist()):
+                dataset.reserve(count)  # the components' entries this segment reads
+
+    def reserve(self, num_samples: int) -> None:
+        """Have the segments of samples ``[0, num_samples)`` built (or waited for)."""
+        if num_samples > 0:
+            self._extend((min(num_samples, self.num_samples) - 1) // self.segment)
+
+    def _build(self, open_array, report, start: int, stop: int, before: np.ndarray) -> None:
+        """Stream samples ``[start, stop)`` of the assignment to ``open_array``'s sinks in chunks
+        of ``BLEND_CHUNK`` samples, then each dataset's count after them. In memory the run
+        comes to hold an int16 and an int64 per sample; streamed, a chunk of them."""
         _fits_in_host_memory(10 * (self.num_samples if self.in_memory else BLEND_CHUNK),
                              f"the blend of {len(self.datasets)} datasets ({self.num_samples:,} "
                              "samples)")
         datasets = open_array("dataset_index", np.int16)
         samples = open_array("dataset_sample_index", np.int64)
+        counts = np.array(before, dtype=np.int64)
         for dataset_index, dataset_sample_index in blending_index_chunks(
-                self.weights, self.num_samples, BLEND_CHUNK):
+                self.weights, stop, BLEND_CHUNK, start, before):
             datasets.append(dataset_index)
             samples.append(dataset_sample_index)
-            report(datasets.rows / max(self.num_samples, 1))
+            counts += np.bincount(dataset_index, minlength=counts.size)
+            report(datasets.rows / max(stop - start, 1))
+        open_array("counts", np.int64).append(counts)
+
+    @property
+    def dataset_index(self) -> np.ndarray:
+        """Which dataset serves each sample, for the whole run (builds every segment)."""
+        return self._whole(0)
+
+    @property
+    def dataset_sample_index(self) -> np.ndarray:
+        """Which of its dataset's samples each sample is, for the whole run (builds every
+        segment)."""
+        return self._whole(1)
+
+    def _whole(self, part: int) -> np.ndarray:
+        self._extend(self._last_segment())
+        arrays = [segment[part] for segment in self._segments]
+        if len(arrays) == 1:
+            return arrays[0]
+        if not arrays:
+            return np.empty(0, dtype=np.int16 if part == 0 else np.int64)
+        return np.concatenate(arrays)
 
     def _draws(self) -> np.ndarray:
-        """How many samples the blend draws from each dataset (counted chunk by chunk: the index
-        may be a file larger than memory)."""
-        drawn = np.zeros(len(self.datasets), dtype=np.int64)
-        for start in range(0, self.num_samples, BLEND_CHUNK):
-            drawn += np.bincount(self.dataset_index[start: start + BLEND_CHUNK],
-                                 minlength=len(self.datasets))
-        return drawn
+        """How many samples the blend draws from each dataset: exact once the last segment is
+        built; before, ``weight * num_samples`` rounded (the greedy rule keeps every count
+        within about one sample of it)."""
+        if len(self._segments) > self._last_segment():
+            return np.asarray(self._segments[-1][2], dtype=np.int64)
+        return np.rint(self.weights * self.num_samples).astype(np.int64)
 
-    def _check_component_sizes(self) -> None:
-        needed = self._draws()
-        for dataset, count in zip(self.datasets, needed):
+    def _check_component_sizes(self, drawn: np.ndarray) -> None:
+        for dataset, count in zip(self.datasets, drawn):
             if count > len(dataset):
                 raise DataError(f"BlendedDataset: component {getattr(dataset, 'name', dataset)!r} "
                                 f"has {len(dataset)} samples but the blend draws {count} from it")
@@ -435,7 +584,11 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         if i < 0:
             i += self.num_samples
-        return self.datasets[self.dataset_index.item(i)][self.dataset_sample_index.item(i)]
+        k, j = divmod(i, self.segment)
+        if k + self._build_indices >= len(self._segments):
+            self._extend(k + self._build_indices)  # the builder stays a segment ahead
+        datasets, samples, _ = self._segments[k]
+        return self.datasets[datasets.item(j)][samples.item(j)]
 
     def describe(self) -> list[dict]:
         """One row per component: its prefix, documents and tokens, blend weight and samples
@@ -462,9 +615,12 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
     return parts[0][0], parts[1][0]
 
 
-def blending_index_chunks(weights: np.ndarray, num_samples: int,
-                          chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """:func:`blending_indices` in pieces of ``chunk`` samples, in order.
+def blending_index_chunks(weights: np.ndarray, num_samples: int, chunk: int, start: int = 0,
+                          counts: np.ndarray | None = None
+                          ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`blending_indices` in pieces of ``chunk`` samples, in order; from sample ``start``
+    on, given ``counts`` (each dataset's samples among the first ``start``), samples ``[start,
+    num_samples)``: equal to the same samples of a build from 0.
 
     For two datasets the choices have a closed form (vectorized: 1B samples in seconds). With
     more, the choice at step ``i`` depends on all earlier choices: a compiled loop
@@ -472,10 +628,11 @@ def blending_index_chunks(weights: np.ndarray, num_samples: int,
     """
     weights = [float(w) for w in weights]
     if len(weights) > 2:
-        yield from greedy_blend_chunks(np.asarray(weights), num_samples, chunk)
+        yield from greedy_blend_chunks(np.asarray(weights), num_samples, chunk, start=start,
+                                       counts=counts)
         return
-    for start in range(0, num_samples, chunk):
-        steps = np.arange(start, min(start + chunk, num_samples), dtype=np.int64)
+    for first in range(start, num_samples, chunk):
+        steps = np.arange(first, min(first + chunk, num_samples), dtype=np.int64)
         if len(weights) == 1:
             yield np.zeros(steps.size, dtype=np.int16), steps
             continue
