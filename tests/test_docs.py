@@ -225,10 +225,22 @@ def commands(page: str) -> list[Command]:
     return out
 
 
+# a tool flag (not a dotted config override) with its values, up to the next flag or command
+TOOL_FLAG = re.compile(r"\s--([a-z][\w-]*)(?=\s|$)((?:\s+(?!-)[^\s|;&]+)*)")
+
+
+def _last_flag_wins(text: str) -> str:
+    """``text`` with every tool flag that a rewrite appended kept once, at its last place: every
+    tool refuses a value flag given twice (cli.ToolParser); dotted overrides may repeat."""
+    last = {m[1]: m.start() for m in TOOL_FLAG.finditer(text)}
+    return TOOL_FLAG.sub(lambda m: m[0] if last[m[1]] == m.start() else "", text)
+
+
 def shrink(text: str) -> str:
     """The command at tiny size (see the module docstring)."""
     for pattern, replacement, _ in REWRITES:
         text = re.sub(pattern, replacement, text)
+    text = _last_flag_wins(text)
     if TRAINS.search(text) and "--help" not in text and not re.search(r"\s--check(\s|$)", text):  # trains nothing
         iters = re.search(r"--train\.iters (\d+)", text)
         if iters:
