@@ -25,8 +25,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def preflight_main(run_dir, corpus, *extra) -> int:
+    iters = [] if "--iters" in extra else ["--iters", ITERS]  # a tool flag is given once
     return preflight.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--run.dir", str(run_dir),
-                           "--data.paths", f"[{corpus}]", *TINY, "--iters", ITERS, *extra])
+                           "--data.paths", f"[{corpus}]", *TINY, *iters, *extra])
 
 
 def rows(report: str) -> dict[str, str]:

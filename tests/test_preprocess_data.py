@@ -244,7 +244,8 @@ def test_hf_dataset_saved_to_disk(tmp_path, streaming):
     assert preprocess.main(argv + (["--streaming"] if streaming else [])) == 0
     assert_dataset(str(tmp_path / "out_text_document"), byte_docs(texts))
     argv[argv.index("train")] = "validation"
-    assert preprocess.main(argv + ["--output-prefix", str(tmp_path / "val")]) == 0
+    argv[argv.index(str(tmp_path / "out"))] = str(tmp_path / "val")
+    assert preprocess.main(argv) == 0
     assert_dataset(str(tmp_path / "val_text_document"), byte_docs(["held out"]))
 
 

@@ -203,7 +203,7 @@ def _saved_bytes_per_token(rank, world, sequence_parallel):
     saved = model.saved_shards or SavedShards()  # without SP nothing is registered: tensors kept as they are
     b, s = 2, 64
     x = torch.randn(b, s // (world if sequence_parallel else 1), h, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = model._rope(s, x)
+    cos, sin = model._rope(s, x, args.rope(0))
     skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), cos, sin]}
     seen = {}
 
