@@ -229,11 +229,16 @@ def commands(page: str) -> list[Command]:
 TOOL_FLAG = re.compile(r"\s--([a-z][\w-]*)(?=\s|$)((?:\s+(?!-)[^\s|;&]+)*)")
 
 
+# the tool flags the rewrites set (a page's own repeated flags, e.g. an appended input, are kept)
+REWRITTEN = {m[1] for _, replacement, _ in REWRITES for m in TOOL_FLAG.finditer(" " + replacement)}
+
+
 def _last_flag_wins(text: str) -> str:
-    """``text`` with every tool flag that a rewrite appended kept once, at its last place: every
-    tool refuses a value flag given twice (cli.ToolParser); dotted overrides may repeat."""
+    """``text`` with every tool flag that a rewrite sets kept once, at its last place: every tool
+    refuses a value flag given twice (cli.ToolParser); dotted overrides may repeat."""
     last = {m[1]: m.start() for m in TOOL_FLAG.finditer(text)}
-    return TOOL_FLAG.sub(lambda m: m[0] if last[m[1]] == m.start() else "", text)
+    return TOOL_FLAG.sub(lambda m: m[0] if m[1] not in REWRITTEN or last[m[1]] == m.start()
+                         else "", text)
 
 
 def shrink(text: str) -> str:
