@@ -66,6 +66,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
         finally:
             for p in procs:
                 p.join(timeout=5)
-                if p.is_alive():
-                    p.terminate()
+                if p.is_alive():  # SIGKILL: a rank running the trainer handles SIGTERM as a stop
+                    p.kill()
+                    p.join(timeout=5)
     return [outputs[r] for r in range(world_size)]

@@ -8,9 +8,11 @@ Layout under ``RUN_DIR/checkpoints``::
 
 Saving: every rank writes its file into ``.iter_0000100`` (fsynced), then a small
 ``rank_NNNNN.done.json`` with the file's size and CRC-32 (or the error that stopped it). Rank 0,
-once every rank's ``done`` file is there — that is the agreement, through the shared file system the
-checkpoint lives on — writes ``metadata.json`` (with every size and checksum), fsyncs, renames the
-directory into place, moves ``latest`` and applies retention. With ``checkpoint.async`` this happens
+once every rank's ``done`` file is there, writes ``metadata.json`` (with every size and checksum),
+fsyncs, renames the directory into place, moves ``latest`` and applies retention. A synchronous
+save publishes after the ranks agreed (one collective) that each wrote its record, so that a rank
+lost mid-save fails that collective on the others rather than leave rank 0 waiting for its record.
+With ``checkpoint.async`` the publication happens
 on a background thread as soon as the last rank finished writing, while training goes on: the thread
 first copies the live state into host buffers (:class:`SnapshotBuffers`) while the next forward and
 backward run — they only read it — and the training loop waits, if at all, only before its next
@@ -70,6 +72,12 @@ from .format import (
 
 _DONE = ".done.json"
 _FAILED = ".failed"  # beside a rank file whose done record could not be written
+
+
+def _failure(errors: list) -> float:
+    """A save's outcome on this rank: 0 saved, 1 failed, 2 found no space (every rank then
+    says so in one line)."""
+    return 2.0 if any(isinstance(e, DiskFullError) for e in errors) else 1.0 if errors else 0.0
 
 
 def _reduced(group: Group, value: float, op=dist.ReduceOp.MAX) -> float:
@@ -226,7 +234,8 @@ class CheckpointManager:
         self.keep_last, self.keep_every, self.milestones = keep_last, keep_every, list(milestones)
         self.async_save, self.prune_rolled_back, self.sharding = \
             async_save, prune_rolled_back, sharding
-        self._pending: tuple[int, threading.Thread | None, list] | None = None
+        # (iteration, the async writer or None, its errors, set once this rank's record is written)
+        self._pending: tuple[int, threading.Thread | None, list, threading.Event] | None = None
         self._copied: threading.Event | None = None  # set once the async save's snapshot is taken
         self._snapshot = SnapshotBuffers()
         os.makedirs(self.root, exist_ok=True)
@@ -264,16 +273,17 @@ class CheckpointManager:
             os.makedirs(tmp)
         self.group.barrier()
         errors: list = []
+        recorded = threading.Event()
         if self.async_save:
             self._copied = threading.Event()
             thread = threading.Thread(target=self._write,
-                                      args=(iteration, state, tmp, errors, self._copied),
+                                      args=(iteration, state, tmp, errors, recorded, self._copied),
                                       daemon=True, name=f"checkpoint-{iteration}")
             thread.start()
-            self._pending = (iteration, thread, errors)
+            self._pending = (iteration, thread, errors, recorded)
         else:
-            self._write(iteration, state, tmp, errors)
-            self._pending = (iteration, None, errors)
+            self._write(iteration, state, tmp, errors, recorded)
+            self._pending = (iteration, None, errors, recorded)
             self.finalize()
 
     def _take_snapshot(self, state: dict) -> dict:
@@ -307,9 +317,10 @@ class CheckpointManager:
             self.finalize()
 
     def _write(self, iteration: int, state: dict, tmp: str, errors: list,
-               copied: threading.Event | None = None) -> None:
-        """This rank's file and its ``done`` record; on rank 0 then the publication. ``copied``
-        (async): take the snapshot first, and say when it is taken."""
+               recorded: threading.Event, copied: threading.Event | None = None) -> None:
+        """This rank's file and its ``done`` record (``recorded`` set once written). Async
+        (``copied`` given): take the snapshot first and say when it is taken; on rank 0 then the
+        publication (a synchronous save's is finalize()'s)."""
         path = rank_file(tmp, self.rank)
         record: dict = {}
         try:
@@ -327,11 +338,15 @@ class CheckpointManager:
             record = {"error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)}
         finally:
             self._write_done(path, record, errors, iteration)
-        if self.rank == 0:
-            try:
-                self._publish(iteration, tmp, own_failed=bool(errors))
-            except Exception as exc:
-                errors.append(_as_full_disk(exc, iteration, self.root))
+            recorded.set()
+        if self.rank == 0 and copied is not None:
+            self._publish_or_record(iteration, tmp, errors)
+
+    def _publish_or_record(self, iteration: int, tmp: str, errors: list) -> None:
+        try:
+            self._publish(iteration, tmp, own_failed=bool(errors))
+        except Exception as exc:
+            errors.append(_as_full_disk(exc, iteration, self.root))
 
     def _write_done(self, path: str, record: dict, errors: list, iteration: int) -> None:
         """This rank's ``done`` record; where even that cannot be written (a full disk), an empty
@@ -403,13 +418,20 @@ class CheckpointManager:
         rank when any rank failed to write it."""
         if self._pending is None:
             return None
-        iteration, thread, errors = self._pending
+        iteration, thread, errors, recorded = self._pending
         self._pending = None
+        recorded.wait()
+        # every rank has written its record (or is gone, and this collective fails): only now
+        # may rank 0 wait for the records, publishing a synchronous save here, an async one on
+        # its writer thread
+        failed = _reduced(self.group, _failure(errors))
+        if failed == 0 and thread is None and self.rank == 0:
+            tmp = os.path.join(self.root, "." + iter_dir_name(iteration))
+            self._publish_or_record(iteration, tmp, errors)
         if thread is not None:
             thread.join()
-        # 0: saved; 1: a rank failed; 2: a rank found no space (every rank then says so in one line)
-        kind = 2 if any(isinstance(e, DiskFullError) for e in errors) else 1 if errors else 0
-        failed = _reduced(self.group, float(kind))
+        if failed == 0:  # the publication's outcome (it may have failed on rank 0)
+            failed = _reduced(self.group, _failure(errors))
         if failed > 0:
             self.group.barrier()  # every rank's writer is done with the temporary directory
             if self.rank == 0:
@@ -421,7 +443,6 @@ class CheckpointManager:
                     _as_full_disk(OSError(errno.ENOSPC, "on another rank"), iteration, self.root)
             reason = errors[0] if errors else "another rank failed"
             raise RuntimeError(f"checkpoint {iteration} was not saved: {reason}")
-        self.group.barrier()
         return iter_dir_name(iteration)
 
     def complete(self) -> list[int]:
