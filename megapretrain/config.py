@@ -924,6 +924,29 @@ def check_needs(cfg: Config) -> None:
                               f"(default {_shown(default)})")
 
 
+def drop_inherited(cfg: Config, overrides: list[str]) -> list[str]:
+    """A saved run's config under a tool's new settings (a reshard's layout): each field of
+    :data:`NEEDS` that the saved config set, whose setting the ``overrides`` turned off (a tp 2
+    run with sequence parallelism resharded to tp 1), is reset to its default, as training would
+    have refused it; returns a note for each. A field the overrides give themselves is left for
+    :func:`check_needs` to refuse."""
+    given = {name for name, _ in _raw_overrides(overrides)}
+    notes = []
+    for rule in NEEDS:
+        if rule.holds(cfg):
+            continue
+        for dotted in rule.fields:
+            value, default = get_field(cfg, dotted), _default(dotted)
+            if dotted in given or value == default:
+                continue
+            parent, leaf = dotted.rsplit(".", 1)
+            node = get_field(cfg, parent)
+            setattr(node, _fields(type(node))[leaf].name, default)
+            notes.append(f"{dotted}={_shown(value)} of the saved config does nothing without "
+                         f"{rule.partner}: reset to {_shown(default)}")
+    return notes
+
+
 def _shown(value: Any) -> str:
     """A value as a flag or YAML writes it."""
     if value is None:

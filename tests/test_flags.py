@@ -84,6 +84,25 @@ def test_a_field_that_needs_another_is_refused_alone(field, rule):
     assert rule.partner.split(" (")[0] in message and f"drop {field}" in message
 
 
+@pytest.mark.parametrize("field, rule", NEEDING, ids=[f for f, _ in NEEDING])
+def test_a_saved_field_whose_partner_a_tool_turns_off_is_reset_with_a_note(field, rule):
+    """A saved run's config under a tool's new settings (a reshard to tp 1 of a tp 2 run with
+    sequence parallelism): the saved field is reset to its default with a note, and the config
+    resolves; the same field given on the command line is still refused."""
+    from megapretrain.config import _default, check_needs, drop_inherited
+
+    off = list(OFF.get(rule.shown[0] if rule.shown else "", ()))
+    cfg = _cfg(f"--{field}", _flag(OTHER[field]), *off)
+    notes = drop_inherited(cfg, off)
+    assert get_field(cfg, field) == _default(field)
+    assert [n for n in notes if n.startswith(f"{field}=")] and all("\n" not in n for n in notes)
+    check_needs(cfg)
+    given = _cfg(f"--{field}", _flag(OTHER[field]), *off)
+    assert drop_inherited(given, [f"--{field}", _flag(OTHER[field]), *off]) == []
+    with pytest.raises(ConfigError, match="does nothing without"):
+        check_needs(given)
+
+
 def test_a_saved_config_with_every_field_at_its_default_resolves(tmp_path):
     """A run's config.yaml lists every field: the defaults of the table's fields are no value."""
     from megapretrain.config import save_config

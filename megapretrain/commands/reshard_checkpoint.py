@@ -43,7 +43,7 @@ from megapretrain.checkpoint.reshard import (
     write_layout,
 )
 from megapretrain.cli import ToolParser, positive_int, progress_bar, user_errors
-from megapretrain.config import load_config, save_config
+from megapretrain.config import drop_inherited, load_config, save_config
 from megapretrain.errors import size_text
 from megapretrain.model.build import rank_param_specs
 from megapretrain.resolve import resolve
@@ -103,6 +103,8 @@ class _Plan:
     def __init__(self, args: argparse.Namespace, overrides: list[str], path: str):
         self.meta = read_metadata(path)
         self.cfg = cfg = load_config(saved_config_path(path, args.config), overrides)
+        for note in drop_inherited(cfg, overrides):
+            print(f"note: {note}", file=sys.stderr)
         cfg.model.vocab_size = cfg.model.vocab_size or self.meta.get("vocab_size")
         self.sizes = resolve(cfg, args.world_size).sizes  # the target layout, checked as training
         check_shapes(path, self.meta, global_shapes(cfg))  # every saved tensor has its place
