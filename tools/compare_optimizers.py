@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-iters", type=cli.positive_int, default=8)
     p.add_argument("--output-dir", default="runs/compare_optimizers")
     p.add_argument("--plot", default=None, help="write the validation curves to this PNG")
+    p.add_argument("--muon-ns-precision", choices=("bf16", "fp32"), default="bf16",
+                   help="optim.muon_ns_precision of the Muon runs (fp32: far faster on a CPU "
+                        "without bf16 instructions); an fp32 run's directory and label say so")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="train only these runs of the sweep (their directories' names); the table "
                         "and the plot show the runs finished so far")
@@ -138,6 +141,10 @@ def main(argv=None) -> int:
 
     curves, rows = {}, []
     for name, label, flags in SWEEPS[args.sweep]:
+        if args.muon_ns_precision != "bf16" and "muon" in flags:
+            name, label = f"{name}_ns_{args.muon_ns_precision}", \
+                f"{label}, Newton–Schulz in {args.muon_ns_precision}"
+            flags = [*flags, "--optim.muon_ns_precision", args.muon_ns_precision]
         run_dir = os.path.join(args.output_dir, name)
         cmd = command(run_dir, flags, args, overrides)
         if args.only is None or name in args.only:
