@@ -306,8 +306,9 @@ class OptimConfig:
     betas: list = _f(None, "AdamW betas [beta1, beta2].", factory=lambda: [0.9, 0.95])
     eps: float = _f(1e-8, "AdamW epsilon.", positive=True)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", min=0)
-    offload: bool = _f(False, "Keep fp32 master weights and Adam moments in host memory and step "
-                              "them there.")
+    offload: bool = _f(False, "Keep fp32 master weights and the optimizer state (Adam's moments, "
+                              "Muon's momentum) in host memory and step them there (Muon's "
+                              "Newton–Schulz runs on the device).")
     initial_loss_scale: float = _f(2.0 ** 16, "fp16 only: starting dynamic loss scale.",
                                    positive=True)
     loss_scale_window: int = _f(1000, "fp16 only: clean steps before the loss scale doubles.",
@@ -317,8 +318,8 @@ class OptimConfig:
                            "| torch | apex.", choices=("auto", "triton", "torch", "apex"))
     moments_dtype: str = _f("fp32", "AdamW's two moments: fp32 | bf16 (stored in bf16, 4 bytes "
                                     "less per parameter; each step computes in fp32 and rounds "
-                                    "them back; optim.impl auto or torch: torch's AdamW, "
-                                    "triton: the Triton kernel; not apex).",
+                                    "them back; on the AdamW optim.impl picks, as fp32 ones: "
+                                    "auto the Triton kernel on CUDA; not apex).",
                         choices=("fp32", "bf16"))
     optimizer: str = _f("adamw", "adamw | muon: Muon (momentum, then Newton–Schulz "
                                  "orthogonalization) for every 2-D weight inside the decoder "

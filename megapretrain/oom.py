@@ -84,8 +84,7 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
         out.append(f"--train.micro_batch_size {half} {planned(micro_batch=half)}")
     if p.zero < 3 and dp > 1:
         out.append(f"--parallel.zero {p.zero + 1} {planned(zero=p.zero + 1)}")
-    if not cfg.optim.offload and cfg.optim.optimizer != "muon" \
-            and cfg.optim.impl in ("auto", "torch"):  # (what optim.offload runs with)
+    if not cfg.optim.offload and cfg.optim.impl in ("auto", "torch"):  # (what offload runs with)
         out.append(f"--optim.offload true {offloaded(cfg, layout, dev)}")
     if args.num_heads % (2 * p.tp) == 0 and args.num_kv_heads % (2 * p.tp) == 0 and dp % 2 == 0:
         out.append(f"--parallel.tp {2 * p.tp} {planned(tp=2 * p.tp, dp=dp // 2)}")
@@ -98,16 +97,17 @@ def remedies(cfg, layout: Layout, device: torch.device) -> list[str]:
 
 def offloaded(cfg, layout: Layout, dev) -> str:
     """The planner's per-GPU memory of ``layout`` with ``optim.offload``, and what it saves: the
-    optimizer state (fp32 masters and moments), held in host memory instead."""
+    optimizer state (fp32 masters and moments), held in host memory instead (and the Triton
+    AdamW's decay mask, which the host's AdamW does without)."""
     moved = copy.deepcopy(cfg)
     moved.optim.offload = True
     try:
-        e = estimate_run(moved, layout, dev)
+        e, before = estimate_run(moved, layout, dev), estimate_run(cfg, layout, dev)
     except UserError:
         return "(masters and moments in host memory)"
-    host = e.memory["host_optimizer"]
+    saved = before.memory["total"] - e.memory["total"]
     return (f"(planner: {e.memory['total'] / GIB:.1f} GB per GPU on {dev.name}, "
-            f"{host / GIB:.1f} GB less: masters and moments in host memory)")
+            f"{saved / GIB:.1f} GB less: masters and moments in host memory)")
 
 
 def report_oom(exc: BaseException, cfg, layout: Layout, rank: int, iteration: int,

@@ -160,6 +160,11 @@ def test_the_oom_advice_says_what_optimizer_offload_saves():
     saved = before["total"] - after["total"]
     assert saved == pytest.approx(before["parts"]["optimizer"]) and saved > GIB / 10
     assert f"(planner: {after['total'] / GIB:.1f} GB per GPU on H100 SXM 80GB, {saved / GIB:.1f} GB less" in line
-    # Muon's state does not go to the host (optim.offload refuses it): no such remedy
+    # Muon's state goes to the host as AdamW's does: its remedy quotes Muon's own figures
     muon = _config(path, "--optim.optimizer", "muon")
-    assert not any(r.startswith("--optim.offload") for r in remedies(muon, layout, torch.device("cpu")))
+    line, = [r for r in remedies(muon, layout, torch.device("cpu")) if r.startswith("--optim.offload")]
+    before = estimate_run(muon, layout, DEVICES["h100"]).memory
+    after = estimate_run(_config(path, "--optim.optimizer", "muon", "--optim.offload", "true"), layout,
+                         DEVICES["h100"]).memory
+    assert after["host_optimizer"] == pytest.approx(before["parts"]["optimizer"])
+    assert f"{(before['total'] - after['total']) / GIB:.1f} GB less" in line

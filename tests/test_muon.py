@@ -190,12 +190,13 @@ def test_muon_state_is_one_momentum_per_matrix():
     assert report["moments"] == 4 * (muon + 2 * adam)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_checkpoint_resumes_bitwise(zero):
+@pytest.mark.parametrize("zero, offload, resume_offload", [(0, False, False), (1, False, False),
+                                                          (1, True, True), (0, True, False)])
+def test_checkpoint_resumes_bitwise(zero, offload, resume_offload):
     """Saved after 2 steps and restored into a fresh optimizer: the next steps equal those of the
-    optimizer that went on."""
+    optimizer that went on — with optim.offload (the state in host memory) too, and across it."""
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
-    cfg = OptimConfig(**MUON)
+    cfg = OptimConfig(**MUON, offload=offload)
     a = build(ps, tiny_args())
     opt_a = _ours(a, cfg, zero=zero)
     for _ in range(2):
@@ -203,7 +204,7 @@ def test_checkpoint_resumes_bitwise(zero):
     saved = optimizer_checkpoint(opt_a)
     assert any("momentum" in v for v in saved["optimizer"]["params"].values())
     b = build(ps, tiny_args(), seed=99)
-    opt_b = _ours(b, cfg, zero=zero)
+    opt_b = _ours(b, dataclasses.replace(cfg, offload=resume_offload), zero=zero)
     restore_optimizer(opt_b, saved)
     for _ in range(2):
         _our_step(a, opt_a, tokens, 1e-2)
@@ -225,11 +226,41 @@ def test_switching_optimizer_at_a_resume_is_refused():
 
 
 @pytest.mark.parametrize("bad, match", [(dict(impl="triton"), "optim.impl=triton"),
-                                        (dict(offload=True), "optim.offload")])
+                                        (dict(impl="apex", offload=True), "optim.impl=apex")])
 def test_muon_refuses_what_it_does_not_support(bad, match):
     cfg = dataclasses.replace(OptimConfig(optimizer="muon"), **bad)
     with pytest.raises(ConfigError, match=match):
         check_optim(cfg)
+    check_optim(OptimConfig(optimizer="muon", offload=True))  # the state in host memory: taken
+
+
+@pytest.mark.parametrize("case, zero", [("llama_bf16", 1), ("gpt_neox_fused_qkv", 0),
+                                        ("llama_clipped", 1)])
+def test_offload_steps_as_on_the_device(case, zero):
+    """optim.offload: Muon's momentum and AdamW's moments in host memory, stepped there, NS where
+    the matrices are — on CPU the same operations on the same values, so four steps give the
+    weights, masters and momenta of Muon without offload, bit for bit."""
+    model_kw, opt_kw, dtype = CASES[case]
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    runs = []
+    for offload in (False, True):
+        model = build(ps, tiny_args(**model_kw), dtype=dtype)
+        opt = _ours(model, OptimConfig(**{**MUON, **opt_kw}, offload=offload), zero=zero)
+        for scale in (1.0, 0.8, 0.6, 0.3):
+            _our_step(model, opt, tokens, 1e-2 * scale)
+        runs.append((model, opt))
+    (model, opt), (off_model, off_opt) = runs
+    assert off_opt.offload and off_opt.memory_report()["offload"]
+    # offloaded, fp32 parameters get a master of their own (the host's copy)
+    assert all(s.master is not s.param_shard for s in off_opt.shards)
+    for (n, p), q in zip(model.named_parameters(), off_model.parameters()):
+        assert torch.equal(p, q), n
+    for s, off in zip(opt.shards, off_opt.shards):
+        assert torch.equal(s.master, off.master)
+        assert torch.equal(s.exp_avg, off.exp_avg) and torch.equal(s.exp_avg_sq, off.exp_avg_sq)
+    assert opt.muon.momentum.keys() == off_opt.muon.momentum.keys()
+    for name, m in opt.muon.momentum.items():
+        assert torch.equal(m, off_opt.muon.momentum[name]), name
 
 
 # -- every layout against one process (the trainer, tests/helpers.py's BASE run) -----------------
@@ -247,6 +278,7 @@ LAYOUTS = {
     "dp2_zero1": (2, ("--parallel.zero", "1"), ()),
     "dp2_zero2": (2, ("--parallel.zero", "2"), ()),
     "dp2_zero3": (2, ("--parallel.zero", "3"), ()),
+    "dp2_zero3_offload": (2, ("--parallel.zero", "3", "--optim.offload", "true"), ()),
     "pp2": (2, ("--parallel.pp", "2"), ()),
     "cp2": (2, ("--parallel.cp", "2"), ()),
     "gpt_neox_tp2": (2, ("--parallel.tp", "2"), NEOX),
@@ -256,7 +288,8 @@ LAYOUTS = {
     "tp2_pp2_dp2_zero1": (8, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1",
                               "--parallel.sequence_parallel", "true"), ()),
 }
-SLOW = ("tp2_dp2_zero1", "dp4_zero3_shard2", "tp2_pp2_dp2_zero1")
+# dp2_zero3_offload: test_zero_stages_step_as_one_process_bitwise holds offload to one process too
+SLOW = ("tp2_dp2_zero1", "dp4_zero3_shard2", "tp2_pp2_dp2_zero1", "dp2_zero3_offload")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW))
@@ -287,13 +320,17 @@ def _dp_runs(rank, world):
 
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
     out = {}
-    for name, model_kw, zero in (("llama", {}, 0), ("llama", {}, 1), ("llama", {}, 2),
-                                 ("llama", {}, 3), ("gpt_neox", NEOX_ARGS, 1)):
+    for name, model_kw, zero, offload in (("llama", {}, 0, False), ("llama", {}, 1, False),
+                                          ("llama", {}, 2, False), ("llama", {}, 3, False),
+                                          ("gpt_neox", NEOX_ARGS, 1, False),
+                                          ("llama", {}, 1, True), ("llama", {}, 3, True)):
+        if offload and world == 1:
+            continue  # (the reference: one process without offload)
         model = build(ps, tiny_args(**model_kw))
         for n, p in model.named_parameters():
             p.requires_grad_(n.startswith("layers.") and p.ndim == 2)
         opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
-                                  OptimConfig(**MUON), "fp32", ps,
+                                  OptimConfig(**MUON, offload=offload), "fp32", ps,
                                   zero=zero, bucket_size_mb=0.01)
         opt.hook_models([model])
         for _ in range(3):
@@ -305,16 +342,20 @@ def _dp_runs(rank, world):
         opt.buffers.wait_params()  # zero 1, 2: the post-step all-gathers
         with full_params(opt):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out[name, zero] = params, sorted(set(opt.muon.owner.values()))
+        out[name, zero, offload] = params, sorted(set(opt.muon.owner.values()))
     return out
 
 
 def test_zero_stages_step_as_one_process_bitwise():
+    """Every ZeRO stage on 2 ranks, and ZeRO 1 and 3 with optim.offload (each rank's momenta and
+    masters in host memory, the updates gathered and scattered where the matrices are), as one
+    process without offload: the same weights, bit for bit."""
     from distributed import run_distributed
 
     single = _dp_runs(0, 1)
     results = run_distributed(_dp_runs, 2, timeout=300)
-    for key, (ref, _) in single.items():
+    for key in results[0]:
+        ref = single[key[0], key[1], False][0]  # one process, without offload
         for rank, result in enumerate(results):
             params, owners = result[key]
             # zero ≥ 1: the matrices are shared between the two ranks, each NS'd on one of them

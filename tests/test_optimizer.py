@@ -329,6 +329,32 @@ def test_bf16_moments_match_torch_adamw_with_rounded_state(zero):
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), again.parameters()))
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_impl_auto_takes_the_same_adamw_with_bf16_moments(offload):
+    """optim.impl auto resolves by the device alone, whatever optim.moments_dtype: torch's AdamW on
+    CPU (where the Triton one runs only when named, under TRITON_INTERPRET), the Triton AdamW with
+    its weight-decay mask on CUDA (simulated: the choice only) where Triton is installed, unless
+    the state is offloaded (the host steps, with torch's)."""
+    import contextlib
+    import importlib.util
+
+    from megapretrain.kernels.dispatch import simulated_device
+
+    ps = ParallelState()
+    for device in ("cpu", "cuda"):
+        impls = {}
+        for moments in ("fp32", "bf16"):
+            with simulated_device(device) if device == "cuda" else contextlib.nullcontext():
+                model = build(ps, tiny_args())
+                opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                                          OptimConfig(moments_dtype=moments, offload=offload), "fp32",
+                                          ps, bucket_size_mb=0.01)
+            impls[moments] = opt.impl
+            assert all((s.decay_mask is not None) == (opt.impl == "triton") for s in opt.shards)
+        triton = device == "cuda" and not offload and importlib.util.find_spec("triton") is not None
+        assert impls == dict.fromkeys(("fp32", "bf16"), "triton" if triton else "torch"), device
+
+
 def test_bf16_moments_refuse_apex():
     """apex's Adam keeps fp32 moments: refused in one line; the Triton AdamW takes bf16 ones
     (tests/test_kernels.py)."""

@@ -691,7 +691,8 @@ def test_the_planned_checkpoint_is_the_simulated_one(flags, world):
 def test_optimizer_offload_moves_the_optimizer_state_off_the_device():
     """optim.offload keeps fp32 masters and Adam moments in host memory: the plan's device memory
     drops by exactly the optimizer part it counted without offload, which it reports as host
-    memory instead; parameters, gradients and activations are unchanged."""
+    memory instead, less the Triton AdamW's weight-decay mask (the host steps with torch's AdamW);
+    parameters, gradients and activations are unchanged."""
     from megapretrain.planner.model import estimate_run
     from megapretrain.resolve import resolve
 
@@ -701,7 +702,9 @@ def test_optimizer_offload_moves_the_optimizer_state_off_the_device():
     cfg.optim.offload = True
     offloaded = estimate_run(cfg, layout, device).memory
     state = on_device["parts"]["optimizer"]
-    assert state > 0 and on_device["host_optimizer"] == 0 and offloaded["host_optimizer"] == state
+    mask = state / (12 + 1 / 8) / 8  # bf16 weights: 12 bytes a parameter, and a bit of mask
+    assert state > 0 and on_device["host_optimizer"] == 0
+    assert offloaded["host_optimizer"] == pytest.approx(state - mask)
     assert offloaded["parts"]["optimizer"] == 0 and offloaded["total"] == pytest.approx(on_device["total"] - state)
     for part in ("parameters", "gradients", "activations"):
         assert offloaded["parts"][part] == on_device["parts"][part]

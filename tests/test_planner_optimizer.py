@@ -109,10 +109,16 @@ def test_plan_prints_the_optimizer_share(capsys):
 
 
 @pytest.mark.parametrize("extra", [["--optim.optimizer", "adamw"], ["--optim.optimizer", "muon"],
-                                   ["--optim.moments_dtype", "bf16"]], ids=lambda e: e[-1])
+                                   ["--optim.moments_dtype", "bf16"],
+                                   ["--optim.optimizer", "muon", "--optim.offload", "true"],
+                                   ["--optim.offload", "true"]],
+                         ids=["adamw", "muon", "bf16", "muon_offload", "adamw_offload"])
 def test_planned_optimizer_state_is_the_simulated_one(extra):
     """The planner's optimizer bytes against the state the optimizer allocates on a simulated rank
-    (tp 2 × dp 2, ZeRO-1): equal up to the shards' alignment padding."""
+    (tp 2 × dp 2, ZeRO-1): equal up to the shards' alignment padding — bf16 moments with the
+    Triton AdamW's decay mask (optim.impl auto takes it on CUDA, as with fp32 moments); under
+    optim.offload, Muon's momentum and AdamW's state in host memory (fp32 masters included: the
+    weights are fp32 here) and none of it on the device."""
     tiny = ["--model.vocab_size", "300", "--model.num_layers", "4", "--model.hidden_size", "64",
             "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_hidden_size", "128",
             "--train.seq_length", "64", "--train.micro_batch_size", "1", "--train.global_batch_size",
@@ -123,6 +129,9 @@ def test_planned_optimizer_state_is_the_simulated_one(extra):
     plan = planned(cfg, run, sim.coords["pp"])
     assert plan["planned_breakdown"]["optimizer"] <= sim.breakdown["optimizer"] \
         <= plan["planned_breakdown"]["optimizer"] * 1.002
+    host = plan["planned_host_optimizer_bytes"]
+    assert host <= sim.host_optimizer_bytes <= host * 1.002
+    assert (host > 0) == cfg.optim.offload == (sim.breakdown["optimizer"] == 0)
 
 
 MUON_TRAFFIC = {  # world size, layout

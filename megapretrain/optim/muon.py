@@ -27,7 +27,12 @@ matrices, one step:
    other rank adds zeros: exact), leaving each rank O for its own fragments, where the update
    applies elementwise.
 
-A step whose grad norm is not finite changes nothing (masked on the device, as AdamW's).
+A step whose grad norm is not finite changes nothing (masked where the state lives, as AdamW's).
+
+Under ``optim.offload`` the momentum lives with the fp32 masters in host memory, where the
+elementwise work runs (momentum, U, and the update); each bucket's U shard is copied to the device
+for steps 1–3 (the collectives and NS, where the matrices are) and O copied back: the same
+operations on the same values, so on CPU the numbers are those without offload, bit for bit.
 """
 
 from __future__ import annotations
@@ -154,11 +159,13 @@ def assign_owners(sizes: dict[str, int], ranks: int) -> dict[str, int]:
 class MuonStep:
     """Muon's step over the Muon fragments of an optimizer's shards (``ShardState``s): momentum
     per fragment (fp32, the fragment's size), and the assembly of whole matrices for NS (module
-    docstring). ``shards``' fragments that :func:`is_muon_matrix` picks are this step's."""
+    docstring). ``shards``' fragments that :func:`is_muon_matrix` picks are this step's.
+    ``offload`` (``optim.offload``): momenta and masters are host memory; each bucket's U crosses
+    to the device for NS and its collectives, and O back."""
 
     def __init__(self, shards, spec_of: dict[int, ParamSpec], settings: MuonSettings, ps,
-                 zero: int):
-        self.settings, self.ps, self.spec_of = settings, ps, spec_of
+                 zero: int, offload: bool = False):
+        self.settings, self.ps, self.spec_of, self.offload = settings, ps, spec_of, offload
         self.sharded = zero >= 1 and ps.dp_shard.size > 1
         # per bucket holding a Muon matrix, whether or not this rank's shard holds part of it (its
         # collectives need every rank): (shard state, this rank's Muon fragments)
@@ -187,17 +194,16 @@ class MuonStep:
     @torch.no_grad()
     def step(self, lr: float, found_inf: torch.Tensor) -> None:
         """One Muon step at the schedule's rate ``lr`` (AdamW's: scaled by ``lr_ratio``), skipped
-        where ``found_inf`` (0-d bool) is set."""
-        m = self.settings
-        lr = lr * m.lr_ratio
+        where ``found_inf`` (0-d bool) is set. Under ``optim.offload`` the momentum and the masters
+        are host memory: the momentum and the update run there, NS and its collectives on the
+        device."""
+        lr = lr * self.settings.lr_ratio
         for s, frags in self.work:
+            skip = found_inf.to(s.master.device)  # (the host's copy when offloaded)
             # 1. momentum and the update to orthogonalize, on this rank's fragments
-            u_shard = torch.zeros_like(s.master)  # (shard,) fp32; other elements stay 0
-            for f in frags:
-                g, buf = f.of(s.grad), self.momentum[f.name]
-                new = buf.lerp(g, 1 - m.momentum)
-                f.of(u_shard).copy_(g.lerp(new, m.momentum) if m.nesterov else new)
-                buf.copy_(torch.where(found_inf, buf, new))
+            u_shard = self._momenta(s, frags, skip)  # (shard,) fp32 where the masters are
+            if self.offload:  # to the device, where the matrices are assembled
+                u_shard = u_shard.to(s.bucket.grad_shard.device, copy=True)
             # 2. whole (tp-local) matrices, orthogonalized by their owners
             b = s.bucket
             full = self._gather(u_shard, b)  # (bucket,) fp32, or the shard itself (zero 0)
@@ -212,14 +218,34 @@ class MuonStep:
                 full.zero_()
             for off, o in done.items():
                 full[off:off + o.numel()].copy_(o.reshape(-1))
-            o_shard = self._scatter(full, u_shard)
+            o_shard = self._scatter(full, u_shard)  # (shard,) fp32 on the device
             # 4. the update, elementwise on the masters
-            for f in frags:
-                w, o = f.of(s.master), f.of(o_shard)
-                new = w.mul(1 - lr * (m.weight_decay if f.spec.weight_decay else 0.0))
-                for lo, hi, shape in part_runs(f.spec, f.start, f.end):
-                    new[lo:hi].add_(o[lo:hi], alpha=-adjusted_lr(lr, m.adjust_lr, shape))
-                w.copy_(torch.where(found_inf, w, new))
+            self._apply(s, frags, o_shard, lr, skip)
+
+    def _momenta(self, s, frags: list, skip: torch.Tensor) -> torch.Tensor:
+        """Each fragment's momentum, stepped (kept where ``skip``), and the update U it gives, in a
+        shard-sized fp32 buffer beside the masters (other elements 0)."""
+        m = self.settings
+        u_shard = torch.zeros_like(s.master)  # (shard,) fp32
+        for f in frags:
+            g, buf = f.of(s.grad), self.momentum[f.name]
+            new = buf.lerp(g, 1 - m.momentum)
+            f.of(u_shard).copy_(g.lerp(new, m.momentum) if m.nesterov else new)
+            buf.copy_(torch.where(skip, buf, new))
+        return u_shard
+
+    def _apply(self, s, frags: list, o_shard: torch.Tensor, lr: float, skip: torch.Tensor) -> None:
+        """W ← W · (1 − γλ) − γ · adjust(shape) · O on each fragment's master (kept where
+        ``skip``), ``o_shard`` O over the shard (copied to the host first when offloaded)."""
+        m = self.settings
+        if self.offload:
+            o_shard = o_shard.to(s.master.device, copy=True)
+        for f in frags:
+            w, o = f.of(s.master), f.of(o_shard)
+            new = w.mul(1 - lr * (m.weight_decay if f.spec.weight_decay else 0.0))
+            for lo, hi, shape in part_runs(f.spec, f.start, f.end):
+                new[lo:hi].add_(o[lo:hi], alpha=-adjusted_lr(lr, m.adjust_lr, shape))
+            w.copy_(torch.where(skip, w, new))
 
     def _gather(self, u_shard: torch.Tensor, b) -> torch.Tensor:
         if not self.sharded:

@@ -15,17 +15,18 @@ Per parameter and rank (bf16 model, N parameters, plus alignment padding)::
                                               (parallel/zero3.py)
 
 fp32 parameters are their own master (no extra copy) unless ``optim.offload`` keeps the masters
-and moments in host memory, where they are stepped. A shard covers pieces (*fragments*) of
-parameters; weight decay follows each fragment's parameter spec (``parallel/specs.py``: none for
-norm weights) and checkpoints key state by parameter name and fragment range. The global grad norm
-sums squares over the owned fragments of the parameters whose spec counts them on this rank
-(replicated ones only on tp rank 0, a tied embedding's second copy never), over dp (when sharded)
-and the model-parallel group; a non-finite norm skips the step and, with fp16, halves the loss
-scale.
+and moments (and Muon's momentum) in host memory, where they are stepped. A shard covers pieces
+(*fragments*) of parameters; weight decay follows each fragment's parameter spec
+(``parallel/specs.py``: none for norm weights) and checkpoints key state by parameter name and
+fragment range. The global grad norm sums squares over the owned fragments of the parameters whose
+spec counts them on this rank (replicated ones only on tp rank 0, a tied embedding's second copy
+never), over dp (when sharded) and the model-parallel group; a non-finite norm skips the step and,
+with fp16, halves the loss scale.
 
 With ``optim.optimizer`` muon the decoder layers' matrices are stepped by Muon instead
 (``optim/muon.py``: one momentum per element in place of Adam's two moments), after the same
-unscaling, norm and clipping; ``optim.moments_dtype`` bf16 stores Adam's moments in bf16.
+unscaling, norm and clipping; ``optim.moments_dtype`` bf16 stores Adam's moments in bf16 (on
+whichever AdamW ``optim.impl`` resolves to, as fp32 ones).
 """
 
 from __future__ import annotations
@@ -71,9 +72,6 @@ def check_optim(o: OptimConfig) -> None:
     if o.optimizer == "muon" and o.impl not in ("auto", "torch"):
         raise ConfigError(f"optim.optimizer=muon steps its AdamW part with torch's fused AdamW, "
                           f"not optim.impl={o.impl}: set optim.impl=auto or torch")
-    if o.optimizer == "muon" and o.offload:
-        raise ConfigError("optim.optimizer=muon with optim.offload=true is not supported yet: set "
-                          "optim.offload=false (or optim.optimizer=adamw)")
     if o.impl not in ("auto", "torch") and o.offload:
         raise ConfigError(f"optim.impl={o.impl} steps on the GPU, optim.offload on the host: set "
                           "optim.impl=auto or torch")
@@ -139,7 +137,7 @@ class FragmentState:
 
 def resolve_impl(choice: str, device: torch.device, offload: bool) -> str:
     """``optim.impl`` on ``device``: "triton" (kernels/adamw.py), "torch" or "apex". auto: triton on
-    CUDA (unless offloaded: the host steps), torch elsewhere."""
+    CUDA (unless offloaded: the host steps), torch elsewhere — with fp32 or bf16 moments alike."""
     kind = device_type(device)
     runs = use_triton(kind) and not offload
     if choice == "triton" and not runs:
@@ -296,17 +294,14 @@ class MixedPrecisionAdamW:
                                            replicas=ps.dp_replicas, initialize=initialize)
         muon = optim_cfg.optimizer == "muon"
         # Muon's AdamW part: torch's fused AdamW (check_optim refuses the others); bf16 moments
-        # (optim.moments_dtype): torch's, or the Triton AdamW when optim.impl names it (apex is
-        # refused)
+        # (optim.moments_dtype) run on whichever AdamW fp32 ones would (apex is refused)
         self.bf16_moments = optim_cfg.moments_dtype == "bf16"
-        torch_only = muon or (self.bf16_moments and optim_cfg.impl == "auto")
-        self.impl = resolve_impl("torch" if torch_only else optim_cfg.impl, ps.device,
-                                 self.offload)
+        self.impl = resolve_impl("torch" if muon else optim_cfg.impl, ps.device, self.offload)
         moments = torch.bfloat16 if self.bf16_moments else torch.float32
         self.shards = [ShardState(b, self.buffers, ps, self.offload, self.impl, muon, moments)
                        for b in self.buffers.buckets]
         self.muon = MuonStep(self.shards, self.buffers.spec_of, MuonSettings.of(optim_cfg), ps,
-                             zero) if muon else None
+                             zero, self.offload) if muon else None
         self.fragments = {f.name: (s, f) for s in self.shards for f in s.fragments}
         self.step_count = 0  # steps taken, less the skipped ones settled (read on the host)
         # steps skipped and not yet settled (a device count: the torch AdamW's step is exact

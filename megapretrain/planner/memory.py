@@ -177,7 +177,9 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
                  optimizer: OptimizerSpec = ADAMW) -> dict:
     """Bytes by part (:data:`PARTS`) on a rank of stage ``pp_rank`` at its peak, and their
     ``total``: ``micro_batches`` per step and dp rank; ``layer`` as for :func:`stage_params`;
-    ``fused_adamw``: the Triton AdamW, which keeps a bit of weight decay per parameter;
+    ``fused_adamw``: the Triton AdamW (``optim.impl`` triton, or auto on CUDA; fp32 or bf16
+    moments), which keeps a bit of weight decay per parameter — unless Muon's AdamW part (torch's)
+    or ``offload`` (the host steps with torch's AdamW) takes its place;
     ``chunk_bytes``: the output layer's chunk of logits; ``optimizer``: the state kept
     (``planner/optimizer.state_bytes``) and, under ``offload`` (``optim.offload``), kept in host
     memory: counted as ``host_optimizer`` and not in the total.
@@ -201,8 +203,12 @@ def stage_memory(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro
     out["parameters"] = params * w / (n_shard if L.zero == 3 else 1)
     out["gradients"] = params * 4.0 / (n_shard if L.zero >= 2 else 1)
     muon = sum(chunks) * optimizer.muon_layer(model) / L.tp
-    fused = fused_adamw and not optimizer.muon and optimizer.moments_dtype == "fp32"
-    out["optimizer"] = state_bytes(params, muon, precision, optimizer.name,
+    # the Triton AdamW's decay mask: where optim.impl runs it (fp32 or bf16 moments), never for
+    # Muon's AdamW part (torch's) nor offloaded (the host steps with torch's)
+    fused = fused_adamw and not optimizer.muon and not optimizer.offload
+    # offloaded, fp32 weights too have a master of their own: the host's copy
+    masters = "bf16" if optimizer.offload else precision
+    out["optimizer"] = state_bytes(params, muon, masters, optimizer.name,
                                    optimizer.moments_dtype, fused) / (n_shard if L.zero >= 1 else 1)
     steady = kind.memory_micro(L.pp, micro_batches)
     per_layer = tokens * saved_bytes_per_token(model, L, seq, precision, kernels, attention)

@@ -14,8 +14,9 @@ At the peak every live allocation falls in one category (:func:`breakdown`):
 
 - ``parameters``, ``gradients``, ``optimizer``: the optimizer's buffers (the model's weights in
   its dtype; fp32 gradient buffers or shards, and a ZeRO-2 bucket's transient full gradients; fp32
-  masters and Adam moments — under ``optim.offload`` host memory, counted apart as
-  ``Measurement.host_optimizer`` with what the host's step allocates, as the planner counts them);
+  masters and Adam moments or Muon's momentum — under ``optim.offload`` host memory, counted
+  apart as ``Measurement.host_optimizer`` with what the host's step allocates, as the planner
+  counts them);
 - ``zero3_gathered``: ZeRO-3 layers gathered in full; ``comm_buffers``: what a collective
   allocated (gathered pieces, reduce-scatter inputs) and has not freed yet;
 - ``pipeline_in_flight``: activations received from the neighbouring stage, and what the forward
@@ -185,8 +186,11 @@ class Measurement:
                     self.host_optimizer += trace.to_host(t)
                 else:
                     trace.label(t, "optimizer")
-        if opt.offload:
+        if opt.offload:  # the elementwise steps run on the host (Muon's NS on the device)
             opt._adamw = self._on_host(opt._adamw)
+            if opt.muon is not None:
+                opt.muon._momenta = self._on_host(opt.muon._momenta)
+                opt.muon._apply = self._on_host(opt.muon._apply)
         buffers = opt.buffers
         buffers.gather = self._tagging(buffers.gather, "zero3")
         buffers.main_grad_for = self._tagging(buffers.main_grad_for, "gradients")
