@@ -364,6 +364,74 @@ def test_zero_stages_step_as_one_process_bitwise():
                 assert torch.equal(params[n], p), (key, rank, n)
 
 
+def _muon_events(rank, world):
+    """One Muon step under ZeRO-1 (small buckets: several hold matrices), logging in order what
+    the step does with the shard group and the iterations: each gather and reduce-scatter as it is
+    started and as its handle is waited for, and each Newton–Schulz call."""
+    import megapretrain.optim.muon as muon
+
+    ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
+    model = build(ps, tiny_args())
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(),
+                              OptimConfig(**MUON), "fp32", ps, zero=1, bucket_size_mb=0.01)
+    opt.hook_models([model])
+    opt.zero_grad()
+    with opt.grad_sync(last=True):
+        _loss(model, tokens).backward()
+    opt.reduce_grads()
+    events, group, ns = [], ps.dp_shard, muon.newton_schulz
+
+    class Logged:
+        def __init__(self, name, work):
+            self.name, self.work = name, work
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+            self.work.wait()
+
+    def logged(name, start):
+        def call(*args):
+            events.append(name)
+            return Logged(name, start(*args))
+        return call
+
+    def counted(*args, **kw):
+        events.append("ns")
+        return ns(*args, **kw)
+    step = opt.muon.step
+
+    def muon_step(*args):
+        group.all_gather_async = logged("gather", group.all_gather_async)
+        group.reduce_scatter_async = logged("reduce_scatter", group.reduce_scatter_async)
+        muon.newton_schulz = counted
+        try:
+            step(*args)
+        finally:
+            del group.all_gather_async, group.reduce_scatter_async
+            muon.newton_schulz = ns
+    opt.muon.step = muon_step
+    opt.step(1e-2)
+    return events, len(opt.muon.work)
+
+
+def test_muon_collectives_run_under_the_iterations():
+    """Sharded, every bucket's gather is started before the first iteration, each bucket's
+    reduce-scatter is started as soon as its owner is done (before the next bucket's
+    iterations), and none is waited for before the last iteration: the collectives run
+    asynchronously, under the iterations."""
+    from distributed import run_distributed
+
+    for events, buckets in run_distributed(_muon_events, 2, timeout=300):
+        assert buckets > 1
+        flow = [e for e in events if e != "ns"]
+        assert flow == ["gather"] * buckets + ["wait gather", "reduce_scatter"] * buckets \
+            + ["wait reduce_scatter"] * buckets
+        first_wait, last_start = events.index("wait gather"), \
+            len(events) - 1 - events[::-1].index("reduce_scatter")
+        iterations = [i for i, e in enumerate(events) if e == "ns"]
+        assert iterations and first_wait < min(iterations) and max(iterations) < last_start
+
+
 def test_trainer_resume_is_bitwise(corpus, tmp_path):
     """The trainer with Muon (bf16 iterations): 3 iterations, stop, resume to 6 gives the losses
     and grad norms of 6 straight, bit for bit."""

@@ -16,7 +16,13 @@ from megapretrain.monitor.flops import DEVICES
 from megapretrain.optim.muon import is_muon_matrix, newton_schulz
 from megapretrain.planner import Layout, estimate, layer_params
 from megapretrain.planner.memory import stage_memory
-from megapretrain.planner.optimizer import OptimizerSpec, muon_layer_params, ns_flops, ns_seconds
+from megapretrain.planner.optimizer import (
+    OptimizerSpec,
+    muon_layer_params,
+    muon_step_seconds,
+    ns_flops,
+    ns_seconds,
+)
 from megapretrain.simulate.run import planned, resolve_for_simulation, simulate_rank
 
 from helpers import tiny_args
@@ -77,6 +83,39 @@ def test_newton_schulz_work_is_balanced_over_the_shard_ranks():
     four = ns_seconds(args, 4, 4, 5, 1e12)  # 28 matrices over 4 ranks: a quarter or a bit more
     assert total / 4 <= four < total / 2
     assert ns_seconds(args, 4, 64, 5, 1e12) < four
+
+
+def test_muon_collectives_are_counted_where_the_iterations_do_not_hide_them():
+    """The planner's replay of Muon's step: without collectives it is the busiest rank's
+    iterations; without iterations, the gathers and reduce-scatters back to back; with both,
+    less than the two one after the other (the collectives run under the iterations) and no
+    less than either."""
+    args = _args()
+
+    def step(gemm_s, ring_s):
+        return muon_step_seconds(args, 4, 4, 1, False, 5, 2, gemm_s, ring_s, lambda b: 0.0)
+
+    gemm = lambda m, n, k: 2.0 * m * n * k / 1e12
+    ring = lambda nbytes: nbytes / 1e8
+    ns, alone = step(gemm, lambda b: 0.0)
+    assert alone == ns == ns_seconds(args, 4, 4, 5, 1e12)
+    _, comm = step(lambda m, n, k: 0.0, ring)
+    assert comm == pytest.approx(2 * 4 * muon_layer_params(args) * 2 / 1e8)
+    busiest, both = step(gemm, ring)
+    assert busiest == ns and max(ns, comm) <= both < ns + comm
+
+
+def test_muon_share_of_the_8b_step_is_within_3_percent():
+    """llama3_8b at its layout on 64 H100s: Muon's step (iterations and what its collectives
+    leave exposed) is at most 3% of the step, as tools/plan.py --optim.optimizer muon prints."""
+    from megapretrain.planner.model import estimate_run
+    from megapretrain.resolve import resolve
+
+    cfg = load_config(os.path.join(ROOT, "configs", "llama3_8b.yaml"),
+                      ["--optim.optimizer", "muon"])
+    est = estimate_run(cfg, resolve(cfg, 64).layout, DEVICES["h100"])
+    assert est.time["optimizer_ns"] > 0 and est.time["optimizer_comm"] > 0
+    assert est.time["optimizer"] <= 0.03 * est.time["total"]
 
 
 def test_muon_adds_time_and_traffic():

@@ -193,7 +193,7 @@ def report(s: dict, checked: bool) -> str:
         + f" (recompute {t['recompute']:.2f})",
         f"  optimizer   {s['optimizer']} (moments {s['moments_dtype']}): {t['optimizer']:.3f} s, "
         f"{s['optimizer_share']:.2%} of the step"
-        + (f" (Newton–Schulz {t['optimizer_ns']:.3f} s, its collectives "
+        + (f" (Newton–Schulz {t['optimizer_ns']:.3f} s, its collectives exposed "
            f"{t['optimizer_comm']:.3f} s)" if s['optimizer'] == "muon" else ""),
         f"  throughput  {s['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {s['tokens_per_s']:,.0f} "
         f"tokens/s; MFU {s['mfu']:.1%}, HFU {s['hfu']:.1%}; {s['tflops_per_gpu']:.0f} TFLOP/s/GPU "

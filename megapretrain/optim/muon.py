@@ -13,19 +13,27 @@ A fused weight is orthogonalized per logical matrix (its spec's ``row_parts``: G
 rows grouped per kv head, gives q, k and v), as separate linears would be.
 
 Momentum and U are elementwise, so each rank computes them on its own fragments (its ZeRO shard:
-flat ranges that may cut a matrix anywhere). Only NS needs whole matrices. Per bucket holding Muon
-matrices, one step:
+flat ranges that may cut a matrix anywhere). Only NS needs whole matrices. One step:
 
-1. zero ≥ 1: every rank's U fragments are all-gathered over ``dp_shard`` into a bucket-sized fp32
-   buffer (the same traffic as the post-step parameter all-gather, in fp32);
-2. each matrix is orthogonalized on one dp rank only, its *owner*: matrices are assigned to the
-   ``dp_shard`` ranks greedily by size, largest first, to the least loaded rank (zero 0: every
-   rank holds every gradient and computes every matrix, as a replicated optimizer would); under
-   tp the owner's tp group all-gathers the matrix's column or row shards and each of its tp ranks
-   runs NS on the whole matrix and keeps its own shard;
-3. the owners write O into the zeroed buffer, which is reduce-scattered over ``dp_shard`` (every
-   other rank adds zeros: exact), leaving each rank O for its own fragments, where the update
+1. zero ≥ 1: per bucket holding Muon matrices, every rank's U fragments are all-gathered over
+   ``dp_shard`` into a bucket-sized buffer, in the iteration's dtype (NS casts to it first: the
+   same bits, half the bytes in bf16); every bucket's gather is started before any is waited for;
+2. bucket by bucket, as its gather completes, each matrix is orthogonalized on one dp rank only,
+   its *owner*: matrices are assigned to the ``dp_shard`` ranks greedily by size, largest first,
+   to the least loaded rank (zero 0: every rank holds every gradient and computes every matrix,
+   as a replicated optimizer would); under tp the owner's tp group all-gathers the matrix's
+   column or row shards and each of its tp ranks runs NS on the whole matrix and keeps its own
+   shard;
+3. the owners write O into the bucket's zeroed buffer, whose reduce-scatter over ``dp_shard``
+   (every other rank adds zeros: exact) is started at once, leaving each rank O for its own
+   fragments while the next buckets compute; once every reduce-scatter has completed, the update
    applies elementwise.
+
+So the gathers run under the first buckets' iterations and the reduce-scatters under the later
+ones'; each rank waits only for what its iterations did not hide (``planner/optimizer.py``'s
+``muon_step_seconds`` replays this order). The buffers of every bucket are held until the step's
+end: the stage's Muon matrices once, tp-local, in the iteration's dtype — after the backward has
+freed its activations.
 
 A step whose grad norm is not finite changes nothing (masked where the state lives, as AdamW's).
 
@@ -194,33 +202,41 @@ class MuonStep:
     @torch.no_grad()
     def step(self, lr: float, found_inf: torch.Tensor) -> None:
         """One Muon step at the schedule's rate ``lr`` (AdamW's: scaled by ``lr_ratio``), skipped
-        where ``found_inf`` (0-d bool) is set. Under ``optim.offload`` the momentum and the masters
-        are host memory: the momentum and the update run there, NS and its collectives on the
+        where ``found_inf`` (0-d bool) is set. Sharded, its collectives overlap its iterations:
+        every bucket's gather is started first; each bucket's matrices are orthogonalized as its
+        gather completes and the reduce-scatter of its results started at once; the updates
+        apply once all have completed. Under ``optim.offload`` the momentum and the masters are
+        host memory: the momentum and the update run there, NS and its collectives on the
         device."""
+        if not self.work:
+            return
         lr = lr * self.settings.lr_ratio
-        for s, frags in self.work:
-            skip = found_inf.to(s.master.device)  # (the host's copy when offloaded)
-            # 1. momentum and the update to orthogonalize, on this rank's fragments
-            u_shard = self._momenta(s, frags, skip)  # (shard,) fp32 where the masters are
-            if self.offload:  # to the device, where the matrices are assembled
-                u_shard = u_shard.to(s.bucket.grad_shard.device, copy=True)
-            # 2. whole (tp-local) matrices, orthogonalized by their owners
-            b = s.bucket
-            full = self._gather(u_shard, b)  # (bucket,) fp32, or the shard itself (zero 0)
-            done = {}
-            for p, shape, off in zip(b.params, b.shapes, b.offsets):
-                spec = self.spec_of[id(p)]
-                if is_muon_matrix(spec) and self._mine(spec.name):
-                    local = full[off:off + shape.numel()].view(shape)
-                    done[off] = self._orthogonalize(local, spec)
-            # 3. each rank's O for its own fragments
-            if self.sharded:
-                full.zero_()
-            for off, o in done.items():
-                full[off:off + o.numel()].copy_(o.reshape(-1))
-            o_shard = self._scatter(full, u_shard)  # (shard,) fp32 on the device
-            # 4. the update, elementwise on the masters
+        skip = found_inf.to(self.work[0][0].master.device)  # (the host's copy when offloaded)
+        # 1. momentum and the update to orthogonalize, every bucket's gather in flight
+        gathers = [self._start_gather(s, frags, skip) for s, frags in self.work]
+        # 2. whole (tp-local) matrices, orthogonalized by their owners bucket by bucket, each
+        #    bucket's results on their way back while the next one computes
+        scatters = [self._orthogonalize_bucket(s.bucket, full, work)
+                    for (s, _), (full, work) in zip(self.work, gathers)]
+        # 3. the update, elementwise on the masters, once each rank holds O for its fragments
+        for (s, frags), (o_shard, work) in zip(self.work, scatters):
+            if work is not None:
+                work.wait()
             self._apply(s, frags, o_shard, lr, skip)
+
+    def _start_gather(self, s, frags, skip: torch.Tensor):
+        """Momentum and U on this rank's fragments of ``s``'s bucket; returns (the bucket's U, a
+        handle for its gather over ``dp_shard``, or None). Sharded, U travels in the iteration's
+        dtype (NS casts to it first: the same bits) into a bucket-sized buffer on the device."""
+        u_shard = self._momenta(s, frags, skip)  # (shard,) fp32 where the masters are
+        if self.offload:  # to the device, where the matrices are assembled
+            u_shard = u_shard.to(s.bucket.grad_shard.device, copy=True)
+        if not self.sharded:
+            return u_shard, None  # the shard is the whole bucket
+        dtype = self.settings.ns_dtype
+        wire = u_shard.to(dtype)
+        full = torch.empty(s.bucket.numel, dtype=dtype, device=wire.device)
+        return full, self.ps.dp_shard.all_gather_async(full, wire)
 
     def _momenta(self, s, frags: list, skip: torch.Tensor) -> torch.Tensor:
         """Each fragment's momentum, stepped (kept where ``skip``), and the update U it gives, in a
@@ -234,6 +250,28 @@ class MuonStep:
             buf.copy_(torch.where(skip, buf, new))
         return u_shard
 
+    def _orthogonalize_bucket(self, b, full: torch.Tensor, gathered):
+        """NS of the bucket's matrices this rank owns, once ``gathered`` completes; returns (this
+        rank's O for its shard, a handle for the reduce-scatter that brings it, or None). The
+        owners write O into the zeroed buffer; every other rank adds zeros: exact."""
+        if gathered is not None:
+            gathered.wait()
+        done = {}
+        for p, shape, off in zip(b.params, b.shapes, b.offsets):
+            spec = self.spec_of[id(p)]
+            if is_muon_matrix(spec) and self._mine(spec.name):
+                local = full[off:off + shape.numel()].view(shape)
+                done[off] = self._orthogonalize(local, spec)
+        if self.sharded:
+            full.zero_()
+        for off, o in done.items():
+            full[off:off + o.numel()].copy_(o.reshape(-1))
+        if not self.sharded:
+            return full, None
+        o_shard = torch.empty(full.numel() // self.ps.dp_shard.size, dtype=full.dtype,
+                              device=full.device)
+        return o_shard, self.ps.dp_shard.reduce_scatter_async(o_shard, full)
+
     def _apply(self, s, frags: list, o_shard: torch.Tensor, lr: float, skip: torch.Tensor) -> None:
         """W ← W · (1 − γλ) − γ · adjust(shape) · O on each fragment's master (kept where
         ``skip``), ``o_shard`` O over the shard (copied to the host first when offloaded)."""
@@ -241,33 +279,17 @@ class MuonStep:
         if self.offload:
             o_shard = o_shard.to(s.master.device, copy=True)
         for f in frags:
-            w, o = f.of(s.master), f.of(o_shard)
+            w, o = f.of(s.master), f.of(o_shard).float()  # (bf16 values: exact)
             new = w.mul(1 - lr * (m.weight_decay if f.spec.weight_decay else 0.0))
             for lo, hi, shape in part_runs(f.spec, f.start, f.end):
                 new[lo:hi].add_(o[lo:hi], alpha=-adjusted_lr(lr, m.adjust_lr, shape))
             w.copy_(torch.where(skip, w, new))
 
-    def _gather(self, u_shard: torch.Tensor, b) -> torch.Tensor:
-        if not self.sharded:
-            return u_shard  # the shard is the whole bucket
-        full = torch.empty(b.numel, dtype=torch.float32, device=u_shard.device)
-        work = self.ps.dp_shard.all_gather_async(full, u_shard)
-        if work is not None:
-            work.wait()
-        return full
-
-    def _scatter(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if not self.sharded:
-            return full
-        work = self.ps.dp_shard.reduce_scatter_async(out, full)
-        if work is not None:
-            work.wait()
-        return out
-
     def _orthogonalize(self, local: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
         """NS of each logical matrix of the parameter whose tp shard of U is ``local``; returns
-        this rank's tp shard of O (fp32 holding bf16 values)."""
+        this rank's tp shard of O, in the iteration's dtype."""
         tp = self.ps.tp
+        local = local.to(self.settings.ns_dtype)  # NS casts first: the same bits, fewer bytes
         whole = tp.all_gather(local, spec.tp_dim) if spec.tp_dim is not None else local
         parts = logical_parts(whole, spec.row_parts)
         ns = self.settings

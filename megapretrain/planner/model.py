@@ -67,7 +67,7 @@ from ..parallel.pipeline import Schedule, resolve_schedule
 from .comm import context_comm_s, context_modes, kv_copies
 from .fp8 import check_fp8_peak, fp8_delta, fp8_memory
 from .memory import stage_memory, stage_params
-from .optimizer import ADAMW, OptimizerSpec, muon_traffic_bytes, ns_seconds
+from .optimizer import ADAMW, OptimizerSpec, muon_step_seconds
 from .pipeline import (
     deferred_bytes_per_token,
     head_stage,
@@ -412,8 +412,7 @@ def estimate(model: ModelArgs, seq: int, layout: Layout, global_batch: int, devi
     data, step_s = _data_parallel_s(device, L, params, m, f, b, n,
                                     params - n * muon_layer / tp
                                     if optimizer.moments_dtype == "bf16" else 0)
-    muon_ns, muon_comm = _muon_s(model, device, L, n, n * muon_layer / tp, optimizer.ns_steps) \
-        if muon_layer else (0.0, 0.0)
+    muon_ns, muon_comm = _muon_s(model, device, L, n, optimizer) if muon_layer else (0.0, 0.0)
     step = step_s + muon_ns + muon_comm
     bw_pp, lat_pp = _bandwidth(device, pp, tp * cp * dp)
     p2p = 2 * m * vpp * (act_bytes / (tp if sp else 1) / bw_pp + lat_pp) if pp > 1 else 0.0
@@ -480,20 +479,21 @@ def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float,
     return data, memory_s(device, params * 4.0 / (n if L.zero >= 2 else 1) + state, 4)
 
 
-def _muon_s(model: ModelArgs, device: Device, L: Layout, layers: int, muon_params: float,
-            ns_steps: int) -> tuple[float, float]:
-    """(Newton–Schulz, collectives) seconds of Muon's step on the busiest rank of a stage with
-    ``layers`` decoder layers and ``muon_params`` (tp-local) Muon parameters: the iterations of
-    the matrices the rank owns (:func:`~.optimizer.ns_seconds`, bf16 GEMMs as :func:`gemm_s`
-    times them, every tp rank of the owner on the whole matrix), the shard group's all-gather and
-    reduce-scatter of the fp32 updates and the owner's tp all-gather, none overlapped."""
+def _muon_s(model: ModelArgs, device: Device, L: Layout, layers: int,
+            optimizer: OptimizerSpec) -> tuple[float, float]:
+    """(Newton–Schulz, exposed collectives) seconds of Muon's step on a stage with ``layers``
+    decoder layers (:func:`~.optimizer.muon_step_seconds`): the iterations of the busiest rank's
+    matrices, bf16 GEMMs as :func:`gemm_s` times them (every tp rank of the owner on the whole
+    matrix), then what of the shard group's gathers and reduce-scatters of the updates (in
+    ``optim.muon_ns_precision``) and of the owners' tp all-gathers the iterations leave
+    exposed, as the dp gradient reductions count only what the backward does not hide."""
     sharded = L.zero >= 1 and L.shard_ranks > 1
-    ns = ns_seconds(model, layers, L.shard_ranks if sharded else 1, ns_steps, 0.0,
-                    lambda m, n, k: gemm_s(device, m, n, k))
-    traffic = muon_traffic_bytes(muon_params, L.tp, L.shard_ranks, L.zero)
-    comm = 2 * _ring_s(device, L.shard_ranks, L.tp, traffic["shard"]) \
-        + _ring_s(device, L.tp, 1, traffic["tp"])
-    return ns, comm
+    ns, total = muon_step_seconds(
+        model, layers, L.shard_ranks if sharded else 1, L.tp, L.zero == 3, optimizer.ns_steps,
+        optimizer.wire_bytes, lambda m, n, k: gemm_s(device, m, n, k),
+        lambda nbytes: _ring_s(device, L.shard_ranks, L.tp, nbytes),
+        lambda nbytes: _ring_s(device, L.tp, 1, nbytes))
+    return ns, total - ns
 
 
 def recompute_flops_per_token(args: ModelArgs, seq: int, recompute: str) -> float:

@@ -8,9 +8,11 @@ bf16``) or, for a Muon matrix (a 2-D weight inside a decoder layer), one fp32 mo
 Muon's step adds, per decoder matrix: ``ns_steps`` Newton–Schulz iterations on each logical matrix
 (:func:`ns_flops`), computed on one rank of the ZeRO shard group (its owner: largest first to the
 least loaded rank, as ``optim/muon.assign_owners``; zero 0 or one shard rank: every rank runs
-every matrix), by every tp rank of the owner on the whole matrix; and its traffic: the fp32 update
-all-gathered and reduce-scattered over the shard group (zero ≥ 1), and each owned matrix's tp
-shards all-gathered (fp32) over tp.
+every matrix), by every tp rank of the owner on the whole matrix; and its traffic: the update
+all-gathered and its result reduce-scattered over the shard group (zero ≥ 1), and each owned
+matrix's tp shards all-gathered over tp, all in the iteration's dtype (bf16: 2 bytes, fp32: 4).
+Its time is :func:`muon_step_seconds`: the program's own order of those collectives and
+iterations, only what the iterations do not hide counted.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ class OptimizerSpec:
     moments_dtype: str = "fp32"
     ns_steps: int = 5
     offload: bool = False
+    ns_precision: str = "bf16"  # Muon's iterations, and the dtype its updates travel in
 
     @classmethod
     def of(cls, optim) -> OptimizerSpec:
         """A config's ``optim`` section (:class:`~megapretrain.config.OptimConfig`)."""
-        return cls(optim.optimizer, optim.moments_dtype, optim.muon_ns_steps, optim.offload)
+        return cls(optim.optimizer, optim.moments_dtype, optim.muon_ns_steps, optim.offload,
+                   optim.muon_ns_precision)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes per element of Muon's collectives: the iteration's dtype."""
+        return muon_wire_bytes(self.ns_precision)
 
     @property
     def muon(self) -> bool:
@@ -48,6 +57,12 @@ class OptimizerSpec:
 
 
 ADAMW = OptimizerSpec()  # the default: AdamW, fp32 moments, the state on the device
+
+
+def muon_wire_bytes(ns_precision: str) -> int:
+    """Bytes per element Muon's updates and results travel in (``optim/muon.py``: the iteration's
+    dtype, which NS casts to first, so the same bits)."""
+    return 4 if ns_precision == "fp32" else 2
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
@@ -116,14 +131,9 @@ def checkpoint_state_bytes(params: float, muon_params: float, spec: OptimizerSpe
     return state_bytes(params, muon_params, "bf16", spec.name, spec.moments_dtype)
 
 
-def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: float,
-               gemm_seconds=None) -> float:
-    """Seconds of the Newton–Schulz work on the busiest rank of a stage with ``layers`` decoder
-    layers: its matrices owned over ``shard_ranks`` ranks as ``optim/muon.assign_owners`` does
-    (largest first to the least loaded rank; 1: every matrix on every rank), each matrix's
-    seconds its FLOPs at ``flops_s`` — or ``gemm_seconds(m, n, k)`` per matmul where given."""
-    shapes = _logical_shapes(model)
-
+def _ns_cost(model, ns_steps: int, flops_s: float, gemm_seconds=None) -> dict[str, float]:
+    """Seconds of the iterations on each Muon parameter of a layer (all its logical matrices):
+    its FLOPs at ``flops_s``, or ``gemm_seconds(m, n, k)`` per matmul where given."""
     def seconds(parts: list[tuple[int, int]]) -> float:
         total = 0.0
         for rows, cols in parts:
@@ -133,27 +143,69 @@ def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: flo
                 m, n = min(rows, cols), max(rows, cols)
                 total += ns_steps * (2 * gemm_seconds(m, m, n) + gemm_seconds(m, m, m))
         return total
+    return {name: seconds(parts) for name, parts in _logical_shapes(model).items()}
 
-    cost = {f"{i}.{name}": seconds(parts) for i in range(layers)
-            for name, parts in shapes.items()}
+
+def _owners(model, layers: int, shard_ranks: int) -> dict[str, int]:
+    """The owner of each of a stage's Muon parameters (``"{layer}.{name}"``), as the optimizer
+    assigns them by the whole matrix's size."""
+    shapes = dict(layer_matrices(model))
+    return assign_owners({f"{i}.{name}": math.prod(shape) for i in range(layers)
+                          for name, shape in shapes.items()}, shard_ranks)
+
+
+def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: float,
+               gemm_seconds=None) -> float:
+    """Seconds of the Newton–Schulz work on the busiest rank of a stage with ``layers`` decoder
+    layers: its matrices owned over ``shard_ranks`` ranks as ``optim/muon.assign_owners`` does
+    (largest first to the least loaded rank; 1: every matrix on every rank), each matrix's
+    seconds its FLOPs at ``flops_s`` — or ``gemm_seconds(m, n, k)`` per matmul where given."""
+    cost = _ns_cost(model, ns_steps, flops_s, gemm_seconds)
     if shard_ranks <= 1:
-        return sum(cost.values())
-    # owners by the matrix's size, as the optimizer assigns them; the load in seconds
-    sizes = {k: math.prod(dict(layer_matrices(model))[k.split(".", 1)[1]]) for k in cost}
-    owners = assign_owners(sizes, shard_ranks)
+        return layers * sum(cost.values())
     load = [0.0] * shard_ranks
-    for k, rank in owners.items():
-        load[rank] += cost[k]
+    for key, rank in _owners(model, layers, shard_ranks).items():
+        load[rank] += cost[key.split(".", 1)[1]]
     return max(load)
 
 
-def muon_traffic_bytes(muon_params_rank: float, tp: int, shard_ranks: int,
-                       zero: int) -> dict:
-    """Bytes each Muon collective of one step moves on a rank, before the ring's (n − 1)/n:
-    ``shard``: the fp32 updates of the rank's (tp-local) Muon parameters, all-gathered then
-    reduce-scattered over the shard group (zero ≥ 1); ``tp``: the whole fp32 matrices the rank's
-    tp group gathers — its owned share (all under zero 0)."""
-    sharded = zero >= 1 and shard_ranks > 1
-    owned = muon_params_rank / (shard_ranks if sharded else 1)
-    return {"shard": muon_params_rank * 4.0 if sharded else 0.0,
-            "tp": owned * tp * 4.0 if tp > 1 else 0.0}
+def muon_step_seconds(model, layers: int, shard_ranks: int, tp: int, per_layer_bucket: bool,
+                      ns_steps: int, wire: int, gemm_seconds, shard_ring, tp_ring
+                      ) -> tuple[float, float]:
+    """(Newton–Schulz seconds of the busiest rank, seconds of the whole Muon step) on a stage of
+    ``layers`` decoder layers, replaying ``optim/muon.MuonStep.step``'s order: every bucket's
+    update gathered over the shard group, one after another, all started at once; each rank then
+    goes through the buckets in order, waiting for each one's gather and orthogonalizing the
+    matrices it owns (after a synchronous tp all-gather of each: ``tp_ring(bytes)``); each
+    bucket's reduce-scatter, started by every rank once it has passed that bucket, runs after
+    the gathers and the previous reduce-scatters (one group: in the order issued). The step ends
+    with the last reduce-scatter. Buckets: one per parameter, in the buffers' order (the last
+    layer first) — at the planner's sizes every decoder matrix fills a 32 MB bucket by itself —
+    or one per layer (``per_layer_bucket``: ZeRO-3's units). Unsharded (``shard_ranks`` 1, or
+    zero 0): every rank runs every matrix, nothing to gather over dp."""
+    cost = _ns_cost(model, ns_steps, 0.0, gemm_seconds)
+    specs = [s for s in one_layer_specs(model).values() if s.layer == 0 and is_muon_matrix(s)]
+    local = {s.name: math.prod(s.shape) / (tp if s.tp_dim is not None else 1) for s in specs}
+    gather = {s.name: tp_ring(local[s.name] * tp * wire) if tp > 1 and s.tp_dim is not None else 0.0
+              for s in specs}
+    names = [s.name for s in reversed(specs)]  # the buffers' order: reversed
+    if shard_ranks <= 1:
+        ns = layers * sum(cost.values())
+        return ns, ns + layers * sum(gather.values())
+    owner = _owners(model, layers, shard_ranks)
+    buckets = [[(i, n) for n in names] for i in reversed(range(layers))] if per_layer_bucket \
+        else [[(i, n)] for i in reversed(range(layers)) for n in names]
+    comm, gathered = 0.0, []  # the gathers, back to back
+    for b in buckets:
+        comm += shard_ring(sum(local[n] for _, n in b) * wire)
+        gathered.append(comm)
+    free, load, passed = [0.0] * shard_ranks, [0.0] * shard_ranks, []
+    for b, ready in zip(buckets, gathered):
+        for i, n in b:
+            r = owner[f"{i}.{n}"]
+            free[r] = max(free[r], ready) + gather[n] + cost[n]
+            load[r] += cost[n]
+        passed.append(max(ready, *free))  # every rank past this bucket: its reduce-scatter starts
+    for b, start in zip(buckets, passed):
+        comm = max(comm, start) + shard_ring(sum(local[n] for _, n in b) * wire)
+    return max(load), comm

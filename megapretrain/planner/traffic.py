@@ -25,9 +25,10 @@ reduce-scatter its whole input, a receive the tensor it gets.
   with hybrid sharding, the parameters all-gathered after the step (zero 1, 2) or around each use
   (zero 3: twice per micro-batch and layer, the roots once per step; ``parallel/zero3.py``); the
   grad norm's and the loss's scalars;
-- Muon (``optim/muon.py``): per bucket holding a decoder matrix, the fp32 updates all-gathered and
-  the results reduce-scattered over the shard group (zero ≥ 1), and each matrix the rank owns
-  (every one under zero 0) gathered whole over tp in fp32.
+- Muon (``optim/muon.py``): per bucket holding a decoder matrix, the updates all-gathered and the
+  results reduce-scattered over the shard group (zero ≥ 1), and each matrix the rank owns (every
+  one under zero 0) gathered whole over tp, all in the iteration's dtype
+  (``optim.muon_ns_precision``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Schedule, resolve_schedule
 from .memory import chunk_layer_counts, chunk_placement, weight_bytes
+from .optimizer import muon_wire_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,10 +77,10 @@ def group_names(layout: Layout) -> dict:
 def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micro_batches: int, *,
                   precision: str = "bf16", schedule: str = "auto", device: str = "cuda",
                   bucket_mb: float = 32.0, keep_gathered: bool = False, optimizer: str = "adamw",
-                  shard_rank: int = 0) -> Traffic:
+                  shard_rank: int = 0, ns_precision: str = "bf16") -> Traffic:
     """A rank of stage ``pp_rank``: ``micro_batches`` per step and dp rank; ``device``: the
     program's (its loss chunks); ``optimizer`` muon: its collectives too, ``shard_rank`` the
-    rank's place in the ZeRO shard group (which matrices it owns)."""
+    rank's place in the ZeRO shard group (which matrices it owns), in ``ns_precision``."""
     out = Traffic()
     L, micro = layout, micro_batches
     kind = resolve_schedule(schedule, L.pp, L.vpp, micro, default=L.pp_schedule)
@@ -88,7 +90,7 @@ def stage_traffic(model: ModelArgs, seq: int, layout: Layout, pp_rank: int, micr
     _context_parallel(out, model, seq, layout, chunks, micro_batches, precision)
     _pipeline(out, model, seq, layout, pp_rank, micro_batches, precision, kind)
     _data_parallel(out, layout, by_chunk, micro_batches, precision, bucket_mb, keep_gathered,
-                   optimizer == "muon", shard_rank)
+                   optimizer == "muon", shard_rank, muon_wire_bytes(ns_precision))
     return out
 
 
@@ -172,7 +174,7 @@ def _pipeline(out: Traffic, model: ModelArgs, seq: int, L: Layout, pp_rank: int,
 
 def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precision: str,
                    bucket_mb: float, keep_gathered: bool, muon: bool = False,
-                   shard_rank: int = 0) -> None:
+                   shard_rank: int = 0, muon_wire: int = 2) -> None:
     names, w = group_names(L), weight_bytes(precision)
     replicated = L.dp * L.cp  # ranks holding the same parameters
     n = L.shard or replicated  # buckets are padded for this many shards, whatever the ZeRO stage
@@ -205,7 +207,7 @@ def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precisio
             out.add(names["shard"], "all_gather", numel // n * w,
                     _zero3_gathers(bucket, spec_of, L, micro, keep_gathered))
     if muon:
-        _muon(out, L, buckets, spec_of, names["shard"], n, shard_rank)
+        _muon(out, L, buckets, spec_of, names["shard"], n, shard_rank, muon_wire)
     if L.zero and n > 1:
         out.add(names["shard"], "all_reduce", 4)  # the grad norm's sum of squares
     if L.pp * L.tp > 1:
@@ -215,21 +217,21 @@ def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precisio
 
 
 def _muon(out: Traffic, L: Layout, buckets: list, spec_of: dict, shard_group: str, n: int,
-          shard_rank: int) -> None:
-    """Muon's step (``optim/muon.py``): per bucket holding a decoder matrix, its fp32 updates
+          shard_rank: int, wire: int) -> None:
+    """Muon's step (``optim/muon.py``): per bucket holding a decoder matrix, its updates
     all-gathered and the results reduce-scattered over the shard group (zero ≥ 1); each matrix
-    the rank owns (every one, unsharded) gathered whole over tp, fp32."""
+    the rank owns (every one, unsharded) gathered whole over tp; ``wire`` bytes an element."""
     sharded = L.zero >= 1 and n > 1
     mine = [(p, spec_of[id(p)]) for bucket, _, _ in buckets for p in bucket
             if is_muon_matrix(spec_of[id(p)])]
     for bucket, _, numel in buckets:
         if sharded and any(is_muon_matrix(spec_of[id(p)]) for p in bucket):
-            out.add(shard_group, "all_gather", numel // n * 4)
-            out.add(shard_group, "reduce_scatter", numel * 4)
+            out.add(shard_group, "all_gather", numel // n * wire)
+            out.add(shard_group, "reduce_scatter", numel * wire)
     owner = assign_owners({s.name: math.prod(s.shape) for _, s in mine}, n) if sharded else {}
     for p, s in mine:
         if L.tp > 1 and s.tp_dim is not None and owner.get(s.name, shard_rank) == shard_rank:
-            out.add("tp", "all_gather", p.numel() * 4)
+            out.add("tp", "all_gather", p.numel() * wire)
 
 
 def _zero3_gathers(bucket: list, spec_of: dict, L: Layout, micro: int, keep_gathered: bool) -> int:

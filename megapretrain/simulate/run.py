@@ -120,7 +120,8 @@ def planned(cfg: Config, run: Resolved, pp_rank: int, device: str = "cuda",
     traffic = stage_traffic(run.model, t.seq_length, run.layout, pp_rank, run.sizes.grad_accum,
                             precision=t.precision, schedule=p.pp_schedule, device=device,
                             bucket_mb=p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
-                            optimizer=cfg.optim.optimizer, shard_rank=shard_rank)
+                            optimizer=cfg.optim.optimizer, shard_rank=shard_rank,
+                            ns_precision=cfg.optim.muon_ns_precision)
     nbytes, calls = traffic.as_dicts()
     return {"planned_peak_bytes": int(est.pop("total")),
             "planned_breakdown": {k: int(v) for k, v in est.items()}, "planned_comm_bytes": nbytes,
