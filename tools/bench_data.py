@@ -30,6 +30,7 @@ import tempfile
 import time
 import tracemalloc
 import warnings
+from collections.abc import Iterator
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 import numpy as np
@@ -294,12 +295,12 @@ def bench_blend(args) -> None:
 # -- start-up of a large blend -------------------------------------------------------------------------
 
 def lengths_only_prefix(prefix: str, lengths, dtype=np.uint16) -> None:
-    """A dataset prefix whose .idx holds ``lengths`` (an array, or a list of arrays: its blocks,
-    in order) and whose .bin is a sparse file of the right size (all-zero tokens, no disk blocks):
-    what index building reads, at no cost in disk."""
+    """A dataset prefix whose .idx holds ``lengths`` (an array, or an iterable of arrays: its
+    blocks, in order) and whose .bin is a sparse file of the right size (all-zero tokens, no disk
+    blocks): what index building reads, at no cost in disk."""
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype)
     tokens = 0
-    for block in lengths if isinstance(lengths, list) else [lengths]:
+    for block in [lengths] if isinstance(lengths, np.ndarray) else lengths:
         builder._write_lengths(block)  # the index only: no tokens are written
         builder._docs_file.write((1 + builder.document_count
                                   + np.arange(block.size, dtype=np.int64)).tobytes())
@@ -310,13 +311,14 @@ def lengths_only_prefix(prefix: str, lengths, dtype=np.uint16) -> None:
 
 
 def synthetic_prefix_lengths(rng: np.random.Generator, documents: int,
-                             block: int = 1 << 24) -> list[np.ndarray]:
-    """Document lengths of 1-2047 tokens, ``documents`` of them, in blocks of ``block`` (a
-    prefix of 10^8 documents is made without holding its lengths as int64)."""
+                             block: int = 1 << 24) -> Iterator[np.ndarray]:
+    """Document lengths of 1-2047 tokens, ``documents`` of them, made block by block as they are
+    written (a prefix of 10^8 documents is made holding one block of ``block``)."""
     if documents <= block:
-        return [rng.integers(1, 2048, documents).astype(np.int32)]
-    return [rng.integers(1, 2048, min(block, documents - i), dtype=np.int32)
-            for i in range(0, documents, block)]
+        yield rng.integers(1, 2048, documents).astype(np.int32)
+        return
+    for i in range(0, documents, block):
+        yield rng.integers(1, 2048, min(block, documents - i), dtype=np.int32)
 
 
 def first_sample(prefixes: list[str], seq: int, samples: int, cache: str) -> None:
