@@ -664,3 +664,60 @@ def write_hf_llama(hf_dir: str, *, hidden: int, ffn: int, layers: int, vocab: in
                "torch_dtype": str(dtype).removeprefix("torch.")},
               open(os.path.join(hf_dir, "config.json"), "w"))
     return shapes
+
+
+# -- the dataset index as built whole, epoch by epoch ------------------------------------------------
+
+
+def lengths_only_prefix(prefix, lengths):
+    """A dataset prefix whose .idx holds ``lengths`` and whose .bin is a sparse file of the size
+    they make (no tokens written, no disk blocks): what building the indices reads."""
+    import numpy as np
+
+    from megapretrain.data.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    builder._write_lengths(np.asarray(lengths))
+    builder._docs_file.write((1 + np.arange(len(lengths), dtype=np.int64)).tobytes())
+    builder.document_count = len(lengths)
+    builder.finalize(prefix + ".idx")
+    os.truncate(prefix + ".bin", 2 * int(np.sum(lengths, dtype=np.int64)))
+
+
+def whole_epoch_gpt_indices(sequence_lengths, document_ids, seq_length, num_epochs, seed):
+    """doc_index, sample_index and shuffle_index built as they were before the build went by
+    chunks: every epoch's arrays whole in memory, in one piece. The streamed build must equal it
+    bit for bit (its cache files and the samples of runs that used them stay valid)."""
+    import numpy as np
+
+    from megapretrain.data.gpt_dataset import _documents_holding, _tokens_of, gpt_index_dtypes
+
+    document_ids = np.asarray(document_ids, dtype=np.int64)
+    tokens_per_epoch, s = _tokens_of(sequence_lengths, document_ids), int(seq_length)
+    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs)
+    parts, doc_base, row_base = [], 0, 0
+    for e in range(num_epochs):
+        first = -(-e * tokens_per_epoch // s)
+        count = -(-(e + 1) * tokens_per_epoch // s) - first
+        order = document_ids[np.random.default_rng([seed, e]).permutation(document_ids.size)]
+        order = order.astype(dtypes["doc_index"])
+        positions_first = first * s - e * tokens_per_epoch
+        needed = positions_first + count * s + 1 - tokens_per_epoch
+        wrap = order[:0]
+        if needed > 0:
+            head = np.tile(order, -(-needed // tokens_per_epoch))
+            cumulative = np.cumsum(sequence_lengths[head], dtype=np.int64)
+            wrap = head[: int(np.searchsorted(cumulative, needed, side="left")) + 1]
+        stream = np.concatenate([order, wrap])
+        starts = np.zeros(stream.size + 1, dtype=np.int64)
+        np.cumsum(sequence_lengths[stream], dtype=np.int64, out=starts[1:])
+        where = _documents_holding(starts, positions_first, s, count + 1)
+        rows = np.empty((count + 1, 2), dtype=dtypes["sample_index"])
+        np.add(where, doc_base, out=rows[:, 0], casting="unsafe")
+        rows[:, 1] = positions_first + np.arange(count + 1, dtype=np.int64) * s - starts[where]
+        samples = np.arange(row_base, row_base + count, dtype=dtypes["shuffle_index"])
+        np.random.default_rng([seed, e, 1 << 31]).shuffle(samples)
+        parts.append((stream, rows, samples))
+        doc_base, row_base = doc_base + stream.size, row_base + count + 1
+    return {name: np.concatenate([p[k] for p in parts])
+            for k, name in enumerate(("doc_index", "sample_index", "shuffle_index"))}

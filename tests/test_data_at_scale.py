@@ -1,13 +1,17 @@
 """The data path at the sizes of long runs, on small data: the compiled blend index against the
 reference loop (and megatron-core's helper), indices streamed to the cache and mapped rather than
-held, and ranks waiting for the builder with its progress."""
+held (an epoch built in chunks, bit for bit the whole-epoch build, under a memory cap), and ranks
+waiting for the builder with its progress."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import tracemalloc
 
@@ -24,7 +28,7 @@ from megapretrain.data.gpt_dataset import (
     index_bytes,
 )
 
-from helpers import make_corpus
+from helpers import ROOT, lengths_only_prefix, make_corpus, whole_epoch_gpt_indices
 
 
 def blend_weights():
@@ -102,6 +106,111 @@ def file_backed(arr: np.ndarray) -> bool:
     while arr is not None and not isinstance(arr, mmap.mmap):
         arr = getattr(arr, "base", None)
     return isinstance(arr, mmap.mmap)
+
+
+def epoch_cases():
+    """(lengths, document ids, seq_length, samples): several epochs with a partial last one,
+    ids that are not a range, an epoch shorter than a sample, empty documents at the start."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(0, 50, 400).astype(np.int32)
+    lengths[rng.random(400) < 0.2] = 0
+    empty_first = lengths.copy()
+    empty_first[:300] = 0
+    return [(lengths, range(400), 16, 3 * int(lengths.sum()) // 16 + 7),
+            (lengths, np.sort(rng.choice(400, 150, replace=False)), 8, 900),
+            (lengths[:6], range(6), 256, 5),
+            (empty_first, range(20, 400), 32, 200)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("case", range(4))
+def test_an_epoch_built_in_chunks_equals_the_whole_epoch_build(case, chunk):
+    """However small the chunk, the three arrays equal (values and dtypes) the build that held
+    each epoch whole, which the cache entries of earlier runs were written by."""
+    lengths, ids, seq, samples = epoch_cases()[case]
+    epochs = epochs_for(samples, int(lengths[np.asarray(ids)].sum()), seq)
+    expected = whole_epoch_gpt_indices(lengths, ids, seq, epochs, seed=case)
+    built = build_gpt_indices(lengths, ids, seq, epochs, case, chunk=chunk)
+    for name, array in expected.items():
+        assert built[name].dtype == array.dtype, name
+        np.testing.assert_array_equal(built[name], array, err_msg=name)
+
+
+def test_cache_files_do_not_depend_on_the_chunk(tmp_path, monkeypatch):
+    """A blend of three prefixes with cache entries of a few epochs: built seven documents or
+    samples at a time, every cache file is byte for byte the one a build of whole epochs writes
+    (one chunk each), each prefix's index is the whole-epoch build's, and so are the samples."""
+    prefixes = [str(tmp_path / name) for name in "abc"]
+    for k, prefix in enumerate(prefixes):
+        make_corpus(prefix, num_docs=40 + 15 * k, seed=k, first_token=1 + 1000 * k)
+    args = (f"0.5 {prefixes[0]} 0.3 {prefixes[1]} 0.2 {prefixes[2]}", [90, 10, 0], 8, 0,
+            {"train": 2000, "valid": 30})
+    monkeypatch.setattr(gpt_dataset, "EPOCH_GROUP_SAMPLES", 100)
+    files = {}
+    for chunk in (7, gpt_dataset.INDEX_CHUNK):
+        monkeypatch.setattr(gpt_dataset, "INDEX_CHUNK", chunk)
+        cache = str(tmp_path / f"cache_{chunk}")
+        datasets = gpt_dataset.build_gpt_datasets(*args, cache)
+        samples = [datasets["train"][i] for i in range(2000)]
+        files[chunk] = {f: open(os.path.join(cache, f), "rb").read() for f in os.listdir(cache)}
+    assert files[7] == files[gpt_dataset.INDEX_CHUNK] and len(files[7]) > 20
+    for part in datasets["train"].datasets:
+        ids, lengths = part.document_ids, part.indexed.sequence_lengths
+        expected = whole_epoch_gpt_indices(lengths, ids, 8, part.num_epochs, 0)
+        np.testing.assert_array_equal(part.doc_index, expected["doc_index"])
+        np.testing.assert_array_equal(part.sample_index, expected["sample_index"])
+        np.testing.assert_array_equal(part.shuffle_index,
+                                      expected["shuffle_index"][: part.num_samples])
+    whole = gpt_dataset.build_gpt_datasets(*args, None)["train"]
+    for i in (0, 1, 999, 1999):
+        np.testing.assert_array_equal(samples[i], whole[i])
+
+
+CAPPED_BUILD = """
+import json, resource, sys
+from megapretrain.data import gpt_dataset
+from megapretrain.data.indexed_dataset import IndexedDataset
+from helpers import whole_epoch_gpt_indices
+
+prefix, cache, samples, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+gpt_dataset.INDEX_CHUNK = 1 << 13
+indexed = IndexedDataset(prefix)
+data = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmData"))
+# private memory (heap, anonymous maps: every numpy array) capped; mapped files are not counted
+resource.setrlimit(resource.RLIMIT_DATA, (1024 * data + budget, resource.RLIM_INFINITY))
+ds = gpt_dataset.GPTDataset(indexed, range(len(indexed)), 32, samples, seed=1, cache_dir=cache)
+ds[samples - 1]  # builds the second (last) epoch
+try:
+    whole_epoch_gpt_indices(indexed.sequence_lengths, range(len(indexed)), 32, 2, 1)
+    whole = "built"
+except MemoryError:
+    whole = "MemoryError"
+print(json.dumps({"epochs": ds.num_epochs, "entries": len(ds._groups), "whole": whole}))
+"""
+
+
+def test_an_epoch_is_built_under_a_memory_cap(tmp_path):
+    """Two epochs of 1.6M samples over 1M documents built into the cache with 24 MiB of private
+    memory (RLIMIT_DATA) allowed beyond the process's start: the whole-epoch build (~100 MiB)
+    fails under the same cap, the streamed one succeeds and equals it bit for bit."""
+    lengths = np.random.default_rng(0).integers(1, 100, 1_000_000).astype(np.int32)
+    prefix, cache = str(tmp_path / "big"), str(tmp_path / "cache")
+    lengths_only_prefix(prefix, lengths)
+    samples = int(1.5 * lengths.sum(dtype=np.int64)) // 32
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", CAPPED_BUILD, prefix, cache, str(samples),
+                           str(24 << 20)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"epochs": 2, "entries": 2, "whole": "MemoryError"}, report
+    from megapretrain.data.indexed_dataset import IndexedDataset
+
+    mapped = GPTDataset(IndexedDataset(prefix), range(len(lengths)), 32, samples, seed=1,
+                        cache_dir=cache, build_indices=False, cache_wait_s=1.0)
+    expected = whole_epoch_gpt_indices(lengths, range(len(lengths)), 32, 2, 1)
+    np.testing.assert_array_equal(mapped.doc_index, expected["doc_index"])
+    np.testing.assert_array_equal(mapped.sample_index, expected["sample_index"])
+    np.testing.assert_array_equal(mapped.shuffle_index, expected["shuffle_index"][:samples])
 
 
 def test_indices_are_streamed_to_the_cache_and_mapped(tmp_path, monkeypatch):

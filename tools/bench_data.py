@@ -30,6 +30,7 @@ import tempfile
 import time
 import tracemalloc
 import warnings
+from collections.abc import Iterator
 
 import _tool  # noqa: F401  (the package installed, or one line saying how)
 import numpy as np
@@ -293,15 +294,31 @@ def bench_blend(args) -> None:
 
 # -- start-up of a large blend -------------------------------------------------------------------------
 
-def lengths_only_prefix(prefix: str, lengths: np.ndarray, dtype=np.uint16) -> None:
-    """A dataset prefix whose .idx holds ``lengths`` and whose .bin is a sparse file of the right
-    size (all-zero tokens, no disk blocks): what index building reads, at no cost in disk."""
+def lengths_only_prefix(prefix: str, lengths, dtype=np.uint16) -> None:
+    """A dataset prefix whose .idx holds ``lengths`` (an array, or an iterable of arrays: its
+    blocks, in order) and whose .bin is a sparse file of the right size (all-zero tokens, no disk
+    blocks): what index building reads, at no cost in disk."""
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype)
-    builder._write_lengths(lengths)  # the index only: no tokens are written
-    builder._docs_file.write((1 + np.arange(lengths.size, dtype=np.int64)).tobytes())
-    builder.document_count = lengths.size
+    tokens = 0
+    for block in [lengths] if isinstance(lengths, np.ndarray) else lengths:
+        builder._write_lengths(block)  # the index only: no tokens are written
+        builder._docs_file.write((1 + builder.document_count
+                                  + np.arange(block.size, dtype=np.int64)).tobytes())
+        builder.document_count += block.size
+        tokens += int(block.sum(dtype=np.int64))
     builder.finalize(prefix + ".idx")
-    os.truncate(prefix + ".bin", int(lengths.sum(dtype=np.int64)) * np.dtype(dtype).itemsize)
+    os.truncate(prefix + ".bin", tokens * np.dtype(dtype).itemsize)
+
+
+def synthetic_prefix_lengths(rng: np.random.Generator, documents: int,
+                             block: int = 1 << 24) -> Iterator[np.ndarray]:
+    """Document lengths of 1-2047 tokens, ``documents`` of them, made block by block as they are
+    written (a prefix of 10^8 documents is made holding one block of ``block``)."""
+    if documents <= block:
+        yield rng.integers(1, 2048, documents).astype(np.int32)
+        return
+    for i in range(0, documents, block):
+        yield rng.integers(1, 2048, min(block, documents - i), dtype=np.int32)
 
 
 def first_sample(prefixes: list[str], seq: int, samples: int, cache: str) -> None:
@@ -327,8 +344,8 @@ def bench_startup(args) -> None:
         for p in range(args.prefixes):
             prefix = os.path.join(tmp, f"p{p:04d}")
             # documents of 1-2047 tokens, as many per prefix as --documents (sizes differ)
-            lengths = rng.integers(1, 2048, int(args.documents * rng.uniform(0.5, 1.5)))
-            lengths_only_prefix(prefix, lengths.astype(np.int32))
+            lengths = synthetic_prefix_lengths(rng, int(args.documents * rng.uniform(0.5, 1.5)))
+            lengths_only_prefix(prefix, lengths)
             prefixes.append(prefix)
         print(f"made {args.prefixes} prefixes (index files, sparse .bin) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)

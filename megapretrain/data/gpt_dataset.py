@@ -57,6 +57,7 @@ _BLEND_FORMAT = "megapretrain-blend-v2"
 # each blended component builds this much more than its share, as Megatron does
 _BLEND_OVERSAMPLE = 1.005
 BLEND_CHUNK = 1 << 22  # samples of the blend index built and written at a time (40 MiB)
+INDEX_CHUNK = 1 << 20  # documents or samples of an epoch's index built at a time (about 60 MiB)
 EPOCH_GROUP_SAMPLES = 1 << 16  # a sample index cache entry holds whole epochs, at least this many
 BLEND_SEGMENT = 1 << 22  # samples of the blend index per cache entry, built as the run reads them
 CACHE_WAIT_S = 600.0  # how long build_indices=False waits for the builder's cache entry
@@ -77,9 +78,8 @@ class GPTDataset:
                  num_samples: int, seed: int, cache_dir: str | None = None, name: str = "train",
                  build_indices: bool = True, cache_wait_s: float = CACHE_WAIT_S):
         self.indexed = indexed
-        self.document_ids = np.arange(document_ids.start, document_ids.stop, dtype=np.int64) \
-            if isinstance(document_ids, range) and document_ids.step == 1 \
-            else np.asarray(document_ids, dtype=np.int64)
+        # a range when consecutive (a split's usual form: no array of ids, for 1,000 prefixes)
+        self.document_ids = _as_ids(document_ids)
         self.seq_length, self.num_samples, self.seed, self.name = int(seq_length), int(
             num_samples), seed, name
         self._validate()
@@ -90,13 +90,11 @@ class GPTDataset:
         self.group_epochs = max(1, -(-EPOCH_GROUP_SAMPLES * self.seq_length
                                      // self.tokens_per_epoch))
         self.num_groups = -(-self.num_epochs // self.group_epochs)
-        self.num_documents = int(self.document_ids.size)
+        self.num_documents = len(self.document_ids)
         self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         if build_indices:
             self._fits(self.num_samples, self.num_epochs, whole_run=True)
         self._extend(0)
-        if _is_range(self.document_ids):  # a split's usual form: no array of ids kept
-            self.document_ids = range(int(self.document_ids[0]), int(self.document_ids[-1]) + 1)
         # What __getitem__ reads, as plain arrays: .item() on them is the cheapest scalar access
         # numpy has.
         self._tokens = indexed.tokens
@@ -122,14 +120,16 @@ class GPTDataset:
         if self.seq_length < 1 or self.num_samples < 0:
             raise DataError(f"{where}: seq_length={self.seq_length} must be >= 1 and "
                              f"num_samples={self.num_samples} >= 0")
-        if self.document_ids.size == 0:
+        ids = self.document_ids
+        if len(ids) == 0:
             raise DataError(f"{where}: no documents in this split; raise its share in data.split "
                             "or add data")
-        if self.document_ids.min() < 0 or self.document_ids.max() >= len(self.indexed):
+        if (ids.start if isinstance(ids, range) else ids.min()) < 0 \
+                or _max_id(ids) >= len(self.indexed):
             raise DataError(f"{where}: document ids must lie in [0, {len(self.indexed)})")
         self.tokens_per_epoch = _tokens_of(self.indexed.sequence_lengths, self.document_ids)
         if self.tokens_per_epoch == 0:
-            raise DataError(f"{where}: the {self.document_ids.size} documents hold zero tokens")
+            raise DataError(f"{where}: the {len(ids)} documents hold zero tokens")
         self.num_epochs = max(1, epochs_for(self.num_samples, self.tokens_per_epoch,
                                             self.seq_length))
 
@@ -171,8 +171,9 @@ class GPTDataset:
 
     def _fits(self, samples: int, epochs: int, whole_run: bool = False) -> None:
         """Refuse, before building, indices that do not fit: on the cache's disk (the run's, when
-        its first entry is not there yet), and in host memory (one epoch's worth when they go to
-        a cache directory; the run's, held then joined, when they are kept in memory)."""
+        its first entry is not there yet), and in host memory (an epoch's orders and a chunk when
+        they go to a cache directory; the run's, held then joined, when they are kept in
+        memory)."""
         kept, epoch = index_bytes(self.num_documents, self.seq_length, samples, epochs)
         what = (f"GPTDataset {self.name!r} of {self.indexed.prefix}: its sample indices "
                 f"({samples:,} samples of train.seq_length={self.seq_length:,}, "
@@ -182,18 +183,15 @@ class GPTDataset:
                                                                 f"{self._cache_stem(0)}.json")):
                 _fits_on_disk(self.cache_dir, kept, what)
             _fits_in_host_memory(epoch, what)
-        elif whole_run:  # the epochs held, then joined
-            _fits_in_host_memory(epoch + kept * (2 if epochs > 1 else 1), what)
+        elif whole_run:  # the pieces held, then joined
+            _fits_in_host_memory(epoch + 2 * kept, what)
 
     def _build(self, open_array, report, first_epoch: int, last_epoch: int) -> None:
         """Stream epochs ``[first_epoch, last_epoch)`` of the index arrays to ``open_array``'s
         sinks (positions counted from the entry's first epoch)."""
         self._fits(self._first_sample(last_epoch) - self._first_sample(first_epoch),
                    last_epoch - first_epoch)
-        ids = self.document_ids
-        if isinstance(ids, range):  # kept as a range after construction
-            ids = np.arange(ids.start, ids.stop, dtype=np.int64)
-        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, ids,
+        write_gpt_indices(open_array, report, self.indexed.sequence_lengths, self.document_ids,
                           self.seq_length, last_epoch, self.seed, first_epoch)
 
     @property
@@ -280,7 +278,7 @@ class GPTDataset:
         description = {
             "format": _INDEX_FORMAT, "prefix": os.path.realpath(self.indexed.prefix),
             "files": files, "document_ids": [int(self.document_ids[0]), int(self.document_ids[-1])]
-            if _is_range(self.document_ids)
+            if isinstance(self.document_ids, range)
             else hashlib.sha256(self.document_ids.tobytes()).hexdigest(),
             "seq_length": self.seq_length, "seed": int(self.seed),
         }
@@ -306,110 +304,170 @@ def epochs_for(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
 
 def index_bytes(num_documents: int, seq_length: int, num_samples: int,
                 num_epochs: int) -> tuple[int, int]:
-    """(size of the index, peak memory of building one epoch of it), about, in bytes (Python
-    integers: no overflow, whatever the sizes). The index is each epoch's document stream with room
-    for its wrap, the sample rows and the order served; building an epoch takes its part of them
-    plus int64 temporaries (token offsets, their gathers). Streamed to a cache directory, building
-    needs the second only; in memory, the first plus the second."""
-    stream = num_documents + seq_length + 2  # one epoch's doc_index, allocated with the wrap's room
+    """(size of the index, memory of building it epoch by epoch), about, in bytes (Python
+    integers: no overflow, whatever the sizes). The index is each epoch's document stream with its
+    wrap, the sample rows and the order served. Building holds the epoch's two orders (its
+    documents' and its samples', shuffled whole: mapped from the cache files, where they must stay
+    resident while shuffled) and ``INDEX_CHUNK`` documents and samples of int64 temporaries.
+    Streamed to a cache directory, building needs the second only; in memory, the first twice
+    (the pieces, then joined) plus the temporaries."""
     rows = num_samples + num_epochs
+    # one epoch's doc_index: its documents and the wrap, the documents that hold a sample
+    tokens = max(1, num_samples * seq_length // max(num_epochs, 1))  # in an epoch, about
+    stream = num_documents + min(seq_length + 2,
+                                 num_documents * -(-(seq_length + 1) // tokens) + 1)
     item = 4 if max(num_epochs * stream, rows) < np.iinfo(np.int32).max else 8
     epoch_rows = -(-rows // max(num_epochs, 1)) + 1
     kept = item * (num_epochs * stream + 2 * rows + rows)
-    return kept, item * (stream + 3 * epoch_rows) + 3 * 8 * (stream + 1) + 4 * 8 * epoch_rows
+    chunk_docs, chunk_rows = min(INDEX_CHUNK, stream), min(INDEX_CHUNK, epoch_rows)
+    return kept, item * (num_documents + epoch_rows) + 24 * chunk_docs + 48 * chunk_rows
 
 
-def gpt_index_dtypes(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
-                     num_epochs: int) -> dict[str, np.dtype]:
+def gpt_index_dtypes(sequence_lengths: np.ndarray, document_ids: np.ndarray | range,
+                     seq_length: int, num_epochs: int) -> dict[str, np.dtype]:
     """The dtypes of doc_index, sample_index and shuffle_index, known before building (so that
     they can be streamed): int32 where the largest value they can hold fits, else int64."""
     tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
-    s, n = int(seq_length), int(document_ids.size)
+    s, n = int(seq_length), len(document_ids)
     rows = -(-num_epochs * tokens_per_epoch // s) + num_epochs
     # An epoch's wrap repeats the order when the epoch is shorter than a sample.
     wrap = max(s + 2, -(-(s + 1) // tokens_per_epoch) * n + 1)
-    return {"doc_index": _index_dtype(int(document_ids.max())),
+    return {"doc_index": _index_dtype(_max_id(document_ids)),
             "sample_index": _index_dtype(max(num_epochs * (n + wrap),
                                              int(sequence_lengths.max(initial=0)))),
             "shuffle_index": _index_dtype(rows)}
 
 
-def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
-                      num_epochs: int, seed: int) -> dict[str, np.ndarray]:
+def build_gpt_indices(sequence_lengths: np.ndarray, document_ids: np.ndarray | range,
+                      seq_length: int, num_epochs: int, seed: int,
+                      chunk: int | None = None) -> dict[str, np.ndarray]:
     """doc_index, sample_index and shuffle_index (module docstring), in memory."""
-    parts = list(zip(*gpt_index_epochs(sequence_lengths, document_ids, seq_length, num_epochs,
-                                       seed)))
-    return {name: part[0] if len(part) == 1 else np.concatenate(part)
-            for name, part in zip(("doc_index", "sample_index", "shuffle_index"), parts)}
+    names = ("doc_index", "sample_index", "shuffle_index")
+    arrays, _ = cached_or_built(None, None, "", names, lambda open_array, report: write_gpt_indices(
+        open_array, report, sequence_lengths, document_ids, seq_length, num_epochs, seed,
+        chunk=chunk), True, 0.0)
+    return arrays
 
 
-def write_gpt_indices(open_array, report, sequence_lengths: np.ndarray, document_ids: np.ndarray,
-                      seq_length: int, num_epochs: int, seed: int, first_epoch: int = 0) -> None:
-    """The same arrays appended epoch by epoch to ``open_array``'s sinks (``index_cache``): at no
-    time more than one epoch of them in memory. Epochs ``[first_epoch, num_epochs)``, as
-    :func:`gpt_index_epochs` gives them."""
+def write_gpt_indices(open_array, report, sequence_lengths: np.ndarray,
+                      document_ids: np.ndarray | range, seq_length: int, num_epochs: int,
+                      seed: int, first_epoch: int = 0, chunk: int | None = None) -> None:
+    """Epochs ``[first_epoch, num_epochs)`` of the three arrays appended to ``open_array``'s sinks
+    (``index_cache``), ``chunk`` (``INDEX_CHUNK``) documents or samples at a time. Positions (in
+    doc_index and in sample_index) count from ``first_epoch``'s start: each epoch is the same as
+    in a build from 0, less those offsets. No loop over samples or documents in Python, only over
+    epochs and chunks; int32 where values fit: half the memory traffic, which bounds this code.
+
+    An epoch's two orders (its documents' and its samples') are numpy's in-place shuffle of the
+    whole epoch (Fisher-Yates: step i swaps element i with one drawn from all of ``[0, i]``, so
+    until the last draw any element may still move, and keeping these orders, which existing
+    caches and resumed runs hold, means holding each whole while it is shuffled). They are
+    shuffled where they lie in the sinks (in a cache file: mapped, page cache the kernel can
+    write back, 4 bytes per document and per sample); everything else (document starts, sample
+    rows, the wrap) takes ``chunk`` rows of memory at a time, whatever the epoch's size."""
+    chunk = int(chunk or INDEX_CHUNK)
+    document_ids = _as_ids(document_ids)
     names = ("doc_index", "sample_index", "shuffle_index")
     dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length, num_epochs - first_epoch)
-    sinks = [open_array(name, dtypes[name], (2,) if name == "sample_index" else ())
-             for name in names]
-    for e, parts in enumerate(gpt_index_epochs(sequence_lengths, document_ids, seq_length,
-                                               num_epochs, seed, first_epoch)):
-        for sink, part in zip(sinks, parts):
-            sink.append(part)
-        report((e + 1) / (num_epochs - first_epoch))
-
-
-def gpt_index_epochs(sequence_lengths: np.ndarray, document_ids: np.ndarray, seq_length: int,
-                     num_epochs: int, seed: int,
-                     first_epoch: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Epoch by epoch, its part of doc_index, sample_index and shuffle_index, in the dtypes of
-    :func:`gpt_index_dtypes`; no loop over samples or documents, only over epochs. Arrays are
-    int32 where values fit: half the memory traffic, which is what bounds this code. From
-    ``first_epoch`` on, positions (in doc_index and in sample_index) count from that epoch's
-    start: each epoch is the same as in a build from 0, less those offsets."""
-    document_ids = np.asarray(document_ids, dtype=np.int64)
-    contiguous = _is_range(document_ids)  # a split's usual form: no gathers needed
-    tokens_per_epoch = _tokens_of(sequence_lengths, document_ids)
-    s = int(seq_length)
-    dtypes = gpt_index_dtypes(sequence_lengths, document_ids, seq_length,
-                              num_epochs - first_epoch)
-    doc_dtype = dtypes["doc_index"]
+    sinks = {name: open_array(name, dtypes[name], (2,) if name == "sample_index" else ())
+             for name in names}
+    tokens_per_epoch, s = _tokens_of(sequence_lengths, document_ids), int(seq_length)
     doc_base = row_base = 0
     for e in range(first_epoch, num_epochs):
         first = -(-e * tokens_per_epoch // s)  # first sample of epoch e
         count = -(-(e + 1) * tokens_per_epoch // s) - first
-        # This epoch's document order, with room after it for the wrap (usually a few documents).
-        room = s + 2
-        stream = np.empty(document_ids.size + room, dtype=doc_dtype)
-        order = stream[: document_ids.size]
-        if contiguous:
-            order[:] = np.arange(document_ids[0], document_ids[-1] + 1, dtype=doc_dtype)
-            np.random.default_rng([seed, e]).shuffle(order)
-        else:
-            order[:] = document_ids[np.random.default_rng([seed, e]).permutation(document_ids.size)]
+        order = _shuffled_documents(sinks["doc_index"], document_ids,
+                                    np.random.default_rng([seed, e]), chunk)
         # Token positions (in this epoch's stream) of each sample start, plus the last sample's
         # final token.
         positions_first = first * s - e * tokens_per_epoch
         wrap = _wrap(order, sequence_lengths, positions_first + count * s + 1 - tokens_per_epoch,
-                     tokens_per_epoch)
-        if wrap.size <= room:
-            stream[order.size: order.size + wrap.size] = wrap
-            stream = stream[: order.size + wrap.size]
-        else:  # many empty documents at the start of the order
-            stream = np.concatenate([order, wrap])
-        starts = np.zeros(stream.size + 1, dtype=np.int64)
-        np.cumsum(sequence_lengths[stream], dtype=np.int64, out=starts[1:])
-        where = _documents_holding(starts, positions_first, s, count + 1)
-        epoch_rows = np.empty((count + 1, 2), dtype=dtypes["sample_index"])
-        np.add(where, doc_base, out=epoch_rows[:, 0], casting="unsafe")
-        epoch_rows[:,
-                   1] = (positions_first + np.arange(count + 1, dtype=np.int64) * s) - starts[where]
-        del starts, where
-        order_of_samples = np.arange(row_base, row_base + count, dtype=dtypes["shuffle_index"])
-        np.random.default_rng([seed, e, 1 << 31]).shuffle(order_of_samples)
-        yield stream, epoch_rows, order_of_samples
-        doc_base += stream.size
+                     tokens_per_epoch, chunk)
+        sinks["doc_index"].append(wrap)
+        done = e - first_epoch
+
+        def progress(fraction, done=done):
+            report((done + fraction) / (num_epochs - first_epoch))
+
+        _write_sample_rows(sinks["sample_index"], sequence_lengths, order, wrap, positions_first,
+                           s, count + 1, doc_base, chunk, progress)
+        samples = sinks["shuffle_index"].reserve(count)
+        _fill_range(samples, row_base, chunk)
+        np.random.default_rng([seed, e, 1 << 31]).shuffle(samples)
+        del order, samples  # a file's map closes with its last view
+        report((done + 1) / (num_epochs - first_epoch))
+        doc_base += len(document_ids) + wrap.size
         row_base += count + 1
+
+
+def _shuffled_documents(sink, document_ids: np.ndarray | range, rng: np.random.Generator,
+                        chunk: int) -> np.ndarray:
+    """An epoch's document order, in place in ``sink``: ``document_ids`` shuffled by ``rng``
+    (positions shuffled then looked up, as ``document_ids[rng.permutation(n)]``: the same
+    draws)."""
+    n = len(document_ids)
+    order = sink.reserve(n)
+    contiguous = isinstance(document_ids, range)
+    if not contiguous and n - 1 > np.iinfo(order.dtype).max:  # repeated ids: positions overflow
+        order[:] = document_ids[rng.permutation(n)]
+        return order
+    _fill_range(order, document_ids.start if contiguous else 0, chunk)
+    rng.shuffle(order)
+    if not contiguous:
+        for i in range(0, n, chunk):
+            order[i: i + chunk] = document_ids[order[i: i + chunk]]
+    return order
+
+
+def _fill_range(out: np.ndarray, first: int, chunk: int) -> None:
+    """``out[:] = first, first + 1, ...``, ``chunk`` at a time (no whole-size temporary)."""
+    for i in range(0, out.shape[0], chunk):
+        out[i: i + chunk] = np.arange(first + i, first + min(i + chunk, out.shape[0]),
+                                      dtype=np.int64)
+
+
+def _write_sample_rows(sink, sequence_lengths: np.ndarray, order: np.ndarray, wrap: np.ndarray,
+                       first_position: int, s: int, num_rows: int, doc_base: int, chunk: int,
+                       progress) -> None:
+    """An epoch's sample rows, appended ``chunk`` at a time: for the token positions
+    ``first_position + j * s`` (j < num_rows) of the stream ``order`` + ``wrap``, the document
+    holding each (counted from ``doc_base``) and the offset in it. Walks the stream ``chunk``
+    documents at a time, their starts by a running cumulative sum."""
+    size = order.size + wrap.size
+    doc, doc_start, j = 0, 0, 0  # the document holding row j is doc or later; doc_start: its start
+    while j < num_rows:
+        stop = min(doc + chunk, size)
+        docs = order[doc:stop] if stop <= order.size else np.concatenate(
+            [order[doc:], wrap[max(doc - order.size, 0): stop - order.size]])
+        starts = np.empty(stop - doc + 1, dtype=np.int64)  # token positions of docs doc..stop
+        starts[0] = doc_start
+        np.cumsum(sequence_lengths[docs], dtype=np.int64, out=starts[1:])
+        starts[1:] += doc_start
+        # the rows that start before this chunk's end (at the stream's end, all that remain)
+        end = num_rows if stop == size else -(-(int(starts[-1]) - first_position) // s)
+        end = min(end, num_rows, j + chunk)
+        if end <= j:
+            doc, doc_start = stop, int(starts[-1])
+            continue
+        where = _documents_holding(starts, first_position + j * s, s, end - j)
+        rows = np.empty((end - j, 2), dtype=sink.dtype)
+        np.add(where, doc + doc_base, out=rows[:, 0], casting="unsafe")
+        rows[:, 1] = first_position + np.arange(j, end, dtype=np.int64) * s - starts[where]
+        sink.append(rows)
+        doc, doc_start, j = doc + int(where[-1]), int(starts[where[-1]]), end
+        progress(j / num_rows)
+
+
+def _as_ids(document_ids: np.ndarray | range) -> np.ndarray | range:
+    """Document ids as a ``range`` when they are consecutive (no array held), else int64."""
+    if isinstance(document_ids, range) and document_ids.step == 1:
+        return document_ids
+    ids = np.asarray(document_ids, dtype=np.int64)
+    return range(int(ids[0]), int(ids[-1]) + 1) if _is_range(ids) else ids
+
+
+def _max_id(ids: np.ndarray | range) -> int:
+    return (ids[-1] if isinstance(ids, range) else int(ids.max())) if len(ids) else 0
 
 
 def _is_range(ids: np.ndarray, block: int = 1 << 20) -> bool:
@@ -423,7 +481,9 @@ def _is_range(ids: np.ndarray, block: int = 1 << 20) -> bool:
                for i in range(0, ids.size, block))
 
 
-def _tokens_of(sequence_lengths: np.ndarray, ids: np.ndarray) -> int:
+def _tokens_of(sequence_lengths: np.ndarray, ids: np.ndarray | range) -> int:
+    if isinstance(ids, range):
+        return int(sequence_lengths[ids.start: ids.stop].sum(dtype=np.int64))
     if _is_range(ids):
         return int(sequence_lengths[ids[0]: ids[-1] + 1].sum(dtype=np.int64))
     return int(sequence_lengths[ids].sum(dtype=np.int64))
@@ -441,18 +501,22 @@ def _documents_holding(starts: np.ndarray, first: int, step: int, count: int) ->
     return np.cumsum(np.bincount(ends, minlength=count + 1)[:count])
 
 
-def _wrap(order: np.ndarray, sequence_lengths: np.ndarray, needed: int,
-          tokens_per_epoch: int) -> np.ndarray:
-    """The first documents of ``order`` (cyclically) that hold at least ``needed`` tokens."""
-    if needed <= 0:
-        return order[:0]
-    repeats = -(-needed // tokens_per_epoch)  # > 1 only when one epoch is shorter than a sample
-    head = order if repeats == 1 else np.tile(order, repeats)
-    # Look no further than needed could reach, unless empty documents make it reach further.
-    cumulative = np.cumsum(sequence_lengths[head[: needed + 1]], dtype=np.int64)
-    if cumulative[-1] < needed:
-        cumulative = np.cumsum(sequence_lengths[head], dtype=np.int64)
-    return head[: int(np.searchsorted(cumulative, needed, side="left")) + 1].copy()
+def _wrap(order: np.ndarray, sequence_lengths: np.ndarray, needed: int, tokens_per_epoch: int,
+          chunk: int) -> np.ndarray:
+    """The first documents of ``order`` (cyclically) that hold at least ``needed`` tokens: read
+    in pieces from ``needed + 1`` documents (what it takes without empty documents) up to
+    ``chunk``."""
+    pieces, total, first, size = [], 0, 0, max(needed + 1, 1)
+    while needed > 0:
+        piece = order[first: first + size]
+        cumulative = total + np.cumsum(sequence_lengths[piece], dtype=np.int64)
+        if cumulative.size and cumulative[-1] >= needed:
+            pieces.append(piece[: int(np.searchsorted(cumulative, needed, side="left")) + 1])
+            break
+        pieces.append(piece.copy())
+        total = int(cumulative[-1]) if cumulative.size else total
+        first, size = (first + piece.size) % order.size, min(2 * size, chunk)
+    return np.concatenate(pieces) if pieces else order[:0].copy()
 
 
 class BlendedDataset:

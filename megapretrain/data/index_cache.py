@@ -7,7 +7,8 @@ when its manifest exists, matches the key, and every array matches the manifest;
 or a half-copied cache directory is therefore never read, and is rebuilt by the builder.
 
 The builder streams the arrays into their files piece by piece (``cached_or_built``), so its memory
-is one piece, not the index; afterwards it memory-maps the files like every other rank.
+is one piece, not the index; what it must permute whole (an epoch's order) it reserves in the file
+and permutes there, mapped. Afterwards it memory-maps the files like every other rank.
 
 Protocol for a node with several ranks (see ``build_gpt_datasets``): the builder (local rank 0)
 calls ``cached_or_built`` with ``build_indices=True``: it loads the entry or builds it, writing
@@ -85,10 +86,11 @@ def cached_or_built(cache_dir: str | None, stem: str | None, key: str, names: Se
     """(arrays, built): the cache entry if complete, else ``build`` written to it and mapped.
 
     ``build(open_array, report)`` makes the arrays piece by piece: ``open_array(name, dtype,
-    row_shape=())`` gives a sink whose ``append(rows)`` adds rows in order, and ``report(fraction
-    done)`` says how far it is (ranks waiting for the entry print it). With a cache directory
-    each piece goes straight to its file, so the builder never holds a whole array: the arrays it
-    returns are the files memory-mapped, like everyone else's. ``needed_bytes`` (the files' size,
+    row_shape=())`` gives a sink whose ``append(rows)`` adds rows in order (``reserve(count)``:
+    rows to fill in place), and ``report(fraction done)`` says how far it is (ranks waiting for
+    the entry print it). With a cache directory each piece goes straight to its file (reserved
+    rows are the file, mapped), so the builder never holds a whole array: the arrays it returns
+    are the files memory-mapped, like everyone else's. ``needed_bytes`` (the files' size,
     about) names the space a full disk lacked.
 
     ``build_indices=False`` never builds while a cache directory is set: it waits up to ``wait_s``
@@ -127,7 +129,18 @@ class ArraySink:
         self._write(rows)
         self.rows += rows.shape[0]
 
+    def reserve(self, count: int) -> np.ndarray:
+        """``count`` rows appended now, returned writable for the builder to fill in place (an
+        epoch's order, shuffled where it lies). In a cache file they are a view of the file,
+        mapped: page cache the kernel can write back, not the builder's own memory."""
+        rows = self._reserve(int(count))
+        self.rows += int(count)
+        return rows
+
     def _write(self, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _reserve(self, count: int) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -138,6 +151,10 @@ class _MemorySink(ArraySink):
 
     def _write(self, rows):
         self.parts.append(rows)
+
+    def _reserve(self, count):
+        self.parts.append(np.empty((count, *self.row_shape), dtype=self.dtype))
+        return self.parts[-1]
 
     def array(self) -> np.ndarray:
         if len(self.parts) == 1:
@@ -162,6 +179,17 @@ class _FileSink(ArraySink):
 
     def _write(self, rows):
         self.file.write(rows.data)
+
+    def _reserve(self, count):
+        row_bytes = self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
+        start = self.HEADER + self.rows * row_bytes
+        self.file.truncate(start + count * row_bytes)  # flushes what was written, then extends
+        self.file.seek(start + count * row_bytes)
+        if count == 0:
+            return np.empty((0, *self.row_shape), dtype=self.dtype)
+        # A plain ndarray view of the map (numpy's shuffle takes its fast path on no subclass).
+        return np.asarray(np.memmap(self.tmp, dtype=self.dtype, mode="r+", offset=start,
+                                    shape=(count, *self.row_shape)))
 
     def close(self) -> dict:
         """Write the header, rename into place; the manifest's description of the array."""
