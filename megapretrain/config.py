@@ -173,7 +173,7 @@ class ParallelConfig:
                                   "per stage in a V: vpp 2).")
     pipeline_layers: Optional[list] = _f(None,
                                          "Layers per model chunk (pp×vpp counts, in chunk order; "
-                                         "null: even split).")
+                                         "the first and last may be 0; null: even split).")
     pp_trace: bool = _f(False, "Record each stage's forward/backward order and in-flight peak "
                         "(RUN_DIR/pipeline_trace_rankN.jsonl).")
     cp_comm: str = _f("allgather",

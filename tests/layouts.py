@@ -76,6 +76,9 @@ CASES: tuple[Case, ...] = (
     Case("pp2_vpp2", 2, (*PP2, *VPP2)),
     Case("pp2_vpp2_3_micro", 2, (*PP2, *VPP2), ("--train.global_batch_size", "6"),
          note="3 micro-batches on 2 stages: the interleaved order's last group is one micro-batch"),
+    Case("pp2_vpp2_empty_ends", 2, (*PP2, *VPP2, "--parallel.pipeline_layers", "[0, 2, 2, 0]"),
+         note="Llama 3 405B's split: the first chunk the embedding alone, the last the output "
+              "layer alone"),
     Case("pp2_gpipe_tied", 2, (*PP2, "--parallel.pp_schedule", "gpipe"), TIED),
     Case("tp2_dp2_zero1", 4, ("--parallel.tp", "2", *_zero(1)), slow=True),
     Case("pp4", 4, ("--parallel.pp", "4"), slow=True),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from megapretrain.config import OptimConfig
 from megapretrain.optim.optimizer import MixedPrecisionAdamW
 from megapretrain.parallel.data import ALIGN, round_up
 from megapretrain.parallel.specs import Sharding, make_spec, plain_specs
-from megapretrain.parallel.state import ParallelState
+from megapretrain.parallel.state import Group, ParallelState
 
 from distributed import run_distributed
 from helpers import (
@@ -237,6 +238,45 @@ def _overlap(ps, tokens):
             "last_grad": last_grad[-1] - backward_end, "in_flight": in_flight}
 
 
+def _zero2_reductions(ps, tokens, wait_at_issue: bool = False):
+    """zero=2 over 3 micro-batches, each forward and each reduce-scatter's issue and wait recorded
+    in order; ``wait_at_issue``: every reduce-scatter waited for as it is issued (the most
+    synchronous program). Returns the events, the step's losses and its grad shards."""
+    events = []
+    issue = Group.reduce_scatter_async
+
+    class Recorded:
+        def __init__(self, work, n):
+            self.work, self.n = work, n
+
+        def wait(self):
+            events.append(("wait", self.n))
+            self.work.wait()
+
+    def recorded(group, output, tensor):
+        n = sum(kind == "issue" for kind, _ in events)
+        events.append(("issue", n))
+        work = Recorded(issue(group, output, tensor), n)
+        if wait_at_issue:
+            work.wait()
+        return work
+
+    model = build(ps, tiny_args())
+    opt = MixedPrecisionAdamW(list(model.named_parameters()), model.param_specs(), OptimConfig(), "fp32", ps, zero=2,
+                              bucket_size_mb=BUCKET_MB)
+    mine = tokens[ps.dp_rank * 3:(ps.dp_rank + 1) * 3]  # one sample a micro-batch
+    opt.zero_grad()
+    with mock.patch.object(Group, "reduce_scatter_async", recorded):
+        for i, chunk in enumerate(mine.chunk(3)):
+            events.append(("forward", i))
+            per_token = model(chunk[:, :-1], chunk[:, 1:])
+            with opt.grad_sync(last=i == 2):
+                per_token.sum().backward()
+        opt.reduce_grads()
+    events.append(("reduced", None))
+    return events, torch.cat([b.grad_shard for b in opt.buffers.buckets]).clone()
+
+
 def _memory(ps):
     """Measured per-rank bytes and the padded parameter count by the documented rule."""
     out = {}
@@ -262,6 +302,8 @@ def _dp2(rank, world):
                     for zero in (0, 1, 2, 3) for m in (1, 2, 4)}
     out["overlap"] = _overlap(ps, tokens)
     out["memory"] = _memory(ps)
+    six = make_tokens(batch=6)
+    out["zero2_waits"] = (_zero2_reductions(ps, six), _zero2_reductions(ps, six, wait_at_issue=True))
 
     # after a zero=2 step only the grad shards persist
     opt = run_steps(ps, tokens, 1, zero=2, micro=2)[2]
@@ -339,6 +381,32 @@ def test_bucket_reductions_launch_during_backward(dp2):
         assert launch[0] < launch[-1] and launch[0] < o["last_grad"]
         assert sum(t < o["last_grad"] for t in launch) >= len(launch) - 1
         assert any(o["in_flight"])
+
+
+def test_zero2_reductions_run_under_the_next_forward_and_add_up_the_same(dp2):
+    """Each micro-batch's reduce-scatters are issued during its backward, one in flight at a time,
+    and the last one is not waited for as the backward ends but after the next forward, as the
+    next backward starts (the last micro-batch's by reduce_grads). Waiting for each one as it is
+    issued gives bitwise the same grad shards."""
+    for r in dp2:
+        (events, shards), (sync_events, sync_shards) = r["zero2_waits"]
+        at = {e: k for k, e in enumerate(events)}
+        issued = [n for kind, n in events if kind == "issue"]
+        assert len(issued) >= 8
+        assert [n for kind, n in events if kind == "wait"] == issued  # all waited, in issue order
+        for n in issued[1:]:  # one in flight at a time
+            assert at["wait", n - 1] < at["issue", n]
+        ends = [at["forward", 1], at["forward", 2], at["reduced", None]]
+        for i in range(3):
+            start = at["forward", i]
+            mine = [n for n in issued if start < at["issue", n] < ends[i]]
+            assert mine, i
+            for n in mine[:-1]:  # waited for inside this backward
+                assert at["wait", n] < ends[i]
+            if i < 2:  # the last one runs under the next forward
+                assert ends[i] < at["wait", mine[-1]] < at["issue", mine[-1] + 1]
+        assert all(sync_events[sync_events.index(("issue", n)) + 1] == ("wait", n) for n in issued)
+        assert torch.equal(shards, sync_shards)
 
 
 def test_memory_per_rank_matches_the_analytic_value(dp2):

@@ -310,8 +310,13 @@ def test_chunk_layers():
     assert chunk_layers(8, 2, 1, 0) == [[0, 1, 2, 3]]
     assert chunk_layers(8, 2, 2, 1) == [[2, 3], [6, 7]]  # stage 1 holds global chunks 1 and 3
     assert chunk_layers(10, 2, 1, 0, [4, 6]) == [[0, 1, 2, 3]]
-    with pytest.raises(PipelineError, match="must list 2 positive layer counts"):
+    with pytest.raises(PipelineError, match="must list 2 layer counts"):
         chunk_layers(10, 2, 1, 0, [5, 4])
+    # the first and last chunk may hold no layer (the embedding, the output layer alone); no other
+    assert chunk_layers(4, 2, 2, 0, [0, 2, 2, 0]) == [[], [2, 3]]
+    assert chunk_layers(4, 2, 2, 1, [0, 2, 2, 0]) == [[0, 1], []]
+    with pytest.raises(PipelineError, match="each at least 1 but the first and the last"):
+        chunk_layers(4, 2, 2, 0, [2, 0, 2, 0])
     with pytest.raises(PipelineError, match="must divide model.num_layers=6"):
         chunk_layers(6, 4, 1, 0)
 

@@ -232,6 +232,10 @@ def test_published_runs_are_the_papers_layouts():
         assert rows[name].value == tflops and rows[name].gpus == gpus and rows[name].device == "h100"
         assert (rows[name].layout.tp, rows[name].layout.pp, rows[name].global_batch * rows[name].seq) == \
             (8, 16, 2048 * 8192)
+    for name in ("Llama 3 405B", "Llama 3 405B 16k"):  # 126 layers over 128 chunks (§3.3.2)
+        layout = rows[name].layout
+        assert (layout.vpp, layout.pipeline_layers) == (8, (0,) + (1,) * 126 + (0,))
+        layout.check_pipeline_split(126)  # a split the trainer runs
     # the four rows of Table 1 the recipe cites, as the table gives them: (heads, hidden, layers, tp, pp, GPUs, batch)
     for name, shape in {"GPT 1.7B": (24, 2304, 24, 1, 1, 32, 512), "GPT 18.4B": (48, 6144, 40, 8, 1, 256, 1024),
                         "GPT 145.6B": (96, 12288, 80, 8, 8, 1536, 2304),

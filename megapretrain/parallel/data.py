@@ -20,8 +20,11 @@ backward), a bucket's collective is launched asynchronously the moment its last 
 - ``zero=1`` reduce-scatter: only this rank's shard of the sum is needed (distributed optimizer);
 - ``zero=2`` as 1, but reduce-scattered after *every* micro-batch into a persistent shard-sized
   accumulator; the full-size bucket storage exists only while a micro-batch's grads are in flight:
-  when a bucket's reduction starts, the one launched before it is waited for and freed, so at
-  most two buckets' full gradients (and the one filling) exist at once;
+  when a bucket's reduction starts, the one launched before it is waited for and freed, so one
+  bucket's full gradients reduce while the next one fills. A micro-batch's last reduction is not
+  waited for as its backward ends: it runs under what the rank does next (a forward, a pipeline
+  transfer) and is waited for as the next backward starts, or by ``reduce_grads``. Each shard
+  still adds the micro-batches' sums in their order, so the numbers do not depend on the waits;
 - ``zero=3`` as 2, and the parameters too are kept only as this rank's shard: a bucket is one
   *unit* (a decoder layer, or a chunk's other parameters), whose full param buffer is all-gathered
   just before it is used and freed after (``parallel/zero3.py`` decides when). The weights of FP8
@@ -260,6 +263,7 @@ class DataParallelBuffers:
 
     def zero_grad(self) -> None:
         self._split_folds.clear()
+        self._reducing.clear()
         for b in self.buckets:
             if b.work is not None:  # never free or zero what a collective still writes
                 b.work.wait()
@@ -274,7 +278,8 @@ class DataParallelBuffers:
     @contextlib.contextmanager
     def grad_sync(self, last: bool, split: tuple | None = None):
         """Context for one micro-batch's backward (per model chunk); inside ``last=True`` buckets
-        are reduced as they become ready. Under zero=2 each micro-batch is reduced as it ends.
+        are reduced as they become ready. Under zero=2 every micro-batch's buckets are, and the one
+        left in flight as a backward ends is waited for as the next one starts.
 
         A zero-bubble schedule splits a backward in two: ``split=("B", key)`` for the input-gradient
         part, whose linears' weight gradients wait for ``("W", key)``, the part that computes them.
@@ -282,6 +287,8 @@ class DataParallelBuffers:
         (``key`` names the micro-batch and chunk), and zero=2 reduces after the W."""
         part, key = split if split is not None else (None, None)
         self.wait_params()  # normally a no-op: the forward has waited for what it used
+        if self.zero >= 2:  # the reduction a previous backward left in flight, before this one
+            self._drain()   # fills buckets of its own
         self._context = "last" if last else "accumulate"
         folded_in_b = self._split_folds.pop(key, {}) if part == "W" else {}
         for b in self.buckets:
@@ -298,7 +305,9 @@ class DataParallelBuffers:
             if self.after_split_backward is not None:
                 self.after_split_backward()
         elif self.zero >= 2 and not last:
-            self._reduce_all()  # only the shard accumulators outlive a micro-batch
+            # only the shard accumulators outlive a micro-batch; the last bucket's reduction
+            # is still running (waited for as the next backward starts: _drain)
+            self._launch_rest()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         """Fold autograd's ``p.grad`` into ``p.main_grad``; launch the bucket once it is
@@ -357,10 +366,7 @@ class DataParallelBuffers:
 
     def _launch(self, b: Bucket) -> None:
         if self.zero >= 2:  # free the full gradients of all but the latest reduction in flight
-            while self._reducing:
-                done = self._reducing.popleft()
-                if done.launched:
-                    self._complete(done)
+            self._drain()
             self._reducing.append(b)
         b.launched = True
         b.launch_time = time.perf_counter()
@@ -386,12 +392,25 @@ class DataParallelBuffers:
             b.set_main_grads()
             b.launched = False
 
-    def _reduce_all(self) -> None:
-        """Launch every bucket not launched yet (in bucket order, the same on every rank), then
-        wait for all of them."""
+    def _drain(self) -> None:
+        """zero ≥ 2: complete the reductions in flight, in the order they were launched (each
+        shard adds the micro-batches' sums in their order)."""
+        while self._reducing:
+            done = self._reducing.popleft()
+            if done.launched:
+                self._complete(done)
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet that holds grads (in bucket order, the same on
+        every rank)."""
         for b in self.buckets:
             if not b.launched and b.grad_data is not None:
                 self._launch(b)
+
+    def _reduce_all(self) -> None:
+        """Launch every bucket not launched yet, then wait for all of them."""
+        self._launch_rest()
+        self._drain()
         for b in self.buckets:
             if b.launched:
                 self._complete(b)

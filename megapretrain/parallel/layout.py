@@ -109,10 +109,9 @@ class Layout:
                     f"model.num_layers={num_layers} (valid pp×vpp: {divisors(num_layers)})")
         else:
             pl = list(self.pipeline_layers)
-            require(len(pl) == chunks and all(isinstance(n, int) and n >= 1 for n in pl)
-                    and sum(pl) == num_layers,
-                    f"parallel.pipeline_layers={pl} must list {chunks} positive layer counts "
-                    f"(pp × vpp) summing to model.num_layers={num_layers}")
+            require(all(isinstance(n, int) for n in pl)
+                    and valid_chunk_split(pl, chunks, num_layers),
+                    chunk_split_rule(pl, chunks, num_layers))
 
     def check_sequence(self, seq: int) -> None:
         """A sequence of ``seq`` tokens cut as the layout cuts it: over tp by sequence parallelism,
@@ -265,14 +264,27 @@ def _chunk_spans(num_layers: int, pp: int, vpp: int, pp_rank: int,
             raise PipelineError(f"parallel.pp={pp} × parallel.vpp={vpp} = {n_chunks} must divide "
                                 f"model.num_layers={num_layers}")
         layers_per_chunk = (num_layers // n_chunks,) * n_chunks
-    if (len(layers_per_chunk) != n_chunks or sum(layers_per_chunk) != num_layers
-            or min(layers_per_chunk) < 1):
-        raise PipelineError(f"parallel.pipeline_layers={list(layers_per_chunk)} must list "
-                            f"{n_chunks} positive layer counts (pp × vpp) summing to "
-                            f"model.num_layers={num_layers}")
+    if not valid_chunk_split(layers_per_chunk, n_chunks, num_layers):
+        raise PipelineError(chunk_split_rule(layers_per_chunk, n_chunks, num_layers))
     starts = [sum(layers_per_chunk[:i]) for i in range(n_chunks)]
     mine = (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else (v * pp + pp_rank for v in range(vpp))
     return tuple((starts[c], layers_per_chunk[c]) for c in mine)
+
+
+def valid_chunk_split(layers_per_chunk, chunks: int, num_layers: int) -> bool:
+    """Whether ``layers_per_chunk`` splits ``num_layers`` over ``chunks`` model chunks: a count
+    per chunk, each at least one layer but the first and the last chunk's, which may hold none
+    (the embedding alone, the output layer alone: Llama 3 405B's 126 layers over 128 chunks)."""
+    counts = list(layers_per_chunk)
+    return (len(counts) == chunks and sum(counts) == num_layers and min(counts) >= 0
+            and all(n >= 1 for n in counts[1:-1]) and num_layers >= 1)
+
+
+def chunk_split_rule(layers_per_chunk, chunks: int, num_layers: int) -> str:
+    """The error line of a ``parallel.pipeline_layers`` that :func:`valid_chunk_split` refuses."""
+    return (f"parallel.pipeline_layers={list(layers_per_chunk)} must list {chunks} layer counts "
+            f"(pp × vpp) summing to model.num_layers={num_layers}, each at least 1 but the "
+            "first and the last chunk's (0: the embedding or the output layer alone)")
 
 
 def split_layers(layers: int, chunks: int) -> tuple | None:

@@ -450,11 +450,13 @@ def estimate_run(cfg: Config, layout: Layout, device: Device, attention: str = "
 def _data_parallel_s(device: Device, L: Layout, params: float, m: int, f: float, b: float,
                      layers: int = 1, bf16_moments: float = 0.0) -> tuple[float, float]:
     """(exposed data-parallel communication, optimizer step) in seconds: gradients reduced under
-    the last micro-batch's backward (zero 2: under every one), parameters gathered under the next
-    forward; zero 3 gathers every micro-batch's parameters twice (forward, prefetched; backward)
-    and reduce-scatters its gradients under the backward, one collective per layer (``layers``)
-    each with its own latency; hybrid sharding then all-reduces each
-    shard over the replicas. The optimizer reads and writes its shard's fp32 state (34 bytes a
+    the last micro-batch's backward (zero 2: under every one, bucket by bucket with one bucket in
+    flight, as ``parallel/data.py`` bounds the full gradients kept: what a micro-batch's reduction
+    takes beyond its backward is exposed, its last bucket runs under the next forward), parameters
+    gathered under the next forward; zero 3 gathers every micro-batch's parameters twice
+    (forward, prefetched; backward) and reduce-scatters its gradients under the backward, one
+    collective per layer (``layers``) each with its own latency; hybrid sharding then all-reduces
+    each shard over the replicas. The optimizer reads and writes its shard's fp32 state (34 bytes a
     parameter; ``bf16_moments`` of them read and write their two moments in bf16: 8 bytes fewer;
     Muon's elementwise work on its momentum and update is counted as AdamW's) and every rank
     zeroes its gradient buffer. Parameters are replicated over dp × cp: both reduce."""

@@ -59,6 +59,8 @@ def _row(name, source, model, seq, tp, pp, gpus, batch, recompute, sp, device, a
                      fits)
 
 
+META_SPLIT = (0,) + (1,) * 126 + (0,)  # Llama 3 405B's layers per chunk (pp 16 × vpp 8)
+
 PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, micro-batch 1, fp16
     _row("GPT 1.7B", N21, _gpt(24, 2304, 24), 2048, 1, 1, 32, 512, "full", False, "a100", "unfused",
          "hw_tflops_per_gpu", 137),
@@ -89,20 +91,20 @@ PUBLISHED = [  # Megatron-LM 2021: no sequence parallelism, unfused attention, m
          "a100", "unfused", "tflops_per_gpu", 0.560 * 312),
     _row("GPT 1T sel", K22, _gpt(128, 25600, 160), 2048, 8, 64, 512, 512, "selective", True, "a100",
          "unfused", "tflops_per_gpu", 0.563 * 312),
-    # Llama 3 405B: 16M-token batches, interleaved 1F1B (8 layers a stage in chunks of 2; the paper
-    # drops a layer from the first and the last stage, §3.3.2, which implies chunks of one layer
-    # with an empty first and last chunk: a split the trainer does not run), no activation
-    # checkpointing at 8K tokens, and FSDP sharding the gradients and the optimizer state with
-    # the weights kept whole through the step (§3.3.2): zero 2. At 16,384 GPUs a step is 16
-    # micro-batches, as many as stages, so each stage holds every one's activations at its peak
+    # Llama 3 405B: 16M-token batches, interleaved 1F1B over 128 chunks of one layer but the
+    # first (the embedding alone) and the last (the output layer alone), §3.3.2: META_SPLIT; no
+    # activation checkpointing at 8K tokens, and FSDP sharding the gradients and the optimizer
+    # state with the weights kept whole through the step (§3.3.2): zero 2. At 16,384 GPUs a step
+    # is 16 micro-batches, as many as stages, so each stage holds every one's activations at its
+    # peak
     # (126 layers' worth of one sample, 63 GB): with whole fp32 gradients (zero 1, 12 GB more)
     # it would not fit. At 8,192 GPUs (32 micro-batches) the interleaved order holds
-    # 1 + 15/64 times that, which the memory model puts above 80 GB: its throughput is estimated
+    # 1 + 15/128 times that, which the memory model puts above 80 GB: its throughput is estimated
     # as published.
     _row("Llama 3 405B", L3, _L3_405B, 8192, 8, 16, 8192, 2048, "none", True, "h100", "flash",
-         "tflops_per_gpu", 430, vpp=4, zero=2, fits=False),
+         "tflops_per_gpu", 430, vpp=8, layers=META_SPLIT, zero=2, fits=False),
     _row("Llama 3 405B 16k", L3, _L3_405B, 8192, 8, 16, 16384, 2048, "none", True, "h100", "flash",
-         "tflops_per_gpu", 400, vpp=4, zero=2),
+         "tflops_per_gpu", 400, vpp=8, layers=META_SPLIT, zero=2),
     # its long-context stage: 131,072-token sequences over context parallelism 16, the same
     # 16M-token batches (dp 8); the throughput is estimated as published (the memory model puts this
     # layout's activations above 80 GB without recomputation, which the paper does not detail)
