@@ -21,6 +21,7 @@ from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
 from .eval import check_eval_config
+from .faults import check_faults
 from .model.args import ModelArgs, model_args
 from .model.attention import check_attention
 from .model.families import check_model
@@ -157,6 +158,9 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_recovery(cfg.recovery.action)
     check_average_last(cfg.checkpoint)
     check_eval_config(cfg)
+    place = schedule.placement(layout.pp, layout.vpp)
+    check_faults(cfg, iters, world_size, layout.grid()[place.stage_of(place.chunks - 1)].ravel()
+                 .tolist(), "train.train_tokens" if t.train_tokens is not None else "train.iters")
 
     model = shape
     sizes = RunSizes(layout=layout,
