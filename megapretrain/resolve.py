@@ -135,6 +135,18 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> Schedule:
     return schedule
 
 
+def check_run_faults(run: Resolved) -> None:
+    """The fault drills of a run about to train (``train.py``, ``tools/drill.py``), on its world
+    and its length: one that can never fire is refused (``faults.py``). Not part of
+    :func:`resolve`: the tools that read a saved run's config under a layout of their own
+    (resharding, merging, converting) run none of its drills."""
+    cfg, layout, sizes = run.cfg, run.layout, run.sizes
+    place = sizes.schedule.placement(layout.pp, layout.vpp)
+    head = layout.grid()[place.stage_of(place.chunks - 1)].ravel().tolist()  # (the loss's stage)
+    check_faults(cfg, sizes.iters, layout.world_size, head,
+                 "train.train_tokens" if cfg.train.train_tokens is not None else "train.iters")
+
+
 def resolve(cfg: Config, world_size: int) -> Resolved:
     """Check every rule of ``cfg`` on ``world_size`` ranks and derive the run from it (raises
     :class:`ConfigError`, one line naming the fields, on the first rule broken)."""
@@ -158,9 +170,6 @@ def resolve(cfg: Config, world_size: int) -> Resolved:
     check_recovery(cfg.recovery.action)
     check_average_last(cfg.checkpoint)
     check_eval_config(cfg)
-    place = schedule.placement(layout.pp, layout.vpp)
-    check_faults(cfg, iters, world_size, layout.grid()[place.stage_of(place.chunks - 1)].ravel()
-                 .tolist(), "train.train_tokens" if t.train_tokens is not None else "train.iters")
 
     model = shape
     sizes = RunSizes(layout=layout,

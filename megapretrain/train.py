@@ -26,7 +26,7 @@ from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
 from .oom import check_micro_batch_fits, check_model_fits
-from .resolve import resolve
+from .resolve import check_run_faults, resolve
 from .run_lock import RunLock
 from .runtime import bind_device, resolve_device
 
@@ -70,6 +70,7 @@ def checked(argv: list[str], verify: bool = True, dry: bool = False):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
+    check_run_faults(run)
     if cfg.checkpoint.load is not None and latest_checkpoint(
             os.path.join(cfg.run.dir, "checkpoints")) is None:  # (read only while there is none)
         try:

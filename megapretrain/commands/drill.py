@@ -32,7 +32,7 @@ from megapretrain.cli import ToolParser, positive_float, positive_int, user_erro
 from megapretrain.config import load_config
 from megapretrain.data.checks import resolve_vocab
 from megapretrain.errors import ConfigError, UserError
-from megapretrain.resolve import resolve
+from megapretrain.resolve import check_run_faults, resolve
 from megapretrain.user_files import DATASET, check_kind
 
 from .drill_cluster import ROOT, Job, free_port
@@ -117,7 +117,7 @@ def cannot_fire(drill: Drill, s: Settings) -> str | None:
                                        drill.overrides(s)))
     try:
         resolve_vocab(cfg)
-        resolve(cfg, s.nodes * s.nproc)
+        check_run_faults(resolve(cfg, s.nodes * s.nproc))
     except ConfigError as exc:
         return f"--drill {drill.name} can never fire with {flags}: {exc}"
     return None
@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     output = os.path.abspath(args.output or os.path.join(
         "runs", time.strftime("drill-%Y%m%d-%H%M%S")))
     if args.data is not None and not os.path.exists(args.data + ".idx"):
-        check_kind("--data", args.data, DATASET, "give the prefix of a tokenized corpus "
-                   "(tools/preprocess_data.py --output-prefix)")
+        fix = "give the prefix of a tokenized corpus (tools/preprocess_data.py --output-prefix)"
+        check_kind("--data", args.data, DATASET, fix)
+        raise UserError(f"--data {args.data}: {args.data}.idx not found; {fix}")
     # the drills against the runs they will be played in, before anything is written or launched
     check_drills(drills, Settings(args, output, os.path.abspath(args.data or "corpus")))
     if os.path.exists(output) and os.listdir(output):
@@ -224,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     if data is None:
         os.makedirs(os.path.join(output, "corpus"), exist_ok=True)
         data = write_corpus(os.path.join(output, "corpus", "drill_text_document"))
-    elif not os.path.exists(data + ".idx"):
-        raise UserError(f"--data {data}: {data}.idx not found; give the prefix of a tokenized "
-                        "corpus (tools/preprocess_data.py --output-prefix)")
     s = Settings(args, output, os.path.abspath(data))
     reference = straight_run(s)
     results = []
