@@ -144,8 +144,8 @@ def describe_path(path: str) -> str | None:
     (.bin/.idx)"``, ``"a megapretrain run directory"``, ``"an empty file"``, ...), or None when
     nothing is there. For an error that names the wrong kind a user gave."""
     if os.path.isdir(path):
-        if all(os.path.exists(os.path.join(path, m)) for m in ("metadata.json", ".metadata")):
-            return MEGATRON_ITER  # torch_dist: its sharded_backend beside the DCP metadata
+        if _names_a_backend(os.path.join(path, "metadata.json")):
+            return MEGATRON_ITER  # its metadata.json names a sharded_backend (torch_dist, ...)
         for marker, kind in _DIRECTORY_KINDS:
             if os.path.exists(os.path.join(path, marker)):
                 return kind
@@ -155,6 +155,16 @@ def describe_path(path: str) -> str | None:
     if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
         return "a tokenized dataset prefix (.bin/.idx)"
     return None
+
+
+def _names_a_backend(metadata: str) -> bool:
+    """Whether ``metadata`` is a Megatron-LM checkpoint's ``metadata.json`` (it names the
+    ``sharded_backend``), not a megapretrain checkpoint's."""
+    try:
+        with open(metadata, "rb") as fh:
+            return b'"sharded_backend"' in fh.read(4096)
+    except OSError:
+        return False
 
 
 def _describe_file(path: str) -> str:

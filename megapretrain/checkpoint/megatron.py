@@ -136,8 +136,8 @@ def megatron_place(name: str) -> tuple[tuple[str, ...], int | None, str | None]:
 def iteration_dir(path: str) -> str:
     """The ``iter_*`` directory of ``path``: itself, or the one a Megatron-LM run directory's
     ``latest_checkpointed_iteration.txt`` names."""
-    check_kind("--megatron", path, "a Megatron-LM checkpoint", "pass a Megatron-LM run saved with "
-               "--ckpt-format torch_dist or one of its iter_* directories",
+    check_kind("--megatron", path, "a Megatron-LM torch_dist checkpoint", "pass a Megatron-LM "
+               "run saved with --ckpt-format torch_dist or one of its iter_* directories",
                also=("a Megatron-LM checkpoint directory", MEGATRON_ITER))
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
