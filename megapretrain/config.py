@@ -30,7 +30,14 @@ from typing import Any, Optional
 import yaml
 
 from .errors import ConfigError
-from .user_files import DuplicateKey, StrictLoader, not_writable_dir, read_text, yaml_problem
+from .user_files import (
+    DuplicateKey,
+    StrictLoader,
+    not_the_kind,
+    not_writable_dir,
+    read_text,
+    yaml_problem,
+)
 
 
 def _f(default: Any, help: str, *, name: str | None = None, factory: Any = None,
@@ -717,11 +724,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     tree: dict = {}
     if path is not None:
         path = expand_path(path, "--config")
+        other = not_the_kind(path, "a config", also=("a YAML file", "a JSON file"))
+        if other:  # a run directory, a dataset, a metrics.jsonl, an empty file, ...
+            raise ConfigError(f"config file {other}: --config takes a YAML config (see configs/)")
         try:
-            tree = yaml.load(read_text(path), Loader=StrictLoader) or {}
+            tree = yaml.load(read_text(path), Loader=StrictLoader)
         except yaml.YAMLError as exc:
             raise ConfigError(
                 f"config file '{path}' is not valid YAML {yaml_problem(exc)}") from None
+        if tree is None:  # comments only: no config (every default would be taken silently)
+            raise ConfigError(f"config file '{path}' holds no sections: --config takes a YAML "
+                              "config (see configs/)")
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{path}' must be a mapping of sections (run:, model:, "
                               "...)")

@@ -36,6 +36,11 @@ class MissingFileError(DataError, FileNotFoundError):
     """A file or directory the user named does not exist."""
 
 
+class WrongKindError(ConfigError):
+    """A path of another kind than its flag or field takes: a dataset where a checkpoint belongs,
+    a run directory where a config belongs (the message names what the path is)."""
+
+
 class MissingPackageError(UserError, ImportError):
     """An optional package the chosen feature needs is not installed."""
 

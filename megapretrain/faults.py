@@ -15,6 +15,12 @@ watchdog exit, the out-of-memory guidance — can be rehearsed on purpose:
                   after it)
     oom_at        an out-of-memory error at the step
 
+A drill that could never fire is refused before any work, in one line naming the field, the rule
+and the fix (:func:`check_faults` as the config is resolved, :func:`check_resumed_faults` once the
+iteration a run resumes from is known): an iteration past the run's end, a rank outside the world,
+a NaN or a spike on a rank whose stage computes no loss, a data wait of no time, a hang on one rank
+with the watchdog off (nothing would ever end it), an iteration a resumed run has passed.
+
 A drill fires once per run directory: as it fires, the rank records it in
 ``RUN_DIR/faults/NAME.rankR.json``, and a later process on the same run directory — a restart by
 the launcher after the drill's exit or hang, a resume — does not inject it again (it says so). So a
@@ -34,6 +40,8 @@ import threading
 import time
 
 import torch
+
+from .errors import ConfigError
 
 
 class Faults:
@@ -106,6 +114,79 @@ class Faults:
         """What step ``iteration`` multiplies its backward by: NaN at nan_at (on this rank, so the
         data-parallel reduction carries it to every rank, as a real overflow would), else 1."""
         return float("nan") if self._at("nan_at", iteration) else 1.0
+
+
+def _fault_fields(cfg) -> list[tuple[str, int]]:
+    """``(name, iteration)`` of every drill ``cfg`` (the ``faults`` section) asks for."""
+    return [(name, getattr(cfg, name)) for name in Faults.NAMES if getattr(cfg, name) is not None]
+
+
+def _last_iter(name: str, cfg) -> int:
+    """The last iteration at which drill ``name`` strikes (a data wait lasts slow_data_steps)."""
+    steps = cfg.slow_data_steps if name == "slow_data_at" else 1
+    return getattr(cfg, name) + steps - 1
+
+
+# the drills whose effect goes through the loss: a rank whose pipeline stage has no loss head
+# computes none (its backward starts from the next stage's gradient, its targets are unread)
+_THROUGH_THE_LOSS = ("nan_at", "spike_at")
+
+
+def check_faults(cfg, iters: int, world_size: int, head_ranks: list[int], length: str) -> None:
+    """Refuse a drill of ``cfg`` (the whole config) that can never fire in a run of ``iters``
+    steps (``length``: the field that sets it) on ``world_size`` ranks, where ``head_ranks`` are
+    the ranks of the pipeline stage with the loss head."""
+    f = cfg.faults
+    asked = _fault_fields(f)
+    for name, at in asked:
+        if at > iters:
+            raise ConfigError(f"faults.{name}={at} can never fire: the run ends at iteration "
+                              f"{iters} ({length}); use --faults.{name} {iters} or less, or drop "
+                              "it")
+    if asked and f.rank >= world_size:
+        raise ConfigError(f"faults.rank={f.rank} can never fire: the run has {world_size} "
+                          f"rank(s), 0..{world_size - 1}; use --faults.rank {world_size - 1} or "
+                          "less, or -1 (every rank)")
+    for name, at in asked:
+        if name in _THROUGH_THE_LOSS and f.rank != -1 and f.rank not in head_ranks:
+            raise ConfigError(f"faults.{name}={at} can never fire on faults.rank={f.rank}: only "
+                              f"the pipeline stage with the loss ({_ranks(head_ranks)}) computes "
+                              f"it; use --faults.rank {head_ranks[0]} (or -1: every rank)")
+    if f.slow_data_at is not None and f.slow_data_s == 0:
+        raise ConfigError(f"faults.slow_data_at={f.slow_data_at} with faults.slow_data_s=0 waits "
+                          "no time: set --faults.slow_data_s to the wait (seconds), or drop "
+                          "faults.slow_data_at")
+    if f.hang_at is not None and cfg.watchdog.timeout_s == 0 and world_size == 1:
+        raise ConfigError(f"faults.hang_at={f.hang_at} with watchdog.timeout_s=0 (the watchdog "
+                          "off) on one rank: nothing would ever end the hang; set "
+                          "--watchdog.timeout_s null (or a limit in seconds), or drop "
+                          "faults.hang_at")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}" \
+        if len(ranks) <= 8 else f"ranks {ranks[0]}..{ranks[-1]}"
+
+
+def check_resumed_faults(cfg, iteration: int, run_dir: str) -> None:
+    """Refuse a drill of ``cfg`` (the ``faults`` section) that a run resuming after ``iteration``
+    has passed without it ever firing in ``run_dir`` (no record of it in ``faults/``): it was
+    added on a resume, too late. A drill that fired before is recorded, and goes by as a real
+    fault would; with ``faults.every_attempt`` nothing is recorded and a run that went on past its
+    drill (a NaN, a spike, a slow step) may be restarted past it, so nothing is refused."""
+    if cfg.every_attempt or iteration == 0:
+        return
+    folder = os.path.join(run_dir, "faults")
+    recorded = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    for name, at in _fault_fields(cfg):
+        if _last_iter(name, cfg) > iteration:
+            continue
+        if any(entry.startswith(f"{name}.rank") for entry in recorded):
+            continue
+        raise ConfigError(f"faults.{name}={at} can never fire: this run resumes after iteration "
+                          f"{iteration} and it never fired in {run_dir} (faults/ has no record "
+                          f"of it); use --faults.{name} {iteration + 1} or later, a new run.dir, "
+                          "or drop it")
 
 
 def _shifted(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:

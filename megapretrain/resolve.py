@@ -21,6 +21,7 @@ from .data.checks import check_split
 from .data.sampler import check_batches, run_length
 from .errors import ConfigError, PipelineError
 from .eval import check_eval_config
+from .faults import check_faults
 from .model.args import ModelArgs, model_args
 from .model.attention import check_attention
 from .model.families import check_model
@@ -132,6 +133,18 @@ def _schedule(cfg: Config, layout: Layout, batches: list[int]) -> Schedule:
                               f"{batch}: {exc}; or start the ramp-up at a batch that gives such a "
                               f"count, or set train.rampup_batch_size null") from None
     return schedule
+
+
+def check_run_faults(run: Resolved) -> None:
+    """The fault drills of a run about to train (``train.py``, ``tools/drill.py``), on its world
+    and its length: one that can never fire is refused (``faults.py``). Not part of
+    :func:`resolve`: the tools that read a saved run's config under a layout of their own
+    (resharding, merging, converting) run none of its drills."""
+    cfg, layout, sizes = run.cfg, run.layout, run.sizes
+    place = sizes.schedule.placement(layout.pp, layout.vpp)
+    head = layout.grid()[place.stage_of(place.chunks - 1)].ravel().tolist()  # (the loss's stage)
+    check_faults(cfg, sizes.iters, layout.world_size, head,
+                 "train.train_tokens" if cfg.train.train_tokens is not None else "train.iters")
 
 
 def resolve(cfg: Config, world_size: int) -> Resolved:

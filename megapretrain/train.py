@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .checkpoint.directories import latest_checkpoint
+from .checkpoint.directories import latest_checkpoint, resolve_checkpoint
 from .cli import USER_ERROR_EXIT, print_error
 from .config import check_output_dirs, help_text, load_config, repeated_overrides
 from .data.checks import changed_datasets, check_data_matches_model, resolve_vocab
@@ -26,7 +26,7 @@ from .data.gpt_dataset import parse_data_paths
 from .errors import ConfigError, UserError
 from .monitor.flops import slow_half_precision_warning
 from .oom import check_micro_batch_fits, check_model_fits
-from .resolve import resolve
+from .resolve import check_run_faults, resolve
 from .run_lock import RunLock
 from .runtime import bind_device, resolve_device
 
@@ -70,6 +70,13 @@ def checked(argv: list[str], verify: bool = True, dry: bool = False):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokenizer_vocab = resolve_vocab(cfg)
     run = resolve(cfg, world_size)  # before any process group exists
+    check_run_faults(run)
+    if cfg.checkpoint.load is not None and latest_checkpoint(
+            os.path.join(cfg.run.dir, "checkpoints")) is None:  # (read only while there is none)
+        try:
+            resolve_checkpoint(cfg.checkpoint.load, check=False)
+        except UserError as exc:
+            raise ConfigError(f"--checkpoint.load {exc}") from None
     device = resolve_device(cfg)
     bind_device(device)  # before any CUDA query, tensor, Triton launch or process group
     if int(os.environ.get("RANK", "0")) == 0:

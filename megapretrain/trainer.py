@@ -55,7 +55,7 @@ from .data.sampler import BatchLoader, batch_size_at
 from .data.tokenizers import build_tokenizer
 from .errors import DataError, UserError
 from .eval import DownstreamEval, PipelineScorer
-from .faults import Faults
+from .faults import Faults, check_resumed_faults
 from .model.build import DTYPES, build_model_chunks, deferred_initializer
 from .model.decoder import documents, flops_per_token, num_parameters
 from .monitor.anatomy import process_age_s
@@ -197,6 +197,7 @@ class Trainer:
             self.attempt.withdraw()  # refused: no trace of this start in the run directory
             raise
         self.attempt.loaded(self.iteration, resumed_from)
+        check_resumed_faults(cfg.faults, self.iteration, cfg.run.dir)
         drill = check_spike_drill(cfg, self.iteration) if "spike_at" not in self.faults.fired \
             else None
         if drill and self.is_logger:  # (the detector of a resumed run starts from an empty history)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import tempfile
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, WrongKindError
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -118,3 +119,99 @@ def _missing_parts(path: str, existing: str) -> list[str]:
         parts.append(path)
         path = os.path.dirname(path)
     return parts[::-1]
+
+
+# -- what a path is --------------------------------------------------------------------------------
+
+# The files and directories the project knows, by what marks them (their owners: the checkpoint
+# format, the indexed dataset, the Hugging Face, Megatron-LM and torchtitan converters, the run
+# directory); read here only to name a path given where another kind belongs.
+_DIRECTORY_KINDS = (  # (a file inside it, what the directory is)
+    ("metadata.json", "a megapretrain checkpoint (an iter_* directory)"),
+    ("checkpoints", "a megapretrain run directory"),
+    ("latest", "a megapretrain run's checkpoints/ folder"),
+    ("config.json", "a Hugging Face model directory"),
+    ("latest_checkpointed_iteration.txt", "a Megatron-LM checkpoint directory"),
+    (".metadata", "a torchtitan (DCP) checkpoint"),
+)
+MEGATRON_ITER = "a Megatron-LM checkpoint (an iter_* directory)"
+# what a path may be where a kind is wanted without being another kind the project knows
+UNKNOWN_KINDS = ("a directory", "a text file", "a file", "a binary file")
+
+
+def describe_path(path: str) -> str | None:
+    """What ``path`` is, in words, as the project knows files (``"a tokenized dataset prefix
+    (.bin/.idx)"``, ``"a megapretrain run directory"``, ``"an empty file"``, ...), or None when
+    nothing is there. For an error that names the wrong kind a user gave."""
+    if os.path.isdir(path):
+        if _names_a_backend(os.path.join(path, "metadata.json")):
+            return MEGATRON_ITER  # its metadata.json names a sharded_backend (torch_dist, ...)
+        for marker, kind in _DIRECTORY_KINDS:
+            if os.path.exists(os.path.join(path, marker)):
+                return kind
+        return "a directory"
+    if os.path.isfile(path):
+        return _describe_file(path)
+    if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
+        return "a tokenized dataset prefix (.bin/.idx)"
+    return None
+
+
+def _names_a_backend(metadata: str) -> bool:
+    """Whether ``metadata`` is a Megatron-LM checkpoint's ``metadata.json`` (it names the
+    ``sharded_backend``), not a megapretrain checkpoint's."""
+    try:
+        with open(metadata, "rb") as fh:
+            return b'"sharded_backend"' in fh.read(4096)
+    except OSError:
+        return False
+
+
+def _describe_file(path: str) -> str:
+    name = os.path.basename(path)
+    if os.path.getsize(path) == 0:
+        return "an empty file"
+    if name.endswith((".bin", ".idx")):
+        return f"a tokenized dataset's .{name.rsplit('.', 1)[1]} file"
+    if name.endswith(".safetensors"):
+        return "a checkpoint's rank file (safetensors)" if name.startswith("rank_") else \
+            "a safetensors weights file"
+    if name.endswith((".yaml", ".yml")):
+        return "a YAML file"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+    except OSError:
+        return "a file"
+    if b"\0" in head:
+        return "a binary file"
+    first = head.split(b"\n", 1)[0].strip()
+    if first.startswith(b"{"):
+        if name == "metrics.jsonl" or re.match(rb'\{"(iter|event)"', first):
+            return "a run's metrics.jsonl"
+        if b'"choices"' in first:
+            return "a task file (JSONL)"
+        return "a JSON lines file" if name.endswith(".jsonl") or b"\n{" in head else "a JSON file"
+    return "a text file"
+
+
+def not_the_kind(path: str, wanted: str, also: tuple[str, ...] = ()) -> str | None:
+    """``"PATH is <what it is>, not <wanted>"`` when ``path`` is a kind of file the project knows
+    other than ``wanted`` (e.g. ``"a checkpoint"``) and the kinds in ``also`` that pass for it,
+    else None (nothing there, or nothing known: the caller's own message says what is missing)."""
+    kind = describe_path(path)
+    if kind is None or kind in UNKNOWN_KINDS or kind in also:
+        return None
+    return f"{path} is {kind}, not {wanted}"
+
+
+DATASET = "a tokenized dataset prefix (.bin/.idx)"
+
+
+def check_kind(where: str, path: str, wanted: str, fix: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse ``path``, given as ``where`` (a flag or a field), when it is a kind of file the
+    project knows other than ``wanted`` (and the kinds in ``also``): one line naming what it is
+    and ``fix``. Anything else passes: the reader's own message says what is missing."""
+    other = not_the_kind(path, wanted, also)
+    if other:
+        raise WrongKindError(f"{where} {other}: {fix}".lstrip())

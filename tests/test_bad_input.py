@@ -410,3 +410,111 @@ def test_a_smoke_test_with_no_layout_to_compare_says_so(tmp_path, capsys):
 
     assert_one_line(capsys, smoke_test.main(["--workdir", str(tmp_path / "w")]), 2, "no layout to check")
     assert not (tmp_path / "w").exists()
+
+
+# -- a file or directory of another kind, given to every tool input --------------------------------
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory, corpus):
+    """One path of every kind the project knows: name -> path."""
+    from megapretrain.commands import convert_checkpoint
+    from megapretrain.train import main as train_main
+
+    d = tmp_path_factory.mktemp("kinds")
+    run = d / "run"
+    assert train_main([*TWO_STEPS, "--data.paths", f"[{corpus}]", "--run.dir", str(run),
+                       "--checkpoint.interval", "1"]) == 0
+    assert convert_checkpoint.main(["to-hf", "--checkpoint", str(run), "--output", str(d / "hf")]) == 0
+    (d / "config.yaml").write_text(open(os.path.join(ROOT, "configs", "tiny.yaml")).read())
+    (d / "corpus.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    (d / "tasks.jsonl").write_text(json.dumps({"context": "a", "choices": [" b", " c"], "label": 0}) + "\n")
+    (d / "notes.txt").write_text("some words\n")
+    (d / "empty").write_bytes(b"")
+    (d / "adir").mkdir()
+    iteration = run / "checkpoints" / "iter_0000002"
+    return {"dataset prefix": corpus, "dataset .bin": corpus + ".bin", "run directory": str(run),
+            "iter_* directory": str(iteration), "rank file": str(iteration / "rank_00000.safetensors"),
+            "HF directory": str(d / "hf"), "config": str(d / "config.yaml"), "JSONL corpus": str(d / "corpus.jsonl"),
+            "task file": str(d / "tasks.jsonl"), "metrics.jsonl": str(run / "metrics.jsonl"),
+            "text file": str(d / "notes.txt"), "empty file": str(d / "empty"), "directory": str(d / "adir")}
+
+
+CHECKPOINTS = {"run directory", "iter_* directory"}
+# input: (command, argv with X for the input and O for a new output, the kinds it takes)
+TOOL_INPUTS = {
+    "to-hf --checkpoint": ("convert_checkpoint", ["to-hf", "--checkpoint", "X", "--output", "O"], CHECKPOINTS),
+    "to-hf --config": ("convert_checkpoint", ["to-hf", "--checkpoint", "R", "--config", "X", "--output", "O"],
+                       {"config"}),
+    "from-hf --hf": ("convert_checkpoint", ["from-hf", "--hf", "X", "--output", "O"], {"HF directory"}),
+    "to-megatron --checkpoint": ("convert_checkpoint", ["to-megatron", "--checkpoint", "X", "--output", "O"],
+                                 CHECKPOINTS),
+    "from-megatron --megatron": ("convert_checkpoint", ["from-megatron", "--megatron", "X", "--output", "O"],
+                                 set()),
+    "to-dcp --checkpoint": ("convert_checkpoint", ["to-dcp", "--checkpoint", "X", "--output", "O"], CHECKPOINTS),
+    "from-dcp --dcp": ("convert_checkpoint", ["from-dcp", "--dcp", "X", "--output", "O"], set()),
+    "reshard --checkpoint": ("reshard_checkpoint", ["--checkpoint", "X", "--output", "O", "--world-size", "1"],
+                             CHECKPOINTS),
+    "merge_checkpoints --checkpoints": ("merge_checkpoints", ["--checkpoints", "X", "R", "--output", "O"],
+                                        CHECKPOINTS),
+    "inspect_checkpoint": ("inspect_checkpoint", ["X"], CHECKPOINTS),
+    "evaluate --checkpoint": ("evaluate", ["--checkpoint", "X", "--tasks", "T"], CHECKPOINTS),
+    "evaluate --tasks": ("evaluate", ["--checkpoint", "R", "--tasks", "X"], {"task file"}),
+    "inspect_data": ("inspect_data", ["X"], {"dataset prefix"}),
+    "make_tasks --data": ("make_tasks", ["--data", "X", "--output", "O"], {"dataset prefix"}),
+    "merge_datasets --input": ("merge_datasets", ["--input", "X", "--output-prefix", "O"], {"dataset prefix"}),
+    "plan --config": ("plan", ["--config", "X", "--gpus", "8"], {"config"}),
+    "simulate --config": ("simulate", ["--config", "X", "--world-size", "1"], {"config"}),
+    "pipeline_schedule --config": ("pipeline_schedule", ["--config", "X"], {"config"}),
+    "plot_run": ("plot_run", ["X", "--output", "O"], {"run directory", "metrics.jsonl"}),
+    "preprocess_data --input": ("preprocess_data", ["--input", "X", "--output-prefix", "O", "--tokenizer-type",
+                                                    "ByteTokenizer", "--no-progress"],
+                                # (an empty file has a line of its own: no documents)
+                                {"JSONL corpus", "text file", "config", "task file", "metrics.jsonl",
+                                 "empty file"}),
+    "train --config": ("train", ["--config", "X", "--data.paths", "[D]", "--run.dir", "O", "--check"], {"config"}),
+    "train data.paths": ("train", ["--data.paths", "[X]", "--run.dir", "O", "--check"],
+                         {"dataset prefix", "dataset .bin"}),
+    "train checkpoint.load": ("train", ["--data.paths", "[D]", "--run.dir", "O", "--checkpoint.load", "X",
+                                        "--check"], CHECKPOINTS),
+    "train eval.tasks": ("train", ["--data.paths", "[D]", "--run.dir", "O", "--eval.tasks", "[X]", "--check"],
+                         {"task file"}),
+}
+KINDS = ["dataset prefix", "dataset .bin", "run directory", "iter_* directory", "rank file", "HF directory",
+         "config", "JSONL corpus", "task file", "metrics.jsonl", "text file", "empty file", "directory"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tool_input", list(TOOL_INPUTS))
+def test_every_tool_input_refuses_a_path_of_another_kind_naming_it(tool_input, kind, kinds, tmp_path, capsys):
+    """A path of a kind the project knows, given where another belongs, is one line (exit 2) that
+    says what the path is; a path of no known kind (a text file, a bare directory) is still one
+    line, from the reader. Nothing is written."""
+    import importlib
+
+    from megapretrain.train import main as train_main
+    from megapretrain.user_files import UNKNOWN_KINDS, describe_path
+
+    command, template, takes = TOOL_INPUTS[tool_input]
+    if kind in takes:
+        pytest.skip("the kind this input takes")
+    path, out = kinds[kind], str(tmp_path / "out")
+    given = {"X": path, "[X]": f"[{path}]", "O": out, "R": kinds["run directory"], "T": kinds["task file"],
+             "[D]": f"[{kinds['dataset prefix']}]"}
+    argv = [given.get(a, a) for a in template]
+    if command == "train":
+        argv = [*TWO_STEPS, *argv]
+    main = train_main if command == "train" else importlib.import_module(f"megapretrain.commands.{command}").main
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    what = describe_path(path)
+    if what in UNKNOWN_KINDS:  # the reader's own line (inspect_data's report: its FAIL lines)
+        err = capsys.readouterr().err
+        assert status in (1, 2) and "Traceback" not in err, (status, err)
+    else:
+        assert_one_line(capsys, status, 2, what)
+    # (the dry run of training checks its data first, into the data checks' cache)
+    assert not os.path.exists(out) or os.listdir(out) in ([], ["data_cache"]), os.listdir(out)

@@ -16,6 +16,7 @@ import yaml
 
 from .. import errors
 from ..errors import CheckpointError, DiskFullError, full_disk_guard, size_text
+from ..user_files import check_kind
 from .format import METADATA, fsync_dir, problem
 
 
@@ -103,9 +104,24 @@ def resolve_checkpoint(path: str, *, check: bool = True) -> str:
                     print(f"warning: {n}; using {candidate}", file=sys.stderr)
                 return candidate
             notes.append(f"skipped {candidate}: {found}")
+    check_checkpoint_kind("", path)  # a dataset, a Hugging Face directory, ...: say what it is
     raise CheckpointError(f"{path} is not a complete checkpoint (no metadata.json) nor a run "
                           "directory with a usable one; pass an iter_* directory"
                           + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+# what a megapretrain checkpoint may be given as
+CHECKPOINT_KINDS = ("a megapretrain checkpoint (an iter_* directory)",
+                    "a megapretrain run directory", "a megapretrain run's checkpoints/ folder")
+
+
+def check_checkpoint_kind(where: str, path: str) -> None:
+    """Refuse ``path`` (given as ``where``) in one line naming what it is when it is a file or
+    directory of another kind the project knows: a dataset, a Hugging Face model, a config, ..."""
+    fix = "pass a run directory or one of its iter_* directories"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        fix += " (a Hugging Face model: convert it with convert_checkpoint.py from-hf first)"
+    check_kind(where, path, "a megapretrain checkpoint", fix, also=CHECKPOINT_KINDS)
 
 
 def owner(path: str) -> str:

@@ -31,6 +31,7 @@ from ..host_memory import available_bytes
 from ..model.build import model_args
 from ..model.families import FAMILIES, family, family_of_hf
 from ..model.hf_adapter import ConvertError, rope_from_hf
+from ..user_files import check_kind
 from .tensorfile import TensorFile, weight_dtype_problem
 
 # defined with the adapters, importable from here as before
@@ -58,6 +59,9 @@ def generation_config(bos: int | None, eos: int | None) -> dict:
 
 def read_hf_config(hf_dir: str) -> dict:
     """The checked ``config.json`` of a Hugging Face directory of a family megapretrain converts."""
+    check_kind("--hf", hf_dir, "a Hugging Face model directory", "give the directory holding "
+               "config.json and *.safetensors (a megapretrain checkpoint converts with to-hf)",
+               also=("a Hugging Face model directory",))
     path = os.path.join(hf_dir, "config.json")
     hf = read_json_file(path, ConvertError, "--hf must be a Hugging Face model directory")
     if not isinstance(hf, dict):

@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..errors import UserError
 from ..model.args import kv_heads
+from ..user_files import MEGATRON_ITER, check_kind
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -135,6 +136,9 @@ def megatron_place(name: str) -> tuple[tuple[str, ...], int | None, str | None]:
 def iteration_dir(path: str) -> str:
     """The ``iter_*`` directory of ``path``: itself, or the one a Megatron-LM run directory's
     ``latest_checkpointed_iteration.txt`` names."""
+    check_kind("--megatron", path, "a Megatron-LM torch_dist checkpoint", "pass a Megatron-LM "
+               "run saved with --ckpt-format torch_dist or one of its iter_* directories",
+               also=("a Megatron-LM checkpoint directory", MEGATRON_ITER))
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         with open(latest) as fh:

@@ -32,6 +32,7 @@ from ..model.args import padded_vocab_size
 from ..model.build import rank_param_specs
 from ..parallel.layout import Layout
 from ..parallel.specs import ParamSpec
+from ..user_files import check_kind
 from .directories import new_directory
 from .format import (
     MOMENTS,
@@ -268,6 +269,8 @@ def saved_config_path(checkpoint: str, explicit: str | None = None) -> str:
     lookup stops there: a ``config.yaml`` further up, or beside a checkpoint that is not inside a
     run's ``checkpoints/`` folder, belongs to something else and is never taken."""
     if explicit:
+        check_kind("--config", explicit, "a config", "pass the config (YAML) of the run that "
+                   f"saved {checkpoint}", also=("a YAML file", "a JSON file"))
         if not os.path.exists(explicit):
             raise CheckpointError(f"--config {explicit} not found: pass the config of the run "
                                   f"that saved {checkpoint}")

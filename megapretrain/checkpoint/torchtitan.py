@@ -36,6 +36,7 @@ import torch
 
 from ..errors import UserError
 from ..model.hf_adapter import ConvertError
+from ..user_files import check_kind
 from .tensorfile import weight_dtype_problem
 
 METADATA = ".metadata"
@@ -114,6 +115,8 @@ def find_dcp(path: str) -> str:
     ``step-N/`` with one in it or in its ``checkpoint/`` folder (a torchtitan run's layout)."""
     if os.path.isfile(os.path.join(path, METADATA)):
         return path
+    check_kind("--dcp", path, "a torchtitan checkpoint", "pass a torchtitan checkpoint's step-N "
+               "directory (.metadata + *.distcp files), or the run directory holding them")
     if not os.path.isdir(path):
         raise ConvertError(f"--dcp {path} is not a directory: pass a torchtitan checkpoint's "
                            "step-N directory (.metadata + *.distcp files)")

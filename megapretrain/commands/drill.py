@@ -29,7 +29,11 @@ import time
 import numpy as np
 
 from megapretrain.cli import ToolParser, positive_float, positive_int, user_errors
-from megapretrain.errors import UserError
+from megapretrain.config import load_config
+from megapretrain.data.checks import resolve_vocab
+from megapretrain.errors import ConfigError, UserError
+from megapretrain.resolve import check_run_faults, resolve
+from megapretrain.user_files import DATASET, check_kind
 
 from .drill_cluster import ROOT, Job, free_port
 from .drills import DRILLS, Drill, Rehearsal, losses_of
@@ -96,6 +100,36 @@ def selected(names: list[str]) -> list[Drill]:
         raise UserError(f"--drill {unknown[0]}: no such drill; one of {', '.join(DRILLS)} or all "
                         "(see --list)")
     return [DRILLS[n] for n in dict.fromkeys(names)]
+
+
+def cannot_fire(drill: Drill, s: Settings) -> str | None:
+    """Why ``drill`` can never fire in the runs of ``s`` (its nodes, processes and ITERS), or
+    None: too few nodes for what it strikes, a moment after the runs end, or ``faults.*``
+    overrides the trainer would refuse (a rank outside the world, an iteration past the end)."""
+    flags = f"--nodes {s.nodes} --procs-per-node {s.nproc}"
+    if s.nodes < drill.min_nodes:
+        return (f"--drill {drill.name} can never fire with --nodes {s.nodes}: "
+                f"{drill.needs_nodes}; use --nodes {drill.min_nodes} or more")
+    if drill.after is not None and drill.after >= s.iters:
+        return (f"--drill {drill.name} strikes after iteration {drill.after}, but the drill's "
+                f"runs end at iteration {s.iters}")
+    cfg = load_config(s.config, s.argv(os.path.join(s.output, drill.name),
+                                       drill.overrides(s)))
+    try:
+        resolve_vocab(cfg)
+        check_run_faults(resolve(cfg, s.nodes * s.nproc))
+    except ConfigError as exc:
+        return f"--drill {drill.name} can never fire with {flags}: {exc}"
+    return None
+
+
+def check_drills(drills: list[Drill], s: Settings) -> None:
+    """Refuse, before any launch, the drills that can never fire in one line (naming the
+    others that cannot, too)."""
+    refused = [(d, why) for d in drills if (why := cannot_fire(d, s))]
+    if refused:
+        (_, first), rest = refused[0], [d.name for d, _ in refused[1:]]
+        raise UserError(first + (f" (nor can {', '.join(rest)})" if rest else ""))
 
 
 class Settings:
@@ -178,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--config {args.config}: no such file (see configs/)")
     output = os.path.abspath(args.output or os.path.join(
         "runs", time.strftime("drill-%Y%m%d-%H%M%S")))
+    if args.data is not None and not os.path.exists(args.data + ".idx"):
+        fix = "give the prefix of a tokenized corpus (tools/preprocess_data.py --output-prefix)"
+        check_kind("--data", args.data, DATASET, fix)
+        raise UserError(f"--data {args.data}: {args.data}.idx not found; {fix}")
+    # the drills against the runs they will be played in, before anything is written or launched
+    check_drills(drills, Settings(args, output, os.path.abspath(args.data or "corpus")))
     if os.path.exists(output) and os.listdir(output):
         raise UserError(f"--output {output} is not empty: give a new directory")
     os.makedirs(output, exist_ok=True)
@@ -185,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     if data is None:
         os.makedirs(os.path.join(output, "corpus"), exist_ok=True)
         data = write_corpus(os.path.join(output, "corpus", "drill_text_document"))
-    elif not os.path.exists(data + ".idx"):
-        raise UserError(f"--data {data}: {data}.idx not found; give the prefix of a tokenized "
-                        "corpus (tools/preprocess_data.py --output-prefix)")
     s = Settings(args, output, os.path.abspath(data))
     reference = straight_run(s)
     results = []

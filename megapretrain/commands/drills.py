@@ -203,12 +203,17 @@ class Drill:
     launcher's expected status, ``noticed`` the line that shows the job saw the failure,
     ``failures`` how many it injects (each may fail every node's worker group once: more means
     restarts that did not come up) and ``trains_to_end``: the run ends on every iteration of the
-    straight run."""
+    straight run. What a drill needs to fire at all: ``min_nodes`` nodes (``needs_nodes`` says
+    why), and ``after`` the iteration its moment follows, when it strikes from outside the run
+    (its ``faults.*`` overrides are checked as the trainer checks them)."""
 
     name = ""
     what = ""
     exits = 0
     failures = 1
+    min_nodes = 1
+    needs_nodes = ""
+    after: int | None = None
     noticed: re.Pattern | None = AGENT_SAW  # None: no moment to notice (all nodes gone at once)
     trains_to_end = True
 
@@ -225,6 +230,7 @@ class Drill:
 class WorkerCrash(Drill):
     name, what = "worker-crash", "a worker on a non-zero node exits (status 1) at iteration 6"
     at = 6
+    min_nodes, needs_nodes = 2, "the worker that fails is on a node other than node 0"
 
     def overrides(self, s) -> list[str]:
         return ["--faults.exit_at", str(self.at), "--faults.rank", str(s.nproc)]
@@ -244,6 +250,7 @@ class CrashTwice(WorkerCrash):
             "iteration 8 on another")
     at = 4
     failures = 2
+    after = 7  # the second crash, on another node
 
     def play(self, r: Rehearsal) -> None:
         job = r.launch()
@@ -268,6 +275,8 @@ class NodeLoss(Drill):
     what = ("a node's whole process tree is killed after iteration 5 (one that does not host the "
             "rendezvous); once the others are out, the job is relaunched")
     margin = 90.0  # the survivors' workers failing, the join timeout's own slack, a loaded machine
+    min_nodes, needs_nodes = 2, "it loses a node that does not host the rendezvous"
+    after = 5
 
     def play(self, r: Rehearsal) -> None:
         job = r.launch()
@@ -296,6 +305,7 @@ class NodeLoss(Drill):
 class Hang(Drill):
     name, what = "hang", "a worker on a non-zero node blocks at iteration 6 (watchdog 10 s)"
     noticed = re.compile(r"error: hang")
+    min_nodes, needs_nodes = 2, "the worker that hangs is on a node other than node 0"
 
     def overrides(self, s) -> list[str]:
         return ["--faults.hang_at", "6", "--faults.rank", str(s.nproc), "--watchdog.timeout_s",
@@ -373,6 +383,8 @@ class RankSwap(Drill):
     name = "rank-swap"
     what = "every node is lost after iteration 5; the job comes back with NODE_RANKs swapped"
     noticed = None  # nothing of the job is left to notice: the relaunch is at once
+    min_nodes, needs_nodes = 2, "one node has no other to swap NODE_RANK with"
+    after = 5
 
     def play(self, r: Rehearsal) -> None:
         job = r.launch()
@@ -391,6 +403,7 @@ class CrashLoop(Drill):
     failures = 3  # two crashes at the same iteration, then the stop
     trains_to_end = False
     fired_line = re.compile(r"^faults\.exit_at=6: exiting")
+    min_nodes, needs_nodes = 2, "the worker that fails is on a node other than node 0"
 
     def overrides(self, s) -> list[str]:
         return ["--faults.exit_at", "6", "--faults.rank", str(s.nproc),

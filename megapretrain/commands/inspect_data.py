@@ -36,6 +36,7 @@ from megapretrain.data.indexed_dataset import (
     scan_tokens,
 )
 from megapretrain.errors import DataError
+from megapretrain.user_files import DATASET, check_kind
 
 BLOCK = 1 << 24  # items per streamed block: memory stays flat for any dataset size
 PERCENTILES = (0, 1, 5, 25, 50, 75, 95, 99, 100)
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true",
                    help="print the facts as one JSON object instead of text")
     args = p.parse_args(argv)
+    if not os.path.isfile(args.prefix + ".idx"):
+        check_kind("prefix", args.prefix, DATASET, "give the prefix of a dataset that "
+                   "tools/preprocess_data.py wrote (PREFIX.bin/.idx)")
     report = Report(quiet_json=args.json)
     inspect(args.prefix, args.vocab_size, args.seq_length, args.png, not args.no_checksum, report)
     if args.json:

@@ -27,10 +27,12 @@ from megapretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuil
 from megapretrain.errors import (
     DataError,
     MissingFileError,
+    WrongKindError,
     check_free_space,
     full_disk_guard,
     size_text,
 )
+from megapretrain.user_files import DATASET, check_kind
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 _FIX_SPACE = "free space or choose another --output-prefix (nothing was written)"
@@ -45,11 +47,15 @@ def input_prefixes(inputs: list[str]) -> list[str]:
                            if name.endswith(".idx"))
             found = [p for p in found if dataset_exists(p)]
             if not found:
+                check_kind("--input", item, DATASET, "give a dataset prefix (PREFIX.bin/.idx) or "
+                           "a directory of them")
                 raise MissingFileError(f"--input {item}: the directory holds no .bin/.idx pair")
             prefixes += found
         elif dataset_exists(item):
             prefixes.append(item)
         else:
+            check_kind("--input", item, DATASET, "give a dataset prefix (PREFIX.bin/.idx) or a "
+                       "directory of them")
             raise MissingFileError(f"--input {item}: {item}.bin/.idx not found (give a prefix or a "
                                    "directory)")
     return prefixes
@@ -192,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.overwrite and existing:
             raise FileExistsError(f"{existing[0]} already exists; pass --overwrite to replace it")
         summary = merge(prefixes, args.output_prefix)
+    except WrongKindError:
+        raise  # one line, exit status 2 (bad input)
     except (OSError, ValueError) as e:
         print_error(e)
         return 1

@@ -88,13 +88,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def from_config(path: str, world_size: int | None, overrides: list[str]) -> dict:
     """The pipeline of a config at a world size: stages, chunks, schedule, micro-batches, message
     size."""
+    cfg = load_config(path, overrides)  # first: a file of another kind is refused as such
     if world_size is None:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             found = re.search(r"(\d+) GPUs", fh.readline())
         if found is None:
             raise ConfigError(f"{path}: its first line names no GPU count; pass --world-size")
         world_size = int(found.group(1))
-    cfg = load_config(path, overrides)
     if cfg.model.vocab_size is None:
         # only the vocabulary padding depends on it; the pipeline does not
         cfg.model.vocab_size = 257

@@ -45,7 +45,14 @@ from megapretrain.data import readers
 from megapretrain.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megapretrain.data.readers import Bad, Chunk
 from megapretrain.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-from megapretrain.errors import FULL_DISK, DataError, UserError, free_bytes, size_text
+from megapretrain.errors import (
+    FULL_DISK,
+    DataError,
+    UserError,
+    WrongKindError,
+    free_bytes,
+    size_text,
+)
 
 SUMMARY_FORMAT = "megapretrain-preprocess-summary-v1"
 
@@ -446,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ImportError("reading .zst files needs the 'zstandard' package: pip "
                                       "install zstandard")
             tokenizer = build_tokenizer(*tokenizer_args)
+        except WrongKindError:
+            raise  # one line, exit status 2 (bad input)
         except (ValueError, OSError, ImportError) as e:
             problem = str(e)
     if problem is not None:

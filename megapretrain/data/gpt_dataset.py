@@ -45,8 +45,9 @@ from megapretrain.data.indexed_dataset import (
     index_file_path,
 )
 
-from ..errors import DataError, MissingFileError, size_text
+from ..errors import DataError, MissingFileError, WrongKindError, size_text
 from ..host_memory import available_bytes
+from ..user_files import not_the_kind
 
 logger = logging.getLogger(__name__)
 
@@ -759,12 +760,16 @@ def data_prefix(path: str) -> str:
     return path
 
 
-def missing_prefix(prefix: str) -> MissingFileError:
+def missing_prefix(prefix: str) -> DataError:
     """The one line for a data prefix with no ``.bin``/``.idx``: naming the prefix to use when
     ``tools/preprocess_data.py``'s ``PREFIX_KEY_document`` files are there."""
     made = sorted(f[len(os.path.basename(prefix)):-4] for f in _listdir(os.path.dirname(prefix))
                   if f.startswith(os.path.basename(prefix) + "_") and f.endswith("_document.bin")
                   and dataset_exists(os.path.join(os.path.dirname(prefix), f[:-4])))
+    other = not_the_kind(prefix, "a tokenized dataset prefix")
+    if other:
+        return WrongKindError(f"data prefix {other}: give the prefix of a dataset that "
+                              "tools/preprocess_data.py wrote (PREFIX.bin/.idx)")
     if made:
         names = " or ".join(f"{prefix}{m}" for m in made)
         return MissingFileError(f"data prefix {prefix}: {prefix}.bin/.idx not found, but {names} "

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import DataError, MissingFileError
+from ..user_files import DATASET, check_kind
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -243,6 +244,8 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
+                check_kind("dataset", prefix, DATASET, "give the prefix of a dataset that "
+                           "tools/preprocess_data.py wrote (PREFIX.bin/.idx)")
                 raise MissingFileError(f"{path} not found; create the dataset with "
                                        "tools/preprocess_data.py")
         self._idx_map = _map_file(idx_path)

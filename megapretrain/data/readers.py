@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import DataError, MissingFileError
+from ..user_files import check_kind
 
 FORMATS = ("jsonl", "parquet", "text")
 CHUNK_BYTES = 1 << 18  # cap on the raw bytes in one chunk: long documents make smaller chunks
@@ -75,6 +76,9 @@ def discover(inputs: Sequence[str], input_format: str = "auto") -> list[Source]:
         if not matches:
             raise MissingFileError(f"--input {item}: no file matches")
         for path in matches:
+            check_kind("--input", path, "a corpus", "give JSON lines, text or parquet files (or "
+                       "a directory of them)", also=("a JSON lines file", "a JSON file",
+                                                     "a YAML file", "an empty file"))
             if os.path.isdir(path):
                 paths = _files_under(path)
                 if not paths:

@@ -38,6 +38,7 @@ import random
 from dataclasses import dataclass, field
 
 from ..errors import DataError, MissingFileError
+from ..user_files import check_kind
 
 FEWSHOT_SEPARATOR = "\n\n"
 FEWSHOT_SEED = 1234  # lm-evaluation-harness's default few-shot seed (fewshot_random_seed)
@@ -87,11 +88,13 @@ def read_items(path: str) -> list[tuple[int, dict]]:
     """The file's items with their line numbers, each checked for shape: ``context`` a string,
     ``choices`` a non-empty list of strings, ``label`` an integer index into it. A bad line is one
     error naming the file, the line and the rule."""
+    check_kind("task file", path, "a task file", "give a JSONL file of {\"context\", \"choices\", "
+               "\"label\"} items (docs/evaluation.md)", also=("a task file (JSONL)",))
     if not os.path.isfile(path):
         raise MissingFileError(f"task file {path} not found: give a JSONL file of "
                                '{"context", "choices", "label"} items (docs/evaluation.md)')
     items = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
                 continue

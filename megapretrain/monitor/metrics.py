@@ -16,6 +16,7 @@ import secrets
 import time
 
 from ..errors import DataError, MissingFileError, MissingPackageError
+from ..user_files import check_kind
 
 # TensorBoard's custom-scalars page: the dashboard's panels, each a list of tag regexes
 TENSORBOARD_LAYOUT = {
@@ -115,12 +116,15 @@ def _init_wandb(run_dir: str, run_name: str, config: dict | None):
 def read_metrics(path: str) -> list[dict]:
     """The records of a metrics.jsonl (a run directory or the file), in the order written. A
     truncated last line — a run killed mid-write — is dropped; damage elsewhere is an error."""
+    check_kind("", path, "a run's metrics", "give a run directory that a training run wrote (it "
+               "holds metrics.jsonl)",
+               also=("a megapretrain run directory", "a run's metrics.jsonl"))
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.exists(path):
         raise MissingFileError(f"{path} not found; give a run directory that a training run wrote "
                                "(it holds metrics.jsonl)")
-    with open(path) as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:  # a binary file: not JSON below
         lines = fh.read().split("\n")
     records = []
     for number, line in enumerate(lines, 1):
