@@ -324,6 +324,11 @@ class DataParallelBuffers:
         layer's chunked loss, given these buffers by ``MixedPrecisionAdamW.hook_models``) instead
         of returning it to autograd then calls :meth:`grad_added`."""
         b = self._bucket_of[id(p)]
+        if b.launched and self._context is None and any(r is b for r in self._reducing):
+            # zero ≥ 2: a previous micro-batch's reduction of this bucket is still in flight (left
+            # so as its backward ended); an op that adds its gradient outside a backward (the
+            # chunked loss, in its forward) completes it first, as the next backward would
+            self._drain()
         if b.launched:
             raise RuntimeError(f"parameter '{self.names[id(p)]}' received a gradient after its "
                                "bucket's data-parallel reduction started: was it used after its "
