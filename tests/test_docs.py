@@ -248,7 +248,8 @@ def shrink(text: str) -> str:
     text = _last_flag_wins(text)
     if TRAINS.search(text) and "--help" not in text and not re.search(r"\s--check(\s|$)", text):  # trains nothing
         iters = re.search(r"--train\.iters (\d+)", text)
-        if iters:
+        if iters and not re.search(r"--faults\.\w+_at ", text):  # (a drill keeps its length: it
+            # must reach its iteration, or the trainer refuses it as one that can never fire)
             text = text.replace(iters[0], f"--train.iters {max(2, math.ceil(int(iters[1]) / 10))}")
         budget = re.search(r"--train\.train_tokens \S+", text)
         if budget:  # a token budget: DEFAULT_ITERS steps of TINY's 8 × 32 tokens
