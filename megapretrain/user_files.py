@@ -135,6 +135,7 @@ _DIRECTORY_KINDS = (  # (a file inside it, what the directory is)
     (".metadata", "a torchtitan (DCP) checkpoint"),
 )
 MEGATRON_ITER = "a Megatron-LM checkpoint (an iter_* directory)"
+DATASET = "a tokenized dataset prefix (.bin/.idx)"
 # what a path may be where a kind is wanted without being another kind the project knows
 UNKNOWN_KINDS = ("a directory", "a text file", "a file", "a binary file")
 
@@ -153,7 +154,7 @@ def describe_path(path: str) -> str | None:
     if os.path.isfile(path):
         return _describe_file(path)
     if os.path.isfile(path + ".idx") and os.path.isfile(path + ".bin"):
-        return "a tokenized dataset prefix (.bin/.idx)"
+        return DATASET
     return None
 
 
@@ -203,9 +204,6 @@ def not_the_kind(path: str, wanted: str, also: tuple[str, ...] = ()) -> str | No
     if kind is None or kind in UNKNOWN_KINDS or kind in also:
         return None
     return f"{path} is {kind}, not {wanted}"
-
-
-DATASET = "a tokenized dataset prefix (.bin/.idx)"
 
 
 def check_kind(where: str, path: str, wanted: str, fix: str, also: tuple[str, ...] = ()) -> None:
