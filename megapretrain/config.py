@@ -924,18 +924,12 @@ def check_needs(cfg: Config) -> None:
     """Every field of :data:`NEEDS` given a value other than its default while the setting it
     needs is off is refused, naming the field, what it needs and the fix: it would do nothing.
     A saved run config lists every field, so only values that differ from the defaults count."""
-    for rule in NEEDS:
-        if rule.holds(cfg):
-            continue
-        for dotted in rule.fields:
-            value, default = get_field(cfg, dotted), _default(dotted)
-            if value == default:
-                continue
-            now = ", ".join(f"{p}={_shown(get_field(cfg, p))}" for p in rule.shown)
-            raise ConfigError(f"{dotted}={_shown(value)} does nothing without {rule.partner}"
-                              + (f", and {now}" if now else "")
-                              + f": set {rule.partner.split(' (')[0]}, or drop {dotted} "
-                              f"(default {_shown(default)})")
+    for rule, dotted, value, default in _idle_fields(cfg):
+        now = ", ".join(f"{p}={_shown(get_field(cfg, p))}" for p in rule.shown)
+        raise ConfigError(f"{dotted}={_shown(value)} does nothing without {rule.partner}"
+                          + (f", and {now}" if now else "")
+                          + f": set {rule.partner.split(' (')[0]}, or drop {dotted} "
+                          f"(default {_shown(default)})")
 
 
 def drop_inherited(cfg: Config, overrides: list[str]) -> list[str]:
@@ -946,19 +940,27 @@ def drop_inherited(cfg: Config, overrides: list[str]) -> list[str]:
     :func:`check_needs` to refuse."""
     given = {name for name, _ in _raw_overrides(overrides)}
     notes = []
+    for rule, dotted, value, default in _idle_fields(cfg):
+        if dotted in given:
+            continue
+        parent, leaf = dotted.rsplit(".", 1)
+        node = get_field(cfg, parent)
+        setattr(node, _fields(type(node))[leaf].name, default)
+        notes.append(f"{dotted}={_shown(value)} of the saved config does nothing without "
+                     f"{rule.partner}: reset to {_shown(default)}")
+    return notes
+
+
+def _idle_fields(cfg: Config):
+    """``(rule, field, value, default)`` for each field of :data:`NEEDS` set to other than its
+    default while the setting it needs is off (read as iterated: a caller may reset each)."""
     for rule in NEEDS:
         if rule.holds(cfg):
             continue
         for dotted in rule.fields:
             value, default = get_field(cfg, dotted), _default(dotted)
-            if dotted in given or value == default:
-                continue
-            parent, leaf = dotted.rsplit(".", 1)
-            node = get_field(cfg, parent)
-            setattr(node, _fields(type(node))[leaf].name, default)
-            notes.append(f"{dotted}={_shown(value)} of the saved config does nothing without "
-                         f"{rule.partner}: reset to {_shown(default)}")
-    return notes
+            if value != default:
+                yield rule, dotted, value, default
 
 
 def _shown(value: Any) -> str:
