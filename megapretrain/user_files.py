@@ -83,15 +83,25 @@ def not_writable_dir(path: str) -> str | None:
     nothing for root, nor about a read-only mount or a full inode table."""
     if not str(path).strip():
         return "an empty path; give the directory to write into, e.g. runs/NAME"
-    here = os.path.abspath(path)
+    for tries_left in reversed(range(8)):
+        try:
+            return _probe(os.path.abspath(path))
+        except FileNotFoundError as exc:  # another process's probe removed a parent we had found
+            if not tries_left:
+                return f"cannot be written ({exc.strerror}); choose a writable path"
+
+
+def _probe(path: str) -> str | None:
+    """One try of ``not_writable_dir``; FileNotFoundError when a parent vanished mid-way."""
+    here = path
     while not os.path.exists(here):  # the nearest part of it that exists
         here = os.path.dirname(here)
     if not os.path.isdir(here):
-        what = "is a file" if here == os.path.abspath(path) else f"cannot be made: {here} is a file"
+        what = "is a file" if here == path else f"cannot be made: {here} is a file"
         return f"{what}, not a directory; choose another path"
     made = []  # other ranks may probe the same path at once: what they make or remove is theirs
     try:
-        for part in _missing_parts(os.path.abspath(path), here):
+        for part in _missing_parts(path, here):
             try:
                 os.mkdir(part)
                 made.append(part)
@@ -100,6 +110,8 @@ def not_writable_dir(path: str) -> str | None:
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
         os.close(fd)
         os.remove(probe)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         return f"cannot be written ({exc.strerror}); choose a writable path"
     finally:

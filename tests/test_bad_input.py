@@ -307,6 +307,23 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line(tmp_path, unchanged, c
             subprocess.run(["umount", "-l", str(target)], check=True)  # lazily: a failed run may hold files
 
 
+def _probe_many(parent: str, name: str, times: int) -> list[str]:
+    from megapretrain.user_files import not_writable_dir
+
+    return [why for _ in range(times) if (why := not_writable_dir(os.path.join(parent, "runs", name))) is not None]
+
+
+def test_runs_probing_one_missing_parent_at_once_all_pass_and_leave_nothing(tmp_path):
+    """Several dry runs at once check run dirs under one missing parent (runs/A, runs/B, ...): each
+    makes and removes that parent, and none may see it vanish under its own probe."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        found = pool.starmap(_probe_many, [(str(tmp_path), f"model{i}", 150) for i in range(4)])
+    assert found == [[]] * 4
+    assert os.listdir(tmp_path) == []  # every probe took back what it made
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--train.seq_length", "1000000000"], ["train.seq_length=1,000,000,000", "needs at least", "GiB"]),
     (["--train.micro_batch_size", "100000000", "--train.global_batch_size", "100000000"],
