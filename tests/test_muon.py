@@ -365,9 +365,12 @@ def test_zero_stages_step_as_one_process_bitwise():
 
 
 def _muon_events(rank, world):
-    """One Muon step under ZeRO-1 (small buckets: several hold matrices), logging in order what
-    the step does with the shard group and the iterations: each gather and reduce-scatter as it is
-    started and as its handle is waited for, and each Newton–Schulz call."""
+    """One Muon step under ZeRO-1 (small buckets: several hold matrices, shards cut them
+    anywhere), logging in order what the step does with the shard group and the iterations: each
+    all-to-all as it is started (with the elements it sends and receives) and as its handle is
+    waited for, and each Newton–Schulz call."""
+    import math
+
     import megapretrain.optim.muon as muon
 
     ps, tokens = ParallelState(), make_tokens(batch=2, seq=16)
@@ -382,52 +385,57 @@ def _muon_events(rank, world):
     events, group, ns = [], ps.dp_shard, muon.newton_schulz
 
     class Logged:
-        def __init__(self, name, work):
-            self.name, self.work = name, work
+        def __init__(self, work):
+            self.work = work
 
         def wait(self):
-            events.append(f"wait {self.name}")
+            events.append("wait")
             self.work.wait()
 
-    def logged(name, start):
-        def call(*args):
-            events.append(name)
-            return Logged(name, start(*args))
-        return call
+    def exchange(output, tensor, output_sizes, input_sizes):
+        events.append(("a2a", sum(input_sizes), sum(output_sizes)))
+        return Logged(all_to_all(output, tensor, output_sizes, input_sizes))
 
     def counted(*args, **kw):
         events.append("ns")
         return ns(*args, **kw)
-    step = opt.muon.step
+    step, all_to_all = opt.muon.step, group.all_to_all_async
 
     def muon_step(*args):
-        group.all_gather_async = logged("gather", group.all_gather_async)
-        group.reduce_scatter_async = logged("reduce_scatter", group.reduce_scatter_async)
+        group.all_to_all_async = exchange
         muon.newton_schulz = counted
         try:
             step(*args)
         finally:
-            del group.all_gather_async, group.reduce_scatter_async
+            del group.all_to_all_async
             muon.newton_schulz = ns
     opt.muon.step = muon_step
     opt.step(1e-2)
-    return events, len(opt.muon.work)
+    held = sum(f.end - f.start for _, frags in opt.muon.work for f in frags)  # this shard's
+    owned = sum(math.prod(spec.local_shape) for name, spec in opt.muon.matrices().items()
+                if opt.muon.owner[name] == ps.dp_shard.rank)
+    return events, len(opt.muon.work), len(opt.muon.groups), held, owned
 
 
 def test_muon_collectives_run_under_the_iterations():
-    """Sharded, every bucket's gather is started before the first iteration, each bucket's
-    reduce-scatter is started as soon as its owner is done (before the next bucket's
-    iterations), and none is waited for before the last iteration: the collectives run
-    asynchronously, under the iterations."""
+    """Sharded, each group of buckets' pieces go to their matrices' owners in one all-to-all, all
+    started before the first iteration; each group's results start back as soon as its owners
+    are done (before the next group's iterations), and none is waited for before the last
+    iteration: the collectives run asynchronously, under the iterations. A rank sends each
+    element of its shard once, to its owner, and receives the matrices it owns: not every
+    matrix, as an all-gather would."""
     from distributed import run_distributed
 
-    for events, buckets in run_distributed(_muon_events, 2, timeout=300):
-        assert buckets > 1
-        flow = [e for e in events if e != "ns"]
-        assert flow == ["gather"] * buckets + ["wait gather", "reduce_scatter"] * buckets \
-            + ["wait reduce_scatter"] * buckets
-        first_wait, last_start = events.index("wait gather"), \
-            len(events) - 1 - events[::-1].index("reduce_scatter")
+    for events, buckets, groups, held, owned in run_distributed(_muon_events, 2, timeout=300):
+        assert buckets > groups > 1
+        flow = [e if isinstance(e, str) else e[0] for e in events if e != "ns"]
+        assert flow == ["a2a"] * groups + ["wait", "a2a"] * groups + ["wait"] * groups
+        exchanges = [e for e in events if isinstance(e, tuple)]
+        gathers, returns = exchanges[:groups], exchanges[groups:]
+        assert sum(sent for _, sent, _ in gathers) == held == sum(got for _, _, got in returns)
+        assert sum(got for _, _, got in gathers) == owned == sum(sent for _, sent, _ in returns)
+        first_wait, last_start = events.index("wait"), \
+            max(i for i, e in enumerate(events) if isinstance(e, tuple))
         iterations = [i for i, e in enumerate(events) if e == "ns"]
         assert iterations and first_wait < min(iterations) and max(iterations) < last_start
 

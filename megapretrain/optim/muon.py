@@ -13,33 +13,34 @@ A fused weight is orthogonalized per logical matrix (its spec's ``row_parts``: G
 rows grouped per kv head, gives q, k and v), as separate linears would be.
 
 Momentum and U are elementwise, so each rank computes them on its own fragments (its ZeRO shard:
-flat ranges that may cut a matrix anywhere). Only NS needs whole matrices. One step:
+flat ranges that may cut a matrix anywhere). Only NS needs whole matrices, and only on one rank:
 
-1. zero ≥ 1: per bucket holding Muon matrices, every rank's U fragments are all-gathered over
-   ``dp_shard`` into a bucket-sized buffer, in the iteration's dtype (NS casts to it first: the
-   same bits, half the bytes in bf16); every bucket's gather is started before any is waited for;
-2. bucket by bucket, as its gather completes, each matrix is orthogonalized on one dp rank only,
-   its *owner*: matrices are assigned to the ``dp_shard`` ranks greedily by size, largest first,
-   to the least loaded rank (zero 0: every rank holds every gradient and computes every matrix,
-   as a replicated optimizer would); under tp the owner's tp group all-gathers the matrix's
-   column or row shards and each of its tp ranks runs NS on the whole matrix and keeps its own
-   shard;
-3. the owners write O into the bucket's zeroed buffer, whose reduce-scatter over ``dp_shard``
-   (every other rank adds zeros: exact) is started at once, leaving each rank O for its own
-   fragments while the next buckets compute; once every reduce-scatter has completed, the update
-   applies elementwise.
+1. each matrix has an *owner* among the ``dp_shard`` ranks: assigned greedily by size, largest
+   first, to the least loaded rank (zero 0: every rank holds every gradient and computes every
+   matrix, as a replicated optimizer would, and nothing below is sent);
+2. the buckets holding Muon matrices are cut into at most ``EXCHANGE_GROUPS`` runs
+   (:func:`exchange_groups`); per run, one all-to-all over ``dp_shard`` sends each piece of a
+   rank's shard to its matrix's owner, in the iteration's dtype (NS casts to it first: the same
+   bits, half the bytes in bf16). Every run's all-to-all is started before any is waited for. A
+   rank sends its shard and receives the matrices it owns: about 1/dp of what all-gathering
+   every update on every rank would move;
+3. run by run, as its all-to-all completes, each owner assembles its matrices whole and
+   orthogonalizes them (under tp the owner's tp group all-gathers the matrix's column or row
+   shards and each of its tp ranks runs NS on the whole matrix and keeps its own shard), then
+   starts the run's second all-to-all, which sends each piece of O back to the rank whose shard
+   holds it, while the next run computes; once every return has completed, the update applies
+   elementwise.
 
-So the gathers run under the first buckets' iterations and the reduce-scatters under the later
-ones'; each rank waits only for what its iterations did not hide (``planner/optimizer.py``'s
-``muon_step_seconds`` replays this order). The buffers of every bucket are held until the step's
-end: the stage's Muon matrices once, tp-local, in the iteration's dtype — after the backward has
-freed its activations.
+So the all-to-alls to the owners run under the first runs' iterations and the returns under the
+later ones'; each rank waits only for what its iterations did not hide (``planner/optimizer.py``'s
+``muon_step_seconds`` replays this order). What a rank holds meanwhile is its shards' U and O and
+the matrices it owns, in the iteration's dtype — after the backward has freed its activations.
 
 A step whose grad norm is not finite changes nothing (masked where the state lives, as AdamW's).
 
 Under ``optim.offload`` the momentum lives with the fp32 masters in host memory, where the
 elementwise work runs (momentum, U, and the update); each bucket's U shard is copied to the device
-for steps 1–3 (the collectives and NS, where the matrices are) and O copied back: the same
+for steps 2–3 (the collectives and NS, where the matrices are) and O copied back: the same
 operations on the same values, so on CPU the numbers are those without offload, bit for bit.
 """
 
@@ -164,6 +165,22 @@ def assign_owners(sizes: dict[str, int], ranks: int) -> dict[str, int]:
     return owners
 
 
+EXCHANGE_GROUPS = 4  # all-to-alls each way per step: only the first's gather, last's return wait
+
+
+def exchange_groups(sizes: list[int], groups: int = EXCHANGE_GROUPS) -> list[list[int]]:
+    """The buckets (their Muon elements ``sizes``, in order) as at most ``groups`` runs of
+    consecutive buckets, each closed once the runs so far hold their share of the total: one
+    all-to-all each way per run, so that every owner has matrices in each."""
+    total, runs, held = sum(sizes), [[]], 0
+    for i, n in enumerate(sizes):
+        if runs[-1] and held >= total * len(runs) / groups:
+            runs.append([])
+        runs[-1].append(i)
+        held += n
+    return runs
+
+
 class MuonStep:
     """Muon's step over the Muon fragments of an optimizer's shards (``ShardState``s): momentum
     per fragment (fp32, the fragment's size), and the assembly of whole matrices for NS (module
@@ -181,66 +198,57 @@ class MuonStep:
                      if any(is_muon_matrix(spec_of[id(p)]) for p in s.bucket.params)]
         # each fragment's momentum, held by its shard (checkpoints read it there)
         self.momentum = {name: t for s, _ in self.work for name, t in s.momentum.items()}
+        # each bucket's Muon matrices: (offset in the bucket, elements, spec), in bucket order
+        self.layout = [[(off, shape.numel(), self.spec_of[id(p)])
+                        for p, shape, off in zip(s.bucket.params, s.bucket.shapes, s.bucket.offsets)
+                        if is_muon_matrix(self.spec_of[id(p)])] for s, _ in self.work]
         # owners by the global matrix's size; every rank of dp_shard sees every matrix of its
         # buckets (a bucket's parameters are the same on every dp rank)
         sizes = {name: math.prod(spec.shape) for name, spec in self.matrices().items()}
         self.owner = assign_owners(sizes, ps.dp_shard.size) if self.sharded else {}
+        self.groups = exchange_groups([sum(n for _, n, _ in m) for m in self.layout]) \
+            if self.sharded else []
 
     def matrices(self) -> dict[str, ParamSpec]:
         """Every Muon matrix of this rank's buckets (whether or not its shard holds part of it)."""
-        out = {}
-        for s, _ in self.work:
-            for p in s.bucket.params:
-                spec = self.spec_of[id(p)]
-                if is_muon_matrix(spec):
-                    out[spec.name] = spec
-        return out
-
-    def _mine(self, name: str) -> bool:
-        return not self.sharded or self.owner[name] == self.ps.dp_shard.rank
+        return {spec.name: spec for matrices in self.layout for _, _, spec in matrices}
 
     @torch.no_grad()
     def step(self, lr: float, found_inf: torch.Tensor) -> None:
         """One Muon step at the schedule's rate ``lr`` (AdamW's: scaled by ``lr_ratio``), skipped
         where ``found_inf`` (0-d bool) is set. Sharded, its collectives overlap its iterations:
-        every bucket's gather is started first; each bucket's matrices are orthogonalized as its
-        gather completes and the reduce-scatter of its results started at once; the updates
-        apply once all have completed. Under ``optim.offload`` the momentum and the masters are
-        host memory: the momentum and the update run there, NS and its collectives on the
-        device."""
+        every group's gather to the owners is started first; each group's matrices are
+        orthogonalized as its gather completes and the return of its results started at once; the
+        updates apply once all have completed. Under ``optim.offload`` the momentum and the
+        masters are host memory: the momentum and the update run there, NS and its collectives on
+        the device."""
         if not self.work:
             return
         lr = lr * self.settings.lr_ratio
         skip = found_inf.to(self.work[0][0].master.device)  # (the host's copy when offloaded)
-        # 1. momentum and the update to orthogonalize, every bucket's gather in flight
-        gathers = [self._start_gather(s, frags, skip) for s, frags in self.work]
-        # 2. whole (tp-local) matrices, orthogonalized by their owners bucket by bucket, each
-        #    bucket's results on their way back while the next one computes
-        scatters = [self._orthogonalize_bucket(s.bucket, full, work)
-                    for (s, _), (full, work) in zip(self.work, gathers)]
-        # 3. the update, elementwise on the masters, once each rank holds O for its fragments
-        for (s, frags), (o_shard, work) in zip(self.work, scatters):
-            if work is not None:
-                work.wait()
+        # 1. momentum and the update to orthogonalize; sharded, every group's gather in flight
+        u = [self._momenta(s, frags, skip) for s, frags in self.work]
+        if not self.sharded:  # each rank holds whole buckets: every matrix, orthogonalized here
+            o = [self._orthogonalize_whole(i, u[i]) for i in range(len(self.work))]
+        else:
+            dtype = self.settings.ns_dtype  # NS casts to it first: the same bits, fewer bytes
+            wire = [t.to(dtype) for t in u]
+            gathers = [self._start_gather(g, wire) for g in self.groups]
+            # 2. whole (tp-local) matrices, orthogonalized by their owners group by group, each
+            #    group's results on their way back while the next one computes
+            returns = [self._orthogonalize_group(g, *gathered)
+                       for g, gathered in zip(self.groups, gathers)]
+            # 3. each rank's O for its fragments, once every return has completed
+            o = [torch.zeros_like(t) for t in wire]
+            for g, returned in zip(self.groups, returns):
+                self._place_returned(g, *returned, o)
+        for (s, frags), o_shard in zip(self.work, o):
             self._apply(s, frags, o_shard, lr, skip)
-
-    def _start_gather(self, s, frags, skip: torch.Tensor):
-        """Momentum and U on this rank's fragments of ``s``'s bucket; returns (the bucket's U, a
-        handle for its gather over ``dp_shard``, or None). Sharded, U travels in the iteration's
-        dtype (NS casts to it first: the same bits) into a bucket-sized buffer on the device."""
-        u_shard = self._momenta(s, frags, skip)  # (shard,) fp32 where the masters are
-        if self.offload:  # to the device, where the matrices are assembled
-            u_shard = u_shard.to(s.bucket.grad_shard.device, copy=True)
-        if not self.sharded:
-            return u_shard, None  # the shard is the whole bucket
-        dtype = self.settings.ns_dtype
-        wire = u_shard.to(dtype)
-        full = torch.empty(s.bucket.numel, dtype=dtype, device=wire.device)
-        return full, self.ps.dp_shard.all_gather_async(full, wire)
 
     def _momenta(self, s, frags: list, skip: torch.Tensor) -> torch.Tensor:
         """Each fragment's momentum, stepped (kept where ``skip``), and the update U it gives, in a
-        shard-sized fp32 buffer beside the masters (other elements 0)."""
+        shard-sized fp32 buffer (other elements 0) — on the device, where the matrices are
+        assembled, under ``optim.offload``."""
         m = self.settings
         u_shard = torch.zeros_like(s.master)  # (shard,) fp32
         for f in frags:
@@ -248,29 +256,92 @@ class MuonStep:
             new = buf.lerp(g, 1 - m.momentum)
             f.of(u_shard).copy_(g.lerp(new, m.momentum) if m.nesterov else new)
             buf.copy_(torch.where(skip, buf, new))
+        if self.offload:
+            u_shard = u_shard.to(s.bucket.grad_shard.device, copy=True)
         return u_shard
 
-    def _orthogonalize_bucket(self, b, full: torch.Tensor, gathered):
-        """NS of the bucket's matrices this rank owns, once ``gathered`` completes; returns (this
-        rank's O for its shard, a handle for the reduce-scatter that brings it, or None). The
-        owners write O into the zeroed buffer; every other rank adds zeros: exact."""
-        if gathered is not None:
-            gathered.wait()
-        done = {}
-        for p, shape, off in zip(b.params, b.shapes, b.offsets):
-            spec = self.spec_of[id(p)]
-            if is_muon_matrix(spec) and self._mine(spec.name):
-                local = full[off:off + shape.numel()].view(shape)
-                done[off] = self._orthogonalize(local, spec)
-        if self.sharded:
-            full.zero_()
-        for off, o in done.items():
-            full[off:off + o.numel()].copy_(o.reshape(-1))
-        if not self.sharded:
-            return full, None
-        o_shard = torch.empty(full.numel() // self.ps.dp_shard.size, dtype=full.dtype,
-                              device=full.device)
-        return o_shard, self.ps.dp_shard.reduce_scatter_async(o_shard, full)
+    def _orthogonalize_whole(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """Unsharded: O of every Muon matrix of bucket ``i``, whose whole U is ``full``."""
+        out = torch.zeros_like(full)
+        for off, n, spec in self.layout[i]:
+            o = self._orthogonalize(full[off:off + n].view(spec.local_shape), spec)
+            out[off:off + n].copy_(o.reshape(-1))
+        return out
+
+    # -- sharded: each matrix's pieces to its owner and O's pieces back, one all-to-all each way
+    #    per group of buckets ----------------------------------------------------------------------
+
+    def _pieces(self, group: list[int], rank: int):
+        """(bucket, matrix offset, elements, spec, lo, hi) for each Muon matrix of ``group``'s
+        buckets that ``rank``'s shard holds part of: elements ``[lo, hi)`` of the bucket."""
+        d = self.ps.dp_shard.size
+        for i in group:
+            size = self.work[i][0].bucket.numel // d
+            first, last = rank * size, (rank + 1) * size
+            for off, n, spec in self.layout[i]:
+                lo, hi = max(off, first), min(off + n, last)
+                if lo < hi:
+                    yield i, off, n, spec, lo, hi
+
+    def _start_gather(self, group: list[int], wire: list[torch.Tensor]):
+        """Start sending each piece of ``group``'s matrices that this rank's shard holds to the
+        matrix's owner; returns (the receive buffer, its size from each rank, the handle)."""
+        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
+        sends = [[] for _ in range(d)]
+        for i, _, _, spec, lo, hi in self._pieces(group, me):
+            first = me * wire[i].numel()
+            sends[self.owner[spec.name]].append(wire[i][lo - first:hi - first])
+        recv = [sum(hi - lo for _, _, _, spec, lo, hi in self._pieces(group, q)
+                    if self.owner[spec.name] == me) for q in range(d)]
+        return self._exchange(sends, recv, wire[0])
+
+    def _exchange(self, sends: list[list[torch.Tensor]], recv: list[int], like: torch.Tensor):
+        """Start an all-to-all over ``dp_shard``: ``sends[r]`` (pieces, concatenated) to rank r;
+        ``recv[r]`` elements from rank r. Returns (the receive buffer, ``recv``, the handle)."""
+        flat = [t for pieces in sends for t in pieces]
+        send = torch.cat(flat) if flat else like.new_empty(0)
+        out = like.new_empty(sum(recv))
+        sizes = [sum(t.numel() for t in pieces) for pieces in sends]
+        work = self.ps.dp_shard.all_to_all_async(out, send, recv, sizes)
+        return out, recv, work
+
+    def _orthogonalize_group(self, group: list[int], received: torch.Tensor, recv: list[int], work):
+        """Once ``received`` (rank by rank, this rank's matrices' pieces in group order) has come:
+        each matrix this rank owns assembled whole, orthogonalized, and its pieces started back
+        to the ranks whose shards hold them. Returns what :meth:`_exchange` does."""
+        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
+        if work is not None:
+            work.wait()
+        whole, at = {}, 0  # (bucket, offset): (spec, the matrix's U)
+        for q in range(d):
+            for i, off, n, spec, lo, hi in self._pieces(group, q):
+                if self.owner[spec.name] == me:
+                    _, dest = whole.setdefault((i, off), (spec, received.new_empty(n)))
+                    dest[lo - off:hi - off].copy_(received[at:at + hi - lo])
+                    at += hi - lo
+        done = {key: self._orthogonalize(u.view(spec.local_shape), spec).reshape(-1)
+                for key, (spec, u) in whole.items()}
+        sends = [[done[i, off][lo - off:hi - off] for i, off, _, _, lo, hi in self._pieces(group, q)
+                  if (i, off) in done] for q in range(d)]
+        back = [sum(hi - lo for _, _, _, spec, lo, hi in self._pieces(group, me)
+                    if self.owner[spec.name] == r) for r in range(d)]
+        return self._exchange(sends, back, received)
+
+    def _place_returned(self, group: list[int], received: torch.Tensor, recv: list[int], work,
+                        o: list[torch.Tensor]) -> None:
+        """Once ``received`` (owner by owner, the pieces of this rank's shard in group order) has
+        come: each piece into its bucket's O shard."""
+        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
+        if work is not None:
+            work.wait()
+        mine = list(self._pieces(group, me))
+        at = 0
+        for r in range(d):
+            for i, _, _, spec, lo, hi in mine:
+                if self.owner[spec.name] == r:
+                    first = me * o[i].numel()
+                    o[i][lo - first:hi - first].copy_(received[at:at + hi - lo])
+                    at += hi - lo
 
     def _apply(self, s, frags: list, o_shard: torch.Tensor, lr: float, skip: torch.Tensor) -> None:
         """W ← W · (1 − γλ) − γ · adjust(shape) · O on each fragment's master (kept where

@@ -325,6 +325,17 @@ class Group:
         return self._timed(_all_gather_single(output, shard, group=self.pg, async_op=True),
                            "all_gather")
 
+    def all_to_all_async(self, output: torch.Tensor, tensor: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]):
+        """Start sending flat ``tensor``'s ``input_sizes[r]`` elements (in rank order) to rank r
+        and receiving ``output_sizes[r]`` from rank r into flat ``output`` (in rank order)."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return None
+        self._record("all_to_all", tensor)
+        return self._timed(dist.all_to_all_single(output, tensor, output_sizes, input_sizes,
+                                                  group=self.pg, async_op=True), "all_to_all")
+
     def barrier(self) -> None:
         """Wait until every rank of the group got here."""
         if self.size > 1:

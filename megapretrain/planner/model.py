@@ -276,6 +276,17 @@ def _ring_s(device: Device, size: int, stride: int, nbytes: float, passes: float
     return passes * ((size - 1) / size * nbytes / bw + latency)
 
 
+def _a2a_s(device: Device, size: int, stride: int, nbytes: float) -> float:
+    """An all-to-all over ``size`` ranks ``stride`` apart in which no rank sends or receives more
+    than ``nbytes``: NVLink when they share a node, else each rank's own NIC (a rank's traffic
+    crosses it, unlike a ring's, which the node's NICs share)."""
+    if size == 1:
+        return 0.0
+    if size * stride <= device.gpus_per_node:
+        return nbytes / (device.intra_gbs * 1e9) + LATENCY_INTRA_S
+    return nbytes / (min(device.intra_gbs, device.inter_gbs) * 1e9) + LATENCY_INTER_S
+
+
 def _memory(model: ModelArgs, seq: int, layout: Layout, device: Device, precision: str,
             micro_batches: int, schedule: Schedule, attention: str,
             optimizer: OptimizerSpec = ADAMW) -> tuple[dict, float]:
@@ -486,14 +497,14 @@ def _muon_s(model: ModelArgs, device: Device, L: Layout, layers: int,
     """(Newton–Schulz, exposed collectives) seconds of Muon's step on a stage with ``layers``
     decoder layers (:func:`~.optimizer.muon_step_seconds`): the iterations of the busiest rank's
     matrices, bf16 GEMMs as :func:`gemm_s` times them (every tp rank of the owner on the whole
-    matrix), then what of the shard group's gathers and reduce-scatters of the updates (in
+    matrix), then what of the shard group's all-to-alls of the updates and results (in
     ``optim.muon_ns_precision``) and of the owners' tp all-gathers the iterations leave
     exposed, as the dp gradient reductions count only what the backward does not hide."""
     sharded = L.zero >= 1 and L.shard_ranks > 1
     ns, total = muon_step_seconds(
         model, layers, L.shard_ranks if sharded else 1, L.tp, L.zero == 3, optimizer.ns_steps,
         optimizer.wire_bytes, lambda m, n, k: gemm_s(device, m, n, k),
-        lambda nbytes: _ring_s(device, L.shard_ranks, L.tp, nbytes),
+        lambda nbytes: _a2a_s(device, L.shard_ranks, L.tp, nbytes),
         lambda nbytes: _ring_s(device, L.tp, 1, nbytes))
     return ns, total - ns
 

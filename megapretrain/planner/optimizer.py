@@ -8,9 +8,11 @@ bf16``) or, for a Muon matrix (a 2-D weight inside a decoder layer), one fp32 mo
 Muon's step adds, per decoder matrix: ``ns_steps`` Newton–Schulz iterations on each logical matrix
 (:func:`ns_flops`), computed on one rank of the ZeRO shard group (its owner: largest first to the
 least loaded rank, as ``optim/muon.assign_owners``; zero 0 or one shard rank: every rank runs
-every matrix), by every tp rank of the owner on the whole matrix; and its traffic: the update
-all-gathered and its result reduce-scattered over the shard group (zero ≥ 1), and each owned
-matrix's tp shards all-gathered over tp, all in the iteration's dtype (bf16: 2 bytes, fp32: 4).
+every matrix), by every tp rank of the owner on the whole matrix; and its traffic: each matrix's
+update sent to its owner and its result sent back over the shard group (zero ≥ 1: one all-to-all
+each way per group of buckets, a rank moving about its shard's share, not every matrix), and each
+owned matrix's tp shards all-gathered over tp, all in the iteration's dtype (bf16: 2 bytes, fp32:
+4).
 Its time is :func:`muon_step_seconds`: the program's own order of those collectives and
 iterations, only what the iterations do not hide counted.
 """
@@ -22,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..model.build import one_layer_specs
-from ..optim.muon import assign_owners, is_muon_matrix
+from ..optim.muon import assign_owners, exchange_groups, is_muon_matrix
 
 
 @dataclass(frozen=True)
@@ -170,19 +172,22 @@ def ns_seconds(model, layers: int, shard_ranks: int, ns_steps: int, flops_s: flo
 
 
 def muon_step_seconds(model, layers: int, shard_ranks: int, tp: int, per_layer_bucket: bool,
-                      ns_steps: int, wire: int, gemm_seconds, shard_ring, tp_ring
+                      ns_steps: int, wire: int, gemm_seconds, shard_a2a, tp_ring
                       ) -> tuple[float, float]:
     """(Newton–Schulz seconds of the busiest rank, seconds of the whole Muon step) on a stage of
-    ``layers`` decoder layers, replaying ``optim/muon.MuonStep.step``'s order: every bucket's
-    update gathered over the shard group, one after another, all started at once; each rank then
-    goes through the buckets in order, waiting for each one's gather and orthogonalizing the
-    matrices it owns (after a synchronous tp all-gather of each: ``tp_ring(bytes)``); each
-    bucket's reduce-scatter, started by every rank once it has passed that bucket, runs after
-    the gathers and the previous reduce-scatters (one group: in the order issued). The step ends
-    with the last reduce-scatter. Buckets: one per parameter, in the buffers' order (the last
-    layer first) — at the planner's sizes every decoder matrix fills a 32 MB bucket by itself —
-    or one per layer (``per_layer_bucket``: ZeRO-3's units). Unsharded (``shard_ranks`` 1, or
-    zero 0): every rank runs every matrix, nothing to gather over dp."""
+    ``layers`` decoder layers, replaying ``optim/muon.MuonStep.step``'s order: the buckets in
+    groups (``optim/muon.exchange_groups``), every group's updates sent to their owners in one
+    all-to-all, one after another, all started at once; each rank then goes through the groups
+    in order, waiting for each one's all-to-all and orthogonalizing the matrices it owns (after a
+    synchronous tp all-gather of each: ``tp_ring(bytes)``); each group's return all-to-all,
+    started by every rank once it has passed that group, runs after the gathers and the previous
+    returns (one group: in the order issued). An all-to-all takes ``shard_a2a(bytes)`` for the
+    most bytes one rank sends or receives (its own share of a matrix stays): its shard of the
+    matrices others own, or the others' shares of those it owns. The step ends with the last
+    return. Buckets: one per parameter, in the buffers' order (the last layer first) — at the
+    planner's sizes every decoder matrix fills a 32 MB bucket by itself — or one per layer
+    (``per_layer_bucket``: ZeRO-3's units). Unsharded (``shard_ranks`` 1, or zero 0): every rank
+    runs every matrix, nothing to exchange over dp."""
     cost = _ns_cost(model, ns_steps, 0.0, gemm_seconds)
     specs = [s for s in one_layer_specs(model).values() if s.layer == 0 and is_muon_matrix(s)]
     local = {s.name: math.prod(s.shape) / (tp if s.tp_dim is not None else 1) for s in specs}
@@ -195,17 +200,27 @@ def muon_step_seconds(model, layers: int, shard_ranks: int, tp: int, per_layer_b
     owner = _owners(model, layers, shard_ranks)
     buckets = [[(i, n) for n in names] for i in reversed(range(layers))] if per_layer_bucket \
         else [[(i, n)] for i in reversed(range(layers)) for n in names]
+    groups = [[m for b in g for m in buckets[b]]
+              for g in exchange_groups([sum(local[n] for _, n in b) for b in buckets])]
+
+    def exchange(group) -> float:
+        owned = [0.0] * shard_ranks
+        for i, n in group:
+            owned[owner[f"{i}.{n}"]] += local[n]
+        total, d = sum(owned), shard_ranks
+        return shard_a2a(max(max((total - mine) / d, mine * (d - 1) / d) for mine in owned) * wire)
+
     comm, gathered = 0.0, []  # the gathers, back to back
-    for b in buckets:
-        comm += shard_ring(sum(local[n] for _, n in b) * wire)
+    for g in groups:
+        comm += exchange(g)
         gathered.append(comm)
     free, load, passed = [0.0] * shard_ranks, [0.0] * shard_ranks, []
-    for b, ready in zip(buckets, gathered):
-        for i, n in b:
+    for g, ready in zip(groups, gathered):
+        for i, n in g:
             r = owner[f"{i}.{n}"]
             free[r] = max(free[r], ready) + gather[n] + cost[n]
             load[r] += cost[n]
-        passed.append(max(ready, *free))  # every rank past this bucket: its reduce-scatter starts
-    for b, start in zip(buckets, passed):
-        comm = max(comm, start) + shard_ring(sum(local[n] for _, n in b) * wire)
+        passed.append(max(ready, *free))  # every rank past this group: its return starts
+    for g, start in zip(groups, passed):
+        comm = max(comm, start) + exchange(g)
     return max(load), comm

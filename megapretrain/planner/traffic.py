@@ -25,10 +25,10 @@ reduce-scatter its whole input, a receive the tensor it gets.
   with hybrid sharding, the parameters all-gathered after the step (zero 1, 2) or around each use
   (zero 3: twice per micro-batch and layer, the roots once per step; ``parallel/zero3.py``); the
   grad norm's and the loss's scalars;
-- Muon (``optim/muon.py``): per bucket holding a decoder matrix, the updates all-gathered and the
-  results reduce-scattered over the shard group (zero ≥ 1), and each matrix the rank owns (every
-  one under zero 0) gathered whole over tp, all in the iteration's dtype
-  (``optim.muon_ns_precision``).
+- Muon (``optim/muon.py``): per group of the buckets holding decoder matrices, the shard's pieces
+  of the updates sent to their owners and the owned matrices' results sent back, one all-to-all
+  each way over the shard group (zero ≥ 1), and each matrix the rank owns (every one under zero 0)
+  gathered whole over tp, all in the iteration's dtype (``optim.muon_ns_precision``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from ..kernels.linear_cross_entropy import default_chunk_rows
 from ..model.args import ModelArgs
 from ..model.build import stage_parameters
-from ..optim.muon import assign_owners, is_muon_matrix
+from ..optim.muon import assign_owners, exchange_groups, is_muon_matrix
 from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Schedule, resolve_schedule
@@ -218,20 +218,29 @@ def _data_parallel(out: Traffic, L: Layout, by_chunk: list, micro: int, precisio
 
 def _muon(out: Traffic, L: Layout, buckets: list, spec_of: dict, shard_group: str, n: int,
           shard_rank: int, wire: int) -> None:
-    """Muon's step (``optim/muon.py``): per bucket holding a decoder matrix, its updates
-    all-gathered and the results reduce-scattered over the shard group (zero ≥ 1); each matrix
-    the rank owns (every one, unsharded) gathered whole over tp; ``wire`` bytes an element."""
+    """Muon's step (``optim/muon.py``): zero ≥ 1, per group of the buckets holding decoder
+    matrices (``exchange_groups``), one all-to-all sending the pieces of the rank's shard to their
+    matrices' owners and one sending the results of the matrices it owns back; each matrix the
+    rank owns (every one, unsharded) gathered whole over tp; ``wire`` bytes an element."""
     sharded = L.zero >= 1 and n > 1
-    mine = [(p, spec_of[id(p)]) for bucket, _, _ in buckets for p in bucket
-            if is_muon_matrix(spec_of[id(p)])]
-    for bucket, _, numel in buckets:
-        if sharded and any(is_muon_matrix(spec_of[id(p)]) for p in bucket):
-            out.add(shard_group, "all_gather", numel // n * wire)
-            out.add(shard_group, "reduce_scatter", numel * wire)
-    owner = assign_owners({s.name: math.prod(s.shape) for _, s in mine}, n) if sharded else {}
-    for p, s in mine:
-        if L.tp > 1 and s.tp_dim is not None and owner.get(s.name, shard_rank) == shard_rank:
-            out.add("tp", "all_gather", p.numel() * wire)
+    layout = [(numel, [(off, p.numel(), spec_of[id(p)]) for p, off in zip(bucket, offsets)
+                       if is_muon_matrix(spec_of[id(p)])]) for bucket, offsets, numel in buckets]
+    layout = [(numel, matrices) for numel, matrices in layout if matrices]
+    sizes = {s.name: math.prod(s.shape) for _, matrices in layout for _, _, s in matrices}
+    owner = assign_owners(sizes, n) if sharded else {}
+    for group in exchange_groups([sum(k for _, k, _ in m) for _, m in layout]) if sharded else []:
+        held = owned = 0  # elements of the shard's pieces, of the matrices owned
+        for numel, matrices in (layout[i] for i in group):
+            first, last = shard_rank * (numel // n), (shard_rank + 1) * (numel // n)
+            for off, k, spec in matrices:
+                held += max(0, min(off + k, last) - max(off, first))
+                owned += k if owner[spec.name] == shard_rank else 0
+        out.add(shard_group, "all_to_all", held * wire)
+        out.add(shard_group, "all_to_all", owned * wire)
+    for _, matrices in layout:
+        for _, k, s in matrices:
+            if L.tp > 1 and s.tp_dim is not None and owner.get(s.name, shard_rank) == shard_rank:
+                out.add("tp", "all_gather", k * wire)
 
 
 def _zero3_gathers(bucket: list, spec_of: dict, L: Layout, micro: int, keep_gathered: bool) -> int:

@@ -217,7 +217,7 @@ class Measurement:
             if isinstance(group, Group) and id(group) not in seen:
                 seen.add(id(group))
                 for name in ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_async",
-                             "reduce_scatter_async", "all_gather_async"):
+                             "reduce_scatter_async", "all_gather_async", "all_to_all_async"):
                     setattr(group, name, self._tagging(getattr(group, name), "comm"))
         pipeline = self.trainer.pipeline
         if pipeline.p2p is not None:
