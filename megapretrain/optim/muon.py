@@ -227,12 +227,12 @@ class MuonStep:
         lr = lr * self.settings.lr_ratio
         skip = found_inf.to(self.work[0][0].master.device)  # (the host's copy when offloaded)
         # 1. momentum and the update to orthogonalize; sharded, every group's gather in flight
-        u = [self._momenta(s, frags, skip) for s, frags in self.work]
         if not self.sharded:  # each rank holds whole buckets: every matrix, orthogonalized here
-            o = [self._orthogonalize_whole(i, u[i]) for i in range(len(self.work))]
+            o = [self._orthogonalize_whole(i, self._momenta(s, frags, skip))
+                 for i, (s, frags) in enumerate(self.work)]
         else:
             dtype = self.settings.ns_dtype  # NS casts to it first: the same bits, fewer bytes
-            wire = [t.to(dtype) for t in u]
+            wire = [self._momenta(s, frags, skip).to(dtype) for s, frags in self.work]
             gathers = [self._start_gather(g, wire) for g in self.groups]
             # 2. whole (tp-local) matrices, orthogonalized by their owners group by group, each
             #    group's results on their way back while the next one computes
