@@ -33,12 +33,13 @@ from helpers import ROOT, lengths_only_prefix, make_corpus, whole_epoch_gpt_indi
 
 def blend_weights():
     """Weights with ties (equal and dyadic), a tiny one, and random ones; 3 to 300 datasets (the
-    compiled loop scans up to 128, and bounds blocks of 16 beyond)."""
+    compiled loop scans up to 20 in one pass, up to 128 in two, and bounds blocks of 16 beyond)."""
     rng = np.random.default_rng(0)
     cases = [np.ones(5), np.array([0.5, 0.25, 0.25]), 2.0 ** -rng.integers(0, 4, 37),
              np.concatenate([rng.random(20), [1e-6]]), rng.lognormal(0, 2, 70), rng.random(3),
              np.ones(150), 2.0 ** -rng.integers(0, 4, 200), rng.random(300),
-             np.concatenate([rng.lognormal(0, 2, 250), [1e-6]])]
+             np.concatenate([rng.lognormal(0, 2, 250), [1e-6]]), 2.0 ** -rng.integers(0, 4, 20),
+             rng.random(10)]
     return [w / w.sum() for w in cases]
 
 

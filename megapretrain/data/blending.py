@@ -6,13 +6,14 @@ sequential loop: a few dozen C lines, compiled once per machine with the system 
 user's cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``, ``megapretrain/``) and called through
 ctypes: no build step at install, nothing new to install.
 
-megatron-core's helper scans every dataset for every sample, in one branching pass. Up to 128
-datasets this loop does too, in two passes the compiler vectorizes (the largest lag with SIMD max
-instructions, then the first dataset holding it). Beyond, it keeps the datasets sorted by weight
-in blocks of 16 with an upper bound on each block's largest lag, and scans only the blocks that
-can hold the largest (a block's lags grow by at most its largest weight per sample until one of
-its datasets is chosen): with 1,000 datasets of unequal weights, a few blocks per sample instead of
-63. All lags are ``weight * t - count`` in double precision with two roundings
+megatron-core's helper scans every dataset for every sample, in one branching pass. Up to 20
+datasets this loop does the same; up to 128 it scans them all in two passes the compiler
+vectorizes (the largest lag with SIMD max instructions, then the first dataset holding it): the
+faster beyond about 20 (``tools/bench_data.py blend``). Beyond 128, it keeps the datasets sorted
+by weight in blocks of 16 with an upper bound on each block's largest lag, and scans only the
+blocks that can hold the largest (a block's lags grow by at most its largest weight per sample
+until one of its datasets is chosen): with 1,000 datasets of unequal weights, a few blocks per
+sample instead of 63. All lags are ``weight * t - count`` in double precision with two roundings
 (``-ffp-contract=off``: no fused multiply-add), exactly as the Python reference below computes
 them, and the bounds keep a margin over their roundings, so the choices are bit-for-bit the
 reference's, ties included.
@@ -47,8 +48,9 @@ _SOURCE = r"""
 
 #define BLOCK 16
 #ifndef SMALL
-#define SMALL 128  /* up to this many datasets, every sample scans them all (two passes) */
+#define SMALL 128  /* up to this many datasets, every sample scans them all */
 #endif
+#define FEW 20  /* up to this many, in one pass (Megatron's loop); beyond, two vectorized ones */
 #define NONE 1e300  /* finite sentinels: built with -ffinite-math-only */
 
 /* The largest lag among slots [lo, hi) at target t: a branch-free pass the compiler vectorizes. */
@@ -78,10 +80,21 @@ void blend(const double *w, const int16_t *id, int64_t num_datasets, int64_t sta
     if (num_datasets <= SMALL) {  /* slots in id order: the first slot holding the max wins */
         for (int64_t i = start; i < stop; ++i) {
             const double t = (double)(i + offset > 1 ? i + offset : 1);
-            const double best = block_max(w, c, 0, num_datasets, t);
             int64_t chosen = 0;
-            while (w[chosen] * t - c[chosen] != best)
-                ++chosen;
+            if (num_datasets <= FEW) {
+                double best = w[0] * t - c[0];
+                for (int64_t s = 1; s < num_datasets; ++s) {
+                    const double lag = w[s] * t - c[s];
+                    if (lag > best) {
+                        best = lag;
+                        chosen = s;
+                    }
+                }
+            } else {
+                const double best = block_max(w, c, 0, num_datasets, t);
+                while (w[chosen] * t - c[chosen] != best)
+                    ++chosen;
+            }
             dataset_index[i - start] = id[chosen];
             dataset_sample_index[i - start] = (int64_t)c[chosen];
             c[chosen] += 1.0;
