@@ -285,7 +285,7 @@ class MuonStep:
 
     def _start_gather(self, group: list[int], wire: list[torch.Tensor]):
         """Start sending each piece of ``group``'s matrices that this rank's shard holds to the
-        matrix's owner; returns (the receive buffer, its size from each rank, the handle)."""
+        matrix's owner; returns (the receive buffer, the handle)."""
         d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
         sends = [[] for _ in range(d)]
         for i, _, _, spec, lo, hi in self._pieces(group, me):
@@ -297,15 +297,15 @@ class MuonStep:
 
     def _exchange(self, sends: list[list[torch.Tensor]], recv: list[int], like: torch.Tensor):
         """Start an all-to-all over ``dp_shard``: ``sends[r]`` (pieces, concatenated) to rank r;
-        ``recv[r]`` elements from rank r. Returns (the receive buffer, ``recv``, the handle)."""
+        ``recv[r]`` elements from rank r. Returns (the receive buffer, the handle)."""
         flat = [t for pieces in sends for t in pieces]
         send = torch.cat(flat) if flat else like.new_empty(0)
         out = like.new_empty(sum(recv))
         sizes = [sum(t.numel() for t in pieces) for pieces in sends]
         work = self.ps.dp_shard.all_to_all_async(out, send, recv, sizes)
-        return out, recv, work
+        return out, work
 
-    def _orthogonalize_group(self, group: list[int], received: torch.Tensor, recv: list[int], work):
+    def _orthogonalize_group(self, group: list[int], received: torch.Tensor, work):
         """Once ``received`` (rank by rank, this rank's matrices' pieces in group order) has come:
         each matrix this rank owns assembled whole, orthogonalized, and its pieces started back
         to the ranks whose shards hold them. Returns what :meth:`_exchange` does."""
@@ -316,8 +316,9 @@ class MuonStep:
         for q in range(d):
             for i, off, n, spec, lo, hi in self._pieces(group, q):
                 if self.owner[spec.name] == me:
-                    _, dest = whole.setdefault((i, off), (spec, received.new_empty(n)))
-                    dest[lo - off:hi - off].copy_(received[at:at + hi - lo])
+                    if (i, off) not in whole:
+                        whole[i, off] = spec, received.new_empty(n)
+                    whole[i, off][1][lo - off:hi - off].copy_(received[at:at + hi - lo])
                     at += hi - lo
         done = {key: self._orthogonalize(u.view(spec.local_shape), spec).reshape(-1)
                 for key, (spec, u) in whole.items()}
@@ -327,7 +328,7 @@ class MuonStep:
                     if self.owner[spec.name] == r) for r in range(d)]
         return self._exchange(sends, back, received)
 
-    def _place_returned(self, group: list[int], received: torch.Tensor, recv: list[int], work,
+    def _place_returned(self, group: list[int], received: torch.Tensor, work,
                         o: list[torch.Tensor]) -> None:
         """Once ``received`` (owner by owner, the pieces of this rank's shard in group order) has
         come: each piece into its bucket's O shard."""
