@@ -181,6 +181,41 @@ def exchange_groups(sizes: list[int], groups: int = EXCHANGE_GROUPS) -> list[lis
     return runs
 
 
+def shard_pieces(buckets: list, group: list[int], ranks: int, rank: int):
+    """(bucket, matrix offset, elements, spec, lo, hi) for each Muon matrix of the buckets
+    ``group`` (indices into ``buckets``: each (padded elements, [(offset, elements, spec)])) that
+    the ZeRO shard of ``rank`` among ``ranks`` holds part of: elements ``[lo, hi)`` of its
+    bucket."""
+    for i in group:
+        numel, matrices = buckets[i]
+        first, last = rank * (numel // ranks), (rank + 1) * (numel // ranks)
+        for off, n, spec in matrices:
+            lo, hi = max(off, first), min(off + n, last)
+            if lo < hi:
+                yield i, off, n, spec, lo, hi
+
+
+class ExchangePlan:
+    """One group's two all-to-alls as seen by shard rank ``rank`` (of ``ranks``), worked out once:
+    ``out[r]``, the (bucket, lo, hi) slices of this rank's shards that owner r's matrices hold (sent
+    to r, and where r's results land); ``into[q]``, the (matrix, lo, hi) slices of the matrices
+    this rank owns that rank q's shard holds (received from q, and sent back to it); ``owned``,
+    those matrices ((bucket, offset): (elements, spec)). Slices in group order, so sender and
+    receiver agree."""
+
+    def __init__(self, buckets: list, group: list[int], owner: dict[str, int], ranks: int,
+                 rank: int):
+        self.out = [[] for _ in range(ranks)]
+        for i, _, _, spec, lo, hi in shard_pieces(buckets, group, ranks, rank):
+            first = rank * (buckets[i][0] // ranks)
+            self.out[owner[spec.name]].append((i, lo - first, hi - first))
+        self.into = [[((i, off), lo - off, hi - off)
+                      for i, off, _, spec, lo, hi in shard_pieces(buckets, group, ranks, q)
+                      if owner[spec.name] == rank] for q in range(ranks)]
+        self.owned = {(i, off): (n, spec) for i in group for off, n, spec in buckets[i][1]
+                      if owner[spec.name] == rank}
+
+
 class MuonStep:
     """Muon's step over the Muon fragments of an optimizer's shards (``ShardState``s): momentum
     per fragment (fp32, the fragment's size), and the assembly of whole matrices for NS (module
@@ -198,20 +233,24 @@ class MuonStep:
                      if any(is_muon_matrix(spec_of[id(p)]) for p in s.bucket.params)]
         # each fragment's momentum, held by its shard (checkpoints read it there)
         self.momentum = {name: t for s, _ in self.work for name, t in s.momentum.items()}
-        # each bucket's Muon matrices: (offset in the bucket, elements, spec), in bucket order
-        self.layout = [[(off, shape.numel(), self.spec_of[id(p)])
-                        for p, shape, off in zip(s.bucket.params, s.bucket.shapes, s.bucket.offsets)
-                        if is_muon_matrix(self.spec_of[id(p)])] for s, _ in self.work]
+        # each bucket's padded elements and Muon matrices (offset in the bucket, elements, spec)
+        self.layout = [(s.bucket.numel, [(off, shape.numel(), self.spec_of[id(p)])
+                                         for p, shape, off in zip(s.bucket.params, s.bucket.shapes,
+                                                                  s.bucket.offsets)
+                                         if is_muon_matrix(self.spec_of[id(p)])])
+                       for s, _ in self.work]
         # owners by the global matrix's size; every rank of dp_shard sees every matrix of its
         # buckets (a bucket's parameters are the same on every dp rank)
         sizes = {name: math.prod(spec.shape) for name, spec in self.matrices().items()}
         self.owner = assign_owners(sizes, ps.dp_shard.size) if self.sharded else {}
-        self.groups = exchange_groups([sum(n for _, n, _ in m) for m in self.layout]) \
+        self.groups = exchange_groups([sum(n for _, n, _ in m) for _, m in self.layout]) \
             if self.sharded else []
+        self.plans = [ExchangePlan(self.layout, g, self.owner, ps.dp_shard.size, ps.dp_shard.rank)
+                      for g in self.groups]
 
     def matrices(self) -> dict[str, ParamSpec]:
         """Every Muon matrix of this rank's buckets (whether or not its shard holds part of it)."""
-        return {spec.name: spec for matrices in self.layout for _, _, spec in matrices}
+        return {spec.name: spec for _, matrices in self.layout for _, _, spec in matrices}
 
     @torch.no_grad()
     def step(self, lr: float, found_inf: torch.Tensor) -> None:
@@ -233,15 +272,15 @@ class MuonStep:
         else:
             dtype = self.settings.ns_dtype  # NS casts to it first: the same bits, fewer bytes
             wire = [self._momenta(s, frags, skip).to(dtype) for s, frags in self.work]
-            gathers = [self._start_gather(g, wire) for g in self.groups]
+            gathers = [self._start_gather(plan, wire) for plan in self.plans]
             # 2. whole (tp-local) matrices, orthogonalized by their owners group by group, each
             #    group's results on their way back while the next one computes
-            returns = [self._orthogonalize_group(g, *gathered)
-                       for g, gathered in zip(self.groups, gathers)]
+            returns = [self._orthogonalize_group(plan, *gathered)
+                       for plan, gathered in zip(self.plans, gathers)]
             # 3. each rank's O for its fragments, once every return has completed
             o = [torch.zeros_like(t) for t in wire]
-            for g, returned in zip(self.groups, returns):
-                self._place_returned(g, *returned, o)
+            for plan, returned in zip(self.plans, returns):
+                self._place_returned(plan, *returned, o)
         for (s, frags), o_shard in zip(self.work, o):
             self._apply(s, frags, o_shard, lr, skip)
 
@@ -263,7 +302,7 @@ class MuonStep:
     def _orthogonalize_whole(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """Unsharded: O of every Muon matrix of bucket ``i``, whose whole U is ``full``."""
         out = torch.zeros_like(full)
-        for off, n, spec in self.layout[i]:
+        for off, n, spec in self.layout[i][1]:
             o = self._orthogonalize(full[off:off + n].view(spec.local_shape), spec)
             out[off:off + n].copy_(o.reshape(-1))
         return out
@@ -271,29 +310,11 @@ class MuonStep:
     # -- sharded: each matrix's pieces to its owner and O's pieces back, one all-to-all each way
     #    per group of buckets ----------------------------------------------------------------------
 
-    def _pieces(self, group: list[int], rank: int):
-        """(bucket, matrix offset, elements, spec, lo, hi) for each Muon matrix of ``group``'s
-        buckets that ``rank``'s shard holds part of: elements ``[lo, hi)`` of the bucket."""
-        d = self.ps.dp_shard.size
-        for i in group:
-            size = self.work[i][0].bucket.numel // d
-            first, last = rank * size, (rank + 1) * size
-            for off, n, spec in self.layout[i]:
-                lo, hi = max(off, first), min(off + n, last)
-                if lo < hi:
-                    yield i, off, n, spec, lo, hi
-
-    def _start_gather(self, group: list[int], wire: list[torch.Tensor]):
-        """Start sending each piece of ``group``'s matrices that this rank's shard holds to the
+    def _start_gather(self, plan: ExchangePlan, wire: list[torch.Tensor]):
+        """Start sending each piece of the group's matrices that this rank's shard holds to the
         matrix's owner; returns (the receive buffer, the handle)."""
-        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
-        sends = [[] for _ in range(d)]
-        for i, _, _, spec, lo, hi in self._pieces(group, me):
-            first = me * wire[i].numel()
-            sends[self.owner[spec.name]].append(wire[i][lo - first:hi - first])
-        recv = [sum(hi - lo for _, _, _, spec, lo, hi in self._pieces(group, q)
-                    if self.owner[spec.name] == me) for q in range(d)]
-        return self._exchange(sends, recv, wire[0])
+        sends = [[wire[i][lo:hi] for i, lo, hi in pieces] for pieces in plan.out]
+        return self._exchange(sends, [sum(hi - lo for _, lo, hi in p) for p in plan.into], wire[0])
 
     def _exchange(self, sends: list[list[torch.Tensor]], recv: list[int], like: torch.Tensor):
         """Start an all-to-all over ``dp_shard``: ``sends[r]`` (pieces, concatenated) to rank r;
@@ -305,44 +326,34 @@ class MuonStep:
         work = self.ps.dp_shard.all_to_all_async(out, send, recv, sizes)
         return out, work
 
-    def _orthogonalize_group(self, group: list[int], received: torch.Tensor, work):
-        """Once ``received`` (rank by rank, this rank's matrices' pieces in group order) has come:
-        each matrix this rank owns assembled whole, orthogonalized, and its pieces started back
-        to the ranks whose shards hold them. Returns what :meth:`_exchange` does."""
-        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
+    def _orthogonalize_group(self, plan: ExchangePlan, received: torch.Tensor, work):
+        """Once ``received`` (rank by rank, the pieces of this rank's matrices) has come: each
+        matrix this rank owns assembled whole, orthogonalized, and its pieces started back to the
+        ranks whose shards hold them. Returns what :meth:`_exchange` does."""
         if work is not None:
             work.wait()
-        whole, at = {}, 0  # (bucket, offset): (spec, the matrix's U)
-        for q in range(d):
-            for i, off, n, spec, lo, hi in self._pieces(group, q):
-                if self.owner[spec.name] == me:
-                    if (i, off) not in whole:
-                        whole[i, off] = spec, received.new_empty(n)
-                    whole[i, off][1][lo - off:hi - off].copy_(received[at:at + hi - lo])
-                    at += hi - lo
-        done = {key: self._orthogonalize(u.view(spec.local_shape), spec).reshape(-1)
-                for key, (spec, u) in whole.items()}
-        sends = [[done[i, off][lo - off:hi - off] for i, off, _, _, lo, hi in self._pieces(group, q)
-                  if (i, off) in done] for q in range(d)]
-        back = [sum(hi - lo for _, _, _, spec, lo, hi in self._pieces(group, me)
-                    if self.owner[spec.name] == r) for r in range(d)]
-        return self._exchange(sends, back, received)
-
-    def _place_returned(self, group: list[int], received: torch.Tensor, work,
-                        o: list[torch.Tensor]) -> None:
-        """Once ``received`` (owner by owner, the pieces of this rank's shard in group order) has
-        come: each piece into its bucket's O shard."""
-        d, me = self.ps.dp_shard.size, self.ps.dp_shard.rank
-        if work is not None:
-            work.wait()
-        mine = list(self._pieces(group, me))
+        whole = {key: received.new_empty(n) for key, (n, _) in plan.owned.items()}
         at = 0
-        for r in range(d):
-            for i, _, _, spec, lo, hi in mine:
-                if self.owner[spec.name] == r:
-                    first = me * o[i].numel()
-                    o[i][lo - first:hi - first].copy_(received[at:at + hi - lo])
-                    at += hi - lo
+        for pieces in plan.into:
+            for key, lo, hi in pieces:
+                whole[key][lo:hi].copy_(received[at:at + hi - lo])
+                at += hi - lo
+        done = {key: self._orthogonalize(whole[key].view(spec.local_shape), spec).reshape(-1)
+                for key, (_, spec) in plan.owned.items()}
+        sends = [[done[key][lo:hi] for key, lo, hi in pieces] for pieces in plan.into]
+        return self._exchange(sends, [sum(hi - lo for _, lo, hi in p) for p in plan.out], received)
+
+    def _place_returned(self, plan: ExchangePlan, received: torch.Tensor, work,
+                        o: list[torch.Tensor]) -> None:
+        """Once ``received`` (owner by owner, the pieces of this rank's shards) has come: each
+        piece into its bucket's O shard."""
+        if work is not None:
+            work.wait()
+        at = 0
+        for pieces in plan.out:
+            for i, lo, hi in pieces:
+                o[i][lo:hi].copy_(received[at:at + hi - lo])
+                at += hi - lo
 
     def _apply(self, s, frags: list, o_shard: torch.Tensor, lr: float, skip: torch.Tensor) -> None:
         """W ← W · (1 − γλ) − γ · adjust(shape) · O on each fragment's master (kept where

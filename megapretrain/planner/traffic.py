@@ -41,7 +41,7 @@ import torch
 from ..kernels.linear_cross_entropy import default_chunk_rows
 from ..model.args import ModelArgs
 from ..model.build import stage_parameters
-from ..optim.muon import assign_owners, exchange_groups, is_muon_matrix
+from ..optim.muon import ExchangePlan, assign_owners, exchange_groups, is_muon_matrix
 from ..parallel.data import bucket_split
 from ..parallel.layout import Layout
 from ..parallel.pipeline import Schedule, resolve_schedule
@@ -229,14 +229,10 @@ def _muon(out: Traffic, L: Layout, buckets: list, spec_of: dict, shard_group: st
     sizes = {s.name: math.prod(s.shape) for _, matrices in layout for _, _, s in matrices}
     owner = assign_owners(sizes, n) if sharded else {}
     for group in exchange_groups([sum(k for _, k, _ in m) for _, m in layout]) if sharded else []:
-        held = owned = 0  # elements of the shard's pieces, of the matrices owned
-        for numel, matrices in (layout[i] for i in group):
-            first, last = shard_rank * (numel // n), (shard_rank + 1) * (numel // n)
-            for off, k, spec in matrices:
-                held += max(0, min(off + k, last) - max(off, first))
-                owned += k if owner[spec.name] == shard_rank else 0
-        out.add(shard_group, "all_to_all", held * wire)
-        out.add(shard_group, "all_to_all", owned * wire)
+        # out: the shard's pieces to their owners; back: the owned matrices' pieces to theirs
+        plan = ExchangePlan(layout, group, owner, n, shard_rank)
+        for way in (plan.out, plan.into):
+            out.add(shard_group, "all_to_all", sum(hi - lo for p in way for _, lo, hi in p) * wire)
     for _, matrices in layout:
         for _, k, s in matrices:
             if L.tp > 1 and s.tp_dim is not None and owner.get(s.name, shard_rank) == shard_rank:
