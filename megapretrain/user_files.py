@@ -6,6 +6,7 @@ config's schema, only of files, and raise :class:`~megapretrain.errors.ConfigErr
 from __future__ import annotations
 
 import codecs
+import errno
 import os
 import re
 import tempfile
@@ -78,15 +79,18 @@ def read_text(path: str) -> str:
 
 
 def not_writable_dir(path: str) -> str | None:
-    """Why ``path`` cannot be a directory this process writes into, or None. Tried for real (the
-    missing directories made, a file created in it, both removed again): permission bits say
-    nothing for root, nor about a read-only mount or a full inode table."""
+    """Why ``path`` cannot be a directory this process writes into, or None. Tried for real (a
+    file created in the nearest directory of it that exists, and removed; the missing
+    directories' names checked against the file system's limit): permission bits say nothing for
+    root, nor about a read-only mount or a full inode table. No directory is made: probes of
+    several processes at once (ranks, dry runs started together) cannot remove one another's
+    parent or leave one behind."""
     if not str(path).strip():
         return "an empty path; give the directory to write into, e.g. runs/NAME"
     for tries_left in reversed(range(8)):
         try:
             return _probe(os.path.abspath(path))
-        except FileNotFoundError as exc:  # another process's probe removed a parent we had found
+        except FileNotFoundError as exc:  # the directory found went before the file was made
             if not tries_left:
                 return f"cannot be written ({exc.strerror}); choose a writable path"
 
@@ -99,27 +103,23 @@ def _probe(path: str) -> str | None:
     if not os.path.isdir(here):
         what = "is a file" if here == path else f"cannot be made: {here} is a file"
         return f"{what}, not a directory; choose another path"
-    made = []  # other ranks may probe the same path at once: what they make or remove is theirs
     try:
-        for part in _missing_parts(path, here):
-            try:
-                os.mkdir(part)
-                made.append(part)
-            except FileExistsError:
-                pass
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        longest = os.pathconf(here, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    for part in _missing_parts(path, here):
+        if len(os.fsencode(os.path.basename(part))) > longest:
+            return (f"cannot be made ({os.strerror(errno.ENAMETOOLONG)}: "
+                    f"{os.path.basename(part)[:20]}... is over {longest} bytes); choose a "
+                    "shorter path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=here)
         os.close(fd)
         os.remove(probe)
     except FileNotFoundError:
         raise
     except OSError as exc:
         return f"cannot be written ({exc.strerror}); choose a writable path"
-    finally:
-        for part in reversed(made):
-            try:
-                os.rmdir(part)
-            except OSError:  # another rank's probe or run is inside it now
-                break
     return None
 
 
